@@ -1,0 +1,258 @@
+"""Offline assets built from code: a Stable Diffusion pipeline with random weights and a small image set.
+
+Nothing can be downloaded in tests, so these stand in for the Hub model and the dicoo images:
+
+* ``tiny``: a pipeline small enough to train in seconds, with the same structure as SD 1.x (4-level VAE with
+  scale factor 8, cross-attention UNet, CLIP text encoder) and a tokenizer that knows the recipe's
+  initializer word ``toy`` as one token.
+* ``sd15``: the full SD 1.5 architecture (UNet ~860M parameters, 49,408-token vocabulary, VAE, CLIP-L text
+  encoder) with random weights: the same FLOPs and memory as the real model, for realistic benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from xeonsd.fsutil import atomic_dir
+
+log = logging.getLogger(__name__)
+
+# Words the tiny tokenizer knows as single tokens: the training templates, the recipe's prompts and
+# initializer ("toy"), and a few common words for tests.
+_WORDS = (
+    "toy a an the of photo rendering cropped clean dark bright good close-up rendition nice small weird "
+    "large cool painting picture in style by artwork yellow robot at beach high quality dog cat red blue "
+    "green on with and , . drawing image object thing"
+).split()
+
+_BOS, _EOS = "<|startoftext|>", "<|endoftext|>"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The byte-to-printable-character table of GPT-2/CLIP byte-level BPE."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs), strict=True))
+
+
+def build_clip_vocab(words: list[str], vocab_size: int | None = None) -> tuple[dict[str, int], list[str]]:
+    """A CLIP-style byte-level BPE vocabulary in which every word of ``words`` is one token.
+
+    ``toy`` gets the first merges, so it is always a single token whatever else is in the vocabulary.
+    With ``vocab_size`` the vocabulary is padded with unreachable filler tokens up to that size (the real
+    CLIP vocabulary has 49,408 entries; what matters for a benchmark is the size of the embedding matrix).
+    """
+    chars = list(_bytes_to_unicode().values())
+    tokens = chars + [c + "</w>" for c in chars]
+    merges: list[str] = []
+    seen = set(tokens)
+    ordered = ["toy"] + [w for w in words if w != "toy"]
+    for word in ordered:
+        pieces = list(word[:-1]) + [word[-1] + "</w>"]
+        current = pieces[0]
+        for piece in pieces[1:]:
+            merged = current + piece
+            if merged not in seen:
+                merges.append(f"{current} {piece}")
+                tokens.append(merged)
+                seen.add(merged)
+            current = merged
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if vocab_size is not None:
+        filler = 0
+        while len(vocab) < vocab_size - 2:
+            vocab[f"<|filler{filler}|></w>"] = len(vocab)
+            filler += 1
+    vocab[_BOS] = len(vocab)
+    vocab[_EOS] = len(vocab)
+    return vocab, merges
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Dimensions of a generated pipeline."""
+
+    unet_channels: tuple[int, ...]
+    unet_layers: int
+    unet_heads: int | tuple[int, ...]
+    unet_down: tuple[str, ...]
+    unet_up: tuple[str, ...]
+    sample_size: int
+    vae_channels: tuple[int, ...]
+    vae_layers: int
+    text_hidden: int
+    text_layers: int
+    text_heads: int
+    text_intermediate: int
+    vocab_size: int | None
+    norm_groups: int
+
+
+ARCHS: dict[str, Arch] = {
+    "tiny": Arch(
+        unet_channels=(32, 64),
+        unet_layers=1,
+        unet_heads=2,
+        unet_down=("CrossAttnDownBlock2D", "DownBlock2D"),
+        unet_up=("UpBlock2D", "CrossAttnUpBlock2D"),
+        sample_size=8,
+        vae_channels=(8, 8, 16, 16),
+        vae_layers=1,
+        text_hidden=32,
+        text_layers=2,
+        text_heads=4,
+        text_intermediate=64,
+        vocab_size=None,
+        norm_groups=8,
+    ),
+    "sd15": Arch(
+        unet_channels=(320, 640, 1280, 1280),
+        unet_layers=2,
+        unet_heads=8,
+        unet_down=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+        unet_up=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        sample_size=64,
+        vae_channels=(128, 256, 512, 512),
+        vae_layers=2,
+        text_hidden=768,
+        text_layers=12,
+        text_heads=12,
+        text_intermediate=3072,
+        vocab_size=49408,
+        norm_groups=32,
+    ),
+}
+
+
+def make_tiny_model(out: Path, arch: str = "tiny", seed: int = 0) -> Path:
+    """Write a random-weight ``StableDiffusionPipeline`` directory of the given architecture to ``out``."""
+    import torch
+    from diffusers import AutoencoderKL, DDPMScheduler, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown --arch {arch!r}; choose one of {sorted(ARCHS)}")
+    a = ARCHS[arch]
+    out = Path(out)
+    torch.manual_seed(seed)
+
+    unet = UNet2DConditionModel(
+        sample_size=a.sample_size,
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=a.unet_channels,
+        layers_per_block=a.unet_layers,
+        down_block_types=a.unet_down,
+        up_block_types=a.unet_up,
+        cross_attention_dim=a.text_hidden,
+        attention_head_dim=a.unet_heads,
+        norm_num_groups=a.norm_groups,
+    )
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * len(a.vae_channels),
+        up_block_types=("UpDecoderBlock2D",) * len(a.vae_channels),
+        block_out_channels=a.vae_channels,
+        layers_per_block=a.vae_layers,
+        latent_channels=4,
+        norm_num_groups=a.norm_groups,
+        sample_size=a.sample_size * 8,
+        scaling_factor=0.18215,
+    )
+    words = list(_WORDS)
+    vocab, merges = build_clip_vocab(words, a.vocab_size)
+    text_config = CLIPTextConfig(
+        vocab_size=len(vocab),
+        hidden_size=a.text_hidden,
+        intermediate_size=a.text_intermediate,
+        num_hidden_layers=a.text_layers,
+        num_attention_heads=a.text_heads,
+        max_position_embeddings=77,
+        hidden_act="quick_gelu",
+        projection_dim=a.text_hidden,
+        bos_token_id=vocab[_BOS],
+        eos_token_id=vocab[_EOS],
+        pad_token_id=vocab[_EOS],
+    )
+    text_encoder = CLIPTextModel(text_config)
+    sched_kwargs = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear"}
+    scheduler = PNDMScheduler(**sched_kwargs, skip_prk_steps=True, steps_offset=1)
+    # The training scheduler reads the same config; make sure it is a valid DDPM config too.
+    DDPMScheduler.from_config(scheduler.config)
+
+    with atomic_dir(out) as tmp:
+        tok_dir = tmp / "_tok_src"
+        tok_dir.mkdir()
+        (tok_dir / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+        (tok_dir / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+        tokenizer = CLIPTokenizer(
+            str(tok_dir / "vocab.json"),
+            str(tok_dir / "merges.txt"),
+            model_max_length=77,
+            pad_token=_EOS,
+        )
+        pipe = StableDiffusionPipeline(
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            unet=unet,
+            scheduler=scheduler,
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        shutil.rmtree(tok_dir)
+    n_unet = sum(p.numel() for p in unet.parameters())
+    log.info("wrote %s pipeline to %s (UNet %.1fM parameters, vocab %d)", arch, out, n_unet / 1e6, len(vocab))
+    return out
+
+
+def make_dataset(out: Path, count: int = 5, size: int = 128, seed: int = 0) -> list[Path]:
+    """Write ``count`` synthetic pictures of one small object (a yellow toy robot) in different poses."""
+    if count < 1:
+        raise ValueError("make-dataset needs --count >= 1")
+    rng = np.random.default_rng(seed)
+    out = Path(out)
+    paths = []
+    with atomic_dir(out) as tmp:
+        for i in range(count):
+            bg = tuple(int(v) for v in rng.integers(40, 200, size=3))
+            img = Image.new("RGB", (size, size), bg)
+            d = ImageDraw.Draw(img)
+            s = size / 128
+            cx = size / 2 + rng.uniform(-12, 12) * s
+            cy = size / 2 + rng.uniform(-8, 8) * s
+            angle = rng.uniform(-0.4, 0.4)
+            w, h = 44 * s, 50 * s
+            body = [
+                (cx + dx * math.cos(angle) - dy * math.sin(angle), cy + dx * math.sin(angle) + dy * math.cos(angle))
+                for dx, dy in ((-w / 2, -h / 2), (w / 2, -h / 2), (w / 2, h / 2), (-w / 2, h / 2))
+            ]
+            d.polygon(body, fill=(235, 200, 40), outline=(40, 40, 40))
+            head_r = 14 * s
+            hx, hy = cx + math.sin(angle) * h * 0.8, cy - math.cos(angle) * h * 0.8
+            d.ellipse([hx - head_r, hy - head_r, hx + head_r, hy + head_r], fill=(245, 215, 60), outline=(40, 40, 40))
+            for ex in (-5, 5):
+                d.ellipse([hx + ex * s - 2 * s, hy - 2 * s, hx + ex * s + 2 * s, hy + 2 * s], fill=(20, 20, 20))
+            name = f"dicoo_{i:02d}.png"
+            img.save(tmp / name)
+            paths.append(out / name)
+    log.info("wrote %d images to %s", count, out)
+    return paths

@@ -1,0 +1,87 @@
+"""Crash-safe output: everything is written under a temporary name and renamed into place at the end."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+class OutputExistsError(FileExistsError):
+    """The output path is already taken by something we must not overwrite."""
+
+
+def _check_writable_parent(path: Path) -> None:
+    parent = path.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(parent, os.W_OK):
+        raise PermissionError(f"cannot write to {parent}: directory is not writable")
+
+
+@contextlib.contextmanager
+def atomic_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory beside ``out``; rename it to ``out`` when the block succeeds.
+
+    On error the temporary directory is removed and ``out`` is untouched. An existing non-empty ``out`` is
+    refused unless ``overwrite`` is set, in which case it is replaced only after the new one is complete.
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise OutputExistsError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise OutputExistsError(f"{out} already exists and is not empty; remove it or choose another path")
+    _check_writable_parent(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.rename(out, old)
+    os.rename(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str = "wb") -> Iterator:
+    """Open a temporary file beside ``path`` for writing; ``os.replace`` it onto ``path`` on success."""
+    path = Path(path)
+    _check_writable_parent(path)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name)
+        raise
+
+
+def atomic_path(path: Path) -> contextlib.AbstractContextManager[Path]:
+    """Yield a temporary path beside ``path`` for a writer that takes a file name (e.g. safetensors, PIL)."""
+
+    @contextlib.contextmanager
+    def _cm() -> Iterator[Path]:
+        p = Path(path)
+        _check_writable_parent(p)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{p.name}.tmp-", suffix=p.suffix, dir=p.parent)
+        os.close(fd)
+        try:
+            yield Path(tmp_name)
+            os.replace(tmp_name, p)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp_name)
+            raise
+
+    return _cm()
