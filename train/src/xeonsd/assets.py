@@ -27,11 +27,53 @@ log = logging.getLogger(__name__)
 
 # Words the tiny tokenizer knows as single tokens: the training templates, the recipe's prompts and
 # initializer ("toy"), and a few common words for tests.
-_WORDS = (
-    "toy a an the of photo rendering cropped clean dark bright good close-up rendition nice small weird "
-    "large cool painting picture in style by artwork yellow robot at beach high quality dog cat red blue "
-    "green on with and , . drawing image object thing"
-).split()
+_WORDS = [
+    "toy",
+    "a",
+    "an",
+    "the",
+    "of",
+    "photo",
+    "rendering",
+    "cropped",
+    "clean",
+    "dark",
+    "bright",
+    "good",
+    "close-up",
+    "rendition",
+    "nice",
+    "small",
+    "weird",
+    "large",
+    "cool",
+    "painting",
+    "picture",
+    "in",
+    "style",
+    "by",
+    "artwork",
+    "yellow",
+    "robot",
+    "at",
+    "beach",
+    "high",
+    "quality",
+    "dog",
+    "cat",
+    "red",
+    "blue",
+    "green",
+    "on",
+    "with",
+    "and",
+    ",",
+    ".",
+    "drawing",
+    "image",
+    "object",
+    "thing",
+]
 
 _BOS, _EOS = "<|startoftext|>", "<|endoftext|>"
 
@@ -142,7 +184,13 @@ ARCHS: dict[str, Arch] = {
 def make_tiny_model(out: Path, arch: str = "tiny", seed: int = 0) -> Path:
     """Write a random-weight ``StableDiffusionPipeline`` directory of the given architecture to ``out``."""
     import torch
-    from diffusers import AutoencoderKL, DDPMScheduler, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from diffusers import (
+        AutoencoderKL,
+        DDPMScheduler,
+        PNDMScheduler,
+        StableDiffusionPipeline,
+        UNet2DConditionModel,
+    )
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
     if arch not in ARCHS:
@@ -242,13 +290,20 @@ def make_dataset(out: Path, count: int = 5, size: int = 128, seed: int = 0) -> l
             angle = rng.uniform(-0.4, 0.4)
             w, h = 44 * s, 50 * s
             body = [
-                (cx + dx * math.cos(angle) - dy * math.sin(angle), cy + dx * math.sin(angle) + dy * math.cos(angle))
+                (
+                    cx + dx * math.cos(angle) - dy * math.sin(angle),
+                    cy + dx * math.sin(angle) + dy * math.cos(angle),
+                )
                 for dx, dy in ((-w / 2, -h / 2), (w / 2, -h / 2), (w / 2, h / 2), (-w / 2, h / 2))
             ]
             d.polygon(body, fill=(235, 200, 40), outline=(40, 40, 40))
             head_r = 14 * s
             hx, hy = cx + math.sin(angle) * h * 0.8, cy - math.cos(angle) * h * 0.8
-            d.ellipse([hx - head_r, hy - head_r, hx + head_r, hy + head_r], fill=(245, 215, 60), outline=(40, 40, 40))
+            d.ellipse(
+                [hx - head_r, hy - head_r, hx + head_r, hy + head_r],
+                fill=(245, 215, 60),
+                outline=(40, 40, 40),
+            )
             for ex in (-5, 5):
                 d.ellipse([hx + ex * s - 2 * s, hy - 2 * s, hx + ex * s + 2 * s, hy + 2 * s], fill=(20, 20, 20))
             name = f"dicoo_{i:02d}.png"

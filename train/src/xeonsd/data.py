@@ -1,0 +1,198 @@
+"""Training data: the concept's images, prompt templates, and a rank-independent sampling plan.
+
+Every random choice of an example (which image, flip, template, timestep, noise, latent sample) is a function
+of the seed and the example's *global* index, never of the rank that processes it. So N ranks x batch B and one
+rank x batch N*B draw the same examples, and a resumed run continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+log = logging.getLogger(__name__)
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
+
+OBJECT_TEMPLATES = (
+    "a photo of a {}",
+    "a rendering of a {}",
+    "a cropped photo of the {}",
+    "the photo of a {}",
+    "a photo of a clean {}",
+    "a photo of a dirty {}",
+    "a dark photo of the {}",
+    "a photo of my {}",
+    "a photo of the cool {}",
+    "a close-up photo of a {}",
+    "a bright photo of the {}",
+    "a cropped photo of a {}",
+    "a photo of the {}",
+    "a good photo of the {}",
+    "a photo of one {}",
+    "a close-up photo of the {}",
+    "a rendition of the {}",
+    "a photo of the clean {}",
+    "a rendition of a {}",
+    "a photo of a nice {}",
+    "a good photo of a {}",
+    "a photo of the nice {}",
+    "a photo of the small {}",
+    "a photo of the weird {}",
+    "a photo of the large {}",
+    "a photo of a cool {}",
+    "a photo of a small {}",
+)
+
+STYLE_TEMPLATES = (
+    "a painting in the style of {}",
+    "a rendering in the style of {}",
+    "a cropped painting in the style of {}",
+    "the painting in the style of {}",
+    "a clean painting in the style of {}",
+    "a dirty painting in the style of {}",
+    "a dark painting in the style of {}",
+    "a picture in the style of {}",
+    "a cool painting in the style of {}",
+    "a close-up painting in the style of {}",
+    "a bright painting in the style of {}",
+    "a good painting in the style of {}",
+    "a close-up painting in the style of {}",
+    "a rendition in the style of {}",
+    "a nice painting in the style of {}",
+    "a small painting in the style of {}",
+    "a weird painting in the style of {}",
+    "a large painting in the style of {}",
+)
+
+
+def templates_for(learnable_property: str) -> tuple[str, ...]:
+    return STYLE_TEMPLATES if learnable_property == "style" else OBJECT_TEMPLATES
+
+
+class DataError(ValueError):
+    """The training data directory is missing, empty or holds an unreadable image."""
+
+
+def find_images(data_dir: Path) -> list[Path]:
+    """The image files of ``data_dir``, sorted; every one is checked to decode. Names the first bad file."""
+    data_dir = Path(data_dir)
+    if not data_dir.exists():
+        raise DataError(f"--train_data_dir {data_dir} does not exist")
+    if not data_dir.is_dir():
+        raise DataError(f"--train_data_dir {data_dir} is not a directory")
+    files = sorted(p for p in data_dir.iterdir() if p.is_file() and not p.name.startswith("."))
+    images = [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES]
+    skipped = [p.name for p in files if p.suffix.lower() not in IMAGE_SUFFIXES]
+    if skipped:
+        log.warning("ignoring %d non-image file(s) in %s: %s", len(skipped), data_dir, ", ".join(skipped[:5]))
+    if not images:
+        raise DataError(f"--train_data_dir {data_dir} holds no images (looked for {', '.join(sorted(IMAGE_SUFFIXES))})")
+    for p in images:
+        try:
+            with Image.open(p) as im:
+                im.verify()
+            with Image.open(p) as im:
+                im.load()
+        except (OSError, UnidentifiedImageError, SyntaxError) as exc:
+            raise DataError(f"cannot read training image {p}: {exc}") from exc
+    return images
+
+
+def load_pixels(path: Path, resolution: int, center_crop: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """An image as a [3, R, R] tensor in [-1, 1], and its horizontal mirror (as the recipe prepares it)."""
+    with Image.open(path) as im:
+        img = np.array(im.convert("RGB")).astype(np.uint8)
+    if center_crop:
+        h, w = img.shape[:2]
+        side = min(h, w)
+        top, left = (h - side) // 2, (w - side) // 2
+        img = img[top : top + side, left : left + side]
+    pil = Image.fromarray(img).resize((resolution, resolution), resample=Image.Resampling.BICUBIC)
+    flipped = pil.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+
+    def to_tensor(p: Image.Image) -> torch.Tensor:
+        arr = np.asarray(p, dtype=np.float32) / 127.5 - 1.0
+        return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
+
+    return to_tensor(pil), to_tensor(flipped)
+
+
+def load_all_pixels(paths: list[Path], resolution: int, center_crop: bool, workers: int) -> torch.Tensor:
+    """All distinct training inputs as [2 * len(paths), 3, R, R]: input ``2*i`` is image i, ``2*i+1`` its mirror."""
+
+    def one(p: Path) -> tuple[torch.Tensor, torch.Tensor]:
+        return load_pixels(p, resolution, center_crop)
+
+    if workers > 0:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            pairs = list(pool.map(one, paths))
+    else:
+        pairs = [one(p) for p in paths]
+    return torch.stack([t for pair in pairs for t in pair])
+
+
+def _mix(*parts: int) -> int:
+    """A 63-bit seed from integers (splitmix64-style), so nearby indices give unrelated streams."""
+    x = 0x9E3779B97F4A7C15
+    for p in parts:
+        x = (x ^ (p & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 31
+    return x & 0x7FFFFFFFFFFFFFFF
+
+
+def generator(*parts: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(_mix(*parts))
+    return g
+
+
+@dataclass(frozen=True)
+class Example:
+    """All random choices for one training example."""
+
+    index: int  # global example index
+    input_id: int  # row of the pixel / latent table: 2 * image + flipped
+    template: int
+    timestep: int
+    noise: torch.Tensor  # [4, h, w]
+    latent_eps: torch.Tensor  # [4, h, w], the standard-normal draw that samples the latent distribution
+
+
+@dataclass(frozen=True)
+class SamplingPlan:
+    seed: int
+    num_images: int
+    num_templates: int
+    num_timesteps: int
+    latent_shape: tuple[int, int, int]
+    flip_p: float = 0.5
+
+    def image_for(self, k: int) -> int:
+        """Images are visited in a fresh shuffled order every pass over the data (sampling without replacement)."""
+        epoch, pos = divmod(k, self.num_images)
+        perm = torch.randperm(self.num_images, generator=generator(self.seed, 1, epoch))
+        return int(perm[pos])
+
+    def example(self, k: int) -> Example:
+        g = generator(self.seed, 2, k)
+        flip = bool(torch.rand((), generator=g) < self.flip_p)
+        template = int(torch.randint(self.num_templates, (), generator=g))
+        timestep = int(torch.randint(self.num_timesteps, (), generator=g))
+        noise = torch.randn(self.latent_shape, generator=g)
+        eps = torch.randn(self.latent_shape, generator=g)
+        return Example(k, 2 * self.image_for(k) + int(flip), template, timestep, noise, eps)
+
+    def batch(
+        self, step: int, micro: int, accumulation: int, world_size: int, rank: int, batch_size: int
+    ) -> list[Example]:
+        """This rank's share of optimizer step ``step``, micro-step ``micro``."""
+        global_batch = world_size * batch_size
+        first = (step * accumulation + micro) * global_batch + rank * batch_size
+        return [self.example(first + i) for i in range(batch_size)]

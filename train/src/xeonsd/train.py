@@ -1,0 +1,430 @@
+"""``xeonsd train``: textual inversion on CPUs, data-parallel over MPI ranks.
+
+setup (ranks, cores, models) → data (latent cache) → step (UNet in bf16, only the concept's vectors learn)
+→ log → checkpoint → save. Rank 0 writes every file; every rank logs with its rank in the prefix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from xeonsd import checkpoint as ckpt
+from xeonsd.config import TrainConfig, parse_config
+from xeonsd.data import DataError, SamplingPlan, find_images, load_all_pixels, templates_for
+from xeonsd.distributed import (
+    DistributedError,
+    RankInfo,
+    all_reduce_mean_,
+    barrier,
+    destroy_process_group,
+    detect_ranks,
+    init_process_group,
+    place_rank,
+)
+from xeonsd.embeddings import ConceptError, PlaceholderEmbedding, add_concept, save_learned_embeds
+from xeonsd.fsutil import atomic_dir
+from xeonsd.latents import build_latent_cache, encode_distribution, sample_latents
+from xeonsd.metrics import MetricsLog, plot_loss
+
+log = logging.getLogger("xeonsd.train")
+
+EMBEDS_FILE = "learned_embeds.safetensors"
+
+
+class ConfigError(ValueError):
+    """A flag value that cannot work; raised before any model is loaded."""
+
+
+def validate(cfg: TrainConfig, info: RankInfo) -> Path | None:
+    """Check everything that can be checked cheaply; returns the checkpoint to resume from, if any."""
+    if cfg.mixed_precision == "fp16":
+        raise ConfigError(
+            "--mixed_precision fp16 is not supported on CPU (no fp16 autocast/AMX path for training); "
+            "use --mixed_precision bf16 (AMX) or no"
+        )
+    if cfg.resolution <= 0 or cfg.resolution % 8:
+        raise ConfigError(
+            f"--resolution must be a positive multiple of 8 (the VAE downsamples by 8), got {cfg.resolution}"
+        )
+    for name in ("train_batch_size", "gradient_accumulation_steps", "max_train_steps", "num_vectors"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.learning_rate <= 0:
+        raise ConfigError(f"--learning_rate must be positive, got {cfg.learning_rate}")
+    if cfg.world_size is not None and cfg.world_size != info.world_size:
+        raise ConfigError(
+            f"--world_size {cfg.world_size} does not match the launcher ({info.launcher}), which reports "
+            f"{info.world_size} rank(s) for rank {info.rank}; check mpirun -n / the nodefile"
+        )
+    find_images(Path(cfg.train_data_dir))
+    model = cfg.pretrained_model_name_or_path
+    looks_local = model.startswith((".", "/", "~")) or os.sep in model and Path(model).exists()
+    if looks_local and not (Path(model).expanduser() / "model_index.json").is_file():
+        raise ConfigError(
+            f"--pretrained_model_name_or_path {model}: not a diffusers pipeline directory (no model_index.json)"
+        )
+    resume = None
+    if cfg.resume_from_checkpoint:
+        resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, cfg.output_path)
+    return resume
+
+
+@dataclass
+class Models:
+    tokenizer: object
+    text_encoder: torch.nn.Module
+    vae: torch.nn.Module
+    unet: torch.nn.Module
+    noise_scheduler: object
+    weight_dtype: torch.dtype
+    ipex: bool
+
+
+def load_models(cfg: TrainConfig) -> Models:
+    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    src = cfg.pretrained_model_name_or_path
+    kw = {"revision": cfg.revision}
+    tokenizer = CLIPTokenizer.from_pretrained(src, subfolder="tokenizer", **kw)
+    noise_scheduler = DDPMScheduler.from_pretrained(src, subfolder="scheduler", **kw)
+    weight_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
+    text_encoder = CLIPTextModel.from_pretrained(src, subfolder="text_encoder", variant=cfg.variant, **kw)
+    vae = AutoencoderKL.from_pretrained(src, subfolder="vae", variant=cfg.variant, torch_dtype=weight_dtype, **kw)
+    unet = UNet2DConditionModel.from_pretrained(
+        src, subfolder="unet", variant=cfg.variant, torch_dtype=weight_dtype, **kw
+    )
+    for m in (text_encoder, vae, unet):
+        m.requires_grad_(False)
+        m.eval()
+    text_encoder.float()
+    if cfg.channels_last:
+        unet.to(memory_format=torch.channels_last)
+    ipex = False
+    if cfg.use_ipex != "off":
+        try:
+            import intel_extension_for_pytorch as ipex_mod  # type: ignore[import-not-found]
+        except ImportError:
+            if cfg.use_ipex == "on":
+                raise ConfigError("--use_ipex on, but intel_extension_for_pytorch does not import") from None
+        else:
+            unet = ipex_mod.optimize(unet, dtype=weight_dtype, inplace=True)
+            vae = ipex_mod.optimize(vae, dtype=weight_dtype, inplace=True)
+            ipex = True
+    if cfg.compile:
+        unet = torch.compile(unet)
+    return Models(tokenizer, text_encoder, vae, unet, noise_scheduler, weight_dtype, ipex)
+
+
+def _autocast(dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    if dtype == torch.bfloat16:
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int, world: int) -> None:
+        super().__init__()
+        self.prefix = f"[rank {rank}/{world}]"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rankprefix = self.prefix
+        return True
+
+
+def _setup_logging(info: RankInfo) -> None:
+    root = logging.getLogger()
+    for h in root.handlers:
+        h.addFilter(_RankFilter(info.rank, info.world_size))
+        h.setFormatter(logging.Formatter("%(asctime)s %(rankprefix)s %(levelname)s %(name)s: %(message)s"))
+    # Library chatter (loading bars, warnings about unused processors) only from rank 0.
+    if not info.is_main:
+        for name in ("diffusers", "transformers"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _shared_seed(cfg: TrainConfig, info: RankInfo, resume_state: dict | None) -> int:
+    if resume_state is not None:
+        return int(resume_state["seed"])
+    if cfg.seed is not None:
+        return cfg.seed
+    chosen = torch.tensor([secrets.randbelow(2**31) if info.is_main else 0], dtype=torch.int64)
+    if info.world_size > 1:
+        torch.distributed.broadcast(chosen, src=0)
+    return int(chosen.item())
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Train; returns a summary dict. Raises ConfigError/DataError/ConceptError/CheckpointError on bad input."""
+    info = detect_ranks()
+    _setup_logging(info)
+    resume_path = validate(cfg, info)
+    placement = place_rank(info)
+    backend = init_process_group(info)
+    try:
+        return _train(cfg, info, placement.threads, placement.cpus, backend, resume_path)
+    finally:
+        destroy_process_group()
+
+
+def _train(cfg, info: RankInfo, threads: int, cpus, backend, resume_path) -> dict:  # noqa: C901 - one readable loop
+    out = cfg.output_path
+    world = info.world_size
+    # ---- setup -------------------------------------------------------------------------------------------------
+    models = load_models(cfg)
+    tokenizer, text_encoder, vae, unet = models.tokenizer, models.text_encoder, models.vae, models.unet
+    log.info(
+        "launcher=%s backend=%s threads=%d cores=%s dtype=%s ipex=%s local_rank=%d/%d",
+        info.launcher, backend or "none (single process)", threads, ",".join(map(str, cpus)),
+        str(models.weight_dtype).replace("torch.", ""), "on" if models.ipex else "off",
+        info.local_rank, info.local_world_size,
+    )  # fmt: skip
+    concept = add_concept(tokenizer, text_encoder, cfg.placeholder_token, cfg.initializer_token, cfg.num_vectors)
+    base_embedding = text_encoder.get_input_embeddings()
+    if cfg.train_full_embedding_matrix:
+        trainable = base_embedding.weight
+        trainable.requires_grad_(True)
+        frozen_rows = base_embedding.weight.detach().clone()
+        keep_mask = torch.ones(trainable.shape[0], dtype=torch.bool)
+        keep_mask[concept.ids] = False
+    else:
+        placeholder_module = PlaceholderEmbedding(base_embedding, concept.ids[0], cfg.num_vectors)
+        text_encoder.set_input_embeddings(placeholder_module)
+        trainable = placeholder_module.vectors
+
+    resume_state = ckpt.load_checkpoint(resume_path) if resume_path else None
+    seed = _shared_seed(cfg, info, resume_state)
+    global_batch = world * cfg.train_batch_size
+    lr = cfg.learning_rate
+    if cfg.scale_lr:
+        lr = lr * cfg.gradient_accumulation_steps * cfg.train_batch_size * world
+    optimizer = torch.optim.AdamW(
+        [trainable], lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+        weight_decay=cfg.adam_weight_decay, eps=cfg.adam_epsilon,
+    )  # fmt: skip
+    from diffusers.optimization import get_scheduler
+
+    lr_scheduler = get_scheduler(
+        cfg.lr_scheduler, optimizer=optimizer,
+        num_warmup_steps=cfg.lr_warmup_steps, num_training_steps=cfg.max_train_steps,
+    )  # fmt: skip
+    start_step = 0
+    if resume_state is not None:
+        state = resume_state
+        if state["placeholder_tokens"] != concept.tokens:
+            raise ckpt.CheckpointError(
+                f"checkpoint {resume_path} was trained for {state['placeholder_tokens']}, not {concept.tokens}"
+            )
+        with torch.no_grad():
+            if cfg.train_full_embedding_matrix:
+                trainable[concept.ids] = state["vectors"].to(trainable.dtype)
+            else:
+                trainable.copy_(state["vectors"])
+        optimizer.load_state_dict(state["optimizer"])
+        lr_scheduler.load_state_dict(state["lr_scheduler"])
+        start_step = int(state["step"])
+        if state.get("global_batch") != global_batch:
+            log.warning("resuming with global batch %d (checkpoint used %s)", global_batch, state.get("global_batch"))
+        log.info("resumed from %s at step %d", resume_path, start_step)
+
+    # ---- data --------------------------------------------------------------------------------------------------
+    images = find_images(Path(cfg.train_data_dir))
+    pixels = load_all_pixels(images, cfg.resolution, cfg.center_crop, cfg.dataloader_num_workers)
+    vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
+    latent_shape = (vae.config.latent_channels, cfg.resolution // vae_scale, cfg.resolution // vae_scale)
+    scaling = vae.config.scaling_factor
+    templates = templates_for(cfg.learnable_property)
+    prompt_ids = tokenizer(
+        [t.format(concept.prompt_text) for t in templates],
+        padding="max_length", truncation=True, max_length=tokenizer.model_max_length, return_tensors="pt",
+    ).input_ids  # fmt: skip
+    plan = SamplingPlan(
+        seed=seed, num_images=len(images), num_templates=len(templates),
+        num_timesteps=models.noise_scheduler.config.num_train_timesteps, latent_shape=latent_shape,
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    if cfg.latent_cache:
+        lat_mean, lat_std = build_latent_cache(vae, pixels, models.weight_dtype, latent_shape, info.rank, world)
+        log.info("cached latents of %d inputs in %.1f s", pixels.shape[0], time.perf_counter() - t0)
+    prediction_type = models.noise_scheduler.config.prediction_type
+
+    def step_loss(examples) -> torch.Tensor:
+        ids = torch.stack([prompt_ids[e.template] for e in examples])
+        eps = torch.stack([e.latent_eps for e in examples])
+        rows = [e.input_id for e in examples]
+        if cfg.latent_cache:
+            mean, std = lat_mean[rows], lat_std[rows]
+        else:
+            mean, std = encode_distribution(vae, pixels[rows], models.weight_dtype)
+        latents = sample_latents(mean, std, eps, scaling)
+        noise = torch.stack([e.noise for e in examples])
+        timesteps = torch.tensor([e.timestep for e in examples], dtype=torch.long)
+        noisy = models.noise_scheduler.add_noise(latents, noise, timesteps)
+        with _autocast(models.weight_dtype):
+            hidden = text_encoder(ids)[0]
+        model_in = noisy.to(models.weight_dtype)
+        if cfg.channels_last:
+            model_in = model_in.contiguous(memory_format=torch.channels_last)
+        pred = unet(model_in, timesteps, hidden.to(models.weight_dtype)).sample
+        if prediction_type == "epsilon":
+            target = noise
+        elif prediction_type == "v_prediction":
+            target = models.noise_scheduler.get_velocity(latents, noise, timesteps)
+        else:
+            raise ConfigError(f"unsupported prediction type {prediction_type!r} in the model's scheduler")
+        return F.mse_loss(pred.float(), target.float(), reduction="mean")
+
+    # ---- loop --------------------------------------------------------------------------------------------------
+    metrics = MetricsLog(out, resume_step=start_step) if info.is_main else None
+    allreduce_numel = trainable.numel() + 1
+    progress = None
+    if info.is_main:
+        from tqdm.auto import tqdm
+
+        progress = tqdm(total=cfg.max_train_steps, initial=start_step, desc="textual inversion", dynamic_ncols=True,
+                        disable=None)  # fmt: skip
+    step_times: list[float] = []
+    for step in range(start_step, cfg.max_train_steps):
+        t_step = time.perf_counter()
+        loss_sum = 0.0
+        for micro in range(cfg.gradient_accumulation_steps):
+            examples = plan.batch(step, micro, cfg.gradient_accumulation_steps, world, info.rank, cfg.train_batch_size)
+            loss = step_loss(examples) / cfg.gradient_accumulation_steps
+            loss.backward()
+            loss_sum += float(loss.detach())
+        # One all-reduce per step carries the gradient and the loss: num_vectors x hidden + 1 floats.
+        grad = trainable.grad
+        packed = torch.cat([grad.reshape(-1).float(), torch.tensor([loss_sum])])
+        all_reduce_mean_(packed, world)
+        grad.copy_(packed[:-1].view_as(grad))
+        mean_loss = float(packed[-1])
+        optimizer.step()
+        lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cfg.train_full_embedding_matrix:
+            with torch.no_grad():  # the recipe's way: undo the update on every row but the placeholders
+                trainable[keep_mask] = frozen_rows[keep_mask]
+        dt = time.perf_counter() - t_step
+        step_times.append(dt)
+        done = step + 1
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(loss=f"{mean_loss:.4f}", s_per_step=f"{dt:.2f}")
+        if metrics is not None and (done % cfg.log_every == 0 or done == cfg.max_train_steps):
+            metrics.append({
+                "step": done, "loss": mean_loss, "lr": lr_scheduler.get_last_lr()[0], "s_per_step": dt,
+                "images_per_s": global_batch * cfg.gradient_accumulation_steps / dt, "ranks": world,
+                "backend": backend or "none", "allreduce_bytes": allreduce_numel * 4, "time": time.time(),
+            })  # fmt: skip
+        vectors = trainable[concept.ids] if cfg.train_full_embedding_matrix else trainable
+        if info.is_main and cfg.save_steps and done % cfg.save_steps == 0:
+            save_learned_embeds(out / f"learned_embeds-steps-{done}.safetensors", cfg.placeholder_token, vectors)
+        if (
+            info.is_main
+            and cfg.checkpointing_steps
+            and done % cfg.checkpointing_steps == 0
+            and done < cfg.max_train_steps
+        ):
+            ckpt.save_checkpoint(out, done, {
+                "step": done, "seed": seed, "vectors": vectors.detach().clone(), "placeholder_tokens": concept.tokens,
+                "optimizer": optimizer.state_dict(), "lr_scheduler": lr_scheduler.state_dict(),
+                "global_batch": global_batch, "config": asdict(cfg),
+            }, keep=cfg.checkpoints_total_limit)  # fmt: skip
+        if info.is_main and cfg.validation_prompt and cfg.validation_steps and done % cfg.validation_steps == 0:
+            _validate(cfg, models, out / "validation" / f"step-{done}", seed)
+    if progress is not None:
+        progress.close()
+
+    # ---- save --------------------------------------------------------------------------------------------------
+    vectors = (trainable[concept.ids] if cfg.train_full_embedding_matrix else trainable).detach().clone()
+    summary = {
+        "steps": cfg.max_train_steps, "ranks": world, "backend": backend or "none", "seed": seed,
+        "median_s_per_step": sorted(step_times)[len(step_times) // 2] if step_times else None,
+        "output_dir": str(out),
+    }  # fmt: skip
+    if info.is_main:
+        if cfg.save_as_full_pipeline:
+            _save_pipeline(cfg, tokenizer, text_encoder, out)
+        if cfg.validation_prompt:
+            _validate(cfg, models, out / "validation" / "final", seed)
+        save_learned_embeds(out / EMBEDS_FILE, cfg.placeholder_token, vectors)
+        assert metrics is not None
+        if metrics.rows:
+            plot_loss(metrics.rows, out / "loss.png", title=f"{cfg.placeholder_token}: {world} rank(s)")
+        metrics.finish()
+        log.info("saved %s to %s", EMBEDS_FILE, out)
+    barrier(world)
+    return summary
+
+
+def _save_pipeline(cfg: TrainConfig, tokenizer, text_encoder, target: Path) -> None:
+    """A complete pipeline in ``target`` (as the recipe: the output dir loads with ``from_pretrained``), with the
+    concept in tokenizer and text encoder; UNet and VAE are re-read in full precision, not the bf16 copies.
+
+    Written in a temporary directory first; components are moved in and ``model_index.json`` comes last, so a
+    crash never leaves a directory that looks like a complete pipeline."""
+    from diffusers import StableDiffusionPipeline
+
+    emb = text_encoder.get_input_embeddings()
+    if isinstance(emb, PlaceholderEmbedding):
+        text_encoder.set_input_embeddings(emb.merged())
+    try:
+        pipe = StableDiffusionPipeline.from_pretrained(
+            cfg.pretrained_model_name_or_path, text_encoder=text_encoder, tokenizer=tokenizer,
+            revision=cfg.revision, variant=cfg.variant, safety_checker=None, requires_safety_checker=False,
+        )  # fmt: skip
+        with tempfile.TemporaryDirectory(prefix=".pipeline.tmp-", dir=target) as tmp:
+            pipe.save_pretrained(tmp, safe_serialization=True)
+            (target / "model_index.json").unlink(missing_ok=True)
+            for item in sorted(Path(tmp).iterdir(), key=lambda p: p.name == "model_index.json"):
+                dest = target / item.name
+                if dest.is_dir():
+                    shutil.rmtree(dest)
+                os.replace(item, dest)
+    finally:
+        text_encoder.set_input_embeddings(emb)
+
+
+def _validate(cfg: TrainConfig, models: Models, target: Path, seed: int) -> None:
+    from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline(
+        vae=models.vae, text_encoder=models.text_encoder, tokenizer=models.tokenizer, unet=models.unet,
+        scheduler=DPMSolverMultistepScheduler.from_config(models.noise_scheduler.config),
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    )  # fmt: skip
+    pipe.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(seed)
+    with atomic_dir(target, overwrite=True) as tmp, torch.no_grad(), _autocast(models.weight_dtype):
+        for i in range(cfg.num_validation_images):
+            image = pipe(cfg.validation_prompt, num_inference_steps=25, generator=generator,
+                         height=cfg.resolution, width=cfg.resolution).images[0]  # fmt: skip
+            image.save(tmp / f"{i:02d}.png")
+    log.info("validation images in %s", target)
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse_config(argv)
+    try:
+        summary = run(cfg)
+    except (ConfigError, DataError, ConceptError, ckpt.CheckpointError, DistributedError) as exc:
+        print(f"xeonsd train: error: {exc}", file=sys.stderr)
+        return 2
+    if detect_ranks().is_main:
+        med = summary["median_s_per_step"]
+        print(f"done: {summary['steps']} steps on {summary['ranks']} rank(s), backend {summary['backend']}, "
+              f"median {med:.3f} s/step; outputs in {summary['output_dir']}" if med is not None else
+              f"done: nothing to do (already at step {summary['steps']}); outputs in {summary['output_dir']}")  # fmt: skip
+    return 0
