@@ -34,6 +34,73 @@ def _train(args: argparse.Namespace, rest: list[str]) -> int:
     return train_main(rest)
 
 
+def _export(args: argparse.Namespace) -> int:
+    from xeonsd.export import main_args
+
+    return main_args(args)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from xeonsd.generate import main_args
+
+    return main_args(args)
+
+
+def _add_export_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="export a pipeline (with its learned concept) to OpenVINO",
+        description="Export SRC (a diffusers pipeline directory or Hub id) to the OpenVINO directory OUT. "
+        "Static shapes by default, the recipe's: batch 5, 512x512, 1 image per prompt.",
+    )
+    p.add_argument("src", help="diffusers pipeline directory (e.g. --save_as_full_pipeline output) or Hub model id")
+    p.add_argument("out", help="output directory (must not exist or be empty unless --overwrite)")
+    p.add_argument("--embeds", help="learned_embeds.safetensors to add to tokenizer and text encoder before export")
+    p.add_argument("--token", help="load the --embeds concept under this token instead of the one in the file")
+    p.add_argument("--batch-size", type=int, default=5, help="prompts per call (static shape)")
+    p.add_argument("--height", type=int, default=512)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--num-images-per-prompt", type=int, default=1)
+    p.add_argument("--dynamic", action="store_true", help="keep dynamic shapes (skip the static reshape)")
+    p.add_argument(
+        "--weight-format",
+        choices=["fp32", "fp16", "int8"],
+        default="fp32",
+        help="int8: NNCF data-free 8-bit weight compression",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT (only once the new one is done)")
+    p.set_defaults(func=_export)
+
+
+def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate images from an OpenVINO export",
+        description="Generate PNGs, grid.png and timings.json from an `xeonsd export` directory.",
+    )
+    p.add_argument("ov_dir", help="directory written by `xeonsd export`")
+    p.add_argument("--prompt", action="append", help="prompt (repeat for several; default: the recipe's)")
+    p.add_argument("--negative-prompt")
+    p.add_argument("--num-images", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0, help="seed of the first call (call k uses seed + k)")
+    p.add_argument("--guidance-scale", type=float, default=7.5)
+    p.add_argument("--height", type=int, help="dynamic exports only (default 512); a static export has its own")
+    p.add_argument("--width", type=int, help="dynamic exports only (default 512)")
+    p.add_argument("--batch-size", type=int, help="images per call for a dynamic export (default: all)")
+    p.add_argument(
+        "--engine",
+        choices=["optimum", "genai"],
+        default="genai",
+        help="genai: openvino_genai.Text2ImagePipeline; optimum: OVStableDiffusionPipeline",
+    )
+    p.add_argument("--embeds", help="learned_embeds.safetensors to load into the exported text encoder")
+    p.add_argument("--token", help="load the --embeds concept under this token")
+    p.add_argument("--out", default="images", help="output directory (default: ./images)")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_generate)
+
+
 def _bench(args: argparse.Namespace, rest: list[str]) -> int:
     if args.what == "train":
         from xeonsd.bench_train import main as bench_main
@@ -61,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_make_dataset)
 
+    _add_export_parser(sub)
+    _add_generate_parser(sub)
+
     p = sub.add_parser("bench", help="benchmarks (`xeonsd bench train --help`)", add_help=False)
     p.add_argument("what", choices=["train", "generate"])
     return parser
@@ -78,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileExistsError, PermissionError) as exc:
+    except (ValueError, FileExistsError, PermissionError, FileNotFoundError, NotADirectoryError) as exc:
         print(f"xeonsd {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

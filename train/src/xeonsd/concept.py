@@ -1,0 +1,213 @@
+"""A learned concept (``learned_embeds.safetensors``) added to a pipeline's tokenizer and text encoder.
+
+One loader for both places a concept goes in after training: the PyTorch text encoder before an OpenVINO export
+(``xeonsd export --embeds``), and the text encoder of an already exported OpenVINO pipeline
+(``xeonsd generate --embeds``), where the vectors are appended to the embedding table of the OpenVINO graph.
+
+The file format is the one diffusers' ``load_textual_inversion`` reads: ``{token: tensor[num_vectors, hidden]}``
+(or ``[hidden]``); a concept with ``num_vectors > 1`` becomes the tokens ``<tok>``, ``<tok>_1``, … in that order.
+The A1111 formats (``string_to_param`` / ``emb_params``) are read too when ``token`` names the concept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+# Friendly names the optimum-intel exporter gives the CLIP token-embedding table in the OpenVINO graph.
+OV_EMBEDDING_TABLE_NAMES = (
+    "self.text_model.embeddings.token_embedding.weight",
+    "self.model.text_model.embeddings.token_embedding.weight",
+)
+
+
+class ConceptError(ValueError):
+    """The embeddings file cannot be added to this tokenizer / text encoder."""
+
+
+@dataclass(frozen=True)
+class Concept:
+    """The token(s) of a learned concept and their vectors (float32, one row per token)."""
+
+    tokens: list[str]
+    vectors: np.ndarray
+    source: str
+    sha256: str
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.vectors.shape[1])
+
+
+def expand_tokens(token: str, num_vectors: int) -> list[str]:
+    """``<tok>``, ``<tok>_1``, … : the names diffusers gives the vectors of a multi-vector concept."""
+    return [token] + [f"{token}_{i}" for i in range(1, num_vectors)]
+
+
+def _read_state_dict(path: Path) -> dict[str, Any]:
+    if path.suffix == ".safetensors":
+        from safetensors.numpy import load_file
+
+        try:
+            return dict(load_file(str(path)))
+        except Exception as exc:  # safetensors raises its own error types for corrupt headers
+            raise ConceptError(f"{path} is not a readable safetensors file: {exc}") from exc
+    import torch
+
+    try:
+        raw = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ConceptError(f"{path} is not a readable PyTorch embeddings file: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConceptError(f"{path} holds a {type(raw).__name__}, not a dict of embeddings")
+    return raw
+
+
+def _as_array(value: Any, path: Path) -> np.ndarray:
+    if hasattr(value, "detach"):
+        value = value.detach().to("cpu").float().numpy()
+    arr = np.asarray(value, dtype=np.float32)
+    if arr.ndim == 1:
+        arr = arr[None, :]
+    if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 1:
+        raise ConceptError(f"{path}: expected embeddings of shape [num_vectors, hidden], got {list(arr.shape)}")
+    if not np.isfinite(arr).all():
+        raise ConceptError(f"{path}: the embeddings contain NaN or infinite values")
+    return arr
+
+
+def load_concept(path: Path, token: str | None = None) -> Concept:
+    """Read a learned-embeddings file; ``token`` renames the concept (required for the A1111 formats)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConceptError(f"embeddings file {path} does not exist")
+    state = _read_state_dict(path)
+    if "string_to_param" in state:  # A1111 .pt
+        name, vectors = token, next(iter(state["string_to_param"].values()))
+    elif "emb_params" in state:  # A1111 .safetensors
+        name, vectors = token, state["emb_params"]
+    elif len(state) == 1:
+        (key, vectors), name = next(iter(state.items())), None
+        name = token or key
+    else:
+        raise ConceptError(
+            f"{path} holds {len(state)} tensors ({sorted(state)[:5]}); expected one {{token: [num_vectors, hidden]}}"
+        )
+    if not name:
+        raise ConceptError(f"{path} does not name its token; pass --token '<my-concept>'")
+    arr = _as_array(vectors, path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    return Concept(tokens=expand_tokens(name, arr.shape[0]), vectors=arr, source=str(path), sha256=digest)
+
+
+def check_concept(concept: Concept, tokenizer: Any, hidden_size: int) -> None:
+    """Refuse a concept whose vector size does not fit the text encoder or whose tokens are already taken."""
+    if concept.hidden_size != hidden_size:
+        raise ConceptError(
+            f"{concept.source}: vectors have {concept.hidden_size} values but this text encoder's hidden size is "
+            f"{hidden_size}; the embeddings were trained for a different model"
+        )
+    vocab = tokenizer.get_vocab()
+    for tok in concept.tokens:
+        ids = tokenizer.encode(tok, add_special_tokens=False)
+        if tok in vocab or len(ids) == 1:
+            existing = vocab.get(tok, ids[0] if ids else None)
+            raise ConceptError(
+                f"token {tok!r} collides with an existing token of the tokenizer (id {existing}); the model already "
+                "knows this word (or the concept is already in it). Load it under another name with --token"
+            )
+
+
+def _add_tokens(tokenizer: Any, concept: Concept) -> list[int]:
+    first = len(tokenizer)
+    added = tokenizer.add_tokens(concept.tokens)
+    ids = tokenizer.convert_tokens_to_ids(concept.tokens)
+    if added != len(concept.tokens) or ids != list(range(first, first + len(ids))):
+        raise ConceptError(f"tokenizer gave the concept tokens {concept.tokens} the ids {ids}, expected {first}…")
+    return ids
+
+
+def add_to_torch(tokenizer: Any, text_encoder: Any, concept: Concept) -> list[int]:
+    """Add the concept to a transformers tokenizer and a PyTorch CLIP text encoder; returns the new ids."""
+    import torch
+
+    check_concept(concept, tokenizer, text_encoder.get_input_embeddings().weight.shape[1])
+    rows = text_encoder.get_input_embeddings().weight.shape[0]
+    if rows != len(tokenizer):
+        raise ConceptError(f"text encoder has {rows} embedding rows but the tokenizer {len(tokenizer)} tokens")
+    ids = _add_tokens(tokenizer, concept)
+    text_encoder.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    with torch.no_grad():
+        weight = text_encoder.get_input_embeddings().weight
+        weight[ids] = torch.from_numpy(concept.vectors).to(weight.dtype)
+    log.info("added concept %s (%d vector(s)) as ids %s", concept.tokens, len(ids), ids)
+    return ids
+
+
+def ov_embedding_table(model: Any) -> Any:
+    """The token-embedding Constant of an exported CLIP text encoder (an ``openvino.Model``)."""
+    for op in model.get_ops():
+        if op.get_type_name() == "Constant" and op.get_friendly_name() in OV_EMBEDDING_TABLE_NAMES:
+            return op
+    raise ConceptError("the OpenVINO text encoder has no token-embedding table the concept could be added to")
+
+
+def ov_vocab_rows(model: Any) -> int:
+    """Rows of the token-embedding table of an OpenVINO text encoder (the vocabulary it was exported with)."""
+    return int(ov_embedding_table(model).get_output_partial_shape(0)[0].get_length())
+
+
+def add_to_openvino(tokenizer: Any, text_encoder_model: Any, concept: Concept) -> list[int]:
+    """Add the concept to a tokenizer and an (uncompiled) OpenVINO CLIP text encoder graph, in place.
+
+    The vectors are appended to the embedding table with optimum-intel's ``InsertTextEmbedding`` pass (the
+    same graph edit as ``OVStableDiffusionPipeline.load_textual_inversion``), so the result equals an export
+    with the concept baked in.
+    """
+    from openvino.passes import Manager
+    from optimum.intel.openvino.loaders import InsertTextEmbedding
+
+    table = ov_embedding_table(text_encoder_model)
+    shape = table.get_output_partial_shape(0)
+    rows, hidden = shape[0].get_length(), shape[1].get_length()
+    check_concept(concept, tokenizer, hidden)
+    if rows != len(tokenizer):
+        raise ConceptError(
+            f"the OpenVINO text encoder has {rows} embedding rows but the tokenizer beside it has {len(tokenizer)} "
+            "tokens: tokenizer and text encoder come from different exports"
+        )
+    ids = _add_tokens(tokenizer, concept)
+    manager = Manager()
+    manager.register_pass(InsertTextEmbedding(ids, list(concept.vectors)))
+    manager.run_passes(text_encoder_model)
+    names = {op.get_friendly_name() for op in text_encoder_model.get_ops()}
+    missing = [i for i in ids if f"{table.get_friendly_name()}.textual_inversion_{i}" not in names]
+    if missing:
+        raise ConceptError(f"could not insert the vectors for ids {missing} into the OpenVINO text encoder")
+    log.info("added concept %s to the OpenVINO text encoder as ids %s", concept.tokens, ids)
+    return ids
+
+
+def expand_prompt(prompt: str, tokens: list[str]) -> str:
+    """``<tok>`` -> ``<tok> <tok>_1 …`` for multi-vector concepts, as diffusers' ``maybe_convert_prompt`` does.
+
+    The diffusers pipelines (PyTorch and optimum-intel) do this themselves; ``openvino_genai`` does not. ``tokens``
+    are the concept tokens of the model (an added token matches anywhere in a prompt, so a substring test finds
+    what the tokenizer finds).
+    """
+    known = set(tokens)
+    for token in tokens:
+        if f"{token}_1" in known and token in prompt:
+            replacement, i = token, 1
+            while f"{token}_{i}" in known:
+                replacement += f" {token}_{i}"
+                i += 1
+            prompt = prompt.replace(token, replacement)
+    return prompt

@@ -1,0 +1,336 @@
+"""``xeonsd generate``: images from an OpenVINO export, through optimum-intel or OpenVINO GenAI.
+
+* ``optimum``: ``OVStableDiffusionPipeline`` (the recipe's path; needs PyTorch and diffusers for the scheduler
+  and the pipeline logic, OpenVINO runs the networks).
+* ``genai``: ``openvino_genai.Text2ImagePipeline``, OpenVINO's own C++ pipeline; without ``--embeds`` it needs
+  neither PyTorch nor diffusers nor transformers.
+
+A static export makes images in calls of exactly ``batch_size x num_images_per_prompt``; a request that does not
+fit is refused with the shape the model has. ``--embeds`` adds a learned concept to the exported text encoder
+at load time (no re-export), giving the same images as an export with the concept baked in.
+Output: ``image_000.png`` …, ``grid.png`` and ``timings.json`` (load, compile, first image, per-call latency,
+images/s).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from xeonsd.fsutil import atomic_dir
+from xeonsd.ovdir import StaticShape, check_writable_output, read_manifest, static_shape
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("optimum", "genai")
+RECIPE_PROMPT = "a yellow <dicoo> robot at the beach, high quality"
+DEFAULT_SIZE = 512
+
+
+class GenerateError(ValueError):
+    """The request cannot be served by this export."""
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    prompts: tuple[str, ...] = (RECIPE_PROMPT,)
+    num_images: int = 5
+    steps: int = 20
+    seed: int = 0
+    guidance_scale: float = 7.5
+    negative_prompt: str | None = None
+    height: int | None = None
+    width: int | None = None
+    batch_size: int | None = None
+    engine: str = "optimum"
+    embeds: Path | None = None
+    token: str | None = None
+
+
+@dataclass(frozen=True)
+class Call:
+    """One pipeline call: ``len(prompts) x per_prompt`` images from ``seed``."""
+
+    prompts: list[str]
+    per_prompt: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    shape: StaticShape  # the shape every call has (for a dynamic export: the one requested)
+    static: bool
+    calls: list[Call]
+
+
+def plan_calls(manifest: dict[str, Any], opts: GenerateOptions) -> Plan:
+    """Split the request into calls of the export's shape; refuse what a static export cannot do."""
+    if opts.engine not in ENGINES:
+        raise GenerateError(f"unknown engine {opts.engine!r}; choose one of {', '.join(ENGINES)}")
+    if not opts.prompts or any(not p.strip() for p in opts.prompts):
+        raise GenerateError("give at least one non-empty --prompt")
+    if opts.num_images < 1 or opts.steps < 1:
+        raise GenerateError("--num-images and --steps must be at least 1")
+    fixed = static_shape(manifest)
+    if fixed is not None:
+        asked = {"--height": (opts.height, fixed.height), "--width": (opts.width, fixed.width)}
+        asked["--batch-size"] = (opts.batch_size, fixed.batch_size)
+        for flag, (value, have) in asked.items():
+            if value is not None and value != have:
+                raise GenerateError(
+                    f"{flag} {value} does not fit this export: it has a {fixed.describe()}; "
+                    "re-export with that shape or with --dynamic"
+                )
+        if opts.num_images % fixed.images_per_call:
+            raise GenerateError(
+                f"--num-images {opts.num_images} does not fit this export: it has a {fixed.describe()}, so it makes "
+                f"images in calls of {fixed.images_per_call}; ask for a multiple of {fixed.images_per_call} "
+                "or re-export with --dynamic"
+            )
+        shape = fixed
+    else:
+        height, width = opts.height or DEFAULT_SIZE, opts.width or DEFAULT_SIZE
+        if height % 8 or width % 8:
+            raise GenerateError(f"--height/--width must be multiples of 8, got {height}x{width}")
+        batch = opts.batch_size or opts.num_images
+        if opts.num_images % batch:
+            raise GenerateError(f"--num-images {opts.num_images} is not a multiple of --batch-size {batch}")
+        shape = StaticShape(batch_size=batch, height=height, width=width, num_images_per_prompt=1)
+    calls = []
+    n_prompts = len(opts.prompts)
+    for k in range(opts.num_images // shape.images_per_call):
+        first = k * shape.batch_size
+        prompts = [opts.prompts[(first + b) % n_prompts] for b in range(shape.batch_size)]
+        calls.append(Call(prompts=prompts, per_prompt=shape.num_images_per_prompt, seed=opts.seed + k))
+    if opts.engine == "genai" and any(len(set(c.prompts)) > 1 for c in calls):
+        raise GenerateError(
+            f"--engine genai makes one prompt per call, and this request puts {shape.batch_size} different prompts "
+            "in a call; give one prompt, or use --engine optimum"
+        )
+    return Plan(shape=shape, static=fixed is not None, calls=calls)
+
+
+@dataclass
+class Engine:
+    """A loaded, compiled pipeline; ``run`` makes the images of one call."""
+
+    ov_dir: Path
+    plan: Plan
+    opts: GenerateOptions
+    concept_tokens: list[str]
+    load_s: float = 0.0
+    compile_s: float = 0.0
+    _pipe: Any = None
+    _workdir: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
+
+    def run(self, call: Call) -> list[Any]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._pipe = None
+        if self._workdir is not None:
+            self._workdir.cleanup()
+            self._workdir = None
+
+
+class OptimumEngine(Engine):
+    def open(self) -> OptimumEngine:
+        from optimum.intel import OVStableDiffusionPipeline
+
+        t0 = time.perf_counter()
+        pipe = OVStableDiffusionPipeline.from_pretrained(
+            self.ov_dir, dynamic_shapes=not self.plan.static, compile=False, local_files_only=True
+        )
+        if self.opts.embeds is not None:
+            from xeonsd.concept import add_to_openvino, load_concept
+
+            concept = load_concept(self.opts.embeds, self.opts.token)
+            add_to_openvino(pipe.tokenizer, pipe.text_encoder.model, concept)
+            self.concept_tokens = [*self.concept_tokens, *concept.tokens]
+        self.load_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for part in (pipe.text_encoder, pipe.unet, pipe.vae_decoder):  # the VAE encoder is not used here
+            part.compile()
+        self.compile_s = time.perf_counter() - t0
+        self._pipe = pipe
+        return self
+
+    def run(self, call: Call) -> list[Any]:
+        import torch
+
+        neg = None if self.opts.negative_prompt is None else [self.opts.negative_prompt] * len(call.prompts)
+        result = self._pipe(
+            prompt=call.prompts,
+            negative_prompt=neg,
+            num_images_per_prompt=call.per_prompt,
+            num_inference_steps=self.opts.steps,
+            guidance_scale=self.opts.guidance_scale,
+            height=self.plan.shape.height,
+            width=self.plan.shape.width,
+            generator=torch.Generator("cpu").manual_seed(call.seed),
+        )
+        return list(result.images)
+
+
+class GenaiEngine(Engine):
+    def _overlay_with_concept(self) -> Path:
+        """A directory like OV_DIR whose text encoder and tokenizers also hold the ``--embeds`` concept."""
+        import openvino as ov
+        from transformers import CLIPTokenizer
+
+        from xeonsd import ovtokenizer
+        from xeonsd.concept import add_to_openvino, load_concept
+
+        self._workdir = tempfile.TemporaryDirectory(prefix="xeonsd-genai-")
+        root = Path(self._workdir.name)
+        for entry in self.ov_dir.iterdir():
+            if entry.name not in ("text_encoder", "tokenizer"):
+                (root / entry.name).symlink_to(entry.resolve())
+        concept = load_concept(self.opts.embeds, self.opts.token)  # type: ignore[arg-type]
+        tokenizer = CLIPTokenizer.from_pretrained(self.ov_dir / "tokenizer")
+        model = ov.Core().read_model(self.ov_dir / "text_encoder" / "openvino_model.xml")
+        add_to_openvino(tokenizer, model, concept)
+        (root / "text_encoder").mkdir()
+        ov.save_model(model, root / "text_encoder" / "openvino_model.xml", compress_to_fp16=False)
+        shutil.copy(self.ov_dir / "text_encoder" / "config.json", root / "text_encoder" / "config.json")
+        tokenizer.save_pretrained(root / "tokenizer")
+        ovtokenizer.save(tokenizer, root)
+        self.concept_tokens = [*self.concept_tokens, *concept.tokens]
+        return root
+
+    def open(self) -> GenaiEngine:
+        import openvino_genai
+
+        t0 = time.perf_counter()
+        models = self._overlay_with_concept() if self.opts.embeds is not None else self.ov_dir
+        pipe = openvino_genai.Text2ImagePipeline(str(models))
+        if self.plan.static:
+            shape = self.plan.shape
+            pipe.reshape(shape.images_per_call, shape.height, shape.width, self.opts.guidance_scale)
+        self.load_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        pipe.compile("CPU")
+        self.compile_s = time.perf_counter() - t0
+        self._pipe = pipe
+        return self
+
+    def run(self, call: Call) -> list[Any]:
+        import openvino_genai
+        from PIL import Image
+
+        from xeonsd.concept import expand_prompt
+
+        kwargs: dict[str, Any] = {}
+        if self.opts.negative_prompt is not None:
+            kwargs["negative_prompt"] = self.opts.negative_prompt
+        tensor = self._pipe.generate(
+            expand_prompt(call.prompts[0], self.concept_tokens),
+            num_images_per_prompt=len(call.prompts) * call.per_prompt,
+            num_inference_steps=self.opts.steps,
+            guidance_scale=self.opts.guidance_scale,
+            height=self.plan.shape.height,
+            width=self.plan.shape.width,
+            generator=openvino_genai.TorchGenerator(call.seed),
+            **kwargs,
+        )
+        return [Image.fromarray(a) for a in tensor.data]
+
+
+def open_engine(ov_dir: Path, opts: GenerateOptions) -> Engine:
+    """Check OV_DIR and the request, then load and compile the pipeline of ``opts.engine``."""
+    ov_dir = Path(ov_dir)
+    manifest = read_manifest(ov_dir)
+    plan = plan_calls(manifest, opts)
+    if opts.embeds is not None and not Path(opts.embeds).is_file():
+        raise GenerateError(f"embeddings file {opts.embeds} does not exist")
+    if opts.engine == "genai" and not (ov_dir / "tokenizer" / "openvino_tokenizer.xml").is_file():
+        raise GenerateError(f"{ov_dir} has no tokenizer/openvino_tokenizer.xml, which --engine genai needs")
+    cls = OptimumEngine if opts.engine == "optimum" else GenaiEngine
+    engine = cls(ov_dir=ov_dir, plan=plan, opts=opts, concept_tokens=list(manifest.get("concept_tokens", [])))
+    return engine.open()
+
+
+def generate(ov_dir: Path, opts: GenerateOptions) -> tuple[list[Any], dict[str, Any]]:
+    """Make ``opts.num_images`` images; return them (PIL) and the timings."""
+    engine = open_engine(ov_dir, opts)
+    try:
+        images: list[Any] = []
+        latencies = []
+        for i, call in enumerate(engine.plan.calls):
+            t0 = time.perf_counter()
+            images.extend(engine.run(call))
+            latencies.append(time.perf_counter() - t0)
+            log.info("call %d/%d: %d image(s) in %.2f s", i + 1, len(engine.plan.calls), len(images), latencies[-1])
+    finally:
+        engine.close()
+    timings = {
+        "engine": opts.engine,
+        "load_s": round(engine.load_s, 3),
+        "compile_s": round(engine.compile_s, 3),
+        "first_image_s": round(latencies[0], 3),
+        "call_latency_s": [round(x, 3) for x in latencies],
+        "images_per_s": round(len(images) / sum(latencies), 4),
+        "num_images": len(images),
+        "steps": opts.steps,
+        "shape": asdict(engine.plan.shape),
+        "static": engine.plan.static,
+        "seeds": [c.seed for c in engine.plan.calls],
+        "prompts": list(opts.prompts),
+    }
+    return images, timings
+
+
+def make_grid(images: list[Any]) -> Any:
+    """All images in one picture, in rows of ``ceil(sqrt(n))``."""
+    from PIL import Image
+
+    cols = math.ceil(math.sqrt(len(images)))
+    rows = math.ceil(len(images) / cols)
+    w, h = images[0].size
+    grid = Image.new("RGB", (cols * w, rows * h), "white")
+    for i, img in enumerate(images):
+        grid.paste(img, ((i % cols) * w, (i // cols) * h))
+    return grid
+
+
+def generate_to_dir(ov_dir: Path, out: Path, opts: GenerateOptions, overwrite: bool = False) -> dict[str, Any]:
+    """Generate and write ``image_NNN.png``, ``grid.png`` and ``timings.json`` to OUT (atomically)."""
+    out = Path(out)
+    check_writable_output(out)
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise GenerateError(f"output {out} already exists and is not empty; remove it or pass --overwrite")
+    images, timings = generate(ov_dir, opts)
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        for i, img in enumerate(images):
+            img.save(tmp / f"image_{i:03d}.png")
+        make_grid(images).save(tmp / "grid.png")
+        (tmp / "timings.json").write_text(json.dumps(timings, indent=2) + "\n")
+    return timings
+
+
+def main_args(args: Any) -> int:
+    """Entry point of ``xeonsd generate`` (parsed by :mod:`xeonsd.cli`)."""
+    opts = GenerateOptions(
+        prompts=tuple(args.prompt or [RECIPE_PROMPT]),
+        num_images=args.num_images,
+        steps=args.steps,
+        seed=args.seed,
+        guidance_scale=args.guidance_scale,
+        negative_prompt=args.negative_prompt,
+        height=args.height,
+        width=args.width,
+        batch_size=args.batch_size,
+        engine=args.engine,
+        embeds=None if args.embeds is None else Path(args.embeds),
+        token=args.token,
+    )
+    timings = generate_to_dir(Path(args.ov_dir), Path(args.out), opts, overwrite=args.overwrite)
+    print(json.dumps({"out": args.out, **{k: timings[k] for k in ("load_s", "compile_s", "images_per_s")}}))
+    return 0
