@@ -1,0 +1,77 @@
+"""Session fixtures for the OpenVINO tests: a concept, a full pipeline holding it, and three tiny exports.
+
+Exports are the slow part (~20 s of CPU each on the tiny model), so each is made once a session and shared:
+
+* ``ov_baked``: base model + ``--embeds`` (the concept added by xeonsd), static, the recipe's call shape
+  (batch 5, 1 image per prompt) at 64 px;
+* ``ov_base``: the base model without the concept, same static shape (for ``generate --embeds``);
+* ``ov_full_dynamic``: the ``--save_as_full_pipeline`` kind of source, written by diffusers'
+  ``load_textual_inversion`` + ``save_pretrained``, exported with ``--dynamic``.
+
+Test modules import the fixtures they use from here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+TOKEN = "<dicoo>"
+PROMPT = "a yellow <dicoo> robot at the beach, high quality"
+SIZE = 64
+STEPS = 3
+BATCH = 5
+
+
+@pytest.fixture(scope="session")
+def embeds(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A two-vector concept in the trainer's format; large vectors, so the concept visibly changes the images."""
+    gen = torch.Generator().manual_seed(3)
+    path = tmp_path_factory.mktemp("concept") / "learned_embeds.safetensors"
+    save_file({TOKEN: torch.randn(2, 32, generator=gen) * 2.0}, str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def full_pipeline(tiny_model: Path, embeds: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What ``--save_as_full_pipeline`` writes, made with diffusers' own textual-inversion loader."""
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None, requires_safety_checker=False)
+    pipe.load_textual_inversion(str(embeds))
+    out = tmp_path_factory.mktemp("full") / "pipeline"
+    pipe.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def _export(src: Path, out: Path, **kwargs) -> Path:
+    from xeonsd.export import ExportOptions, export
+    from xeonsd.ovdir import StaticShape
+
+    static = StaticShape(batch_size=BATCH, height=SIZE, width=SIZE, num_images_per_prompt=1)
+    kwargs.setdefault("static", static)
+    return export(str(src), out, ExportOptions(**kwargs))
+
+
+@pytest.fixture(scope="session")
+def ov_baked(tiny_model: Path, embeds: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _export(tiny_model, tmp_path_factory.mktemp("ov") / "baked", embeds=embeds)
+
+
+@pytest.fixture(scope="session")
+def ov_base(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _export(tiny_model, tmp_path_factory.mktemp("ov") / "base")
+
+
+@pytest.fixture(scope="session")
+def ov_full_dynamic(full_pipeline: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _export(full_pipeline, tmp_path_factory.mktemp("ov") / "full-dynamic", static=None)
+
+
+def as_array(images: list) -> np.ndarray:
+    """PIL images -> float array [n, h, w, 3] in 0..255."""
+    return np.stack([np.asarray(img, dtype=np.float64) for img in images])
