@@ -73,6 +73,9 @@ class TrainConfig:
     channels_last: bool = _flag("UNet in channels_last memory format", default=False)
     compile: bool = _flag("torch.compile the UNet", default=False)
     use_ipex: str = _flag("apply ipex.optimize when IPEX imports", default="auto", choices=("auto", "on", "off"))
+    count_flops: bool = _flag(
+        "count the executed FLOPs of the first step (torch.utils.flop_counter) into metrics", default=False
+    )
     log_every: int = _flag("metrics line every N steps", default=1)
     world_size: int | None = _flag("expected number of ranks (checked against what the launcher reports)", default=None)
 

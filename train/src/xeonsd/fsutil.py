@@ -14,6 +14,12 @@ class OutputExistsError(FileExistsError):
     """The output path is already taken by something we must not overwrite."""
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _check_writable_parent(path: Path) -> None:
     parent = path.parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -35,6 +41,7 @@ def atomic_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
         raise OutputExistsError(f"{out} already exists and is not empty; remove it or choose another path")
     _check_writable_parent(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; the result should look like any other directory
     try:
         yield tmp
     except BaseException:
@@ -55,6 +62,7 @@ def atomic_file(path: Path, mode: str = "wb") -> Iterator:
     path = Path(path)
     _check_writable_parent(path)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    os.chmod(tmp_name, 0o666 & ~_umask())
     try:
         with os.fdopen(fd, mode) as fh:
             yield fh
@@ -76,6 +84,7 @@ def atomic_path(path: Path) -> contextlib.AbstractContextManager[Path]:
         _check_writable_parent(p)
         fd, tmp_name = tempfile.mkstemp(prefix=f".{p.name}.tmp-", suffix=p.suffix, dir=p.parent)
         os.close(fd)
+        os.chmod(tmp_name, 0o666 & ~_umask())
         try:
             yield Path(tmp_name)
             os.replace(tmp_name, p)

@@ -19,9 +19,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 from xeonsd import checkpoint as ckpt
 from xeonsd.config import TrainConfig, parse_config
+from xeonsd.cpu import cpu_info
 from xeonsd.data import DataError, SamplingPlan, find_images, load_all_pixels, templates_for
 from xeonsd.distributed import (
     DistributedError,
@@ -186,11 +188,19 @@ def _train(cfg, info: RankInfo, threads: int, cpus, backend, resume_path) -> dic
     models = load_models(cfg)
     tokenizer, text_encoder, vae, unet = models.tokenizer, models.text_encoder, models.vae, models.unet
     log.info(
-        "launcher=%s backend=%s threads=%d cores=%s dtype=%s ipex=%s local_rank=%d/%d",
+        "launcher=%s backend=%s threads=%d cores=%s dtype=%s bf16_hw=%s ipex=%s local_rank=%d/%d",
         info.launcher, backend or "none (single process)", threads, ",".join(map(str, cpus)),
-        str(models.weight_dtype).replace("torch.", ""), "on" if models.ipex else "off",
+        str(models.weight_dtype).replace("torch.", ""), cpu_info().native_bf16 or "none",
+        "on" if models.ipex else "off",
         info.local_rank, info.local_world_size,
     )  # fmt: skip
+    native = cpu_info().native_bf16
+    if models.weight_dtype == torch.bfloat16 and native is None:
+        log.warning(
+            "--mixed_precision bf16 on a CPU without AMX or AVX512-BF16 (%s): bf16 matmuls are emulated and far "
+            "slower than fp32 here; use --mixed_precision no on this machine",
+            cpu_info().model,
+        )
     concept = add_concept(tokenizer, text_encoder, cfg.placeholder_token, cfg.initializer_token, cfg.num_vectors)
     base_embedding = text_encoder.get_input_embeddings()
     if cfg.train_full_embedding_matrix:
@@ -299,11 +309,15 @@ def _train(cfg, info: RankInfo, threads: int, cpus, backend, resume_path) -> dic
     for step in range(start_step, cfg.max_train_steps):
         t_step = time.perf_counter()
         loss_sum = 0.0
-        for micro in range(cfg.gradient_accumulation_steps):
-            examples = plan.batch(step, micro, cfg.gradient_accumulation_steps, world, info.rank, cfg.train_batch_size)
-            loss = step_loss(examples) / cfg.gradient_accumulation_steps
-            loss.backward()
-            loss_sum += float(loss.detach())
+        flop_counter = FlopCounterMode(display=False) if cfg.count_flops and step == start_step else None
+        with flop_counter or contextlib.nullcontext():
+            for micro in range(cfg.gradient_accumulation_steps):
+                examples = plan.batch(
+                    step, micro, cfg.gradient_accumulation_steps, world, info.rank, cfg.train_batch_size
+                )
+                loss = step_loss(examples) / cfg.gradient_accumulation_steps
+                loss.backward()
+                loss_sum += float(loss.detach())
         # One all-reduce per step carries the gradient and the loss: num_vectors x hidden + 1 floats.
         grad = trainable.grad
         packed = torch.cat([grad.reshape(-1).float(), torch.tensor([loss_sum])])
@@ -327,6 +341,7 @@ def _train(cfg, info: RankInfo, threads: int, cpus, backend, resume_path) -> dic
                 "step": done, "loss": mean_loss, "lr": lr_scheduler.get_last_lr()[0], "s_per_step": dt,
                 "images_per_s": global_batch * cfg.gradient_accumulation_steps / dt, "ranks": world,
                 "backend": backend or "none", "allreduce_bytes": allreduce_numel * 4, "time": time.time(),
+                **({"tflop_per_rank": flop_counter.get_total_flops() / 1e12} if flop_counter else {}),
             })  # fmt: skip
         vectors = trainable[concept.ids] if cfg.train_full_embedding_matrix else trainable
         if info.is_main and cfg.save_steps and done % cfg.save_steps == 0:

@@ -1,0 +1,179 @@
+"""``xeonsd bench train``: s/step, executed FLOPs, share of the bf16 matmul peak, peak RSS and all-reduce bytes
+of the trainer on the full SD 1.5 architecture, with each optimisation switched off in turn.
+
+Every variant is a real ``xeonsd train`` process (so its peak RSS is its own), on the same model, images, seed
+and step count; the bf16 matmul peak is measured in the same run. Figures are printed, not asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_CACHE = Path(os.environ.get("XEONSD_CACHE", Path.home() / ".cache" / "xeonsd")) / "sd15"
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    flags: tuple[str, ...]
+    what: str
+
+
+def variants_for(dtype: str) -> tuple[Variant, ...]:
+    """The optimized run and one run with each optimisation switched off; the precision baseline is the other dtype."""
+    other = "fp32" if dtype == "bf16" else "bf16"
+    return (
+        Variant("optimized", (), f"{dtype} UNet/VAE, cached latents, only the concept's vectors trained"),
+        Variant("per-step VAE encode", ("--no-latent_cache",), "encode each image with the VAE every step"),
+        Variant("whole-matrix embedding", ("--train_full_embedding_matrix",), "train + all-reduce vocab x hidden"),
+        Variant(other, (f"--mixed_precision={'no' if other == 'fp32' else 'bf16'}",), f"frozen UNet/VAE in {other}"),
+    )
+
+
+EXTRA_VARIANTS = (
+    Variant("channels_last", ("--channels_last",), "UNet in channels_last"),
+    Variant("torch.compile", ("--compile",), "torch.compile(UNet)"),
+)
+
+
+def measure_matmul_peak(dtype: torch.dtype, n: int = 4096, reps: int = 8) -> float:
+    """Best observed matmul throughput in TFLOP/s (bf16: AMX through oneDNN on Sapphire Rapids and later)."""
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    torch.matmul(a, b)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e12
+
+
+def _run_variant(variant: Variant, base_args: list[str], out: Path, env: dict[str, str]) -> dict:
+    cmd = [sys.executable, "-m", "xeonsd.cli", "train", *base_args, f"--output_dir={out}", *variant.flags]
+    log.info("running %s: %s", variant.name, " ".join(cmd[3:]))
+    with open(out.parent / f"{out.name}.log", "w") as logf:
+        proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        tail = (out.parent / f"{out.name}.log").read_text()[-3000:]
+        raise RuntimeError(f"variant {variant.name!r} failed (exit {proc.returncode}):\n{tail}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"rows": rows, "peak_rss_gb": usage.ru_maxrss * 1024 / 1e9}
+
+
+def summarize(name: str, rows: list[dict], warmup: int, peak_rss_gb: float, peak_tflops: float) -> dict:
+    timed = [r["s_per_step"] for r in rows[warmup:]]
+    s_step = statistics.median(timed)
+    tflop = next((r["tflop_per_rank"] for r in rows if "tflop_per_rank" in r), float("nan"))
+    return {
+        "variant": name,
+        "s_per_step": s_step,
+        "steps_timed": len(timed),
+        "tflop_per_step": tflop,
+        "tflops": tflop / s_step,
+        "of_peak": tflop / s_step / peak_tflops,
+        "peak_rss_gb": peak_rss_gb,
+        "allreduce_bytes": rows[-1]["allreduce_bytes"],
+    }
+
+
+def format_table(results: list[dict], peaks: dict[str, float], dtype: str, cpu: str) -> str:
+    base = results[0]["s_per_step"]
+    lines = [
+        f"CPU: {cpu}; training dtype: {dtype}",
+        "matmul peak measured in this run: " + ", ".join(f"{k} {v:.3f} TFLOP/s" for k, v in peaks.items()),
+        f"{'variant':<24}{'s/step':>9}{'x optimized':>13}{'TFLOP/step':>12}{'TFLOP/s':>9}{'of peak':>9}"
+        f"{'peak RSS GB':>13}{'all-reduce B/step':>19}",
+    ]
+    for r in results:
+        lines.append(
+            f"{r['variant']:<24}{r['s_per_step']:>9.2f}{r['s_per_step'] / base:>13.2f}{r['tflop_per_step']:>12.3f}"
+            f"{r['tflops']:>9.3f}{r['of_peak']:>9.1%}{r['peak_rss_gb']:>13.2f}{r['allreduce_bytes']:>19,}"
+        )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="xeonsd bench train", description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=None,
+                   help=f"pipeline directory (default: the sd15 architecture built once in {DEFAULT_MODEL_CACHE})")  # fmt: skip
+    p.add_argument("--arch", choices=["sd15", "tiny"], default="sd15", help="what to build when --model is not given")
+    p.add_argument("--resolution", type=int, default=512)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per variant (after warm-up)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first also counts FLOPs)")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="precision of the optimized run; auto: bf16 where the CPU has AMX or AVX512-BF16, else fp32")  # fmt: skip
+    p.add_argument("--only", nargs="*", default=None, help="variant names to run (default: the four standard ones)")
+    p.add_argument("--extra", action="store_true", help="also try channels_last and torch.compile")
+    p.add_argument("--peak-size", type=int, default=4096, help="matrix side for the matmul peak measurement")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    from xeonsd.assets import make_dataset, make_tiny_model
+
+    model = args.model
+    if model is None:
+        model = DEFAULT_MODEL_CACHE if args.arch == "sd15" else DEFAULT_MODEL_CACHE.with_name("tiny")
+        if not (model / "model_index.json").is_file():
+            log.info("building the %s model once in %s", args.arch, model)
+            make_tiny_model(model, arch=args.arch)
+    from xeonsd.cpu import cpu_info
+
+    cpu = cpu_info()
+    dtype = args.dtype if args.dtype != "auto" else ("bf16" if cpu.native_bf16 else "fp32")
+    variants = list(variants_for(dtype)) + (list(EXTRA_VARIANTS) if args.extra else [])
+    if args.only:
+        unknown = set(args.only) - {v.name for v in variants}
+        if unknown:
+            print(f"xeonsd bench train: error: unknown variant(s) {sorted(unknown)}", file=sys.stderr)
+            return 2
+        variants = [v for v in variants if v.name in args.only]
+    peaks = {"fp32": measure_matmul_peak(torch.float32, n=args.peak_size)}
+    # Emulated bf16 (no AMX / AVX512-BF16) is ~100x slower: a small matrix tells the story without the wait.
+    peaks["bf16"] = measure_matmul_peak(
+        torch.bfloat16, n=args.peak_size if cpu.native_bf16 else 512, reps=8 if cpu.native_bf16 else 2
+    )
+    log.info("matmul peaks: %s", peaks)
+    if not cpu.native_bf16 and not args.only:
+        log.warning("%s has no AMX or AVX512-BF16: skipping the bf16 variant (pass --only bf16 to force it)", cpu.model)
+        variants = [v for v in variants if v.name != "bf16"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="xeonsd-bench-") as tmp:
+        data = Path(tmp) / "data"
+        make_dataset(data, count=5, size=args.resolution)
+        base_args = [
+            f"--pretrained_model_name_or_path={model}", f"--train_data_dir={data}", "--placeholder_token=<dicoo>",
+            "--initializer_token=toy", f"--resolution={args.resolution}", "--train_batch_size=1", "--seed=7",
+            f"--max_train_steps={args.warmup + args.steps}", "--learning_rate=2e-3", "--lr_warmup_steps=0",
+            f"--mixed_precision={'bf16' if dtype == 'bf16' else 'no'}", "--checkpointing_steps=0", "--count_flops",
+        ]  # fmt: skip
+        for i, variant in enumerate(variants):
+            run = _run_variant(variant, base_args, Path(tmp) / f"v{i}", env)
+            vdtype = variant.name if variant.name in ("bf16", "fp32") else dtype
+            results.append(summarize(variant.name, run["rows"], args.warmup, run["peak_rss_gb"], peaks[vdtype]))
+            log.info("%s: %.2f s/step", variant.name, results[-1]["s_per_step"])
+    print(format_table(results, peaks, dtype, cpu.model), flush=True)
+    if args.json:
+        summary = {"cpu": cpu.model, "dtype": dtype, "peak_tflops": peaks, "model": str(model), "results": results}
+        args.json.write_text(json.dumps(summary, indent=2))
+    return 0
