@@ -151,6 +151,24 @@ def test_two_ranks_learn_what_one_rank_with_double_batch_learns(tiny_model, data
     torch.testing.assert_close(v2, v1, atol=1e-5, rtol=0)
 
 
+def test_resume_under_mpirun_continues_the_same_trajectory(tiny_model, dataset, tmp_path, cli_env):
+    """Rank 0 reads the checkpoint and broadcasts it: a resumed 2-rank run ends where an uninterrupted one does."""
+    mpirun = shutil.which("mpirun", path=cli_env["PATH"])
+    env = _mpi_env(cli_env)
+    full, part = tmp_path / "full", tmp_path / "part"
+    base = [mpirun, "-n", "2", sys.executable, "-m", "xeonsd.cli", "train"]
+    proc = subprocess.run([*base, *train_args(tiny_model, dataset, full, "--checkpointing_steps=3", steps=6)],
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    part.mkdir()
+    shutil.copytree(full / "checkpoint-3", part / "checkpoint-3")
+    args = train_args(tiny_model, dataset, part, "--resume_from_checkpoint=latest", steps=6)
+    proc = subprocess.run([*base, *args], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stderr
+    torch.testing.assert_close(vectors(part), vectors(full), atol=1e-6, rtol=0)
+
+
 def test_cached_latents_match_per_step_encoding(tiny_model, dataset, tmp_path, cli_env):
     """Same seed, with and without the latent cache: the cache draws each step's latent from the same
     distribution with the same random numbers, so the runs agree to float rounding (1e-5)."""

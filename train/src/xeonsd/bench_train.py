@@ -115,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"pipeline directory (default: the sd15 architecture built once in {DEFAULT_MODEL_CACHE})")  # fmt: skip
     p.add_argument("--arch", choices=["sd15", "tiny"], default="sd15", help="what to build when --model is not given")
     p.add_argument("--resolution", type=int, default=512)
+    p.add_argument("--images", type=int, default=5, help="training images (each is VAE-encoded twice for the cache)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant (after warm-up)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first also counts FLOPs)")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
@@ -160,7 +161,7 @@ def main(argv: list[str]) -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="xeonsd-bench-") as tmp:
         data = Path(tmp) / "data"
-        make_dataset(data, count=5, size=args.resolution)
+        make_dataset(data, count=args.images, size=args.resolution)
         base_args = [
             f"--pretrained_model_name_or_path={model}", f"--train_data_dir={data}", "--placeholder_token=<dicoo>",
             "--initializer_token=toy", f"--resolution={args.resolution}", "--train_batch_size=1", "--seed=7",

@@ -48,7 +48,11 @@ class TrainConfig:
     adam_weight_decay: float = _flag("AdamW weight decay", default=1e-2)
     adam_epsilon: float = _flag("AdamW epsilon", default=1e-8)
     seed: int | None = _flag("random seed (the run is reproducible for a given seed)", default=None)
-    mixed_precision: str = _flag("bf16: frozen UNet/VAE in bf16 on AMX", default="no", choices=("no", "bf16", "fp16"))
+    mixed_precision: str = _flag(
+        "bf16: frozen UNet/VAE in bf16 on AMX; auto: bf16 where the CPU has AMX or AVX512-BF16, else no",
+        default="no",
+        choices=("no", "bf16", "fp16", "auto"),
+    )
     save_as_full_pipeline: bool = _flag("also save a complete pipeline with the concept", default=False)
     save_steps: int = _flag("write learned_embeds-steps-N.safetensors every N steps (0: never)", default=0)
     checkpointing_steps: int = _flag("write a resumable checkpoint every N steps (0: never)", default=500)

@@ -7,6 +7,7 @@ setup (ranks, cores, models) → data (latent cache) → step (UNet in bf16, onl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -78,7 +79,8 @@ def validate(cfg: TrainConfig, info: RankInfo) -> Path | None:
             f"--pretrained_model_name_or_path {model}: not a diffusers pipeline directory (no model_index.json)"
         )
     resume = None
-    if cfg.resume_from_checkpoint:
+    # Checkpoints live in rank 0's output dir (on the primary node); rank 0 reads and broadcasts the state.
+    if cfg.resume_from_checkpoint and info.is_main:
         resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, cfg.output_path)
     return resume
 
@@ -95,6 +97,13 @@ class Models:
 
 
 def load_models(cfg: TrainConfig) -> Models:
+    try:
+        return _load_models(cfg)
+    except OSError as exc:  # missing files, or a Hub id that cannot be fetched (offline, gated, wrong name)
+        raise ConfigError(f"cannot load the model {cfg.pretrained_model_name_or_path!r}: {exc}") from exc
+
+
+def _load_models(cfg: TrainConfig) -> Models:
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTokenizer
 
@@ -157,6 +166,16 @@ def _setup_logging(info: RankInfo) -> None:
             logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def _shared_resume_state(resume_path: Path | None, world: int) -> dict | None:
+    """Rank 0's checkpoint state (or None), on every rank."""
+    state = ckpt.load_checkpoint(resume_path) if resume_path else None
+    if world > 1:
+        box = [state]
+        torch.distributed.broadcast_object_list(box, src=0)
+        state = box[0]
+    return state
+
+
 def _shared_seed(cfg: TrainConfig, info: RankInfo, resume_state: dict | None) -> int:
     if resume_state is not None:
         return int(resume_state["seed"])
@@ -173,6 +192,8 @@ def run(cfg: TrainConfig) -> dict:
     info = detect_ranks()
     _setup_logging(info)
     resume_path = validate(cfg, info)
+    if cfg.mixed_precision == "auto":
+        cfg = dataclasses.replace(cfg, mixed_precision="bf16" if cpu_info().native_bf16 else "no")
     placement = place_rank(info)
     backend = init_process_group(info)
     try:
@@ -214,7 +235,7 @@ def _train(cfg, info: RankInfo, threads: int, cpus, backend, resume_path) -> dic
         text_encoder.set_input_embeddings(placeholder_module)
         trainable = placeholder_module.vectors
 
-    resume_state = ckpt.load_checkpoint(resume_path) if resume_path else None
+    resume_state = _shared_resume_state(resume_path, world)
     seed = _shared_seed(cfg, info, resume_state)
     global_batch = world * cfg.train_batch_size
     lr = cfg.learning_rate
@@ -303,8 +324,10 @@ def _train(cfg, info: RankInfo, threads: int, cpus, backend, resume_path) -> dic
     if info.is_main:
         from tqdm.auto import tqdm
 
-        progress = tqdm(total=cfg.max_train_steps, initial=start_step, desc="textual inversion", dynamic_ncols=True,
-                        disable=None)  # fmt: skip
+        progress = tqdm(
+            total=cfg.max_train_steps, initial=start_step, desc="textual inversion", dynamic_ncols=True,
+            mininterval=0.5 if sys.stderr.isatty() else 10.0,  # under mpirun stderr is a pipe: fewer updates
+        )  # fmt: skip
     step_times: list[float] = []
     for step in range(start_step, cfg.max_train_steps):
         t_step = time.perf_counter()

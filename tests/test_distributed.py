@@ -1,0 +1,65 @@
+"""Launcher detection, core placement and CPU feature parsing (pure functions, no processes)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from xeonsd.cpu import parse_cpuinfo
+from xeonsd.distributed import DistributedError, RankInfo, detect_ranks, place_rank
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"PMI_RANK": "5", "PMI_SIZE": "16", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4"},
+         RankInfo(5, 16, 1, 4, "intel-mpi")),
+        ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "3",
+          "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, RankInfo(3, 8, 3, 4, "open-mpi")),
+        ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, RankInfo(1, 2, 1, 2, "torchrun")),
+        ({}, RankInfo(0, 1, 0, 1, "single")),
+    ],
+)  # fmt: skip
+def test_detect_ranks_from_each_launcher(env, expected):
+    assert detect_ranks(env) == expected
+
+
+def test_out_of_range_rank_is_an_error():
+    with pytest.raises(DistributedError, match="rank 4 of 4"):
+        detect_ranks({"PMI_RANK": "4", "PMI_SIZE": "4"})
+    with pytest.raises(DistributedError, match="not an integer"):
+        detect_ranks({"PMI_RANK": "x", "PMI_SIZE": "4"})
+
+
+def test_user_thread_count_is_respected(monkeypatch):
+    before = os.sched_getaffinity(0)
+    placement = place_rank(RankInfo(0, 2, 0, 2, "intel-mpi"), {"OMP_NUM_THREADS": "1"})
+    assert placement.threads == 1 and placement.source == "user"
+    assert os.sched_getaffinity(0) == before
+
+
+def test_ranks_on_a_node_get_disjoint_cores():
+    before = os.sched_getaffinity(0)
+    try:
+        n = len(before)
+        if n < 2:
+            pytest.skip("needs at least 2 CPUs")
+        seen = []
+        for local in range(2):
+            os.sched_setaffinity(0, before)
+            p = place_rank(RankInfo(local, 2, local, 2, "intel-mpi"), {})
+            assert p.source == "auto" and p.threads == len(p.cpus) >= 1
+            assert set(os.sched_getaffinity(0)) == set(p.cpus)
+            seen.append(set(p.cpus))
+        assert not (seen[0] & seen[1])
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def test_cpuinfo_bf16_paths():
+    amx = parse_cpuinfo("model name\t: Intel Xeon Platinum 8480+\nflags\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    assert amx.native_bf16 == "AMX" and amx.model.startswith("Intel")
+    avx = parse_cpuinfo("model name\t: Xeon\nflags\t: avx512f avx512_bf16\n")
+    assert avx.native_bf16 == "AVX512-BF16"
+    assert parse_cpuinfo("model name\t: AMD EPYC\nflags\t: avx avx2\n").native_bf16 is None
