@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: install test lint demo clean
+.PHONY: install test lint demo clean cluster-up cluster-down lint-ansible
 
 install: $(VENV)/.installed
 
@@ -26,3 +26,15 @@ lint: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache build
+
+# The multi-node test cluster (root: network + mount namespaces, one sshd per node); writes .cluster/inventory.yml.
+N ?= 4
+cluster-up: install
+	$(PY) tests/cluster/harness.py up --nodes $(N)
+
+cluster-down:
+	$(PY) tests/cluster/harness.py down
+
+lint-ansible: install
+	$(VENV)/bin/yamllint --strict .
+	$(VENV)/bin/ansible-lint --profile production

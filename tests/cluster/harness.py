@@ -17,6 +17,7 @@ the first address of the subnet. Only addresses of this private subnet are ever 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -37,8 +38,10 @@ VENV_BIN = Path(sys.executable).parent
 # inventory/group_vars/all/paths.yml and cluster.yml; /etc/ssh is private too (the node's own host key).
 PRIVATE_DIRS = ("/opt/diffuser", "/home/devcloud", "/etc/xeonsd", "/var/cache/xeonsd")
 CLUSTER_USER = "devcloud"
+# Nodes of the test cluster the playbook tests use (the recipe's 4).
+NODES = 4
 # What every node needs before Ansible can reach it (besides the roles' own OS packages).
-BASE_PACKAGES = ("openssh-server", "python3", "python3-apt", "iproute2", "util-linux")
+BASE_PACKAGES = ("openssh-server", "sudo", "python3", "python3-apt", "iproute2", "util-linux")
 
 
 @dataclass
@@ -125,8 +128,20 @@ class Cluster:
         self._save(state)  # from here on, `down` can clean up whatever exists
         self.state_dir.mkdir(parents=True, exist_ok=True)
         if not self.admin_key.exists():
-            run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "xeonsd-test-controller",
-                 "-f", str(self.admin_key)])
+            run(
+                [
+                    "ssh-keygen",
+                    "-q",
+                    "-t",
+                    "ed25519",
+                    "-N",
+                    "",
+                    "-C",
+                    "xeonsd-test-controller",
+                    "-f",
+                    str(self.admin_key),
+                ]
+            )
         (self.state_dir / "admin_authorized_keys").write_text(self.admin_key.with_suffix(".pub").read_text())
         os.chmod(self.state_dir / "admin_authorized_keys", 0o644)
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
@@ -181,8 +196,20 @@ class Cluster:
                 shutil.copy2(Path("/etc/ssh", name), etc_ssh / name)
         if Path("/etc/ssh/ssh_config.d").is_dir():
             shutil.copytree("/etc/ssh/ssh_config.d", etc_ssh / "ssh_config.d")
-        run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"root@{node}",
-             "-f", str(etc_ssh / "ssh_host_ed25519_key")])
+        run(
+            [
+                "ssh-keygen",
+                "-q",
+                "-t",
+                "ed25519",
+                "-N",
+                "",
+                "-C",
+                f"root@{node}",
+                "-f",
+                str(etc_ssh / "ssh_host_ed25519_key"),
+            ]
+        )
         (etc_ssh / "sshd_config").write_text(
             f"""# sshd of test node {node} (tests/cluster/harness.py)
 ListenAddress {address}
@@ -211,15 +238,37 @@ LogLevel INFO
         script += " && exec /usr/sbin/sshd -D -e -f /etc/ssh/sshd_config"
         log = open(self.node_dir(node) / "sshd.log", "ab")  # noqa: SIM115 - handed to the child
         proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation", "private", "--",
-             "/bin/sh", "-c", script],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "--",
+                "/bin/sh",
+                "-c",
+                script,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         log.close()
         return proc.pid
 
-    def write_inventory(self, path: Path, *, nodes: list[str] | None = None, overrides: dict | None = None,
-                        host_overrides: dict[str, dict] | None = None, primaries: list[str] | None = None) -> Path:
+    def write_inventory(
+        self,
+        path: Path,
+        *,
+        nodes: list[str] | None = None,
+        overrides: dict | None = None,
+        host_overrides: dict[str, dict] | None = None,
+        primaries: list[str] | None = None,
+    ) -> Path:
         """Write an inventory directory for this cluster: inventory.yml + group_vars.
 
         group_vars/all is the repository's inventory/group_vars/all (a symlink, so the defaults are the real
@@ -242,10 +291,18 @@ LogLevel INFO
             hv.update((host_overrides or {}).get(node, {}))
             return hv
 
-        inventory = {"all": {"children": {"cluster": {"children": {
-            "primary": {"hosts": {n: host(n) for n in nodes if n in primaries}},
-            "workers": {"hosts": {n: host(n) for n in nodes if n not in primaries}},
-        }}}}}
+        inventory = {
+            "all": {
+                "children": {
+                    "cluster": {
+                        "children": {
+                            "primary": {"hosts": {n: host(n) for n in nodes if n in primaries}},
+                            "workers": {"hosts": {n: host(n) for n in nodes if n not in primaries}},
+                        }
+                    }
+                }
+            }
+        }
         ppn = 4
         cluster_vars = {
             # Connection: root with the harness's key, host keys checked against the harness's known_hosts.
@@ -253,7 +310,7 @@ LogLevel INFO
             "ansible_ssh_private_key_file": str(self.admin_key),
             "ansible_ssh_common_args": f"-o UserKnownHostsFile={self.known_hosts} -o IdentitiesOnly=yes",
             "ansible_python_interpreter": "/usr/bin/python3",
-            "ansible_become_method": "su",
+            "ansible_become_method": "sudo",
             # The test cluster: venv (no conda channel reachable), Diffusers from the PyPI sdist (no git
             # hosting reachable), offline install from the controller's wheelhouse.
             "python_env_kind": "venv",
@@ -299,16 +356,41 @@ LogLevel INFO
             (self.assets_dir / "tiny-sd.partial").rename(self.assets_dir / "tiny-sd")
 
     # --- using the nodes ---------------------------------------------------------------------------------------
-    def ssh(self, node: str, command: str, *, user: str = "root", check: bool = True,
-            timeout: float = 300) -> subprocess.CompletedProcess:
+    def ssh(
+        self, node: str, command: str, *, user: str = "root", check: bool = True, timeout: float = 300
+    ) -> subprocess.CompletedProcess:
         """Run a shell command on a node over real SSH, as the controller does."""
         state = self.load_state()
         assert state is not None
         i = state.nodes.index(node) + 1
-        argv = ["ssh", "-i", str(self.admin_key), "-o", f"UserKnownHostsFile={self.known_hosts}",
-                "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
-                f"{user}@{self.address(i)}", command]
+        argv = [
+            "ssh",
+            "-i",
+            str(self.admin_key),
+            "-o",
+            f"UserKnownHostsFile={self.known_hosts}",
+            "-o",
+            "IdentitiesOnly=yes",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "StrictHostKeyChecking=yes",
+            f"{user}@{self.address(i)}",
+            command,
+        ]
         return subprocess.run(argv, text=True, capture_output=True, check=check, timeout=timeout)
+
+    def snapshot(self) -> dict[str, tuple[int, int]]:
+        """Every file and directory in every node's private directories, with its size and mtime."""
+        seen: dict[str, tuple[int, int]] = {}
+        for node in self.nodes:
+            for d in PRIVATE_DIRS:
+                root = self.private_dir(node, d)
+                for dirpath, dirnames, filenames in os.walk(root):
+                    for name in dirnames + filenames:
+                        st = Path(dirpath, name).lstat()
+                        seen[f"{node}:{d}/{Path(dirpath, name).relative_to(root)}"] = (st.st_size, st.st_mtime_ns)
+        return seen
 
     # --- down --------------------------------------------------------------------------------------------------
     def down(self) -> None:
@@ -326,10 +408,8 @@ LogLevel INFO
         for link in {*state.links, self.bridge}:
             subprocess.run(["ip", "link", "del", link], capture_output=True)
         for d in state.created_dirs:
-            try:
+            with contextlib.suppress(OSError):
                 Path(d).rmdir()
-            except OSError:
-                pass
         if (self.state_dir / "nodes").exists():
             shutil.rmtree(self.state_dir / "nodes")
         for name in ("inventory.yml", "known_hosts", "admin_authorized_keys", "state.json"):
@@ -343,10 +423,8 @@ def kill_namespace(ns: str) -> None:
         if not pids:
             return
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), sig)
-            except ProcessLookupError:
-                pass
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             if not subprocess.run(["ip", "netns", "pids", ns], text=True, capture_output=True).stdout.split():
@@ -355,14 +433,10 @@ def kill_namespace(ns: str) -> None:
 
 
 def kill_group(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
+    with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
 
 
 def wait_for_port(host: str, port: int, timeout: float, what: str) -> None:
@@ -386,9 +460,10 @@ def ensure_base_image() -> None:
     """The nodes' shared OS: the base packages, the roles' OS packages, and the cluster account."""
     wanted = [*BASE_PACKAGES, *debian_packages_of_roles()]
     missing = [
-        p for p in wanted
-        if "install ok installed" not in subprocess.run(
-            ["dpkg-query", "-W", "-f=${Status}", p], text=True, capture_output=True).stdout
+        p
+        for p in wanted
+        if "install ok installed"
+        not in subprocess.run(["dpkg-query", "-W", "-f=${Status}", p], text=True, capture_output=True).stdout
     ]
     if missing:
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
@@ -396,8 +471,20 @@ def ensure_base_image() -> None:
         subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing], check=True, env=env)
     if subprocess.run(["getent", "passwd", CLUSTER_USER], capture_output=True).returncode != 0:
         # Shared /etc/passwd, like an LDAP account on real clusters; "*": key logins only, not locked.
-        run(["useradd", "--home-dir", f"/home/{CLUSTER_USER}", "--no-create-home", "--shell", "/bin/bash",
-             "--password", "*", "--user-group", CLUSTER_USER])
+        run(
+            [
+                "useradd",
+                "--home-dir",
+                f"/home/{CLUSTER_USER}",
+                "--no-create-home",
+                "--shell",
+                "/bin/bash",
+                "--password",
+                "*",
+                "--user-group",
+                CLUSTER_USER,
+            ]
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,49 @@
+"""Fixtures for the playbook tests: a real 4-node test cluster (network namespaces, sshd, private mounts).
+
+The cluster lives in .cluster/pytest with its own namespaces (xsdt-*) and subnet (10.231.1.0/24), apart from
+a developer's `make cluster-up` cluster; it is removed at the end of the session, also when tests fail.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from harness import NODES, REPO, Cluster  # noqa: E402
+from runner import PlaybookRun, run_playbook  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("the test cluster needs root and iproute2 (network and mount namespaces)")
+    c = Cluster(REPO / ".cluster" / "pytest", prefix="xsdt", subnet=1)
+    c.down()  # leftovers of an interrupted session
+    try:
+        c.make_assets()
+        c.up(NODES)
+        yield c
+    finally:
+        c.down()
+
+
+@pytest.fixture(scope="session")
+def fresh_provision(cluster: Cluster) -> PlaybookRun:
+    """`ansible-playbook provision.yml` on the freshly started cluster, once per session."""
+    result = run_playbook("provision.yml", cluster.inventory, state_dir=cluster.state_dir, name="fresh-provision")
+    print(f"\nfresh provision of {NODES} nodes: {result.seconds:.1f} s wall (log: {result.log})")
+    return result
+
+
+@pytest.fixture
+def provisioned(cluster: Cluster, fresh_provision: PlaybookRun) -> Cluster:
+    if fresh_provision.rc != 0:
+        pytest.fail(f"the fresh provision failed (rc={fresh_provision.rc}):\n{fresh_provision.tail()}")
+    return cluster

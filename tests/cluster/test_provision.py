@@ -1,0 +1,106 @@
+"""provision.yml on a real 4-node test cluster: builds every node, is idempotent, runs in check mode, and
+rebuilds a wiped node with --limit alone. The tests run in file order and share one cluster."""
+
+from __future__ import annotations
+
+import shutil
+
+from harness import NODES, PRIVATE_DIRS, Cluster
+from runner import PlaybookRun, run_playbook
+
+ENV = "/opt/diffuser"
+
+
+def assert_node_works(cluster: Cluster, node: str) -> None:
+    """The node's env imports the stack, has mpirun, preloads tcmalloc, and holds the images and the model."""
+    out = cluster.ssh(node, f"{ENV}/bin/python -c 'import torch, diffusers, xeonsd; print(torch.__version__)'").stdout
+    assert out.strip(), f"{node}: no torch version"
+    cluster.ssh(node, f"test -x {ENV}/bin/mpirun")
+    maps = cluster.ssh(node, ". /etc/xeonsd/env.sh && python -c 'print(open(\"/proc/self/maps\").read())'").stdout
+    assert "libtcmalloc" in maps, f"{node}: tcmalloc is not preloaded by env.sh"
+    images = cluster.ssh(node, "ls /home/devcloud/dicoo").stdout.split()
+    assert len(images) == 5, f"{node}: images {images}"
+    cluster.ssh(node, "test -f /home/devcloud/models/tiny-sd/model_index.json")
+
+
+def test_fresh_provision_builds_every_node(provisioned: Cluster, fresh_provision: PlaybookRun) -> None:
+    print(f"\nfresh provision ({NODES} nodes): {fresh_provision.seconds:.1f} s")
+    assert set(fresh_provision.recap) == set(provisioned.nodes)
+    for node in provisioned.nodes:
+        assert_node_works(provisioned, node)
+
+
+def test_nodes_keep_their_files_private(provisioned: Cluster) -> None:
+    provisioned.ssh("node2", "echo node2 > /etc/xeonsd/private-probe")
+    try:
+        assert provisioned.ssh("node1", "test -e /etc/xeonsd/private-probe", check=False).returncode != 0
+        assert provisioned.ssh("node2", "cat /etc/xeonsd/private-probe").stdout.strip() == "node2"
+    finally:
+        provisioned.ssh("node2", "rm -f /etc/xeonsd/private-probe")
+
+
+def test_nodefile_lists_the_primary_first(provisioned: Cluster) -> None:
+    nodefile = provisioned.ssh("node2", "cat /etc/xeonsd/nodefile").stdout.split()
+    assert nodefile == [provisioned.address(i) for i in range(1, NODES + 1)]
+    env = provisioned.ssh("node1", ". /etc/xeonsd/env.sh && env").stdout
+    for line in (
+        "MASTER_ADDR=10.231.1.11",
+        "MASTER_PORT=29500",
+        "CCL_ATL_TRANSPORT=ofi",
+        "CCL_WORKER_COUNT=1",
+        "I_MPI_HYDRA_IFACE=eth0",
+    ):
+        assert line in env.splitlines(), f"{line} not in env.sh's environment"
+
+
+def test_cluster_user_reaches_every_node_with_checked_host_keys(provisioned: Cluster) -> None:
+    key = provisioned.ssh("node1", "stat -c %a /home/devcloud/.ssh/xeonsd_cluster_ed25519").stdout.strip()
+    assert key == "600"
+    assert provisioned.ssh("node2", "test -e /home/devcloud/.ssh/xeonsd_cluster_ed25519", check=False).returncode
+    for i in range(1, NODES + 1):
+        # StrictHostKeyChecking=yes and BatchMode come from ~/.ssh/config: a wrong host key fails here.
+        out = provisioned.ssh("node1", f"ssh {provisioned.address(i)} cat /etc/xeonsd/nodefile", user="devcloud")
+        assert out.stdout.split()[0] == provisioned.address(1)
+
+
+def test_mpirun_starts_ranks_on_every_node(provisioned: Cluster) -> None:
+    cmd = ". /etc/xeonsd/env.sh && mpirun -f $XEONSD_NODEFILE -n 4 -ppn 1 /bin/sh -c 'ip -4 -o addr show eth0'"
+    out = provisioned.ssh("node1", cmd, user="devcloud", timeout=180).stdout
+    for i in range(1, NODES + 1):
+        assert f"{provisioned.address(i)}/24" in out, out
+
+
+def test_second_run_changes_nothing(provisioned: Cluster) -> None:
+    result = run_playbook("provision.yml", provisioned.inventory, state_dir=provisioned.state_dir, name="second-run")
+    print(f"\nsecond run ({NODES} nodes, nothing to do): {result.seconds:.1f} s")
+    assert result.rc == 0, result.tail()
+    assert result.changed() == {node: 0 for node in provisioned.nodes}, result.recap
+
+
+def test_check_mode_runs_through(provisioned: Cluster) -> None:
+    result = run_playbook(
+        "provision.yml", provisioned.inventory, "--check", state_dir=provisioned.state_dir, name="check-mode"
+    )
+    assert result.rc == 0, result.tail()
+    assert set(result.recap) == set(provisioned.nodes)
+
+
+def test_limit_rebuilds_a_wiped_node_without_the_others(provisioned: Cluster) -> None:
+    # Wipe node3 like a reinstalled server (its sshd and host key stay), and forget every cached fact, so the
+    # run can only use the inventory for the other nodes.
+    for d in PRIVATE_DIRS:
+        root = provisioned.private_dir("node3", d)
+        for child in root.iterdir():
+            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+    shutil.rmtree(provisioned.state_dir / "facts", ignore_errors=True)
+    assert provisioned.ssh("node3", f"test -e {ENV}/bin/python", check=False).returncode != 0
+
+    result = run_playbook(
+        "provision.yml", provisioned.inventory, "--limit", "node3", state_dir=provisioned.state_dir, name="limit-node3"
+    )
+    print(f"\nrebuild of one wiped node with --limit: {result.seconds:.1f} s")
+    assert result.rc == 0, result.tail()
+    assert set(result.recap) == {"node3"}, result.recap
+    assert_node_works(provisioned, "node3")
+    out = provisioned.ssh("node1", f"ssh {provisioned.address(3)} cat /etc/xeonsd/nodefile", user="devcloud")
+    assert out.stdout.split()[0] == provisioned.address(1)
