@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import secrets
@@ -89,7 +90,7 @@ def validate(cfg: TrainConfig, info: RankInfo) -> Path | None:
 class Models:
     tokenizer: object
     text_encoder: torch.nn.Module
-    vae: torch.nn.Module
+    vae: torch.nn.Module | None  # released after the latent cache when nothing else needs it
     unet: torch.nn.Module
     noise_scheduler: object
     weight_dtype: torch.dtype
@@ -289,6 +290,9 @@ def _train(cfg, info: RankInfo, threads: int, cpus, backend, resume_path) -> dic
     if cfg.latent_cache:
         lat_mean, lat_std = build_latent_cache(vae, pixels, models.weight_dtype, latent_shape, info.rank, world)
         log.info("cached latents of %d inputs in %.1f s", pixels.shape[0], time.perf_counter() - t0)
+        if not cfg.validation_prompt:  # nothing decodes or encodes from here on: give the VAE's memory back
+            models.vae = vae = None
+            gc.collect()
     prediction_type = models.noise_scheduler.config.prediction_type
 
     def step_loss(examples) -> torch.Tensor:
