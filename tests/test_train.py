@@ -310,3 +310,18 @@ def test_world_size_mismatch(tiny_model, dataset, tmp_path, cli_env):
 def test_missing_model_dir(dataset, tmp_path, cli_env):
     err = _fail(train_args(tmp_path / "no-model", dataset, tmp_path / "o"), cli_env)
     assert "no-model" in err
+
+
+def test_validation_images_and_periodic_embeddings(tiny_model, dataset, tmp_path, cli_env):
+    out = tmp_path / "out"
+    extra = ["--validation_prompt=a photo of a <dicoo>", "--num_validation_images=2", "--validation_steps=2",
+             "--save_steps=2", "--learnable_property=style", "--center_crop", "--dataloader_num_workers=2"]  # fmt: skip
+    proc = run_cli(["train", *train_args(tiny_model, dataset, out, *extra, steps=2)], cli_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from PIL import Image
+
+    for sub in ("step-2", "final"):
+        files = sorted((out / "validation" / sub).glob("*.png"))
+        assert len(files) == 2
+        assert Image.open(files[0]).size == (64, 64)
+    torch.testing.assert_close(load_file(str(out / "learned_embeds-steps-2.safetensors"))[TOKEN], vectors(out))

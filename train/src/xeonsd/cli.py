@@ -1,4 +1,4 @@
-"""The ``xeonsd`` command: one subcommand per job.
+"""xeonsd: fine-tune Stable Diffusion on Xeon CPUs (textual inversion over MPI), export to OpenVINO, generate.
 
 Each subcommand's module is imported only when that subcommand runs, so ``xeonsd --help`` is instant and a
 node that only generates does not need the training stack.
