@@ -307,6 +307,15 @@ def test_world_size_mismatch(tiny_model, dataset, tmp_path, cli_env):
     assert "--world_size 4" in err and "2 rank(s)" in err
 
 
+def test_output_dir_with_an_earlier_run_is_not_overwritten(tiny_model, dataset, tmp_path, cli_env):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+    err = _fail(train_args(tiny_model, dataset, out), cli_env)
+    assert "already holds a run" in err and "--overwrite_output_dir" in err
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 0.5}\n'
+
+
 def test_missing_model_dir(dataset, tmp_path, cli_env):
     err = _fail(train_args(tmp_path / "no-model", dataset, tmp_path / "o"), cli_env)
     assert "no-model" in err

@@ -53,6 +53,9 @@ class TrainConfig:
         default="no",
         choices=("no", "bf16", "fp16", "auto"),
     )
+    overwrite_output_dir: bool = _flag(
+        "start a new run in an output dir that holds an earlier run's results (they are replaced)", default=False
+    )
     save_as_full_pipeline: bool = _flag("also save a complete pipeline with the concept", default=False)
     save_steps: int = _flag("write learned_embeds-steps-N.safetensors every N steps (0: never)", default=0)
     checkpointing_steps: int = _flag("write a resumable checkpoint every N steps (0: never)", default=500)

@@ -73,6 +73,13 @@ def validate(cfg: TrainConfig, info: RankInfo) -> Path | None:
         raise ConfigError(
             f"--pretrained_model_name_or_path {model}: not a diffusers pipeline directory (no model_index.json)"
         )
+    earlier = [n for n in (EMBEDS_FILE, "metrics.jsonl", "metrics.partial.jsonl") if (cfg.output_path / n).exists()]
+    earlier += [p.name for _, p in ckpt.list_checkpoints(cfg.output_path)]
+    if info.is_main and earlier and not cfg.resume_from_checkpoint and not cfg.overwrite_output_dir:
+        raise ConfigError(
+            f"--output_dir {cfg.output_dir} already holds a run ({', '.join(sorted(earlier)[:4])}); continue it with "
+            "--resume_from_checkpoint latest, replace it with --overwrite_output_dir, or choose another --output_dir"
+        )
     resume = None
     # Checkpoints live in rank 0's output dir (on the primary node); rank 0 reads and broadcasts the state.
     if cfg.resume_from_checkpoint and info.is_main:
