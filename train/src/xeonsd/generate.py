@@ -14,6 +14,7 @@ images/s).
 
 from __future__ import annotations
 
+import abc
 import json
 import logging
 import math
@@ -118,7 +119,7 @@ def plan_calls(manifest: dict[str, Any], opts: GenerateOptions) -> Plan:
 
 
 @dataclass
-class Engine:
+class Engine(abc.ABC):
     """A loaded, compiled pipeline; ``run`` makes the images of one call."""
 
     ov_dir: Path
@@ -130,8 +131,13 @@ class Engine:
     _pipe: Any = None
     _workdir: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
 
-    def run(self, call: Call) -> list[Any]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def open(self) -> Engine:
+        """Load and compile; sets ``load_s`` and ``compile_s``."""
+
+    @abc.abstractmethod
+    def run(self, call: Call, steps: int | None = None) -> list[Any]:
+        """The PIL images of one call (``steps`` overrides the options, e.g. for a warm-up)."""
 
     def close(self) -> None:
         self._pipe = None
@@ -146,7 +152,7 @@ class OptimumEngine(Engine):
 
         t0 = time.perf_counter()
         pipe = OVStableDiffusionPipeline.from_pretrained(
-            self.ov_dir, dynamic_shapes=not self.plan.static, compile=False, local_files_only=True
+            str(self.ov_dir), dynamic_shapes=not self.plan.static, compile=False
         )
         if self.opts.embeds is not None:
             from xeonsd.concept import add_to_openvino, load_concept
@@ -162,7 +168,7 @@ class OptimumEngine(Engine):
         self._pipe = pipe
         return self
 
-    def run(self, call: Call) -> list[Any]:
+    def run(self, call: Call, steps: int | None = None) -> list[Any]:
         import torch
 
         neg = None if self.opts.negative_prompt is None else [self.opts.negative_prompt] * len(call.prompts)
@@ -170,7 +176,7 @@ class OptimumEngine(Engine):
             prompt=call.prompts,
             negative_prompt=neg,
             num_images_per_prompt=call.per_prompt,
-            num_inference_steps=self.opts.steps,
+            num_inference_steps=steps or self.opts.steps,
             guidance_scale=self.opts.guidance_scale,
             height=self.plan.shape.height,
             width=self.plan.shape.width,
@@ -221,7 +227,7 @@ class GenaiEngine(Engine):
         self._pipe = pipe
         return self
 
-    def run(self, call: Call) -> list[Any]:
+    def run(self, call: Call, steps: int | None = None) -> list[Any]:
         import openvino_genai
         from PIL import Image
 
@@ -233,7 +239,7 @@ class GenaiEngine(Engine):
         tensor = self._pipe.generate(
             expand_prompt(call.prompts[0], self.concept_tokens),
             num_images_per_prompt=len(call.prompts) * call.per_prompt,
-            num_inference_steps=self.opts.steps,
+            num_inference_steps=steps or self.opts.steps,
             guidance_scale=self.opts.guidance_scale,
             height=self.plan.shape.height,
             width=self.plan.shape.width,
