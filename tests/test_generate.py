@@ -165,3 +165,16 @@ def test_read_manifest_refuses_a_missing_network(ov_base: Path, tmp_path: Path) 
     (broken / "unet" / "openvino_model.bin").unlink()
     with pytest.raises(ExportDirError, match="incomplete: unet"):
         read_manifest(broken)
+
+
+def test_a_failure_while_writing_leaves_no_output(ov_baked: Path, tmp_path: Path, monkeypatch) -> None:
+    import xeonsd.generate as gen
+
+    def broken_grid(images: list) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(gen, "make_grid", broken_grid)
+    out = tmp_path / "images"
+    with pytest.raises(OSError, match="disk full"):
+        gen.generate_to_dir(ov_baked, out, GenerateOptions(num_images=BATCH, steps=1))
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,58 @@
+"""The pieces of ``xeonsd bench generate`` that can be checked without the full-size run: FLOPs and the report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from xeonsd.bench_generate import format_table, pipeline_flops
+
+
+def test_pipeline_flops_count_every_unet_step_and_scale_with_pixels(tiny_model: Path) -> None:
+    one = pipeline_flops(tiny_model, 64, 64, steps=1)
+    ten = pipeline_flops(tiny_model, 64, 64, steps=10)
+    big = pipeline_flops(tiny_model, 128, 128, steps=1)
+    assert min(one.values()) > 0
+    assert ten["unet"] == pytest.approx(10 * one["unet"])
+    assert ten["text_encoder"] == one["text_encoder"] and ten["vae_decoder"] == one["vae_decoder"]
+    assert ten["total"] == pytest.approx(ten["unet"] + ten["text_encoder"] + ten["vae_decoder"])
+    # Convolutions dominate: 4x the pixels is at least ~4x the UNet and decoder work (attention grows faster).
+    assert big["unet"] >= 3.9 * one["unet"] and big["vae_decoder"] >= 3.9 * one["vae_decoder"]
+
+
+def _report(per_image: dict[str, float], bf16: float, fp32: float) -> dict:
+    results = [{"key": k, "name": k, "load_s": 1.0, "per_image_s": v, "note": ""} for k, v in per_image.items()]
+    return {
+        "model": "m",
+        "height": 512,
+        "width": 512,
+        "steps": 20,
+        "images": 1,
+        "seed": 0,
+        "warmup": False,
+        "results": results,
+        "flops_per_image": {"total": 35e12, "unet": 32e12, "text_encoder": 0.1e12, "vae_decoder": 2.9e12},
+        "matmul_peak_flops": {"bf16": bf16, "fp32": fp32},
+        "openvino_cpu_precision": "bf16",
+        "export_seconds": {},
+    }
+
+
+def test_report_gives_ratios_to_a_and_judges_the_targets() -> None:
+    table = format_table(_report({"a": 260.0, "d": 40.0, "e": 35.0}, bf16=1e12, fp32=0.25e12))
+    assert "6.50x" in table  # (a) / (d)
+    assert "(d) >= 6x faster than (a): 6.50x (met)" in table
+    assert "(d) within 1.25x of the bf16 floor: 1.14x (met)" in table  # 40 s vs 35 TFLOP / 1 TFLOP/s
+    assert "(e) faster than (d): 35.00 vs 40.00 s (met)" in table
+    slow = format_table(_report({"a": 260.0, "d": 100.0, "e": 120.0}, bf16=1e12, fp32=0.25e12))
+    assert (
+        "2.60x (NOT met)" in slow
+        and "2.86x (NOT met)" in slow
+        and "(e) faster than (d): 120.00 vs 100.00 s (NOT met)" in slow
+    )
+
+
+def test_report_does_not_judge_against_an_emulated_bf16_peak() -> None:
+    table = format_table(_report({"a": 300.0, "d": 330.0}, bf16=0.0002e12, fp32=0.11e12))
+    assert "n/a, no native bf16 here (vs the fp32 floor: 1.04x, met)" in table
