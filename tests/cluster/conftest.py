@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from harness import NODES, REPO, Cluster  # noqa: E402
-from runner import PlaybookRun, run_playbook  # noqa: E402
+from runner import TIMINGS, PlaybookRun, run_playbook  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +47,11 @@ def provisioned(cluster: Cluster, fresh_provision: PlaybookRun) -> Cluster:
     if fresh_provision.rc != 0:
         pytest.fail(f"the fresh provision failed (rc={fresh_provision.rc}):\n{fresh_provision.tail()}")
     return cluster
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The wall time of every playbook run (fresh provision, second run, ...): figures, not assertions."""
+    if TIMINGS:
+        terminalreporter.section(f"playbook wall times ({NODES}-node test cluster)")
+        for name, seconds in TIMINGS:
+            terminalreporter.write_line(f"{seconds:8.1f} s  {name}")

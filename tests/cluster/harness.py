@@ -40,6 +40,8 @@ PRIVATE_DIRS = ("/opt/diffuser", "/home/devcloud", "/etc/xeonsd", "/var/cache/xe
 CLUSTER_USER = "devcloud"
 # Nodes of the test cluster the playbook tests use (the recipe's 4).
 NODES = 4
+# Size of the sparse disk image that holds every node's private directories (GiB; only what is used is stored).
+DISK_GB = 40
 # What every node needs before Ansible can reach it (besides the roles' own OS packages).
 BASE_PACKAGES = ("openssh-server", "sudo", "python3", "python3-apt", "iproute2", "util-linux")
 
@@ -145,6 +147,7 @@ class Cluster:
         (self.state_dir / "admin_authorized_keys").write_text(self.admin_key.with_suffix(".pub").read_text())
         os.chmod(self.state_dir / "admin_authorized_keys", 0o644)
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+        self._mount_disk()
 
         run(["ip", "link", "add", self.bridge, "type", "bridge"])
         state.links.append(self.bridge)
@@ -181,6 +184,23 @@ class Cluster:
         for i, node in enumerate(state.nodes, start=1):
             wait_for_port(self.address(i), 22, timeout=20, what=f"sshd of {node}")
         self.write_inventory(self.inventory)
+
+    @property
+    def disk_image(self) -> Path:
+        return self.state_dir / "disk.img"
+
+    def _mount_disk(self) -> None:
+        """The nodes' disks: one sparse ext4 image, loop-mounted at <state>/nodes without discard, so wiping a
+        node or the whole cluster is quick (the host filesystem discards every freed block one by one)."""
+        nodes = self.state_dir / "nodes"
+        if nodes.exists():
+            shutil.rmtree(nodes)
+        nodes.mkdir(parents=True)
+        self.disk_image.unlink(missing_ok=True)
+        with open(self.disk_image, "wb") as f:
+            f.truncate(DISK_GB << 30)
+        run(["mkfs.ext4", "-q", "-F", "-E", "nodiscard", "-m", "0", str(self.disk_image)])
+        run(["mount", "-o", "loop,nodiscard", str(self.disk_image), str(nodes)])
 
     def _prepare_node_dir(self, node: str, address: str) -> str:
         """The node's private directories and its /etc/ssh (own host key, own sshd_config). Returns the host key."""
@@ -310,6 +330,8 @@ LogLevel INFO
             "ansible_ssh_private_key_file": str(self.admin_key),
             "ansible_ssh_common_args": f"-o UserKnownHostsFile={self.known_hosts} -o IdentitiesOnly=yes",
             "ansible_python_interpreter": "/usr/bin/python3",
+            # SSH connection sharing per cluster, so `down` can close exactly these connections.
+            "ansible_control_path_dir": str(self.state_dir / "cp"),
             "ansible_become_method": "sudo",
             # The test cluster: venv (no conda channel reachable), Diffusers from the PyPI sdist (no git
             # hosting reachable), offline install from the controller's wheelhouse.
@@ -328,6 +350,7 @@ LogLevel INFO
             "preflight_min_memory_mb": 1024,
             "preflight_min_free_disk_mb": 4096,
             "controller_cache_dir": str(REPO / ".cache"),
+            "ml_stack_xeonsd_source": str(self.xeonsd_source),
         }
         cluster_vars.update(overrides or {})
         tmp = Path(path).with_suffix(".tmp")
@@ -344,8 +367,21 @@ LogLevel INFO
     def assets_dir(self) -> Path:
         return self.state_dir / "assets"
 
+    @property
+    def xeonsd_source(self) -> Path:
+        return self.assets_dir / "xeonsd-source" / "train"
+
     def make_assets(self) -> None:
-        """The stand-ins for the dicoo images and the base model, made on the controller with the xeonsd CLI."""
+        """The stand-ins for the dicoo images and the base model, made on the controller with the xeonsd CLI,
+        and a snapshot of train/ (the package the nodes get), so that edits in the working tree during a test
+        session do not count as changes between two runs."""
+        if self.xeonsd_source.exists():
+            shutil.rmtree(self.xeonsd_source)
+        shutil.copytree(
+            REPO / "train",
+            self.xeonsd_source,
+            ignore=shutil.ignore_patterns(".*", "__pycache__", "*.egg-info", "build", "*.pyc"),
+        )
         xeonsd = str(VENV_BIN / "xeonsd")
         env = dict(os.environ, HF_HUB_OFFLINE="1")
         if not (self.assets_dir / "dicoo").exists():
@@ -400,6 +436,9 @@ LogLevel INFO
         # Namespaces of ours that a crashed run did not get to record.
         listed = subprocess.run(["ip", "netns", "list"], text=True, capture_output=True).stdout.split()
         namespaces |= {n for n in listed if n.startswith(f"{self.prefix}-node")}
+        # SSH control masters of Ansible's connections to these nodes (only ours: their sockets are here).
+        for sock in (self.state_dir / "cp").glob("*") if (self.state_dir / "cp").is_dir() else []:
+            subprocess.run(["ssh", "-O", "exit", "-o", f"ControlPath={sock}", "node"], capture_output=True, timeout=10)
         for ns in sorted(namespaces):
             kill_namespace(ns)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
@@ -410,8 +449,12 @@ LogLevel INFO
         for d in state.created_dirs:
             with contextlib.suppress(OSError):
                 Path(d).rmdir()
-        if (self.state_dir / "nodes").exists():
-            shutil.rmtree(self.state_dir / "nodes")
+        nodes = self.state_dir / "nodes"
+        if os.path.ismount(nodes) and subprocess.run(["umount", str(nodes)], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(nodes)], capture_output=True)
+        if nodes.exists() and not os.path.ismount(nodes):
+            shutil.rmtree(nodes)
+        self.disk_image.unlink(missing_ok=True)
         for name in ("inventory.yml", "known_hosts", "admin_authorized_keys", "state.json"):
             (self.state_dir / name).unlink(missing_ok=True)
 

@@ -13,6 +13,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 
+# (log name, wall seconds) of every playbook run in this session, for the summary at the end.
+TIMINGS: list[tuple[str, float]] = []
+
 RECAP_LINE = re.compile(r"^(?P<host>\S+)\s*:\s*(?P<counts>(?:\w+=\d+\s*)+)$")
 
 
@@ -78,4 +81,5 @@ def run_playbook(
     )
     seconds = time.monotonic() - began
     log.write_text(proc.stdout)
+    TIMINGS.append((name, seconds))
     return PlaybookRun(argv=argv, rc=proc.returncode, output=proc.stdout, seconds=seconds, log=log)
