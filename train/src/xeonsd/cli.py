@@ -101,6 +101,13 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_generate)
 
 
+def _report(args: argparse.Namespace) -> int:
+    from xeonsd.report import write_report
+
+    print(write_report(Path(args.run_dir)))
+    return 0
+
+
 def _bench(args: argparse.Namespace, rest: list[str]) -> int:
     if args.what == "train":
         from xeonsd.bench_train import main as bench_main
@@ -130,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_export_parser(sub)
     _add_generate_parser(sub)
+
+    p = sub.add_parser("report", help="write report.html for a run directory (command, loss, throughput, images)")
+    p.add_argument("run_dir", help="directory with run.json, metrics.jsonl, loss.png, images/ …")
+    p.set_defaults(func=_report)
 
     p = sub.add_parser("bench", help="benchmarks (`xeonsd bench train --help`)", add_help=False)
     p.add_argument("what", choices=["train", "generate"])

@@ -1,0 +1,147 @@
+"""``xeonsd report RUN_DIR``: one ``report.html`` a person can open, from what a run left in its directory.
+
+It reads what is there and says what is missing: ``run.json`` (the exact command, versions, phase times, written
+by whoever launched the run), ``metrics.jsonl`` and ``loss.png`` (the trainer), ``images/`` with ``timings.json``
+(``xeonsd generate``) and an export manifest (``xeonsd export``). Images are linked relatively, so the
+directory can be moved or copied as a whole.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from xeonsd.fsutil import atomic_file
+
+REPORT = "report.html"
+
+
+def _load_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _metrics(run: Path) -> list[dict]:
+    for name in ("metrics.jsonl", "metrics.partial.jsonl"):
+        path = run / name
+        if path.is_file():
+            rows = []
+            for line in path.read_text().splitlines():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a crash
+            return rows
+    return []
+
+
+def training_summary(rows: list[dict]) -> dict[str, Any]:
+    """Steps, first/last loss, median s/step and throughput from the trainer's metrics rows."""
+    if not rows:
+        return {}
+    timed = [r["s_per_step"] for r in rows[1:]] or [rows[0]["s_per_step"]]
+    return {
+        "steps": rows[-1]["step"],
+        "ranks": rows[-1].get("ranks"),
+        "backend": rows[-1].get("backend"),
+        "first loss": round(rows[0]["loss"], 5),
+        "last loss": round(rows[-1]["loss"], 5),
+        "median s/step": round(statistics.median(timed), 3),
+        "images/s": round(statistics.median(r["images_per_s"] for r in rows[1:] or rows), 3),
+        "all-reduce bytes/step": rows[-1].get("allreduce_bytes"),
+        "training time (s)": round(sum(r["s_per_step"] for r in rows), 1),
+    }
+
+
+def _table(data: dict[str, Any]) -> str:
+    cells = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>" for k, v in data.items())
+    return f"<table>{cells}</table>"
+
+
+def _find_export_manifest(run: Path) -> dict | None:
+    for candidate in sorted(run.glob("**/xeonsd_export.json")):
+        return _load_json(candidate)
+    return None
+
+
+def build_report(run: Path) -> str:
+    run = Path(run)
+    info = _load_json(run / "run.json") or {}
+    sections: list[str] = []
+    missing: list[str] = []
+
+    if info.get("command"):
+        sections.append(f"<h2>Command</h2><pre>{html.escape(str(info['command']))}</pre>")
+    else:
+        missing.append("run.json (command, versions, phase times)")
+    if info.get("versions"):
+        sections.append("<h2>Versions</h2>" + _table(info["versions"]))
+
+    summary = training_summary(_metrics(run))
+    if summary:
+        sections.append("<h2>Training</h2>" + _table(summary))
+    else:
+        missing.append("metrics.jsonl")
+    if (run / "loss.png").is_file():
+        sections.append('<h2>Loss</h2><img src="loss.png" alt="loss per step">')
+    else:
+        missing.append("loss.png")
+
+    phases = dict(info.get("phases") or {})
+    images_dir = run / "images"
+    timings = _load_json(images_dir / "timings.json") or {}
+    if timings:
+        for key in ("load_s", "compile_s", "first_image_s", "images_per_s"):
+            if key in timings:
+                phases[f"generate: {key}"] = timings[key]
+    if phases:
+        sections.append("<h2>Throughput per phase</h2>" + _table(phases))
+
+    manifest = _find_export_manifest(run)
+    if manifest:
+        shown = {k: v for k, v in manifest.items() if not isinstance(v, dict | list)}
+        sections.append("<h2>OpenVINO export</h2>" + _table(shown))
+
+    pictures = sorted(p for p in images_dir.glob("*.png") if p.name != "grid.png") if images_dir.is_dir() else []
+    if pictures:
+        figs = "".join(
+            f'<figure><img src="images/{html.escape(p.name)}" alt="{html.escape(p.name)}">'
+            f"<figcaption>{html.escape(p.name)}</figcaption></figure>"
+            for p in pictures
+        )
+        prompt = timings.get("prompts") or timings.get("prompt")
+        caption = f"<p>Prompt: <q>{html.escape(str(prompt))}</q></p>" if prompt else ""
+        sections.append(f"<h2>Generated images</h2>{caption}<div class=images>{figs}</div>")
+    else:
+        missing.append("images/*.png")
+    if missing:
+        sections.append(
+            "<h2>Not in this run directory</h2><ul>" + "".join(f"<li>{html.escape(m)}</li>" for m in missing) + "</ul>"
+        )
+
+    title = html.escape(info.get("title") or f"xeonsd run {run.name}")
+    style = (
+        "body{font-family:sans-serif;max-width:70em;margin:2em auto;padding:0 1em}"
+        "table{border-collapse:collapse}th,td{border:1px solid #ccc;padding:.2em .6em;text-align:left}"
+        "pre{background:#f4f4f4;padding:.8em;white-space:pre-wrap}.images{display:flex;flex-wrap:wrap;gap:1em}"
+        "figure{margin:0}figure img{width:256px;image-rendering:pixelated}"
+    )
+    return (
+        f"<!doctype html><html><head><meta charset=utf-8><title>{title}</title><style>{style}</style></head>"
+        f"<body><h1>{title}</h1>{''.join(sections)}</body></html>\n"
+    )
+
+
+def write_report(run: Path) -> Path:
+    run = Path(run)
+    if not run.is_dir():
+        raise FileNotFoundError(f"run directory {run} does not exist")
+    text = build_report(run)
+    with atomic_file(run / REPORT, "w") as fh:
+        fh.write(text)
+    return run / REPORT
