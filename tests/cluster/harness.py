@@ -337,6 +337,8 @@ LogLevel INFO
             # hosting reachable), offline install from the controller's wheelhouse.
             "python_env_kind": "venv",
             "diffusers_source": "sdist",
+            # CPU torch comes from this machine's pip configuration (no PyTorch index is reachable here).
+            "ml_stack_extra_index_urls": [],
             "offline_install": True,
             # Nodes have no route to a package mirror; the harness installed the packages on the shared /usr.
             "system_packages_update_cache": False,
