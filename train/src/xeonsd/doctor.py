@@ -1,0 +1,148 @@
+"""``xeonsd doctor -- TRAIN_ARGS``: the recipe's troubleshooting advice as one command, run on one node.
+
+"Run the training locally on every node for one step before launching the distributed job": it checks the
+packages, the preloaded tcmalloc, AMX, the images and the model named in the training arguments, then trains one
+step as a single process with exactly those arguments. Every check reports PASS, WARN or FAIL with its cause;
+the exit code is 1 when any check fails. ``--json`` prints the same as one JSON object (doctor.yml reads it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from xeonsd.cpu import cpu_info
+
+PACKAGES = ("torch", "diffusers", "transformers", "safetensors", "xeonsd")
+# Variables of a launcher: the one-step trial must run as a single process, not join a job.
+_LAUNCHER_VARS = ("PMI_", "MPI_LOCAL", "OMPI_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "HYDRA_")
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str  # PASS, WARN, FAIL
+    detail: str
+
+
+def check_packages() -> Check:
+    versions, missing = [], []
+    for name in PACKAGES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError as exc:
+            missing.append(f"{name} ({exc})")
+            continue
+        versions.append(f"{name} {getattr(mod, '__version__', '?')}")
+    if missing:
+        return Check("packages", "FAIL", "missing package: " + "; ".join(missing))
+    return Check("packages", "PASS", ", ".join(versions))
+
+
+def check_tcmalloc(env: dict[str, str]) -> Check:
+    preload = [p for p in env.get("LD_PRELOAD", "").replace(":", " ").split() if p]
+    tcmalloc = [p for p in preload if "tcmalloc" in Path(p).name]
+    if not tcmalloc:
+        return Check("tcmalloc", "WARN", "not preloaded (LD_PRELOAD has no libtcmalloc; source the cluster's env.sh)")
+    for lib in tcmalloc:
+        try:
+            ctypes.CDLL(lib)
+        except OSError as exc:
+            return Check("tcmalloc", "FAIL", f"LD_PRELOAD names {lib}, which does not load: {exc}")
+    return Check("tcmalloc", "PASS", ", ".join(tcmalloc))
+
+
+def check_cpu() -> Check:
+    info = cpu_info()
+    native = info.native_bf16
+    if native == "AMX":
+        return Check("amx", "PASS", f"{info.model}: amx_bf16 + amx_tile")
+    what = f"only {native}" if native else "no native bf16 (emulated, slow)"
+    return Check("amx", "WARN", f"{info.model}: no AMX; {what}; use --mixed_precision no or auto here")
+
+
+def check_inputs(train_args: list[str]) -> list[Check]:
+    from xeonsd.config import parse_config
+    from xeonsd.data import DataError, find_images
+
+    cfg = parse_config(train_args)
+    checks = []
+    try:
+        images = find_images(Path(cfg.train_data_dir))
+        checks.append(Check("images", "PASS", f"{len(images)} readable images in {cfg.train_data_dir}"))
+    except DataError as exc:
+        checks.append(Check("images", "FAIL", str(exc)))
+    model = Path(cfg.pretrained_model_name_or_path).expanduser()
+    if (model / "model_index.json").is_file():
+        checks.append(Check("model", "PASS", str(model)))
+    elif model.is_absolute() or model.exists():
+        checks.append(Check("model", "FAIL", f"{model} is not a diffusers pipeline directory (no model_index.json)"))
+    else:
+        checks.append(Check("model", "WARN", f"{model}: a Hub id; the trial step tells whether it is cached"))
+    return checks
+
+
+def trial_step(train_args: list[str], env: dict[str, str], timeout: float) -> Check:
+    """One training step as a single process, with the job's own arguments (output to a scratch dir)."""
+    clean = {k: v for k, v in env.items() if not k.startswith(_LAUNCHER_VARS)}
+    with tempfile.TemporaryDirectory(prefix="xeonsd-doctor-") as out:
+        cmd = [sys.executable, "-m", "xeonsd.cli", "train", *train_args,
+               "--max_train_steps=1", "--checkpointing_steps=0", "--save_steps=0", f"--output_dir={out}",
+               "--overwrite_output_dir", "--log_every=1"]  # fmt: skip
+        cmd = [c for c in cmd if not c.startswith(("--validation_prompt", "--resume_from_checkpoint", "--world_size"))]
+        try:
+            proc = subprocess.run(cmd, env=clean, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return Check("train 1 step", "FAIL", f"did not finish within {timeout:.0f} s")
+        if proc.returncode != 0:
+            lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+            cause = next((ln for ln in reversed(lines) if "error" in ln.lower()), lines[-1] if lines else "no output")
+            return Check("train 1 step", "FAIL", cause.strip()[-400:])
+        metrics = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return Check("train 1 step", "PASS", f"loss {metrics[-1]['loss']:.4f} in {metrics[-1]['s_per_step']:.1f} s")
+
+
+def run_checks(train_args: list[str], env: dict[str, str], timeout: float, skip_train: bool) -> list[Check]:
+    checks = [check_packages(), check_tcmalloc(env), check_cpu(), *check_inputs(train_args)]
+    ready = all(c.status != "FAIL" for c in checks)
+    if skip_train:
+        pass
+    elif ready:
+        checks.append(trial_step(train_args, env, timeout))
+    else:
+        checks.append(Check("train 1 step", "FAIL", "skipped: fix the failures above first"))
+    return checks
+
+
+def format_table(checks: list[Check]) -> str:
+    width = max(len(c.name) for c in checks)
+    return "\n".join(f"{c.name:<{width}}  {c.status:<4}  {c.detail}" for c in checks)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="xeonsd doctor", description=__doc__.splitlines()[0],
+                                     usage="xeonsd doctor [--json] [--skip-train] [--timeout S] -- TRAIN_ARGS…")  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--skip-train", action="store_true", help="check only, do not train a step")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds the one-step trial may take")
+    if "--" not in argv:
+        parser.error("give the training arguments after --, e.g. xeonsd doctor -- --pretrained_model_name_or_path …")
+    split = argv.index("--")
+    args = parser.parse_args(argv[:split])
+    train_args = argv[split + 1 :]
+    checks = run_checks(train_args, dict(os.environ), args.timeout, args.skip_train)
+    ok = all(c.status != "FAIL" for c in checks)
+    if args.json:
+        host = os.uname().nodename
+        print(json.dumps({"host": host, "ok": ok, "checks": [asdict(c) for c in checks]}))
+    else:
+        print(format_table(checks))
+    return 0 if ok else 1
