@@ -38,3 +38,27 @@ cluster-down:
 lint-ansible: install
 	$(VENV)/bin/yamllint --strict .
 	$(VENV)/bin/ansible-lint --profile production
+
+# The main job on the built-in default, on this machine: offline tiny model + 5 synthetic images,
+# textual inversion on 4 MPI ranks, OpenVINO export with the concept, 5 images at the recipe's call shape.
+DEMO_DIR   ?= runs/demo
+DEMO_RANKS ?= 4
+DEMO_STEPS ?= 40
+demo: install
+	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
+	$(VENV)/bin/xeonsd make-tiny-model $(DEMO_DIR)/base-model
+	$(VENV)/bin/xeonsd make-dataset $(DEMO_DIR)/dicoo
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH HF_HUB_OFFLINE=1 mpirun -n $(DEMO_RANKS) xeonsd train \
+	  --pretrained_model_name_or_path=$(DEMO_DIR)/base-model --train_data_dir=$(DEMO_DIR)/dicoo \
+	  --learnable_property=object --placeholder_token="<dicoo>" --initializer_token=toy --resolution=128 \
+	  --train_batch_size=1 --seed=7 --gradient_accumulation_steps=1 --max_train_steps=$(DEMO_STEPS) \
+	  --learning_rate=2.0e-03 --scale_lr --lr_scheduler=constant --lr_warmup_steps=0 \
+	  --output_dir=$(DEMO_DIR)/textual_inversion_output --mixed_precision=auto --checkpointing_steps=20
+	HF_HUB_OFFLINE=1 $(VENV)/bin/xeonsd export $(DEMO_DIR)/base-model $(DEMO_DIR)/openvino \
+	  --embeds $(DEMO_DIR)/textual_inversion_output/learned_embeds.safetensors --height 128 --width 128
+	HF_HUB_OFFLINE=1 $(VENV)/bin/xeonsd generate $(DEMO_DIR)/openvino --num-images 5 --steps 20 \
+	  --prompt "a yellow <dicoo> robot at the beach, high quality" --out $(DEMO_DIR)/images
+	@echo
+	@echo "learned embedding: $(DEMO_DIR)/textual_inversion_output/learned_embeds.safetensors"
+	@echo "loss plot:         $(DEMO_DIR)/textual_inversion_output/loss.png"
+	@echo "images:            $(DEMO_DIR)/images (grid.png, timings.json)"
