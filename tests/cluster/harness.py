@@ -230,6 +230,10 @@ class Cluster:
                 str(etc_ssh / "ssh_host_ed25519_key"),
             ]
         )
+        # The controller's key, inside the node's own /etc/ssh: sshd's StrictModes refuses a key file anywhere
+        # below a group- or world-writable directory, such as a checkout under /tmp.
+        shutil.copy2(self.state_dir / "admin_authorized_keys", etc_ssh / "admin_authorized_keys")
+        os.chmod(etc_ssh, 0o755)
         (etc_ssh / "sshd_config").write_text(
             f"""# sshd of test node {node} (tests/cluster/harness.py)
 ListenAddress {address}
@@ -241,7 +245,7 @@ PermitRootLogin prohibit-password
 PubkeyAuthentication yes
 PasswordAuthentication no
 KbdInteractiveAuthentication no
-AuthorizedKeysFile .ssh/authorized_keys {self.state_dir}/admin_authorized_keys
+AuthorizedKeysFile .ssh/authorized_keys /etc/ssh/admin_authorized_keys
 StrictModes yes
 MaxStartups 200:30:400
 MaxSessions 200
