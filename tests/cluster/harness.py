@@ -130,20 +130,7 @@ class Cluster:
         self._save(state)  # from here on, `down` can clean up whatever exists
         self.state_dir.mkdir(parents=True, exist_ok=True)
         if not self.admin_key.exists():
-            run(
-                [
-                    "ssh-keygen",
-                    "-q",
-                    "-t",
-                    "ed25519",
-                    "-N",
-                    "",
-                    "-C",
-                    "xeonsd-test-controller",
-                    "-f",
-                    str(self.admin_key),
-                ]
-            )
+            make_ed25519_key(self.admin_key, "xeonsd-test-controller")
         (self.state_dir / "admin_authorized_keys").write_text(self.admin_key.with_suffix(".pub").read_text())
         os.chmod(self.state_dir / "admin_authorized_keys", 0o644)
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
@@ -216,20 +203,7 @@ class Cluster:
                 shutil.copy2(Path("/etc/ssh", name), etc_ssh / name)
         if Path("/etc/ssh/ssh_config.d").is_dir():
             shutil.copytree("/etc/ssh/ssh_config.d", etc_ssh / "ssh_config.d")
-        run(
-            [
-                "ssh-keygen",
-                "-q",
-                "-t",
-                "ed25519",
-                "-N",
-                "",
-                "-C",
-                f"root@{node}",
-                "-f",
-                str(etc_ssh / "ssh_host_ed25519_key"),
-            ]
-        )
+        make_ed25519_key(etc_ssh / "ssh_host_ed25519_key", f"root@{node}")
         # The controller's key, inside the node's own /etc/ssh: sshd's StrictModes refuses a key file anywhere
         # below a group- or world-writable directory, such as a checkout under /tmp.
         shutil.copy2(self.state_dir / "admin_authorized_keys", etc_ssh / "admin_authorized_keys")
@@ -463,6 +437,11 @@ LogLevel INFO
         self.disk_image.unlink(missing_ok=True)
         for name in ("inventory.yml", "known_hosts", "admin_authorized_keys", "state.json"):
             (self.state_dir / name).unlink(missing_ok=True)
+
+
+def make_ed25519_key(path: Path, comment: str) -> None:
+    """A passphrase-less ed25519 key pair at ``path`` and ``path.pub``."""
+    run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)])
 
 
 def kill_namespace(ns: str) -> None:
