@@ -107,6 +107,13 @@ def load_concept(path: Path, token: str | None = None) -> Concept:
     return Concept(tokens=expand_tokens(name, arr.shape[0]), vectors=arr, source=str(path), sha256=digest)
 
 
+def token_taken(tokenizer: Any, token: str, vocab: dict[str, int] | None = None) -> bool:
+    """An exact vocabulary entry (incl. an added token), or a word the tokenizer already reads as one existing
+    token (CLIP stores "photo" as "photo</w>"): adding it would hijack that word in every prompt."""
+    vocab = tokenizer.get_vocab() if vocab is None else vocab
+    return token in vocab or len(tokenizer.encode(token, add_special_tokens=False)) == 1
+
+
 def check_concept(concept: Concept, tokenizer: Any, hidden_size: int) -> None:
     """Refuse a concept whose vector size does not fit the text encoder or whose tokens are already taken."""
     if concept.hidden_size != hidden_size:
@@ -116,8 +123,8 @@ def check_concept(concept: Concept, tokenizer: Any, hidden_size: int) -> None:
         )
     vocab = tokenizer.get_vocab()
     for tok in concept.tokens:
-        ids = tokenizer.encode(tok, add_special_tokens=False)
-        if tok in vocab or len(ids) == 1:
+        if token_taken(tokenizer, tok, vocab):
+            ids = tokenizer.encode(tok, add_special_tokens=False)
             existing = vocab.get(tok, ids[0] if ids else None)
             raise ConceptError(
                 f"token {tok!r} collides with an existing token of the tokenizer (id {existing}); the model already "

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from xeonsd.concept import expand_tokens, token_taken
 from xeonsd.fsutil import atomic_path
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ def placeholder_tokens(placeholder: str, num_vectors: int) -> list[str]:
     """``<tok>``, ``<tok>_1``, … : the names diffusers' ``load_textual_inversion`` gives multi-vector concepts."""
     if num_vectors < 1:
         raise ConceptError(f"--num_vectors must be at least 1, got {num_vectors}")
-    return [placeholder] + [f"{placeholder}_{i}" for i in range(1, num_vectors)]
+    return expand_tokens(placeholder, num_vectors)
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,7 @@ def add_concept(tokenizer, text_encoder, placeholder: str, initializer: str, num
     """Add the placeholder token(s) to tokenizer and text encoder; new rows start as the initializer's embedding."""
     tokens = placeholder_tokens(placeholder, num_vectors)
     vocab = tokenizer.get_vocab()
-    # Taken: an exact vocabulary entry (incl. an added token), or a word the tokenizer already reads as one
-    # existing token (CLIP stores "photo" as "photo</w>"); adding it would hijack that word in every prompt.
-    taken = [t for t in tokens if t in vocab or len(tokenizer.encode(t, add_special_tokens=False)) == 1]
+    taken = [t for t in tokens if token_taken(tokenizer, t, vocab)]
     if taken:
         raise ConceptError(
             f"placeholder token {taken[0]!r} is already in the tokenizer's vocabulary; choose another "

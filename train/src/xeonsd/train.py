@@ -45,8 +45,9 @@ log = logging.getLogger("xeonsd.train")
 EMBEDS_FILE = "learned_embeds.safetensors"
 
 
-def validate(cfg: TrainConfig, info: RankInfo) -> Path | None:
-    """Check everything that can be checked cheaply; returns the checkpoint to resume from, if any."""
+def validate(cfg: TrainConfig, info: RankInfo) -> tuple[list[Path], Path | None]:
+    """Check everything that can be checked cheaply; returns the training images (each checked to decode) and
+    the checkpoint to resume from, if any."""
     if cfg.mixed_precision == "fp16":
         raise ConfigError(
             "--mixed_precision fp16 is not supported on CPU (no fp16 autocast/AMX path for training); "
@@ -66,7 +67,7 @@ def validate(cfg: TrainConfig, info: RankInfo) -> Path | None:
             f"--world_size {cfg.world_size} does not match the launcher ({info.launcher}), which reports "
             f"{info.world_size} rank(s) for rank {info.rank}; check mpirun -n / the nodefile"
         )
-    find_images(Path(cfg.train_data_dir))
+    images = find_images(Path(cfg.train_data_dir))
     model = cfg.pretrained_model_name_or_path
     looks_local = model.startswith((".", "/", "~")) or os.sep in model and Path(model).exists()
     if looks_local and not (Path(model).expanduser() / "model_index.json").is_file():
@@ -84,7 +85,7 @@ def validate(cfg: TrainConfig, info: RankInfo) -> Path | None:
     # Checkpoints live in rank 0's output dir (on the primary node); rank 0 reads and broadcasts the state.
     if cfg.resume_from_checkpoint and info.is_main:
         resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, cfg.output_path)
-    return resume
+    return images, resume
 
 
 class _RankFilter(logging.Filter):
@@ -133,18 +134,18 @@ def run(cfg: TrainConfig) -> dict:
     """Train; returns a summary dict. Raises ConfigError/DataError/ConceptError/CheckpointError on bad input."""
     info = detect_ranks()
     _setup_logging(info)
-    resume_path = validate(cfg, info)
+    images, resume_path = validate(cfg, info)
     if cfg.mixed_precision == "auto":
         cfg = dataclasses.replace(cfg, mixed_precision="bf16" if cpu_info().native_bf16 else "no")
     placement = place_rank(info)
     backend = init_process_group(info)
     try:
-        return _train(cfg, info, placement.threads, placement.cpus, backend, resume_path)
+        return _train(cfg, info, placement.threads, placement.cpus, backend, images, resume_path)
     finally:
         destroy_process_group()
 
 
-def _train(cfg, info: RankInfo, threads: int, cpus, backend, resume_path) -> dict:  # noqa: C901 - one readable loop
+def _train(cfg, info: RankInfo, threads: int, cpus, backend, images: list[Path], resume_path) -> dict:  # noqa: C901 - one readable loop
     out = cfg.output_path
     world = info.world_size
     # ---- setup -------------------------------------------------------------------------------------------------
@@ -213,7 +214,6 @@ def _train(cfg, info: RankInfo, threads: int, cpus, backend, resume_path) -> dic
         log.info("resumed from %s at step %d", resume_path, start_step)
 
     # ---- data --------------------------------------------------------------------------------------------------
-    images = find_images(Path(cfg.train_data_dir))
     pixels = load_all_pixels(images, cfg.resolution, cfg.center_crop, cfg.dataloader_num_workers)
     vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
     latent_shape = (vae.config.latent_channels, cfg.resolution // vae_scale, cfg.resolution // vae_scale)
