@@ -331,6 +331,12 @@ LogLevel INFO
             "preflight_min_free_disk_mb": 4096,
             "controller_cache_dir": str(REPO / ".cache"),
             "ml_stack_xeonsd_source": str(self.xeonsd_source),
+            # The training job (finetune.yml, doctor.yml's one-step trial) sized for the tiny model on 2 cores:
+            # small images, fp32 unless the CPU has bf16, few steps.
+            "finetune_resolution": 128,
+            "finetune_mixed_precision": "auto",
+            "finetune_max_train_steps": 30,
+            "finetune_checkpointing_steps": 10,
         }
         cluster_vars.update(overrides or {})
         tmp = Path(path).with_suffix(".tmp")
