@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("doctor", help="check this node and train one step with the job's arguments (`-- TRAIN_ARGS`)",
                    add_help=False)  # fmt: skip
 
+    sub.add_parser("hello", help="under mpirun: every rank joins the trainer's process group and answers",
+                   add_help=False)  # fmt: skip
+
     p = sub.add_parser("report", help="write report.html for a run directory (command, loss, throughput, images)")
     p.add_argument("run_dir", help="directory with run.json, metrics.jsonl, loss.png, images/ …")
     p.set_defaults(func=_report)
@@ -161,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         from xeonsd.doctor import main as doctor_main
 
         return doctor_main(argv[1:])
+    if argv and argv[0] == "hello":
+        from xeonsd.hello import main as hello_main
+
+        return hello_main(argv[1:])
     if argv and argv[0] == "bench" and len(argv) > 1 and argv[1] in ("train", "generate"):
         return _bench(argparse.Namespace(what=argv[1]), argv[2:])
     args = parser.parse_args(argv)

@@ -1,0 +1,142 @@
+"""``xeonsd hello``: every rank of an mpirun job joins the trainer's process group and answers.
+
+Run it the way the training job runs (``mpirun -f NODEFILE -n N -ppn K xeonsd hello --expect-ranks N``): each
+rank joins the same process group the trainer uses (``MASTER_ADDR``/``MASTER_PORT``, ccl or gloo), all-reduces
+one number and all-gathers where it runs. Rank 0 prints one line per node and a summary line; the exit code is 1
+when the group does not form, a collective fails, or the world is not the one expected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from dataclasses import dataclass
+
+from xeonsd.distributed import (
+    DEFAULT_MASTER_ADDR,
+    DEFAULT_MASTER_PORT,
+    TIMEOUT_ENV,
+    DistributedError,
+    RankInfo,
+    destroy_process_group,
+    detect_ranks,
+    init_process_group,
+)
+
+
+@dataclass(frozen=True)
+class Member:
+    rank: int
+    local_rank: int
+    address: str
+    hostname: str
+    pid: int
+
+
+def route_address(master_addr: str, master_port: int) -> str:
+    """This node's address on the way to MASTER_ADDR (what the other ranks reach it by), not its hostname.
+
+    Connecting a UDP socket sends nothing; it only asks the kernel which source address routes there.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master_addr, master_port))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
+
+
+def node_lines(members: list[Member]) -> list[str]:
+    """One line per node (by address), nodes in the order of their lowest rank."""
+    nodes: dict[str, list[Member]] = {}
+    for m in sorted(members, key=lambda m: m.rank):
+        nodes.setdefault(m.address, []).append(m)
+    lines = []
+    for address, ms in nodes.items():
+        ranks = " ".join(str(m.rank) for m in ms)
+        hosts = ",".join(sorted({m.hostname for m in ms}))
+        pids = ",".join(str(m.pid) for m in ms)
+        lines.append(f"{address}: ranks {ranks} (host {hosts}, pids {pids})")
+    return lines
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def run(info: RankInfo, expect_ranks: int | None, expect_nodes: int | None) -> tuple[int, list[str]]:
+    """Join, all-reduce, all-gather. Returns (exit code, lines for rank 0 to print); errors go to stderr."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    addr = os.environ.get("MASTER_ADDR", DEFAULT_MASTER_ADDR)
+    port = int(os.environ.get("MASTER_PORT", DEFAULT_MASTER_PORT))
+    me = Member(info.rank, info.local_rank, route_address(addr, port), socket.gethostname(), os.getpid())
+    if info.world_size == 1 and (expect_ranks or 1) > 1:
+        return 1, [
+            f"xeonsd hello: error: started as a single process ({info.launcher}), expected {expect_ranks} ranks: "
+            "run it under mpirun (mpirun -f NODEFILE -n N -ppn K xeonsd hello)"
+        ]
+    backend = init_process_group(info)
+    try:
+        value = torch.tensor([float(info.rank + 1)], dtype=torch.float64)
+        members: list[Member | None] = [None] * info.world_size
+        if backend is None:
+            members = [me]
+        else:
+            try:
+                dist.all_reduce(value, op=dist.ReduceOp.SUM)
+                dist.all_gather_object(members, me)
+            except Exception as exc:  # noqa: BLE001 - c10d errors have no common type; reported with the rank
+                raise DistributedError(
+                    f"rank {info.rank}: a collective over the {backend} process group at {addr}:{port} failed: {exc}"
+                ) from exc
+    finally:
+        destroy_process_group()
+    total = value.item()
+    expected_sum = info.world_size * (info.world_size + 1) / 2
+    gathered = [m for m in members if m is not None]
+    n_nodes = len({m.address for m in gathered})
+    lines = node_lines(gathered)
+    errors = []
+    if total != expected_sum:
+        errors.append(f"all-reduce gave sum={total:g}, expected {expected_sum:g}: ranks disagree on the world")
+    if expect_ranks is not None and info.world_size != expect_ranks:
+        errors.append(
+            f"the job has {_plural(info.world_size, 'rank')}, expected {expect_ranks}: check mpirun -n and the nodefile"
+        )
+    if expect_nodes is not None and n_nodes != expect_nodes:
+        errors.append(
+            f"the ranks run on {_plural(n_nodes, 'node')}, expected {expect_nodes}: check the nodefile and mpirun -ppn"
+        )
+    verdict = "all-reduce ok" if total == expected_sum else "all-reduce WRONG"
+    lines.append(
+        f"hello: {_plural(info.world_size, 'rank')} on {_plural(n_nodes, 'node')}, "
+        f"backend {backend or 'none (single process)'}, {verdict} (sum={total:g})"
+    )
+    lines += [f"xeonsd hello: error: {e}" for e in errors]
+    return (1 if errors else 0), lines
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="xeonsd hello", description=__doc__.splitlines()[0])
+    parser.add_argument("--expect-ranks", type=int, help="fail unless the job has exactly this many ranks")
+    parser.add_argument("--expect-nodes", type=int, help="fail unless the ranks run on exactly this many nodes")
+    parser.add_argument(
+        "--timeout", type=float, default=120, help="seconds to wait for every rank to join (default 120)"
+    )
+    args = parser.parse_args(argv)
+    os.environ[TIMEOUT_ENV] = str(args.timeout)
+    try:
+        info = detect_ranks()
+        rc, lines = run(info, args.expect_ranks, args.expect_nodes)
+    except DistributedError as exc:
+        print(f"xeonsd hello: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    if info.rank == 0:
+        for line in lines:
+            print(line, file=sys.stderr if line.startswith("xeonsd hello: error:") else sys.stdout, flush=True)
+    return rc
