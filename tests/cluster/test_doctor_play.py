@@ -1,0 +1,129 @@
+"""doctor.yml on the real 4-node test cluster: every node trains one step with the job's arguments, the primary
+checks the nodefile, SSH and an mpirun hello across all ranks, and one table names what is wrong where."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+
+from harness import NODES, Cluster
+from runner import PlaybookRun, run_playbook
+
+NODE_CHECKS = ("packages", "tcmalloc", "images", "model", "train 1 step", "ssh from primary")
+RANKS = 4 * NODES  # the test cluster runs 4 ranks per node (harness.write_inventory)
+
+
+def report(result: PlaybookRun) -> list[str]:
+    """The lines of the doctor's table, read from the report task's JSON output."""
+    out = result.output
+    start = out.index("TASK [doctor : Doctor's report")
+    start = out.index("=> {", start) + len("=> ")
+    end = out.index("\n}\n", start) + 2
+    return json.loads(out[start:end])["msg"]
+
+
+def rows(lines: list[str]) -> dict[tuple[str, str], tuple[str, str]]:
+    """{(node, check): (status, detail)} from the table (columns are separated by two or more spaces)."""
+    table = {}
+    for line in lines[1:]:
+        if line.startswith("RESULT:"):
+            break
+        node, check, status, detail = re.split(r"\s{2,}", line, maxsplit=3)
+        table[(node, check)] = (status, detail)
+    return table
+
+
+def show(result: PlaybookRun, what: str) -> list[str]:
+    lines = report(result)
+    print(f"\n{what}: {result.seconds:.1f} s wall (log: {result.log})\n" + "\n".join(lines))
+    return lines
+
+
+def test_doctor_passes_a_healthy_cluster(provisioned: Cluster) -> None:
+    result = run_playbook("doctor.yml", provisioned.inventory, state_dir=provisioned.state_dir, name="doctor-healthy")
+    lines = show(result, f"doctor.yml, healthy {NODES}-node cluster")
+    assert result.rc == 0, result.tail()
+    table = rows(lines)
+    for node in provisioned.nodes:
+        for check in NODE_CHECKS:
+            assert table[(node, check)][0] == "PASS", (node, check, table[(node, check)])
+        # This machine has no AMX: a warning, not a failure (WARN rows do not fail the play).
+        assert table[(node, "amx")][0] in ("PASS", "WARN")
+        assert table[(node, "train 1 step")][1].startswith("loss ")
+    assert table[("cluster", "nodefile")][0] == "PASS", table[("cluster", "nodefile")]
+    hello = table[("cluster", "mpirun hello")]
+    assert hello == (
+        "PASS",
+        f"hello: {RANKS} ranks on {NODES} nodes, backend gloo, all-reduce ok (sum={RANKS * (RANKS + 1) // 2})",
+    )
+    assert lines[-1].startswith("RESULT: PASS")
+    # The doctor changes nothing.
+    assert result.changed() == {node: 0 for node in provisioned.nodes}, result.recap
+    for node in provisioned.nodes:
+        assert not (provisioned.private_dir(node, "/home/devcloud") / ".ansible").exists(), node
+
+
+def test_doctor_flags_the_node_whose_images_were_deleted_and_passes_the_others(provisioned: Cluster) -> None:
+    images = provisioned.private_dir("node3", "/home/devcloud") / "dicoo"
+    originals = provisioned.assets_dir / "dicoo"
+    saved = {p.name: p.stat() for p in sorted(images.iterdir())}
+    assert sorted(saved) == sorted(p.name for p in originals.iterdir()), "node3's images are not the dataset's"
+    provisioned.ssh("node3", "rm -f /home/devcloud/dicoo/*")
+    try:
+        result = run_playbook(
+            "doctor.yml", provisioned.inventory, state_dir=provisioned.state_dir, name="doctor-node3-no-images"
+        )
+        lines = show(result, "doctor.yml, node3 without images")
+        assert result.rc != 0, result.tail()
+        table = rows(lines)
+        status, detail = table[("node3", "images")]
+        assert status == "FAIL" and "/home/devcloud/dicoo holds no images" in detail, detail
+        # The trial step is not attempted on a node that already failed a check, and says so.
+        assert table[("node3", "train 1 step")] == ("FAIL", "skipped: fix the failures above first")
+        for node in provisioned.nodes:
+            if node != "node3":
+                for check in NODE_CHECKS:
+                    assert table[(node, check)][0] == "PASS", (node, check, table[(node, check)])
+        assert table[("cluster", "nodefile")][0] == "PASS"
+        assert table[("cluster", "mpirun hello")][0] == "PASS"
+        assert {node for (node, _), (status, _) in table.items() if status == "FAIL"} == {"node3"}
+        # The verdict names what to do; the play's failure names the node and the cause.
+        assert lines[-3].startswith("RESULT: FAIL (2 of ")
+        assert "  node3 images: copy the images back: ansible-playbook provision.yml --limit node3" in lines
+        assert "doctor: 2 check(s) failed on node3: node3 images (--train_data_dir /home/devcloud/dicoo holds no" in (
+            result.output
+        )
+        assert result.recap["node1"]["failed"] == 1, result.recap
+    finally:
+        # Put node3's images back as the dataset role left them (same bytes, owner, group and mode), so that a
+        # later provision run finds nothing to do.
+        for name, st in saved.items():
+            dest = images / name
+            shutil.copyfile(originals / name, dest)
+            os.chown(dest, st.st_uid, st.st_gid)
+            os.chmod(dest, st.st_mode & 0o7777)
+    for name in saved:
+        digest = hashlib.sha256((images / name).read_bytes()).hexdigest()
+        assert digest == hashlib.sha256((originals / name).read_bytes()).hexdigest(), name
+
+
+def test_doctor_runs_its_checks_in_check_mode(provisioned: Cluster) -> None:
+    """The checks only read, so --check runs them for real (without the trial step here, to keep it short)."""
+    result = run_playbook(
+        "doctor.yml",
+        provisioned.inventory,
+        "--check",
+        "-e",
+        "doctor_skip_train=true",
+        state_dir=provisioned.state_dir,
+        name="doctor-check-mode",
+    )
+    lines = show(result, "doctor.yml --check -e doctor_skip_train=true")
+    assert result.rc == 0, result.tail()
+    table = rows(lines)
+    assert all((node, "train 1 step") not in table for node in provisioned.nodes)
+    assert all(table[(node, "images")][0] == "PASS" for node in provisioned.nodes)
+    assert table[("cluster", "mpirun hello")][0] == "PASS"
