@@ -12,7 +12,10 @@ import datetime
 import importlib
 import logging
 import os
-from collections.abc import Mapping
+import socket
+import sys
+import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +29,9 @@ DEFAULT_MASTER_PORT = 29500
 # How long a collective may wait for a peer before the job fails (a dead rank ends the job instead of hanging).
 TIMEOUT_ENV = "XEONSD_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 1800
+# A shorter limit for the training steps once every rank is set up (finetune.yml sets 60 s): a rank or node that
+# dies or stalls mid-run then ends the job within that time. Unset: the steps keep XEONSD_DIST_TIMEOUT.
+STEP_TIMEOUT_ENV = "XEONSD_STEP_TIMEOUT"
 
 
 class DistributedError(RuntimeError):
@@ -74,6 +80,51 @@ def detect_ranks(env: Mapping[str, str] | None = None) -> RankInfo:
     return RankInfo(0, 1, 0, 1, "single")
 
 
+def _seconds(env: Mapping[str, str], name: str) -> float | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise DistributedError(f"{name}={raw!r} is not a number of seconds") from exc
+    if value <= 0:
+        raise DistributedError(f"{name}={raw!r} must be a positive number of seconds")
+    return value
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long a collective may wait for its peers: during set-up, and during the training steps."""
+
+    setup_s: float
+    step_s: float | None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Timeouts:
+        env = os.environ if env is None else env
+        return cls(_seconds(env, TIMEOUT_ENV) or DEFAULT_TIMEOUT_S, _seconds(env, STEP_TIMEOUT_ENV))
+
+
+def set_collective_timeout(seconds: float | None, world_size: int) -> None:
+    """Use ``seconds`` as the process group's timeout for the collectives that follow (gloo; no-op if None)."""
+    if world_size > 1 and seconds is not None:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(datetime.timedelta(seconds=seconds))
+
+
+def node_address(peer: str | None = None) -> str:
+    """This node's address on the network that reaches ``peer`` (default MASTER_ADDR): names the node in logs."""
+    peer = peer or os.environ.get("MASTER_ADDR", DEFAULT_MASTER_ADDR)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((peer, 9))  # UDP: no packet is sent, the kernel only picks the route
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
+
+
 def pick_backend() -> str:
     """``ccl`` when the oneCCL bindings for PyTorch import (they register the backend), else ``gloo``."""
     try:
@@ -90,7 +141,7 @@ def init_process_group(info: RankInfo, backend: str | None = None) -> str | None
     backend = backend or pick_backend()
     addr = os.environ.get("MASTER_ADDR", DEFAULT_MASTER_ADDR)
     port = int(os.environ.get("MASTER_PORT", DEFAULT_MASTER_PORT))
-    timeout = datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
+    timeout = datetime.timedelta(seconds=Timeouts.from_env().setup_s)
     try:
         dist.init_process_group(
             backend=backend,
@@ -169,20 +220,58 @@ def place_rank(info: RankInfo, env: Mapping[str, str] | None = None) -> Placemen
     return Placement(len(mine), tuple(mine), "auto")
 
 
+@contextlib.contextmanager
+def collective(what: str) -> Iterator[None]:
+    """Turn a failed collective into a DistributedError that says what it was and what it usually means."""
+    try:
+        yield
+    except RuntimeError as exc:  # DistBackendError and gloo's errors are RuntimeErrors
+        raise DistributedError(
+            f"the {what} failed: a peer rank died, its node went away or it stalled past the collective timeout ({exc})"
+        ) from exc
+
+
+def take_the_job_down(info: RankInfo, exit_code: int) -> None:
+    """A rank that gives up under Intel MPI asks the launcher to end the whole job (PMI abort).
+
+    Hydra only cleans up a job by itself when a rank that joined PMI dies; our ranks never join it, so a rank
+    that merely exits leaves the others blocked in a collective until its timeout, and a stalled rank forever.
+    With the abort, mpirun ends every rank on every node at once and exits with ``exit_code``. Open MPI's
+    mpirun already ends the job when a rank exits non-zero; a single process has nothing to take down.
+    """
+    fd = os.environ.get("PMI_FD", "")
+    if info.world_size < 2 or info.launcher != "intel-mpi" or not fd.isdigit():
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        with socket.socket(fileno=int(fd)) as pmi:
+            pmi.settimeout(10)
+            pmi.sendall(b"cmd=init pmi_version=1 pmi_subversion=1\n")
+            pmi.recv(256)
+            pmi.sendall(f"cmd=abort exitcode={exit_code}\n".encode())
+            time.sleep(30)  # the launcher ends this process together with the others
+    except OSError as exc:
+        log.warning("could not ask the launcher to end the job (PMI abort: %s)", exc)
+
+
 def all_reduce_mean_(buf: torch.Tensor, world_size: int) -> torch.Tensor:
     """Average ``buf`` over all ranks in place (no-op for a single process)."""
     if world_size > 1:
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+        with collective("all-reduce"):
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM)
         buf.div_(world_size)
     return buf
 
 
 def all_reduce_sum_(buf: torch.Tensor, world_size: int) -> torch.Tensor:
     if world_size > 1:
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+        with collective("all-reduce"):
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM)
     return buf
 
 
 def barrier(world_size: int) -> None:
     if world_size > 1:
-        dist.barrier()
+        with collective("barrier"):
+            dist.barrier()

@@ -14,6 +14,7 @@ import os
 import secrets
 import sys
 import time
+import traceback
 from dataclasses import asdict
 from pathlib import Path
 
@@ -28,12 +29,17 @@ from xeonsd.data import DataError, SamplingPlan, find_images, load_all_pixels, t
 from xeonsd.distributed import (
     DistributedError,
     RankInfo,
+    Timeouts,
     all_reduce_mean_,
     barrier,
+    collective,
     destroy_process_group,
     detect_ranks,
     init_process_group,
+    node_address,
     place_rank,
+    set_collective_timeout,
+    take_the_job_down,
 )
 from xeonsd.embeddings import ConceptError, PlaceholderEmbedding, add_concept, save_learned_embeds
 from xeonsd.latents import build_latent_cache, encode_distribution, sample_latents
@@ -114,7 +120,8 @@ def _shared_resume_state(resume_path: Path | None, world: int) -> dict | None:
     state = ckpt.load_checkpoint(resume_path) if resume_path else None
     if world > 1:
         box = [state]
-        torch.distributed.broadcast_object_list(box, src=0)
+        with collective("broadcast of the checkpoint"):
+            torch.distributed.broadcast_object_list(box, src=0)
         state = box[0]
     return state
 
@@ -126,7 +133,8 @@ def _shared_seed(cfg: TrainConfig, info: RankInfo, resume_state: dict | None) ->
         return cfg.seed
     chosen = torch.tensor([secrets.randbelow(2**31) if info.is_main else 0], dtype=torch.int64)
     if info.world_size > 1:
-        torch.distributed.broadcast(chosen, src=0)
+        with collective("broadcast of the seed"):
+            torch.distributed.broadcast(chosen, src=0)
     return int(chosen.item())
 
 
@@ -135,25 +143,26 @@ def run(cfg: TrainConfig) -> dict:
     info = detect_ranks()
     _setup_logging(info)
     images, resume_path = validate(cfg, info)
+    timeouts = Timeouts.from_env()
     if cfg.mixed_precision == "auto":
         cfg = dataclasses.replace(cfg, mixed_precision="bf16" if cpu_info().native_bf16 else "no")
     placement = place_rank(info)
     backend = init_process_group(info)
     try:
-        return _train(cfg, info, placement.threads, placement.cpus, backend, images, resume_path)
+        return _train(cfg, info, placement.threads, placement.cpus, backend, images, resume_path, timeouts)
     finally:
         destroy_process_group()
 
 
-def _train(cfg, info: RankInfo, threads: int, cpus, backend, images: list[Path], resume_path) -> dict:  # noqa: C901 - one readable loop
+def _train(cfg, info: RankInfo, threads: int, cpus, backend, images: list[Path], resume_path, timeouts) -> dict:  # noqa: C901 - one readable loop
     out = cfg.output_path
     world = info.world_size
     # ---- setup -------------------------------------------------------------------------------------------------
     models = load_models(cfg)
     tokenizer, text_encoder, vae, unet = models.tokenizer, models.text_encoder, models.vae, models.unet
     log.info(
-        "launcher=%s backend=%s threads=%d cores=%s dtype=%s bf16_hw=%s ipex=%s local_rank=%d/%d",
-        info.launcher, backend or "none (single process)", threads, ",".join(map(str, cpus)),
+        "node=%s pid=%d launcher=%s backend=%s threads=%d cores=%s dtype=%s bf16_hw=%s ipex=%s local_rank=%d/%d",
+        node_address(), os.getpid(), info.launcher, backend or "none (single process)", threads, ",".join(map(str, cpus)),
         str(models.weight_dtype).replace("torch.", ""), cpu_info().native_bf16 or "none",
         "on" if models.ipex else "off",
         info.local_rank, info.local_world_size,
@@ -274,6 +283,11 @@ def _train(cfg, info: RankInfo, threads: int, cpus, backend, images: list[Path],
             mininterval=0.5 if sys.stderr.isatty() else 10.0,  # under mpirun stderr is a pipe: fewer updates
         )  # fmt: skip
     step_times: list[float] = []
+    # Every rank is set up: from here on a collective that waits longer than the step timeout ends the job.
+    barrier(world)
+    set_collective_timeout(timeouts.step_s, world)
+    if world > 1 and timeouts.step_s is not None:
+        log.info("collective timeout during the steps: %.0f s (set-up: %.0f s)", timeouts.step_s, timeouts.setup_s)
     for step in range(start_step, cfg.max_train_steps):
         t_step = time.perf_counter()
         loss_sum = 0.0
@@ -325,10 +339,16 @@ def _train(cfg, info: RankInfo, threads: int, cpus, backend, images: list[Path],
                 "optimizer": optimizer.state_dict(), "lr_scheduler": lr_scheduler.state_dict(),
                 "global_batch": global_batch, "config": asdict(cfg),
             }, keep=cfg.checkpoints_total_limit)  # fmt: skip
-        if info.is_main and cfg.validation_prompt and cfg.validation_steps and done % cfg.validation_steps == 0:
-            render_validation(cfg, models, out / "validation" / f"step-{done}", seed)
+        if cfg.validation_prompt and cfg.validation_steps and done % cfg.validation_steps == 0:
+            # Rank 0 renders images for minutes on a CPU while the others wait: the set-up timeout applies.
+            set_collective_timeout(timeouts.setup_s, world)
+            if info.is_main:
+                render_validation(cfg, models, out / "validation" / f"step-{done}", seed)
+            barrier(world)
+            set_collective_timeout(timeouts.step_s, world)
     if progress is not None:
         progress.close()
+    set_collective_timeout(timeouts.setup_s, world)  # rank 0 saves the pipeline while the others wait
 
     # ---- save --------------------------------------------------------------------------------------------------
     vectors = (trainable[concept.ids] if cfg.train_full_embedding_matrix else trainable).detach().clone()
@@ -354,12 +374,23 @@ def _train(cfg, info: RankInfo, threads: int, cpus, backend, images: list[Path],
 
 def main(argv: list[str]) -> int:
     cfg = parse_config(argv)
+    info = detect_ranks()
     try:
         summary = run(cfg)
     except (ConfigError, DataError, ConceptError, ckpt.CheckpointError, DistributedError) as exc:
-        print(f"xeonsd train: error: {exc}", file=sys.stderr)
+        where = f"rank {info.rank}/{info.world_size} on {node_address()}: " if info.world_size > 1 else ""
+        print(f"xeonsd train: error: {where}{exc}", file=sys.stderr)
+        take_the_job_down(info, 2)
         return 2
-    if detect_ranks().is_main:
+    except Exception:
+        if info.world_size > 1:
+            print(
+                f"xeonsd train: error: rank {info.rank}/{info.world_size} on {node_address()} failed:", file=sys.stderr
+            )
+            traceback.print_exc()
+            take_the_job_down(info, 1)
+        raise
+    if info.is_main:
         med = summary["median_s_per_step"]
         print(f"done: {summary['steps']} steps on {summary['ranks']} rank(s), backend {summary['backend']}, "
               f"median {med:.3f} s/step; outputs in {summary['output_dir']}" if med is not None else
