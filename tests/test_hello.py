@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from xeonsd.hello import Member, node_lines, route_address
+from xeonsd.hello import Member, gloo_loopback_hint, interface_of, node_lines, route_address
 
 
 def _mpirun(env: dict[str, str]) -> str:
@@ -93,3 +93,26 @@ def test_node_lines_group_ranks_by_address_in_rank_order():
         "10.0.0.1: ranks 0 1 (host a, pids 10,11)",
         "10.0.0.2: ranks 2 3 (host b, pids 12,13)",
     ]
+
+
+def test_a_hostname_on_loopback_is_named_as_the_reason_gloo_cannot_cross_nodes(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setattr(socket, "gethostname", lambda: "node7")
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1" if name == "node7" else "0.0.0.0")
+    hint = gloo_loopback_hint("10.231.9.17")
+    assert hint is not None
+    assert "gloo listens on 127.0.1.1" in hint and "'node7' resolves to loopback" in hint
+    assert "export GLOO_SOCKET_IFNAME=" in hint
+    # Not the reason: a single node (the route is loopback), an interface already chosen, a hostname that
+    # resolves to a real address.
+    assert gloo_loopback_hint("127.0.0.1") is None
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    assert gloo_loopback_hint("10.231.9.17") is None
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "10.231.9.17")
+    assert gloo_loopback_hint("10.231.9.17") is None
+
+
+def test_interface_of_finds_the_interface_holding_an_address():
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("192.0.2.123") is None  # TEST-NET-1: on no interface here

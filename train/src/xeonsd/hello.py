@@ -48,6 +48,43 @@ def route_address(master_addr: str, master_port: int) -> str:
         return socket.gethostname()
 
 
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that holds ``address`` (None when no interface does)."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(packed[20:24]) == address:
+                return name
+    return None
+
+
+def gloo_loopback_hint(route: str) -> str | None:
+    """Why gloo cannot connect across nodes here, when that is the reason: with no GLOO_SOCKET_IFNAME, gloo
+    listens on the address the hostname resolves to, and a hostname that resolves to loopback (127.0.1.1 in many
+    /etc/hosts) gives the other nodes an address they cannot reach."""
+    if os.environ.get("GLOO_SOCKET_IFNAME") or route.startswith("127."):
+        return None
+    host = socket.gethostname()
+    try:
+        resolved = socket.gethostbyname(host)
+    except OSError:
+        return None
+    if not resolved.startswith("127."):
+        return None
+    iface = interface_of(route) or "the MPI network's interface"
+    return (
+        f"gloo listens on {resolved}, because this node's hostname {host!r} resolves to loopback, and ranks on "
+        f"other nodes cannot reach that: export GLOO_SOCKET_IFNAME={iface} in the job's environment (env.sh)"
+    )
+
+
 def node_lines(members: list[Member]) -> list[str]:
     """One line per node (by address), nodes in the order of their lowest rank."""
     nodes: dict[str, list[Member]] = {}
@@ -135,6 +172,10 @@ def main(argv: list[str]) -> int:
         rc, lines = run(info, args.expect_ranks, args.expect_nodes)
     except DistributedError as exc:
         print(f"xeonsd hello: error: {exc}", file=sys.stderr, flush=True)
+        addr = os.environ.get("MASTER_ADDR", DEFAULT_MASTER_ADDR)
+        hint = gloo_loopback_hint(route_address(addr, int(os.environ.get("MASTER_PORT", DEFAULT_MASTER_PORT))))
+        if hint:
+            print(f"xeonsd hello: error: {hint}", file=sys.stderr, flush=True)
         return 1
     if info.rank == 0:
         for line in lines:
