@@ -23,6 +23,7 @@ from xeonsd.distributed import (
     destroy_process_group,
     detect_ranks,
     init_process_group,
+    take_the_job_down,
 )
 
 
@@ -169,6 +170,10 @@ def main(argv: list[str]) -> int:
     os.environ[TIMEOUT_ENV] = str(args.timeout)
     try:
         info = detect_ranks()
+    except DistributedError as exc:
+        print(f"xeonsd hello: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    try:
         rc, lines = run(info, args.expect_ranks, args.expect_nodes)
     except DistributedError as exc:
         print(f"xeonsd hello: error: {exc}", file=sys.stderr, flush=True)
@@ -176,6 +181,8 @@ def main(argv: list[str]) -> int:
         hint = gloo_loopback_hint(route_address(addr, int(os.environ.get("MASTER_PORT", DEFAULT_MASTER_PORT))))
         if hint:
             print(f"xeonsd hello: error: {hint}", file=sys.stderr, flush=True)
+        # The other ranks may be blocked waiting for this one: ask mpirun to end them all now.
+        take_the_job_down(info, 1)
         return 1
     if info.rank == 0:
         for line in lines:
