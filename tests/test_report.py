@@ -62,3 +62,17 @@ def test_report_names_what_is_missing(tmp_path, cli_env):
     proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", "report", str(tmp_path / "nope")], env=cli_env,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+def test_report_shows_the_job_script_and_the_stack_when_run_json_is_absent(tmp_path, cli_env):
+    run = tmp_path / "playbook-run"
+    run.mkdir()
+    (run / "run.sh").write_text("mpirun -l -f /etc/xeonsd/nodefile -n 16 -ppn 4 xeonsd train --placeholder_token='<dicoo>'\n")
+    proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", "report", str(run)], env=cli_env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    page = (run / "report.html").read_text()
+    assert "-n 16 -ppn 4 xeonsd train" in page and "&lt;dicoo&gt;" in page
+    import torch
+
+    assert f"<th>torch</th><td>{torch.__version__}</td>" in page

@@ -337,6 +337,7 @@ LogLevel INFO
             "finetune_mixed_precision": "auto",
             "finetune_max_train_steps": 30,
             "finetune_checkpointing_steps": 10,
+            "finetune_poll_s": 5,
         }
         cluster_vars.update(overrides or {})
         tmp = Path(path).with_suffix(".tmp")

@@ -38,6 +38,10 @@ class DistributedError(RuntimeError):
     """The launch environment is inconsistent or the process group could not form."""
 
 
+class PeerLostError(DistributedError):
+    """A collective failed: another rank died, its node went away, or it stalled past the timeout."""
+
+
 @dataclass(frozen=True)
 class RankInfo:
     rank: int
@@ -226,24 +230,27 @@ def collective(what: str) -> Iterator[None]:
     try:
         yield
     except RuntimeError as exc:  # DistBackendError and gloo's errors are RuntimeErrors
-        raise DistributedError(
+        raise PeerLostError(
             f"the {what} failed: a peer rank died, its node went away or it stalled past the collective timeout ({exc})"
         ) from exc
 
 
-def take_the_job_down(info: RankInfo, exit_code: int) -> None:
+def take_the_job_down(info: RankInfo, exit_code: int, grace_s: float = 0.0) -> None:
     """A rank that gives up under Intel MPI asks the launcher to end the whole job (PMI abort).
 
     Hydra only cleans up a job by itself when a rank that joined PMI dies; our ranks never join it, so a rank
     that merely exits leaves the others blocked in a collective until its timeout, and a stalled rank forever.
     With the abort, mpirun ends every rank on every node at once and exits with ``exit_code``. Open MPI's
     mpirun already ends the job when a rank exits non-zero; a single process has nothing to take down.
+    ``grace_s`` lets the other survivors of a lost peer report it too before the job ends (their reports tell
+    which node went away).
     """
     fd = os.environ.get("PMI_FD", "")
     if info.world_size < 2 or info.launcher != "intel-mpi" or not fd.isdigit():
         return
     sys.stdout.flush()
     sys.stderr.flush()
+    time.sleep(grace_s)
     try:
         with socket.socket(fileno=int(fd)) as pmi:
             pmi.settimeout(10)

@@ -63,24 +63,53 @@ def _table(data: dict[str, Any]) -> str:
     return f"<table>{cells}</table>"
 
 
+# Distributions whose versions make a run reproducible (absent ones are left out).
+STACK = ("xeonsd", "torch", "intel-extension-for-pytorch", "oneccl_bind_pt", "diffusers", "transformers",
+         "accelerate", "impi-rt", "openvino", "openvino-genai", "openvino-tokenizers", "optimum-intel", "nncf")  # fmt: skip
+
+
+def stack_versions() -> dict[str, str]:
+    """Versions of the installed stack (the env that writes the report: the one that ran the job)."""
+    import platform
+    from importlib import metadata
+
+    found = {"python": platform.python_version()}
+    for name in STACK:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def _command(run: Path, info: dict) -> str | None:
+    """run.json's command, else the job script the finetune playbook left (run.sh), else nothing."""
+    if info.get("command"):
+        return str(info["command"])
+    script = run / "run.sh"
+    return script.read_text() if script.is_file() else None
+
+
 def _find_export_manifest(run: Path) -> dict | None:
     for candidate in sorted(run.glob("**/xeonsd_export.json")):
         return _load_json(candidate)
     return None
 
 
-def build_report(run: Path) -> str:
+def build_report(run: Path) -> str:  # noqa: C901 - one section after the other
     run = Path(run)
     info = _load_json(run / "run.json") or {}
     sections: list[str] = []
     missing: list[str] = []
 
-    if info.get("command"):
-        sections.append(f"<h2>Command</h2><pre>{html.escape(str(info['command']))}</pre>")
+    command = _command(run, info)
+    if command:
+        sections.append(f"<h2>Command</h2><pre>{html.escape(command)}</pre>")
     else:
-        missing.append("run.json (command, versions, phase times)")
-    if info.get("versions"):
-        sections.append("<h2>Versions</h2>" + _table(info["versions"]))
+        missing.append("run.json or run.sh (the command)")
+    sections.append("<h2>Versions</h2>" + _table(info.get("versions") or stack_versions()))
+    if info.get("cluster"):
+        sections.append("<h2>Cluster</h2>" + _table(info["cluster"]))
 
     summary = training_summary(_metrics(run))
     if summary:

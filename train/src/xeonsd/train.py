@@ -28,6 +28,7 @@ from xeonsd.cpu import cpu_info
 from xeonsd.data import DataError, SamplingPlan, find_images, load_all_pixels, templates_for
 from xeonsd.distributed import (
     DistributedError,
+    PeerLostError,
     RankInfo,
     Timeouts,
     all_reduce_mean_,
@@ -47,6 +48,8 @@ from xeonsd.metrics import MetricsLog, plot_loss
 from xeonsd.models import ConfigError, autocast, load_models, render_validation, save_full_pipeline
 
 log = logging.getLogger("xeonsd.train")
+# A rank that lost a peer waits this long before ending the job, so that the other survivors report it too.
+ABORT_GRACE_S = 3.0
 
 EMBEDS_FILE = "learned_embeds.safetensors"
 
@@ -380,7 +383,7 @@ def main(argv: list[str]) -> int:
     except (ConfigError, DataError, ConceptError, ckpt.CheckpointError, DistributedError) as exc:
         where = f"rank {info.rank}/{info.world_size} on {node_address()}: " if info.world_size > 1 else ""
         print(f"xeonsd train: error: {where}{exc}", file=sys.stderr)
-        take_the_job_down(info, 2)
+        take_the_job_down(info, 2, grace_s=ABORT_GRACE_S if isinstance(exc, PeerLostError) else 0.0)
         return 2
     except Exception:
         if info.world_size > 1:

@@ -1,0 +1,299 @@
+#!/usr/bin/python
+"""Ansible module: the state of a finetune job on the primary (progress while it runs, diagnosis when it failed).
+
+It reads what the job leaves in its run directory: ``metrics.partial.jsonl`` / ``metrics.jsonl`` (the trainer's
+steps), ``train.log`` (mpirun -l output of every rank, one attempt per header line), ``exit.json`` (run.sh) and
+Ansible's async results file of the launch. The parsing functions are plain functions, tested on their own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+
+from ansible.module_utils.basic import AnsibleModule
+
+DOCUMENTATION = r"""
+module: xeonsd_job
+short_description: Progress and failure diagnosis of an xeonsd finetune job
+description:
+  - Reports whether the job launched by the finetune role has finished, its progress (step, loss, s/step,
+    time left) and, for a failed job, which node and ranks caused it with the first lines of their log.
+options:
+  run_dir:
+    description: The job's run directory on the primary.
+    type: path
+    required: true
+  results_file:
+    description: Ansible's async results file of the launch task.
+    type: path
+    required: true
+  node_names:
+    description: The cluster's inventory names in nodefile order (primary first).
+    type: list
+    elements: str
+    default: []
+  node_addresses:
+    description: Their MPI addresses, in the same order.
+    type: list
+    elements: str
+    default: []
+  ranks_per_node:
+    description: mpirun -ppn, to place ranks that never logged their node.
+    type: int
+    default: 1
+  total_steps:
+    description: max_train_steps of the job.
+    type: int
+    required: true
+  excerpt_lines:
+    description: How many log lines of the failing ranks to return.
+    type: int
+    default: 12
+"""
+
+ATTEMPT_MARKER = "#### xeonsd attempt"
+METRICS = ("metrics.partial.jsonl", "metrics.jsonl")
+_LINE = re.compile(r"^\[(?P<rank>\d+)\] (?P<text>.*)$")
+_STARTUP = re.compile(r"\[rank (?P<rank>\d+)/(?P<world>\d+)\].* node=(?P<addr>\S+) pid=(?P<pid>\d+)")
+_FATAL = re.compile(r"xeonsd train: error: (?:rank (?P<rank>\d+)/(?P<world>\d+) on (?P<addr>\S+?):? )?(?P<msg>.*)")
+_LOST_PEER = "a peer rank died"
+_PEER_ADDR = re.compile(r"\[(?P<addr>\d{1,3}(?:\.\d{1,3}){3})\]:\d+")
+_TIMEOUT = re.compile(r"timed? ?out|Timeout exceeded", re.IGNORECASE)
+# What Intel MPI prints when I_MPI_JOB_TIMEOUT ends the job.
+_JOB_TIMEOUT = "job ending due to application timeout"
+
+
+def last_attempt(log_text: str) -> str:
+    """The part of train.log written by the newest attempt (a resumed run appends to the same log)."""
+    cut = log_text.rfind(ATTEMPT_MARKER)
+    return log_text[cut:] if cut >= 0 else log_text
+
+
+def rank_lines(log_text: str) -> dict[int, list[str]]:
+    """Each rank's own lines (mpirun -l prefixes every line with [rank]; tqdm's carriage returns split too)."""
+    lines: dict[int, list[str]] = {}
+    for raw in log_text.replace("\r", "\n").splitlines():
+        m = _LINE.match(raw.strip())
+        if m and m["text"].strip():
+            lines.setdefault(int(m["rank"]), []).append(m["text"].rstrip())
+    return lines
+
+
+def read_progress(run_dir: str, total: int) -> dict:
+    rows = []
+    for name in METRICS:
+        path = os.path.join(run_dir, name)
+        if os.path.isfile(path):
+            with open(path) as fh:
+                for line in fh:
+                    try:
+                        rows.append(json.loads(line))
+                    except ValueError:
+                        continue  # a line being written right now
+            break
+    if not rows:
+        return {"step": 0, "total": total}
+    last = rows[-1]
+    recent = sorted(r["s_per_step"] for r in rows[-20:])
+    s_per_step = recent[len(recent) // 2]
+    return {
+        "step": last["step"],
+        "total": total,
+        "loss": last["loss"],
+        "s_per_step": s_per_step,
+        "eta_s": max(0.0, (total - last["step"]) * s_per_step),
+        "ranks": last.get("ranks"),
+        "backend": last.get("backend"),
+    }
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m {seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def progress_line(progress: dict, ranks_up: int, world: int | None) -> str:
+    if progress["step"] == 0:
+        up = f"{ranks_up}/{world}" if world else str(ranks_up)
+        return f"starting: {up} ranks up, step 0/{progress['total']}"
+    pct = 100 * progress["step"] / max(1, progress["total"])
+    return (
+        f"step {progress['step']}/{progress['total']} ({pct:.0f}%) · loss {progress['loss']:.4f} · "
+        f"{progress['s_per_step']:.2f} s/step · ~{_duration(progress['eta_s'])} left · "
+        f"{progress['ranks']} ranks ({progress['backend']})"
+    )
+
+
+def _compress(ranks: list[int]) -> str:
+    """[8, 9, 10, 11, 13] -> '8-11, 13'"""
+    out, run = [], []
+    for r in sorted(ranks):
+        if run and r != run[-1] + 1:
+            out.append(run)
+            run = []
+        run.append(r)
+    if run:
+        out.append(run)
+    return ", ".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in out)
+
+
+def diagnose(log_text: str, nodes: list[dict], ranks_per_node: int, excerpt_lines: int = 12) -> dict:
+    """Which node(s) and rank(s) ended a failed job, and the first lines of their log.
+
+    A rank with an error of its own (bad input, a traceback) is the cause. Otherwise the ranks that reported
+    losing a peer are witnesses, and the cause is the node whose ranks fell silent and that the witnesses name
+    as the peer that went away (or, after a stall, simply the silent node).
+    """
+    text = last_attempt(log_text)
+    lines = rank_lines(text)
+    addr_of: dict[int, str] = {}
+    world = None
+    for rank, own in lines.items():
+        for line in own:
+            m = _STARTUP.search(line)
+            if m:
+                addr_of[rank] = m["addr"]
+                world = int(m["world"])
+    own_errors: dict[int, str] = {}
+    lost_peer: dict[int, str] = {}
+    for rank, own in lines.items():
+        for line in own:
+            m = _FATAL.search(line)
+            if m:
+                world = world or (int(m["world"]) if m["world"] else None)
+                if m["addr"]:
+                    addr_of.setdefault(rank, m["addr"])
+                (lost_peer if _LOST_PEER in line else own_errors).setdefault(rank, line)
+            elif line.startswith("Traceback"):
+                own_errors.setdefault(rank, line)
+    world = world or (max(lines) + 1 if lines else 0)
+    by_addr = {n["address"]: n["name"] for n in nodes}
+
+    def node_of(rank: int) -> str:
+        if rank in addr_of:
+            return by_addr.get(addr_of[rank], addr_of[rank])
+        index = rank // max(1, ranks_per_node)
+        return nodes[index]["name"] if index < len(nodes) else "?"
+
+    if own_errors:
+        culprits = sorted(own_errors)
+        kind = "failed with an error"
+    else:
+        silent = [r for r in range(world) if r not in lost_peer]
+        named = {by_addr.get(m["addr"], m["addr"]) for line in lost_peer.values() for m in _PEER_ADDR.finditer(line)}
+        culprits = [r for r in silent if node_of(r) in named] or silent
+        kind = "stopped without an error of their own (killed, crashed hard or stalled; or their node went away)"
+    bad_nodes = sorted({node_of(r) for r in culprits}, key=lambda n: [x["name"] for x in nodes].index(n)
+                       if n in [x["name"] for x in nodes] else len(nodes))  # fmt: skip
+    excerpt: list[str] = []
+    for rank in culprits:
+        own = lines.get(rank, [])
+        first = next((i for i, ln in enumerate(own) if "error" in ln.lower() or ln.startswith("Traceback")), None)
+        chosen = own[first : first + excerpt_lines] if first is not None else own[-3:]
+        excerpt += [f"[rank {rank}] {ln[:400]}" for ln in chosen]
+        if len(excerpt) >= excerpt_lines:
+            break
+    if not own_errors and lost_peer:
+        first_witness = min(lost_peer)
+        excerpt.append(f"[rank {first_witness}] {lost_peer[first_witness][:600]}")
+    if not lines:
+        excerpt = [ln[:400] for ln in text.splitlines()[-excerpt_lines:]]
+    parts = []
+    for node in bad_nodes:
+        mine = [r for r in culprits if node_of(r) == node]
+        parts.append(f"{node} (rank{'s' if len(mine) > 1 else ''} {_compress(mine)})")
+    summary = f"{', '.join(parts) or 'unknown node'}: {kind}"
+    if not own_errors and lost_peer:
+        summary += f"; {len(lost_peer)} other rank(s) reported losing them"
+    return {"nodes": bad_nodes, "ranks": culprits, "summary": summary, "excerpt": excerpt[: excerpt_lines + 1]}
+
+
+def async_state(results_file: str) -> dict:
+    """Ansible's async results: {"finished": bool, ...} (the same rules as async_status)."""
+    try:
+        with open(results_file) as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        return {"finished": False}
+    except ValueError:
+        return {"finished": False}  # being written
+    if "started" not in data:
+        data["finished"] = True
+    else:
+        data["finished"] = bool(data.get("finished"))
+    return data
+
+
+def job_state(params: dict) -> dict:
+    run_dir = params["run_dir"]
+    total = params["total_steps"]
+    launch = async_state(params["results_file"])
+    progress = read_progress(run_dir, total)
+    log_path = os.path.join(run_dir, "train.log")
+    log_text = ""
+    if os.path.isfile(log_path):
+        with open(log_path, errors="replace") as fh:
+            log_text = fh.read()
+    attempt = last_attempt(log_text)
+    ranks_up = len(set(m["rank"] for m in _STARTUP.finditer(attempt)))
+    world = params["ranks_per_node"] * len(params["nodes"]) if params["nodes"] else None
+    result = {
+        "changed": False,
+        "finished": launch["finished"],
+        "rc": None,
+        "progress": progress,
+        "msg": progress_line(progress, ranks_up, world),
+    }
+    exit_path = os.path.join(run_dir, "exit.json")
+    if launch["finished"]:
+        exit_info = {}
+        if os.path.isfile(exit_path):
+            with open(exit_path) as fh:
+                exit_info = json.load(fh)
+        result["exit"] = exit_info
+        rc = exit_info.get("rc", launch.get("rc"))
+        if rc is None:
+            rc = 124 if _TIMEOUT.search(str(launch.get("msg", ""))) else 1
+        result["rc"] = rc
+        if rc == 75:
+            result["failure"] = {"nodes": [], "ranks": [], "excerpt": [],
+                                 "summary": "another finetune holds the lock on the primary; it was not started twice"}  # fmt: skip
+        elif rc != 0:
+            failure = diagnose(log_text, params["nodes"], params["ranks_per_node"], params["excerpt_lines"])
+            if rc == 124 or _JOB_TIMEOUT in last_attempt(log_text):
+                failure["summary"] = f"the job ran past its time limit; {failure['summary']}"
+            result["failure"] = failure
+        result["msg"] = f"finished (rc {rc}) · " + result["msg"]
+    result["checked_at"] = time.time()
+    return result
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec={
+            "run_dir": {"type": "path", "required": True},
+            "results_file": {"type": "path", "required": True},
+            "node_names": {"type": "list", "elements": "str", "default": []},
+            "node_addresses": {"type": "list", "elements": "str", "default": []},
+            "ranks_per_node": {"type": "int", "default": 1},
+            "total_steps": {"type": "int", "required": True},
+            "excerpt_lines": {"type": "int", "default": 12},
+        },
+        supports_check_mode=True,
+    )
+    params = dict(module.params)
+    if len(params["node_names"]) != len(params["node_addresses"]):
+        module.fail_json(msg="node_names and node_addresses must have the same length")
+    if not os.path.isdir(params["run_dir"]):
+        module.fail_json(msg=f"run directory {params['run_dir']} does not exist on this node")
+    params["nodes"] = [{"name": n, "address": a} for n, a in zip(params["node_names"], params["node_addresses"])]
+    module.exit_json(**job_state(params))
+
+
+if __name__ == "__main__":
+    main()
