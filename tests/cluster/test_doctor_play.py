@@ -127,3 +127,28 @@ def test_doctor_runs_its_checks_in_check_mode(provisioned: Cluster) -> None:
     assert all((node, "train 1 step") not in table for node in provisioned.nodes)
     assert all(table[(node, "images")][0] == "PASS" for node in provisioned.nodes)
     assert table[("cluster", "mpirun hello")][0] == "PASS"
+
+
+def test_doctor_reports_an_unreachable_node_and_checks_the_others(provisioned: Cluster, tmp_path) -> None:
+    """The controller cannot reach node4 (wrong SSH port in the inventory): node4 gets a FAIL row with the cause,
+    the other nodes and the cluster checks still run (the MPI network itself is fine)."""
+    inventory = provisioned.write_inventory(tmp_path / "inventory.yml", host_overrides={"node4": {"ansible_port": 2}})
+    result = run_playbook(
+        "doctor.yml",
+        inventory,
+        "-e",
+        "doctor_skip_train=true",
+        state_dir=provisioned.state_dir,
+        name="doctor-node4-unreachable",
+    )
+    lines = show(result, "doctor.yml -e doctor_skip_train=true, node4 unreachable from the controller")
+    assert result.rc != 0
+    table = rows(lines)
+    status, detail = table[("node4", "reach")]
+    assert status == "FAIL" and "unreachable from the controller" in detail and "port 2" in detail, detail
+    assert {node for (node, _), (status, _) in table.items() if status == "FAIL"} == {"node4"}
+    for node in ("node1", "node2", "node3"):
+        assert table[(node, "images")][0] == "PASS", table[(node, "images")]
+    assert table[("node4", "ssh from primary")][0] == "PASS"
+    assert table[("cluster", "mpirun hello")][0] == "PASS"
+    assert "  node4 reach: make node4 reachable over SSH from the controller" in lines[-1]
