@@ -21,8 +21,8 @@ test: install
 	$(VENV)/bin/pytest -q tests
 
 lint: install
-	$(VENV)/bin/ruff check train tests
-	$(VENV)/bin/ruff format --check train tests
+	$(VENV)/bin/ruff check train tests plugins roles
+	$(VENV)/bin/ruff format --check train tests plugins roles
 
 clean:
 	rm -rf $(VENV) .pytest_cache build

@@ -291,7 +291,8 @@ def main() -> None:
         module.fail_json(msg="node_names and node_addresses must have the same length")
     if not os.path.isdir(params["run_dir"]):
         module.fail_json(msg=f"run directory {params['run_dir']} does not exist on this node")
-    params["nodes"] = [{"name": n, "address": a} for n, a in zip(params["node_names"], params["node_addresses"])]
+    names, addresses = params["node_names"], params["node_addresses"]
+    params["nodes"] = [{"name": names[i], "address": addresses[i]} for i in range(len(names))]
     module.exit_json(**job_state(params))
 
 

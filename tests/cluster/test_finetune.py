@@ -1,0 +1,174 @@
+"""finetune.yml on the real 4-node test cluster: 16 ranks across 4 nodes end to end (train, fetch, export, 5 images,
+report), a second finetune refused while one runs, a killed worker node failing the play quickly and by name, and
+resume=latest finishing that run. The tests run in file order and share one cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from harness import Cluster
+from runner import TIMINGS, ansible_env, run_playbook
+
+RUNS = "/home/devcloud/runs"
+
+
+def _controller_runs(cluster: Cluster) -> Path:
+    return cluster.state_dir / "runs"
+
+
+def _start_playbook(cluster: Cluster, name: str, *args: str) -> tuple[subprocess.Popen, Path, float]:
+    """ansible-playbook in the background (output to a log file), for tests that act while it runs."""
+    logs = cluster.state_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{name}.log"
+    argv = [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(cluster.inventory), *args]
+    fh = open(log, "w")  # noqa: SIM115 - closed by _finish
+    proc = subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[2], env=ansible_env(cluster.state_dir),
+                            stdout=fh, stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    proc.log_file = fh  # type: ignore[attr-defined]
+    return proc, log, time.monotonic()
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        pytest.fail(f"ansible-playbook did not end within {timeout} s")
+    finally:
+        proc.log_file.close()  # type: ignore[attr-defined]
+
+
+def _latest_step(cluster: Cluster) -> int:
+    out = cluster.ssh("node1", f"cat {RUNS}/latest/metrics.partial.jsonl 2>/dev/null | tail -1", check=False).stdout
+    try:
+        return json.loads(out)["step"]
+    except (ValueError, KeyError):
+        return 0
+
+
+def _wait(cond, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"the playbook ended before {what}:\n{log.read_text()[-4000:] if log else ''}")
+        time.sleep(1)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def _job_processes(cluster: Cluster, node: str) -> list[int]:
+    """PIDs of the training ranks and their MPI proxy in one node's network namespace."""
+    pids = subprocess.run(["ip", "netns", "pids", f"{cluster.prefix}-{node}"], capture_output=True, text=True)
+    found = []
+    for pid in pids.stdout.split():
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"xeonsd train" in cmd or b"hydra_pmi_proxy" in cmd or b"hydra_bstrap_proxy" in cmd:
+            found.append(int(pid))
+    return found
+
+
+def _all_job_processes(cluster: Cluster) -> list[int]:
+    return [pid for node in cluster.nodes for pid in _job_processes(cluster, node)]
+
+
+def test_finetune_trains_on_16_ranks_then_exports_generates_and_reports(provisioned: Cluster) -> None:
+    """End to end; while it trains, a second finetune is refused and does not start a second job."""
+    runs = _controller_runs(provisioned)
+    first, log, began = _start_playbook(
+        provisioned, "finetune-e2e", "finetune.yml", "-e", f"controller_runs_dir={runs}", "-e", "finetune_run_id=e2e"
+    )
+    _wait(lambda: _latest_step(provisioned) >= 1, 600, "the first training step", first, log)
+    second = run_playbook("finetune.yml", provisioned.inventory, "-e", f"controller_runs_dir={runs}",
+                          state_dir=provisioned.state_dir, name="finetune-refused", timeout=300)  # fmt: skip
+    assert second.rc != 0, second.tail()
+    assert "A finetune is already running on node1 (run e2e" in second.output, second.tail()
+    assert first.poll() is None, "the refused finetune must not disturb the running one"
+    rc = _finish(first, timeout=1800)
+    wall = time.monotonic() - began
+    output = log.read_text()
+    assert rc == 0, output[-6000:]
+    TIMINGS.append(("finetune.yml end to end (train 16 ranks, export, 5 images, report)", wall))
+
+    run = runs / "e2e"
+    # Progress was printed on the polls: step/total, loss, s/step.
+    assert "node1: step " in output and " s/step" in output and "16 ranks (gloo)" in output
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 30 and {r["ranks"] for r in rows} == {16} and {r["backend"] for r in rows} == {"gloo"}
+    train_log = (run / "train.log").read_text()
+    for i in range(1, 5):
+        assert f"node={provisioned.address(i)} " in train_log, f"no rank ran on node{i}"
+    assert "-n 16 -ppn 4" in (run / "run.sh").read_text()
+    assert (run / "loss.png").stat().st_size > 0
+    images = sorted(p.name for p in (run / "images").glob("image_*.png"))
+    assert len(images) == 5 and (run / "images" / "grid.png").exists()
+    timings = json.loads((run / "images" / "timings.json").read_text())
+    phases = json.loads((run / "run.json").read_text())["phases"]
+    page = (run / "report.html").read_text()
+    assert "-n 16 -ppn 4" in page and 'src="loss.png"' in page and 'src="images/image_004.png"' in page
+    assert "Not in this run directory" not in page
+
+    # The fetched embedding loads into the base pipeline and the token gets the learned vector.
+    from diffusers import StableDiffusionPipeline
+    from safetensors.torch import load_file
+
+    learned = load_file(run / "learned_embeds.safetensors")
+    pipe = StableDiffusionPipeline.from_pretrained(provisioned.assets_dir / "tiny-sd", safety_checker=None)
+    pipe.load_textual_inversion(run / "learned_embeds.safetensors")
+    token_id = pipe.tokenizer.convert_tokens_to_ids("<dicoo>")
+    assert (
+        pipe.text_encoder.get_input_embeddings().weight[token_id] - learned["<dicoo>"].reshape(-1)
+    ).abs().max() < 1e-6
+
+    print(f"\nfinetune.yml end to end: {wall:.1f} s wall; phases {phases}; "
+          f"generate: load {timings.get('load_s')} s, compile {timings.get('compile_s')} s, "
+          f"{timings.get('images_per_s')} images/s")  # fmt: skip
+
+
+def test_killing_a_worker_node_fails_the_play_within_60_s_and_resume_finishes(provisioned: Cluster) -> None:
+    runs = _controller_runs(provisioned)
+    common = ("-e", f"controller_runs_dir={runs}", "-e", "finetune_max_train_steps=400",
+              "-e", "finetune_checkpointing_steps=5")  # fmt: skip
+    job, log, _ = _start_playbook(provisioned, "finetune-killed", "finetune.yml", *common, "-e", "finetune_run_id=kill")
+    _wait(lambda: _latest_step(provisioned) >= 6, 900, "step 6 (a checkpoint exists)", job, log)
+    victims = _job_processes(provisioned, "node3")
+    assert victims, "no training processes on node3"
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    _wait(lambda: not _all_job_processes(provisioned), 120, "every rank on every node to end")
+    job_ended = time.monotonic() - killed
+    rc = _finish(job, timeout=300)
+    play_ended = time.monotonic() - killed
+    output = log.read_text()
+    print(f"\nnode3's processes killed: the job ended on every node {job_ended:.1f} s later, "
+          f"the play failed {play_ended:.1f} s later (poll every 5 s)")  # fmt: skip
+    assert rc != 0
+    assert job_ended < 60, f"the job took {job_ended:.0f} s to end"
+    failure = output[output.index("Training failed:") :]
+    assert failure.startswith("Training failed: node3 (ranks 8-11)"), failure[:2000]
+    assert "[rank " in failure and "resume=latest" in failure
+    step_at_failure = _latest_step(provisioned)
+
+    resumed = run_playbook("finetune.yml", provisioned.inventory, *common, "-e", "resume=latest",
+                           "-e", "finetune_max_train_steps=40", state_dir=provisioned.state_dir,
+                           name="finetune-resumed", timeout=1800)  # fmt: skip
+    assert resumed.rc == 0, resumed.tail(80)
+    rows = [json.loads(x) for x in (runs / "kill" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert steps == list(range(1, 41)), steps
+    assert "resumed from" in (runs / "kill" / "train.log").read_text()
+    assert (runs / "kill" / "report.html").exists()
+    print(f"resumed at a checkpoint <= step {step_at_failure}, finished 40 steps in {resumed.seconds:.1f} s")

@@ -1,0 +1,106 @@
+"""The finetune role's job module: progress from the trainer's metrics, and which node a failed job blames.
+
+The logs below have the shape `mpirun -l` gives the trainer's output (every line prefixed with its rank)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "roles" / "finetune" / "library"))
+
+import xeonsd_job  # noqa: E402
+
+NODES = [{"name": f"node{i}", "address": f"10.0.0.{10 + i}"} for i in range(1, 5)]
+
+
+def _startup(world: int = 16, ppn: int = 4) -> list[str]:
+    return [
+        f"[{r}] 2026-11-30 10:00:00,000 [rank {r}/{world}] INFO xeonsd.train: node=10.0.0.{11 + r // ppn} pid={100 + r} "
+        "launcher=intel-mpi backend=gloo threads=1"
+        for r in range(world)
+    ]
+
+
+def test_a_node_whose_ranks_fail_with_their_own_error_is_named_with_its_error_lines() -> None:
+    lines = [
+        "#### xeonsd attempt started 2026-11-30T10:00:00Z on node1",
+        *[f"[{r}] xeonsd train: error: rank {r}/16 on 10.0.0.13: no images found in /home/devcloud/dicoo" for r in (8, 9, 10, 11)],
+        "[0] xeonsd train: error: rank 0/16 on 10.0.0.11: the barrier failed: a peer rank died, its node went away or "
+        "it stalled past the collective timeout (Connection closed by peer [10.0.0.13]:4000)",
+    ]  # fmt: skip
+    got = xeonsd_job.diagnose("\n".join(lines), NODES, 4)
+    assert got["nodes"] == ["node3"] and got["ranks"] == [8, 9, 10, 11]
+    assert got["summary"].startswith("node3 (ranks 8-11): failed with an error")
+    assert "no images found" in got["excerpt"][0]
+
+
+def test_a_killed_node_is_the_silent_one_its_peers_name() -> None:
+    lines = [
+        *_startup(),
+        "[4] xeonsd train: error: rank 4/16 on 10.0.0.12: the all-reduce failed: a peer rank died, its node went "
+        "away or it stalled past the collective timeout (Read error [10.0.0.13]:51234: Connection reset by peer)",
+        "[12] xeonsd train: error: rank 12/16 on 10.0.0.14: the all-reduce failed: a peer rank died, its node went "
+        "away or it stalled past the collective timeout (Connection closed by peer [10.0.0.13]:51777)",
+    ]  # fmt: skip
+    got = xeonsd_job.diagnose("\n".join(lines), NODES, 4)
+    assert got["nodes"] == ["node3"] and got["ranks"] == [8, 9, 10, 11]
+    assert "2 other rank(s) reported losing them" in got["summary"]
+    assert any("Connection reset by peer" in line for line in got["excerpt"])
+
+
+def test_a_stalled_node_is_the_one_that_did_not_time_out() -> None:
+    lost = ("the all-reduce failed: a peer rank died, its node went away or it stalled past the collective timeout "
+            "(Timed out waiting 45000ms for recv operation to complete)")  # fmt: skip
+    lines = [*_startup(), *[f"[{r}] xeonsd train: error: rank {r}/16 on x: {lost}" for r in range(16) if r // 4 != 1]]
+    got = xeonsd_job.diagnose("\n".join(lines), NODES, 4)
+    assert got["nodes"] == ["node2"] and got["ranks"] == [4, 5, 6, 7]
+
+
+def test_only_the_newest_attempt_counts() -> None:
+    old = "#### xeonsd attempt 1\n[8] xeonsd train: error: rank 8/16 on 10.0.0.13: no images found"
+    new = "#### xeonsd attempt 2\n[2] xeonsd train: error: rank 2/16 on 10.0.0.11: checkpoint is unreadable"
+    got = xeonsd_job.diagnose(old + "\n" + new, NODES, 4)
+    assert got["nodes"] == ["node1"] and got["ranks"] == [2]
+
+
+def test_progress_line_and_job_state(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": s, "loss": 0.5 / s, "s_per_step": 2.0, "ranks": 16, "backend": "gloo"} for s in range(1, 51)]
+    (run / "metrics.partial.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 51, "lo')
+    results = tmp_path / "async"
+    results.write_text(json.dumps({"started": 1, "finished": 0}))
+    params = {"run_dir": str(run), "results_file": str(results), "nodes": NODES, "ranks_per_node": 4,
+              "total_steps": 200, "excerpt_lines": 5}  # fmt: skip
+    state = xeonsd_job.job_state(params)
+    assert not state["finished"]
+    assert state["msg"] == "step 50/200 (25%) · loss 0.0100 · 2.00 s/step · ~5m 00s left · 16 ranks (gloo)"
+
+    # The job ended: run.sh's exit.json gives the rc; a failure is diagnosed from train.log.
+    results.write_text(json.dumps({"rc": 2, "cmd": ["flock"]}))
+    (run / "exit.json").write_text(json.dumps({"rc": 2, "started": 1, "ended": 61}))
+    (run / "train.log").write_text("[5] xeonsd train: error: rank 5/16 on 10.0.0.12: the model is missing\n")
+    state = xeonsd_job.job_state(params)
+    assert state["finished"] and state["rc"] == 2
+    assert state["failure"]["nodes"] == ["node2"]
+
+    # The lock was taken between the check and the launch: flock's own exit code.
+    (run / "exit.json").unlink()
+    results.write_text(json.dumps({"rc": 75}))
+    state = xeonsd_job.job_state(params)
+    assert state["rc"] == 75 and "holds the lock" in state["failure"]["summary"]
+
+
+def test_a_job_past_its_time_limit_says_so(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "train.log").write_text("\n".join(_startup()) + "\nI_MPI_JOB_TIMEOUT = 60 second(s): job ending due to "
+                                   "application timeout\n")  # fmt: skip
+    (run / "exit.json").write_text(json.dumps({"rc": 255, "started": 1, "ended": 61}))
+    results = tmp_path / "async"
+    results.write_text(json.dumps({"rc": 255}))
+    state = xeonsd_job.job_state({"run_dir": str(run), "results_file": str(results), "nodes": NODES,
+                                  "ranks_per_node": 4, "total_steps": 200, "excerpt_lines": 5})  # fmt: skip
+    assert state["failure"]["summary"].startswith("the job ran past its time limit")
