@@ -6,6 +6,7 @@ a developer's `make cluster-up` cluster; it is removed at the end of the session
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import sys
@@ -25,6 +26,14 @@ def cluster() -> Iterator[Cluster]:
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("the test cluster needs root and iproute2 (network and mount namespaces)")
     c = Cluster(REPO / ".cluster" / "pytest", prefix="xsdt", subnet=1)
+    c.state_dir.mkdir(parents=True, exist_ok=True)
+    # One test session at a time: a second one would tear down (and rebuild) the cluster under the first.
+    lock = open(c.state_dir / ".session.lock", "w")  # noqa: SIM115 - held for the whole session
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        pytest.fail(f"another pytest session is using the test cluster in {c.state_dir}; wait for it to end")
     c.down()  # leftovers of an interrupted session
     try:
         c.make_assets()
@@ -32,6 +41,7 @@ def cluster() -> Iterator[Cluster]:
         yield c
     finally:
         c.down()
+        lock.close()
 
 
 @pytest.fixture(scope="session")

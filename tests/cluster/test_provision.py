@@ -104,3 +104,11 @@ def test_limit_rebuilds_a_wiped_node_without_the_others(provisioned: Cluster) ->
     assert_node_works(provisioned, "node3")
     out = provisioned.ssh("node1", f"ssh {provisioned.address(3)} cat /etc/xeonsd/nodefile", user="devcloud")
     assert out.stdout.split()[0] == provisioned.address(1)
+
+    # The rebuilt node trains again: a short job on all 16 ranks, node3's 4 among them (training only).
+    job = run_playbook("playbooks/finetune.yml", provisioned.inventory, "-e", "finetune_max_train_steps=3",
+                       "-e", "finetune_run_id=after-limit", "-e", f"controller_runs_dir={provisioned.state_dir / 'runs'}",
+                       state_dir=provisioned.state_dir, name="finetune-after-limit", timeout=1200)  # fmt: skip
+    assert job.rc == 0, job.tail(60)
+    log = (provisioned.state_dir / "runs" / "after-limit" / "train.log").read_text()
+    assert f"node={provisioned.address(3)} " in log and "16 ranks (gloo)" in job.output
