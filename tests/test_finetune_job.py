@@ -104,3 +104,19 @@ def test_a_job_past_its_time_limit_says_so(tmp_path: Path) -> None:
     state = xeonsd_job.job_state({"run_dir": str(run), "results_file": str(results), "nodes": NODES,
                                   "ranks_per_node": 4, "total_steps": 200, "excerpt_lines": 5})  # fmt: skip
     assert state["failure"]["summary"].startswith("the job ran past its time limit")
+
+
+def test_a_killed_node_in_the_shape_mpirun_prints_it() -> None:
+    """As seen on the test cluster: a witness's error glued to rank 0's progress bar, then Hydra's own lines."""
+    log = "\n".join([
+        *_startup(),
+        "[0] textual inversion:   2%|▏         | 9/400 [00:05<03:54,  1.67it/s, loss=1.1282, s_per_step=0.64][7] xeonsd "
+        "train: error: rank 7/16 on 10.0.0.12: the all-reduce failed: a peer rank died, its node went away or it "
+        "stalled past the collective timeout ([pair.cc:537] Read error [10.0.0.13]:23753: Connection reset by peer.)",
+        "[mpiexec@vm] Error: Downstream from host 10.0.0.13 exited abnormally",
+        "[mpiexec@vm] Trying to close other downstreams",
+    ])  # fmt: skip
+    got = xeonsd_job.diagnose(log, NODES, 4)
+    assert got["nodes"] == ["node3"] and got["ranks"] == [8, 9, 10, 11], got
+    assert any("Connection reset by peer" in line for line in got["excerpt"])
+    assert "Downstream from host 10.0.0.13 exited abnormally" in got["excerpt"]

@@ -57,6 +57,10 @@ options:
 ATTEMPT_MARKER = "#### xeonsd attempt"
 METRICS = ("metrics.partial.jsonl", "metrics.jsonl")
 _LINE = re.compile(r"^\[(?P<rank>\d+)\] (?P<text>.*)$")
+# A rank's line can follow another's progress bar on the same line (tqdm ends its updates with no newline).
+_GLUED = re.compile(r"(?<=\S)(?=\[\d+\] )")
+# Hydra's word for a node whose MPI proxy went away.
+_DOWNSTREAM = re.compile(r"Downstream from host (?P<addr>\S+) exited abnormally")
 _STARTUP = re.compile(r"\[rank (?P<rank>\d+)/(?P<world>\d+)\].* node=(?P<addr>\S+) pid=(?P<pid>\d+)")
 _FATAL = re.compile(r"xeonsd train: error: (?:rank (?P<rank>\d+)/(?P<world>\d+) on (?P<addr>\S+?):? )?(?P<msg>.*)")
 _LOST_PEER = "a peer rank died"
@@ -75,7 +79,7 @@ def last_attempt(log_text: str) -> str:
 def rank_lines(log_text: str) -> dict[int, list[str]]:
     """Each rank's own lines (mpirun -l prefixes every line with [rank]; tqdm's carriage returns split too)."""
     lines: dict[int, list[str]] = {}
-    for raw in log_text.replace("\r", "\n").splitlines():
+    for raw in _GLUED.sub("\n", log_text.replace("\r", "\n")).splitlines():
         m = _LINE.match(raw.strip())
         if m and m["text"].strip():
             lines.setdefault(int(m["rank"]), []).append(m["text"].rstrip())
@@ -186,21 +190,26 @@ def diagnose(log_text: str, nodes: list[dict], ranks_per_node: int, excerpt_line
     else:
         silent = [r for r in range(world) if r not in lost_peer]
         named = {by_addr.get(m["addr"], m["addr"]) for line in lost_peer.values() for m in _PEER_ADDR.finditer(line)}
+        named |= {by_addr.get(m["addr"], m["addr"]) for m in _DOWNSTREAM.finditer(text)}
         culprits = [r for r in silent if node_of(r) in named] or silent
         kind = "stopped without an error of their own (killed, crashed hard or stalled; or their node went away)"
     bad_nodes = sorted({node_of(r) for r in culprits}, key=lambda n: [x["name"] for x in nodes].index(n)
                        if n in [x["name"] for x in nodes] else len(nodes))  # fmt: skip
     excerpt: list[str] = []
-    for rank in culprits:
-        own = lines.get(rank, [])
-        first = next((i for i, ln in enumerate(own) if "error" in ln.lower() or ln.startswith("Traceback")), None)
-        chosen = own[first : first + excerpt_lines] if first is not None else own[-3:]
-        excerpt += [f"[rank {rank}] {ln[:400]}" for ln in chosen]
-        if len(excerpt) >= excerpt_lines:
-            break
-    if not own_errors and lost_peer:
-        first_witness = min(lost_peer)
-        excerpt.append(f"[rank {first_witness}] {lost_peer[first_witness][:600]}")
+    if own_errors:
+        for rank in culprits:
+            own = lines.get(rank, [])
+            first = next(i for i, ln in enumerate(own) if "error" in ln.lower() or ln.startswith("Traceback"))
+            excerpt += [f"[rank {rank}] {ln[:400]}" for ln in own[first : first + excerpt_lines]]
+            if len(excerpt) >= excerpt_lines:
+                break
+    else:
+        # Ranks that died silently: the last line each printed, what their peers saw, and what mpirun saw.
+        excerpt += [
+            f"[rank {r}] last line: {lines[r][-1][:300]}" for r in culprits[: excerpt_lines // 2] if lines.get(r)
+        ]
+        excerpt += [f"[rank {r}] {lost_peer[r][:600]}" for r in sorted(lost_peer)[:2]]
+        excerpt += [m.group(0) for m in _DOWNSTREAM.finditer(text)][:2]
     if not lines:
         excerpt = [ln[:400] for ln in text.splitlines()[-excerpt_lines:]]
     parts = []

@@ -281,10 +281,11 @@ def _train(cfg, info: RankInfo, threads: int, cpus, backend, images: list[Path],
     if info.is_main:
         from tqdm.auto import tqdm
 
-        progress = tqdm(
-            total=cfg.max_train_steps, initial=start_step, desc="textual inversion", dynamic_ncols=True,
-            mininterval=0.5 if sys.stderr.isatty() else 10.0,  # under mpirun stderr is a pipe: fewer updates
-        )  # fmt: skip
+        # A bar on a terminal; under mpirun (a pipe) progress goes to the log as whole lines instead, since a bar's
+        # carriage returns glue other ranks' lines onto it in the job log.
+        progress = tqdm(total=cfg.max_train_steps, initial=start_step, desc="textual inversion", dynamic_ncols=True,
+                        mininterval=0.5, disable=not sys.stderr.isatty())  # fmt: skip
+    log_progress_every = max(1, cfg.max_train_steps // 20)
     step_times: list[float] = []
     # Every rank is set up: from here on a collective that waits longer than the step timeout ends the job.
     barrier(world)
@@ -321,6 +322,8 @@ def _train(cfg, info: RankInfo, threads: int, cpus, backend, images: list[Path],
         if progress is not None:
             progress.update(1)
             progress.set_postfix(loss=f"{mean_loss:.4f}", s_per_step=f"{dt:.2f}")
+            if progress.disable and (done % log_progress_every == 0 or done == cfg.max_train_steps):
+                log.info("step %d/%d loss %.4f %.2f s/step", done, cfg.max_train_steps, mean_loss, dt)
         if metrics is not None and (done % cfg.log_every == 0 or done == cfg.max_train_steps):
             metrics.append({
                 "step": done, "loss": mean_loss, "lr": lr_scheduler.get_last_lr()[0], "s_per_step": dt,
