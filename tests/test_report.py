@@ -67,7 +67,9 @@ def test_report_names_what_is_missing(tmp_path, cli_env):
 def test_report_shows_the_job_script_and_the_stack_when_run_json_is_absent(tmp_path, cli_env):
     run = tmp_path / "playbook-run"
     run.mkdir()
-    (run / "run.sh").write_text("mpirun -l -f /etc/xeonsd/nodefile -n 16 -ppn 4 xeonsd train --placeholder_token='<dicoo>'\n")
+    (run / "run.sh").write_text(
+        "mpirun -l -f /etc/xeonsd/nodefile -n 16 -ppn 4 xeonsd train --placeholder_token='<dicoo>'\n"
+    )
     proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", "report", str(run)], env=cli_env,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
