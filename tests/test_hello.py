@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from xeonsd.hello import Member, gloo_loopback_hint, interface_of, node_lines, route_address
+from xeonsd.distributed import node_address
+from xeonsd.hello import Member, gloo_loopback_hint, interface_of, node_lines
 
 
 def _mpirun(env: dict[str, str]) -> str:
@@ -74,10 +75,10 @@ def test_a_single_process_is_not_a_job(cli_env):
     assert "started as a single process" in proc.stderr and "run it under mpirun" in proc.stderr
 
 
-def test_route_address_is_the_local_end_of_the_route():
-    assert route_address("127.0.0.1", 29500) == "127.0.0.1"
+def test_node_address_is_the_local_end_of_the_route():
+    assert node_address("127.0.0.1") == "127.0.0.1"
     # Any routable destination: the answer is one of this machine's own addresses (a UDP connect sends nothing).
-    addr = route_address("10.231.0.1", 29500)
+    addr = node_address("10.231.0.1")
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.bind((addr, 0))

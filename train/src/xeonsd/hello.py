@@ -23,6 +23,7 @@ from xeonsd.distributed import (
     destroy_process_group,
     detect_ranks,
     init_process_group,
+    node_address,
     take_the_job_down,
 )
 
@@ -34,19 +35,6 @@ class Member:
     address: str
     hostname: str
     pid: int
-
-
-def route_address(master_addr: str, master_port: int) -> str:
-    """This node's address on the way to MASTER_ADDR (what the other ranks reach it by), not its hostname.
-
-    Connecting a UDP socket sends nothing; it only asks the kernel which source address routes there.
-    """
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((master_addr, master_port))
-            return s.getsockname()[0]
-    except OSError:
-        return socket.gethostname()
 
 
 def interface_of(address: str) -> str | None:
@@ -112,7 +100,7 @@ def run(info: RankInfo, expect_ranks: int | None, expect_nodes: int | None) -> t
     torch.set_num_threads(1)
     addr = os.environ.get("MASTER_ADDR", DEFAULT_MASTER_ADDR)
     port = int(os.environ.get("MASTER_PORT", DEFAULT_MASTER_PORT))
-    me = Member(info.rank, info.local_rank, route_address(addr, port), socket.gethostname(), os.getpid())
+    me = Member(info.rank, info.local_rank, node_address(addr), socket.gethostname(), os.getpid())
     if info.world_size == 1 and (expect_ranks or 1) > 1:
         return 1, [
             f"xeonsd hello: error: started as a single process ({info.launcher}), expected {expect_ranks} ranks: "
@@ -178,7 +166,7 @@ def main(argv: list[str]) -> int:
     except DistributedError as exc:
         print(f"xeonsd hello: error: {exc}", file=sys.stderr, flush=True)
         addr = os.environ.get("MASTER_ADDR", DEFAULT_MASTER_ADDR)
-        hint = gloo_loopback_hint(route_address(addr, int(os.environ.get("MASTER_PORT", DEFAULT_MASTER_PORT))))
+        hint = gloo_loopback_hint(node_address(addr))
         if hint:
             print(f"xeonsd hello: error: {hint}", file=sys.stderr, flush=True)
         # The other ranks may be blocked waiting for this one: ask mpirun to end them all now.
