@@ -126,6 +126,10 @@ def progress_line(progress: dict, ranks_up: int, world: int | None) -> str:
         up = f"{ranks_up}/{world}" if world else str(ranks_up)
         return f"starting: {up} ranks up, step 0/{progress['total']}"
     pct = 100 * progress["step"] / max(1, progress["total"])
+    if progress["step"] >= progress["total"]:
+        return (f"step {progress['step']}/{progress['total']} (100%) · loss {progress['loss']:.4f} · "
+                f"{progress['s_per_step']:.2f} s/step · saving the outputs · {progress['ranks']} ranks "
+                f"({progress['backend']})")  # fmt: skip
     return (
         f"step {progress['step']}/{progress['total']} ({pct:.0f}%) · loss {progress['loss']:.4f} · "
         f"{progress['s_per_step']:.2f} s/step · ~{_duration(progress['eta_s'])} left · "
