@@ -83,14 +83,14 @@ def test_progress_line_and_job_state(tmp_path: Path) -> None:
     (run / "exit.json").write_text(json.dumps({"rc": 2, "started": 1, "ended": 61}))
     (run / "train.log").write_text("[5] xeonsd train: error: rank 5/16 on 10.0.0.12: the model is missing\n")
     state = xeonsd_job.job_state(params)
-    assert state["finished"] and state["rc"] == 2
+    assert state["finished"] and state["exit_code"] == 2
     assert state["failure"]["nodes"] == ["node2"]
 
     # The lock was taken between the check and the launch: flock's own exit code.
     (run / "exit.json").unlink()
     results.write_text(json.dumps({"rc": 75}))
     state = xeonsd_job.job_state(params)
-    assert state["rc"] == 75 and "holds the lock" in state["failure"]["summary"]
+    assert state["exit_code"] == 75 and "holds the lock" in state["failure"]["summary"]
 
 
 def test_a_job_past_its_time_limit_says_so(tmp_path: Path) -> None:

@@ -27,13 +27,14 @@ def cluster() -> Iterator[Cluster]:
         pytest.skip("the test cluster needs root and iproute2 (network and mount namespaces)")
     c = Cluster(REPO / ".cluster" / "pytest", prefix="xsdt", subnet=1)
     c.state_dir.mkdir(parents=True, exist_ok=True)
-    # One test session at a time: a second one would tear down (and rebuild) the cluster under the first.
-    lock = open(c.state_dir / ".session.lock", "w")  # noqa: SIM115 - held for the whole session
+    # One test session at a time on this machine (also from another checkout: the namespaces and the subnet are
+    # the same): a second one would tear down (and rebuild) the cluster under the first.
+    lock = open(f"/run/xeonsd-test-cluster-{c.prefix}.lock", "w")  # noqa: SIM115 - held for the whole session
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.close()
-        pytest.fail(f"another pytest session is using the test cluster in {c.state_dir}; wait for it to end")
+        pytest.fail(f"another pytest session is using the {c.prefix}-* test cluster on this machine; wait for it")
     c.down()  # leftovers of an interrupted session
     try:
         c.make_assets()

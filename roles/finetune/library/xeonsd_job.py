@@ -258,7 +258,8 @@ def job_state(params: dict) -> dict:
     result = {
         "changed": False,
         "finished": launch["finished"],
-        "rc": None,
+        # Not "rc": Ansible marks any result whose rc is non-zero as a failed task, and the poll itself did not fail.
+        "exit_code": None,
         "progress": progress,
         "msg": progress_line(progress, ranks_up, world),
     }
@@ -272,7 +273,7 @@ def job_state(params: dict) -> dict:
         rc = exit_info.get("rc", launch.get("rc"))
         if rc is None:
             rc = 124 if _TIMEOUT.search(str(launch.get("msg", ""))) else 1
-        result["rc"] = rc
+        result["exit_code"] = rc
         if rc == 75:
             result["failure"] = {"nodes": [], "ranks": [], "excerpt": [],
                                  "summary": "another finetune holds the lock on the primary; it was not started twice"}  # fmt: skip
