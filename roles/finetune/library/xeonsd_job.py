@@ -279,7 +279,7 @@ def job_state(params: dict) -> dict:
                                  "summary": "another finetune holds the lock on the primary; it was not started twice"}  # fmt: skip
         elif rc != 0:
             failure = diagnose(log_text, params["nodes"], params["ranks_per_node"], params["excerpt_lines"])
-            if rc == 124 or _JOB_TIMEOUT in last_attempt(log_text):
+            if rc == 124 or _JOB_TIMEOUT in attempt:
                 failure["summary"] = f"the job ran past its time limit; {failure['summary']}"
             result["failure"] = failure
         result["msg"] = f"finished (rc {rc}) · " + result["msg"]
