@@ -8,9 +8,11 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "roles" / "finetune" / "library"))
+# The module's logic, not the module: importing ansible.module_utils.basic patches sys.intern for the whole process,
+# which breaks torch._dynamo (and so diffusers) in every test that runs after it.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "roles" / "finetune" / "module_utils"))
 
-import xeonsd_job  # noqa: E402
+import xeonsd_joblog as xeonsd_job  # noqa: E402
 
 NODES = [{"name": f"node{i}", "address": f"10.0.0.{10 + i}"} for i in range(1, 5)]
 
@@ -120,3 +122,16 @@ def test_a_killed_node_in_the_shape_mpirun_prints_it() -> None:
     assert got["nodes"] == ["node3"] and got["ranks"] == [8, 9, 10, 11], got
     assert any("Connection reset by peer" in line for line in got["excerpt"])
     assert "Downstream from host 10.0.0.13 exited abnormally" in got["excerpt"]
+
+
+def test_the_job_logic_imports_without_ansible() -> None:
+    """The tests run it in the pytest process; it must not load Ansible there (see the import above)."""
+    import subprocess
+
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import xeonsd_joblog; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ansible'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(Path(xeonsd_job.__file__).parent)],
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    assert out.stdout.strip() == "[]"
