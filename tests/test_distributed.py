@@ -63,3 +63,24 @@ def test_cpuinfo_bf16_paths():
     avx = parse_cpuinfo("model name\t: Xeon\nflags\t: avx512f avx512_bf16\n")
     assert avx.native_bf16 == "AVX512-BF16"
     assert parse_cpuinfo("model name\t: AMD EPYC\nflags\t: avx avx2\n").native_bf16 is None
+
+
+def test_master_port_in_use_gives_the_hint(monkeypatch):
+    """Rank 0 hosts the rendezvous on MASTER_PORT; a port another process holds fails at once, saying what to do."""
+    import socket
+
+    from xeonsd.distributed import init_process_group
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        monkeypatch.setenv("XEONSD_DIST_TIMEOUT", "20")
+        info = RankInfo(rank=0, world_size=2, local_rank=0, local_world_size=1, launcher="test")
+        with pytest.raises(DistributedError) as err:
+            init_process_group(info, backend="gloo")
+    message = str(err.value)
+    assert f"127.0.0.1:{port}" in message
+    assert f"Port {port} on 127.0.0.1 is already in use" in message and "set MASTER_PORT to a free port" in message
