@@ -79,6 +79,10 @@ def test_progress_line_and_job_state(tmp_path: Path) -> None:
     state = xeonsd_job.job_state(params)
     assert not state["finished"]
     assert state["msg"] == "step 50/200 (25%) · loss 0.0100 · 2.00 s/step · ~5m 00s left · 16 ranks (gloo)"
+    # The last step is logged: the job is still saving the embedding and the pipeline, not stuck at ~0s left.
+    assert xeonsd_job.job_state({**params, "total_steps": 50})["msg"] == (
+        "step 50/50 (100%) · loss 0.0100 · 2.00 s/step · saving the outputs · 16 ranks (gloo)"
+    )
 
     # The job ended: run.sh's exit.json gives the rc; a failure is diagnosed from train.log.
     results.write_text(json.dumps({"rc": 2, "cmd": ["flock"]}))

@@ -83,15 +83,14 @@ def progress_line(progress: dict, ranks_up: int, world: int | None) -> str:
     if progress["step"] == 0:
         up = f"{ranks_up}/{world}" if world else str(ranks_up)
         return f"starting: {up} ranks up, step 0/{progress['total']}"
-    pct = 100 * progress["step"] / max(1, progress["total"])
     if progress["step"] >= progress["total"]:
-        return (f"step {progress['step']}/{progress['total']} (100%) · loss {progress['loss']:.4f} · "
-                f"{progress['s_per_step']:.2f} s/step · saving the outputs · {progress['ranks']} ranks "
-                f"({progress['backend']})")  # fmt: skip
+        pct, left = "100%", "saving the outputs"
+    else:
+        pct = f"{100 * progress['step'] / max(1, progress['total']):.0f}%"
+        left = f"~{_duration(progress['eta_s'])} left"
     return (
-        f"step {progress['step']}/{progress['total']} ({pct:.0f}%) · loss {progress['loss']:.4f} · "
-        f"{progress['s_per_step']:.2f} s/step · ~{_duration(progress['eta_s'])} left · "
-        f"{progress['ranks']} ranks ({progress['backend']})"
+        f"step {progress['step']}/{progress['total']} ({pct}) · loss {progress['loss']:.4f} · "
+        f"{progress['s_per_step']:.2f} s/step · {left} · {progress['ranks']} ranks ({progress['backend']})"
     )
 
 
@@ -155,8 +154,8 @@ def diagnose(log_text: str, nodes: list[dict], ranks_per_node: int, excerpt_line
         named |= {by_addr.get(m["addr"], m["addr"]) for m in _DOWNSTREAM.finditer(text)}
         culprits = [r for r in silent if node_of(r) in named] or silent
         kind = "stopped without an error of their own (killed, crashed hard or stalled; or their node went away)"
-    bad_nodes = sorted({node_of(r) for r in culprits}, key=lambda n: [x["name"] for x in nodes].index(n)
-                       if n in [x["name"] for x in nodes] else len(nodes))  # fmt: skip
+    order = [n["name"] for n in nodes]
+    bad_nodes = sorted({node_of(r) for r in culprits}, key=lambda n: order.index(n) if n in order else len(order))
     excerpt: list[str] = []
     if own_errors:
         for rank in culprits:
