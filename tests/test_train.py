@@ -188,7 +188,7 @@ def test_cached_distribution_equals_encoder_distribution(tiny_model, dataset):
 
     vae = AutoencoderKL.from_pretrained(tiny_model, subfolder="vae")
     pixels = load_all_pixels(find_images(dataset), 64, False, 0)
-    mean, std = build_latent_cache(vae, pixels, torch.float32, (4, 8, 8), rank=0, world_size=1)
+    mean, std = build_latent_cache(vae, len(pixels), lambda i: pixels[i : i + 1], torch.float32, (4, 8, 8), 0, 1)
     g = torch.Generator().manual_seed(0)
     n = 400
     with torch.no_grad():

@@ -1,7 +1,8 @@
 """Resumable checkpoints: ``checkpoint-<step>/`` with the trainable state, written atomically.
 
-The sampling plan depends only on the seed and the global example index, so step, seed, trainable vectors,
-optimizer and lr-scheduler state are everything a resumed run needs to continue the same trajectory.
+The sampling plan depends only on the seed and the global example index, so step, seed, the method's trainable
+state, optimizer and lr-scheduler state are everything a resumed run needs to continue the same trajectory. A
+checkpoint also names its method and base model, so that one is never resumed onto another.
 """
 
 from __future__ import annotations
@@ -38,10 +39,18 @@ def list_checkpoints(out_dir: Path) -> list[tuple[int, Path]]:
 
 
 def resolve_resume(arg: str, out_dir: Path) -> Path | None:
-    """``latest`` → newest checkpoint in ``out_dir`` (None if there is none yet); a path must exist."""
-    if arg == "latest":
+    """``latest`` → the newest checkpoint in ``out_dir`` (refused when there is none); ``latest_if_any`` → the
+    newest, or None (a new run); a path must hold a checkpoint."""
+    if arg in ("latest", "latest_if_any"):
         found = list_checkpoints(out_dir)
-        return found[-1][1] if found else None
+        if found:
+            return found[-1][1]
+        if arg == "latest_if_any":
+            return None
+        raise CheckpointError(
+            f"--resume_from_checkpoint latest: {out_dir} holds no checkpoint to resume from; start a new run without "
+            "--resume_from_checkpoint, or pass latest_if_any to start one when there is no checkpoint"
+        )
     path = Path(arg)
     if not path.is_absolute() and not path.exists():
         path = Path(out_dir) / arg
@@ -61,4 +70,25 @@ def save_checkpoint(out_dir: Path, step: int, state: dict, keep: int | None = No
 
 
 def load_checkpoint(path: Path) -> dict:
-    return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
+    try:
+        state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - truncated or foreign files raise many kinds of errors
+        raise CheckpointError(f"checkpoint {path} is unreadable: {exc}") from exc
+    if "method" not in state:  # written before the trainer had methods: textual inversion, state at the top
+        state = {**state, "method": "textual_inversion", "base_model": None,
+                 "method_state": {"vectors": state["vectors"], "placeholder_tokens": state["placeholder_tokens"]}}  # fmt: skip
+    return state
+
+
+def check_belongs(state: dict, where: Path, method: str, base_model: str) -> None:
+    """Refuse a checkpoint of another method or another base model."""
+    if state["method"] != method:
+        raise CheckpointError(
+            f"checkpoint {where} is a {state['method']} run's; this run is --method {method}. Resume it with "
+            f"--method {state['method']}, or start a new run in another --output_dir"
+        )
+    if state.get("base_model") not in (None, base_model):
+        raise CheckpointError(
+            f"checkpoint {where} was trained on another base model (fingerprint {state['base_model']}, this "
+            f"--pretrained_model_name_or_path is {base_model}); resume it with the model it was trained on"
+        )

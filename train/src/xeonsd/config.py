@@ -1,7 +1,9 @@
 """The trainer's configuration: one typed field per command-line flag, with the seed recipe's flag names.
 
 The recipe (diffusers' ``examples/textual_inversion/textual_inversion.py``) spells flags with underscores;
-they are kept verbatim so its command line works after ``xeonsd train``.
+they are kept verbatim so its command line works after ``xeonsd train``. Each field says which training methods
+it belongs to (none: every method); ``xeonsd train --help`` groups the flags by method, and a flag given for
+another method than ``--method`` is refused.
 """
 
 from __future__ import annotations
@@ -12,12 +14,18 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+METHODS = ("textual_inversion", "lora", "full")
+TI, LORA, FULL = METHODS
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 
 
-def _flag(help: str, **kw: typing.Any) -> typing.Any:
+class ConfigError(ValueError):
+    """A flag value that cannot work; raised before any model is loaded."""
+
+
+def _flag(help: str, *, methods: tuple[str, ...] = (), **kw: typing.Any) -> typing.Any:
     default = kw.pop("default", dataclasses.MISSING)
-    meta = {"help": help, **kw}
+    meta = {"help": help, "methods": methods, **kw}
     if default is dataclasses.MISSING:
         return field(metadata=meta)
     return field(default=default, metadata=meta)
@@ -28,12 +36,55 @@ class TrainConfig:
     """Everything one training run needs; ``xeonsd train --help`` lists these fields as flags."""
 
     pretrained_model_name_or_path: str = _flag("diffusers pipeline directory or Hub id of the base model")
-    train_data_dir: str = _flag("directory with the concept's training images")
-    placeholder_token: str = _flag("the new token that stands for the concept, e.g. '<dicoo>'")
-    initializer_token: str = _flag("an existing single-token word whose embedding initialises the concept")
+    train_data_dir: str = _flag(
+        "directory with the training images, and optionally their captions (metadata.jsonl, <image>.txt beside "
+        "each image, or captions.txt)"
+    )
+    method: str = _flag(
+        "what is trained: textual_inversion (the concept's token vectors), lora (low-rank adapters on the UNet's "
+        "attention), full (the whole UNet)",
+        default=TI,
+        choices=METHODS,
+    )
+    placeholder_token: str | None = _flag(
+        "the new token that stands for the concept, e.g. '<dicoo>'", methods=(TI,), default=None
+    )
+    initializer_token: str | None = _flag(
+        "an existing single-token word whose embedding initialises the concept", methods=(TI,), default=None
+    )
     output_dir: str = _flag("where embeddings, metrics, checkpoints go", default="text-inversion-model")
-    learnable_property: str = _flag("what the concept is", default="object", choices=("object", "style"))
-    num_vectors: int = _flag("embedding vectors that make up the concept", default=1)
+    learnable_property: str = _flag(
+        "what the concept is (picks the prompt templates)", methods=(TI,), default="object", choices=("object", "style")
+    )
+    num_vectors: int = _flag("embedding vectors that make up the concept", methods=(TI,), default=1)
+    captions: str = _flag(
+        "use the data dir's captions: auto (when it has them), on (required), off (textual inversion: the prompt "
+        "templates; lora/full: --instance_prompt)",
+        default="auto",
+        choices=("auto", "on", "off"),
+    )
+    caption_column: str = _flag("the caption field of metadata.jsonl", default="text")
+    instance_prompt: str | None = _flag(
+        "the prompt of every image when there are no captions (DreamBooth style, e.g. 'a photo of sks dog')",
+        methods=(LORA, FULL),
+        default=None,
+    )
+    rank: int = _flag("LoRA rank (the adapters' inner dimension)", methods=(LORA,), default=4)
+    lora_alpha: float | None = _flag("LoRA alpha (scale alpha/rank; default: --rank)", methods=(LORA,), default=None)
+    lora_target_modules: str = _flag(
+        "comma-separated module names that get adapters", methods=(LORA,), default="to_q,to_k,to_v,to_out.0"
+    )
+    train_text_encoder: bool = _flag("also put adapters on the text encoder's attention", methods=(LORA,),
+                                     default=False)  # fmt: skip
+    gradient_checkpointing: bool = _flag(
+        "recompute the UNet's activations in the backward pass (less memory, ~30%% more time)",
+        methods=(LORA, FULL),
+        default=False,
+    )
+    max_grad_norm: float = _flag("clip the gradient's norm to this (0: no clipping)", methods=(LORA, FULL),
+                                 default=1.0)  # fmt: skip
+    use_ema: bool = _flag("save an exponential moving average of the UNet's weights", methods=(FULL,), default=False)
+    ema_decay: float = _flag("EMA decay per step", methods=(FULL,), default=0.9999)
     resolution: int = _flag("training image side in pixels (multiple of 8)", default=512)
     center_crop: bool = _flag("crop the centre square before resizing", default=False)
     train_batch_size: int = _flag("images per rank per micro-step", default=16)
@@ -56,11 +107,16 @@ class TrainConfig:
     overwrite_output_dir: bool = _flag(
         "start a new run in an output dir that holds an earlier run's results (they are replaced)", default=False
     )
-    save_as_full_pipeline: bool = _flag("also save a complete pipeline with the concept", default=False)
-    save_steps: int = _flag("write learned_embeds-steps-N.safetensors every N steps (0: never)", default=0)
+    save_as_full_pipeline: bool = _flag("also save a complete pipeline with the concept", methods=(TI,), default=False)
+    save_steps: int = _flag("write learned_embeds-steps-N.safetensors every N steps (0: never)", methods=(TI,),
+                            default=0)  # fmt: skip
     checkpointing_steps: int = _flag("write a resumable checkpoint every N steps (0: never)", default=500)
     checkpoints_total_limit: int | None = _flag("keep at most this many checkpoints", default=None)
-    resume_from_checkpoint: str | None = _flag("a checkpoint directory, or 'latest' in output_dir", default=None)
+    resume_from_checkpoint: str | None = _flag(
+        "a checkpoint directory; 'latest': the newest in output_dir (refused when there is none); "
+        "'latest_if_any': the newest, or a new run when there is none",
+        default=None,
+    )
     validation_prompt: str | None = _flag("prompt for validation images", default=None)
     num_validation_images: int = _flag("images per validation", default=4)
     validation_steps: int = _flag("validate every N steps", default=100)
@@ -68,6 +124,13 @@ class TrainConfig:
     revision: str | None = _flag("model revision on the Hub", default=None)
     variant: str | None = _flag("model file variant, e.g. fp16", default=None)
     # Options of ours (not in the recipe): the speed paths and their baselines, for the benchmark.
+    latent_cache_dir: str | None = _flag(
+        "keep the latent cache on disk here between runs (keyed by image content, VAE and resolution)", default=None
+    )
+    dry_run: bool = _flag(
+        "check the inputs, print the estimated peak memory per rank and stop (refused when it exceeds free memory)",
+        default=False,
+    )
     latent_cache: bool = _flag(
         "encode each distinct input once and sample its cached latent distribution (--no-latent_cache: "
         "encode with the VAE every step, as the recipe did)",
@@ -75,7 +138,7 @@ class TrainConfig:
         negatable=True,
     )
     train_full_embedding_matrix: bool = _flag(
-        "baseline: train and all-reduce the whole embedding matrix as the recipe did", default=False
+        "baseline: train and all-reduce the whole embedding matrix as the recipe did", methods=(TI,), default=False
     )
     channels_last: bool = _flag("UNet in channels_last memory format", default=False)
     compile: bool = _flag("torch.compile the UNet", default=False)
@@ -91,35 +154,77 @@ class TrainConfig:
         return Path(self.output_dir)
 
 
+GROUPS = (
+    ((), "all methods"),
+    ((TI,), "textual inversion (--method textual_inversion)"),
+    ((LORA, FULL), "LoRA and full fine-tuning"),
+    ((LORA,), "LoRA (--method lora)"),
+    ((FULL,), "full fine-tuning of the UNet (--method full)"),
+)
+
+
+def flag_methods(name: str) -> tuple[str, ...]:
+    """The methods a field belongs to (empty: all)."""
+    return next(f.metadata["methods"] for f in dataclasses.fields(TrainConfig) if f.name == name)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="xeonsd train",
-        description="Textual inversion of a Stable Diffusion model on Xeon CPUs, distributed over MPI ranks.",
+        description="Fine-tune a Stable Diffusion model on Xeon CPUs, distributed over MPI ranks: textual inversion "
+        "(the recipe's, default), LoRA or the full UNet, on prompt templates, an instance prompt or captions.",
+        allow_abbrev=False,
     )
+    groups = {methods: parser.add_argument_group(title) for methods, title in GROUPS}
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         meta = dict(f.metadata)
         help_text = meta.pop("help")
         negatable = meta.pop("negatable", False)
+        group = groups[meta.pop("methods")]
         name = f"--{f.name}"
         required = f.default is dataclasses.MISSING
         hint = hints[f.name]
         base = typing.get_args(hint)[0] if typing.get_origin(hint) in (typing.Union, type(int | None)) else hint
         if base is bool:
             if negatable:
-                parser.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+                group.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             else:
-                parser.add_argument(name, action="store_true", default=f.default, help=help_text)
+                group.add_argument(name, action="store_true", default=f.default, help=help_text)
             continue
         kwargs: dict[str, typing.Any] = {"type": base, "help": help_text, **meta}
         if required:
             kwargs["required"] = True
         else:
             kwargs["default"] = f.default
-        parser.add_argument(name, **kwargs)
+        group.add_argument(name, **kwargs)
     return parser
 
 
+def given_flags(argv: list[str]) -> set[str]:
+    """The field names that ``argv`` sets explicitly (``--name``, ``--name=v``, ``--no-name``)."""
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    given = set()
+    for arg in argv:
+        if not arg.startswith("--"):
+            continue
+        name = arg[2:].split("=", 1)[0]
+        name = name[3:] if name.startswith("no-") and name[3:] in fields else name
+        if name in fields:
+            given.add(name)
+    return given
+
+
 def parse_config(argv: list[str]) -> TrainConfig:
+    """Parse ``argv``; a flag of another method than the chosen one is a ConfigError naming it."""
     args = build_parser().parse_args(argv)
-    return TrainConfig(**vars(args))
+    cfg = TrainConfig(**vars(args))
+    foreign = sorted(n for n in given_flags(argv) if flag_methods(n) and cfg.method not in flag_methods(n))
+    if foreign:
+        owners = {n: "/".join(flag_methods(n)) for n in foreign}
+        raise ConfigError(
+            f"--method {cfg.method} does not use "
+            + ", ".join(f"--{n} (a {owners[n]} flag)" for n in foreign)
+            + "; remove it or choose that --method"
+        )
+    return cfg

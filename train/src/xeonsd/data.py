@@ -18,6 +18,8 @@ from PIL import Image, UnidentifiedImageError
 
 log = logging.getLogger(__name__)
 
+# Caption files (see xeonsd.captions) sit beside the images; the image scan does not warn about them.
+CAPTION_SUFFIXES = {".txt", ".jsonl"}
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 
 OBJECT_TEMPLATES = (
@@ -89,7 +91,7 @@ def find_images(data_dir: Path) -> list[Path]:
         raise DataError(f"--train_data_dir {data_dir} is not a directory")
     files = sorted(p for p in data_dir.iterdir() if p.is_file() and not p.name.startswith("."))
     images = [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES]
-    skipped = [p.name for p in files if p.suffix.lower() not in IMAGE_SUFFIXES]
+    skipped = [p.name for p in files if p.suffix.lower() not in IMAGE_SUFFIXES | CAPTION_SUFFIXES]
     if skipped:
         log.warning("ignoring %d non-image file(s) in %s: %s", len(skipped), data_dir, ", ".join(skipped[:5]))
     if not images:
@@ -163,6 +165,24 @@ class Example:
     timestep: int
     noise: torch.Tensor  # [4, h, w]
     latent_eps: torch.Tensor  # [4, h, w], the standard-normal draw that samples the latent distribution
+
+
+@dataclass(frozen=True)
+class PromptTable:
+    """The prompts a run trains on: one per image (captions), or a few that every image shares (the textual
+    inversion templates, or one instance prompt) of which each example draws one."""
+
+    texts: tuple[str, ...]
+    per_image: bool
+    source: str  # "captions.txt", "templates", "--instance_prompt", …
+
+    @property
+    def num_templates(self) -> int:
+        """How many prompts an example draws from (the sampling plan's choice; 1 when captions decide)."""
+        return 1 if self.per_image else len(self.texts)
+
+    def row(self, example: Example) -> int:
+        return example.input_id // 2 if self.per_image else example.template
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,28 @@ class Timeouts:
         return cls(_seconds(env, TIMEOUT_ENV) or DEFAULT_TIMEOUT_S, _seconds(env, STEP_TIMEOUT_ENV))
 
 
+class CollectiveTimeout:
+    """The process group's collective timeout as a scope: ``with limit.scope(s):`` applies ``s`` to the
+    collectives inside the block and restores the previous limit after it (gloo; nothing for one process)."""
+
+    def __init__(self, world_size: int, initial_s: float) -> None:
+        self.world_size = world_size
+        self.current = initial_s
+
+    @contextlib.contextmanager
+    def scope(self, seconds: float | None) -> Iterator[None]:
+        previous = self.current
+        if seconds is not None:
+            set_collective_timeout(seconds, self.world_size)
+            self.current = seconds
+        try:
+            yield
+        finally:
+            if seconds is not None:
+                set_collective_timeout(previous, self.world_size)
+                self.current = previous
+
+
 def set_collective_timeout(seconds: float | None, world_size: int) -> None:
     """Use ``seconds`` as the process group's timeout for the collectives that follow (gloo; no-op if None)."""
     if world_size > 1 and seconds is not None:

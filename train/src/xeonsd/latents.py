@@ -3,13 +3,28 @@
 The VAE encoder maps an image to a diagonal Gaussian (mean, std); training samples ``mean + std * eps``. The
 inputs never change during a run (each image and its mirror), so encoding them once and sampling the cached
 distribution draws from exactly the same distribution as encoding every step, without the encoder's FLOPs.
+
+The cache is built in shards: each rank encodes every ``world``-th input and one all-reduce gives every rank all
+of them. With ``--latent_cache_dir`` it is also kept on disk between runs, one file per image keyed by the
+image's bytes, the VAE, the resolution and the crop, so a second run (or a rank on another node that has the
+files) encodes nothing.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file, save_file
 
 from xeonsd.distributed import all_reduce_sum_
+from xeonsd.fsutil import atomic_path
+
+log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
@@ -24,17 +39,21 @@ def encode_distribution(
 @torch.no_grad()
 def build_latent_cache(
     vae: torch.nn.Module,
-    pixels: torch.Tensor,
+    count: int,
+    load: Callable[[int], torch.Tensor],
     dtype: torch.dtype,
     latent_shape: tuple[int, int, int],
     rank: int,
     world_size: int,
+    todo: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Encode every distinct input once; each rank encodes every ``world_size``-th input and the results are
-    summed across ranks, so the cache costs ``ceil(inputs / ranks)`` encodes per rank."""
-    packed = torch.zeros((2, pixels.shape[0], *latent_shape), dtype=torch.float32)
-    for i in range(rank, pixels.shape[0], world_size):
-        m, s = encode_distribution(vae, pixels[i : i + 1], dtype)
+    """Encode the inputs ``todo`` (default: all ``count``; ``load(i)`` gives input i as [1, 3, H, W]) once: each
+    rank encodes every ``world_size``-th of them and the results are summed across ranks, so the cache costs
+    ``ceil(len(todo) / ranks)`` encodes per rank. Rows not in ``todo`` stay zero."""
+    todo = list(range(count)) if todo is None else list(todo)
+    packed = torch.zeros((2, count, *latent_shape), dtype=torch.float32)
+    for i in todo[rank::world_size]:
+        m, s = encode_distribution(vae, load(i), dtype)
         packed[0, i], packed[1, i] = m[0], s[0]
     all_reduce_sum_(packed, world_size)
     return packed[0], packed[1]
@@ -43,3 +62,76 @@ def build_latent_cache(
 def sample_latents(mean: torch.Tensor, std: torch.Tensor, eps: torch.Tensor, scaling_factor: float) -> torch.Tensor:
     """Scaled latents drawn from N(mean, std^2) with the given standard-normal ``eps``."""
     return (mean + std * eps) * scaling_factor
+
+
+def image_cache_key(image: Path, vae_key: str, resolution: int, center_crop: bool) -> str:
+    """The disk cache's name for one image's (and its mirror's) latent distribution."""
+    h = hashlib.sha256(Path(image).read_bytes())
+    h.update(f"\0{vae_key}\0{resolution}\0{int(center_crop)}".encode())
+    return h.hexdigest()[:32]
+
+
+@dataclass
+class LatentTable:
+    """The latent distribution of every training input (row ``2*i`` image i, ``2*i+1`` its mirror), or the VAE and
+    the pixels to encode them every step (``--no-latent_cache``)."""
+
+    shape: tuple[int, int, int]
+    count: int
+    scaling: float
+    mean: torch.Tensor | None = None
+    std: torch.Tensor | None = None
+    vae: torch.nn.Module | None = None
+    pixels: torch.Tensor | None = None
+    dtype: torch.dtype = torch.float32
+
+    def sample(self, examples) -> torch.Tensor:
+        rows = [e.input_id for e in examples]
+        if self.mean is not None:
+            mean, std = self.mean[rows], self.std[rows]
+        else:
+            mean, std = encode_distribution(self.vae, self.pixels[rows], self.dtype)
+        eps = torch.stack([e.latent_eps for e in examples])
+        return sample_latents(mean, std, eps, self.scaling)
+
+    @classmethod
+    def build(cls, cfg, models, images: list[Path], rank: int, local_rank: int, world: int) -> LatentTable:
+        from xeonsd.data import load_all_pixels, load_pixels
+        from xeonsd.models import model_fingerprint
+
+        vae = models.vae
+        scale = 2 ** (len(vae.config.block_out_channels) - 1)
+        shape = (vae.config.latent_channels, cfg.resolution // scale, cfg.resolution // scale)
+        count = 2 * len(images)
+        common = {"shape": shape, "count": count, "scaling": vae.config.scaling_factor, "dtype": models.weight_dtype}
+        if not cfg.latent_cache:
+            pixels = load_all_pixels(images, cfg.resolution, cfg.center_crop, cfg.dataloader_num_workers)
+            return cls(**common, vae=vae, pixels=pixels)
+
+        def load(i: int) -> torch.Tensor:
+            return load_pixels(images[i // 2], cfg.resolution, cfg.center_crop)[i % 2].unsqueeze(0)
+
+        cache_dir = Path(cfg.latent_cache_dir).expanduser() if cfg.latent_cache_dir else None
+        if cache_dir is None:
+            mean, std = build_latent_cache(vae, count, load, models.weight_dtype, shape, rank, world)
+            return cls(**common, mean=mean, std=std)
+
+        vae_key = model_fingerprint(cfg.pretrained_model_name_or_path, cfg.revision, subfolder="vae")
+        vae_key += str(models.weight_dtype)
+        keys = [image_cache_key(p, vae_key, cfg.resolution, cfg.center_crop) for p in images]
+        files = [cache_dir / f"{k}.safetensors" for k in keys]
+        have = torch.tensor([int(f.is_file()) for f in files], dtype=torch.int64)
+        everywhere = all_reduce_sum_(have.clone(), world)  # an image is reused only where every rank has it
+        todo = [i for i in range(count) if everywhere[i // 2] < world]
+        mean, std = build_latent_cache(vae, count, load, models.weight_dtype, shape, rank, world, todo)
+        for k, f in enumerate(files):
+            if everywhere[k] == world:
+                saved = load_file(str(f))
+                mean[2 * k : 2 * k + 2], std[2 * k : 2 * k + 2] = saved["mean"], saved["std"]
+            elif local_rank == 0 and not have[k]:  # one rank per node writes its node's missing files
+                with atomic_path(f) as tmp:
+                    save_file({"mean": mean[2 * k : 2 * k + 2].contiguous(), "std": std[2 * k : 2 * k + 2].contiguous()},
+                              str(tmp))  # fmt: skip
+        log.info("latent cache %s: %d of %d image(s) reused, %d encoded", cache_dir,
+                 len(images) - len(todo) // 2, len(images), len(todo) // 2)  # fmt: skip
+        return cls(**common, mean=mean, std=std)

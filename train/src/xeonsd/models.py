@@ -1,12 +1,15 @@
-"""The trainer's models: loading the frozen parts in the training dtype, and writing pipelines and previews.
+"""The trainer's models: loading them in the training dtype, fingerprinting the base, writing pipelines and previews.
 
-UNet and VAE are frozen (bf16 on AMX with ``--mixed_precision bf16``); the text encoder stays fp32 because the
-gradient flows through it to the concept's vectors.
+The frozen UNet and VAE are held in bf16 on AMX (``--mixed_precision bf16``); a UNet that trains (``--method
+full``) keeps fp32 master weights and runs under bf16 autocast. The text encoder stays fp32: gradients flow
+through it (textual inversion, LoRA on the text encoder), and it is small.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -16,15 +19,13 @@ from pathlib import Path
 
 import torch
 
-from xeonsd.config import TrainConfig
+from xeonsd.config import ConfigError, TrainConfig
 from xeonsd.embeddings import PlaceholderEmbedding
 from xeonsd.fsutil import atomic_dir
 
 log = logging.getLogger("xeonsd.train")
 
-
-class ConfigError(ValueError):
-    """A flag value that cannot work; raised before any model is loaded."""
+__all__ = ["ConfigError", "Models", "autocast", "load_models", "model_fingerprint", "save_full_pipeline"]
 
 
 @dataclass
@@ -37,15 +38,24 @@ class Models:
     weight_dtype: torch.dtype
     ipex: bool
 
+    @property
+    def unet_dtype(self) -> torch.dtype:
+        return next(self.unet.parameters()).dtype
 
-def load_models(cfg: TrainConfig) -> Models:
+    @property
+    def unet_autocast(self) -> bool:
+        """A fp32 UNet in a bf16 run (full fine-tuning: fp32 master weights) runs its forward under autocast."""
+        return self.weight_dtype == torch.bfloat16 and self.unet_dtype == torch.float32
+
+
+def load_models(cfg: TrainConfig, unet_fp32: bool = False) -> Models:
     try:
-        return _load_models(cfg)
+        return _load_models(cfg, unet_fp32)
     except OSError as exc:  # missing files, or a Hub id that cannot be fetched (offline, gated, wrong name)
         raise ConfigError(f"cannot load the model {cfg.pretrained_model_name_or_path!r}: {exc}") from exc
 
 
-def _load_models(cfg: TrainConfig) -> Models:
+def _load_models(cfg: TrainConfig, unet_fp32: bool) -> Models:
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTokenizer
 
@@ -56,8 +66,9 @@ def _load_models(cfg: TrainConfig) -> Models:
     weight_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
     text_encoder = CLIPTextModel.from_pretrained(src, subfolder="text_encoder", variant=cfg.variant, **kw)
     vae = AutoencoderKL.from_pretrained(src, subfolder="vae", variant=cfg.variant, torch_dtype=weight_dtype, **kw)
+    unet_dtype = torch.float32 if unet_fp32 else weight_dtype
     unet = UNet2DConditionModel.from_pretrained(
-        src, subfolder="unet", variant=cfg.variant, torch_dtype=weight_dtype, **kw
+        src, subfolder="unet", variant=cfg.variant, torch_dtype=unet_dtype, **kw
     )
     for m in (text_encoder, vae, unet):
         m.requires_grad_(False)
@@ -66,7 +77,7 @@ def _load_models(cfg: TrainConfig) -> Models:
     if cfg.channels_last:
         unet.to(memory_format=torch.channels_last)
     ipex = False
-    if cfg.use_ipex != "off":
+    if cfg.use_ipex != "off" and not unet_fp32:
         try:
             import intel_extension_for_pytorch as ipex_mod  # type: ignore[import-not-found]
         except ImportError:
@@ -87,22 +98,25 @@ def autocast(dtype: torch.dtype) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def save_full_pipeline(cfg: TrainConfig, tokenizer, text_encoder, target: Path) -> None:
-    """A complete pipeline in ``target`` (as the recipe: the output dir loads with ``from_pretrained``), with the
-    concept in tokenizer and text encoder; UNet and VAE are re-read in full precision, not the bf16 copies.
+def save_full_pipeline(cfg: TrainConfig, target: Path, **components: torch.nn.Module | object) -> None:
+    """A complete pipeline in ``target`` (the output dir loads with ``from_pretrained``): the base model's
+    components, with ``components`` (e.g. ``tokenizer=…, text_encoder=…`` with the concept, or a trained
+    ``unet=…``) in their place; the others are re-read in full precision, not the bf16 training copies.
 
     Written in a temporary directory first; components are moved in and ``model_index.json`` comes last, so a
     crash never leaves a directory that looks like a complete pipeline."""
     from diffusers import StableDiffusionPipeline
 
-    emb = text_encoder.get_input_embeddings()
+    text_encoder = components.get("text_encoder")
+    emb = text_encoder.get_input_embeddings() if text_encoder is not None else None
     if isinstance(emb, PlaceholderEmbedding):
         text_encoder.set_input_embeddings(emb.merged())
     try:
         pipe = StableDiffusionPipeline.from_pretrained(
-            cfg.pretrained_model_name_or_path, text_encoder=text_encoder, tokenizer=tokenizer,
-            revision=cfg.revision, variant=cfg.variant, safety_checker=None, requires_safety_checker=False,
+            cfg.pretrained_model_name_or_path, revision=cfg.revision, variant=cfg.variant,
+            safety_checker=None, requires_safety_checker=False, **components,
         )  # fmt: skip
+        target.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".pipeline.tmp-", dir=target) as tmp:
             pipe.save_pretrained(tmp, safe_serialization=True)
             (target / "model_index.json").unlink(missing_ok=True)
@@ -112,7 +126,34 @@ def save_full_pipeline(cfg: TrainConfig, tokenizer, text_encoder, target: Path) 
                     shutil.rmtree(dest)
                 os.replace(item, dest)
     finally:
-        text_encoder.set_input_embeddings(emb)
+        if emb is not None:
+            text_encoder.set_input_embeddings(emb)
+
+
+def model_fingerprint(src: str, revision: str | None = None, subfolder: str | None = None) -> str:
+    """A short digest that tells base models apart, so that a checkpoint or adapter trained on another base is
+    refused. For a local pipeline: its configs, and the size plus first and last MiB of each weight file (cheap
+    on multi-GB files, and two differently trained models differ there); for a Hub id: the id and revision.
+    With ``subfolder``, only that component (e.g. ``vae``)."""
+    root = Path(src).expanduser()
+    h = hashlib.sha256()
+    if not (root / "model_index.json").is_file():
+        h.update(json.dumps([src, revision, subfolder]).encode())
+        return h.hexdigest()[:16]
+    chunk = 1 << 20
+    top = root / subfolder if subfolder else root
+    for path in sorted(p for p in top.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        rel = path.relative_to(root).as_posix()
+        if path.suffix in (".json", ".txt"):
+            h.update(f"{rel}\0".encode() + path.read_bytes())
+        elif path.suffix in (".safetensors", ".bin", ".ckpt", ".pt"):
+            size = path.stat().st_size
+            with open(path, "rb") as fh:
+                head = fh.read(chunk)
+                fh.seek(max(0, size - chunk))
+                tail = fh.read(chunk)
+            h.update(f"{rel}\0{size}\0".encode() + head + tail)
+    return h.hexdigest()[:16]
 
 
 def render_validation(cfg: TrainConfig, models: Models, target: Path, seed: int) -> None:

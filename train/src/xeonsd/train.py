@@ -1,7 +1,9 @@
-"""``xeonsd train``: textual inversion on CPUs, data-parallel over MPI ranks.
+"""``xeonsd train``: fine-tune Stable Diffusion on CPUs, data-parallel over MPI ranks.
 
-setup (ranks, cores, models) → data (latent cache) → step (UNet in bf16, only the concept's vectors learn)
-→ log → checkpoint → save. Rank 0 writes every file; every rank logs with its rank in the prefix.
+One loop for every method (:mod:`xeonsd.methods`): ``setup`` (ranks, models, the method's trainable part, the
+latent and prompt caches, optimizer, resume) → ``fit`` (per step: each rank's share of the global batch, loss,
+backward, gradient all-reduce, optimizer, metrics, checkpoint) → ``save`` (the method's result, metrics, loss
+plot). Rank 0 writes every file; every rank logs with its rank in the prefix.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import secrets
 import sys
 import time
 import traceback
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -23,10 +25,12 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from xeonsd import checkpoint as ckpt
-from xeonsd.config import TrainConfig, parse_config
+from xeonsd.captions import Captions, read_captions
+from xeonsd.config import ConfigError, TrainConfig, parse_config
 from xeonsd.cpu import cpu_info
-from xeonsd.data import DataError, SamplingPlan, find_images, load_all_pixels, templates_for
+from xeonsd.data import DataError, PromptTable, SamplingPlan, find_images
 from xeonsd.distributed import (
+    CollectiveTimeout,
     DistributedError,
     PeerLostError,
     RankInfo,
@@ -39,24 +43,33 @@ from xeonsd.distributed import (
     init_process_group,
     node_address,
     place_rank,
-    set_collective_timeout,
     take_the_job_down,
 )
-from xeonsd.embeddings import ConceptError, PlaceholderEmbedding, add_concept, save_learned_embeds
-from xeonsd.latents import build_latent_cache, encode_distribution, sample_latents
+from xeonsd.embeddings import ConceptError
+from xeonsd.latents import LatentTable
+from xeonsd.methods import Method, for_config, method_class
 from xeonsd.metrics import MetricsLog, plot_loss
-from xeonsd.models import ConfigError, autocast, load_models, render_validation, save_full_pipeline
+from xeonsd.models import Models, autocast, load_models, model_fingerprint, render_validation
+from xeonsd.prompts import PromptConditioning
 
 log = logging.getLogger("xeonsd.train")
 # A rank that lost a peer waits this long before ending the job, so that the other survivors report it too.
 ABORT_GRACE_S = 3.0
 
-EMBEDS_FILE = "learned_embeds.safetensors"
+BAD_INPUT = (ConfigError, DataError, ConceptError, ckpt.CheckpointError, DistributedError)
 
 
-def validate(cfg: TrainConfig, info: RankInfo) -> tuple[list[Path], Path | None]:
-    """Check everything that can be checked cheaply; returns the training images (each checked to decode) and
-    the checkpoint to resume from, if any."""
+@dataclass(frozen=True)
+class Inputs:
+    """What ``validate`` found: the images (each checked to decode), their captions, the checkpoint to resume."""
+
+    images: list[Path]
+    captions: Captions | None
+    resume: Path | None
+
+
+def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
+    """Check everything that can be checked before a model loads."""
     if cfg.mixed_precision == "fp16":
         raise ConfigError(
             "--mixed_precision fp16 is not supported on CPU (no fp16 autocast/AMX path for training); "
@@ -66,7 +79,7 @@ def validate(cfg: TrainConfig, info: RankInfo) -> tuple[list[Path], Path | None]
         raise ConfigError(
             f"--resolution must be a positive multiple of 8 (the VAE downsamples by 8), got {cfg.resolution}"
         )
-    for name in ("train_batch_size", "gradient_accumulation_steps", "max_train_steps", "num_vectors"):
+    for name in ("train_batch_size", "gradient_accumulation_steps", "max_train_steps"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
     if cfg.learning_rate <= 0:
@@ -77,24 +90,29 @@ def validate(cfg: TrainConfig, info: RankInfo) -> tuple[list[Path], Path | None]
             f"{info.world_size} rank(s) for rank {info.rank}; check mpirun -n / the nodefile"
         )
     images = find_images(Path(cfg.train_data_dir))
+    captions = read_captions(Path(cfg.train_data_dir), images, cfg.caption_column)
+    for_config(cfg).check(cfg, captions)
     model = cfg.pretrained_model_name_or_path
     looks_local = model.startswith((".", "/", "~")) or os.sep in model and Path(model).exists()
     if looks_local and not (Path(model).expanduser() / "model_index.json").is_file():
         raise ConfigError(
             f"--pretrained_model_name_or_path {model}: not a diffusers pipeline directory (no model_index.json)"
         )
-    earlier = [n for n in (EMBEDS_FILE, "metrics.jsonl", "metrics.partial.jsonl") if (cfg.output_path / n).exists()]
-    earlier += [p.name for _, p in ckpt.list_checkpoints(cfg.output_path)]
-    if info.is_main and earlier and not cfg.resume_from_checkpoint and not cfg.overwrite_output_dir:
-        raise ConfigError(
-            f"--output_dir {cfg.output_dir} already holds a run ({', '.join(sorted(earlier)[:4])}); continue it with "
-            "--resume_from_checkpoint latest, replace it with --overwrite_output_dir, or choose another --output_dir"
-        )
     resume = None
     # Checkpoints live in rank 0's output dir (on the primary node); rank 0 reads and broadcasts the state.
     if cfg.resume_from_checkpoint and info.is_main:
         resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, cfg.output_path)
-    return images, resume
+    earlier = {"metrics.jsonl", "metrics.partial.jsonl"}
+    for name in ("textual_inversion", "lora", "full"):
+        earlier.update(method_class(name).outputs)
+    found = [n for n in sorted(earlier) if (cfg.output_path / n).exists()]
+    found += [p.name for _, p in ckpt.list_checkpoints(cfg.output_path)]
+    if info.is_main and found and resume is None and not cfg.overwrite_output_dir:
+        raise ConfigError(
+            f"--output_dir {cfg.output_dir} already holds a run ({', '.join(found[:4])}); continue it with "
+            "--resume_from_checkpoint latest, replace it with --overwrite_output_dir, or choose another --output_dir"
+        )
+    return Inputs(images, captions, resume)
 
 
 class _RankFilter(logging.Filter):
@@ -114,7 +132,7 @@ def _setup_logging(info: RankInfo) -> None:
         h.setFormatter(logging.Formatter("%(asctime)s %(rankprefix)s %(levelname)s %(name)s: %(message)s"))
     # Library chatter (loading bars, warnings about unused processors) only from rank 0.
     if not info.is_main:
-        for name in ("diffusers", "transformers"):
+        for name in ("diffusers", "transformers", "peft"):
             logging.getLogger(name).setLevel(logging.ERROR)
 
 
@@ -141,65 +159,92 @@ def _shared_seed(cfg: TrainConfig, info: RankInfo, resume_state: dict | None) ->
     return int(chosen.item())
 
 
+@dataclass
+class Job:
+    """Everything the steps need, built by ``setup``."""
+
+    cfg: TrainConfig
+    info: RankInfo
+    backend: str | None
+    models: Models
+    method: Method
+    prompts: PromptTable
+    text: PromptConditioning
+    latents: LatentTable
+    plan: SamplingPlan
+    unet: torch.nn.Module  # the UNet the steps call (DistributedDataParallel-wrapped when the method asks)
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: object
+    seed: int
+    start_step: int
+    base_model: str
+    timeout: CollectiveTimeout
+    metrics: MetricsLog | None = None  # rank 0's, from the first step on
+
+    @property
+    def world(self) -> int:
+        return self.info.world_size
+
+    @property
+    def global_batch(self) -> int:
+        return self.world * self.cfg.train_batch_size
+
+    @property
+    def ddp(self) -> bool:
+        return self.unet is not self.models.unet
+
+    def allreduce_bytes(self) -> int:
+        """Bytes each rank all-reduces per optimizer step: the gradients, and the loss."""
+        return (sum(p.numel() for p in self.method.parameters()) + 1) * 4
+
+
 def run(cfg: TrainConfig) -> dict:
-    """Train; returns a summary dict. Raises ConfigError/DataError/ConceptError/CheckpointError on bad input."""
+    """Train; returns a summary dict. Raises one of BAD_INPUT on bad input."""
     info = detect_ranks()
     _setup_logging(info)
-    images, resume_path = validate(cfg, info)
+    inputs = validate(cfg, info)
     timeouts = Timeouts.from_env()
     if cfg.mixed_precision == "auto":
         cfg = dataclasses.replace(cfg, mixed_precision="bf16" if cpu_info().native_bf16 else "no")
     placement = place_rank(info)
     backend = init_process_group(info)
     try:
-        return _train(cfg, info, placement.threads, placement.cpus, backend, images, resume_path, timeouts)
+        job = setup(cfg, info, backend, placement, inputs, timeouts)
+        step_times = fit(job)
+        return save(job, step_times)
     finally:
         destroy_process_group()
 
 
-def _train(cfg, info: RankInfo, threads: int, cpus, backend, images: list[Path], resume_path, timeouts) -> dict:  # noqa: C901 - one readable loop
-    out = cfg.output_path
+def setup(cfg: TrainConfig, info: RankInfo, backend: str | None, placement, inputs: Inputs, timeouts) -> Job:
     world = info.world_size
-    # ---- setup -------------------------------------------------------------------------------------------------
-    models = load_models(cfg)
-    tokenizer, text_encoder, vae, unet = models.tokenizer, models.text_encoder, models.vae, models.unet
-    log.info(
-        "node=%s pid=%d launcher=%s backend=%s threads=%d cores=%s dtype=%s bf16_hw=%s ipex=%s local_rank=%d/%d",
-        node_address(), os.getpid(), info.launcher, backend or "none (single process)", threads, ",".join(map(str, cpus)),
-        str(models.weight_dtype).replace("torch.", ""), cpu_info().native_bf16 or "none",
-        "on" if models.ipex else "off",
-        info.local_rank, info.local_world_size,
-    )  # fmt: skip
+    method_cls = for_config(cfg)
+    models = load_models(cfg, unet_fp32=method_cls.unet_fp32)
     native = cpu_info().native_bf16
+    log.info(
+        "node=%s pid=%d launcher=%s backend=%s threads=%d cores=%s dtype=%s bf16_hw=%s ipex=%s local_rank=%d/%d "
+        "method=%s",
+        node_address(), os.getpid(), info.launcher, backend or "none (single process)", placement.threads,
+        ",".join(map(str, placement.cpus)), str(models.weight_dtype).replace("torch.", ""), native or "none",
+        "on" if models.ipex else "off", info.local_rank, info.local_world_size, cfg.method,
+    )  # fmt: skip
     if models.weight_dtype == torch.bfloat16 and native is None:
         log.warning(
             "--mixed_precision bf16 on a CPU without AMX or AVX512-BF16 (%s): bf16 matmuls are emulated and far "
             "slower than fp32 here; use --mixed_precision no on this machine",
             cpu_info().model,
         )
-    concept = add_concept(tokenizer, text_encoder, cfg.placeholder_token, cfg.initializer_token, cfg.num_vectors)
-    base_embedding = text_encoder.get_input_embeddings()
-    if cfg.train_full_embedding_matrix:
-        trainable = base_embedding.weight
-        trainable.requires_grad_(True)
-        frozen_rows = base_embedding.weight.detach().clone()
-        keep_mask = torch.ones(trainable.shape[0], dtype=torch.bool)
-        keep_mask[concept.ids] = False
-    else:
-        placeholder_module = PlaceholderEmbedding(base_embedding, concept.ids[0], cfg.num_vectors)
-        text_encoder.set_input_embeddings(placeholder_module)
-        trainable = placeholder_module.vectors
-
-    resume_state = _shared_resume_state(resume_path, world)
+    method = method_cls(cfg, models)
+    base_model = model_fingerprint(cfg.pretrained_model_name_or_path, cfg.revision)
+    resume_state = _shared_resume_state(inputs.resume, world)
     seed = _shared_seed(cfg, info, resume_state)
-    global_batch = world * cfg.train_batch_size
+    params = method.parameters()
     lr = cfg.learning_rate
     if cfg.scale_lr:
         lr = lr * cfg.gradient_accumulation_steps * cfg.train_batch_size * world
     optimizer = torch.optim.AdamW(
-        [trainable], lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-        weight_decay=cfg.adam_weight_decay, eps=cfg.adam_epsilon,
-    )  # fmt: skip
+        params, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.adam_weight_decay, eps=cfg.adam_epsilon
+    )
     from diffusers.optimization import get_scheduler
 
     lr_scheduler = get_scheduler(
@@ -208,182 +253,197 @@ def _train(cfg, info: RankInfo, threads: int, cpus, backend, images: list[Path],
     )  # fmt: skip
     start_step = 0
     if resume_state is not None:
-        state = resume_state
-        if state["placeholder_tokens"] != concept.tokens:
-            raise ckpt.CheckpointError(
-                f"checkpoint {resume_path} was trained for {state['placeholder_tokens']}, not {concept.tokens}"
-            )
-        with torch.no_grad():
-            if cfg.train_full_embedding_matrix:
-                trainable[concept.ids] = state["vectors"].to(trainable.dtype)
-            else:
-                trainable.copy_(state["vectors"])
-        optimizer.load_state_dict(state["optimizer"])
-        lr_scheduler.load_state_dict(state["lr_scheduler"])
-        start_step = int(state["step"])
-        if state.get("global_batch") != global_batch:
-            log.warning("resuming with global batch %d (checkpoint used %s)", global_batch, state.get("global_batch"))
-        log.info("resumed from %s at step %d", resume_path, start_step)
+        ckpt.check_belongs(resume_state, inputs.resume or Path("?"), cfg.method, base_model)
+        method.load_state(resume_state["method_state"], str(inputs.resume))
+        optimizer.load_state_dict(resume_state["optimizer"])
+        lr_scheduler.load_state_dict(resume_state["lr_scheduler"])
+        start_step = int(resume_state["step"])
+        if resume_state.get("global_batch") != world * cfg.train_batch_size:
+            log.warning("resuming with global batch %d (checkpoint used %s)", world * cfg.train_batch_size,
+                        resume_state.get("global_batch"))  # fmt: skip
+        log.info("resumed from %s at step %d", inputs.resume, start_step)
+    del resume_state
 
-    # ---- data --------------------------------------------------------------------------------------------------
-    pixels = load_all_pixels(images, cfg.resolution, cfg.center_crop, cfg.dataloader_num_workers)
-    vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
-    latent_shape = (vae.config.latent_channels, cfg.resolution // vae_scale, cfg.resolution // vae_scale)
-    scaling = vae.config.scaling_factor
-    templates = templates_for(cfg.learnable_property)
-    prompt_ids = tokenizer(
-        [t.format(concept.prompt_text) for t in templates],
-        padding="max_length", truncation=True, max_length=tokenizer.model_max_length, return_tensors="pt",
-    ).input_ids  # fmt: skip
-    plan = SamplingPlan(
-        seed=seed, num_images=len(images), num_templates=len(templates),
-        num_timesteps=models.noise_scheduler.config.num_train_timesteps, latent_shape=latent_shape,
-    )  # fmt: skip
+    prompts = method.prompts(inputs.captions)
+    log.info("%s: %d trainable parameters; prompts: %d from %s", cfg.method, sum(p.numel() for p in params),
+             len(prompts.texts), prompts.source)  # fmt: skip
     t0 = time.perf_counter()
-    if cfg.latent_cache:
-        lat_mean, lat_std = build_latent_cache(vae, pixels, models.weight_dtype, latent_shape, info.rank, world)
-        log.info("cached latents of %d inputs in %.1f s", pixels.shape[0], time.perf_counter() - t0)
-        if not cfg.validation_prompt:  # nothing decodes or encodes from here on: give the VAE's memory back
-            models.vae = vae = None
-            gc.collect()
+    text = PromptConditioning(models, prompts, trainable=method.trains_text_encoder, rank=info.rank, world=world)
+    latents = LatentTable.build(cfg, models, inputs.images, info.rank, info.local_rank, world)
+    log.info("prepared %d latent inputs and %d prompts in %.1f s", latents.count, len(prompts.texts),
+             time.perf_counter() - t0)  # fmt: skip
+    if cfg.latent_cache and not cfg.validation_prompt:  # nothing decodes or encodes from here on
+        models.vae = None
+        gc.collect()
+    plan = SamplingPlan(
+        seed=seed, num_images=len(inputs.images), num_templates=prompts.num_templates,
+        num_timesteps=models.noise_scheduler.config.num_train_timesteps, latent_shape=latents.shape,
+    )  # fmt: skip
+    unet = models.unet
+    module = method.ddp_module()
+    if module is not None and world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        with collective("DistributedDataParallel set-up"):
+            unet = DistributedDataParallel(module, broadcast_buffers=False, gradient_as_bucket_view=True)
+    return Job(cfg, info, backend, models, method, prompts, text, latents, plan, unet, optimizer, lr_scheduler, seed,
+               start_step, base_model, CollectiveTimeout(world, timeouts.setup_s))  # fmt: skip
+
+
+def step_loss(job: Job, examples) -> torch.Tensor:
+    """The denoising loss of this rank's examples (mean over them)."""
+    models = job.models
+    latents = job.latents.sample(examples)
+    noise = torch.stack([e.noise for e in examples])
+    timesteps = torch.tensor([e.timestep for e in examples], dtype=torch.long)
+    noisy = models.noise_scheduler.add_noise(latents, noise, timesteps)
+    hidden = job.text.hidden([job.prompts.row(e) for e in examples])
+    dtype = models.unet_dtype
+    model_in = noisy.to(dtype)
+    if job.cfg.channels_last:
+        model_in = model_in.contiguous(memory_format=torch.channels_last)
+    with autocast(models.weight_dtype) if models.unet_autocast else contextlib.nullcontext():
+        pred = job.unet(model_in, timesteps, hidden.to(dtype), return_dict=False)[0]
     prediction_type = models.noise_scheduler.config.prediction_type
+    if prediction_type == "epsilon":
+        target = noise
+    elif prediction_type == "v_prediction":
+        target = models.noise_scheduler.get_velocity(latents, noise, timesteps)
+    else:
+        raise ConfigError(f"unsupported prediction type {prediction_type!r} in the model's scheduler")
+    return F.mse_loss(pred.float(), target.float(), reduction="mean")
 
-    def step_loss(examples) -> torch.Tensor:
-        ids = torch.stack([prompt_ids[e.template] for e in examples])
-        eps = torch.stack([e.latent_eps for e in examples])
-        rows = [e.input_id for e in examples]
-        if cfg.latent_cache:
-            mean, std = lat_mean[rows], lat_std[rows]
-        else:
-            mean, std = encode_distribution(vae, pixels[rows], models.weight_dtype)
-        latents = sample_latents(mean, std, eps, scaling)
-        noise = torch.stack([e.noise for e in examples])
-        timesteps = torch.tensor([e.timestep for e in examples], dtype=torch.long)
-        noisy = models.noise_scheduler.add_noise(latents, noise, timesteps)
-        with autocast(models.weight_dtype):
-            hidden = text_encoder(ids)[0]
-        model_in = noisy.to(models.weight_dtype)
-        if cfg.channels_last:
-            model_in = model_in.contiguous(memory_format=torch.channels_last)
-        pred = unet(model_in, timesteps, hidden.to(models.weight_dtype)).sample
-        if prediction_type == "epsilon":
-            target = noise
-        elif prediction_type == "v_prediction":
-            target = models.noise_scheduler.get_velocity(latents, noise, timesteps)
-        else:
-            raise ConfigError(f"unsupported prediction type {prediction_type!r} in the model's scheduler")
-        return F.mse_loss(pred.float(), target.float(), reduction="mean")
 
-    # ---- loop --------------------------------------------------------------------------------------------------
-    metrics = MetricsLog(out, resume_step=start_step) if info.is_main else None
-    allreduce_numel = trainable.numel() + 1
+def sync_gradients(job: Job, loss_sum: float) -> float:
+    """Average the gradients (unless DistributedDataParallel already did) and the loss over the ranks, in one
+    all-reduce; returns the mean loss."""
+    if job.ddp:
+        packed = torch.tensor([loss_sum])
+        all_reduce_mean_(packed, job.world)
+        return float(packed[0])
+    params = job.method.parameters()
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    packed = torch.cat([*(g.reshape(-1).float() for g in grads), torch.tensor([loss_sum])])
+    all_reduce_mean_(packed, job.world)
+    offset = 0
+    for p, g in zip(params, grads, strict=True):
+        n = g.numel()
+        p.grad = packed[offset : offset + n].view_as(g).to(g.dtype)
+        offset += n
+    return float(packed[-1])
+
+
+def checkpoint(job: Job, step: int) -> None:
+    state = {
+        "method": job.cfg.method, "base_model": job.base_model, "step": step, "seed": job.seed,
+        "method_state": job.method.state(), "optimizer": job.optimizer.state_dict(),
+        "lr_scheduler": job.lr_scheduler.state_dict(), "global_batch": job.global_batch, "config": asdict(job.cfg),
+    }  # fmt: skip
+    ckpt.save_checkpoint(job.cfg.output_path, step, state, keep=job.cfg.checkpoints_total_limit)
+
+
+def fit(job: Job) -> list[float]:
+    """The optimizer steps from ``job.start_step`` on; returns each step's seconds."""
+    cfg, info, out = job.cfg, job.info, job.cfg.output_path
+    accumulation = cfg.gradient_accumulation_steps
+    metrics = MetricsLog(out, resume_step=job.start_step) if info.is_main else None
+    job.metrics = metrics
+    max_norm = job.method.max_grad_norm
     progress = None
     if info.is_main:
         from tqdm.auto import tqdm
 
         # A bar on a terminal; under mpirun (a pipe) progress goes to the log as whole lines instead, since a bar's
         # carriage returns glue other ranks' lines onto it in the job log.
-        progress = tqdm(total=cfg.max_train_steps, initial=start_step, desc="textual inversion", dynamic_ncols=True,
-                        mininterval=0.5, disable=not sys.stderr.isatty())  # fmt: skip
+        progress = tqdm(total=cfg.max_train_steps, initial=job.start_step, desc=cfg.method.replace("_", " "),
+                        dynamic_ncols=True, mininterval=0.5, disable=not sys.stderr.isatty())  # fmt: skip
     log_progress_every = max(1, cfg.max_train_steps // 20)
     step_times: list[float] = []
-    # Every rank is set up: from here on a collective that waits longer than the step timeout ends the job.
-    barrier(world)
-    set_collective_timeout(timeouts.step_s, world)
-    if world > 1 and timeouts.step_s is not None:
-        log.info("collective timeout during the steps: %.0f s (set-up: %.0f s)", timeouts.step_s, timeouts.setup_s)
-    for step in range(start_step, cfg.max_train_steps):
-        t_step = time.perf_counter()
-        loss_sum = 0.0
-        flop_counter = FlopCounterMode(display=False) if cfg.count_flops and step == start_step else None
-        with flop_counter or contextlib.nullcontext():
-            for micro in range(cfg.gradient_accumulation_steps):
-                examples = plan.batch(
-                    step, micro, cfg.gradient_accumulation_steps, world, info.rank, cfg.train_batch_size
-                )
-                loss = step_loss(examples) / cfg.gradient_accumulation_steps
-                loss.backward()
-                loss_sum += float(loss.detach())
-        # One all-reduce per step carries the gradient and the loss: num_vectors x hidden + 1 floats.
-        grad = trainable.grad
-        packed = torch.cat([grad.reshape(-1).float(), torch.tensor([loss_sum])])
-        all_reduce_mean_(packed, world)
-        grad.copy_(packed[:-1].view_as(grad))
-        mean_loss = float(packed[-1])
-        optimizer.step()
-        lr_scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if cfg.train_full_embedding_matrix:
-            with torch.no_grad():  # the recipe's way: undo the update on every row but the placeholders
-                trainable[keep_mask] = frozen_rows[keep_mask]
-        dt = time.perf_counter() - t_step
-        step_times.append(dt)
-        done = step + 1
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix(loss=f"{mean_loss:.4f}", s_per_step=f"{dt:.2f}")
-            if progress.disable and (done % log_progress_every == 0 or done == cfg.max_train_steps):
-                log.info("step %d/%d loss %.4f %.2f s/step", done, cfg.max_train_steps, mean_loss, dt)
-        if metrics is not None and (done % cfg.log_every == 0 or done == cfg.max_train_steps):
-            metrics.append({
-                "step": done, "loss": mean_loss, "lr": lr_scheduler.get_last_lr()[0], "s_per_step": dt,
-                "images_per_s": global_batch * cfg.gradient_accumulation_steps / dt, "ranks": world,
-                "backend": backend or "none", "allreduce_bytes": allreduce_numel * 4, "time": time.time(),
-                **({"tflop_per_rank": flop_counter.get_total_flops() / 1e12} if flop_counter else {}),
-            })  # fmt: skip
-        vectors = trainable[concept.ids] if cfg.train_full_embedding_matrix else trainable
-        if info.is_main and cfg.save_steps and done % cfg.save_steps == 0:
-            save_learned_embeds(out / f"learned_embeds-steps-{done}.safetensors", cfg.placeholder_token, vectors)
-        if (
-            info.is_main
-            and cfg.checkpointing_steps
-            and done % cfg.checkpointing_steps == 0
-            and done < cfg.max_train_steps
-        ):
-            ckpt.save_checkpoint(out, done, {
-                "step": done, "seed": seed, "vectors": vectors.detach().clone(), "placeholder_tokens": concept.tokens,
-                "optimizer": optimizer.state_dict(), "lr_scheduler": lr_scheduler.state_dict(),
-                "global_batch": global_batch, "config": asdict(cfg),
-            }, keep=cfg.checkpoints_total_limit)  # fmt: skip
-        if cfg.validation_prompt and cfg.validation_steps and done % cfg.validation_steps == 0:
-            # Rank 0 renders images for minutes on a CPU while the others wait: the set-up timeout applies.
-            set_collective_timeout(timeouts.setup_s, world)
+    timeouts = Timeouts.from_env()
+    barrier(job.world)  # every rank is set up: from here on a collective that waits past the step timeout fails
+    with job.timeout.scope(timeouts.step_s):
+        if job.world > 1 and timeouts.step_s is not None:
+            log.info("collective timeout during the steps: %.0f s (set-up: %.0f s)", timeouts.step_s, timeouts.setup_s)
+        for step in range(job.start_step, cfg.max_train_steps):
+            t_step = time.perf_counter()
+            loss_sum = 0.0
+            flop_counter = FlopCounterMode(display=False) if cfg.count_flops and step == job.start_step else None
+            with flop_counter or contextlib.nullcontext():
+                for micro in range(accumulation):
+                    examples = job.plan.batch(step, micro, accumulation, job.world, info.rank, cfg.train_batch_size)
+                    last = micro == accumulation - 1
+                    with job.unet.no_sync() if job.ddp and not last else contextlib.nullcontext():
+                        loss = step_loss(job, examples) / accumulation
+                        loss.backward()
+                    loss_sum += float(loss.detach())
+            mean_loss = sync_gradients(job, loss_sum)
+            if max_norm:
+                torch.nn.utils.clip_grad_norm_(job.method.parameters(), max_norm)
+            job.optimizer.step()
+            job.lr_scheduler.step()
+            job.optimizer.zero_grad(set_to_none=True)
+            done = step + 1
+            job.method.after_step(done)
+            dt = time.perf_counter() - t_step
+            step_times.append(dt)
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(loss=f"{mean_loss:.4f}", s_per_step=f"{dt:.2f}")
+                if progress.disable and (done % log_progress_every == 0 or done == cfg.max_train_steps):
+                    log.info("step %d/%d loss %.4f %.2f s/step", done, cfg.max_train_steps, mean_loss, dt)
+            if metrics is not None and (done % cfg.log_every == 0 or done == cfg.max_train_steps):
+                metrics.append({
+                    "step": done, "loss": mean_loss, "lr": job.lr_scheduler.get_last_lr()[0], "s_per_step": dt,
+                    "images_per_s": job.global_batch * accumulation / dt, "ranks": job.world,
+                    "backend": job.backend or "none", "method": cfg.method, "allreduce_bytes": job.allreduce_bytes(),
+                    "time": time.time(),
+                    **({"tflop_per_rank": flop_counter.get_total_flops() / 1e12} if flop_counter else {}),
+                })  # fmt: skip
             if info.is_main:
-                render_validation(cfg, models, out / "validation" / f"step-{done}", seed)
-            barrier(world)
-            set_collective_timeout(timeouts.step_s, world)
+                job.method.periodic_save(out, done)
+                # The last step is checkpointed too: a crash while the result is saved loses nothing.
+                if cfg.checkpointing_steps and (done % cfg.checkpointing_steps == 0 or done == cfg.max_train_steps):
+                    checkpoint(job, done)
+            if cfg.validation_prompt and cfg.validation_steps and done % cfg.validation_steps == 0:
+                # Rank 0 renders images for minutes on a CPU while the others wait: the set-up timeout applies.
+                with job.timeout.scope(timeouts.setup_s):
+                    if info.is_main:
+                        render_validation(cfg, job.models, out / "validation" / f"step-{done}", job.seed)
+                    barrier(job.world)
     if progress is not None:
         progress.close()
-    set_collective_timeout(timeouts.setup_s, world)  # rank 0 saves the pipeline while the others wait
+    return step_times
 
-    # ---- save --------------------------------------------------------------------------------------------------
-    vectors = (trainable[concept.ids] if cfg.train_full_embedding_matrix else trainable).detach().clone()
+
+def save(job: Job, step_times: list[float]) -> dict:
+    """Rank 0 writes the method's result, the metrics and the loss plot while the others wait."""
+    cfg, out, world = job.cfg, job.cfg.output_path, job.world
     summary = {
-        "steps": cfg.max_train_steps, "ranks": world, "backend": backend or "none", "seed": seed,
+        "steps": cfg.max_train_steps, "ranks": world, "backend": job.backend or "none", "seed": job.seed,
         "median_s_per_step": sorted(step_times)[len(step_times) // 2] if step_times else None,
-        "output_dir": str(out),
+        "output_dir": str(out), **job.method.summary(),
     }  # fmt: skip
-    if info.is_main:
-        if cfg.save_as_full_pipeline:
-            save_full_pipeline(cfg, tokenizer, text_encoder, out)
+    if job.info.is_main:
         if cfg.validation_prompt:
-            render_validation(cfg, models, out / "validation" / "final", seed)
-        save_learned_embeds(out / EMBEDS_FILE, cfg.placeholder_token, vectors)
+            render_validation(cfg, job.models, out / "validation" / "final", job.seed)
+        job.method.save(out)
+        metrics = job.metrics
         assert metrics is not None
         if metrics.rows:
-            plot_loss(metrics.rows, out / "loss.png", title=f"{cfg.placeholder_token}: {world} rank(s)")
+            what = cfg.placeholder_token if cfg.method == "textual_inversion" else cfg.method
+            plot_loss(metrics.rows, out / "loss.png", title=f"{what}: {world} rank(s)")
         metrics.finish()
-        log.info("saved %s to %s", EMBEDS_FILE, out)
+        log.info("saved the %s result to %s", cfg.method, out)
     barrier(world)
     return summary
 
 
 def main(argv: list[str]) -> int:
-    cfg = parse_config(argv)
     info = detect_ranks()
     try:
+        cfg = parse_config(argv)
         summary = run(cfg)
-    except (ConfigError, DataError, ConceptError, ckpt.CheckpointError, DistributedError) as exc:
+    except BAD_INPUT as exc:
         where = f"rank {info.rank}/{info.world_size} on {node_address()}: " if info.world_size > 1 else ""
         print(f"xeonsd train: error: {where}{exc}", file=sys.stderr)
         take_the_job_down(info, 2, grace_s=ABORT_GRACE_S if isinstance(exc, PeerLostError) else 0.0)

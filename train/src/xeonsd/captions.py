@@ -1,0 +1,111 @@
+"""Captions of the training images, from the three layouts users bring, looked for in this order:
+
+1. ``metadata.jsonl``: the Hugging Face image-folder layout, one JSON object per line with ``file_name`` and a
+   caption column (``--caption_column``, default ``text``);
+2. sidecar files: ``object_01.txt`` beside ``object_01.jpg`` (the common LoRA-trainer layout);
+3. ``captions.txt``: one line per image, the images taken in sorted file-name order (the recipe's layout).
+
+Every image must have exactly one non-empty caption; anything else is a :class:`~xeonsd.data.DataError` that
+names the image, the line or both counts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from xeonsd.data import DataError
+
+METADATA = "metadata.jsonl"
+CAPTIONS_TXT = "captions.txt"
+SIDECAR_SUFFIX = ".txt"
+
+
+@dataclass(frozen=True)
+class Captions:
+    """One caption per training image (same order as the images), and where they came from."""
+
+    texts: tuple[str, ...]
+    source: str  # a file name, or "sidecar .txt files"
+    where: tuple[str, ...]  # for each caption, the file (and line) it was read from, for error messages
+
+
+def read_captions(data_dir: Path, images: list[Path], column: str = "text") -> Captions | None:
+    """The captions of ``images`` (sorted, all in ``data_dir``), or None when the directory has none."""
+    data_dir = Path(data_dir)
+    if (data_dir / METADATA).is_file():
+        return _from_metadata(data_dir / METADATA, images, column)
+    sidecars = [p.with_suffix(SIDECAR_SUFFIX) for p in images]
+    if any(s.is_file() for s in sidecars):
+        return _from_sidecars(images, sidecars)
+    if (data_dir / CAPTIONS_TXT).is_file():
+        return _from_lines(data_dir / CAPTIONS_TXT, images)
+    return None
+
+
+def _check_text(text: object, where: str) -> str:
+    if not isinstance(text, str):
+        raise DataError(f"{where}: the caption is not a string ({type(text).__name__})")
+    text = " ".join(text.split())
+    if not text:
+        raise DataError(f"{where}: the caption is empty")
+    return text
+
+
+def _from_metadata(path: Path, images: list[Path], column: str) -> Captions:
+    by_name: dict[str, tuple[str, str]] = {}
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where}: not a JSON object ({exc.msg})") from exc
+        if not isinstance(row, dict) or "file_name" not in row:
+            raise DataError(f"{where}: no 'file_name' field")
+        if column not in row:
+            fields = ", ".join(sorted(k for k in row if k != "file_name")) or "none"
+            raise DataError(
+                f"{where}: no caption column {column!r} (fields: {fields}; choose one with --caption_column)"
+            )
+        name = Path(str(row["file_name"])).name
+        if name in by_name:
+            raise DataError(f"{where}: {name} already has a caption on line {by_name[name][1].rsplit(':', 1)[1]}")
+        by_name[name] = (_check_text(row[column], where), where)
+    known = {p.name for p in images}
+    strays = sorted(set(by_name) - known)
+    if strays:
+        raise DataError(f"{path}: captions for images that are not in {path.parent}: {', '.join(strays[:5])}")
+    missing = [p.name for p in images if p.name not in by_name]
+    if missing:
+        raise DataError(f"{path}: no caption for image {missing[0]}" + (f" (and {len(missing) - 1} more)" if
+                        len(missing) > 1 else ""))  # fmt: skip
+    texts = tuple(by_name[p.name][0] for p in images)
+    return Captions(texts, METADATA, tuple(by_name[p.name][1] for p in images))
+
+
+def _from_sidecars(images: list[Path], sidecars: list[Path]) -> Captions:
+    missing = [img.name for img, s in zip(images, sidecars, strict=True) if not s.is_file()]
+    if missing:
+        raise DataError(
+            f"image {missing[0]} has no caption file {Path(missing[0]).with_suffix(SIDECAR_SUFFIX).name} (the other "
+            "images have one)" + (f"; {len(missing) - 1} more image(s) without one" if len(missing) > 1 else "")
+        )
+    texts = tuple(_check_text(s.read_text(encoding="utf-8"), str(s)) for s in sidecars)
+    return Captions(texts, f"sidecar {SIDECAR_SUFFIX} files", tuple(str(s) for s in sidecars))
+
+
+def _from_lines(path: Path, images: list[Path]) -> Captions:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if len(lines) != len(images):
+        raise DataError(
+            f"{path} has {len(lines)} caption line(s) but {path.parent} has {len(images)} image(s); it needs one "
+            "line per image, in sorted file-name order"
+        )
+    where = tuple(f"{path}:{n} ({img.name})" for n, img in enumerate(images, start=1))
+    texts = tuple(_check_text(line, w) for line, w in zip(lines, where, strict=True))
+    return Captions(texts, CAPTIONS_TXT, where)

@@ -1,0 +1,94 @@
+"""The interface between the training loop and a method."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from xeonsd.config import ConfigError, flag_methods
+from xeonsd.data import PromptTable
+
+if TYPE_CHECKING:
+    from xeonsd.captions import Captions
+    from xeonsd.config import TrainConfig
+    from xeonsd.models import Models
+
+
+class Method:
+    """One way of fine-tuning. The loop calls, in order: ``check`` (before any model loads), the constructor
+    (models loaded; makes the trainable parameters), ``prompts``, then per step ``after_step``; ``state`` /
+    ``load_state`` for checkpoints, and ``save`` on rank 0 at the end."""
+
+    name: ClassVar[str]
+    #: files whose presence means the output dir holds a finished run of this method
+    outputs: ClassVar[tuple[str, ...]]
+    #: the UNet's weights: trained in fp32 under bf16 autocast (full), or frozen in the training dtype
+    unet_fp32: ClassVar[bool] = False
+
+    def __init__(self, cfg: TrainConfig, models: Models) -> None:
+        self.cfg = cfg
+        self.models = models
+
+    # ---- before the models load --------------------------------------------------------------------------------
+    @classmethod
+    def check(cls, cfg: TrainConfig, captions: Captions | None) -> None:
+        """Refuse flag values or captions this method cannot use (ConfigError / DataError)."""
+
+    @classmethod
+    def uses_captions(cls, cfg: TrainConfig, captions: Captions | None) -> bool:
+        """Whether the run trains on the captions (``--captions`` auto|on|off)."""
+        if cfg.captions == "off":
+            return False
+        if cfg.captions == "on" and captions is None:
+            raise ConfigError(
+                f"--captions on, but {cfg.train_data_dir} has no captions (metadata.jsonl, a .txt file beside each "
+                "image, or captions.txt)"
+            )
+        return captions is not None
+
+    # ---- set-up ------------------------------------------------------------------------------------------------
+    @property
+    def trains_text_encoder(self) -> bool:
+        """False: the text encoder is frozen, so the prompts' embeddings are computed once before the first step."""
+        return False
+
+    @property
+    def max_grad_norm(self) -> float:
+        """Clip the all-reduced gradient's norm to this (0: no clipping)."""
+        return self.cfg.max_grad_norm if self.name in flag_methods("max_grad_norm") else 0.0
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """What the optimizer trains (fp32)."""
+        raise NotImplementedError
+
+    def ddp_module(self) -> torch.nn.Module | None:
+        """A module whose gradients DistributedDataParallel all-reduces in buckets during the backward pass; None:
+        the loop packs ``parameters()``' gradients into one all-reduce after it (small gradients)."""
+        return None
+
+    def prompts(self, captions: Captions | None) -> PromptTable:
+        raise NotImplementedError
+
+    # ---- the steps ---------------------------------------------------------------------------------------------
+    def after_step(self, step: int) -> None:
+        """After each optimizer step (e.g. an EMA update)."""
+
+    def periodic_save(self, out: Path, step: int) -> None:
+        """Rank 0, after each step: method-specific snapshots (textual inversion's --save_steps)."""
+
+    # ---- checkpoint and outputs --------------------------------------------------------------------------------
+    def state(self) -> dict:
+        raise NotImplementedError
+
+    def load_state(self, state: dict, where: str) -> None:
+        raise NotImplementedError
+
+    def save(self, out: Path) -> None:
+        """Rank 0: write the run's result into ``out`` (each file atomically)."""
+        raise NotImplementedError
+
+    def summary(self) -> dict:
+        """Figures for metrics and the report (trainable parameters, …)."""
+        return {"method": self.name, "trainable_params": sum(p.numel() for p in self.parameters())}

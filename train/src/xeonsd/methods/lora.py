@@ -1,0 +1,121 @@
+"""LoRA: low-rank adapters on the UNet's attention projections (and optionally the text encoder's), via ``peft``.
+
+The base UNet stays frozen in the training dtype (bf16 on AMX); the adapters, their optimizer state and the loss
+are fp32 (peft casts each adapter's input to the adapter's dtype). The result is
+``pytorch_lora_weights.safetensors`` in the diffusers layout: ``pipe.load_lora_weights(dir)`` loads it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from xeonsd.checkpoint import CheckpointError
+from xeonsd.config import ConfigError
+from xeonsd.methods.base import Method
+from xeonsd.methods.prompts import check_prompt_source, plain_prompts
+
+if TYPE_CHECKING:
+    from xeonsd.captions import Captions
+
+LORA_FILE = "pytorch_lora_weights.safetensors"
+TEXT_ENCODER_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
+
+
+def target_modules(cfg) -> list[str]:
+    return [m.strip() for m in cfg.lora_target_modules.split(",") if m.strip()]
+
+
+def _lora_config(rank: int, alpha: float, targets: list[str]):
+    from peft import LoraConfig
+
+    return LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets)
+
+
+class LoRA(Method):
+    name = "lora"
+    outputs = (LORA_FILE,)
+
+    @classmethod
+    def check(cls, cfg, captions: Captions | None) -> None:
+        if cfg.rank < 1:
+            raise ConfigError(f"--rank must be at least 1, got {cfg.rank}")
+        if cfg.lora_alpha is not None and cfg.lora_alpha <= 0:
+            raise ConfigError(f"--lora_alpha must be positive, got {cfg.lora_alpha}")
+        if not target_modules(cfg):
+            raise ConfigError("--lora_target_modules names no module")
+        try:
+            import peft  # noqa: F401
+        except ImportError:
+            raise ConfigError("--method lora needs the peft package (pip install -r requirements.txt)") from None
+        check_prompt_source(cls.name, cfg, cls.uses_captions(cfg, captions))
+
+    def __init__(self, cfg, models) -> None:
+        super().__init__(cfg, models)
+        alpha = cfg.lora_alpha if cfg.lora_alpha is not None else cfg.rank
+        self.alpha = alpha
+        targets = target_modules(cfg)
+        try:
+            models.unet.add_adapter(_lora_config(cfg.rank, alpha, targets))
+        except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
+            raise ConfigError(f"--lora_target_modules {cfg.lora_target_modules}: {exc}") from exc
+        if cfg.train_text_encoder:
+            models.text_encoder.add_adapter(_lora_config(cfg.rank, alpha, list(TEXT_ENCODER_TARGETS)))
+        if cfg.gradient_checkpointing:
+            models.unet.enable_gradient_checkpointing()
+        self.params: list[torch.nn.Parameter] = []
+        for module in (models.unet, models.text_encoder):
+            for p in module.parameters():
+                if p.requires_grad:
+                    p.data = p.data.float()  # adapters train in fp32 beside the bf16 base
+                    self.params.append(p)
+
+    @property
+    def trains_text_encoder(self) -> bool:
+        return self.cfg.train_text_encoder
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return self.params
+
+    def prompts(self, captions: Captions | None) -> object:
+        return plain_prompts(self.cfg, self.uses_captions(self.cfg, captions), captions)
+
+    def _layers(self) -> dict[str, dict[str, torch.Tensor]]:
+        from diffusers.utils import convert_state_dict_to_diffusers
+        from peft.utils import get_peft_model_state_dict
+
+        layers = {"unet_lora_layers": get_peft_model_state_dict(self.models.unet)}
+        if self.cfg.train_text_encoder:
+            layers["text_encoder_lora_layers"] = get_peft_model_state_dict(self.models.text_encoder)
+        return {k: {n: t.detach().clone() for n, t in convert_state_dict_to_diffusers(v).items()}
+                for k, v in layers.items()}  # fmt: skip
+
+    def state(self) -> dict:
+        return {"adapters": [p.detach().clone() for p in self.params], "rank": self.cfg.rank, "alpha": self.alpha,
+                "targets": target_modules(self.cfg), "text_encoder": self.cfg.train_text_encoder}  # fmt: skip
+
+    def load_state(self, state: dict, where: str) -> None:
+        mine = {"rank": self.cfg.rank, "alpha": self.alpha, "targets": target_modules(self.cfg),
+                "text_encoder": self.cfg.train_text_encoder}  # fmt: skip
+        theirs = {k: state.get(k) for k in mine}
+        if theirs != mine:
+            diff = ", ".join(f"{k} {theirs[k]} (now {mine[k]})" for k in mine if theirs[k] != mine[k])
+            raise CheckpointError(f"checkpoint {where} holds other adapters: {diff}")
+        with torch.no_grad():
+            for p, saved in zip(self.params, state["adapters"], strict=True):
+                p.copy_(saved)
+
+    def save(self, out: Path) -> None:
+        from diffusers import StableDiffusionPipeline
+
+        # save_lora_weights writes into a directory: write it beside the result, then move the file in.
+        with tempfile.TemporaryDirectory(prefix=".lora.tmp-", dir=out) as tmp:
+            StableDiffusionPipeline.save_lora_weights(tmp, safe_serialization=True, **self._layers())
+            os.replace(Path(tmp) / LORA_FILE, out / LORA_FILE)
+
+    def summary(self) -> dict:
+        return {**super().summary(), "lora_rank": self.cfg.rank, "lora_alpha": self.alpha}

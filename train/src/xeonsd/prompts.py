@@ -1,0 +1,48 @@
+"""The text conditioning of the training steps: the prompt table's token ids, run through the text encoder.
+
+A method that trains the text encoder (textual inversion's vectors, LoRA on the text encoder) needs the forward
+pass every step. Otherwise the encoder is frozen and each prompt's hidden states are computed once before the
+first step (shared out over the ranks like the latent cache), so a step pays nothing for its captions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xeonsd.data import PromptTable
+from xeonsd.distributed import all_reduce_sum_
+from xeonsd.models import Models, autocast
+
+
+class PromptConditioning:
+    def __init__(self, models: Models, prompts: PromptTable, trainable: bool, rank: int, world: int) -> None:
+        self.models = models
+        tok = models.tokenizer
+        self.ids = tok(
+            list(prompts.texts), padding="max_length", truncation=True, max_length=tok.model_max_length,
+            return_tensors="pt",
+        ).input_ids  # fmt: skip
+        self.table: torch.Tensor | None = None
+        if not trainable:
+            self.table = self._encode_all(rank, world)
+
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        with autocast(self.models.weight_dtype):
+            return self.models.text_encoder(ids)[0]
+
+    @torch.no_grad()
+    def _encode_all(self, rank: int, world: int) -> torch.Tensor:
+        n = self.ids.shape[0]
+        if n < world:  # fewer prompts than ranks (an instance prompt): every rank encodes them
+            return self._forward(self.ids).float()
+        first = self._forward(self.ids[:1])
+        table = torch.zeros((n, *first.shape[1:]), dtype=torch.float32)
+        for i in range(rank, n, world):
+            table[i] = self._forward(self.ids[i : i + 1])[0].float()
+        return all_reduce_sum_(table, world)
+
+    def hidden(self, rows: list[int]) -> torch.Tensor:
+        """The text encoder's hidden states for these prompt rows, [len(rows), tokens, hidden]."""
+        if self.table is not None:
+            return self.table[rows]
+        return self._forward(torch.stack([self.ids[r] for r in rows]))
