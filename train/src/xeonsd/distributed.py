@@ -29,7 +29,7 @@ DEFAULT_MASTER_PORT = 29500
 # How long a collective may wait for a peer before the job fails (a dead rank ends the job instead of hanging).
 TIMEOUT_ENV = "XEONSD_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 1800
-# A shorter limit for the training steps once every rank is set up (finetune.yml sets 60 s): a rank or node that
+# A shorter limit for the training steps once every rank is set up (finetune.yml: 45 s): a rank or node that
 # dies or stalls mid-run then ends the job within that time. Unset: the steps keep XEONSD_DIST_TIMEOUT.
 STEP_TIMEOUT_ENV = "XEONSD_STEP_TIMEOUT"
 

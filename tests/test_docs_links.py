@@ -1,0 +1,70 @@
+"""The README is a map: every relative link in it, in docs/ and in the roles' READMEs leads to a file that exists,
+and a link to a #section leads to a heading of that file (GitHub's anchor rules)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+_HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
+
+
+def markdown_files() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted(REPO.glob("roles/*/README.md"))]
+
+
+def _prose_lines(path: Path) -> list[str]:
+    """The file's lines outside fenced code blocks."""
+    lines, fenced = [], False
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced:
+            lines.append(line)
+    return lines
+
+
+def anchors(path: Path) -> set[str]:
+    """The #anchors GitHub gives the file's headings: lower case, punctuation dropped, spaces to hyphens."""
+    found: set[str] = set()
+    for line in _prose_lines(path):
+        m = _HEADING.match(line)
+        if not m:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m[1].lower()).replace(" ", "-")
+        candidate, n = slug, 0
+        while candidate in found:
+            n += 1
+            candidate = f"{slug}-{n}"
+        found.add(candidate)
+    return found
+
+
+def broken_links(path: Path) -> list[str]:
+    broken = []
+    for line in _prose_lines(path):
+        for target in _LINK.findall(line):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto: …
+                continue
+            file_part, _, anchor = target.partition("#")
+            dest = (path.parent / file_part).resolve() if file_part else path
+            if not dest.exists():
+                broken.append(f"{target} (no such file)")
+            elif anchor and dest.is_file() and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{target} (no such heading in {dest.relative_to(REPO)})")
+    return broken
+
+
+def test_every_relative_link_in_the_docs_leads_somewhere() -> None:
+    problems = {str(p.relative_to(REPO)): broken_links(p) for p in markdown_files()}
+    assert {name: links for name, links in problems.items() if links} == {}
+
+
+def test_every_doc_is_linked_from_the_readme() -> None:
+    readme = (REPO / "README.md").read_text()
+    unlinked = [p.name for p in sorted((REPO / "docs").glob("*.md")) if f"](docs/{p.name}" not in readme]
+    assert unlinked == []
