@@ -5,12 +5,19 @@ Nothing can be downloaded in tests, so these stand in for the Hub model and the 
 * ``tiny``: a pipeline small enough to train in seconds, with the same structure as SD 1.x (4-level VAE with
   scale factor 8, cross-attention UNet, CLIP text encoder) and a tokenizer that knows the recipe's
   initializer word ``toy`` as one token.
+* ``tiny-v``: the tiny pipeline in the SD 2.x style (v-prediction, linear attention projections, per-level
+  head dims, GELU text encoder), for the tests of SD 2.x training.
 * ``sd15``: the full SD 1.5 architecture (UNet ~860M parameters, 49,408-token vocabulary, VAE, CLIP-L text
   encoder) with random weights: the same FLOPs and memory as the real model, for realistic benchmarks.
+* ``sd21``: the full SD 2.1 (768-v) architecture (UNet ~865M parameters, OpenCLIP-H-sized text encoder,
+  v-prediction) with random weights, for benchmarks.
+
+The image set can come with captions in each layout the trainer reads (see :mod:`xeonsd.captions`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -143,6 +150,9 @@ class Arch:
     text_intermediate: int
     vocab_size: int | None
     norm_groups: int
+    prediction_type: str = "epsilon"
+    linear_projection: bool = False
+    text_act: str = "quick_gelu"
 
 
 ARCHS: dict[str, Arch] = {
@@ -178,7 +188,29 @@ ARCHS: dict[str, Arch] = {
         vocab_size=49408,
         norm_groups=32,
     ),
+    "sd21": Arch(
+        unet_channels=(320, 640, 1280, 1280),
+        unet_layers=2,
+        unet_heads=(5, 10, 20, 20),
+        unet_down=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+        unet_up=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        sample_size=96,
+        vae_channels=(128, 256, 512, 512),
+        vae_layers=2,
+        text_hidden=1024,
+        text_layers=23,
+        text_heads=16,
+        text_intermediate=4096,
+        vocab_size=49408,
+        norm_groups=32,
+        prediction_type="v_prediction",
+        linear_projection=True,
+        text_act="gelu",
+    ),
 }
+ARCHS["tiny-v"] = dataclasses.replace(
+    ARCHS["tiny"], unet_heads=(2, 4), prediction_type="v_prediction", linear_projection=True, text_act="gelu"
+)
 
 
 def make_tiny_model(out: Path, arch: str = "tiny", seed: int = 0) -> Path:
@@ -210,6 +242,7 @@ def make_tiny_model(out: Path, arch: str = "tiny", seed: int = 0) -> Path:
         cross_attention_dim=a.text_hidden,
         attention_head_dim=a.unet_heads,
         norm_num_groups=a.norm_groups,
+        use_linear_projection=a.linear_projection,
     )
     vae = AutoencoderKL(
         in_channels=3,
@@ -232,14 +265,15 @@ def make_tiny_model(out: Path, arch: str = "tiny", seed: int = 0) -> Path:
         num_hidden_layers=a.text_layers,
         num_attention_heads=a.text_heads,
         max_position_embeddings=77,
-        hidden_act="quick_gelu",
+        hidden_act=a.text_act,
         projection_dim=a.text_hidden,
         bos_token_id=vocab[_BOS],
         eos_token_id=vocab[_EOS],
         pad_token_id=vocab[_EOS],
     )
     text_encoder = CLIPTextModel(text_config)
-    sched_kwargs = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear"}
+    sched_kwargs = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
+                    "prediction_type": a.prediction_type}  # fmt: skip
     scheduler = PNDMScheduler(**sched_kwargs, skip_prk_steps=True, steps_offset=1)
     # The training scheduler reads the same config; make sure it is a valid DDPM config too.
     DDPMScheduler.from_config(scheduler.config)
@@ -272,13 +306,26 @@ def make_tiny_model(out: Path, arch: str = "tiny", seed: int = 0) -> Path:
     return out
 
 
-def make_dataset(out: Path, count: int = 5, size: int = 128, seed: int = 0) -> list[Path]:
-    """Write ``count`` synthetic pictures of one small object (a yellow toy robot) in different poses."""
+CAPTION_LAYOUTS = ("metadata", "sidecar", "txt")
+_COLOURS = ("red", "green", "blue")
+
+
+def make_dataset(
+    out: Path, count: int = 5, size: int = 128, seed: int = 0, captions: str | None = None, token: str = "<dicoo>"
+) -> list[Path]:
+    """Write ``count`` synthetic pictures of one small object (a yellow toy robot) in different poses.
+
+    With ``captions`` (``metadata``: metadata.jsonl, ``sidecar``: a .txt beside each image, ``txt``:
+    captions.txt), each image gets a caption that names the concept's ``token`` and the background's colour,
+    e.g. ``a photo of a <dicoo> on a red background``."""
     if count < 1:
         raise ValueError("make-dataset needs --count >= 1")
+    if captions is not None and captions not in CAPTION_LAYOUTS:
+        raise ValueError(f"unknown --captions {captions!r}; choose one of {', '.join(CAPTION_LAYOUTS)}")
     rng = np.random.default_rng(seed)
     out = Path(out)
     paths = []
+    texts = []
     with atomic_dir(out) as tmp:
         for i in range(count):
             bg = tuple(int(v) for v in rng.integers(40, 200, size=3))
@@ -309,5 +356,14 @@ def make_dataset(out: Path, count: int = 5, size: int = 128, seed: int = 0) -> l
             name = f"dicoo_{i:02d}.png"
             img.save(tmp / name)
             paths.append(out / name)
-    log.info("wrote %d images to %s", count, out)
+            texts.append(f"a photo of a {token} on a {_COLOURS[int(np.argmax(bg))]} background")
+        if captions == "metadata":
+            lines = [json.dumps({"file_name": p.name, "text": t}) for p, t in zip(paths, texts, strict=True)]
+            (tmp / "metadata.jsonl").write_text("\n".join(lines) + "\n")
+        elif captions == "sidecar":
+            for p, t in zip(paths, texts, strict=True):
+                (tmp / p.with_suffix(".txt").name).write_text(t + "\n")
+        elif captions == "txt":
+            (tmp / "captions.txt").write_text("\n".join(texts) + "\n")
+    log.info("wrote %d images to %s%s", count, out, f" with captions ({captions})" if captions else "")
     return paths

@@ -1,4 +1,4 @@
-"""xeonsd: fine-tune Stable Diffusion on Xeon CPUs (textual inversion over MPI), export to OpenVINO, generate.
+"""xeonsd: fine-tune Stable Diffusion on Xeon CPUs (over MPI), export to OpenVINO, generate.
 
 Each subcommand's module is imported only when that subcommand runs, so ``xeonsd --help`` is instant and a
 node that only generates does not need the training stack.
@@ -23,7 +23,8 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 def _make_dataset(args: argparse.Namespace) -> int:
     from xeonsd.assets import make_dataset
 
-    for p in make_dataset(Path(args.out), count=args.count, size=args.size, seed=args.seed):
+    for p in make_dataset(Path(args.out), count=args.count, size=args.size, seed=args.seed, captions=args.captions,
+                          token=args.token):  # fmt: skip
         print(p)
     return 0
 
@@ -120,11 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xeonsd", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    sub.add_parser("train", help="textual inversion (run `xeonsd train --help` for its flags)", add_help=False)
+    sub.add_parser("train", help="textual inversion, LoRA or full fine-tuning (`xeonsd train --help` for its flags)",
+                   add_help=False)  # fmt: skip
 
     p = sub.add_parser("make-tiny-model", help="write a random-weight Stable Diffusion pipeline (offline test model)")
     p.add_argument("out", help="output directory (must not exist or be empty)")
-    p.add_argument("--arch", choices=["tiny", "sd15"], default="tiny", help="tiny: for tests; sd15: full SD1.5 size")
+    p.add_argument("--arch", choices=["tiny", "tiny-v", "sd15", "sd21"], default="tiny",
+                   help="tiny: for tests; tiny-v: SD 2.x-style (v-prediction) for tests; sd15/sd21: full size")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_make_tiny_model)
 
@@ -133,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--count", type=int, default=5)
     p.add_argument("--size", type=int, default=128, help="image side in pixels")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--captions", choices=["metadata", "sidecar", "txt"],
+                   help="also write captions: metadata.jsonl, a .txt beside each image, or captions.txt")  # fmt: skip
+    p.add_argument("--token", default="<dicoo>", help="the concept's placeholder in the captions")
     p.set_defaults(func=_make_dataset)
 
     _add_export_parser(sub)

@@ -140,7 +140,7 @@ def load_all_pixels(paths: list[Path], resolution: int, center_crop: bool, worke
     return torch.stack([t for pair in pairs for t in pair])
 
 
-def _mix(*parts: int) -> int:
+def mix(*parts: int) -> int:
     """A 63-bit seed from integers (splitmix64-style), so nearby indices give unrelated streams."""
     x = 0x9E3779B97F4A7C15
     for p in parts:
@@ -151,7 +151,7 @@ def _mix(*parts: int) -> int:
 
 def generator(*parts: int) -> torch.Generator:
     g = torch.Generator()
-    g.manual_seed(_mix(*parts))
+    g.manual_seed(mix(*parts))
     return g
 
 

@@ -28,7 +28,7 @@ from xeonsd import checkpoint as ckpt
 from xeonsd.captions import Captions, read_captions
 from xeonsd.config import ConfigError, TrainConfig, parse_config
 from xeonsd.cpu import cpu_info
-from xeonsd.data import DataError, PromptTable, SamplingPlan, find_images
+from xeonsd.data import DataError, PromptTable, SamplingPlan, mix, find_images
 from xeonsd.distributed import (
     CollectiveTimeout,
     DistributedError,
@@ -234,10 +234,12 @@ def setup(cfg: TrainConfig, info: RankInfo, backend: str | None, placement, inpu
             "slower than fp32 here; use --mixed_precision no on this machine",
             cpu_info().model,
         )
-    method = method_cls(cfg, models)
     base_model = model_fingerprint(cfg.pretrained_model_name_or_path, cfg.revision)
     resume_state = _shared_resume_state(inputs.resume, world)
     seed = _shared_seed(cfg, info, resume_state)
+    with torch.random.fork_rng():  # new weights (LoRA's) start the same on every rank and in every run of a seed
+        torch.manual_seed(mix(seed, 3))
+        method = method_cls(cfg, models)
     params = method.parameters()
     lr = cfg.learning_rate
     if cfg.scale_lr:

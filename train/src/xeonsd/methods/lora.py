@@ -7,6 +7,7 @@ are fp32 (peft casts each adapter's input to the adapter's dtype). The result is
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 from pathlib import Path
@@ -48,10 +49,8 @@ class LoRA(Method):
             raise ConfigError(f"--lora_alpha must be positive, got {cfg.lora_alpha}")
         if not target_modules(cfg):
             raise ConfigError("--lora_target_modules names no module")
-        try:
-            import peft  # noqa: F401
-        except ImportError:
-            raise ConfigError("--method lora needs the peft package (pip install -r requirements.txt)") from None
+        if importlib.util.find_spec("peft") is None:
+            raise ConfigError("--method lora needs the peft package (pip install -r requirements.txt)")
         check_prompt_source(cls.name, cfg, cls.uses_captions(cfg, captions))
 
     def __init__(self, cfg, models) -> None:
