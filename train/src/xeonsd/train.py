@@ -46,6 +46,7 @@ from xeonsd.embeddings import ConceptError, PlaceholderEmbedding, add_concept, s
 from xeonsd.latents import build_latent_cache, encode_distribution, sample_latents
 from xeonsd.metrics import MetricsLog, plot_loss
 from xeonsd.models import ConfigError, autocast, load_models, render_validation, save_full_pipeline
+from xeonsd.modelsource import ModelSourceError, check_model_source
 
 log = logging.getLogger("xeonsd.train")
 # A rank that lost a peer waits this long before ending the job, so that the other survivors report it too.
@@ -77,12 +78,7 @@ def validate(cfg: TrainConfig, info: RankInfo) -> tuple[list[Path], Path | None]
             f"{info.world_size} rank(s) for rank {info.rank}; check mpirun -n / the nodefile"
         )
     images = find_images(Path(cfg.train_data_dir))
-    model = cfg.pretrained_model_name_or_path
-    looks_local = model.startswith((".", "/", "~")) or os.sep in model and Path(model).exists()
-    if looks_local and not (Path(model).expanduser() / "model_index.json").is_file():
-        raise ConfigError(
-            f"--pretrained_model_name_or_path {model}: not a diffusers pipeline directory (no model_index.json)"
-        )
+    check_model_source(cfg.pretrained_model_name_or_path, revision=cfg.revision)
     earlier = [n for n in (EMBEDS_FILE, "metrics.jsonl", "metrics.partial.jsonl") if (cfg.output_path / n).exists()]
     earlier += [p.name for _, p in ckpt.list_checkpoints(cfg.output_path)]
     if info.is_main and earlier and not cfg.resume_from_checkpoint and not cfg.overwrite_output_dir:
@@ -383,7 +379,7 @@ def main(argv: list[str]) -> int:
     info = detect_ranks()
     try:
         summary = run(cfg)
-    except (ConfigError, DataError, ConceptError, ckpt.CheckpointError, DistributedError) as exc:
+    except (ConfigError, ModelSourceError, DataError, ConceptError, ckpt.CheckpointError, DistributedError) as exc:
         where = f"rank {info.rank}/{info.world_size} on {node_address()}: " if info.world_size > 1 else ""
         print(f"xeonsd train: error: {where}{exc}", file=sys.stderr)
         take_the_job_down(info, 2, grace_s=ABORT_GRACE_S if isinstance(exc, PeerLostError) else 0.0)
