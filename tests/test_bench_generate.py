@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from xeonsd.bench_generate import format_table, pipeline_flops
+from xeonsd.bench_generate import format_table, main, pipeline_flops
 
 
 def test_pipeline_flops_count_every_unet_step_and_scale_with_pixels(tiny_model: Path) -> None:
@@ -56,3 +56,11 @@ def test_report_gives_ratios_to_a_and_judges_the_targets() -> None:
 def test_report_does_not_judge_against_an_emulated_bf16_peak() -> None:
     table = format_table(_report({"a": 300.0, "d": 330.0}, bf16=0.0002e12, fp32=0.11e12))
     assert "n/a, no native bf16 here (vs the fp32 floor: 1.04x, met)" in table
+
+
+def test_bench_generate_refuses_a_model_directory_that_does_not_exist(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["--model", "owner/typo", "--workdir", "work", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("xeonsd bench generate: error: --model owner/typo: cannot be loaded: ")
+    assert list(tmp_path.iterdir()) == []  # no random-weight model built under the mistyped name

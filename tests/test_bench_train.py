@@ -26,3 +26,11 @@ def test_bench_train_variants_differ_in_what_they_switch_off(tiny_model, tmp_pat
     for r in rows.values():
         assert r["s_per_step"] > 0 and r["peak_rss_gb"] > 0
     assert "x optimized" in proc.stdout and "matmul peak measured in this run" in proc.stdout
+
+
+def test_bench_train_refuses_a_model_it_cannot_find(tmp_path, capsys):
+    from xeonsd.bench_train import main
+
+    assert main([f"--model={tmp_path / 'nope'}", "--peak-size=64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"xeonsd bench train: error: --model {tmp_path / 'nope'}: cannot be loaded: looked for")

@@ -45,3 +45,16 @@ def test_doctor_flags_a_tcmalloc_that_does_not_load(tiny_model, dataset, tmp_pat
     rc, report = _doctor([*_job_args(tiny_model, dataset)], env)
     checks = {c["name"]: c for c in report["checks"]}
     assert rc == 1 and checks["tcmalloc"]["status"] == "FAIL" and str(bogus) in checks["tcmalloc"]["detail"]
+
+
+def test_doctor_names_a_model_it_cannot_find_and_exits_2(dataset, cli_env):
+    proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", "doctor", "--json", "--",
+                           *_job_args(Path("nope/dir"), dataset)], env=cli_env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    checks = {c["name"]: c for c in json.loads(proc.stdout.strip().splitlines()[-1])["checks"]}
+    assert proc.returncode == 2
+    model = checks["model"]
+    assert model["status"] == "FAIL" and model["detail"].startswith("--pretrained_model_name_or_path nope/dir: ")
+    assert "offline: HF_HUB_OFFLINE=1" in model["detail"] and "base_model role" in model["detail"]
+    assert checks["images"]["status"] == "PASS" and checks["train 1 step"]["detail"].startswith("skipped")
+    assert proc.stderr.strip().splitlines()[-1] == f"xeonsd doctor: error: {model['detail']}"

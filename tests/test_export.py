@@ -124,7 +124,18 @@ def partial_source(tiny_model: Path, tmp_path: Path) -> Path:
 
 def test_export_refuses_a_missing_source(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     err = _cli_error(["export", str(tmp_path / "nope"), str(tmp_path / "out")], capsys)
-    assert "does not exist" in err and "nope" in err
+    assert f"source {tmp_path / 'nope'}: cannot be loaded: looked for as a local directory (not found)" in err
+    assert _leftovers(tmp_path) == []
+
+
+def test_export_refuses_a_hub_id_the_hub_cannot_serve(tmp_path: Path, capsys, monkeypatch) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "https://hub.invalid")  # never resolves
+    err = _cli_error(["export", "nope/dir", str(tmp_path / "out")], capsys)
+    assert err.startswith("xeonsd export: error: source nope/dir: cannot be loaded: ") and err.count("\n") == 1
+    assert "on the Hub (host hub.invalid does not resolve)" in err and "base_model role" in err
     assert _leftovers(tmp_path) == []
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-
 from test_train import _fail, _mpi_env, run_cli
+
 from xeonsd.config import build_parser
 
 LORA_FILE = "pytorch_lora_weights.safetensors"

@@ -38,6 +38,19 @@ def test_training_summary_from_metrics():
     assert summary["first loss"] == 0.9 and summary["last loss"] == 0.4
 
 
+def test_report_states_the_smoothed_loss_and_its_window(tmp_path, demo_metrics):
+    """The raw first and last loss of the demo run are noise; the report gives the EMA's trend and its window."""
+    from xeonsd.report import build_report
+
+    summary = training_summary(demo_metrics)
+    assert summary["loss EMA, window 5 steps (α=0.33)"] == "1.1211 at step 5 → 1.1341 at step 30"
+    run = _run_dir(tmp_path)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in demo_metrics))
+    page = build_report(run)
+    assert "1.1211 at step 5 → 1.1341 at step 30" in page
+    assert "exponential moving average of the loss: EMA, window 5 steps (α=0.33)." in page and 'src="loss.png"' in page
+
+
 def test_report_links_every_image_and_escapes_the_command(tmp_path, cli_env):
     run = _run_dir(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", "report", str(run)], env=cli_env,

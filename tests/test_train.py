@@ -321,6 +321,33 @@ def test_missing_model_dir(dataset, tmp_path, cli_env):
     assert "no-model" in err
 
 
+def test_a_hub_id_the_hub_cannot_serve_fails_at_once_with_what_to_do(dataset, tmp_path, cli_env):
+    """A typo, or a Hub id on a node without network: one line and exit 2, not a traceback after five retries."""
+    env = {k: v for k, v in cli_env.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_ENDPOINT="https://hub.invalid", HF_HUB_CACHE=str(tmp_path / "hub-cache"))  # never resolves
+    err = _fail(train_args(Path("nope/dir"), dataset, tmp_path / "o"), env)
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("xeonsd train: error: --pretrained_model_name_or_path nope/dir: ")
+    assert "looked for as a local directory (not found) and on the Hub (host hub.invalid does not resolve)" in last
+    assert "local diffusers pipeline directory" in last and "base_model role" in last and "HF_HUB_OFFLINE=1" in last
+    assert "Retry" not in err  # the download client was never asked
+    err = _fail(train_args(Path("nope/dir"), dataset, tmp_path / "o"), dict(env, HF_HUB_OFFLINE="1"))
+    assert "on the Hub (offline: HF_HUB_OFFLINE=1, and the Hub cache" in err.strip().splitlines()[-1]
+
+
+def test_a_hub_id_in_the_hub_cache_trains_offline(tiny_model, dataset, tmp_path, cli_env):
+    """Nodes without network whose Hub cache holds the model (rather than a staged directory) still train."""
+    commit = "0" * 40
+    repo = tmp_path / "hub-cache" / "models--owner--tiny-sd"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(tiny_model, repo / "snapshots" / commit)
+    env = dict(cli_env, HF_HUB_CACHE=str(tmp_path / "hub-cache"))
+    proc = run_cli(["train", *train_args(Path("owner/tiny-sd"), dataset, tmp_path / "o", steps=1)], env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert vectors(tmp_path / "o").shape == (1, 32)
+
+
 def test_validation_images_and_periodic_embeddings(tiny_model, dataset, tmp_path, cli_env):
     out = tmp_path / "out"
     extra = ["--validation_prompt=a photo of a <dicoo>", "--num_validation_images=2", "--validation_steps=2",

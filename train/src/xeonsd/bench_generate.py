@@ -18,6 +18,7 @@ import argparse
 import gc
 import json
 import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -369,6 +370,14 @@ def main(argv: list[str]) -> int:
     if args.images < 1 or args.steps < 1:
         raise SystemExit("xeonsd bench generate: error: --images and --steps must be at least 1")
     args.only = sorted(set(args.only) & set("abcdef"))
+    if args.model:
+        from xeonsd.modelsource import ModelSourceError, check_model_source
+
+        try:  # the bench reads the directory itself (configs, FLOP count): a Hub id will not do
+            check_model_source(args.model, flag="--model", hub=False)
+        except ModelSourceError as exc:
+            print(f"xeonsd bench generate: error: {exc}", file=sys.stderr)
+            return 2
     report = run(args)
     table = format_table(report)
     print(table)

@@ -111,7 +111,7 @@ def format_table(results: list[dict], peaks: dict[str, float], dtype: str, cpu: 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="xeonsd bench train", description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, default=None,
+    p.add_argument("--model", default=None,
                    help=f"pipeline directory (default: the sd15 architecture built once in {DEFAULT_MODEL_CACHE})")  # fmt: skip
     p.add_argument("--arch", choices=["sd15", "tiny"], default="sd15", help="what to build when --model is not given")
     p.add_argument("--resolution", type=int, default=512)
@@ -130,9 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from xeonsd.assets import make_dataset, make_tiny_model
+    from xeonsd.modelsource import ModelSourceError, check_model_source
 
     model = args.model
-    if model is None:
+    if model is not None:
+        try:  # the variants run with HF_HUB_OFFLINE=1: a Hub id must be in the Hub cache
+            check_model_source(str(model), flag="--model", offline=True)
+        except ModelSourceError as exc:
+            print(f"xeonsd bench train: error: {exc}", file=sys.stderr)
+            return 2
+    else:
         model = DEFAULT_MODEL_CACHE if args.arch == "sd15" else DEFAULT_MODEL_CACHE.with_name("tiny")
         if not (model / "model_index.json").is_file():
             log.info("building the %s model once in %s", args.arch, model)

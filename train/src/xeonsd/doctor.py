@@ -3,7 +3,8 @@
 "Run the training locally on every node for one step before launching the distributed job": it checks the
 packages, the preloaded tcmalloc, AMX, the images and the model named in the training arguments, then trains one
 step as a single process with exactly those arguments. Every check reports PASS, WARN or FAIL with its cause;
-the exit code is 1 when any check fails. ``--json`` prints the same as one JSON object (doctor.yml reads it).
+the exit code is 1 when any check fails, 2 when the model cannot be found (after the table, one line says what to
+do, as ``xeonsd train`` would). ``--json`` prints the same as one JSON object (doctor.yml reads it).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from xeonsd.cpu import cpu_info
+from xeonsd.modelsource import ModelSourceError, check_model_source
 
 PACKAGES = ("torch", "diffusers", "transformers", "safetensors", "xeonsd")
 # Variables of a launcher: the one-step trial must run as a single process, not join a job.
@@ -80,13 +82,13 @@ def check_inputs(train_args: list[str]) -> list[Check]:
         checks.append(Check("images", "PASS", f"{len(images)} readable images in {cfg.train_data_dir}"))
     except DataError as exc:
         checks.append(Check("images", "FAIL", str(exc)))
-    model = Path(cfg.pretrained_model_name_or_path).expanduser()
-    if (model / "model_index.json").is_file():
-        checks.append(Check("model", "PASS", str(model)))
-    elif model.is_absolute() or model.exists():
-        checks.append(Check("model", "FAIL", f"{model} is not a diffusers pipeline directory (no model_index.json)"))
+    try:
+        source = check_model_source(cfg.pretrained_model_name_or_path, revision=cfg.revision)
+    except ModelSourceError as exc:
+        checks.append(Check("model", "FAIL", str(exc)))
     else:
-        checks.append(Check("model", "WARN", f"{model}: a Hub id; the trial step tells whether it is cached"))
+        # A download on every node at the job's start is what the base_model role exists to avoid.
+        checks.append(Check("model", "WARN" if source.kind == "hub" else "PASS", source.detail))
     return checks
 
 
@@ -145,4 +147,8 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"host": host, "ok": ok, "checks": [asdict(c) for c in checks]}))
     else:
         print(format_table(checks))
+    model_error = next((c.detail for c in checks if c.name == "model" and c.status == "FAIL"), None)
+    if model_error:
+        print(f"xeonsd doctor: error: {model_error}", file=sys.stderr, flush=True)
+        return 2
     return 0 if ok else 1

@@ -28,6 +28,7 @@ from typing import Any
 
 from xeonsd import ovtokenizer
 from xeonsd.fsutil import atomic_dir
+from xeonsd.modelsource import check_model_source
 from xeonsd.ovdir import ExportDirError, StaticShape, check_writable_output, write_manifest
 
 log = logging.getLogger(__name__)
@@ -61,12 +62,10 @@ class ExportOptions:
 
 
 def check_source(src: str) -> Path | None:
-    """A local SRC must be a complete diffusers pipeline; anything that is not a path is taken as a Hub id."""
+    """A local SRC must be a complete diffusers pipeline; a Hub id must be one the Hub (or its cache) can serve."""
     path = Path(src)
     if not path.exists():
-        looks_like_path = src.startswith((".", "/", "~")) or src.count("/") != 1
-        if looks_like_path:
-            raise ExportError(f"source {src} does not exist (and is not a Hub model id like 'org/name')")
+        check_model_source(src, flag="source")  # a Hub id the Hub or its cache can serve, or ModelSourceError
         return None
     if not path.is_dir():
         raise ExportError(f"source {src} is not a directory")
@@ -116,10 +115,6 @@ def reshape_static(pipe: Any, shape: StaticShape) -> None:
 
 def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
     """Export SRC (a diffusers pipeline directory or Hub id) to the OpenVINO directory OUT; return OUT."""
-    from optimum.intel import OVStableDiffusionPipeline, OVWeightQuantizationConfig
-
-    from xeonsd.concept import ov_vocab_rows
-
     opts = options or ExportOptions()
     out = Path(out)
     if opts.weight_format not in WEIGHT_FORMATS:
@@ -136,6 +131,10 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
     check_writable_output(out)
     if out.is_dir() and any(out.iterdir()) and not opts.overwrite:
         raise ExportError(f"output {out} already exists and is not empty; remove it or pass --overwrite")
+    # The OpenVINO stack is imported only once the inputs are known to be good: a bad one fails at once.
+    from optimum.intel import OVStableDiffusionPipeline, OVWeightQuantizationConfig
+
+    from xeonsd.concept import ov_vocab_rows
 
     t0 = time.perf_counter()
     tokens: list[str] = []

@@ -1,4 +1,4 @@
-"""Run metrics: one JSON line per logged step, and the loss plot.
+"""Run metrics: one JSON line per logged step, and the loss plot (raw loss, faint, under its EMA).
 
 While the run is going the lines go to ``metrics.partial.jsonl`` (tail it to watch progress); the finished run
 renames it to ``metrics.jsonl``, so a crashed run never leaves a file that looks complete.
@@ -7,7 +7,11 @@ renames it to ``metrics.jsonl``, so a crashed run never leaves a file that looks
 from __future__ import annotations
 
 import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from xeonsd.fsutil import atomic_path
 
@@ -49,28 +53,89 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
-def plot_loss(rows: list[dict], path: Path, title: str = "textual inversion") -> Path:
-    """Loss per step (and a moving average) as a PNG."""
+def ema_window(points: int) -> int:
+    """The smoothing window for a loss series of ``points`` logged points: a tenth of them, at least 5, at most 50."""
+    return max(5, min(50, points // 10))
+
+
+def ema(values: Sequence[float], window: int) -> list[float]:
+    """Exponential moving average with ``alpha = 2 / (window + 1)`` (the usual span convention), bias-corrected.
+
+    Point ``i`` is the mean of values ``0..i`` weighted ``(1 - alpha) ** (i - k)``, divided by the sum of those
+    weights: the curve starts at the first value without being pulled towards it for the next ``window`` points,
+    as the plain recursion seeded with the first value is (TensorBoard smooths the same way).
+    """
+    if window < 1:
+        raise ValueError(f"EMA window must be at least 1, got {window}")
+    alpha = 2 / (window + 1)
+    out: list[float] = []
+    weighted = weights = 0.0
+    for v in values:
+        weighted = (1 - alpha) * weighted + alpha * v
+        weights = (1 - alpha) * weights + alpha
+        out.append(weighted / weights)
+    return out
+
+
+@dataclass(frozen=True)
+class LossCurve:
+    """The loss as logged (one point every ``every`` steps) and its EMA over ``window`` points."""
+
+    steps: list[int]
+    raw: list[float]
+    smooth: list[float]
+    window: int
+    every: int
+
+    @property
+    def alpha(self) -> float:
+        return 2 / (self.window + 1)
+
+    @property
+    def label(self) -> str:
+        """The legend's words for the smoothed curve, with its window in steps."""
+        span = f"{self.window} steps" if self.every == 1 else f"{self.window} points = {self.window * self.every} steps"
+        return f"EMA, window {span} (α={self.alpha:.2f})"
+
+
+def loss_curve(rows: list[dict]) -> LossCurve:
+    """The trainer's metrics rows as a raw and a smoothed loss series (window from :func:`ema_window`)."""
+    steps = [int(r["step"]) for r in rows]
+    raw = [float(r["loss"]) for r in rows]
+    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False) if b > a]
+    window = ema_window(len(raw))
+    return LossCurve(steps, raw, ema(raw, window), window, statistics.median_low(gaps) if gaps else 1)
+
+
+def loss_figure(rows: list[dict], title: str = "textual inversion") -> Any:
+    """The loss per step, faint (on textual inversion it is mostly the noise of the sampled timesteps), with its
+    EMA drawn over it (the trend); a matplotlib Figure (Agg), closed by the caller."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in rows]
-    loss = [r["loss"] for r in rows]
+    curve = loss_curve(rows)
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    ax.plot(steps, loss, lw=0.8, alpha=0.5, label="loss")
-    window = max(1, len(loss) // 20)
-    if window > 1:
-        smooth = [sum(loss[max(0, i - window + 1) : i + 1]) / len(loss[max(0, i - window + 1) : i + 1])
-                  for i in range(len(loss))]  # fmt: skip
-        ax.plot(steps, smooth, lw=1.5, label=f"moving average ({window})")
+    raw_label = "loss per step" if curve.every == 1 else f"loss, every {curve.every} steps"
+    ax.plot(curve.steps, curve.raw, lw=0.8, alpha=0.45, color="tab:blue", label=raw_label)
+    ax.plot(curve.steps, curve.smooth, lw=2.0, color="tab:orange", label=curve.label)
     ax.set_xlabel("step")
     ax.set_ylabel("MSE loss")
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
-    plt.close(fig)
+    return fig
+
+
+def plot_loss(rows: list[dict], path: Path, title: str = "textual inversion") -> Path:
+    """:func:`loss_figure` as a PNG at ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = loss_figure(rows, title)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format="png")
+    finally:
+        plt.close(fig)
     return Path(path)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from xeonsd.fsutil import atomic_file
+from xeonsd.metrics import loss_curve
 
 REPORT = "report.html"
 
@@ -41,16 +42,22 @@ def _metrics(run: Path) -> list[dict]:
 
 
 def training_summary(rows: list[dict]) -> dict[str, Any]:
-    """Steps, first/last loss, median s/step and throughput from the trainer's metrics rows."""
+    """Steps, first/last loss, the smoothed loss's trend, median s/step and throughput from the metrics rows."""
     if not rows:
         return {}
     timed = [r["s_per_step"] for r in rows[1:]] or [rows[0]["s_per_step"]]
+    curve = loss_curve(rows)
+    # The raw first and last values are mostly timestep noise; the EMA once it has a window of points, and at the
+    # end, tell whether the loss went down.
+    start = min(curve.window, len(curve.smooth)) - 1
     return {
         "steps": rows[-1]["step"],
         "ranks": rows[-1].get("ranks"),
         "backend": rows[-1].get("backend"),
         "first loss": round(rows[0]["loss"], 5),
         "last loss": round(rows[-1]["loss"], 5),
+        f"loss {curve.label}": f"{curve.smooth[start]:.4f} at step {curve.steps[start]} → "
+        f"{curve.smooth[-1]:.4f} at step {curve.steps[-1]}",
         "median s/step": round(statistics.median(timed), 3),
         "images/s": round(statistics.median(r["images_per_s"] for r in rows[1:] or rows), 3),
         "all-reduce bytes/step": rows[-1].get("allreduce_bytes"),
@@ -111,13 +118,23 @@ def build_report(run: Path) -> str:  # noqa: C901 - one section after the other
     if info.get("cluster"):
         sections.append("<h2>Cluster</h2>" + _table(info["cluster"]))
 
-    summary = training_summary(_metrics(run))
+    rows = _metrics(run)
+    summary = training_summary(rows)
     if summary:
         sections.append("<h2>Training</h2>" + _table(summary))
     else:
         missing.append("metrics.jsonl")
     if (run / "loss.png").is_file():
-        sections.append('<h2>Loss</h2><img src="loss.png" alt="loss per step">')
+        caption = (
+            "Faint: the loss of each step, mostly the noise of the sampled timesteps. Bold: the trend, the "
+            f"exponential moving average of the loss: {loss_curve(rows).label}."
+            if rows
+            else "The loss per step."
+        )
+        sections.append(
+            f'<h2>Loss</h2><figure><img src="loss.png" alt="loss per step and its moving average">'
+            f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+        )
     else:
         missing.append("loss.png")
 
@@ -158,7 +175,7 @@ def build_report(run: Path) -> str:  # noqa: C901 - one section after the other
         "body{font-family:sans-serif;max-width:70em;margin:2em auto;padding:0 1em}"
         "table{border-collapse:collapse}th,td{border:1px solid #ccc;padding:.2em .6em;text-align:left}"
         "pre{background:#f4f4f4;padding:.8em;white-space:pre-wrap}.images{display:flex;flex-wrap:wrap;gap:1em}"
-        "figure{margin:0}figure img{width:256px;image-rendering:pixelated}"
+        "figure{margin:0}.images img{width:256px;image-rendering:pixelated}"
     )
     return (
         f"<!doctype html><html><head><meta charset=utf-8><title>{title}</title><style>{style}</style></head>"

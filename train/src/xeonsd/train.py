@@ -28,7 +28,7 @@ from xeonsd import checkpoint as ckpt
 from xeonsd.captions import Captions, read_captions
 from xeonsd.config import ConfigError, TrainConfig, parse_config
 from xeonsd.cpu import cpu_info
-from xeonsd.data import DataError, PromptTable, SamplingPlan, mix, find_images
+from xeonsd.data import DataError, PromptTable, SamplingPlan, find_images, mix
 from xeonsd.distributed import (
     CollectiveTimeout,
     DistributedError,
@@ -50,13 +50,14 @@ from xeonsd.latents import LatentTable
 from xeonsd.methods import Method, for_config, method_class
 from xeonsd.metrics import MetricsLog, plot_loss
 from xeonsd.models import Models, autocast, load_models, model_fingerprint, render_validation
+from xeonsd.modelsource import ModelSourceError, check_model_source
 from xeonsd.prompts import PromptConditioning
 
 log = logging.getLogger("xeonsd.train")
 # A rank that lost a peer waits this long before ending the job, so that the other survivors report it too.
 ABORT_GRACE_S = 3.0
 
-BAD_INPUT = (ConfigError, DataError, ConceptError, ckpt.CheckpointError, DistributedError)
+BAD_INPUT = (ConfigError, ModelSourceError, DataError, ConceptError, ckpt.CheckpointError, DistributedError)
 
 
 @dataclass(frozen=True)
@@ -92,12 +93,7 @@ def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
     images = find_images(Path(cfg.train_data_dir))
     captions = read_captions(Path(cfg.train_data_dir), images, cfg.caption_column)
     for_config(cfg).check(cfg, captions)
-    model = cfg.pretrained_model_name_or_path
-    looks_local = model.startswith((".", "/", "~")) or os.sep in model and Path(model).exists()
-    if looks_local and not (Path(model).expanduser() / "model_index.json").is_file():
-        raise ConfigError(
-            f"--pretrained_model_name_or_path {model}: not a diffusers pipeline directory (no model_index.json)"
-        )
+    check_model_source(cfg.pretrained_model_name_or_path, revision=cfg.revision)
     resume = None
     # Checkpoints live in rank 0's output dir (on the primary node); rank 0 reads and broadcasts the state.
     if cfg.resume_from_checkpoint and info.is_main:
