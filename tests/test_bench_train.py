@@ -10,7 +10,7 @@ import sys
 def test_bench_train_variants_differ_in_what_they_switch_off(tiny_model, tmp_path, cli_env):
     out = tmp_path / "bench.json"
     args = ["bench", "train", f"--model={tiny_model}", "--resolution=64", "--steps=2", "--warmup=1"]
-    args += ["--peak-size=512", "--dtype=fp32", f"--json={out}"]
+    args += ["--peak-size=512", "--dtype=fp32", f"--json={out}", "--no-ranks2"]
     proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", *args], env=cli_env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -34,3 +34,19 @@ def test_bench_train_refuses_a_model_it_cannot_find(tmp_path, capsys):
     assert main([f"--model={tmp_path / 'nope'}", "--peak-size=64"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"xeonsd bench train: error: --model {tmp_path / 'nope'}: cannot be loaded: looked for")
+
+
+def test_bench_train_lora_measures_the_allreduce_on_two_ranks(tiny_model, tmp_path, cli_env):
+    """The 2-rank run's recorded collectives carry exactly the adapters' gradients and the loss."""
+    out = tmp_path / "bench.json"
+    args = ["bench", "train", "--method=lora", f"--model={tiny_model}", "--resolution=64", "--steps=1", "--warmup=1",
+            "--peak-size=256", "--dtype=fp32", "--only", "optimized", f"--json={out}"]  # fmt: skip
+    env = dict(cli_env, I_MPI_FABRICS="shm")
+    proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    computed = report["results"][0]["allreduce_bytes"]
+    assert report["method"] == "lora" and computed > 1000
+    assert report["allreduce_bytes_measured_2ranks"] == computed, report.get("allreduce_not_measured")
+    assert "measured on a 2-rank mpirun run" in proc.stdout

@@ -291,3 +291,43 @@ def test_resume_latest_without_a_checkpoint_is_refused_unless_asked(tiny_model, 
     err = _fail(method_args("lora", tiny_model, dataset, out, "--instance_prompt=x",
                             "--resume_from_checkpoint=latest_if_any"), cli_env)  # fmt: skip
     assert "already holds a run" in err
+
+
+# ---- memory --------------------------------------------------------------------------------------------------------
+
+
+def test_dry_run_prints_the_memory_estimate_and_writes_nothing(tiny_model, dataset, tmp_path, cli_env):
+    out = tmp_path / "o"
+    proc = run_cli(["train", *method_args("full", tiny_model, dataset, out, "--instance_prompt=x", "--dry-run")],
+                   cli_env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("estimated peak memory per rank"))
+    for part in ("weights", "gradients", "optimizer", "activations", "GB free"):
+        assert part in line
+    assert not out.exists()
+
+
+def test_estimate_grows_with_what_the_method_trains_and_the_resolution(tiny_model):
+    from xeonsd.config import parse_config
+    from xeonsd.memory import estimate
+
+    def est(method: str, *extra: str):
+        args = method_args(method, tiny_model, Path("d"), Path("o"), *extra)
+        if method != "textual_inversion":
+            args.append("--instance_prompt=x")
+        return estimate(parse_config(args), method, 5, 1)
+
+    ti, lora, full = est("textual_inversion"), est("lora"), est("full")
+    n_unet = sum(v.numel() for v in unet_weights(tiny_model).values())
+    assert full.gradients == n_unet * 4 and full.optimizer == n_unet * 8  # fp32 grads, AdamW's two moments
+    assert 0 < lora.gradients < full.gradients / 10 and ti.gradients == 32 * 4
+    assert est("lora", "--resolution=128").activations > 3 * lora.activations
+    assert est("full", "--gradient_checkpointing").activations < full.activations
+
+
+def test_a_run_that_cannot_fit_in_memory_is_refused_naming_both_figures(tiny_model, dataset, tmp_path, cli_env):
+    args = method_args("lora", tiny_model, dataset, tmp_path / "o", "--instance_prompt=x", "--resolution=4096",
+                       "--train_batch_size=512")  # fmt: skip
+    err = _fail(args, cli_env)
+    assert "the estimated peak memory is" in err and "GB free (MemAvailable)" in err
+    assert not (tmp_path / "o").exists()

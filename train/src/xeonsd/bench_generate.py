@@ -44,31 +44,13 @@ class Result:
     note: str = ""
 
 
-def matmul_peak(dtype_name: str, max_n: int = 2048, seconds: float = 1.5) -> float:
-    """Best FLOP/s of a square matmul in ``dtype`` over about ``seconds``.
-
-    The size grows from 256 up to ``max_n`` while one product takes under 0.1 s, so an emulated dtype (bf16
-    without hardware support runs ~500x slower than fp32) is measured on a small product instead of for minutes.
-    """
+def matmul_peak(dtype_name: str) -> float:
+    """This CPU's matmul peak in FLOP/s, measured as ``bench train`` measures it (xeonsd.flops.matmul_peak)."""
     import torch
 
-    dtype = getattr(torch, dtype_name)
-    n = 256
-    while True:
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        t0 = time.perf_counter()
-        a @ b
-        once = time.perf_counter() - t0
-        if once > 0.1 or n >= max_n:
-            break
-        n *= 2
-    best, start, reps = once, time.perf_counter(), 0
-    while reps < 3 or time.perf_counter() - start < seconds:
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-        reps += 1
-    return 2 * n**3 / best
+    from xeonsd.flops import matmul_peak as peak
+
+    return peak(getattr(torch, dtype_name))
 
 
 def pipeline_flops(model: Path, height: int, width: int, steps: int) -> dict[str, float]:

@@ -1,8 +1,11 @@
-"""``xeonsd bench train``: s/step, executed FLOPs, share of the bf16 matmul peak, peak RSS and all-reduce bytes
-of the trainer on the full SD 1.5 architecture, with each optimisation switched off in turn.
+"""``xeonsd bench train``: s/step, executed FLOPs (attention included), share of the matmul peak, peak RSS and
+all-reduce bytes of the trainer (``--method textual_inversion|lora|full``) on the full SD 1.5 architecture, with
+each optimisation switched off in turn.
 
 Every variant is a real ``xeonsd train`` process (so its peak RSS is its own), on the same model, images, seed
-and step count; the bf16 matmul peak is measured in the same run. Figures are printed, not asserted.
+and step count; the matmul peaks are measured in the same run (xeonsd.flops, as ``bench generate`` does). The
+bytes all-reduced per step are measured on a real 2-rank ``mpirun`` run (the profiler's record of the
+collectives), beside what the trainer computes. Figures are printed, not asserted.
 """
 
 from __future__ import annotations
@@ -15,11 +18,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from xeonsd.flops import matmul_peak
 
 log = logging.getLogger(__name__)
 
@@ -33,34 +37,64 @@ class Variant:
     what: str
 
 
-def variants_for(dtype: str) -> tuple[Variant, ...]:
+def variants_for(method: str, dtype: str) -> tuple[Variant, ...]:
     """The optimized run and one run with each optimisation switched off; the precision baseline is the other dtype."""
     other = "fp32" if dtype == "bf16" else "bf16"
+    precision = Variant(other, (f"--mixed_precision={'no' if other == 'fp32' else 'bf16'}",), f"{other} weights")
+    per_step = Variant("per-step VAE encode", ("--no-latent_cache",), "encode each image with the VAE every step")
+    if method == "lora":
+        return (
+            Variant("optimized", (), f"{dtype} frozen UNet/VAE, fp32 rank-4 adapters, cached latents and prompts"),
+            per_step,
+            Variant("gradient checkpointing", ("--gradient_checkpointing",), "recompute activations in backward"),
+            precision,
+        )
+    if method == "full":
+        what = "fp32 master weights under bf16 autocast" if dtype == "bf16" else "fp32 UNet"
+        return (
+            Variant("optimized", (), f"{what}, cached latents and prompts, AdamW"),
+            per_step,
+            Variant("gradient checkpointing", ("--gradient_checkpointing",), "recompute activations in backward"),
+            precision,
+        )
     return (
         Variant("optimized", (), f"{dtype} UNet/VAE, cached latents, only the concept's vectors trained"),
-        Variant("per-step VAE encode", ("--no-latent_cache",), "encode each image with the VAE every step"),
+        per_step,
         Variant("whole-matrix embedding", ("--train_full_embedding_matrix",), "train + all-reduce vocab x hidden"),
-        Variant(other, (f"--mixed_precision={'no' if other == 'fp32' else 'bf16'}",), f"frozen UNet/VAE in {other}"),
+        precision,
     )
+
+
+def method_args(method: str) -> list[str]:
+    if method == "textual_inversion":
+        return ["--placeholder_token=<dicoo>", "--initializer_token=toy"]
+    return [f"--method={method}", "--instance_prompt=a photo of toy"]
+
+
+def measure_allreduce(base_args: list[str], out: Path, env: dict[str, str]) -> tuple[int | None, str]:
+    """Bytes all-reduced per step on a real 2-rank mpirun run (its second step, recorded by the profiler); None
+    and the reason when the run could not be made (no mpirun, or two ranks do not fit in this machine's memory)."""
+    import shutil
+
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        return None, "mpirun not found"
+    args = [a for a in base_args if not a.startswith("--max_train_steps")] + ["--max_train_steps=2"]
+    cmd = [mpirun, "-n", "2", sys.executable, "-m", "xeonsd.cli", "train", *args, f"--output_dir={out}"]
+    env = dict(env, I_MPI_FABRICS=env.get("I_MPI_FABRICS", "shm"), MASTER_PORT=str(29800 + os.getpid() % 100))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        reason = next((ln for ln in reversed(proc.stderr.splitlines()) if "error" in ln), "failed")
+        return None, reason.strip()[-300:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    measured = [r["allreduce_bytes_measured"] for r in rows if "allreduce_bytes_measured" in r]
+    return (measured[0], "") if measured else (None, "no collective was recorded")
 
 
 EXTRA_VARIANTS = (
     Variant("channels_last", ("--channels_last",), "UNet in channels_last"),
     Variant("torch.compile", ("--compile",), "torch.compile(UNet)"),
 )
-
-
-def measure_matmul_peak(dtype: torch.dtype, n: int = 4096, reps: int = 8) -> float:
-    """Best observed matmul throughput in TFLOP/s (bf16: AMX through oneDNN on Sapphire Rapids and later)."""
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
-    torch.matmul(a, b)
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        torch.matmul(a, b)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e12
 
 
 def _run_variant(variant: Variant, base_args: list[str], out: Path, env: dict[str, str]) -> dict:
@@ -93,10 +127,10 @@ def summarize(name: str, rows: list[dict], warmup: int, peak_rss_gb: float, peak
     }
 
 
-def format_table(results: list[dict], peaks: dict[str, float], dtype: str, cpu: str) -> str:
+def format_table(results: list[dict], peaks: dict[str, float], dtype: str, cpu: str, method: str = "") -> str:
     base = results[0]["s_per_step"]
     lines = [
-        f"CPU: {cpu}; training dtype: {dtype}",
+        f"CPU: {cpu}; method: {method}; training dtype: {dtype}",
         "matmul peak measured in this run: " + ", ".join(f"{k} {v:.3f} TFLOP/s" for k, v in peaks.items()),
         f"{'variant':<24}{'s/step':>9}{'x optimized':>13}{'TFLOP/step':>12}{'TFLOP/s':>9}{'of peak':>9}"
         f"{'peak RSS GB':>13}{'all-reduce B/step':>19}",
@@ -111,6 +145,8 @@ def format_table(results: list[dict], peaks: dict[str, float], dtype: str, cpu: 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="xeonsd bench train", description=__doc__.splitlines()[0])
+    p.add_argument("--method", choices=["textual_inversion", "lora", "full"], default="textual_inversion")
+    p.add_argument("--no-ranks2", action="store_true", help="skip the 2-rank run that measures the all-reduce bytes")
     p.add_argument("--model", default=None,
                    help=f"pipeline directory (default: the sd15 architecture built once in {DEFAULT_MODEL_CACHE})")  # fmt: skip
     p.add_argument("--arch", choices=["sd15", "tiny"], default="sd15", help="what to build when --model is not given")
@@ -148,18 +184,15 @@ def main(argv: list[str]) -> int:
 
     cpu = cpu_info()
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if cpu.native_bf16 else "fp32")
-    variants = list(variants_for(dtype)) + (list(EXTRA_VARIANTS) if args.extra else [])
+    variants = list(variants_for(args.method, dtype)) + (list(EXTRA_VARIANTS) if args.extra else [])
     if args.only:
         unknown = set(args.only) - {v.name for v in variants}
         if unknown:
             print(f"xeonsd bench train: error: unknown variant(s) {sorted(unknown)}", file=sys.stderr)
             return 2
         variants = [v for v in variants if v.name in args.only]
-    peaks = {"fp32": measure_matmul_peak(torch.float32, n=args.peak_size)}
-    # Emulated bf16 (no AMX / AVX512-BF16) is ~100x slower: a small matrix tells the story without the wait.
-    peaks["bf16"] = measure_matmul_peak(
-        torch.bfloat16, n=args.peak_size if cpu.native_bf16 else 512, reps=8 if cpu.native_bf16 else 2
-    )
+    peaks = {"fp32": matmul_peak(torch.float32, max_n=args.peak_size),
+             "bf16": matmul_peak(torch.bfloat16, max_n=args.peak_size)}  # fmt: skip
     log.info("matmul peaks: %s", peaks)
     if not cpu.native_bf16 and not args.only:
         log.warning("%s has no AMX or AVX512-BF16: skipping the bf16 variant (pass --only bf16 to force it)", cpu.model)
@@ -170,8 +203,8 @@ def main(argv: list[str]) -> int:
         data = Path(tmp) / "data"
         make_dataset(data, count=args.images, size=args.resolution)
         base_args = [
-            f"--pretrained_model_name_or_path={model}", f"--train_data_dir={data}", "--placeholder_token=<dicoo>",
-            "--initializer_token=toy", f"--resolution={args.resolution}", "--train_batch_size=1", "--seed=7",
+            f"--pretrained_model_name_or_path={model}", f"--train_data_dir={data}", *method_args(args.method),
+            f"--resolution={args.resolution}", "--train_batch_size=1", "--seed=7",
             f"--max_train_steps={args.warmup + args.steps}", "--learning_rate=2e-3", "--lr_warmup_steps=0",
             f"--mixed_precision={'bf16' if dtype == 'bf16' else 'no'}", "--checkpointing_steps=0", "--count_flops",
         ]  # fmt: skip
@@ -180,8 +213,19 @@ def main(argv: list[str]) -> int:
             vdtype = variant.name if variant.name in ("bf16", "fp32") else dtype
             results.append(summarize(variant.name, run["rows"], args.warmup, run["peak_rss_gb"], peaks[vdtype]))
             log.info("%s: %.2f s/step", variant.name, results[-1]["s_per_step"])
-    print(format_table(results, peaks, dtype, cpu.model), flush=True)
+        measured, why = (None, "skipped (--no-ranks2)")
+        if not args.no_ranks2:
+            measured, why = measure_allreduce(base_args, Path(tmp) / "ranks2", env)
+    print(format_table(results, peaks, dtype, cpu.model, args.method), flush=True)
+    computed = results[0]["allreduce_bytes"]
+    if measured is not None:
+        print(f"all-reduce per step, measured on a 2-rank mpirun run: {measured:,} B (the trainer computes "
+              f"{computed:,} B)", flush=True)  # fmt: skip
+    else:
+        print(f"all-reduce per step on 2 ranks: not measured: {why}", flush=True)
     if args.json:
-        summary = {"cpu": cpu.model, "dtype": dtype, "peak_tflops": peaks, "model": str(model), "results": results}
+        summary = {"cpu": cpu.model, "method": args.method, "dtype": dtype, "peak_tflops": peaks,
+                   "model": str(model), "results": results, "allreduce_bytes_measured_2ranks": measured,
+                   "allreduce_not_measured": why or None}  # fmt: skip
         args.json.write_text(json.dumps(summary, indent=2))
     return 0

@@ -130,6 +130,7 @@ class TrainConfig:
     dry_run: bool = _flag(
         "check the inputs, print the estimated peak memory per rank and stop (refused when it exceeds free memory)",
         default=False,
+        aliases=("--dry-run",),
     )
     latent_cache: bool = _flag(
         "encode each distinct input once and sample its cached latent distribution (--no-latent_cache: "
@@ -182,22 +183,23 @@ def build_parser() -> argparse.ArgumentParser:
         help_text = meta.pop("help")
         negatable = meta.pop("negatable", False)
         group = groups[meta.pop("methods")]
-        name = f"--{f.name}"
+        name, *aliases = (f"--{f.name}", *meta.pop("aliases", ()))
         required = f.default is dataclasses.MISSING
         hint = hints[f.name]
         base = typing.get_args(hint)[0] if typing.get_origin(hint) in (typing.Union, type(int | None)) else hint
         if base is bool:
             if negatable:
-                group.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+                group.add_argument(name, *aliases, action=argparse.BooleanOptionalAction, default=f.default,
+                                   help=help_text)  # fmt: skip
             else:
-                group.add_argument(name, action="store_true", default=f.default, help=help_text)
+                group.add_argument(name, *aliases, action="store_true", default=f.default, help=help_text)
             continue
         kwargs: dict[str, typing.Any] = {"type": base, "help": help_text, **meta}
         if required:
             kwargs["required"] = True
         else:
             kwargs["default"] = f.default
-        group.add_argument(name, **kwargs)
+        group.add_argument(name, *aliases, **kwargs)
     return parser
 
 

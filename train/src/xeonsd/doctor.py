@@ -71,25 +71,57 @@ def check_cpu() -> Check:
     return Check("amx", "WARN", f"{info.model}: no AMX; {what}; use --mixed_precision no or auto here")
 
 
-def check_inputs(train_args: list[str]) -> list[Check]:
-    from xeonsd.config import parse_config
+def check_inputs(train_args: list[str], ranks_per_node: int = 1) -> list[Check]:
+    from xeonsd.captions import read_captions
+    from xeonsd.config import ConfigError, parse_config
     from xeonsd.data import DataError, find_images
+    from xeonsd.methods import for_config
 
-    cfg = parse_config(train_args)
+    try:
+        cfg = parse_config(train_args)
+    except ConfigError as exc:
+        return [Check("arguments", "FAIL", str(exc))]
     checks = []
+    images, captions = [], None
     try:
         images = find_images(Path(cfg.train_data_dir))
         checks.append(Check("images", "PASS", f"{len(images)} readable images in {cfg.train_data_dir}"))
-    except DataError as exc:
-        checks.append(Check("images", "FAIL", str(exc)))
+        captions = read_captions(Path(cfg.train_data_dir), images, cfg.caption_column)
+        for_config(cfg).check(cfg, captions)
+        checks.append(Check("captions", "PASS", f"{len(captions.texts)} from {captions.source}" if captions else
+                            f"none ({'templates' if cfg.method == 'textual_inversion' else '--instance_prompt'})"))  # fmt: skip
+    except (DataError, ConfigError) as exc:
+        checks.append(Check("images" if not images else "captions", "FAIL", str(exc)))
     try:
         source = check_model_source(cfg.pretrained_model_name_or_path, revision=cfg.revision)
     except ModelSourceError as exc:
         checks.append(Check("model", "FAIL", str(exc)))
-    else:
-        # A download on every node at the job's start is what the base_model role exists to avoid.
-        checks.append(Check("model", "WARN" if source.kind == "hub" else "PASS", source.detail))
+        return checks
+    # A download on every node at the job's start is what the base_model role exists to avoid.
+    checks.append(Check("model", "WARN" if source.kind == "hub" else "PASS", source.detail))
+    if images:
+        checks.append(check_memory(cfg, len(images), len(captions.texts) if captions else 1, ranks_per_node))
     return checks
+
+
+def check_memory(cfg, num_images: int, num_prompts: int, ranks_per_node: int) -> Check:
+    """The trainer's own estimate of a rank's peak memory, for this node's ranks, against its free memory."""
+    import dataclasses
+
+    from xeonsd import memory
+
+    if cfg.mixed_precision == "auto":
+        cfg = dataclasses.replace(cfg, mixed_precision="bf16" if cpu_info().native_bf16 else "no")
+    try:
+        est = memory.estimate(cfg, cfg.method, num_images, num_prompts)
+    except Exception as exc:  # noqa: BLE001 - reported as a row, not a crash
+        return Check("memory", "WARN", f"no estimate: {exc}")
+    free = memory.available_memory()
+    problem = memory.check_fits(est, ranks_per_node, free)
+    if problem:
+        return Check("memory", "FAIL", problem)
+    room = f", {free / memory.GB:.1f} GB free" if free is not None else ""
+    return Check("memory", "PASS", f"{est.describe()} per rank x {ranks_per_node} rank(s){room}")
 
 
 def trial_step(train_args: list[str], env: dict[str, str], timeout: float) -> Check:
@@ -97,7 +129,7 @@ def trial_step(train_args: list[str], env: dict[str, str], timeout: float) -> Ch
     clean = {k: v for k, v in env.items() if not k.startswith(_LAUNCHER_VARS)}
     with tempfile.TemporaryDirectory(prefix="xeonsd-doctor-") as out:
         cmd = [sys.executable, "-m", "xeonsd.cli", "train", *train_args,
-               "--max_train_steps=1", "--checkpointing_steps=0", "--save_steps=0", f"--output_dir={out}",
+               "--max_train_steps=1", "--checkpointing_steps=0", f"--output_dir={out}",
                "--overwrite_output_dir", "--log_every=1"]  # fmt: skip
         cmd = [c for c in cmd if not c.startswith(("--validation_prompt", "--resume_from_checkpoint", "--world_size"))]
         try:
@@ -112,8 +144,10 @@ def trial_step(train_args: list[str], env: dict[str, str], timeout: float) -> Ch
     return Check("train 1 step", "PASS", f"loss {metrics[-1]['loss']:.4f} in {metrics[-1]['s_per_step']:.1f} s")
 
 
-def run_checks(train_args: list[str], env: dict[str, str], timeout: float, skip_train: bool) -> list[Check]:
-    checks = [check_packages(), check_tcmalloc(env), check_cpu(), *check_inputs(train_args)]
+def run_checks(
+    train_args: list[str], env: dict[str, str], timeout: float, skip_train: bool, ranks_per_node: int = 1
+) -> list[Check]:
+    checks = [check_packages(), check_tcmalloc(env), check_cpu(), *check_inputs(train_args, ranks_per_node)]
     ready = all(c.status != "FAIL" for c in checks)
     if skip_train:
         pass
@@ -131,16 +165,18 @@ def format_table(checks: list[Check]) -> str:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="xeonsd doctor", description=__doc__.splitlines()[0],
-                                     usage="xeonsd doctor [--json] [--skip-train] [--timeout S] -- TRAIN_ARGS…")  # fmt: skip
+                                     usage="xeonsd doctor [--json] [--skip-train] [--timeout S] [--ranks-per-node N] -- TRAIN_ARGS…")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--skip-train", action="store_true", help="check only, do not train a step")
     parser.add_argument("--timeout", type=float, default=900, help="seconds the one-step trial may take")
+    parser.add_argument("--ranks-per-node", type=int, default=1,
+                        help="ranks the job runs on this node (the memory check counts them all)")  # fmt: skip
     if "--" not in argv:
         parser.error("give the training arguments after --, e.g. xeonsd doctor -- --pretrained_model_name_or_path …")
     split = argv.index("--")
     args = parser.parse_args(argv[:split])
     train_args = argv[split + 1 :]
-    checks = run_checks(train_args, dict(os.environ), args.timeout, args.skip_train)
+    checks = run_checks(train_args, dict(os.environ), args.timeout, args.skip_train, args.ranks_per_node)
     ok = all(c.status != "FAIL" for c in checks)
     if args.json:
         host = os.uname().nodename

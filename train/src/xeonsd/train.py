@@ -46,6 +46,7 @@ from xeonsd.distributed import (
     take_the_job_down,
 )
 from xeonsd.embeddings import ConceptError
+from xeonsd.flops import allreduced_elements, count_attention
 from xeonsd.latents import LatentTable
 from xeonsd.methods import Method, for_config, method_class
 from xeonsd.metrics import MetricsLog, plot_loss
@@ -202,6 +203,9 @@ def run(cfg: TrainConfig) -> dict:
     timeouts = Timeouts.from_env()
     if cfg.mixed_precision == "auto":
         cfg = dataclasses.replace(cfg, mixed_precision="bf16" if cpu_info().native_bf16 else "no")
+    check_memory(cfg, info, inputs)
+    if cfg.dry_run:
+        return {"dry_run": True}
     placement = place_rank(info)
     backend = init_process_group(info)
     try:
@@ -210,6 +214,30 @@ def run(cfg: TrainConfig) -> dict:
         return save(job, step_times)
     finally:
         destroy_process_group()
+
+
+def check_memory(cfg: TrainConfig, info: RankInfo, inputs: Inputs) -> None:
+    """Estimate this rank's peak memory; refuse a run whose ranks on this node would not fit in its free memory.
+    With --dry-run, rank 0 prints the estimate."""
+    from xeonsd import memory
+
+    prompts = len(inputs.captions.texts) if inputs.captions else 1
+    try:
+        est = memory.estimate(cfg, cfg.method, len(inputs.images), prompts)
+    except Exception as exc:  # noqa: BLE001 - an estimate that cannot be made must not stop a run
+        if cfg.dry_run:
+            raise ConfigError(f"cannot estimate the memory of this run: {exc}") from exc
+        log.warning("no memory estimate (%s); training without the check", exc)
+        return
+    free = memory.available_memory()
+    if info.is_main:
+        line = f"estimated peak memory per rank: {est.describe()}"
+        if free is not None:
+            line += f"; {info.local_world_size} rank(s) on this node, {free / memory.GB:.1f} GB free"
+        (print if cfg.dry_run else log.info)(line)
+    problem = memory.check_fits(est, info.local_world_size, free)
+    if problem:
+        raise ConfigError(problem)
 
 
 def setup(cfg: TrainConfig, info: RankInfo, backend: str | None, placement, inputs: Inputs, timeouts) -> Job:
@@ -340,6 +368,14 @@ def checkpoint(job: Job, step: int) -> None:
     ckpt.save_checkpoint(job.cfg.output_path, step, state, keep=job.cfg.checkpoints_total_limit)
 
 
+def _comm_profiler():
+    """A profiler that records the step's collectives (``--count_flops`` on 2+ ranks: the bytes all-reduced are
+    measured on the second step, not computed)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+
+
 def fit(job: Job) -> list[float]:
     """The optimizer steps from ``job.start_step`` on; returns each step's seconds."""
     cfg, info, out = job.cfg, job.info, job.cfg.output_path
@@ -347,6 +383,8 @@ def fit(job: Job) -> list[float]:
     metrics = MetricsLog(out, resume_step=job.start_step) if info.is_main else None
     job.metrics = metrics
     max_norm = job.method.max_grad_norm
+    if cfg.count_flops:
+        count_attention()
     progress = None
     if info.is_main:
         from tqdm.auto import tqdm
@@ -366,7 +404,8 @@ def fit(job: Job) -> list[float]:
             t_step = time.perf_counter()
             loss_sum = 0.0
             flop_counter = FlopCounterMode(display=False) if cfg.count_flops and step == job.start_step else None
-            with flop_counter or contextlib.nullcontext():
+            comm = _comm_profiler() if cfg.count_flops and job.world > 1 and step == job.start_step + 1 else None
+            with flop_counter or contextlib.nullcontext(), comm or contextlib.nullcontext():
                 for micro in range(accumulation):
                     examples = job.plan.batch(step, micro, accumulation, job.world, info.rank, cfg.train_batch_size)
                     last = micro == accumulation - 1
@@ -396,6 +435,7 @@ def fit(job: Job) -> list[float]:
                     "backend": job.backend or "none", "method": cfg.method, "allreduce_bytes": job.allreduce_bytes(),
                     "time": time.time(),
                     **({"tflop_per_rank": flop_counter.get_total_flops() / 1e12} if flop_counter else {}),
+                    **({"allreduce_bytes_measured": allreduced_elements(comm) * 4} if comm else {}),
                 })  # fmt: skip
             if info.is_main:
                 job.method.periodic_save(out, done)
@@ -454,6 +494,8 @@ def main(argv: list[str]) -> int:
             traceback.print_exc()
             take_the_job_down(info, 1)
         raise
+    if summary.get("dry_run"):
+        return 0
     if info.is_main:
         med = summary["median_s_per_step"]
         print(f"done: {summary['steps']} steps on {summary['ranks']} rank(s), backend {summary['backend']}, "

@@ -1,0 +1,79 @@
+"""What the benchmarks measure work against: the matmul peak of this CPU, and FLOP counts that include attention.
+
+Both benchmarks (``bench train``, ``bench generate``) use the one peak function, so their "share of peak"
+figures are comparable. PyTorch's FLOP counter has no formula for the CPU flash-attention kernels that
+``scaled_dot_product_attention`` runs on CPU tensors, so it counted attention as 0; ``count_attention()``
+registers PyTorch's own SDPA formulas for them (forward 4·b·h·q·k·d; backward 10·b·h·q·k·d: the scores
+recomputed, and the four products of the gradients).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def matmul_peak(dtype: torch.dtype, max_n: int = 4096, seconds: float = 2.0) -> float:
+    """Best FLOP/s of a square ``dtype`` matmul over sizes 256, 512, … up to ``max_n``.
+
+    The size doubles while one product takes under 0.25 s, so an emulated dtype (bf16 without AMX or AVX512-BF16
+    runs ~100x slower than fp32) stops at a small product instead of running for minutes; every size gets its
+    share of ``seconds`` and at least 3 repetitions, and the best rate of any size is the peak."""
+    sizes = []
+    n = 256
+    while n <= max_n:
+        sizes.append(n)
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        t0 = time.perf_counter()
+        a @ b
+        if time.perf_counter() - t0 > 0.25:
+            break
+        n *= 2
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a @ b  # warm-up: the first product of a size pays for its kernel selection
+        start, reps = time.perf_counter(), 0
+        while reps < 3 or time.perf_counter() - start < seconds / len(sizes):
+            t0 = time.perf_counter()
+            a @ b
+            best = max(best, 2 * n**3 / (time.perf_counter() - t0))
+            reps += 1
+    return best
+
+
+def count_attention() -> None:
+    """Teach ``torch.utils.flop_counter`` the CPU flash-attention kernels (idempotent)."""
+    from torch.utils import flop_counter as fc
+
+    aten = torch.ops.aten
+    fwd, bwd = (
+        aten._scaled_dot_product_flash_attention_for_cpu,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward,
+    )
+    if fwd in fc.flop_registry or fwd.default in fc.flop_registry:
+        return
+
+    @fc.register_flop_formula(fwd)
+    def _forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return fc.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+    @fc.register_flop_formula(bwd)
+    def _backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return fc.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+def allreduced_elements(prof) -> int:
+    """Elements all-reduced in a ``torch.profiler`` recording: every ``<backend>:all_reduce`` event (gloo, ccl),
+    DistributedDataParallel's buckets included, with the shapes the profiler recorded."""
+    total = 0
+    for e in prof.events():
+        if e.name.endswith(":all_reduce"):
+            for shape in e.input_shapes:
+                if shape:
+                    n = 1
+                    for d in shape:
+                        n *= d
+                    total += n
+    return total

@@ -1,0 +1,183 @@
+"""The estimated peak memory of one training rank, before any weight is loaded.
+
+The models are built from their configs on PyTorch's ``meta`` device (shapes and dtypes, no data), so weights,
+gradients and optimizer state are counted exactly. Activations are measured, not guessed: one forward pass of the
+meta UNet at the run's resolution and batch, with the method's trainable parts, records every tensor autograd
+keeps for the backward pass (``saved_tensors_hooks``). With ``--gradient_checkpointing`` only each block's input
+is kept, plus the largest block's activations while it is recomputed. The process's own footprint (Python, the
+libraries) is its resident size when the estimate is made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    caches: int
+    runtime: int
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{f.name} {getattr(self, f.name) / GB:.2f}" for f in fields(self))
+        return f"{self.total / GB:.2f} GB ({parts})"
+
+
+def available_memory() -> int | None:
+    """Bytes this node can still give (MemAvailable), or None where /proc/meminfo does not say."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def _numel(module: torch.nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
+
+
+class _SavedBytes:
+    """Sums the bytes of the distinct tensors autograd saves; per top-level UNet block as well."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.seen: dict[int, torch.Tensor] = {}
+        self.block_start = 0
+        self.blocks: list[tuple[int, int]] = []  # (saved bytes inside the block, bytes of its input)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        if id(base) not in self.seen:
+            self.seen[id(base)] = base  # keeps the object alive, so its id is not reused
+            self.total += base.numel() * base.element_size()
+        return t
+
+    def watch(self, block: torch.nn.Module) -> None:
+        def pre(_m, args):
+            self.block_start = self.total
+
+        def post(_m, args, _out):
+            first = args[0] if args else None
+            size = first.numel() * first.element_size() if isinstance(first, torch.Tensor) else 0
+            self.blocks.append((self.total - self.block_start, size))
+
+        block.register_forward_pre_hook(pre)
+        block.register_forward_hook(post)
+
+
+@contextlib.contextmanager
+def _cpu_attention():
+    """On meta tensors SDPA takes the math path, which keeps the whole score matrix for the backward (GBs at
+    512 px); CPU tensors take the flash kernel, which keeps only the output and the log-sum-exp. Route the meta
+    forward to the flash kernel so the saved tensors are the ones a real step keeps."""
+    from unittest import mock
+
+    import torch.nn.functional as F
+
+    plain = F.scaled_dot_product_attention
+
+    def flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        if attn_mask is not None or dropout_p or kw:
+            return plain(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)[0]
+
+    with mock.patch.object(F, "scaled_dot_product_attention", flash):
+        yield
+
+
+def _activations(unet, cfg, cross_dim: int, weight_dtype: torch.dtype, hidden_grad: bool, autocast: bool) -> int:
+    saved = _SavedBytes()
+    for block in [*unet.down_blocks, unet.mid_block, *unet.up_blocks]:
+        if block is not None:
+            saved.watch(block)
+    side = cfg.resolution // 8
+    dtype = next(unet.parameters()).dtype
+    x = torch.zeros(cfg.train_batch_size, unet.config.in_channels, side, side, device="meta", dtype=dtype)
+    h = torch.zeros(cfg.train_batch_size, 77, cross_dim, device="meta", dtype=dtype, requires_grad=hidden_grad)
+    t = torch.zeros(cfg.train_batch_size, dtype=torch.long, device="meta")
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), amp, _cpu_attention():
+        unet(x, t, h, return_dict=False)
+    if not getattr(cfg, "gradient_checkpointing", False):
+        return saved.total
+    inside = sum(b for b, _ in saved.blocks)
+    return saved.total - inside + sum(i for _, i in saved.blocks) + max(b for b, _ in saved.blocks)
+
+
+def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstimate:
+    """Peak bytes of one rank for this configuration (the model's configs must be readable)."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    src, kw = cfg.pretrained_model_name_or_path, {"revision": cfg.revision}
+    weight_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
+    wbytes = torch.finfo(weight_dtype).bits // 8
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(src, subfolder="unet", **kw))
+        vae = AutoencoderKL.from_config(AutoencoderKL.load_config(src, subfolder="vae", **kw))
+        te_config = CLIPTextConfig.from_pretrained(src, subfolder="text_encoder", **kw)
+        text_encoder = CLIPTextModel(te_config)
+    unet.requires_grad_(False)
+    unet_dtype = torch.float32 if method == "full" else weight_dtype
+    torch.nn.Module.to(unet, unet_dtype)  # (ModelMixin.to warns about keep-in-fp32 modules SD has none of)
+    hidden = te_config.hidden_size
+    if method == "textual_inversion":
+        trainable = (te_config.vocab_size if cfg.train_full_embedding_matrix else cfg.num_vectors) * hidden
+    elif method == "lora":
+        from peft import LoraConfig
+
+        targets = [m.strip() for m in cfg.lora_target_modules.split(",") if m.strip()]
+        unet.add_adapter(LoraConfig(r=cfg.rank, lora_alpha=cfg.lora_alpha or cfg.rank, target_modules=targets))
+        for p in unet.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+        trainable = _numel(unet, trainable_only=True)
+        if cfg.train_text_encoder:  # about the same share of the text encoder's attention
+            trainable += 4 * te_config.num_hidden_layers * 2 * cfg.rank * hidden
+    else:
+        unet.requires_grad_(True)  # (measured without checkpointing: the block figures give its effect)
+        trainable = _numel(unet)
+    frozen_unet = _numel(unet) - (trainable if method != "textual_inversion" else 0)
+    weights = _numel(text_encoder) * 4 + frozen_unet * torch.finfo(unet_dtype).bits // 8
+    if method in ("lora", "full"):
+        weights += trainable * 4
+    if cfg.validation_prompt or not cfg.latent_cache:
+        weights += _numel(vae) * wbytes
+    gradients = trainable * 4
+    optimizer = trainable * 8 + (trainable * 4 if method == "full" and cfg.use_ema else 0)
+    autocast = weight_dtype == torch.bfloat16 and unet_dtype == torch.float32
+    activations = _activations(unet, cfg, hidden, weight_dtype, method == "textual_inversion", autocast)
+    side = cfg.resolution // 8
+    latents = 2 * num_images * 2 * 4 * side * side * 4
+    if not cfg.latent_cache:
+        latents = 2 * num_images * 3 * cfg.resolution**2 * 4
+    prompts = num_prompts * 77 * hidden * 4 if method != "textual_inversion" else 0
+    runtime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return MemoryEstimate(weights, gradients, optimizer, activations, latents + prompts, runtime)
+
+
+def check_fits(est: MemoryEstimate, ranks_on_node: int, available: int | None) -> str | None:
+    """An error message when ``ranks_on_node`` ranks of this estimate do not fit in ``available`` bytes."""
+    if available is None or est.total * ranks_on_node <= available:
+        return None
+    return (
+        f"the estimated peak memory is {est.total / GB:.1f} GB per rank x {ranks_on_node} rank(s) on this node = "
+        f"{est.total * ranks_on_node / GB:.1f} GB, but the node has {available / GB:.1f} GB free (MemAvailable); "
+        "use fewer ranks per node, a smaller --train_batch_size or --resolution, --gradient_checkpointing, "
+        "or --mixed_precision bf16"
+    )
