@@ -84,3 +84,28 @@ def test_master_port_in_use_gives_the_hint(monkeypatch):
     message = str(err.value)
     assert f"127.0.0.1:{port}" in message
     assert f"Port {port} on 127.0.0.1 is already in use" in message and "set MASTER_PORT to a free port" in message
+
+
+def test_the_collective_watchdog_fires_only_past_the_limit_in_force():
+    """Backend-independent dead-peer detection: a watched collective that waits past the limit is reported once;
+    one that finishes in time, or one under a longer scoped limit, is not."""
+    import time as _time
+
+    from xeonsd.distributed import CollectiveTimeout
+
+    fired: list[str] = []
+    limit = CollectiveTimeout(world_size=2, initial_s=0.3, on_expiry=fired.append, poll_s=0.05)
+    with limit.watch("barrier"):
+        _time.sleep(0.1)
+    with limit.scope(5.0), limit.watch("all-reduce"):
+        _time.sleep(0.5)
+    assert fired == [] and limit.current == 0.3
+    with limit.watch("all-reduce"):
+        _time.sleep(0.6)
+    assert fired == ["the all-reduce failed: a peer rank died, its node went away or it stalled past the collective "
+                     "timeout (no answer within 0.3 s)"]  # fmt: skip
+    limit.close()
+    single = CollectiveTimeout(world_size=1, initial_s=0.01, on_expiry=fired.append)
+    with single.watch("all-reduce"):
+        _time.sleep(0.05)
+    assert len(fired) == 1

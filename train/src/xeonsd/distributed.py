@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -111,33 +112,61 @@ class Timeouts:
 
 
 class CollectiveTimeout:
-    """The process group's collective timeout as a scope: ``with limit.scope(s):`` applies ``s`` to the
-    collectives inside the block and restores the previous limit after it (gloo; nothing for one process)."""
+    """Dead-peer detection that works with any backend (gloo, ccl): a watchdog thread ends the job when one
+    collective waits longer than the limit in force.
 
-    def __init__(self, world_size: int, initial_s: float) -> None:
+    ``with limit.scope(s):`` applies ``s`` seconds to the collectives inside the block (and restores the previous
+    limit after it); ``with limit.watch("all-reduce"):`` around a collective puts it under the watchdog. When the
+    limit passes, ``on_expiry`` gets the message (it reports it and ends the job; the blocked collective never
+    returns). Nothing runs for a single process."""
+
+    def __init__(self, world_size: int, initial_s: float, on_expiry=None, poll_s: float = 0.5) -> None:
         self.world_size = world_size
         self.current = initial_s
+        self.on_expiry = on_expiry
+        self.poll_s = poll_s
+        self._watched: tuple[str, float] | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
     @contextlib.contextmanager
     def scope(self, seconds: float | None) -> Iterator[None]:
         previous = self.current
         if seconds is not None:
-            set_collective_timeout(seconds, self.world_size)
             self.current = seconds
         try:
             yield
         finally:
-            if seconds is not None:
-                set_collective_timeout(previous, self.world_size)
-                self.current = previous
+            self.current = previous
 
+    @contextlib.contextmanager
+    def watch(self, what: str, extra_s: float = 0.0) -> Iterator[None]:
+        """Put the block under the watchdog; ``extra_s`` adds time for work of its own (a backward pass during
+        which DistributedDataParallel all-reduces its buckets)."""
+        if self.world_size < 2 or self.on_expiry is None:
+            yield
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="collective-watchdog", daemon=True)
+            self._thread.start()
+        self._watched = (what, time.monotonic() + extra_s)
+        try:
+            yield
+        finally:
+            self._watched = None
 
-def set_collective_timeout(seconds: float | None, world_size: int) -> None:
-    """Use ``seconds`` as the process group's timeout for the collectives that follow (gloo; no-op if None)."""
-    if world_size > 1 and seconds is not None:
-        from torch.distributed.distributed_c10d import _set_pg_timeout
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            watched, limit = self._watched, self.current
+            if watched is not None and time.monotonic() - watched[1] > limit:
+                self.on_expiry(
+                    f"the {watched[0]} failed: a peer rank died, its node went away or it stalled past the collective "
+                    f"timeout (no answer within {limit:g} s)"
+                )
+                return
 
-        _set_pg_timeout(datetime.timedelta(seconds=seconds))
+    def close(self) -> None:
+        self._stop.set()
 
 
 def node_address(peer: str | None = None) -> str:

@@ -313,7 +313,20 @@ def setup(cfg: TrainConfig, info: RankInfo, backend: str | None, placement, inpu
         with collective("DistributedDataParallel set-up"):
             unet = DistributedDataParallel(module, broadcast_buffers=False, gradient_as_bucket_view=True)
     return Job(cfg, info, backend, models, method, prompts, text, latents, plan, unet, optimizer, lr_scheduler, seed,
-               start_step, base_model, CollectiveTimeout(world, timeouts.setup_s))  # fmt: skip
+               start_step, base_model, CollectiveTimeout(world, timeouts.setup_s, _lost_peer_exit(info)))  # fmt: skip
+
+
+def _lost_peer_exit(info: RankInfo):
+    """What the collective watchdog does when a collective waits past its limit: report it as any lost peer is
+    reported, ask the launcher to end the job, and leave (the blocked collective never returns)."""
+
+    def expire(message: str) -> None:
+        print(f"xeonsd train: error: rank {info.rank}/{info.world_size} on {node_address()}: {message}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        take_the_job_down(info, 2, grace_s=ABORT_GRACE_S)
+        os._exit(2)
+
+    return expire
 
 
 def step_loss(job: Job, examples) -> torch.Tensor:
@@ -396,7 +409,8 @@ def fit(job: Job) -> list[float]:
     log_progress_every = max(1, cfg.max_train_steps // 20)
     step_times: list[float] = []
     timeouts = Timeouts.from_env()
-    barrier(job.world)  # every rank is set up: from here on a collective that waits past the step timeout fails
+    with job.timeout.watch("barrier"):
+        barrier(job.world)  # every rank is set up: from here on a collective that waits past the step timeout fails
     with job.timeout.scope(timeouts.step_s):
         if job.world > 1 and timeouts.step_s is not None:
             log.info("collective timeout during the steps: %.0f s (set-up: %.0f s)", timeouts.step_s, timeouts.setup_s)
@@ -409,11 +423,21 @@ def fit(job: Job) -> list[float]:
                 for micro in range(accumulation):
                     examples = job.plan.batch(step, micro, accumulation, job.world, info.rank, cfg.train_batch_size)
                     last = micro == accumulation - 1
-                    with job.unet.no_sync() if job.ddp and not last else contextlib.nullcontext():
+                    if job.ddp and not last:
+                        with job.unet.no_sync():
+                            loss = step_loss(job, examples) / accumulation
+                            loss.backward()
+                    elif job.ddp:  # the buckets are all-reduced during this backward: watched, with time for it
+                        loss = step_loss(job, examples) / accumulation
+                        margin = 2 * max(step_times) if step_times else timeouts.setup_s
+                        with job.timeout.watch("all-reduce of the gradient buckets", extra_s=margin):
+                            loss.backward()
+                    else:
                         loss = step_loss(job, examples) / accumulation
                         loss.backward()
                     loss_sum += float(loss.detach())
-            mean_loss = sync_gradients(job, loss_sum)
+            with job.timeout.watch("all-reduce"):
+                mean_loss = sync_gradients(job, loss_sum)
             if max_norm:
                 torch.nn.utils.clip_grad_norm_(job.method.parameters(), max_norm)
             job.optimizer.step()
@@ -447,7 +471,8 @@ def fit(job: Job) -> list[float]:
                 with job.timeout.scope(timeouts.setup_s):
                     if info.is_main:
                         render_validation(cfg, job.models, out / "validation" / f"step-{done}", job.seed)
-                    barrier(job.world)
+                    with job.timeout.watch("barrier after the validation images"):
+                        barrier(job.world)
     if progress is not None:
         progress.close()
     return step_times
@@ -472,7 +497,9 @@ def save(job: Job, step_times: list[float]) -> dict:
             plot_loss(metrics.rows, out / "loss.png", title=f"{what}: {world} rank(s)")
         metrics.finish()
         log.info("saved the %s result to %s", cfg.method, out)
-    barrier(world)
+    with job.timeout.watch("barrier after saving"):
+        barrier(world)
+    job.timeout.close()
     return summary
 
 

@@ -21,6 +21,7 @@ from xeonsd.models import save_full_pipeline
 
 if TYPE_CHECKING:
     from xeonsd.captions import Captions
+    from xeonsd.data import PromptTable
 
 
 class EMA:
@@ -74,7 +75,7 @@ class FullFineTuning(Method):
     def ddp_module(self) -> torch.nn.Module:
         return self.models.unet
 
-    def prompts(self, captions: Captions | None) -> object:
+    def prompts(self, captions: Captions | None) -> PromptTable:
         return plain_prompts(self.cfg, self.uses_captions(self.cfg, captions), captions)
 
     def after_step(self, step: int) -> None:

@@ -22,6 +22,7 @@ from xeonsd.methods.prompts import check_prompt_source, plain_prompts
 
 if TYPE_CHECKING:
     from xeonsd.captions import Captions
+    from xeonsd.data import PromptTable
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 TEXT_ENCODER_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
@@ -80,7 +81,7 @@ class LoRA(Method):
     def parameters(self) -> list[torch.nn.Parameter]:
         return self.params
 
-    def prompts(self, captions: Captions | None) -> object:
+    def prompts(self, captions: Captions | None) -> PromptTable:
         return plain_prompts(self.cfg, self.uses_captions(self.cfg, captions), captions)
 
     def _layers(self) -> dict[str, dict[str, torch.Tensor]]:
