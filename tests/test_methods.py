@@ -134,9 +134,14 @@ def test_lora_file_loads_in_stock_diffusers_and_changes_the_image(tiny_model, da
 def test_full_two_ranks_learn_what_one_rank_with_double_batch_learns(tiny_model, captioned, tmp_path, cli_env):
     one, two = tmp_path / "one", tmp_path / "two"
     train(method_args("full", tiny_model, captioned["sidecar"], one, batch=2), cli_env)
-    proc = train(method_args("full", tiny_model, captioned["sidecar"], two), cli_env, ranks=2)
+    proc = train(method_args("full", tiny_model, captioned["sidecar"], two, "--count_flops"), cli_env, ranks=2)
     assert "prompts: 5 from sidecar .txt files" in proc.stderr
-    assert_same_training(unet_weights(one), unet_weights(two), unet_weights(tiny_model))
+    base = unet_weights(tiny_model)
+    assert_same_training(unet_weights(one), unet_weights(two), base)
+    # DistributedDataParallel's buckets, as the profiler recorded them on step 2: every UNet gradient, and the loss
+    rows = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
+    n_unet = sum(v.numel() for v in base.values())
+    assert rows[1]["allreduce_bytes_measured"] == rows[1]["allreduce_bytes"] == (n_unet + 1) * 4
 
 
 def test_full_pipeline_differs_from_the_base_only_in_the_unet(tiny_model, dataset, tmp_path, cli_env):
@@ -321,7 +326,7 @@ def test_estimate_grows_with_what_the_method_trains_and_the_resolution(tiny_mode
     n_unet = sum(v.numel() for v in unet_weights(tiny_model).values())
     assert full.gradients == n_unet * 4 and full.optimizer == n_unet * 8  # fp32 grads, AdamW's two moments
     assert 0 < lora.gradients < full.gradients / 10 and ti.gradients == 32 * 4
-    assert est("lora", "--resolution=128").activations > 3 * lora.activations
+    assert est("lora", "--resolution=128").activations > 1.5 * lora.activations  # 4x the pixels
     assert est("full", "--gradient_checkpointing").activations < full.activations
 
 

@@ -381,6 +381,38 @@ def checkpoint(job: Job, step: int) -> None:
     ckpt.save_checkpoint(job.cfg.output_path, step, state, keep=job.cfg.checkpoints_total_limit)
 
 
+def train_step(job: Job, step: int, step_times: list[float], setup_s: float) -> float:
+    """One optimizer step: this rank's micro-batches forward and backward, the gradient all-reduce, the update.
+    Returns the loss averaged over all ranks."""
+    cfg = job.cfg
+    accumulation = cfg.gradient_accumulation_steps
+    loss_sum = 0.0
+    for micro in range(accumulation):
+        examples = job.plan.batch(step, micro, accumulation, job.world, job.info.rank, cfg.train_batch_size)
+        last = micro == accumulation - 1
+        if job.ddp and not last:
+            with job.unet.no_sync():
+                loss = step_loss(job, examples) / accumulation
+                loss.backward()
+        elif job.ddp:  # the buckets are all-reduced during this backward: watched, with time for it
+            loss = step_loss(job, examples) / accumulation
+            margin = 2 * max(step_times) if step_times else setup_s
+            with job.timeout.watch("all-reduce of the gradient buckets", extra_s=margin):
+                loss.backward()
+        else:
+            loss = step_loss(job, examples) / accumulation
+            loss.backward()
+        loss_sum += float(loss.detach())
+    with job.timeout.watch("all-reduce"):
+        mean_loss = sync_gradients(job, loss_sum)
+    if job.method.max_grad_norm:
+        torch.nn.utils.clip_grad_norm_(job.method.parameters(), job.method.max_grad_norm)
+    job.optimizer.step()
+    job.lr_scheduler.step()
+    job.optimizer.zero_grad(set_to_none=True)
+    return mean_loss
+
+
 def _comm_profiler():
     """A profiler that records the step's collectives (``--count_flops`` on 2+ ranks: the bytes all-reduced are
     measured on the second step, not computed)."""
@@ -395,7 +427,6 @@ def fit(job: Job) -> list[float]:
     accumulation = cfg.gradient_accumulation_steps
     metrics = MetricsLog(out, resume_step=job.start_step) if info.is_main else None
     job.metrics = metrics
-    max_norm = job.method.max_grad_norm
     if cfg.count_flops:
         count_attention()
     progress = None
@@ -416,33 +447,10 @@ def fit(job: Job) -> list[float]:
             log.info("collective timeout during the steps: %.0f s (set-up: %.0f s)", timeouts.step_s, timeouts.setup_s)
         for step in range(job.start_step, cfg.max_train_steps):
             t_step = time.perf_counter()
-            loss_sum = 0.0
             flop_counter = FlopCounterMode(display=False) if cfg.count_flops and step == job.start_step else None
             comm = _comm_profiler() if cfg.count_flops and job.world > 1 and step == job.start_step + 1 else None
             with flop_counter or contextlib.nullcontext(), comm or contextlib.nullcontext():
-                for micro in range(accumulation):
-                    examples = job.plan.batch(step, micro, accumulation, job.world, info.rank, cfg.train_batch_size)
-                    last = micro == accumulation - 1
-                    if job.ddp and not last:
-                        with job.unet.no_sync():
-                            loss = step_loss(job, examples) / accumulation
-                            loss.backward()
-                    elif job.ddp:  # the buckets are all-reduced during this backward: watched, with time for it
-                        loss = step_loss(job, examples) / accumulation
-                        margin = 2 * max(step_times) if step_times else timeouts.setup_s
-                        with job.timeout.watch("all-reduce of the gradient buckets", extra_s=margin):
-                            loss.backward()
-                    else:
-                        loss = step_loss(job, examples) / accumulation
-                        loss.backward()
-                    loss_sum += float(loss.detach())
-            with job.timeout.watch("all-reduce"):
-                mean_loss = sync_gradients(job, loss_sum)
-            if max_norm:
-                torch.nn.utils.clip_grad_norm_(job.method.parameters(), max_norm)
-            job.optimizer.step()
-            job.lr_scheduler.step()
-            job.optimizer.zero_grad(set_to_none=True)
+                mean_loss = train_step(job, step, step_times, timeouts.setup_s)
             done = step + 1
             job.method.after_step(done)
             dt = time.perf_counter() - t_step
