@@ -3,9 +3,13 @@ rebuilds a wiped node with --limit alone. The tests run in file order and share 
 
 from __future__ import annotations
 
+import hashlib
+import re
 import shutil
+import tarfile
+from pathlib import Path
 
-from harness import NODES, PRIVATE_DIRS, Cluster
+from harness import NODES, PRIVATE_DIRS, REPO, Cluster
 from runner import PlaybookRun, run_playbook
 
 ENV = "/opt/diffuser"
@@ -112,3 +116,36 @@ def test_limit_rebuilds_a_wiped_node_without_the_others(provisioned: Cluster) ->
     assert job.rc == 0, job.tail(60)
     log = (provisioned.state_dir / "runs" / "after-limit" / "train.log").read_text()
     assert f"node={provisioned.address(3)} " in log and "16 ranks (gloo)" in job.output
+
+
+def test_offline_git_installs_diffusers_from_a_staged_archive(provisioned: Cluster, tmp_path: Path) -> None:
+    # An air-gapped site with diffusers_source: git stages a source archive of Diffusers on the controller; the
+    # node gets it over SSH instead of cloning (the test cluster reaches no git hosting, so a clone would fail).
+    # The stand-in archive is the Diffusers sdist that the test cluster's wheelhouse already holds.
+    wheelhouse = max((REPO / ".cache" / "wheelhouse").glob("wheelhouse-*.tar"), key=lambda p: p.stat().st_mtime)
+    with tarfile.open(wheelhouse) as tar:
+        (member,) = [m for m in tar.getmembers() if re.fullmatch(r"wheelhouse/diffusers-[\d.]+\.tar\.gz", m.name)]
+        archive = tmp_path / Path(member.name).name
+        archive.write_bytes(tar.extractfile(member).read())
+    sha256 = hashlib.sha256(archive.read_bytes()).hexdigest()
+    inventory = provisioned.write_inventory(
+        tmp_path / "inventory.yml",
+        overrides={
+            "diffusers_source": "git",
+            "diffusers_source_archive": str(archive),
+            "diffusers_source_archive_sha256": sha256,
+        },
+    )
+
+    first = run_playbook("provision.yml", inventory, "--limit", "node3", state_dir=provisioned.state_dir,
+                         name="limit-node3-diffusers-archive")  # fmt: skip
+    assert first.rc == 0, first.tail()
+    assert "Install Diffusers from the archive" in first.output and "Clone Diffusers" not in first.output
+    provisioned.ssh("node3", f"test -f {ENV}/.diffusers-{sha256}")
+    assert provisioned.ssh("node3", "test -e /var/cache/xeonsd/diffusers", check=False).returncode != 0
+    assert_node_works(provisioned, "node3")
+
+    second = run_playbook("provision.yml", inventory, "--limit", "node3", state_dir=provisioned.state_dir,
+                          name="limit-node3-diffusers-archive-again")  # fmt: skip
+    assert second.rc == 0, second.tail()
+    assert second.changed() == {"node3": 0}, second.recap

@@ -1,0 +1,154 @@
+"""doctor_rows: doctor.yml's table rows from the raw results of its tasks (roles/doctor).
+
+Every row is {"node", "check", "status", "detail"}: the nodes in inventory order (xeonsd doctor's own checks,
+then SSH from the primary), then the cluster (nodefile, mpirun hello). The exit codes below are those of the
+shell wrappers in roles/doctor/tasks/{node,cluster}.yml, `timeout`, and `xeonsd doctor`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+# roles/doctor/tasks/node.yml's wrapper: no readable env.sh (90), no xeonsd after sourcing it (91); cluster.yml's
+# hello wrapper uses 90 for the missing env.sh too.
+RC_NO_ENV_FILE = 90
+RC_NO_XEONSD = 91
+# `timeout --kill-after`: 124 when the limit ended the command, 137 when it had to be killed.
+RC_TIMED_OUT = (124, 137)
+# `xeonsd doctor`: 0 every check passed, 1 a check failed, 2 the model cannot be found; each with its JSON report.
+RC_DOCTOR_REPORTED = (0, 1, 2)
+
+_HELLO_ERROR = re.compile(r"^.*xeonsd hello: error: ")
+_RANK_PREFIX = re.compile(r"^rank [0-9]+: ")
+
+
+def _row(node: str, check: str, status: str, detail: str) -> dict[str, str]:
+    return {"node": node, "check": check, "status": status, "detail": detail}
+
+
+def _last_nonempty(lines: Sequence[str] | None) -> str:
+    lines = [line for line in (lines or []) if line]
+    return lines[-1] if lines else ""
+
+
+def node_rows(host: str, result: Mapping[str, Any] | None, check_limit_s: int) -> list[dict[str, str]]:
+    """The rows of one node's `xeonsd doctor` run (the registered result of node.yml's command)."""
+    r = result or {}
+    if r.get("unreachable"):
+        return [_row(host, "reach", "FAIL", "unreachable from the controller: " + str(r.get("msg", "")).strip())]
+    if "rc" not in r:
+        return [_row(host, "doctor", "FAIL", "no result: " + str(r.get("msg", "the node left the play; see above")))]
+    rc = r["rc"]
+    if rc in (RC_NO_ENV_FILE, RC_NO_XEONSD):
+        return [_row(host, "env", "FAIL", str(r.get("stderr", "")).strip())]
+    rows = []
+    found = [line for line in r.get("stdout_lines", []) if line.startswith("{")]
+    if found:
+        rows += [_row(host, c["name"], c["status"], c["detail"]) for c in json.loads(found[-1])["checks"]]
+    if rc in RC_TIMED_OUT:
+        rows.append(_row(host, "doctor", "FAIL", f"xeonsd doctor did not finish within {check_limit_s} s"))
+    elif not found or rc not in RC_DOCTOR_REPORTED:
+        last_error = _last_nonempty(r.get("stderr_lines")) or "no output"
+        rows.append(_row(host, "doctor", "FAIL", f"xeonsd doctor exited with rc {rc}: {last_error}"))
+    return rows
+
+
+def ssh_row(host: str, result: Mapping[str, Any] | None, route: str) -> dict[str, str]:
+    """SSH from the primary to the node's MPI address (one item of cluster.yml's loop)."""
+    s = result or {}
+    if s.get("rc") == 0:
+        return _row(host, "ssh from primary", "PASS", route)
+    why = _last_nonempty(s.get("stderr_lines")) or str(s.get("msg", "no result (the primary is unreachable?)"))
+    return _row(host, "ssh from primary", "FAIL", f"{route}: {why.strip()}")
+
+
+def nodefile_row(
+    nodefile: Mapping[str, Any], listed: Sequence[str] | None, expected: Sequence[str], where: str,
+    mpi_ranks: int, ranks_per_node: int,
+) -> dict[str, str]:  # fmt: skip
+    """The nodefile on the primary against the inventory's addresses (primary first), and mpi_ranks that fit."""
+    if listed is None:
+        return _row("cluster", "nodefile", "FAIL", f"cannot read {where}: {nodefile.get('msg', 'no result')}")
+    listed, expected = list(listed), list(expected)
+    if listed != expected:
+        return _row("cluster", "nodefile", "FAIL", f"{where} lists {' '.join(listed) or 'nothing'}; the inventory has "
+                    f"{' '.join(expected)} (primary first)")  # fmt: skip
+    if mpi_ranks != len(expected) * ranks_per_node:
+        return _row("cluster", "nodefile", "FAIL",
+                    f"mpi_ranks {mpi_ranks} != {len(expected)} nodes x {ranks_per_node} ranks_per_node")  # fmt: skip
+    shape = f"{mpi_ranks} ranks = {len(expected)} nodes x {ranks_per_node}"
+    return _row("cluster", "nodefile", "PASS", f"{where}: {len(listed)} nodes, primary first; {shape}")
+
+
+def hello_row(
+    h: Mapping[str, Any], primary: str, mpi_ranks: int, ranks_per_node: int, hello_limit_s: int
+) -> dict[str, str]:
+    """mpirun hello across every rank: its summary line, or the cause to act on."""
+    if h.get("unreachable") or "rc" not in h:
+        return _row(
+            "cluster", "mpirun hello", "FAIL", f"not run on {primary}: {str(h.get('msg', 'no result')).strip()}"
+        )
+    rc = h["rc"]
+    if rc == 0:
+        hello = [line for line in h.get("stdout_lines", []) if line.startswith("hello: ")]
+        return _row("cluster", "mpirun hello", "PASS", hello[-1] if hello else "")
+    errors = list(dict.fromkeys(_HELLO_ERROR.sub("", line) for line in h.get("stderr_lines", [])
+                                if _HELLO_ERROR.match(line)))  # fmt: skip
+    if rc in RC_TIMED_OUT:
+        why = f"mpirun did not finish within {hello_limit_s} s"
+    elif rc == RC_NO_ENV_FILE:
+        why = str(h.get("stderr", "")).strip()
+    elif errors:
+        # A cause that every rank shares (not "rank N: ...") first: it is the one to act on.
+        shared = [e for e in errors if not _RANK_PREFIX.match(e)]
+        ranked = [e for e in errors if _RANK_PREFIX.match(e)]
+        why = "; ".join((shared + ranked)[:2])
+    else:
+        why = _last_nonempty(h.get("stderr_lines")) or "no output"
+    return _row("cluster", "mpirun hello", "FAIL", f"mpirun -n {mpi_ranks} -ppn {ranks_per_node} (rc {rc}): {why}")
+
+
+def doctor_rows(
+    hosts: Sequence[str],
+    results: Sequence[Mapping[str, Any] | None],
+    addresses: Sequence[str],
+    ssh: Sequence[Mapping[str, Any]],
+    nodefile: Mapping[str, Any],
+    hello: Mapping[str, Any],
+    *,
+    primary: str,
+    user: str,
+    expected: Sequence[str],
+    nodefile_path: str,
+    mpi_ranks: int | str,
+    ranks_per_node: int | str,
+    check_limit_s: int | str,
+    hello_limit_s: int | str,
+) -> list[dict[str, str]]:
+    """Every row of the table.
+
+    hosts, results, addresses: the nodes in the play, in inventory order, with their registered doctor_node
+    ({} where the node left the play) and MPI address; ssh: the results of cluster.yml's SSH loop (each with
+    "item": the host); nodefile: the slurp of the nodefile; hello: the mpirun hello; expected: the inventory's
+    MPI addresses in nodefile order (cluster_nodes).
+    """
+    mpi_ranks, ranks_per_node = int(mpi_ranks), int(ranks_per_node)
+    by_host = {res.get("item"): res for res in ssh}
+    rows: list[dict[str, str]] = []
+    for host, result, address in zip(hosts, results, addresses, strict=True):
+        rows += node_rows(host, result, int(check_limit_s))
+        rows.append(ssh_row(host, by_host.get(host), f"{user}@{primary} -> {address}"))
+    listed = base64.b64decode(nodefile["content"]).decode().split() if "content" in nodefile else None
+    where = f"{nodefile_path} on {primary}"
+    rows.append(nodefile_row(nodefile, listed, expected, where, mpi_ranks, ranks_per_node))
+    rows.append(hello_row(hello, primary, mpi_ranks, ranks_per_node, int(hello_limit_s)))
+    return rows
+
+
+class FilterModule:
+    def filters(self) -> dict:
+        return {"xeonsd_doctor_rows": doctor_rows}
