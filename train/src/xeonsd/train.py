@@ -363,7 +363,9 @@ class RankStats:
             stragglers = self.watch.judge(summary)
             for s in stragglers:
                 log.warning("straggler: %s (ranks %s): %s", s["node"], s["ranks"], "; ".join(s["why"]))
-            self.pending = {"rank_stats": summary, "stragglers": stragglers}
+            w = self.watch
+            thresholds = {"cpu_util": w.min_util, "compute_ratio": w.ratio, "intervals": w.intervals}
+            self.pending = {"rank_stats": {**summary, "thresholds": thresholds}, "stragglers": stragglers}
 
     def take_row(self) -> dict:
         row, self.pending = self.pending, {}
