@@ -7,6 +7,7 @@ warning for each node the trainer flagged as a straggler.
 
 from __future__ import annotations
 
+from ansible import constants as C
 from ansible.plugins.callback import CallbackBase
 
 DOCUMENTATION = """
@@ -35,7 +36,8 @@ class CallbackModule(CallbackBase):
             key = (result._host.get_name(), node)
             if key not in self._warned:  # one warning per straggler node, not one per poll
                 self._warned.add(key)
-                self._display.warning(f"Straggler: {text}")
+                # One unwrapped line (Display.warning wraps at the terminal's width), so that it can be grepped.
+                self._display.display(f"[WARNING]: Straggler: {text}", color=C.COLOR_WARN, stderr=True)
 
     def v2_runner_retry(self, result):  # noqa: ANN001
         if result._task.action.split(".")[-1] != "xeonsd_job":
