@@ -170,6 +170,6 @@ def split_png(rows: list[dict]) -> str:
         left = [a + b for a, b in zip(left, widths, strict=True)]
     ax.invert_yaxis()
     ax.set_xlabel("seconds per step (mean over the run)")
-    ax.legend(fontsize="small", loc="lower right")
+    ax.legend(fontsize="small", ncol=3, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)  # over the bars
     fig.tight_layout()
     return _png(fig)
