@@ -28,6 +28,9 @@ def test_doctor_passes_a_healthy_node_and_trains_one_step(tiny_model, dataset, c
     assert checks["images"]["status"] == "PASS" and "5 readable images" in checks["images"]["detail"]
     assert checks["train 1 step"]["status"] == "PASS" and "loss" in checks["train 1 step"]["detail"]
     assert checks["tcmalloc"]["status"] == "WARN"  # not preloaded in the test environment
+    # What doctor.yml compares between the nodes: the trial step's time, the CPU model, cores and AMX.
+    assert checks["train 1 step"]["seconds"] > 0
+    assert report["node"]["cores"] >= 1 and report["node"]["cpu_model"] and isinstance(report["node"]["amx"], bool)
 
 
 def test_doctor_flags_missing_images_and_skips_the_trial(tiny_model, tmp_path, cli_env):

@@ -99,6 +99,52 @@ def test_progress_line_and_job_state(tmp_path: Path) -> None:
     assert state["exit_code"] == 75 and "holds the lock" in state["failure"]["summary"]
 
 
+def _stats_rows(slow_node: int | None) -> list[dict]:
+    """Metrics rows as the trainer writes them (xeonsd.rankstats), 16 ranks on 4 nodes, stats every 5 steps."""
+    from xeonsd.rankstats import Interval, StragglerWatch, summarize
+
+    watch = StragglerWatch()
+    rows = []
+    for step in range(1, 21):
+        row = {"step": step, "loss": 0.1, "s_per_step": 3.2, "ranks": 16, "backend": "gloo"}
+        if step % 5 == 0:
+            ivs = []
+            for r in range(16):
+                slow = r // 4 + 1 == slow_node
+                compute, allreduce, util = (3.0, 0.1, 0.56) if slow else (2.0, 1.1, 0.96)
+                wall = 5 * (compute + allreduce + 0.1)
+                ivs.append(Interval(5, wall, util * wall * 4, 4, 0.5, 5 * allreduce))
+            summary = summarize(ivs, [f"node{r // 4 + 1}" for r in range(16)])
+            row |= {"rank_stats": summary, "stragglers": watch.judge(summary)}
+        rows.append(row)
+    return rows
+
+
+def test_progress_line_has_the_cpu_use_and_a_straggler_gets_one_warning(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    results = tmp_path / "async"
+    results.write_text(json.dumps({"started": 1, "finished": 0}))
+    params = {"run_dir": str(run), "results_file": str(results), "nodes": NODES, "ranks_per_node": 4,
+              "total_steps": 200, "excerpt_lines": 5}  # fmt: skip
+    (run / "metrics.partial.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _stats_rows(None)))
+    state = xeonsd_job.job_state(params)
+    assert state["msg"].endswith(" · cpu 96 % (lowest node1 96 %) · slowest node1 compute 2.00 s vs median 2.00 s")
+    assert state["straggler_warnings"] == {}
+
+    (run / "metrics.partial.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _stats_rows(3)))
+    state = xeonsd_job.job_state(params)
+    assert " · cpu 86 % (lowest node3 56 %) · slowest node3 compute 3.00 s vs median 2.00 s" in state["msg"]
+    warning = state["straggler_warnings"]["node3"]
+    assert warning.startswith("node3 (ranks 8-11) is a straggler") and "1.50× the median" in warning
+    assert "56% under 80% for 4 intervals" in warning and warning.endswith("The job keeps running.")
+    causes = ["(1) threads per rank vs. physical cores", "(2) another process", "(3) memory pressure or swap",
+              "(4) a slower CPU"]  # fmt: skip
+    where = [warning.index(c) for c in causes]
+    assert where == sorted(where), "the likely causes, in order"
+    assert list(state["straggler_warnings"]) == ["node3"]
+
+
 def test_a_job_past_its_time_limit_says_so(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()

@@ -91,3 +91,66 @@ def test_report_shows_the_job_script_and_the_stack_when_run_json_is_absent(tmp_p
     import torch
 
     assert f"<th>torch</th><td>{torch.__version__}</td>" in page
+
+
+def _stats_run(tmp_path: Path, prices: dict | None, slow_node: int | None = 3) -> Path:
+    """A run directory whose metrics carry the gathered rank statistics (4 nodes × 4 ranks, every 5 of 20 steps)."""
+    from xeonsd.rankstats import Interval, StragglerWatch, summarize
+
+    run = _run_dir(tmp_path)
+    watch, rows = StragglerWatch(), []
+    for step in range(1, 21):
+        row = {"step": step, "loss": 1.0 / step, "s_per_step": 3.6, "images_per_s": 4.4, "ranks": 16,
+               "backend": "gloo"}  # fmt: skip
+        if step % 5 == 0:
+            ivs = []
+            for r in range(16):
+                compute, allreduce, util = (3.0, 0.1, 0.55) if r // 4 + 1 == slow_node else (2.0, 1.1, 0.95)
+                wall = 5 * (compute + allreduce + 0.5)
+                ivs.append(Interval(5, wall, util * wall * 4, 4, 2.5, 5 * allreduce))
+            summary = summarize(ivs, [f"node{r // 4 + 1}" for r in range(16)])
+            thresholds = {"cpu_util": 0.8, "compute_ratio": 1.3, "intervals": 3}
+            row |= {"rank_stats": {**summary, "thresholds": thresholds}, "stragglers": watch.judge(summary)}
+        rows.append(row)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    info = json.loads((run / "run.json").read_text())
+    info["phases"] = {"training job, wall (s)": 90.0}
+    if prices is not None:
+        info["cost"] = prices
+    (run / "run.json").write_text(json.dumps(info))
+    return run
+
+
+def test_report_shows_cpu_use_time_split_straggler_and_cost_and_run_json_gets_the_figures(tmp_path, cli_env):
+    prices = {"node_hour_price": 2.0, "currency": "EUR", "gpu_hour_price": 12.0, "gpu_s_per_step": 1.2}
+    run = _stats_run(tmp_path, prices)
+    proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", "report", str(run)], env=cli_env,
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    page = (run / "report.html").read_text()
+    assert page.count('src="data:image/png;base64,') == 2  # the CPU use over the run and the split bars
+    assert "<h2>CPU use per node</h2>" in page and "mean 55 %, lowest 55 % (ranks 8, 9, 10, 11)" in page
+    assert "compute 3.000 s · all-reduce 0.100 s · data 0.500 s" in page
+    assert "<b>node3</b> (ranks 8, 9, 10, 11), from step 5" in page and "1.50× the median" in page
+    assert page.index("threads per rank vs. physical cores") < page.index("another process on the node")
+    figs = json.loads((run / "run.json").read_text())["cluster_figures"]
+    cost = figs["cost"]
+    # 4 nodes × 90 s = 0.1 node-hours × 2 EUR; 100 steps at the median 3.6 s on 4 nodes = 0.4 node-hours.
+    assert cost["node_hours"] == 0.1 and cost["training_cost"] == 0.2 and cost["cost_per_100_steps"] == 0.8
+    assert cost["cost_per_generated_image"] == round(2.0 / 0.7 / 3600, 6)  # one node, 1 / 0.7 images/s
+    # The GPU: 12 EUR/h against 4 × 2 EUR/h = 1.5× the price; 100 steps at 1.2 s = 0.4 EUR, half the cluster's.
+    assert cost["gpu"]["price_ratio_gpu_to_cluster"] == 1.5 and cost["gpu"]["cost_ratio_gpu_to_cluster"] == 0.5
+    assert "<h2>Cost</h2>" in page and "0.8 EUR (median 3.6 s/step)" in page and "Against a GPU" in page
+    assert [s["node"] for s in figs["stragglers"]] == ["node3"] and figs["cpu_util"]["node1"]["mean"] == 0.95
+    assert figs["time_split_s_per_step"]["node3"] == {"compute_s": 3.0, "allreduce_s": 0.1, "data_s": 0.5}
+
+
+def test_report_without_a_price_or_a_straggler_says_so_and_shows_no_cost(tmp_path, cli_env):
+    run = _stats_run(tmp_path, None, slow_node=None)
+    proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", "report", str(run)], env=cli_env,
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    page = (run / "report.html").read_text()
+    assert "No straggler (every node at or above 80 % CPU and within 1.3× the median compute time)." in page
+    assert "<h2>Cost</h2>" not in page
+    assert json.loads((run / "run.json").read_text())["cluster_figures"]["cost"] == {}

@@ -140,12 +140,22 @@ def test_two_ranks_learn_what_one_rank_with_double_batch_learns(tiny_model, data
     two = tmp_path / "two"
     mpirun = shutil.which("mpirun", path=cli_env["PATH"])
     assert mpirun, "mpirun (impi-rt) is not installed in the environment"
-    cmd = [mpirun, "-n", "2", sys.executable, "-m", "xeonsd.cli", "train", *train_args(tiny_model, dataset, two)]
-    proc = subprocess.run(cmd, env=_mpi_env(cli_env), capture_output=True, text=True, timeout=300)
+    cmd = [mpirun, "-n", "2", sys.executable, "-m", "xeonsd.cli", "train",
+           *train_args(tiny_model, dataset, two, "--stats_every=3")]  # fmt: skip
+    env = {**_mpi_env(cli_env), "XEONSD_NODE_NAMES": "127.0.0.1=here"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "rank 1/2" in proc.stderr and "backend=gloo" in proc.stderr
     rows = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
     assert all(r["ranks"] == 2 and r["backend"] == "gloo" for r in rows)
+    # Every 3 steps and at the last one, rank 0 gathered both ranks' CPU use and time split, with the node's name.
+    assert [r["step"] for r in rows if "rank_stats" in r] == [3, 4]
+    stats = rows[-1]["rank_stats"]
+    assert [r["rank"] for r in stats["ranks"]] == [0, 1] and stats["nodes"][0]["node"] == "here"
+    for r in stats["ranks"]:
+        assert 0 < r["cpu_util"] < 2 and r["compute_s"] > 0 and r["allreduce_s"] >= 0 and r["data_s"] > 0
+    assert rows[-1]["stragglers"] == []
+    print(f"2 ranks, one node: cpu_util {stats['cpu_util']}, per rank {stats['ranks']}")
     v1, v2 = vectors(one), vectors(two)
     assert not torch.allclose(v1, v2 * 0), "nothing learned"
     torch.testing.assert_close(v2, v1, atol=1e-5, rtol=0)

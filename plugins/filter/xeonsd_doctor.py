@@ -1,7 +1,10 @@
 """doctor_rows: doctor.yml's table rows from the raw results of its tasks (roles/doctor).
 
-Every row is {"node", "check", "status", "detail"}: the nodes in inventory order (xeonsd doctor's own checks,
-then SSH from the primary), then the cluster (nodefile, mpirun hello). The exit codes below are those of the
+Every row is {"node", "check", "status", "detail"}: the nodes in inventory order (xeonsd doctor's own checks, the
+node compared with the others, then SSH from the primary), then the cluster (nodefile, mpirun hello).
+
+The comparison: a node whose trial step takes more than ``ratio`` × the median node's holds every rank back at
+each all-reduce of the real job (a straggler); a cluster that mixes CPU generations is its usual cause. The exit codes below are those of the
 shell wrappers in roles/doctor/tasks/{node,cluster}.yml, `timeout`, and `xeonsd doctor`.
 """
 
@@ -10,6 +13,8 @@ from __future__ import annotations
 import base64
 import json
 import re
+import statistics
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,6 +27,8 @@ RC_TIMED_OUT = (124, 137)
 # `xeonsd doctor`: 0 every check passed, 1 a check failed, 2 the model cannot be found; each with its JSON report.
 RC_DOCTOR_REPORTED = (0, 1, 2)
 
+STRAGGLER_CAUSES = ("threads per rank vs. physical cores", "another process on the node", "memory pressure or swap",
+                    "a slower CPU")  # fmt: skip
 _HELLO_ERROR = re.compile(r"^.*xeonsd hello: error: ")
 _RANK_PREFIX = re.compile(r"^rank [0-9]+: ")
 
@@ -55,6 +62,47 @@ def node_rows(host: str, result: Mapping[str, Any] | None, check_limit_s: int) -
         last_error = _last_nonempty(r.get("stderr_lines")) or "no output"
         rows.append(_row(host, "doctor", "FAIL", f"xeonsd doctor exited with rc {rc}: {last_error}"))
     return rows
+
+
+def _report(result: Mapping[str, Any] | None) -> dict:
+    """The JSON report a node's `xeonsd doctor --json` printed, or {}."""
+    found = [line for line in (result or {}).get("stdout_lines", []) if line.startswith("{")]
+    return json.loads(found[-1]) if found else {}
+
+
+def _trial_s(report: Mapping[str, Any]) -> float | None:
+    for check in report.get("checks") or []:
+        if check.get("name") == "train 1 step" and check.get("status") == "PASS" and check.get("seconds"):
+            return float(check["seconds"])
+    return None
+
+
+def _cpu(facts: Mapping[str, Any]) -> str:
+    amx = "AMX" if facts.get("amx") else "no AMX"
+    return f"{facts.get('cpu_model', '?')} · {facts.get('cores', '?')} cores · {amx}"
+
+
+def compare_rows(reports: Mapping[str, Mapping[str, Any]], ratio: float = 1.3) -> dict[str, list[dict[str, str]]]:
+    """``{host: doctor JSON}`` → ``{host: [row, …]}``: a ``cpu`` row (WARN when the nodes' CPUs differ) and a
+    ``straggler`` row (WARN when its trial step is over ``ratio`` × the median of the nodes')."""
+    facts = {h: r["node"] for h, r in reports.items() if r and r.get("node")}
+    kinds = Counter(_cpu(f) for f in facts.values())
+    mixed = ", ".join(f"{n}× {k}" for k, n in kinds.most_common()) if len(kinds) > 1 else ""
+    times = {h: t for h, r in reports.items() if r and (t := _trial_s(r)) is not None}
+    median = statistics.median(times.values()) if len(times) > 1 else None
+    out: dict[str, list[dict[str, str]]] = {}
+    for host in reports:
+        rows = out.setdefault(host, [])
+        if host in facts:
+            detail = _cpu(facts[host]) + (f"; the cluster mixes {mixed}" if mixed else "")
+            rows.append(_row(host, "cpu", "WARN" if mixed else "PASS", detail))
+        if median and host in times:
+            slow = times[host] > ratio * median
+            detail = f"trial step {times[host]:.2f} s = {times[host] / median:.2f}× the median {median:.2f} s"
+            if slow:
+                detail += f" (over {ratio}×): a straggler; likely causes, in order: {'; '.join(STRAGGLER_CAUSES)}"
+            rows.append(_row(host, "straggler", "WARN" if slow else "PASS", detail))
+    return out
 
 
 def ssh_row(host: str, result: Mapping[str, Any] | None, route: str) -> dict[str, str]:
@@ -128,6 +176,7 @@ def doctor_rows(
     ranks_per_node: int | str,
     check_limit_s: int | str,
     hello_limit_s: int | str,
+    straggler_ratio: float | str = 1.3,
 ) -> list[dict[str, str]]:
     """Every row of the table.
 
@@ -138,9 +187,11 @@ def doctor_rows(
     """
     mpi_ranks, ranks_per_node = int(mpi_ranks), int(ranks_per_node)
     by_host = {res.get("item"): res for res in ssh}
+    compared = compare_rows({h: _report(r) for h, r in zip(hosts, results, strict=True)}, float(straggler_ratio))
     rows: list[dict[str, str]] = []
     for host, result, address in zip(hosts, results, addresses, strict=True):
         rows += node_rows(host, result, int(check_limit_s))
+        rows += compared.get(host, [])
         rows.append(ssh_row(host, by_host.get(host), f"{user}@{primary} -> {address}"))
     listed = base64.b64decode(nodefile["content"]).decode().split() if "content" in nodefile else None
     where = f"{nodefile_path} on {primary}"

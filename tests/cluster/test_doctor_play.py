@@ -53,6 +53,10 @@ def test_doctor_passes_a_healthy_cluster(provisioned: Cluster) -> None:
         # This machine has no AMX: a warning, not a failure (WARN rows do not fail the play).
         assert table[(node, "amx")][0] in ("PASS", "WARN")
         assert table[(node, "train 1 step")][1].startswith("loss ")
+        # The nodes side by side: one CPU model here (PASS), and each trial step against the median (the trials
+        # share this machine's 2 cores, so the verdict itself is left to chance: WARN rows do not fail the play).
+        assert table[(node, "cpu")][0] == "PASS" and " cores · " in table[(node, "cpu")][1]
+        assert "× the median " in table[(node, "straggler")][1], table[(node, "straggler")]
     assert table[("cluster", "nodefile")][0] == "PASS", table[("cluster", "nodefile")]
     hello = table[("cluster", "mpirun hello")]
     assert hello == (

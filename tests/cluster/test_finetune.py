@@ -4,6 +4,7 @@ resume=latest finishing that run. The tests run in file order and share one clus
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -88,8 +89,9 @@ def test_finetune_trains_on_16_ranks_then_exports_generates_and_reports(provisio
     """End to end; while it trains, a second finetune is refused and does not start a second job."""
     runs = _controller_runs(provisioned)
     first, log, began = _start_playbook(
-        provisioned, "finetune-e2e", "finetune.yml", "-e", f"controller_runs_dir={runs}", "-e", "finetune_run_id=e2e"
-    )
+        provisioned, "finetune-e2e", "finetune.yml", "-e", f"controller_runs_dir={runs}", "-e", "finetune_run_id=e2e",
+        "-e", "node_hour_price=1.5", "-e", "price_currency=EUR",
+    )  # fmt: skip
     _wait(lambda: _latest_step(provisioned) >= 1, 600, "the first training step", first, log)
     second = run_playbook("finetune.yml", provisioned.inventory, "-e", f"controller_runs_dir={runs}",
                           state_dir=provisioned.state_dir, name="finetune-refused", timeout=300)  # fmt: skip
@@ -120,6 +122,23 @@ def test_finetune_trains_on_16_ranks_then_exports_generates_and_reports(provisio
     assert "-n 16 -ppn 4" in page and 'src="loss.png"' in page and 'src="images/image_004.png"' in page
     assert "Not in this run directory" not in page
 
+    # Every rank measured itself; rank 0 gathered them every 5 steps, by node name, into metrics.jsonl, the progress
+    # lines, report.html (CPU use per node, the time split, the verdict, the cost at 1.5 EUR/node-hour) and run.json.
+    stats = [r["rank_stats"] for r in rows if "rank_stats" in r]
+    assert [r["step"] for r in rows if "rank_stats" in r] == [5, 10, 15, 20, 25, 30]
+    assert all(len(s["ranks"]) == 16 for s in stats)
+    assert [n["node"] for n in stats[-1]["nodes"]] == ["node1", "node2", "node3", "node4"]
+    assert " · cpu " in output and "% (lowest node" in output and " vs median " in output
+    for section in ("<h2>CPU use per node</h2>", "<h2>Where the step time goes</h2>", "<h2>Stragglers</h2>",
+                    "<h2>Cost</h2>", " EUR"):  # fmt: skip
+        assert section in page, section
+    figures = json.loads((run / "run.json").read_text())["cluster_figures"]
+    assert set(figures["cpu_util"]) == {"node1", "node2", "node3", "node4"}
+    assert figures["cost"]["currency"] == "EUR" and figures["cost"]["training_cost"] > 0
+    print("\nCPU utilisation per node (mean, lowest):",
+          {n: (d["mean"], d["lowest"]) for n, d in figures["cpu_util"].items()},
+          "\ntime split per node (s/step):", figures["time_split_s_per_step"], "\ncost:", figures["cost"])  # fmt: skip
+
     # The fetched embedding loads into the base pipeline and the token gets the learned vector.
     from diffusers import StableDiffusionPipeline
     from safetensors.torch import load_file
@@ -135,6 +154,67 @@ def test_finetune_trains_on_16_ranks_then_exports_generates_and_reports(provisio
     print(f"\nfinetune.yml end to end: {wall:.1f} s wall; phases {phases}; "
           f"generate: load {timings.get('load_s')} s, compile {timings.get('compile_s')} s, "
           f"{timings.get('images_per_s')} images/s")  # fmt: skip
+
+
+class CpuQuota:
+    """A cgroup (v1 cpu controller) that gives the processes moved into it ``cpus`` CPUs in all: a node with fewer
+    cores, for real. Removed on exit, its processes moved back."""
+
+    ROOT = Path("/sys/fs/cgroup/cpu")
+
+    def __init__(self, name: str, cpus: float) -> None:
+        if not (self.ROOT / "cgroup.procs").exists():
+            pytest.skip("no cgroup v1 cpu controller at /sys/fs/cgroup/cpu to slow one node down")
+        self.dir = self.ROOT / name
+        self.cpus = cpus
+
+    def __enter__(self) -> CpuQuota:
+        self.dir.mkdir(exist_ok=True)
+        (self.dir / "cpu.cfs_period_us").write_text("100000")
+        (self.dir / "cpu.cfs_quota_us").write_text(str(int(self.cpus * 100000)))
+        return self
+
+    def add(self, pid: int) -> None:
+        (self.dir / "cgroup.procs").write_text(str(pid))
+
+    def __exit__(self, *exc: object) -> None:
+        for pid in (self.dir / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):  # it ended
+                (self.ROOT / "cgroup.procs").write_text(pid)
+        for _ in range(50):
+            try:
+                self.dir.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+def test_a_node_given_a_quarter_core_is_named_a_straggler_and_the_job_ends_normally(provisioned: Cluster) -> None:
+    """node3's four ranks get a quarter of a CPU between them (a cgroup quota) from step 1 on: the play warns once
+    naming node3 and its ranks, the report names it, and the job ends normally. The utilisation rule is off
+    (finetune_cpu_util_warn=0): on 2 shared cores every rank of the test cluster is far under 80 %."""
+    runs = _controller_runs(provisioned)
+    job, log, _ = _start_playbook(provisioned, "finetune-straggler", "finetune.yml", "-e", f"controller_runs_dir={runs}",
+                                  "-e", "finetune_run_id=straggler", "-e", "finetune_cpu_util_warn=0")  # fmt: skip
+    with CpuQuota(f"xeonsd-test-{provisioned.prefix}-node3", cpus=0.25) as quota:
+        _wait(lambda: _latest_step(provisioned) >= 1, 600, "the first training step", job, log)
+        ranks = [p for p in _job_processes(provisioned, "node3") if b"xeonsd train" in Path(f"/proc/{p}/cmdline")
+                 .read_bytes().replace(b"\0", b" ")]  # fmt: skip
+        assert len(ranks) == 4, ranks
+        for pid in ranks:
+            quota.add(pid)
+        rc = _finish(job, timeout=1800)
+    output = log.read_text()
+    assert rc == 0, output[-6000:]
+    warnings = [line for line in output.splitlines() if "Straggler: " in line]
+    assert len(warnings) == 1 and "Straggler: node3 (ranks 8-11) is a straggler" in warnings[0], warnings
+    assert "the median" in output and "threads per rank vs. physical cores" in output
+    page = (runs / "straggler" / "report.html").read_text()
+    assert "<b>node3</b> (ranks 8, 9, 10, 11)" in page
+    figures = json.loads((runs / "straggler" / "run.json").read_text())["cluster_figures"]
+    assert [s["node"] for s in figures["stragglers"]] == ["node3"]
+    print("\nnode3 with a quarter CPU: time split per node (s/step):", figures["time_split_s_per_step"],
+          "\nverdict:", figures["stragglers"][0]["why"])  # fmt: skip
 
 
 def test_killing_a_worker_node_fails_the_play_within_60_s_and_resume_finishes(provisioned: Cluster) -> None:

@@ -61,6 +61,11 @@ def read_progress(run_dir: str, total: int) -> dict:
     last = rows[-1]
     recent = sorted(r["s_per_step"] for r in rows[-20:])
     s_per_step = recent[len(recent) // 2]
+    gathered = [r for r in rows if r.get("rank_stats")]
+    stragglers: dict[str, dict] = {}
+    for row in gathered:  # the newest verdict for each node the trainer flagged
+        for s in row.get("stragglers") or []:
+            stragglers[s["node"]] = s
     return {
         "step": last["step"],
         "total": total,
@@ -69,6 +74,8 @@ def read_progress(run_dir: str, total: int) -> dict:
         "eta_s": max(0.0, (total - last["step"]) * s_per_step),
         "ranks": last.get("ranks"),
         "backend": last.get("backend"),
+        "rank_stats": gathered[-1]["rank_stats"] if gathered else None,
+        "stragglers": list(stragglers.values()),
     }
 
 
@@ -91,6 +98,33 @@ def progress_line(progress: dict, ranks_up: int, world: int | None) -> str:
     return (
         f"step {progress['step']}/{progress['total']} ({pct}) · loss {progress['loss']:.4f} · "
         f"{progress['s_per_step']:.2f} s/step · {left} · {progress['ranks']} ranks ({progress['backend']})"
+        + "".join(f" · {part}" for part in cpu_parts(progress.get("rank_stats")))
+    )
+
+
+def cpu_parts(stats: dict | None) -> list[str]:
+    """'cpu 96 % (lowest node3 71 %)' and 'slowest node3 compute 2.95 s vs median 2.10 s' from the trainer's
+    newest gathered rank statistics (metrics.jsonl's ``rank_stats``)."""
+    if not stats:
+        return []
+    parts = [
+        f"cpu {100 * stats['cpu_util']:.0f} % (lowest {stats['lowest_node']} {100 * stats['lowest_cpu_util']:.0f} %)"
+    ]
+    if len(stats.get("nodes", [])) > 1:
+        parts.append(
+            f"slowest {stats['slowest_node']} compute {stats['slowest_compute_s']:.2f} s vs median "
+            f"{stats['median_compute_s']:.2f} s"
+        )
+    return parts
+
+
+def straggler_warning(straggler: dict) -> str:
+    """One warning for a node the trainer flagged: the node, its ranks, why, and the likely causes in order."""
+    causes = " ".join(f"({i}) {c};" for i, c in enumerate(straggler["causes"], 1)).rstrip(";")
+    return (
+        f"{straggler['node']} (rank{'s' if len(straggler['ranks']) > 1 else ''} {_compress(straggler['ranks'])}) "
+        f"is a straggler that holds every rank back at each all-reduce: {'; '.join(straggler['why'])}. "
+        f"Likely causes, most likely first: {causes}. The job keeps running."
     )
 
 
@@ -219,6 +253,8 @@ def job_state(params: dict) -> dict:
         "exit_code": None,
         "progress": progress,
         "msg": progress_line(progress, ranks_up, world),
+        # One line per straggler node; the xeonsd_progress callback prints each node's once.
+        "straggler_warnings": {s["node"]: straggler_warning(s) for s in progress.get("stragglers", [])},
     }
     exit_path = os.path.join(run_dir, "exit.json")
     if launch["finished"]:

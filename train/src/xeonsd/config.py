@@ -148,6 +148,19 @@ class TrainConfig:
         "count the executed FLOPs of the first step (torch.utils.flop_counter) into metrics", default=False
     )
     log_every: int = _flag("metrics line every N steps", default=1)
+    stats_every: int = _flag(
+        "every N steps the ranks exchange their CPU utilisation and time split (one small all-gather) and rank 0 "
+        "adds them to the next metrics line",
+        default=5,
+    )
+    straggler_cpu_util: float = _flag(
+        "a node whose ranks stay under this CPU utilisation (0-1) for 3 stats intervals is reported as a straggler",
+        default=0.8,
+    )
+    straggler_ratio: float = _flag(
+        "a node whose compute time per step is above this multiple of the median node's is reported as a straggler",
+        default=1.3,
+    )
     world_size: int | None = _flag("expected number of ranks (checked against what the launcher reports)", default=None)
 
     @property

@@ -333,3 +333,24 @@ def barrier(world_size: int) -> None:
     if world_size > 1:
         with collective("barrier"):
             dist.barrier()
+
+
+def all_gather_floats(values: list[float], world_size: int) -> list[list[float]]:
+    """Every rank's ``values`` (the same length on each), on every rank: one small all-gather."""
+    mine = torch.tensor(values, dtype=torch.float64)
+    if world_size == 1:
+        return [mine.tolist()]
+    out = [torch.empty_like(mine) for _ in range(world_size)]
+    with collective("all-gather of the rank statistics"):
+        dist.all_gather(out, mine)
+    return [t.tolist() for t in out]
+
+
+def all_gather_strings(text: str, world_size: int) -> list[str]:
+    """Every rank's ``text``, on every rank (once per job: the node names)."""
+    if world_size == 1:
+        return [text]
+    out: list = [None] * world_size
+    with collective("all-gather of the node names"):
+        dist.all_gather_object(out, text)
+    return [str(x) for x in out]

@@ -33,6 +33,7 @@ class Check:
     name: str
     status: str  # PASS, WARN, FAIL
     detail: str
+    seconds: float | None = None  # the one-step trial's time (doctor.yml compares the nodes')
 
 
 def check_packages() -> Check:
@@ -141,7 +142,17 @@ def trial_step(train_args: list[str], env: dict[str, str], timeout: float) -> Ch
             cause = next((ln for ln in reversed(lines) if "error" in ln.lower()), lines[-1] if lines else "no output")
             return Check("train 1 step", "FAIL", cause.strip()[-400:])
         metrics = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    return Check("train 1 step", "PASS", f"loss {metrics[-1]['loss']:.4f} in {metrics[-1]['s_per_step']:.1f} s")
+    return Check("train 1 step", "PASS", f"loss {metrics[-1]['loss']:.4f} in {metrics[-1]['s_per_step']:.1f} s",
+                 round(metrics[-1]["s_per_step"], 3))  # fmt: skip
+
+
+def node_facts() -> dict:
+    """What doctor.yml puts side by side for every node: the CPU model, its physical cores, AMX."""
+    from xeonsd.distributed import _physical_cores
+
+    info = cpu_info()
+    return {"cpu_model": info.model, "cores": len(_physical_cores(set(os.sched_getaffinity(0)))),
+            "logical_cpus": os.cpu_count(), "amx": info.amx_bf16}  # fmt: skip
 
 
 def run_checks(
@@ -180,7 +191,7 @@ def main(argv: list[str]) -> int:
     ok = all(c.status != "FAIL" for c in checks)
     if args.json:
         host = os.uname().nodename
-        print(json.dumps({"host": host, "ok": ok, "checks": [asdict(c) for c in checks]}))
+        print(json.dumps({"host": host, "ok": ok, "checks": [asdict(c) for c in checks], "node": node_facts()}))
     else:
         print(format_table(checks))
     model_error = next((c.detail for c in checks if c.name == "model" and c.status == "FAIL"), None)

@@ -14,6 +14,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from xeonsd import clusterview
 from xeonsd.fsutil import atomic_file
 from xeonsd.metrics import loss_curve
 
@@ -103,6 +104,92 @@ def _find_export_manifest(run: Path) -> dict | None:
     return None
 
 
+def _pct(value: float) -> str:
+    return f"{100 * value:.0f} %"
+
+
+def _money(value: float, currency: str) -> str:
+    return f"{value:.4g} {currency}".strip()
+
+
+def cluster_sections(rows: list[dict], figs: dict) -> list[str]:
+    """CPU use per node (plot), the time split per node (stacked bars), the straggler verdict, the cost."""
+    sections: list[str] = []
+    if clusterview.stats_rows(rows):
+        util = {n: f"mean {_pct(d['mean'])}, lowest {_pct(d['lowest'])} (ranks {', '.join(map(str, d['ranks']))})"
+                for n, d in figs["cpu_util"].items()}  # fmt: skip
+        sections.append(
+            f'<h2>CPU use per node</h2><figure><img src="{clusterview.utilisation_png(rows)}" '
+            'alt="CPU utilisation per node over the run"><figcaption>Each rank\'s process CPU time ÷ (wall time × its '
+            "threads) over each stats interval, averaged over the node's ranks. Under ~80 % usually means a "
+            f"misconfigured job.</figcaption></figure>{_table(util)}"
+        )
+        split = {n: f"compute {d['compute_s']:.3f} s · all-reduce {d['allreduce_s']:.3f} s · data {d['data_s']:.3f} s"
+                 for n, d in figs["time_split_s_per_step"].items()}  # fmt: skip
+        sections.append(
+            f'<h2>Where the step time goes</h2><figure><img src="{clusterview.split_png(rows)}" '
+            'alt="compute, all-reduce and data time per node"><figcaption>Seconds per step. A fast node waits in the '
+            "all-reduce for the slowest one: a long all-reduce bar beside a long compute bar points at the "
+            f"straggler.</figcaption></figure>{_table(split)}"
+        )
+        found = figs["stragglers"]
+        thresholds = clusterview.stats_rows(rows)[-1]["rank_stats"].get("thresholds") or {}
+        if found:
+            items = "".join(
+                f"<li><b>{html.escape(s['node'])}</b> (ranks {', '.join(map(str, s['ranks']))}), from step "
+                f"{s['first_step']}: {html.escape('; '.join(s['why']))}. Likely causes, most likely first:<ol>"
+                + "".join(f"<li>{html.escape(c)}</li>" for c in s["causes"])
+                + "</ol></li>"
+                for s in found
+            )
+            sections.append(f"<h2>Stragglers</h2><ul class=stragglers>{items}</ul>")
+        else:
+            rule = (
+                f" (every node at or above {_pct(thresholds['cpu_util'])} CPU and within "
+                f"{thresholds['compute_ratio']}× the median compute time)"
+                if thresholds
+                else ""
+            )
+            sections.append(f"<h2>Stragglers</h2><p>No straggler{html.escape(rule)}.</p>")
+    cost = figs["cost"]
+    if cost:
+        cur = cost["currency"]
+        table = {
+            "node-hours": f"{cost['node_hours']:.3f} ({cost['nodes']} nodes)",
+            "price per node-hour": _money(cost["node_hour_price"], cur),
+            "training": _money(cost["training_cost"], cur),
+            "per 100 steps": _money(cost["cost_per_100_steps"], cur) + f" (median {cost['s_per_step']} s/step)",
+        }
+        if "cost_per_generated_image" in cost:
+            table["per generated image (one node)"] = _money(cost["cost_per_generated_image"], cur)
+        sections.append("<h2>Cost</h2>" + _table(table))
+        gpu = cost.get("gpu")
+        if gpu:
+            head = "<tr><th></th><th>this cluster</th><th>GPU instance</th><th>GPU ÷ cluster</th></tr>"
+            body = (
+                f"<tr><th>price per hour</th><td>{_money(gpu['cluster_hour_price'], cur)}</td>"
+                f"<td>{_money(gpu['gpu_hour_price'], cur)}</td><td>{gpu['price_ratio_gpu_to_cluster']}×</td></tr>"
+                f"<tr><th>s/step</th><td>{cost['s_per_step']}</td><td>{gpu['gpu_s_per_step']}</td>"
+                f"<td>{gpu['gpu_s_per_step'] / cost['s_per_step']:.3g}×</td></tr>"
+                f"<tr><th>cost per 100 steps</th><td>{_money(cost['cost_per_100_steps'], cur)}</td>"
+                f"<td>{_money(gpu['gpu_cost_per_100_steps'], cur)}</td><td>{gpu['cost_ratio_gpu_to_cluster']}×</td>"
+                "</tr>"
+            )
+            sections.append(f"<h3>Against a GPU for the same job</h3><table>{head}{body}</table>")
+    return sections
+
+
+def _figures(run: Path, info: dict, rows: list[dict], timings: dict) -> dict:
+    """The cluster figures, also written into run.json (when there is one) for scripts."""
+    wall = (info.get("phases") or {}).get("training job, wall (s)")
+    ips = timings.get("images_per_s")
+    figs = clusterview.figures(rows, info.get("cost") or {}, wall, 1 / ips if ips else None)
+    if (run / "run.json").is_file() and info and info.get("cluster_figures") != figs:
+        with atomic_file(run / "run.json", "w") as fh:
+            fh.write(json.dumps({**info, "cluster_figures": figs}, indent=2) + "\n")
+    return figs
+
+
 def build_report(run: Path) -> str:  # noqa: C901 - one section after the other
     run = Path(run)
     info = _load_json(run / "run.json") or {}
@@ -138,9 +225,11 @@ def build_report(run: Path) -> str:  # noqa: C901 - one section after the other
     else:
         missing.append("loss.png")
 
-    phases = dict(info.get("phases") or {})
     images_dir = run / "images"
     timings = _load_json(images_dir / "timings.json") or {}
+    sections += cluster_sections(rows, _figures(run, info, rows, timings))
+
+    phases = dict(info.get("phases") or {})
     if timings:
         for key in ("load_s", "compile_s", "first_image_s", "images_per_s"):
             if key in timings:

@@ -35,6 +35,8 @@ from xeonsd.distributed import (
     PeerLostError,
     RankInfo,
     Timeouts,
+    all_gather_floats,
+    all_gather_strings,
     all_reduce_mean_,
     barrier,
     collective,
@@ -53,6 +55,7 @@ from xeonsd.metrics import MetricsLog, plot_loss
 from xeonsd.models import Models, autocast, load_models, model_fingerprint, render_validation
 from xeonsd.modelsource import ModelSourceError, check_model_source
 from xeonsd.prompts import PromptConditioning
+from xeonsd.rankstats import Interval, RankClock, StragglerWatch, node_names, summarize
 
 log = logging.getLogger("xeonsd.train")
 # A rank that lost a peer waits this long before ending the job, so that the other survivors report it too.
@@ -81,7 +84,7 @@ def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
         raise ConfigError(
             f"--resolution must be a positive multiple of 8 (the VAE downsamples by 8), got {cfg.resolution}"
         )
-    for name in ("train_batch_size", "gradient_accumulation_steps", "max_train_steps"):
+    for name in ("train_batch_size", "gradient_accumulation_steps", "max_train_steps", "stats_every"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
     if cfg.learning_rate <= 0:
@@ -329,11 +332,12 @@ def _lost_peer_exit(info: RankInfo):
     return expire
 
 
-def step_loss(job: Job, examples) -> torch.Tensor:
-    """The denoising loss of this rank's examples (mean over them)."""
+def step_loss(job: Job, examples, clock: RankClock | None = None) -> torch.Tensor:
+    """The denoising loss of this rank's examples (mean over them); ``clock`` times the latent lookup as data."""
     models = job.models
-    latents = job.latents.sample(examples)
-    noise = torch.stack([e.noise for e in examples])
+    with clock.phase("data") if clock else contextlib.nullcontext():
+        latents = job.latents.sample(examples)
+        noise = torch.stack([e.noise for e in examples])
     timesteps = torch.tensor([e.timestep for e in examples], dtype=torch.long)
     noisy = models.noise_scheduler.add_noise(latents, noise, timesteps)
     hidden = job.text.hidden([job.prompts.row(e) for e in examples])
@@ -381,29 +385,30 @@ def checkpoint(job: Job, step: int) -> None:
     ckpt.save_checkpoint(job.cfg.output_path, step, state, keep=job.cfg.checkpoints_total_limit)
 
 
-def train_step(job: Job, step: int, step_times: list[float], setup_s: float) -> float:
-    """One optimizer step: this rank's micro-batches forward and backward, the gradient all-reduce, the update.
-    Returns the loss averaged over all ranks."""
+def train_step(job: Job, step: int, step_times: list[float], setup_s: float, clock: RankClock) -> float:
+    """One optimizer step: this rank's micro-batches forward and backward, the gradient all-reduce, the update;
+    ``clock`` times the data and the all-reduce. Returns the loss averaged over all ranks."""
     cfg = job.cfg
     accumulation = cfg.gradient_accumulation_steps
     loss_sum = 0.0
     for micro in range(accumulation):
-        examples = job.plan.batch(step, micro, accumulation, job.world, job.info.rank, cfg.train_batch_size)
+        with clock.phase("data"):
+            examples = job.plan.batch(step, micro, accumulation, job.world, job.info.rank, cfg.train_batch_size)
         last = micro == accumulation - 1
         if job.ddp and not last:
             with job.unet.no_sync():
-                loss = step_loss(job, examples) / accumulation
+                loss = step_loss(job, examples, clock) / accumulation
                 loss.backward()
         elif job.ddp:  # the buckets are all-reduced during this backward: watched, with time for it
-            loss = step_loss(job, examples) / accumulation
+            loss = step_loss(job, examples, clock) / accumulation
             margin = 2 * max(step_times) if step_times else setup_s
             with job.timeout.watch("all-reduce of the gradient buckets", extra_s=margin):
                 loss.backward()
         else:
-            loss = step_loss(job, examples) / accumulation
+            loss = step_loss(job, examples, clock) / accumulation
             loss.backward()
         loss_sum += float(loss.detach())
-    with job.timeout.watch("all-reduce"):
+    with job.timeout.watch("all-reduce"), clock.phase("allreduce"):
         mean_loss = sync_gradients(job, loss_sum)
     if job.method.max_grad_norm:
         torch.nn.utils.clip_grad_norm_(job.method.parameters(), job.method.max_grad_norm)
@@ -419,6 +424,34 @@ def _comm_profiler():
     from torch.profiler import ProfilerActivity, profile
 
     return profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+
+
+class RankStats:
+    """This rank's clock, and on rank 0 the gathered summary waiting for the next metrics row."""
+
+    def __init__(self, job: Job) -> None:
+        self.world = job.world
+        self.clock = RankClock(torch.get_num_threads())
+        address = node_address()
+        self.nodes = all_gather_strings(node_names().get(address, address), job.world)
+        self.watch = StragglerWatch(job.cfg.straggler_cpu_util, job.cfg.straggler_ratio)
+        self.pending: dict = {}
+
+    def gather(self, is_main: bool) -> None:
+        """Every rank takes part: one all-gather of each rank's interval sums."""
+        intervals = [Interval.from_floats(v) for v in all_gather_floats(self.clock.take().as_floats(), self.world)]
+        if is_main:
+            summary = summarize(intervals, self.nodes)
+            stragglers = self.watch.judge(summary)
+            for s in stragglers:
+                log.warning("straggler: %s (ranks %s): %s", s["node"], s["ranks"], "; ".join(s["why"]))
+            w = self.watch
+            thresholds = {"cpu_util": w.min_util, "compute_ratio": w.ratio, "intervals": w.intervals}
+            self.pending = {"rank_stats": {**summary, "thresholds": thresholds}, "stragglers": stragglers}
+
+    def take_row(self) -> dict:
+        row, self.pending = self.pending, {}
+        return row
 
 
 def fit(job: Job) -> list[float]:
@@ -440,6 +473,8 @@ def fit(job: Job) -> list[float]:
     log_progress_every = max(1, cfg.max_train_steps // 20)
     step_times: list[float] = []
     timeouts = Timeouts.from_env()
+    stats = RankStats(job)
+    clock = stats.clock
     with job.timeout.watch("barrier"):
         barrier(job.world)  # every rank is set up: from here on a collective that waits past the step timeout fails
     with job.timeout.scope(timeouts.step_s):
@@ -447,14 +482,19 @@ def fit(job: Job) -> list[float]:
             log.info("collective timeout during the steps: %.0f s (set-up: %.0f s)", timeouts.step_s, timeouts.setup_s)
         for step in range(job.start_step, cfg.max_train_steps):
             t_step = time.perf_counter()
+            clock.start_step()
             flop_counter = FlopCounterMode(display=False) if cfg.count_flops and step == job.start_step else None
             comm = _comm_profiler() if cfg.count_flops and job.world > 1 and step == job.start_step + 1 else None
             with flop_counter or contextlib.nullcontext(), comm or contextlib.nullcontext():
-                mean_loss = train_step(job, step, step_times, timeouts.setup_s)
+                mean_loss = train_step(job, step, step_times, timeouts.setup_s, clock)
             done = step + 1
             job.method.after_step(done)
             dt = time.perf_counter() - t_step
+            clock.end_step()
             step_times.append(dt)
+            if done % cfg.stats_every == 0 or done == cfg.max_train_steps:
+                with job.timeout.watch("all-gather of the ranks' statistics"):
+                    stats.gather(info.is_main)
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(loss=f"{mean_loss:.4f}", s_per_step=f"{dt:.2f}")
@@ -468,6 +508,7 @@ def fit(job: Job) -> list[float]:
                     "time": time.time(),
                     **({"tflop_per_rank": flop_counter.get_total_flops() / 1e12} if flop_counter else {}),
                     **({"allreduce_bytes_measured": allreduced_elements(comm) * 4} if comm else {}),
+                    **stats.take_row(),
                 })  # fmt: skip
             if info.is_main:
                 job.method.periodic_save(out, done)

@@ -1,0 +1,45 @@
+"""doctor.yml's comparison of the nodes (the doctor role's filter plugin) on recorded `xeonsd doctor --json` output."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "plugins" / "filter"))
+
+import xeonsd_doctor  # noqa: E402
+
+SPR = {"cpu_model": "Intel(R) Xeon(R) Platinum 8480+", "cores": 56, "logical_cpus": 112, "amx": True}
+ICX = {"cpu_model": "Intel(R) Xeon(R) Platinum 8380", "cores": 40, "logical_cpus": 80, "amx": False}
+
+
+def _report(seconds: float | None, node: dict) -> dict:
+    trial = {"name": "train 1 step", "status": "PASS" if seconds else "FAIL", "detail": "…", "seconds": seconds}
+    return {"host": "x", "ok": True, "checks": [{"name": "packages", "status": "PASS", "detail": "…"}, trial],
+            "node": node}  # fmt: skip
+
+
+def test_a_node_whose_trial_step_is_over_1_3x_the_median_is_a_straggler_and_a_mixed_cluster_is_named() -> None:
+    reports = {"node1": _report(5.6, SPR), "node2": _report(5.4, SPR), "node3": _report(9.1, ICX),
+               "node4": _report(5.7, SPR)}  # fmt: skip
+    rows = xeonsd_doctor.compare_rows(reports, 1.3)
+    straggler = {h: r[1] for h, r in rows.items()}
+    assert [h for h, r in straggler.items() if r["status"] == "WARN"] == ["node3"]
+    assert straggler["node3"]["detail"].startswith("trial step 9.10 s = 1.61× the median 5.65 s (over 1.3×)")
+    assert straggler["node1"] == {"node": "node1", "check": "straggler", "status": "PASS",
+                                  "detail": "trial step 5.60 s = 0.99× the median 5.65 s"}  # fmt: skip
+    cpu = {h: r[0] for h, r in rows.items()}
+    assert all(r["check"] == "cpu" and r["status"] == "WARN" for r in cpu.values())
+    assert cpu["node3"]["detail"] == (
+        "Intel(R) Xeon(R) Platinum 8380 · 40 cores · no AMX; the cluster mixes "
+        "3× Intel(R) Xeon(R) Platinum 8480+ · 56 cores · AMX, 1× Intel(R) Xeon(R) Platinum 8380 · 40 cores · no AMX"
+    )
+
+
+def test_same_cpus_and_even_trials_pass_and_a_node_without_a_result_gets_no_comparison() -> None:
+    reports = {"node1": _report(5.6, SPR), "node2": _report(5.9, SPR), "node3": {}, "node4": _report(None, SPR)}
+    rows = xeonsd_doctor.compare_rows(reports)
+    assert rows["node3"] == []
+    assert [r["check"] for r in rows["node4"]] == ["cpu"]  # its trial failed: that row is the doctor's own FAIL
+    assert {r["status"] for rs in rows.values() for r in rs} == {"PASS"}
+    assert rows["node2"][0]["detail"] == "Intel(R) Xeon(R) Platinum 8480+ · 56 cores · AMX"
