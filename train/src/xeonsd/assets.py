@@ -188,26 +188,19 @@ ARCHS: dict[str, Arch] = {
         vocab_size=49408,
         norm_groups=32,
     ),
-    "sd21": Arch(
-        unet_channels=(320, 640, 1280, 1280),
-        unet_layers=2,
-        unet_heads=(5, 10, 20, 20),
-        unet_down=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
-        unet_up=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-        sample_size=96,
-        vae_channels=(128, 256, 512, 512),
-        vae_layers=2,
-        text_hidden=1024,
-        text_layers=23,
-        text_heads=16,
-        text_intermediate=4096,
-        vocab_size=49408,
-        norm_groups=32,
-        prediction_type="v_prediction",
-        linear_projection=True,
-        text_act="gelu",
-    ),
 }
+ARCHS["sd21"] = dataclasses.replace(
+    ARCHS["sd15"],
+    unet_heads=(5, 10, 20, 20),
+    sample_size=96,
+    text_hidden=1024,
+    text_layers=23,
+    text_heads=16,
+    text_intermediate=4096,
+    prediction_type="v_prediction",
+    linear_projection=True,
+    text_act="gelu",
+)
 ARCHS["tiny-v"] = dataclasses.replace(
     ARCHS["tiny"], unet_heads=(2, 4), prediction_type="v_prediction", linear_projection=True, text_act="gelu"
 )
