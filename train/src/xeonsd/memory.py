@@ -3,8 +3,9 @@
 The models are built from their configs on PyTorch's ``meta`` device (shapes and dtypes, no data), so weights,
 gradients and optimizer state are counted exactly. Activations are measured, not guessed: one forward pass of the
 meta UNet at the run's resolution and batch, with the method's trainable parts, records every tensor autograd
-keeps for the backward pass (``saved_tensors_hooks``). With ``--gradient_checkpointing`` only each block's input
-is kept, plus the largest block's activations while it is recomputed. The process's own footprint (Python, the
+keeps for the backward pass (``saved_tensors_hooks``), plus the largest block's again for the gradients the backward
+holds while it passes through that block. With ``--gradient_checkpointing`` only each block's input is kept, plus
+the largest block's activations (and their gradients) while it is recomputed. The process's own footprint (Python, the
 libraries) is its resident size when the estimate is made.
 """
 
@@ -28,14 +29,19 @@ class MemoryEstimate:
     activations: int
     caches: int
     runtime: int
+    loading: int = 0  # the peak while the models load (a UNet stored in fp32 and cast to bf16 is briefly twice)
+
+    @property
+    def training(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self) if f.name != "loading")
 
     @property
     def total(self) -> int:
-        return sum(getattr(self, f.name) for f in fields(self))
+        return max(self.training, self.loading)
 
     def describe(self) -> str:
-        parts = ", ".join(f"{f.name} {getattr(self, f.name) / GB:.2f}" for f in fields(self))
-        return f"{self.total / GB:.2f} GB ({parts})"
+        parts = ", ".join(f"{f.name} {getattr(self, f.name) / GB:.2f}" for f in fields(self) if f.name != "loading")
+        return f"{self.total / GB:.2f} GB (training {self.training / GB:.2f}: {parts}; loading {self.loading / GB:.2f})"
 
 
 def available_memory() -> int | None:
@@ -54,9 +60,11 @@ def _numel(module: torch.nn.Module, trainable_only: bool = False) -> int:
 class _SavedBytes:
     """Sums the bytes of the distinct tensors autograd saves; per top-level UNet block as well."""
 
-    def __init__(self) -> None:
+    def __init__(self, weights: list[torch.Tensor]) -> None:
         self.total = 0
-        self.seen: dict[int, torch.Tensor] = {}
+        # The weights an op keeps for its backward are counted as weights already (a cast copy under autocast is
+        # not one of them, and counts).
+        self.seen: dict[int, torch.Tensor] = {id(w): w for w in weights}
         self.block_start = 0
         self.blocks: list[tuple[int, int]] = []  # (saved bytes inside the block, bytes of its input)
 
@@ -101,7 +109,7 @@ def _cpu_attention():
 
 
 def _activations(unet, cfg, cross_dim: int, weight_dtype: torch.dtype, hidden_grad: bool, autocast: bool) -> int:
-    saved = _SavedBytes()
+    saved = _SavedBytes(list(unet.parameters()))
     for block in [*unet.down_blocks, unet.mid_block, *unet.up_blocks]:
         if block is not None:
             saved.watch(block)
@@ -113,10 +121,13 @@ def _activations(unet, cfg, cross_dim: int, weight_dtype: torch.dtype, hidden_gr
     amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), amp, _cpu_attention():
         unet(x, t, h, return_dict=False)
+    # While the backward pass goes through a block it also holds that block's activation gradients: about the
+    # size of what the block saved. With checkpointing, a block's activations exist only while it is recomputed.
+    largest = max((b for b, _ in saved.blocks), default=0)
     if not getattr(cfg, "gradient_checkpointing", False):
-        return saved.total
+        return saved.total + largest
     inside = sum(b for b, _ in saved.blocks)
-    return saved.total - inside + sum(i for _, i in saved.blocks) + max(b for b, _ in saved.blocks)
+    return saved.total - inside + sum(i for _, i in saved.blocks) + 2 * largest
 
 
 def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstimate:
@@ -168,7 +179,13 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstim
         latents = 2 * num_images * 3 * cfg.resolution**2 * 4
     prompts = num_prompts * 77 * hidden * 4 if method != "textual_inversion" else 0
     runtime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return MemoryEstimate(weights, gradients, optimizer, activations, latents + prompts, runtime)
+    # Loading reads each UNet weight as stored, then casts it: both copies exist until the load ends.
+    unet_files = list((Path(src).expanduser() / "unet").glob("*.safetensors"))
+    stored = sum(f.stat().st_size for f in unet_files) if unet_files else _numel(unet) * 4
+    cast = _numel(unet) * torch.finfo(unet_dtype).bits // 8
+    same_dtype = abs(stored - cast) < 0.01 * cast  # stored as it is used: no second copy
+    loading = runtime + _numel(text_encoder) * 4 + _numel(vae) * wbytes + stored + (0 if same_dtype else cast)
+    return MemoryEstimate(weights, gradients, optimizer, activations, latents + prompts, runtime, loading)
 
 
 def check_fits(est: MemoryEstimate, ranks_on_node: int, available: int | None) -> str | None:
