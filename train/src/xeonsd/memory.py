@@ -150,10 +150,9 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstim
     if method == "textual_inversion":
         trainable = (te_config.vocab_size if cfg.train_full_embedding_matrix else cfg.num_vectors) * hidden
     elif method == "lora":
-        from peft import LoraConfig
+        from xeonsd.methods.lora import unet_lora_config
 
-        targets = [m.strip() for m in cfg.lora_target_modules.split(",") if m.strip()]
-        unet.add_adapter(LoraConfig(r=cfg.rank, lora_alpha=cfg.lora_alpha or cfg.rank, target_modules=targets))
+        unet.add_adapter(unet_lora_config(cfg))
         for p in unet.parameters():
             if p.requires_grad:
                 p.data = p.data.float()

@@ -38,6 +38,11 @@ def _lora_config(rank: int, alpha: float, targets: list[str]):
     return LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets)
 
 
+def unet_lora_config(cfg):
+    """The UNet adapters' peft config for this run (the trainer and the memory estimate use the same one)."""
+    return _lora_config(cfg.rank, cfg.lora_alpha if cfg.lora_alpha is not None else cfg.rank, target_modules(cfg))
+
+
 class LoRA(Method):
     name = "lora"
     outputs = (LORA_FILE,)
@@ -58,9 +63,8 @@ class LoRA(Method):
         super().__init__(cfg, models)
         alpha = cfg.lora_alpha if cfg.lora_alpha is not None else cfg.rank
         self.alpha = alpha
-        targets = target_modules(cfg)
         try:
-            models.unet.add_adapter(_lora_config(cfg.rank, alpha, targets))
+            models.unet.add_adapter(unet_lora_config(cfg))
         except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
             raise ConfigError(f"--lora_target_modules {cfg.lora_target_modules}: {exc}") from exc
         if cfg.train_text_encoder:
