@@ -189,14 +189,15 @@ def pick_backend() -> str:
     return "ccl"
 
 
-def init_process_group(info: RankInfo, backend: str | None = None) -> str | None:
-    """Join the job's process group; returns the backend, or ``None`` for a single process."""
+def init_process_group(info: RankInfo, backend: str | None = None, setup_timeout_s: float | None = None) -> str | None:
+    """Join the job's process group; returns the backend, or ``None`` for a single process. The set-up timeout
+    defaults to the environment's (``Timeouts.from_env``)."""
     if info.world_size == 1:
         return None
     backend = backend or pick_backend()
     addr = os.environ.get("MASTER_ADDR", DEFAULT_MASTER_ADDR)
     port = int(os.environ.get("MASTER_PORT", DEFAULT_MASTER_PORT))
-    timeout = datetime.timedelta(seconds=Timeouts.from_env().setup_s)
+    timeout = datetime.timedelta(seconds=setup_timeout_s or Timeouts.from_env().setup_s)
     try:
         dist.init_process_group(
             backend=backend,

@@ -178,6 +178,7 @@ class Job:
     seed: int
     start_step: int
     base_model: str
+    timeouts: Timeouts  # read from the environment once, in run()
     timeout: CollectiveTimeout
     metrics: MetricsLog | None = None  # rank 0's, from the first step on
 
@@ -210,7 +211,7 @@ def run(cfg: TrainConfig) -> dict:
     if cfg.dry_run:
         return {"dry_run": True}
     placement = place_rank(info)
-    backend = init_process_group(info)
+    backend = init_process_group(info, setup_timeout_s=timeouts.setup_s)
     try:
         job = setup(cfg, info, backend, placement, inputs, timeouts)
         step_times = fit(job)
@@ -316,7 +317,8 @@ def setup(cfg: TrainConfig, info: RankInfo, backend: str | None, placement, inpu
         with collective("DistributedDataParallel set-up"):
             unet = DistributedDataParallel(module, broadcast_buffers=False, gradient_as_bucket_view=True)
     return Job(cfg, info, backend, models, method, prompts, text, latents, plan, unet, optimizer, lr_scheduler, seed,
-               start_step, base_model, CollectiveTimeout(world, timeouts.setup_s, _lost_peer_exit(info)))  # fmt: skip
+               start_step, base_model, timeouts,
+               CollectiveTimeout(world, timeouts.setup_s, _lost_peer_exit(info)))  # fmt: skip
 
 
 def _lost_peer_exit(info: RankInfo):
@@ -472,7 +474,7 @@ def fit(job: Job) -> list[float]:
                         dynamic_ncols=True, mininterval=0.5, disable=not sys.stderr.isatty())  # fmt: skip
     log_progress_every = max(1, cfg.max_train_steps // 20)
     step_times: list[float] = []
-    timeouts = Timeouts.from_env()
+    timeouts = job.timeouts
     stats = RankStats(job)
     clock = stats.clock
     with job.timeout.watch("barrier"):
