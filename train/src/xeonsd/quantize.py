@@ -172,4 +172,3 @@ def quantize_pipeline(
         },
         "quantize_seconds": round(time.perf_counter() - t0, 1),
     }
-
