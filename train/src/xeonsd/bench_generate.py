@@ -366,7 +366,8 @@ def _hybrid_line(report: dict[str, Any], by_key: dict[str, Any]) -> str | None:
     if not (d and g):
         return None
     speedup = d / g
-    line = f"(g) hybrid int8 beside (d) static: time g/d {g / d:.2f} = {speedup:.2f}x faster"
+    faster = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
+    line = f"(g) hybrid int8 beside (d) static: time g/d {g / d:.2f} = {faster}"
     cmp = report.get("g_vs_d")
     if cmp:
         line += f"; mean absolute pixel difference to (d)'s image (seed {cmp['seed']}): {cmp['mean_abs_pixel_diff']:.2f} / 255"
