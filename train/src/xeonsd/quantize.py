@@ -123,6 +123,8 @@ def collect_unet_inputs(
             )
             used.extend(batch)
             calls += 1
+            if not recorded:  # never loop forever on a pipeline that does not reach the UNet
+                raise QuantizeError("the calibration call did not run the UNet; cannot calibrate")
     finally:
         unet.request = unet.request.request
     return recorded[:samples], used, calls
@@ -157,7 +159,7 @@ def quantize_pipeline(
     return {
         "method": opts.method,
         "weights": "int8 (every network)",
-        "activations": "int8 (UNet convolutions and matmuls)",
+        "activations": "int8 (UNet convolutions and matmuls without constant weights)",
         "calibration": {
             "prompts_source": source,
             "prompts": used,
