@@ -20,8 +20,9 @@ from xeonsd.quantize import CALIBRATION_STEPS, default_prompts
 pytest_plugins = ["ov_assets"]
 
 CALIB_PROMPTS = ["a green <dicoo> toy on a table", "a <dicoo> in the snow"]
-# Two full calls and one UNet call of a third: the prompts are cycled, a third call starts with the first again.
-SAMPLES = 2 * CALIBRATION_STEPS + 1
+# More UNet calls than three pipeline calls' worth of steps less one (a scheduler may add a UNet call or two per
+# pipeline call): at least three pipeline calls, so the two prompts are cycled and the first comes round again.
+SAMPLES = 3 * CALIBRATION_STEPS + 1
 
 
 class NetworkUsed(AssertionError):
@@ -59,8 +60,10 @@ def test_hybrid_export_quantizes_unet_activations_calibrated_on_the_given_prompt
     q = manifest["quantization"]
     assert q["method"] == "hybrid"
     calib = q["calibration"]
-    assert calib["prompts"] == [CALIB_PROMPTS[0], CALIB_PROMPTS[1], CALIB_PROMPTS[0]]  # comment, blank line skipped
-    assert calib["samples"] == SAMPLES and calib["pipeline_calls"] == 3
+    calls = calib["pipeline_calls"]
+    assert calls >= 3 and calib["samples"] == SAMPLES
+    # In the file's order, cycled; the comment and the blank line skipped.
+    assert calib["prompts"] == [CALIB_PROMPTS[i % 2] for i in range(calls)]
     assert (calib["height"], calib["width"]) == (SIZE, SIZE)  # at the export's static size
     core = ov.Core()
     unet = core.read_model(out / "unet" / "openvino_model.xml")
