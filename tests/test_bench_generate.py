@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,46 @@ def test_bench_generate_refuses_a_model_directory_that_does_not_exist(tmp_path: 
     err = capsys.readouterr().err
     assert err.startswith("xeonsd bench generate: error: --model owner/typo: cannot be loaded: ")
     assert list(tmp_path.iterdir()) == []  # no random-weight model built under the mistyped name
+
+
+def _with_g(cpu_int8: str | None) -> dict:
+    report = _report({"d": 55.0, "g": 36.0}, bf16=2e12, fp32=0.5e12)
+    report["g_vs_d"] = {"mean_abs_pixel_diff": 4.25, "seed": 0}
+    report["cpu"] = {"model": "Some CPU", "native_int8": cpu_int8}
+    return report
+
+
+def test_report_puts_g_beside_d_and_judges_its_target_only_with_amx_int8() -> None:
+    amx = format_table(_with_g("AMX-INT8"))
+    line = "(g) hybrid int8 beside (d) static: time g/d 0.65 = 1.53x faster"
+    assert line in amx and "pixel difference to (d)'s image (seed 0): 4.25 / 255" in amx
+    assert "target (g) >= 1.4x faster than (d): 1.53x (met)" in amx
+    slow = _with_g("AMX-INT8")
+    slow["results"][1]["per_image_s"] = 50.0
+    assert "1.10x (NOT met)" in format_table(slow)
+    slow["results"][1]["per_image_s"] = 110.0
+    assert "time g/d 2.00 = 2.00x slower" in format_table(slow)
+    none = format_table(_with_g(None))
+    assert "not judged, this CPU (Some CPU) has no AMX-INT8 and no VNNI" in none and "(met)" not in none
+    assert "not judged, this CPU (Some CPU) has AVX512-VNNI only" in format_table(_with_g("AVX512-VNNI"))
+
+
+def test_bench_variant_g_runs_beside_d_on_the_tiny_model(tiny_model: Path, tmp_path: Path, capsys) -> None:
+    from xeonsd.cpu import cpu_info
+
+    work = tmp_path / "work"
+    argv = ["--model", str(tiny_model), "--workdir", str(work), "--only", "g", "--height", "64", "--width", "64"]
+    assert main([*argv, "--steps", "2", "--calibration-samples", "4", "--no-warmup"]) == 0
+    out = capsys.readouterr().out
+    assert "(d) OpenVINO static 64x64" in out and "(g) OpenVINO static 64x64 hybrid int8" in out
+    report = json.loads((work / "bench-generate-64x64-2steps.json").read_text())
+    assert [r["key"] for r in report["results"]] == ["d", "g"]  # (g) brings its baseline (d) along
+    diff = report["g_vs_d"]["mean_abs_pixel_diff"]
+    assert 0.0 < diff < 64.0, diff  # int8 changes the picture, but not into another one
+    assert f"to (d)'s image (seed 0): {diff:.2f} / 255" in out
+    if cpu_info().native_int8 == "AMX-INT8":
+        assert "target (g) >= 1.4x faster than (d): " in out
+    else:
+        assert "is for AMX-INT8: not judged, this CPU" in out
+    manifest = json.loads((work / "ov-static-64x64-hybrid" / "xeonsd_export.json").read_text())
+    assert manifest["quantization"]["calibration"]["samples"] == 4

@@ -1,7 +1,10 @@
-"""``xeonsd bench generate``: one prompt, seed and step count through six pipelines, measured in one run.
+"""``xeonsd bench generate``: one prompt, seed and step count through seven pipelines, measured in one run.
 
 (a) diffusers PyTorch fp32, (b) PyTorch bf16 autocast, (c) OpenVINO dynamic shapes, (d) OpenVINO static shapes,
-(e) OpenVINO static with int8 weights, (f) OpenVINO GenAI on the static export. Each is loaded, warmed up with a
+(e) OpenVINO static with int8 weights, (f) OpenVINO GenAI on the static export, (g) OpenVINO static hybrid int8
+(``export --quantize hybrid``, calibrated on the recipe's prompt and templates), printed beside (d) with the speed
+ratio and the mean absolute pixel difference to (d)'s image of the same seed; its target (>= 1.4x faster than (d))
+is judged only on a CPU with AMX-INT8. Each is loaded, warmed up with a
 one-step call, then timed on ``--images`` calls of one image; the table gives seconds per image and the ratio to
 (a). The FLOP floor is the FLOPs (d) executes per image (text encoder, ``steps`` UNet calls at batch 2 for
 classifier-free guidance, VAE decoder; counted with ``torch.utils.flop_counter`` on the same networks) divided by
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from xeonsd.fsutil import atomic_file
+from xeonsd.quantize import DEFAULT_SAMPLES
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +37,7 @@ PROMPT = "a yellow <dicoo> robot at the beach, high quality"
 TOKEN = "<dicoo>"
 TARGET_SPEEDUP_D = 6.0
 TARGET_FLOOR_RATIO_D = 1.25
+TARGET_SPEEDUP_G_OVER_D = 1.4  # on AMX-INT8
 
 
 @dataclass
@@ -98,18 +103,24 @@ def _model_and_concept(args: argparse.Namespace, workdir: Path) -> tuple[Path, P
     return model, embeds
 
 
-def _export_cached(model: Path, embeds: Path, out: Path, static: Any, weight_format: str) -> tuple[Path, float]:
+def _export_cached(
+    model: Path, embeds: Path, out: Path, static: Any, weight_format: str, quantize: Any = None
+) -> tuple[Path, float]:
     from xeonsd.export import ExportOptions, export
     from xeonsd.ovdir import ExportDirError, read_manifest
 
     try:
         manifest = read_manifest(out)
         same_shape = manifest["static_shape"] == (None if static is None else asdict(static))
-        if manifest["source"] == str(model) and same_shape and manifest["weight_format"] == weight_format:
+        q = manifest.get("quantization")
+        same_q = (
+            (q is None) if quantize is None else (q is not None and q["calibration"]["samples"] == quantize.samples)
+        )
+        if manifest["source"] == str(model) and same_shape and manifest["weight_format"] == weight_format and same_q:
             return out, float(manifest["export_seconds"])
     except ExportDirError:
         pass
-    opts = ExportOptions(static=static, weight_format=weight_format, embeds=embeds, overwrite=True)
+    opts = ExportOptions(static=static, weight_format=weight_format, embeds=embeds, overwrite=True, quantize=quantize)
     export(str(model), out, opts)
     return out, float(read_manifest(out)["export_seconds"])
 
@@ -147,7 +158,8 @@ def _time_torch(model: Path, embeds: Path, args: argparse.Namespace, bf16: bool)
     return load_s, sum(times) / len(times)
 
 
-def _time_ov(ov_dir: Path, engine: str, args: argparse.Namespace) -> tuple[float, float]:
+def _time_ov(ov_dir: Path, engine: str, args: argparse.Namespace, keep: list | None = None) -> tuple[float, float]:
+    """Load+compile and mean seconds per image; ``keep`` gets the first timed image (seed ``args.seed``)."""
     from xeonsd.generate import Call, GenerateOptions, open_engine
 
     opts = GenerateOptions(
@@ -169,8 +181,10 @@ def _time_ov(ov_dir: Path, engine: str, args: argparse.Namespace) -> tuple[float
         times = []
         for call in eng.plan.calls:
             t0 = time.perf_counter()
-            eng.run(call)
+            images = eng.run(call)
             times.append(time.perf_counter() - t0)
+            if keep is not None and not keep:
+                keep.append(images[0])
         return eng.load_s + eng.compile_s, sum(times) / len(times)
     finally:
         eng.close()
@@ -186,7 +200,9 @@ def engine_static(ov_dir: Path) -> bool:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import openvino as ov
 
+    from xeonsd.cpu import cpu_info
     from xeonsd.ovdir import StaticShape
+    from xeonsd.quantize import QuantizeOptions
 
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -195,9 +211,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     size = f"{args.height}x{args.width}"
     exports: dict[str, float] = {}
 
-    def export(kind: str, shape: Any, fmt: str) -> Path:
-        path, seconds = _export_cached(model, embeds, workdir / f"ov-{kind}-{fmt}", shape, fmt)
-        exports[f"{kind}-{fmt}"] = seconds
+    def export(kind: str, shape: Any, fmt: str, quantize: Any = None) -> Path:
+        name = f"{kind}-{'hybrid' if quantize else fmt}"
+        path, seconds = _export_cached(model, embeds, workdir / f"ov-{name}", shape, fmt, quantize)
+        exports[name] = seconds
         return path
 
     peaks = {"bf16": matmul_peak("bfloat16"), "fp32": matmul_peak("float32")}
@@ -235,14 +252,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
     if "c" in only:
         measure("c", "OpenVINO dynamic shapes", lambda: _time_ov(export("dynamic", None, "fp32"), "optimum", args))
+    image_d: list = []
+    image_g: list = []
     if {"d", "f"} & only:
         static_dir = export(f"static-{size}", static, "fp32")
-        measure("d", f"OpenVINO static {size}", lambda: _time_ov(static_dir, "optimum", args))
+        measure("d", f"OpenVINO static {size}", lambda: _time_ov(static_dir, "optimum", args, image_d))
     if "e" in only:
         int8_dir = export(f"static-{size}", static, "int8")
         measure("e", f"OpenVINO static {size} int8 weights", lambda: _time_ov(int8_dir, "optimum", args))
     if "f" in only:
-        measure("f", f"OpenVINO GenAI static {size}", lambda: _time_ov(static_dir, "genai", args))
+        measure("f", f"OpenVINO GenAI static {size}", lambda: _time_ov(static_dir, "genai", args, None))
+    if "g" in only:
+        hybrid_dir = export(f"static-{size}", static, "int8", QuantizeOptions(samples=args.calibration_samples))
+        name = f"OpenVINO static {size} hybrid int8"
+        measure("g", name, lambda: _time_ov(hybrid_dir, "optimum", args, image_g))
+    g_vs_d = None
+    if image_d and image_g:
+        import numpy as np
+
+        diff = np.abs(np.asarray(image_g[0], dtype=np.float64) - np.asarray(image_d[0], dtype=np.float64)).mean()
+        g_vs_d = {"mean_abs_pixel_diff": round(float(diff), 3), "seed": args.seed}
+    cpu = cpu_info()
 
     return {
         "model": str(model),
@@ -258,6 +288,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "matmul_peak_flops": peaks,
         "openvino_cpu_precision": ov_precision,
         "export_seconds": exports,
+        "g_vs_d": g_vs_d,
+        "cpu": {"model": cpu.model, "native_int8": cpu.native_int8},
     }
 
 
@@ -319,9 +351,39 @@ def format_table(report: dict[str, Any]) -> str:
         if e:
             verdict.append(f"(e) faster than (d): {e:.2f} vs {d:.2f} s ({_met(e < d)})")
         lines.append("targets: " + "; ".join(verdict))
+    g_line = _hybrid_line(report, by_key)
+    if g_line:
+        lines.append(g_line)
     if report["export_seconds"]:
         lines.append("export time (s, cached between runs): " + json.dumps(report["export_seconds"]))
     return "\n".join(lines)
+
+
+def _hybrid_line(report: dict[str, Any], by_key: dict[str, Any]) -> str | None:
+    """(g) beside (d): speed ratio, pixel difference for the same seed, and the AMX target where it applies."""
+    d = by_key.get("d", {}).get("per_image_s")
+    g = by_key.get("g", {}).get("per_image_s")
+    if not (d and g):
+        return None
+    speedup = d / g
+    faster = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
+    line = f"(g) hybrid int8 beside (d) static: time g/d {g / d:.2f} = {faster}"
+    cmp = report.get("g_vs_d")
+    if cmp:
+        line += f"; mean absolute pixel difference to (d)'s image (seed {cmp['seed']}): {cmp['mean_abs_pixel_diff']:.2f} / 255"
+    cpu = report.get("cpu") or {}
+    int8 = cpu.get("native_int8")
+    target = f"(g) >= {TARGET_SPEEDUP_G_OVER_D}x faster than (d)"
+    if int8 == "AMX-INT8":
+        line += f"; target {target}: {speedup:.2f}x ({_met(speedup >= TARGET_SPEEDUP_G_OVER_D)})"
+    elif int8:
+        line += f"; target {target} is for AMX-INT8: not judged, this CPU ({cpu.get('model')}) has {int8} only"
+    else:
+        line += (
+            f"; target {target} is for AMX-INT8: not judged, this CPU ({cpu.get('model', 'unknown')}) has no "
+            "AMX-INT8 and no VNNI (no amx_int8, avx512_vnni or avx_vnni in /proc/cpuinfo)"
+        )
+    return line
 
 
 def _met(ok: bool) -> str:
@@ -339,7 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--images", type=int, default=1, help="timed images per variant (one per call)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="256x256 and 4 steps")
-    p.add_argument("--only", default="abcdef", help="variants to run, e.g. 'ad'")
+    p.add_argument("--only", default="abcdefg", help="variants to run, e.g. 'ad' ('g' runs 'd' too)")
+    p.add_argument("--calibration-samples", type=int, default=DEFAULT_SAMPLES,
+                   help="(g): UNet calls recorded to calibrate the hybrid int8 export")  # fmt: skip
     p.add_argument("--bf16", choices=["auto", "run"], default="auto", help="auto: skip (b) without native bf16")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the one-step warm-up call")
     return p
@@ -351,7 +415,10 @@ def main(argv: list[str]) -> int:
         args.height, args.width, args.steps = 256, 256, 4
     if args.images < 1 or args.steps < 1:
         raise SystemExit("xeonsd bench generate: error: --images and --steps must be at least 1")
-    args.only = sorted(set(args.only) & set("abcdef"))
+    if args.calibration_samples < 1:
+        raise SystemExit("xeonsd bench generate: error: --calibration-samples must be at least 1")
+    only = set(args.only) & set("abcdefg")
+    args.only = sorted(only | {"d"} if "g" in only else only)  # (g) is judged against (d)
     if args.model:
         from xeonsd.modelsource import ModelSourceError, check_model_source
 

@@ -66,11 +66,23 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--weight-format",
         choices=["fp32", "fp16", "int8"],
-        default="fp32",
-        help="int8: NNCF data-free 8-bit weight compression",
+        default=None,
+        help="int8: NNCF data-free 8-bit weight compression (default fp32; int8 with --quantize)",
     )
+    _add_quantize_flags(p)
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT (only once the new one is done)")
     p.set_defaults(func=_export)
+
+
+def _add_quantize_flags(p: argparse.ArgumentParser) -> None:
+    from xeonsd.quantize import DEFAULT_SAMPLES
+
+    p.add_argument("--quantize", choices=["hybrid"],
+                   help="hybrid: int8 weights everywhere and int8 activations in the UNet (NNCF), calibrated offline")  # fmt: skip
+    p.add_argument("--calibration-prompts", metavar="FILE",
+                   help="--quantize: one prompt a line (default: the recipe's prompt and the object templates)")  # fmt: skip
+    p.add_argument("--calibration-samples", type=int, metavar="N",
+                   help=f"--quantize: UNet calls recorded for calibration (default {DEFAULT_SAMPLES})")  # fmt: skip
 
 
 def _add_generate_parser(sub: argparse._SubParsersAction) -> None:

@@ -1,4 +1,4 @@
-"""What the CPU offers for bf16: AMX tiles (Sapphire Rapids and later), AVX512-BF16, or nothing (emulated)."""
+"""What the CPU offers for bf16 (AMX tiles, AVX512-BF16, or nothing: emulated) and for int8 (AMX-INT8, VNNI)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,17 @@ class CpuInfo:
             return "AMX"
         if "avx512_bf16" in self.flags:
             return "AVX512-BF16"
+        return None
+
+    @property
+    def native_int8(self) -> str | None:
+        """The fastest int8 dot-product path: "AMX-INT8", "AVX512-VNNI", "AVX-VNNI", or None (no int8 units)."""
+        if {"amx_int8", "amx_tile"} <= self.flags:
+            return "AMX-INT8"
+        if "avx512_vnni" in self.flags:
+            return "AVX512-VNNI"
+        if "avx_vnni" in self.flags:
+            return "AVX-VNNI"
         return None
 
 

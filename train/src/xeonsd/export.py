@@ -9,6 +9,7 @@ The recipe's steps, ``OVStableDiffusionPipeline.from_pretrained(model_id, export
   ``num_images_per_prompt`` only, so ``reshape(batch_size=5, num_images_per_prompt=1)`` followed by 5 prompts
   fails in the decoder; here it gets ``batch_size * num_images_per_prompt``;
 * ``--weight-format int8``: NNCF data-free 8-bit weight compression; ``fp16``: weights stored in half precision;
+* ``--quantize hybrid``: NNCF hybrid int8, calibrated offline on our prompts (see :mod:`xeonsd.quantize`);
 * the OpenVINO tokenizer model ``openvino_genai.Text2ImagePipeline`` needs (optimum-intel does not write one for
   diffusers pipelines), converted with ``openvino_tokenizers.convert_tokenizer``;
 * the manifest ``xeonsd_export.json`` (see :mod:`xeonsd.ovdir`).
@@ -30,6 +31,7 @@ from xeonsd import ovtokenizer
 from xeonsd.fsutil import atomic_dir
 from xeonsd.modelsource import check_model_source
 from xeonsd.ovdir import ExportDirError, StaticShape, check_writable_output, write_manifest
+from xeonsd.quantize import DEFAULT_SAMPLES, QuantizeError, QuantizeOptions, check_options
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,7 @@ class ExportOptions:
     embeds: Path | None = None
     token: str | None = None
     overwrite: bool = False
+    quantize: QuantizeOptions | None = None  # hybrid int8 (needs weight_format "int8")
 
 
 def check_source(src: str) -> Path | None:
@@ -125,6 +128,11 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
             raise ExportError(
                 f"invalid static shape {s.describe()}: sizes must be positive, height/width multiples of 8"
             )
+    if opts.quantize is not None:
+        try:
+            check_options(opts.quantize, opts.weight_format)
+        except QuantizeError as exc:
+            raise ExportError(str(exc)) from exc
     local = check_source(src)
     if opts.embeds is not None and not Path(opts.embeds).is_file():
         raise ExportError(f"embeddings file {opts.embeds} does not exist")
@@ -144,7 +152,7 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
             path, tokens = _with_concept(source, Path(opts.embeds), opts.token, Path(work))
             source = str(path)
         kwargs: dict[str, Any] = {"export": True, "compile": False}
-        if opts.weight_format == "int8":
+        if opts.weight_format == "int8" and opts.quantize is None:  # hybrid compresses the weights itself
             kwargs["quantization_config"] = OVWeightQuantizationConfig(bits=8)  # data-free: no dataset
         log.info("exporting %s to OpenVINO (%s weights)", src, opts.weight_format)
         pipe = OVStableDiffusionPipeline.from_pretrained(source, **kwargs)
@@ -157,6 +165,11 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
             raise ExportError(f"text encoder has {rows} embedding rows but the tokenizer {len(pipe.tokenizer)} tokens")
         if not tokens:
             tokens = ovtokenizer.concept_tokens(pipe.tokenizer)
+        quantization = None
+        if opts.quantize is not None:
+            from xeonsd.quantize import quantize_pipeline
+
+            quantization = quantize_pipeline(pipe, opts.quantize, tokens, opts.static)
         with atomic_dir(out, overwrite=opts.overwrite) as tmp:
             pipe.save_pretrained(tmp)
             ovtokenizer.save(pipe.tokenizer, tmp)
@@ -166,12 +179,26 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
                 "concept_tokens": tokens,
                 "static_shape": None if opts.static is None else asdict(opts.static),
                 "weight_format": opts.weight_format,
+                "quantization": quantization,
                 "vocab_size": rows,
                 "export_seconds": round(time.perf_counter() - t0, 1),
             }
             write_manifest(tmp, manifest)
     log.info("wrote %s in %.1f s", out, time.perf_counter() - t0)
     return out
+
+
+def quantize_options(args: Any) -> QuantizeOptions | None:
+    """``--quantize`` and its calibration flags; the calibration flags alone are refused."""
+    if args.quantize is None:
+        if args.calibration_prompts is not None or args.calibration_samples is not None:
+            raise ExportError("--calibration-prompts and --calibration-samples need --quantize hybrid")
+        return None
+    return QuantizeOptions(
+        method=args.quantize,
+        prompts_file=None if args.calibration_prompts is None else Path(args.calibration_prompts),
+        samples=DEFAULT_SAMPLES if args.calibration_samples is None else args.calibration_samples,
+    )
 
 
 def main_args(args: Any) -> int:
@@ -186,9 +213,11 @@ def main_args(args: Any) -> int:
             num_images_per_prompt=args.num_images_per_prompt,
         )
     )
+    quantize = quantize_options(args)
     opts = ExportOptions(
         static=static,
-        weight_format=args.weight_format,
+        weight_format=args.weight_format or ("int8" if quantize is not None else "fp32"),
+        quantize=quantize,
         embeds=None if args.embeds is None else Path(args.embeds),
         token=args.token,
         overwrite=args.overwrite,
