@@ -113,7 +113,7 @@ def _with_lora(src: str, lora: Path, scale: float, workdir: Path) -> Path:
     weights = loraformat.torch_weight_shapes(pipe.unet, pipe.text_encoder)
     loraformat.check_fits(lora, modules, weights, f"the source {src}")
     log.info("fusing LoRA %s (scale %g, %d modules) into %s", lora, scale, len(modules), src)
-    pipe.load_lora_weights(str(lora))
+    pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)  # a file path alone needs the Hub when offline
     pipe.fuse_lora(lora_scale=scale)
     pipe.unload_lora_weights()  # the fused weights stay; the adapter layers go
     out = workdir / "pipeline-lora"
