@@ -116,6 +116,12 @@ def _with_lora(src: str, lora: Path, scale: float, workdir: Path) -> Path:
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)  # a file path alone needs the Hub when offline
     pipe.fuse_lora(lora_scale=scale)
     pipe.unload_lora_weights()  # the fused weights stay; the adapter layers go
+    # transformers 5 saves a text encoder that once held peft layers under other keys ("text_base_model.model.…"),
+    # which load as missing (random) weights: save a fresh model holding the fused weights instead.
+    te = pipe.text_encoder
+    clean = type(te)(te.config)
+    clean.load_state_dict(te.state_dict())
+    pipe.register_modules(text_encoder=clean.eval())
     out = workdir / "pipeline-lora"
     pipe.save_pretrained(out, safe_serialization=True)
     return out
