@@ -123,8 +123,8 @@ def test_genai_adapter_fused_export_and_diffusers_agree(
 ) -> None:
     """Same seed, scheduler and adapter (UNet + text encoder): diffusers PyTorch with ``load_lora_weights``, the
     fused export (optimum engine) and GenAI's adapter on the base export. Tolerance: mean < 1.5 and every image
-    within 3.0 of PyTorch (measured on the 2-core Xeon: GenAI 0.22, fused 0.19; the adapter itself moves the
-    images by ~25)."""
+    within 3.0 of PyTorch. Measured on the 2-core Xeon (openvino-genai 2026.4.1): GenAI adapter 0.49, fused export
+    0.00 (< 0.0005); the adapter itself moves the images by more than 5 (asserted, printed)."""
     from diffusers import StableDiffusionPipeline
 
     pipe = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None, requires_safety_checker=False)
@@ -140,8 +140,9 @@ def test_genai_adapter_fused_export_and_diffusers_agree(
         per_image = np.abs(images - reference).mean(axis=(1, 2, 3))
         figures[name] = round(float(per_image.mean()), 3)
         assert per_image.mean() < 1.5 and per_image.max() < 3.0, (name, per_image)
+    figures["no adapter (genai)"] = round(float(np.abs(reference - no_adapter).mean()), 3)
     print("mean abs pixel difference to diffusers PyTorch + load_lora_weights:", figures)
-    assert np.abs(reference - no_adapter).mean() > 5.0, "the adapter must matter for this comparison to mean anything"
+    assert figures["no adapter (genai)"] > 5.0, "the adapter must matter for this comparison to mean anything"
 
     manifest = json.loads((ov_fused / MANIFEST).read_text())
     assert manifest["lora"] == {"file": str(trained_lora), "scale": 1.0, "sha256": _sha256(trained_lora)}
