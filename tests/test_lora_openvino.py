@@ -1,0 +1,259 @@
+"""LoRA with OpenVINO on the tiny model: the trainer's adapter through GenAI at generation time (no re-export), fused
+into an export, and in diffusers PyTorch give the same images; adapters blend; what GenAI cannot apply or what was
+made for another base model is refused before any model is compiled. And a full fine-tune's pipeline exports.
+
+Images are compared as uint8 pixels (0..255): "mean" is the mean absolute difference over all pixels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import VENV_BIN
+from ov_assets import BATCH, SIZE, STEPS, as_array
+from test_methods import method_args, train
+
+from xeonsd import cli, loraformat
+from xeonsd.generate import GenerateError, GenerateOptions, generate
+from xeonsd.ovdir import MANIFEST
+
+pytest_plugins = ["ov_assets"]  # ov_base: the tiny base model's static export (batch 5, 64 px), shared
+LORA_FILE = "pytorch_lora_weights.safetensors"
+PROMPT = "a photo of toy"
+SEED = 5
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _peft_adapter(unet, out: Path, targets: list[str], seed: int, scale: float) -> Path:
+    """An adapter written the way our trainer writes one (peft -> diffusers layout -> ``save_lora_weights``), with
+    random up matrices of std ``scale`` (peft starts them at zero), so it visibly changes the image."""
+    from diffusers import StableDiffusionPipeline
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    unet.add_adapter(LoraConfig(r=2, lora_alpha=2, init_lora_weights="gaussian", target_modules=targets))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in unet.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
+    StableDiffusionPipeline.save_lora_weights(out, unet_lora_layers=layers, safe_serialization=True)
+    return out / LORA_FILE
+
+
+@pytest.fixture(scope="module")
+def trained_lora(tiny_model: Path, dataset: Path, tmp_path_factory: pytest.TempPathFactory, cli_env_module) -> Path:
+    """``xeonsd train --method lora`` for 3 steps with a large learning rate, UNet and text encoder adapters."""
+    out = tmp_path_factory.mktemp("lora") / "a"
+    args = method_args("lora", tiny_model, dataset, out, f"--instance_prompt={PROMPT}", "--rank=2",
+                       "--train_text_encoder", "--learning_rate=5e-2", steps=3)  # fmt: skip
+    train(args, cli_env_module)
+    return out / LORA_FILE
+
+
+@pytest.fixture(scope="module")
+def cli_env_module() -> dict[str, str]:
+    """``cli_env`` for module fixtures."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+@pytest.fixture(scope="module")
+def second_lora(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from diffusers import UNet2DConditionModel
+
+    unet = UNet2DConditionModel.from_pretrained(tiny_model / "unet")
+    return _peft_adapter(unet, tmp_path_factory.mktemp("lora") / "b", ["to_k", "to_v", "ff.net.2"], seed=1, scale=0.5)
+
+
+@pytest.fixture(scope="module")
+def ov_fused(tiny_model: Path, trained_lora: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from ov_assets import _export
+
+    return _export(tiny_model, tmp_path_factory.mktemp("ov") / "fused", lora=trained_lora, lora_scale=1.0)
+
+
+def _images(ov_dir: Path, engine: str = "genai", loras: tuple = ()) -> np.ndarray:
+    opts = GenerateOptions(prompts=(PROMPT,), num_images=BATCH, steps=STEPS, seed=SEED, engine=engine, loras=loras)
+    images, _ = generate(ov_dir, opts)
+    return as_array(images)
+
+
+@pytest.fixture(scope="module")
+def no_adapter(ov_base: Path) -> np.ndarray:
+    return _images(ov_base)
+
+
+def test_trainer_adapter_is_applied_by_genai_without_unused_tensors(
+    ov_base: Path, trained_lora: Path, no_adapter: np.ndarray, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The trainer's file as it is: GenAI ignores it (the control, proving the warning is captured); converted by
+    ``generate --lora``: no warning, the image changes, and the user's file is untouched."""
+    import openvino_genai
+
+    before = _sha256(trained_lora)
+    pipe = openvino_genai.Text2ImagePipeline(str(ov_base))
+    pipe.reshape(BATCH, SIZE, SIZE, 7.5)
+    pipe.compile("CPU", adapters=openvino_genai.AdapterConfig([(openvino_genai.Adapter(str(trained_lora)), 1.0)]))
+    del pipe
+    captured = capfd.readouterr()
+    assert "Unused LoRA tensor: lora_unet.unet.down_blocks.0" in captured.out + captured.err
+
+    with_adapter = _images(ov_base, loras=((trained_lora, 1.0),))
+    captured = capfd.readouterr()
+    assert "Unused LoRA" not in captured.out + captured.err and "unused LoRA" not in captured.out + captured.err
+    assert np.abs(with_adapter - no_adapter).mean() > 5.0
+    assert _sha256(trained_lora) == before
+
+
+def test_genai_adapter_fused_export_and_diffusers_agree(
+    tiny_model: Path, trained_lora: Path, ov_base: Path, ov_fused: Path, no_adapter: np.ndarray
+) -> None:
+    """Same seed, scheduler and adapter (UNet + text encoder): diffusers PyTorch with ``load_lora_weights``, the
+    fused export (optimum engine) and GenAI's adapter on the base export. Tolerance: mean < 1.5 and every image
+    within 3.0 of PyTorch. Measured on the 2-core Xeon (openvino-genai 2026.4.1): GenAI adapter 0.49, fused export
+    0.00 (< 0.0005); the adapter itself moves the images by more than 5 (asserted, printed)."""
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(trained_lora))
+    out = pipe(prompt=[PROMPT] * BATCH, num_inference_steps=STEPS, height=SIZE, width=SIZE,
+               generator=torch.Generator().manual_seed(SEED), output_type="np")  # fmt: skip
+    reference = np.round(out.images.astype(np.float64) * 255.0)
+    genai = _images(ov_base, loras=((trained_lora, 1.0),))
+    fused = _images(ov_fused, engine="optimum")
+    figures = {}
+    for name, images in (("genai adapter", genai), ("fused export", fused)):
+        per_image = np.abs(images - reference).mean(axis=(1, 2, 3))
+        figures[name] = round(float(per_image.mean()), 3)
+        assert per_image.mean() < 1.5 and per_image.max() < 3.0, (name, per_image)
+    figures["no adapter (genai)"] = round(float(np.abs(reference - no_adapter).mean()), 3)
+    print("mean abs pixel difference to diffusers PyTorch + load_lora_weights:", figures)
+    assert figures["no adapter (genai)"] > 5.0, "the adapter must matter for this comparison to mean anything"
+
+    manifest = json.loads((ov_fused / MANIFEST).read_text())
+    assert manifest["lora"] == {"file": str(trained_lora), "scale": 1.0, "sha256": _sha256(trained_lora)}
+    base = json.loads((ov_base / MANIFEST).read_text())
+    assert base["lora"] is None and base["source_fingerprint"] == manifest["source_fingerprint"]
+
+
+def test_two_adapters_blend(
+    ov_base: Path, trained_lora: Path, second_lora: Path, no_adapter: np.ndarray, tmp_path: Path
+) -> None:
+    """Two adapters at once differ from each alone and from none; alpha 0 is no adapter (through the CLI)."""
+    a = _images(ov_base, loras=((trained_lora, 1.0),))
+    b = _images(ov_base, loras=((second_lora, 1.0),))
+    both = _images(ov_base, loras=((trained_lora, 1.0), (second_lora, 1.0)))
+    for name, other in (("a", a), ("b", b), ("none", no_adapter)):
+        assert np.abs(both - other).mean() > 3.0, name
+    assert np.abs(b - no_adapter).mean() > 3.0
+
+    out = tmp_path / "images"
+    args = ["generate", str(ov_base), "--prompt", PROMPT, "--num-images", str(BATCH), "--steps", str(STEPS)]
+    args += ["--seed", str(SEED), "--lora", f"{trained_lora}:0", "--lora", f"{second_lora}:0", "--out", str(out)]
+    assert cli.main(args) == 0
+    from PIL import Image
+
+    zero = as_array([Image.open(out / f"image_{i:03d}.png") for i in range(BATCH)])
+    assert np.abs(zero - no_adapter).max() <= 1.0
+
+
+# --- refused, before anything is compiled -----------------------------------------------------------------------
+
+
+def _cli_error(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("xeonsd ")]  # beside diffusers' progress bars
+    assert len(lines) == 1 and "error:" in lines[0] and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_adapter_for_another_base_model_is_refused(
+    tiny_model: Path, ov_base: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An adapter trained on a UNet whose cross-attention takes 48-wide text features (as SD 2.x's 1024 against SD
+    1.x's 768): generate and export both refuse it, naming the adapter, the model and the module."""
+    from diffusers import UNet2DConditionModel
+
+    config = dict(UNet2DConditionModel.load_config(tiny_model / "unet"), cross_attention_dim=48)
+    other = _peft_adapter(UNet2DConditionModel.from_config(config), tmp_path / "other", ["to_k"], seed=2, scale=0.1)
+    err = _cli_error(["generate", str(ov_base), "--lora", str(other), "--out", str(tmp_path / "o")], capsys)
+    assert f"LoRA file {other} was made for another base model than {ov_base} (exported from {tiny_model})" in err
+    assert "attn2.to_k is 32x32 there, the adapter expects 32x48" in err
+    err = _cli_error(["export", str(tiny_model), str(tmp_path / "ov"), "--lora", str(other)], capsys)
+    assert f"{other} was made for another base model than the source {tiny_model}" in err and "32x48" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other"]
+
+
+def test_adapter_on_3x3_convolutions_is_refused_for_genai(
+    tiny_model: Path, ov_base: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from diffusers import UNet2DConditionModel
+
+    unet = UNet2DConditionModel.from_pretrained(tiny_model / "unet")
+    convs = _peft_adapter(unet, tmp_path / "convs", ["to_q", "conv1"], seed=3, scale=0.1)
+    err = _cli_error(["generate", str(ov_base), "--lora", f"{convs}:0.5", "--out", str(tmp_path / "o")], capsys)
+    assert "non-pointwise convolutions, which OpenVINO GenAI cannot apply" in err
+    assert "unet.down_blocks.0.resnets.0.conv1 (3x3)" in err and f"xeonsd export SRC OUT --lora {convs}" in err
+
+
+def test_optimum_engine_points_at_the_fused_export(ov_base: Path, tmp_path: Path, capsys) -> None:
+    lora = tmp_path / "a.safetensors"
+    lora.write_bytes(b"")
+    args = ["generate", str(ov_base), "--engine", "optimum", "--lora", str(lora), "--out", str(tmp_path / "o")]
+    err = _cli_error(args, capsys)
+    assert "--engine optimum has no runtime LoRA" in err and f"xeonsd export SRC OUT --lora {lora}" in err
+    with pytest.raises(GenerateError, match="LoRA file .*missing.safetensors does not exist"):
+        generate(ov_base, GenerateOptions(engine="genai", loras=((tmp_path / "missing.safetensors", 1.0),)))
+
+
+def test_lora_spec_parsing_and_kohya_conversion(trained_lora: Path, tmp_path: Path) -> None:
+    assert loraformat.parse_spec("a.safetensors") == (Path("a.safetensors"), 1.0)
+    assert loraformat.parse_spec("/x/a.safetensors:0.6") == (Path("/x/a.safetensors"), 0.6)
+    assert loraformat.parse_spec("C:a.safetensors") == (Path("C:a.safetensors"), 1.0)
+    out = loraformat.convert_for_genai(trained_lora, tmp_path / "k.safetensors")
+    from safetensors.numpy import load_file
+
+    kohya = load_file(str(out))
+    name = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q"
+    assert kohya[f"{name}.lora_down.weight"].shape == (2, 32) and float(kohya[f"{name}.alpha"]) == 2.0
+    assert any(k.startswith("lora_te_text_model_encoder_layers_0_self_attn_q_proj.") for k in kohya)
+    # a kohya file reads back to the same modules
+    again = loraformat.read_adapter(out)
+    assert again.keys() == loraformat.read_adapter(trained_lora).keys()
+
+
+# --- a full fine-tune exports as before ---------------------------------------------------------------------------
+
+
+def test_full_fine_tune_pipeline_exports_and_generates(
+    tiny_model: Path, dataset: Path, ov_base: Path, no_adapter: np.ndarray, tmp_path: Path, cli_env_module
+) -> None:
+    """``xeonsd train --method full`` writes a pipeline that ``xeonsd export`` takes as it is; its images differ
+    from the base model's (the UNet was trained)."""
+    out = tmp_path / "full"
+    train(method_args("full", tiny_model, dataset, out, f"--instance_prompt={PROMPT}", "--learning_rate=5e-2",
+                      steps=2), cli_env_module)  # fmt: skip
+    from ov_assets import _export
+
+    ov = _export(out, tmp_path / "ov")
+    manifest = json.loads((ov / MANIFEST).read_text())
+    assert manifest["source"] == str(out) and manifest["lora"] is None
+    assert manifest["static_shape"]["batch_size"] == BATCH
+    images = _images(ov)
+    assert images.shape == (BATCH, SIZE, SIZE, 3)
+    assert np.abs(images - no_adapter).mean() > 1.0
