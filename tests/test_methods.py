@@ -122,6 +122,11 @@ def test_lora_file_loads_in_stock_diffusers_and_changes_the_image(tiny_model, da
     base_unet = {k: v.clone() for k, v in pipe.unet.state_dict().items()}
     before = image(pipe)
     pipe.load_lora_weights(str(out))
+    # the file carries the adapters' alpha (4 with rank 2: scale 2), for diffusers and for the GenAI conversion
+    assert {c.lora_alpha for c in (*pipe.unet.peft_config.values(), *pipe.text_encoder.peft_config.values())} == {4}
+    from xeonsd.loraformat import read_adapter
+
+    assert {m.alpha for m in read_adapter(out / LORA_FILE).values()} == {4.0}
     after = image(pipe)
     assert (after - before).abs().mean() > 1e-3, "the adapter does not change the image"
     pipe.unload_lora_weights()

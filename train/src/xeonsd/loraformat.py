@@ -7,8 +7,10 @@ that an adapter fits an exported model before GenAI gets it.
   layout ("Unused LoRA tensor" for every tensor, the image does not change); it applies the kohya/A1111 layout:
   ``lora_unet_<module with . -> _>.lora_down.weight``, ``.lora_up.weight`` and ``.alpha`` (``lora_te_`` for the
   text encoder). :func:`convert_for_genai` writes that layout to a file of its own; the user's file is only read.
-* The diffusers layout carries no alpha; diffusers' ``load_lora_weights`` then uses alpha = rank (scale 1), and so
-  does the conversion, so both apply the same weights.
+* The diffusers layout keeps each component's alpha in the file's metadata (``lora_adapter_metadata``:
+  ``unet.lora_alpha``, ``text_encoder.lora_alpha``, as our trainer and diffusers' ``save_lora_weights`` write it);
+  where a file has none, diffusers' ``load_lora_weights`` uses alpha = rank (scale 1), and so does the conversion,
+  so both apply the same weights.
 * GenAI cannot apply LoRA to non-pointwise convolutions (kernel larger than 1x1): :func:`check_genai_limits`
   refuses such an adapter naming the modules. :func:`check_fits` refuses an adapter made for another base model
   (a module the model does not have, or another shape) naming the adapter file and the model.
@@ -76,6 +78,18 @@ def parse_spec(spec: str) -> tuple[Path, float]:
     return Path(spec), 1.0
 
 
+def _component_alphas(path: Path, metadata: dict[str, str]) -> dict[str, float]:
+    """{component: lora_alpha} from the diffusers metadata (``lora_adapter_metadata``), where the file has it."""
+    raw = metadata.get("lora_adapter_metadata")
+    if not raw:
+        return {}
+    try:
+        config = json.loads(raw)
+    except ValueError as exc:
+        raise LoraFormatError(f"LoRA file {path}: its lora_adapter_metadata is not JSON ({exc})") from exc
+    return {comp: float(config[f"{comp}.lora_alpha"]) for comp in PREFIXES if f"{comp}.lora_alpha" in config}
+
+
 def read_adapter(path: Path) -> dict[str, LoraModule]:
     """The adapter's modules by kohya name, from a file in the diffusers/peft or the kohya layout."""
     from safetensors import safe_open
@@ -86,14 +100,18 @@ def read_adapter(path: Path) -> dict[str, LoraModule]:
     try:
         with safe_open(str(path), framework="numpy") as fh:
             tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 - safe_open is not a dict
+            metadata = fh.metadata() or {}
     except Exception as exc:  # safetensors raises its own error types (and TypeError for bf16 under numpy)
         raise LoraFormatError(f"LoRA file {path} cannot be read as safetensors: {exc}") from exc
+    alphas = _component_alphas(path, metadata)
     modules: dict[str, LoraModule] = {}
     unknown = []
     for key, value in tensors.items():
         if m := _DIFFUSERS.match(key):
             name = kohya_name(m["comp"], m["module"])
-            mod = modules.setdefault(name, LoraModule(name=name, module=f"{m['comp']}.{m['module']}"))
+            mod = modules.setdefault(
+                name, LoraModule(name=name, module=f"{m['comp']}.{m['module']}", alpha=alphas.get(m["comp"]))
+            )
             down = m["part"] in _DOWN
         elif m := _KOHYA.match(key):
             mod = modules.setdefault(m["name"], LoraModule(name=m["name"], module=None))

@@ -98,6 +98,14 @@ class LoRA(Method):
         return {k: {n: t.detach().clone() for n, t in convert_state_dict_to_diffusers(v).items()}
                 for k, v in layers.items()}  # fmt: skip
 
+    def _metadata(self) -> dict[str, dict]:
+        """The adapters' configs (rank, alpha, targets) stored in the file's metadata, where diffusers'
+        ``load_lora_weights`` (and our GenAI conversion) read them: without them a reader takes alpha = rank."""
+        meta = {"unet_lora_adapter_metadata": self.models.unet.peft_config["default"].to_dict()}
+        if self.cfg.train_text_encoder:
+            meta["text_encoder_lora_adapter_metadata"] = self.models.text_encoder.peft_config["default"].to_dict()
+        return meta
+
     def state(self) -> dict:
         return {"adapters": [p.detach().clone() for p in self.params], "rank": self.cfg.rank, "alpha": self.alpha,
                 "targets": target_modules(self.cfg), "text_encoder": self.cfg.train_text_encoder}  # fmt: skip
@@ -118,7 +126,9 @@ class LoRA(Method):
 
         # save_lora_weights writes into a directory: write it beside the result, then move the file in.
         with tempfile.TemporaryDirectory(prefix=".lora.tmp-", dir=out) as tmp:
-            StableDiffusionPipeline.save_lora_weights(tmp, safe_serialization=True, **self._layers())
+            StableDiffusionPipeline.save_lora_weights(
+                tmp, safe_serialization=True, **self._layers(), **self._metadata()
+            )
             os.replace(Path(tmp) / LORA_FILE, out / LORA_FILE)
 
     def summary(self) -> dict:
