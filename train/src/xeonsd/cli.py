@@ -70,7 +70,16 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
         help="int8: NNCF data-free 8-bit weight compression",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT (only once the new one is done)")
+    _add_export_lora_flags(p)
     p.set_defaults(func=_export)
+
+
+def _add_export_lora_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora", metavar="FILE",
+                   help="LoRA file (e.g. pytorch_lora_weights.safetensors) fused into the weights before export: "
+                   "one self-contained directory, usable with --engine optimum")  # fmt: skip
+    p.add_argument("--lora-scale", type=float, default=1.0, metavar="S",
+                   help="strength of the fused --lora (default 1.0)")  # fmt: skip
 
 
 def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -97,6 +106,9 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--embeds", help="learned_embeds.safetensors to load into the exported text encoder")
     p.add_argument("--token", help="load the --embeds concept under this token")
+    p.add_argument("--lora", action="append", metavar="FILE[:ALPHA]",
+                   help="LoRA adapter applied at load time, no re-export (genai engine; repeat to blend several; "
+                   "ALPHA default 1.0); for --engine optimum fuse it instead: xeonsd export SRC OUT --lora FILE")  # fmt: skip
     p.add_argument("--out", default="images", help="output directory (default: ./images)")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=_generate)

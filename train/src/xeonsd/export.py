@@ -8,6 +8,8 @@ The recipe's steps, ``OVStableDiffusionPipeline.from_pretrained(model_id, export
 * a VAE decoder reshaped to the number of images a call produces. optimum-intel 2.2 reshapes it to
   ``num_images_per_prompt`` only, so ``reshape(batch_size=5, num_images_per_prompt=1)`` followed by 5 prompts
   fails in the decoder; here it gets ``batch_size * num_images_per_prompt``;
+* ``--lora FILE --lora-scale S``: a LoRA adapter fused into the weights before the export (diffusers'
+  ``load_lora_weights`` + ``fuse_lora``), for ``--engine optimum`` (no runtime LoRA) or one self-contained directory;
 * ``--weight-format int8``: NNCF data-free 8-bit weight compression; ``fp16``: weights stored in half precision;
 * the OpenVINO tokenizer model ``openvino_genai.Text2ImagePipeline`` needs (optimum-intel does not write one for
   diffusers pipelines), converted with ``openvino_tokenizers.convert_tokenizer``;
@@ -59,6 +61,8 @@ class ExportOptions:
     embeds: Path | None = None
     token: str | None = None
     overwrite: bool = False
+    lora: Path | None = None
+    lora_scale: float = 1.0
 
 
 def check_source(src: str) -> Path | None:
@@ -98,6 +102,36 @@ def _with_concept(src: str, embeds: Path, token: str | None, workdir: Path) -> t
     return out, concept.tokens
 
 
+def _with_lora(src: str, lora: Path, scale: float, workdir: Path) -> Path:
+    """Write SRC with the LoRA adapter fused into its UNet (and text encoder) into ``workdir``; return it."""
+    from diffusers import StableDiffusionPipeline
+
+    from xeonsd import loraformat
+
+    modules = loraformat.read_adapter(lora)
+    pipe = StableDiffusionPipeline.from_pretrained(src, safety_checker=None, requires_safety_checker=False)
+    weights = loraformat.torch_weight_shapes(pipe.unet, pipe.text_encoder)
+    loraformat.check_fits(lora, modules, weights, f"the source {src}")
+    log.info("fusing LoRA %s (scale %g, %d modules) into %s", lora, scale, len(modules), src)
+    pipe.load_lora_weights(str(lora))
+    pipe.fuse_lora(lora_scale=scale)
+    pipe.unload_lora_weights()  # the fused weights stay; the adapter layers go
+    out = workdir / "pipeline-lora"
+    pipe.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def _lora_manifest(src: str, opts: ExportOptions) -> dict[str, Any]:
+    """The manifest's record of the base model and of a fused adapter."""
+    from xeonsd.models import model_fingerprint
+    from xeonsd.ovdir import _sha256
+
+    lora = None
+    if opts.lora is not None:
+        lora = {"file": str(opts.lora), "scale": opts.lora_scale, "sha256": _sha256(Path(opts.lora))}
+    return {"source_fingerprint": model_fingerprint(src), "lora": lora}
+
+
 def reshape_static(pipe: Any, shape: StaticShape) -> None:
     """The recipe's ``reshape`` call, with the VAE decoder given the batch a call actually decodes."""
     pipe.reshape(
@@ -128,6 +162,8 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
     local = check_source(src)
     if opts.embeds is not None and not Path(opts.embeds).is_file():
         raise ExportError(f"embeddings file {opts.embeds} does not exist")
+    if opts.lora is not None and not Path(opts.lora).is_file():
+        raise ExportError(f"LoRA file {opts.lora} does not exist")
     check_writable_output(out)
     if out.is_dir() and any(out.iterdir()) and not opts.overwrite:
         raise ExportError(f"output {out} already exists and is not empty; remove it or pass --overwrite")
@@ -143,6 +179,8 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
         if opts.embeds is not None:
             path, tokens = _with_concept(source, Path(opts.embeds), opts.token, Path(work))
             source = str(path)
+        if opts.lora is not None:
+            source = str(_with_lora(source, Path(opts.lora), opts.lora_scale, Path(work)))
         kwargs: dict[str, Any] = {"export": True, "compile": False}
         if opts.weight_format == "int8":
             kwargs["quantization_config"] = OVWeightQuantizationConfig(bits=8)  # data-free: no dataset
@@ -168,10 +206,15 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
                 "weight_format": opts.weight_format,
                 "vocab_size": rows,
                 "export_seconds": round(time.perf_counter() - t0, 1),
+                **_lora_manifest(src, opts),
             }
             write_manifest(tmp, manifest)
     log.info("wrote %s in %.1f s", out, time.perf_counter() - t0)
     return out
+
+
+def _lora_args(args: Any) -> dict[str, Any]:
+    return {"lora": None if args.lora is None else Path(args.lora), "lora_scale": args.lora_scale}
 
 
 def main_args(args: Any) -> int:
@@ -192,6 +235,7 @@ def main_args(args: Any) -> int:
         embeds=None if args.embeds is None else Path(args.embeds),
         token=args.token,
         overwrite=args.overwrite,
+        **_lora_args(args),
     )
     out = export(args.src, Path(args.out), opts)
     print(json.dumps({"out": str(out), "static_shape": None if static is None else asdict(static)}))

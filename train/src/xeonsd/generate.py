@@ -7,7 +7,9 @@
 
 A static export makes images in calls of exactly ``batch_size x num_images_per_prompt``; a request that does not
 fit is refused with the shape the model has. ``--embeds`` adds a learned concept to the exported text encoder
-at load time (no re-export), giving the same images as an export with the concept baked in.
+at load time (no re-export), giving the same images as an export with the concept baked in. ``--lora FILE[:ALPHA]``
+(genai only) blends LoRA adapters into the exported UNet/text encoder at compile time through GenAI's
+``Adapter``/``AdapterConfig``; our trainer's files are converted to the layout GenAI applies (:mod:`xeonsd.loraformat`).
 Output: ``image_000.png`` …, ``grid.png`` and ``timings.json`` (load, compile, first image, per-call latency,
 images/s).
 """
@@ -53,6 +55,7 @@ class GenerateOptions:
     engine: str = "optimum"
     embeds: Path | None = None
     token: str | None = None
+    loras: tuple[tuple[Path, float], ...] = ()  # (file, alpha): LoRA adapters applied by GenAI at compile time
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,7 @@ class Engine(abc.ABC):
     plan: Plan
     opts: GenerateOptions
     concept_tokens: list[str]
+    source: str = "?"  # what the export was made from (the manifest's source)
     load_s: float = 0.0
     compile_s: float = 0.0
     _pipe: Any = None
@@ -194,8 +198,10 @@ class GenaiEngine(Engine):
         from xeonsd import ovtokenizer
         from xeonsd.concept import add_to_openvino, load_concept
 
-        self._workdir = tempfile.TemporaryDirectory(prefix="xeonsd-genai-")
-        root = Path(self._workdir.name)
+        if self._workdir is None:
+            self._workdir = tempfile.TemporaryDirectory(prefix="xeonsd-genai-")
+        root = Path(self._workdir.name) / "models"
+        root.mkdir()
         for entry in self.ov_dir.iterdir():
             if entry.name not in ("text_encoder", "tokenizer"):
                 (root / entry.name).symlink_to(entry.resolve())
@@ -211,10 +217,32 @@ class GenaiEngine(Engine):
         self.concept_tokens = [*self.concept_tokens, *concept.tokens]
         return root
 
+    def _adapters(self) -> Any:
+        """The ``--lora`` adapters, checked against the export and converted to the layout GenAI applies."""
+        import openvino_genai
+
+        from xeonsd import loraformat
+
+        if self._workdir is None:
+            self._workdir = tempfile.TemporaryDirectory(prefix="xeonsd-genai-")
+        weights = loraformat.ir_weight_shapes(self.ov_dir)
+        model = f"{self.ov_dir} (exported from {self.source})"
+        pairs = []
+        for i, (path, alpha) in enumerate(self.opts.loras):
+            modules = loraformat.read_adapter(path)
+            loraformat.check_genai_limits(path, modules)
+            loraformat.check_fits(path, modules, weights, model)
+            converted = Path(self._workdir.name) / "lora" / f"{i}-{Path(path).stem}.safetensors"
+            loraformat.convert_for_genai(path, converted, modules)
+            pairs.append((openvino_genai.Adapter(str(converted)), float(alpha)))
+            log.info("LoRA %s (alpha %g): %d module(s)", path, alpha, len(modules))
+        return openvino_genai.AdapterConfig(pairs)
+
     def open(self) -> GenaiEngine:
         import openvino_genai
 
         t0 = time.perf_counter()
+        adapters = self._adapters() if self.opts.loras else None
         models = self._overlay_with_concept() if self.opts.embeds is not None else self.ov_dir
         pipe = openvino_genai.Text2ImagePipeline(str(models))
         if self.plan.static:
@@ -222,7 +250,10 @@ class GenaiEngine(Engine):
             pipe.reshape(shape.images_per_call, shape.height, shape.width, self.opts.guidance_scale)
         self.load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        pipe.compile("CPU")
+        if adapters is not None:  # GenAI applies adapters only when they are given at compile time
+            pipe.compile("CPU", adapters=adapters)
+        else:
+            pipe.compile("CPU")
         self.compile_s = time.perf_counter() - t0
         self._pipe = pipe
         return self
@@ -249,6 +280,21 @@ class GenaiEngine(Engine):
         return [Image.fromarray(a) for a in tensor.data]
 
 
+def check_loras(opts: GenerateOptions) -> None:
+    """``--lora`` needs the genai engine and existing files; checked before any model is loaded."""
+    if not opts.loras:
+        return
+    if opts.engine != "genai":
+        first = opts.loras[0][0]
+        raise GenerateError(
+            f"--engine {opts.engine} has no runtime LoRA; use --engine genai, or fuse the adapter into an export: "
+            f"xeonsd export SRC OUT --lora {first} --lora-scale S"
+        )
+    for path, _alpha in opts.loras:
+        if not Path(path).is_file():
+            raise GenerateError(f"LoRA file {path} does not exist")
+
+
 def open_engine(ov_dir: Path, opts: GenerateOptions) -> Engine:
     """Check OV_DIR and the request, then load and compile the pipeline of ``opts.engine``."""
     ov_dir = Path(ov_dir)
@@ -256,11 +302,17 @@ def open_engine(ov_dir: Path, opts: GenerateOptions) -> Engine:
     plan = plan_calls(manifest, opts)
     if opts.embeds is not None and not Path(opts.embeds).is_file():
         raise GenerateError(f"embeddings file {opts.embeds} does not exist")
+    check_loras(opts)
     if opts.engine == "genai" and not (ov_dir / "tokenizer" / "openvino_tokenizer.xml").is_file():
         raise GenerateError(f"{ov_dir} has no tokenizer/openvino_tokenizer.xml, which --engine genai needs")
     cls = OptimumEngine if opts.engine == "optimum" else GenaiEngine
-    engine = cls(ov_dir=ov_dir, plan=plan, opts=opts, concept_tokens=list(manifest.get("concept_tokens", [])))
-    return engine.open()
+    tokens = list(manifest.get("concept_tokens", []))
+    engine = cls(ov_dir=ov_dir, plan=plan, opts=opts, concept_tokens=tokens, source=str(manifest.get("source")))
+    try:
+        return engine.open()
+    except BaseException:
+        engine.close()  # the temporary files of a failed open (converted adapters, concept overlay)
+        raise
 
 
 def generate(ov_dir: Path, opts: GenerateOptions) -> tuple[list[Any], dict[str, Any]]:
@@ -321,6 +373,12 @@ def generate_to_dir(ov_dir: Path, out: Path, opts: GenerateOptions, overwrite: b
     return timings
 
 
+def parse_lora_specs(specs: list[str]) -> list[tuple[Path, float]]:
+    from xeonsd.loraformat import parse_spec
+
+    return [parse_spec(s) for s in specs]
+
+
 def main_args(args: Any) -> int:
     """Entry point of ``xeonsd generate`` (parsed by :mod:`xeonsd.cli`)."""
     opts = GenerateOptions(
@@ -336,6 +394,7 @@ def main_args(args: Any) -> int:
         engine=args.engine,
         embeds=None if args.embeds is None else Path(args.embeds),
         token=args.token,
+        loras=tuple(parse_lora_specs(args.lora or [])),
     )
     timings = generate_to_dir(Path(args.ov_dir), Path(args.out), opts, overwrite=args.overwrite)
     print(json.dumps({"out": args.out, **{k: timings[k] for k in ("load_s", "compile_s", "images_per_s")}}))
