@@ -41,15 +41,18 @@ lint-ansible: install
 
 # The main job on the built-in default: a 4-node test cluster on this machine (network namespaces + sshd; needs
 # root), provisioned by provision.yml, then finetune.yml: 16 MPI ranks (-n 16 -ppn 4) train the concept on the
-# offline tiny model and 5 synthetic images, export to OpenVINO, generate 5 images, write report.html.
+# offline tiny model and 5 synthetic captioned images, export to OpenVINO, generate 5 images, write report.html.
+# METHOD=lora (an adapter, generated with on the base model's export) or METHOD=full (the whole UNet; its pipeline
+# stays on the primary and gets its own export) instead of the recipe's textual inversion.
 ANSIBLE_PLAYBOOK := ANSIBLE_CONFIG=$(CURDIR)/ansible.cfg ANSIBLE_CACHE_PLUGIN_CONNECTION=$(CURDIR)/.cluster/facts $(VENV)/bin/ansible-playbook \
 	-i .cluster/inventory.yml
 DEMO_STEPS ?= 30
+METHOD     ?= textual_inversion
 demo: install
 	$(PY) tests/cluster/harness.py down
 	$(PY) tests/cluster/harness.py up --nodes 4
 	$(ANSIBLE_PLAYBOOK) provision.yml
-	$(ANSIBLE_PLAYBOOK) finetune.yml -e finetune_max_train_steps=$(DEMO_STEPS)
+	$(ANSIBLE_PLAYBOOK) finetune.yml -e finetune_max_train_steps=$(DEMO_STEPS) -e finetune_method=$(METHOD)
 	@echo
 	@echo "report:    runs/latest/report.html"
 	@echo "images:    runs/latest/images/ (grid.png, timings.json)"

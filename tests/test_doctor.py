@@ -61,3 +61,23 @@ def test_doctor_names_a_model_it_cannot_find_and_exits_2(dataset, cli_env):
     assert "offline: HF_HUB_OFFLINE=1" in model["detail"] and "base_model role" in model["detail"]
     assert checks["images"]["status"] == "PASS" and checks["train 1 step"]["detail"].startswith("skipped")
     assert proc.stderr.strip().splitlines()[-1] == f"xeonsd doctor: error: {model['detail']}"
+
+
+def test_doctor_checks_what_the_chosen_method_imports(tiny_model, dataset, tmp_path, cli_env):
+    """--method lora needs peft: PASS with its version on a healthy node; FAIL naming it where it does not import
+    (a peft package that raises on import, first on PYTHONPATH)."""
+    lora = [a for a in _job_args(tiny_model, dataset) if not a.startswith(("--placeholder", "--initializer"))]
+    lora += ["--method=lora", "--instance_prompt=a photo of a toy"]
+    proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", "doctor", "--json", "--skip-train", "--", *lora],
+                          env=cli_env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    checks = {c["name"]: c for c in json.loads(proc.stdout.strip().splitlines()[-1])["checks"]}
+    assert checks["method"]["status"] == "PASS" and checks["method"]["detail"].startswith("lora: peft "), checks
+    broken = tmp_path / "broken"
+    (broken / "peft").mkdir(parents=True)
+    (broken / "peft" / "__init__.py").write_text("raise ImportError('peft is broken on this node')\n")
+    env = dict(cli_env, PYTHONPATH=f"{broken}:{cli_env.get('PYTHONPATH', '')}")
+    proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", "doctor", "--json", "--skip-train", "--", *lora],
+                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    checks = {c["name"]: c for c in json.loads(proc.stdout.strip().splitlines()[-1])["checks"]}
+    assert proc.returncode == 1
+    assert checks["method"]["status"] == "FAIL" and "peft is broken on this node" in checks["method"]["detail"]

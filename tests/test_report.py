@@ -26,7 +26,44 @@ def _run_dir(tmp_path: Path) -> Path:
         "command": "mpirun -f /etc/xeonsd/nodefile -n 16 -ppn 4 xeonsd train --placeholder_token <dicoo>",
         "versions": {"torch": "2.13.0", "diffusers": "0.39.0"}, "phases": {"train_s": 312.0},
     }))  # fmt: skip
+    (run / "train_summary.json").write_text(json.dumps({
+        "method": "textual_inversion", "trainable_params": 768, "placeholder_tokens": ["<dicoo>"],
+        "base_model": "/m/sd15", "base_model_fingerprint": "0123456789abcdef", "allreduce_bytes_per_step": 3076,
+        "prompts": {"source": "templates", "count": 27, "per_image": False},
+        "result": {"path": "learned_embeds.safetensors", "bytes": 3200},
+    }))  # fmt: skip
     return run
+
+
+def test_report_shows_a_lora_runs_method_adapter_captions_all_reduce_and_the_reused_base_export(tmp_path):
+    """A LoRA run: the method, trainable parameters, the adapter's size, the captions used, the bytes all-reduced
+    per step (counted and measured), and the base model's export, reused, found through the run's openvino link."""
+    from xeonsd.report import build_report
+
+    run = _run_dir(tmp_path)
+    (run / "train_summary.json").write_text(json.dumps({
+        "method": "lora", "trainable_params": 797184, "lora_rank": 4, "lora_alpha": 4, "base_model": "/m/sd15",
+        "base_model_fingerprint": "0123456789abcdef", "allreduce_bytes_per_step": 3188740,
+        "prompts": {"source": "metadata.jsonl", "count": 5, "per_image": True},
+        "result": {"path": "pytorch_lora_weights.safetensors", "bytes": 3228672},
+    }))  # fmt: skip
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rows[0]["allreduce_bytes_measured"] = 3200000
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = tmp_path / "openvino-base" / "0123456789abcdef-5x1-128x128-fp32"
+    base.mkdir(parents=True)
+    (base / "xeonsd_export.json").write_text(json.dumps({"format": "xeonsd-openvino-export/1", "source": "/m/sd15"}))
+    (run / "openvino").symlink_to(base)
+    info = json.loads((run / "run.json").read_text())
+    info["export"] = {"dir": str(base), "of": "the base model (shared by its runs)", "reused": True}
+    (run / "run.json").write_text(json.dumps(info))
+    page = build_report(run)
+    for text in ("<h2>Method</h2>", "<td>lora</td>", "<td>797,184</td>", "<th>LoRA adapter</th>",
+                 "pytorch_lora_weights.safetensors · 3.2 MB", "5 captions from metadata.jsonl",
+                 "3.2 MB (measured 3.2 MB)", "fingerprint 0123456789abcdef", "<h2>OpenVINO export</h2>",
+                 "reused (made by an earlier run)", "xeonsd-openvino-export/1"):  # fmt: skip
+        assert text in page, text
+    assert "Not in this run directory" not in page
 
 
 def test_training_summary_from_metrics():
@@ -71,7 +108,7 @@ def test_report_names_what_is_missing(tmp_path, cli_env):
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0
     page = (run / "report.html").read_text()
-    assert "metrics.jsonl" in page and "images/*.png" in page and "run.json" in page
+    assert "metrics.jsonl" in page and "images/*.png" in page and "run.json" in page and "train_summary.json" in page
     proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", "report", str(tmp_path / "nope")], env=cli_env,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2 and "does not exist" in proc.stderr

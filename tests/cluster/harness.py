@@ -371,8 +371,11 @@ LogLevel INFO
         )
         xeonsd = str(VENV_BIN / "xeonsd")
         env = dict(os.environ, HF_HUB_OFFLINE="1")
-        if not (self.assets_dir / "dicoo").exists():
-            run([xeonsd, "make-dataset", str(self.assets_dir / "dicoo.partial")], env=env)
+        # The images come with captions (metadata.jsonl): the dataset role stages them, every method trains on them.
+        if not (self.assets_dir / "dicoo" / "metadata.jsonl").exists():
+            shutil.rmtree(self.assets_dir / "dicoo", ignore_errors=True)
+            shutil.rmtree(self.assets_dir / "dicoo.partial", ignore_errors=True)
+            run([xeonsd, "make-dataset", str(self.assets_dir / "dicoo.partial"), "--captions", "metadata"], env=env)
             (self.assets_dir / "dicoo.partial").rename(self.assets_dir / "dicoo")
         if not (self.assets_dir / "tiny-sd").exists():
             run([xeonsd, "make-tiny-model", str(self.assets_dir / "tiny-sd.partial")], env=env)

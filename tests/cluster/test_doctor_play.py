@@ -12,7 +12,7 @@ import shutil
 from harness import NODES, Cluster
 from runner import PlaybookRun, run_playbook
 
-NODE_CHECKS = ("packages", "tcmalloc", "images", "model", "train 1 step", "ssh from primary")
+NODE_CHECKS = ("packages", "tcmalloc", "method", "images", "captions", "model", "train 1 step", "ssh from primary")
 RANKS = 4 * NODES  # the test cluster runs 4 ranks per node (harness.write_inventory)
 
 

@@ -151,9 +151,99 @@ def test_finetune_trains_on_16_ranks_then_exports_generates_and_reports(provisio
         pipe.text_encoder.get_input_embeddings().weight[token_id] - learned["<dicoo>"].reshape(-1)
     ).abs().max() < 1e-6
 
+    # What trained, on the staged captions, and the base model's export made by this run (kept for the next runs).
+    for text in ("<h2>Method</h2>", "<td>textual_inversion</td>", "5 captions from metadata.jsonl",
+                 "<th>learned embedding</th>", "<h2>OpenVINO export</h2>", "made by this run"):  # fmt: skip
+        assert text in page, text
+    export = json.loads((run / "run.json").read_text())["export"]
+    assert export["reused"] is False and export["dir"].startswith("/home/devcloud/openvino-base/"), export
+
     print(f"\nfinetune.yml end to end: {wall:.1f} s wall; phases {phases}; "
           f"generate: load {timings.get('load_s')} s, compile {timings.get('compile_s')} s, "
           f"{timings.get('images_per_s')} images/s")  # fmt: skip
+
+
+def test_lora_on_16_ranks_reuses_the_base_export_and_generates_with_the_adapter(provisioned: Cluster) -> None:
+    """finetune_method=lora on the same base as the end-to-end run: 16 ranks train the adapter on the captions, the
+    adapter is fetched and loads into the base pipeline, and the base model's OpenVINO export made by the
+    textual-inversion run is reused (its manifest unchanged, no export command run) for 5 images with the adapter."""
+    runs = _controller_runs(provisioned)
+    first_manifest = (runs / "e2e" / "openvino" / "xeonsd_export.json").read_bytes()
+    base_dir = json.loads((runs / "e2e" / "run.json").read_text())["export"]["dir"]
+    before = provisioned.ssh("node1", f"stat -c %Y {base_dir}/xeonsd_export.json").stdout.strip()
+    result = run_playbook("finetune.yml", provisioned.inventory, "-e", f"controller_runs_dir={runs}",
+                          "-e", "finetune_run_id=lora", "-e", "finetune_method=lora",
+                          "-e", "finetune_max_train_steps=10", "-e", "finetune_learning_rate=1e-4",
+                          state_dir=provisioned.state_dir, name="finetune-lora", timeout=1800)  # fmt: skip
+    assert result.rc == 0, result.tail(80)
+    run = runs / "lora"
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 10 and {r["ranks"] for r in rows} == {16} and {r["method"] for r in rows} == {"lora"}
+    assert "--method=lora" in (run / "run.sh").read_text() and "--placeholder_token" not in (run / "run.sh").read_text()
+    summary = json.loads((run / "train_summary.json").read_text())
+    assert summary["prompts"] == {"source": "metadata.jsonl", "count": 5, "per_image": True}, summary
+    assert "LoRA adapter: " + str(run / "pytorch_lora_weights.safetensors") in result.output
+    assert not (run / "learned_embeds.safetensors").exists()
+
+    # Reused, not assumed: the same manifest bytes, the file untouched on node1, no export command, 0 s in run.json.
+    assert (run / "openvino" / "xeonsd_export.json").read_bytes() == first_manifest
+    assert provisioned.ssh("node1", f"stat -c %Y {base_dir}/xeonsd_export.json").stdout.strip() == before
+    info = json.loads((run / "run.json").read_text())
+    assert info["export"] == {"dir": base_dir, "of": "the base model (shared by its runs)", "reused": True}, info
+    assert info["phases"]["OpenVINO export (s)"] == 0.0, info["phases"]
+    assert "reused: exported by an earlier run" in result.output
+    assert len(list((run / "images").glob("image_*.png"))) == 5
+    page = (run / "report.html").read_text()
+    for text in ("<td>lora</td>", "<th>LoRA adapter</th>", "pytorch_lora_weights.safetensors · ",
+                 "5 captions from metadata.jsonl", "all-reduced per step", "reused (made by an earlier run)"):  # fmt: skip
+        assert text in page, text
+
+    # The fetched adapter is the diffusers layout: it loads into the base pipeline.
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(provisioned.assets_dir / "tiny-sd", safety_checker=None)
+    pipe.load_lora_weights(run, weight_name="pytorch_lora_weights.safetensors")
+    assert any("lora" in name for name, _ in pipe.unet.named_parameters())
+    print(f"\nfinetune.yml lora (10 steps, 16 ranks, base export reused): {result.seconds:.1f} s wall; "
+          f"phases {info['phases']}")  # fmt: skip
+
+
+def test_full_fine_tune_on_4_nodes_exports_its_own_pipeline_and_leaves_it_on_the_primary(provisioned: Cluster) -> None:
+    """finetune_method=full, 1 rank per node, a few steps: the pipeline stays on node1 (path and size printed), its
+    own OpenVINO export, the manifest, images and report come to the controller."""
+    runs = _controller_runs(provisioned)
+    result = run_playbook("finetune.yml", provisioned.inventory, "-e", f"controller_runs_dir={runs}",
+                          "-e", "finetune_run_id=full", "-e", "finetune_method=full", "-e", "mpi_ranks=4",
+                          "-e", "ranks_per_node=1", "-e", "finetune_max_train_steps=3",
+                          "-e", "finetune_checkpointing_steps=0", "-e", "finetune_learning_rate=1e-5",
+                          state_dir=provisioned.state_dir, name="finetune-full", timeout=1800)  # fmt: skip
+    assert result.rc == 0, result.tail(80)
+    run = runs / "full"
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 3 and {r["ranks"] for r in rows} == {4} and {r["method"] for r in rows} == {"full"}
+    train_log = (run / "train.log").read_text()
+    for i in range(1, 5):
+        assert f"node={provisioned.address(i)} " in train_log, f"no rank ran on node{i}"
+    summary = json.loads((run / "train_summary.json").read_text())
+    size = summary["result"]["bytes"]
+    assert summary["result"]["path"] == "model_index.json" and size > 1_000_000, summary
+    # The pipeline stays on the primary: its path and size are printed, none of it is fetched.
+    assert "fine-tuned pipeline: node1:/home/devcloud/runs/full (" in result.output and "stays on the primary" in (
+        result.output
+    )
+    assert not (run / "model_index.json").exists() and not (run / "unet").exists()
+    provisioned.ssh("node1", "test -f /home/devcloud/runs/full/unet/diffusion_pytorch_model.safetensors")
+    # Its own export (not the base model's), fetched manifest, images and report.
+    info = json.loads((run / "run.json").read_text())
+    assert info["export"] == {"dir": "/home/devcloud/runs/full/openvino", "of": "its own pipeline", "reused": False}
+    manifest = json.loads((run / "openvino" / "xeonsd_export.json").read_text())
+    assert manifest["source"].rstrip("/") == "/home/devcloud/runs/full", manifest.get("source")
+    assert len(list((run / "images").glob("image_*.png"))) == 5
+    page = (run / "report.html").read_text()
+    for text in ("<td>full</td>", "<th>fine-tuned pipeline</th>", "5 captions from metadata.jsonl", "made by this run"):
+        assert text in page, text
+    print(f"\nfinetune.yml full (3 steps, 4 nodes x 1 rank, own export): {result.seconds:.1f} s wall; "
+          f"pipeline {size / 1e6:.1f} MB; phases {info['phases']}")  # fmt: skip
 
 
 class CpuQuota:

@@ -22,8 +22,11 @@ def assert_node_works(cluster: Cluster, node: str) -> None:
     cluster.ssh(node, f"test -x {ENV}/bin/mpirun")
     maps = cluster.ssh(node, ". /etc/xeonsd/env.sh && python -c 'print(open(\"/proc/self/maps\").read())'").stdout
     assert "libtcmalloc" in maps, f"{node}: tcmalloc is not preloaded by env.sh"
-    images = cluster.ssh(node, "ls /home/devcloud/dicoo").stdout.split()
-    assert len(images) == 5, f"{node}: images {images}"
+    # The images and their captions (metadata.jsonl), byte for byte the controller's.
+    staged = cluster.ssh(node, "cd /home/devcloud/dicoo && sha256sum *").stdout.split("\n")
+    staged = dict(reversed(line.split()) for line in staged if line.strip())
+    originals = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (cluster.assets_dir / "dicoo").iterdir()}
+    assert staged == originals and len(originals) == 6 and "metadata.jsonl" in staged, f"{node}: {sorted(staged)}"
     cluster.ssh(node, "test -f /home/devcloud/models/tiny-sd/model_index.json")
 
 

@@ -72,6 +72,26 @@ def check_cpu() -> Check:
     return Check("amx", "WARN", f"{info.model}: no AMX; {what}; use --mixed_precision no or auto here")
 
 
+# What each method imports beyond the packages every method needs.
+METHOD_PACKAGES = {"textual_inversion": (), "lora": ("peft",), "full": ()}
+
+
+def check_method(method: str) -> Check:
+    """The packages the chosen method needs on this node (LoRA: peft)."""
+    found, missing = [], []
+    for name in METHOD_PACKAGES[method]:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError as exc:
+            missing.append(f"{name} ({exc})")
+            continue
+        found.append(f"{name} {getattr(mod, '__version__', '?')}")
+    if missing:
+        return Check("method", "FAIL", f"--method {method} needs " + "; ".join(missing)
+                     + ": install requirements.txt into the env (provision.yml)")  # fmt: skip
+    return Check("method", "PASS", method + (": " + ", ".join(found) if found else ""))
+
+
 def check_inputs(train_args: list[str], ranks_per_node: int = 1) -> list[Check]:
     from xeonsd.captions import read_captions
     from xeonsd.config import ConfigError, parse_config
@@ -82,7 +102,7 @@ def check_inputs(train_args: list[str], ranks_per_node: int = 1) -> list[Check]:
         cfg = parse_config(train_args)
     except ConfigError as exc:
         return [Check("arguments", "FAIL", str(exc))]
-    checks = []
+    checks = [check_method(cfg.method)]
     images, captions = [], None
     try:
         images = find_images(Path(cfg.train_data_dir))

@@ -139,3 +139,38 @@ def plot_loss(rows: list[dict], path: Path, title: str = "textual inversion") ->
     finally:
         plt.close(fig)
     return Path(path)
+
+
+# What a finished run trained, for export.yml and the report (written by rank 0 beside its result).
+SUMMARY = "train_summary.json"
+# Each method's result in the output dir: a file, or (full) the pipeline whose model_index.json is written last.
+RESULTS = {"textual_inversion": "learned_embeds.safetensors", "lora": "pytorch_lora_weights.safetensors",
+           "full": "model_index.json"}  # fmt: skip
+
+
+def result_bytes(out_dir: Path, method: str) -> int:
+    """The size of the method's result: the embedding or adapter file, or every component of the pipeline."""
+    out_dir = Path(out_dir)
+    result = out_dir / RESULTS[method]
+    if method != "full":
+        return result.stat().st_size
+    components = [k for k in json.loads(result.read_text()) if not k.startswith("_")]
+    files = [result, *(p for c in components if (out_dir / c).is_dir() for p in (out_dir / c).rglob("*"))]
+    return sum(p.stat().st_size for p in files if p.is_file())
+
+
+def write_summary(out_dir: Path, summary: dict[str, Any]) -> Path:
+    """``train_summary.json``: the method, its trainable parameters, the base model and its fingerprint, the
+    prompts (captions) used, the bytes all-reduced per step and the result with its size."""
+    path = Path(out_dir) / SUMMARY
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    return path
+
+
+def read_summary(out_dir: Path) -> dict[str, Any] | None:
+    path = Path(out_dir) / SUMMARY
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None

@@ -16,7 +16,7 @@ from typing import Any
 
 from xeonsd import clusterview
 from xeonsd.fsutil import atomic_file
-from xeonsd.metrics import loss_curve
+from xeonsd.metrics import loss_curve, read_summary
 
 REPORT = "report.html"
 
@@ -99,9 +99,51 @@ def _command(run: Path, info: dict) -> str | None:
 
 
 def _find_export_manifest(run: Path) -> dict | None:
-    for candidate in sorted(run.glob("**/xeonsd_export.json")):
-        return _load_json(candidate)
+    # openvino/ is a link to the base model's export for textual inversion and LoRA (glob does not follow it).
+    for candidate in [run / "openvino" / "xeonsd_export.json", *sorted(run.glob("**/xeonsd_export.json"))]:
+        if candidate.is_file():
+            return _load_json(candidate)
     return None
+
+
+RESULT_NAMES = {"textual_inversion": "learned embedding", "lora": "LoRA adapter", "full": "fine-tuned pipeline"}
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError
+
+
+def method_section(summary: dict, rows: list[dict]) -> str:
+    """What trained (train_summary.json): the method, its trainable parameters, the result's size, the prompts
+    (captions) used and the bytes each rank all-reduced per step."""
+    method = summary.get("method", "?")
+    data: dict[str, Any] = {"method": method}
+    if summary.get("trainable_params") is not None:
+        data["trainable parameters"] = f"{summary['trainable_params']:,}"
+    if method == "lora":
+        data["LoRA rank, alpha"] = f"{summary.get('lora_rank')}, {summary.get('lora_alpha')}"
+    if summary.get("placeholder_tokens"):
+        data["concept token(s)"] = " ".join(summary["placeholder_tokens"])
+    result = summary.get("result") or {}
+    if result:
+        data[RESULT_NAMES.get(method, "result")] = f"{result.get('path')} · {_size(result.get('bytes', 0))}"
+    prompts = summary.get("prompts") or {}
+    if prompts:
+        data["captions used"] = (f"{prompts['count']} captions from {prompts['source']}" if prompts.get("per_image")
+                                 else f"none: {prompts['count']} prompt(s) from {prompts['source']}")  # fmt: skip
+    if summary.get("base_model"):
+        data["base model"] = f"{summary['base_model']} (fingerprint {summary.get('base_model_fingerprint')})"
+    counted = summary.get("allreduce_bytes_per_step")
+    measured = next((r["allreduce_bytes_measured"] for r in rows if "allreduce_bytes_measured" in r), None)
+    if counted is not None:
+        data["all-reduced per step (per rank)"] = _size(counted) + (
+            f" (measured {_size(measured)})" if measured is not None else ""
+        )
+    return "<h2>Method</h2>" + _table(data)
 
 
 def _pct(value: float) -> str:
@@ -206,6 +248,11 @@ def build_report(run: Path) -> str:  # noqa: C901 - one section after the other
         sections.append("<h2>Cluster</h2>" + _table(info["cluster"]))
 
     rows = _metrics(run)
+    trained = read_summary(run)
+    if trained:
+        sections.append(method_section(trained, rows))
+    else:
+        missing.append("train_summary.json (the method and its result)")
     summary = training_summary(rows)
     if summary:
         sections.append("<h2>Training</h2>" + _table(summary))
@@ -240,6 +287,10 @@ def build_report(run: Path) -> str:  # noqa: C901 - one section after the other
     manifest = _find_export_manifest(run)
     if manifest:
         shown = {k: v for k, v in manifest.items() if not isinstance(v, dict | list)}
+        export = info.get("export") or {}
+        if export:
+            how = "reused (made by an earlier run)" if export.get("reused") else "made by this run"
+            shown = {"export of": export.get("of"), "directory": export.get("dir"), "this run": how, **shown}
         sections.append("<h2>OpenVINO export</h2>" + _table(shown))
 
     pictures = sorted(p for p in images_dir.glob("*.png") if p.name != "grid.png") if images_dir.is_dir() else []

@@ -51,7 +51,7 @@ from xeonsd.embeddings import ConceptError
 from xeonsd.flops import allreduced_elements, count_attention
 from xeonsd.latents import LatentTable
 from xeonsd.methods import Method, for_config, method_class
-from xeonsd.metrics import MetricsLog, plot_loss
+from xeonsd.metrics import RESULTS, MetricsLog, plot_loss, result_bytes, write_summary
 from xeonsd.models import Models, autocast, load_models, model_fingerprint, render_validation
 from xeonsd.modelsource import ModelSourceError, check_model_source
 from xeonsd.prompts import PromptConditioning
@@ -547,6 +547,13 @@ def save(job: Job, step_times: list[float]) -> dict:
             what = cfg.placeholder_token if cfg.method == "textual_inversion" else cfg.method
             plot_loss(metrics.rows, out / "loss.png", title=f"{what}: {world} rank(s)")
         metrics.finish()
+        write_summary(out, {
+            **job.method.summary(), "base_model": cfg.pretrained_model_name_or_path,
+            "base_model_fingerprint": job.base_model, "steps": cfg.max_train_steps, "ranks": world,
+            "allreduce_bytes_per_step": job.allreduce_bytes(),
+            "prompts": {"source": job.prompts.source, "count": len(job.prompts.texts), "per_image": job.prompts.per_image},
+            "result": {"path": RESULTS[cfg.method], "bytes": result_bytes(out, cfg.method)},
+        })  # fmt: skip
         log.info("saved the %s result to %s", cfg.method, out)
     with job.timeout.watch("barrier after saving"):
         barrier(world)

@@ -1,0 +1,59 @@
+"""finetune_method: the inventory's `xeonsd train` argument list carries the chosen method's flags and no other
+method's (the trainer refuses those), rendered by Ansible from inventory/group_vars/all/finetune.yml."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+sys.path.insert(0, str(REPO / "plugins" / "filter"))
+
+from xeonsd_train import TrainArgvError, train_argv  # noqa: E402
+
+
+def _inventory_argv(*extra_vars: str) -> list[str]:
+    """finetune_train_argv as Ansible renders it from the repository's inventory, for the implicit localhost."""
+    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_NOCOLOR="1")
+    args = [a for v in extra_vars for a in ("-e", v)]
+    proc = subprocess.run([str(VENV_BIN / "ansible"), "localhost", "-i", "inventory", "-m", "ansible.builtin.debug",
+                           "-a", "var=finetune_train_argv", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # The ad-hoc output: "localhost | SUCCESS => {...}"
+    return json.loads(proc.stdout.split("=>", 1)[1])["finetune_train_argv"]
+
+
+@pytest.mark.parametrize(
+    ("method", "own", "foreign"),
+    [
+        ("textual_inversion", {"placeholder_token": "<dicoo>", "initializer_token": "toy"}, ("rank", "instance_prompt")),
+        ("lora", {"rank": 4, "instance_prompt": "a photo of a <dicoo> toy", "learning_rate": 1e-4},
+         ("placeholder_token", "use_ema", "save_as_full_pipeline")),
+        ("full", {"use_ema": True, "instance_prompt": "a photo of a <dicoo> toy", "learning_rate": 1e-5},
+         ("placeholder_token", "rank", "lora_target_modules")),
+    ],
+)  # fmt: skip
+def test_the_inventorys_argv_carries_only_the_chosen_methods_flags(method, own, foreign) -> None:
+    from xeonsd.config import given_flags, parse_config
+
+    argv = _inventory_argv(f"finetune_method={method}", "finetune_use_ema=true")
+    cfg = parse_config(argv)  # a flag of another method would be a ConfigError
+    assert cfg.method == method and argv[0] == f"--method={method}"
+    for name, value in own.items():
+        assert getattr(cfg, name) == value, (name, argv)
+    assert not set(foreign) & given_flags(argv), argv
+    assert cfg.captions == "auto" and cfg.resolution == 512
+
+
+def test_a_method_the_trainer_does_not_know_is_refused() -> None:
+    with pytest.raises(TrainArgvError, match="finetune_method 'dreambooth': choose one of textual_inversion, lora"):
+        train_argv({"all": {"seed": 7}}, "dreambooth")
+    assert train_argv({"all": {"seed": 7, "scale_lr": False, "x": ""}, "lora": {"rank": 8}}, "lora", ["--y"]) == [
+        "--method=lora", "--seed=7", "--rank=8", "--y"]  # fmt: skip
