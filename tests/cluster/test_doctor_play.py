@@ -97,10 +97,12 @@ def test_doctor_flags_the_node_whose_images_were_deleted_and_passes_the_others(p
         # The verdict names what to do; the play's failure names the node and the cause.
         assert lines[-3].startswith("RESULT: FAIL (2 of ")
         assert "  node3 images: copy the images back: ansible-playbook provision.yml --limit node3" in lines
-        assert "doctor: 2 check(s) failed on node3: node3 images (--train_data_dir /home/devcloud/dicoo holds no" in (
-            result.output
-        )
-        assert result.recap["node1"]["failed"] == 1, result.recap
+        # One task failed, on the primary, and its message names the node and the cause.
+        (failure,) = result.failures()
+        assert failure.host == "node1", failure
+        assert failure.msg.startswith(
+            "doctor: 2 check(s) failed on node3: node3 images (--train_data_dir /home/devcloud/dicoo holds no"
+        ), failure
     finally:
         # Put node3's images back as the dataset role left them (same bytes, owner, group and mode), so that a
         # later provision run finds nothing to do.
@@ -156,3 +158,5 @@ def test_doctor_reports_an_unreachable_node_and_checks_the_others(provisioned: C
     assert table[("node4", "ssh from primary")][0] == "PASS"
     assert table[("cluster", "mpirun hello")][0] == "PASS"
     assert "  node4 reach: make node4 reachable over SSH from the controller" in lines[-1]
+    # The controller's own view, as data: node4 could not be reached on port 2.
+    assert any(f.host == "node4" and "port 2" in f.msg for f in result.failures()), result.failures()
