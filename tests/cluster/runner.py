@@ -68,9 +68,10 @@ class PlaybookRun:
             data = e.get("event_data", {})
             failed = e.get("event") == "runner_on_failed" and not data.get("ignore_errors")
             if failed or e.get("event") == "runner_on_unreachable":
-                res = data.get("res") or {}
-                msg = res.get("msg") or res.get("stderr") or res.get("module_stderr") or ""
-                out.append(TaskFailure(data.get("host", "?"), data.get("task", "?"), " ".join(str(msg).split())))
+                task = data.get("task", "?")
+                if data.get("role"):
+                    task = f"{data['role']} : {task}"  # as Ansible shows it
+                out.append(TaskFailure(data.get("host", "?"), task, _message(data.get("res") or {})))
         return out
 
     def plays(self) -> list[str]:
@@ -79,6 +80,14 @@ class PlaybookRun:
 
     def tail(self, lines: int = 60) -> str:
         return "\n".join(self.output.splitlines()[-lines:])
+
+
+def _message(res: dict) -> str:
+    """A failed result's message; for a loop, the messages of the items that failed (not "One or more items
+    failed")."""
+    items = [r for r in res.get("results") or [] if isinstance(r, dict) and r.get("failed")]
+    parts = [_message(r) for r in items] if items else [res.get("msg") or res.get("stderr") or res.get("module_stderr")]
+    return " ".join(" ".join(str(p).split()) for p in parts if p)
 
 
 def ansible_env(state_dir: Path) -> dict[str, str]:

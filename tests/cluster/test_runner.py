@@ -21,8 +21,10 @@ PLAY = """\
       ignore_errors: true
     - name: Refuse with a reason
       ansible.builtin.assert:
-        that: false
-        fail_msg: "the reason, in words. Fix: do this."
+        that: item == 1
+        fail_msg: "item {{ item }}: the reason, in words. Fix: do this."
+        quiet: true
+      loop: [1, 2]
     - name: Never reached
       ansible.builtin.debug:
         msg: unreachable
@@ -37,7 +39,7 @@ def test_a_run_reports_its_failures_stats_and_timings_as_data(tmp_path: Path) ->
     result = run_playbook(str(playbook), inventory, "-e", "unused=1", state_dir=tmp_path / "state", name="one-of-each")
     assert result.rc == 2, result.tail()
     assert result.failures() == [
-        TaskFailure("localhost", "Refuse with a reason", "the reason, in words. Fix: do this.")
+        TaskFailure("localhost", "Refuse with a reason", "item 2: the reason, in words. Fix: do this.")
     ]
     assert result.recap == {"localhost": {"ok": 2, "changed": 0, "unreachable": 0, "failed": 1, "skipped": 0,
                                           "rescued": 0, "ignored": 1}}  # fmt: skip
