@@ -36,15 +36,21 @@ class Check:
     seconds: float | None = None  # the one-step trial's time (doctor.yml compares the nodes')
 
 
-def check_packages() -> Check:
-    versions, missing = [], []
-    for name in PACKAGES:
+def _import_all(names) -> tuple[list[str], list[str]]:
+    """(["name version", ...] of the packages that import, ["name (error)", ...] of those that do not)."""
+    found, missing = [], []
+    for name in names:
         try:
             mod = importlib.import_module(name)
         except ImportError as exc:
             missing.append(f"{name} ({exc})")
             continue
-        versions.append(f"{name} {getattr(mod, '__version__', '?')}")
+        found.append(f"{name} {getattr(mod, '__version__', '?')}")
+    return found, missing
+
+
+def check_packages() -> Check:
+    versions, missing = _import_all(PACKAGES)
     if missing:
         return Check("packages", "FAIL", "missing package: " + "; ".join(missing))
     return Check("packages", "PASS", ", ".join(versions))
@@ -78,14 +84,7 @@ METHOD_PACKAGES = {"textual_inversion": (), "lora": ("peft",), "full": ()}
 
 def check_method(method: str) -> Check:
     """The packages the chosen method needs on this node (LoRA: peft)."""
-    found, missing = [], []
-    for name in METHOD_PACKAGES[method]:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError as exc:
-            missing.append(f"{name} ({exc})")
-            continue
-        found.append(f"{name} {getattr(mod, '__version__', '?')}")
+    found, missing = _import_all(METHOD_PACKAGES[method])
     if missing:
         return Check("method", "FAIL", f"--method {method} needs " + "; ".join(missing)
                      + ": install requirements.txt into the env (provision.yml)")  # fmt: skip
