@@ -10,12 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import VENV_BIN
 from ov_assets import BATCH, SIZE, STEPS, as_array
 from test_methods import method_args, train
 
@@ -66,7 +66,7 @@ def trained_lora(tiny_model: Path, dataset: Path, tmp_path_factory: pytest.TempP
 def cli_env_module() -> dict[str, str]:
     """``cli_env`` for module fixtures."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return env
 
 
