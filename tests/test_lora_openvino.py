@@ -1,6 +1,6 @@
 """LoRA with OpenVINO on the tiny model: the trainer's adapter through GenAI at generation time (no re-export), fused
 into an export, and in diffusers PyTorch give the same images; adapters blend; what GenAI cannot apply or what was
-made for another base model is refused before any model is compiled. And a full fine-tune's pipeline exports.
+made for another base model is refused before any model is compiled. (A full fine-tune's pipeline exporting: tests/cluster/test_finetune.py.)
 
 Images are compared as uint8 pixels (0..255): "mean" is the mean absolute difference over all pixels.
 """
@@ -235,25 +235,3 @@ def test_lora_spec_parsing_and_kohya_conversion(trained_lora: Path, tmp_path: Pa
     # a kohya file reads back to the same modules
     again = loraformat.read_adapter(out)
     assert again.keys() == loraformat.read_adapter(trained_lora).keys()
-
-
-# --- a full fine-tune exports as before ---------------------------------------------------------------------------
-
-
-def test_full_fine_tune_pipeline_exports_and_generates(
-    tiny_model: Path, dataset: Path, ov_base: Path, no_adapter: np.ndarray, tmp_path: Path, cli_env_module
-) -> None:
-    """``xeonsd train --method full`` writes a pipeline that ``xeonsd export`` takes as it is; its images differ
-    from the base model's (the UNet was trained)."""
-    out = tmp_path / "full"
-    train(method_args("full", tiny_model, dataset, out, f"--instance_prompt={PROMPT}", "--learning_rate=5e-2",
-                      steps=2), cli_env_module)  # fmt: skip
-    from ov_assets import _export
-
-    ov = _export(out, tmp_path / "ov")
-    manifest = json.loads((ov / MANIFEST).read_text())
-    assert manifest["source"] == str(out) and manifest["lora"] is None
-    assert manifest["static_shape"]["batch_size"] == BATCH
-    images = _images(ov)
-    assert images.shape == (BATCH, SIZE, SIZE, 3)
-    assert np.abs(images - no_adapter).mean() > 1.0
