@@ -143,19 +143,17 @@ def plot_loss(rows: list[dict], path: Path, title: str = "textual inversion") ->
 
 # What a finished run trained, for export.yml and the report (written by rank 0 beside its result).
 SUMMARY = "train_summary.json"
-# Each method's result in the output dir: a file, or (full) the pipeline whose model_index.json is written last.
-RESULTS = {"textual_inversion": "learned_embeds.safetensors", "lora": "pytorch_lora_weights.safetensors",
-           "full": "model_index.json"}  # fmt: skip
 
 
-def result_bytes(out_dir: Path, method: str) -> int:
-    """The size of the method's result: the embedding or adapter file, or every component of the pipeline."""
+def result_bytes(out_dir: Path, result: str) -> int:
+    """The size of a run's result (its method's first output): the embedding or adapter file, or for a pipeline
+    (``model_index.json``) every component it lists."""
     out_dir = Path(out_dir)
-    result = out_dir / RESULTS[method]
-    if method != "full":
-        return result.stat().st_size
-    components = [k for k in json.loads(result.read_text()) if not k.startswith("_")]
-    files = [result, *(p for c in components if (out_dir / c).is_dir() for p in (out_dir / c).rglob("*"))]
+    path = out_dir / result
+    if result != "model_index.json":
+        return path.stat().st_size
+    components = [k for k in json.loads(path.read_text()) if not k.startswith("_")]
+    files = [path, *(p for c in components if (out_dir / c).is_dir() for p in (out_dir / c).rglob("*"))]
     return sum(p.stat().st_size for p in files if p.is_file())
 
 

@@ -51,7 +51,7 @@ from xeonsd.embeddings import ConceptError
 from xeonsd.flops import allreduced_elements, count_attention
 from xeonsd.latents import LatentTable
 from xeonsd.methods import Method, for_config, method_class
-from xeonsd.metrics import RESULTS, MetricsLog, plot_loss, result_bytes, write_summary
+from xeonsd.metrics import MetricsLog, plot_loss, result_bytes, write_summary
 from xeonsd.models import Models, autocast, load_models, model_fingerprint, render_validation
 from xeonsd.modelsource import ModelSourceError, check_model_source
 from xeonsd.prompts import PromptConditioning
@@ -552,7 +552,7 @@ def save(job: Job, step_times: list[float]) -> dict:
             "base_model_fingerprint": job.base_model, "steps": cfg.max_train_steps, "ranks": world,
             "allreduce_bytes_per_step": job.allreduce_bytes(),
             "prompts": {"source": job.prompts.source, "count": len(job.prompts.texts), "per_image": job.prompts.per_image},
-            "result": {"path": RESULTS[cfg.method], "bytes": result_bytes(out, cfg.method)},
+            "result": {"path": job.method.outputs[0], "bytes": result_bytes(out, job.method.outputs[0])},
         })  # fmt: skip
         log.info("saved the %s result to %s", cfg.method, out)
     with job.timeout.watch("barrier after saving"):
