@@ -191,8 +191,9 @@ def main(argv: list[str]) -> int:
             print(f"xeonsd bench train: error: unknown variant(s) {sorted(unknown)}", file=sys.stderr)
             return 2
         variants = [v for v in variants if v.name in args.only]
-    peaks = {"fp32": matmul_peak(torch.float32, max_n=args.peak_size),
-             "bf16": matmul_peak(torch.bfloat16, max_n=args.peak_size)}  # fmt: skip
+    # xeonsd.flops gives FLOP/s; this table is in TFLOP/s.
+    peaks = {"fp32": matmul_peak(torch.float32, max_n=args.peak_size) / 1e12,
+             "bf16": matmul_peak(torch.bfloat16, max_n=args.peak_size) / 1e12}  # fmt: skip
     log.info("matmul peaks: %s", peaks)
     if not cpu.native_bf16 and not args.only:
         log.warning("%s has no AMX or AVX512-BF16: skipping the bf16 variant (pass --only bf16 to force it)", cpu.model)
