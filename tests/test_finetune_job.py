@@ -270,6 +270,11 @@ def test_a_killed_node_in_the_shape_mpirun_prints_it(tmp_path: Path) -> None:
     assert any("Connection reset by peer" in line for line in got["excerpt"])
     assert "Downstream from host 10.0.0.13 exited abnormally" in got["excerpt"]
     assert "[rank 8] last line: 2026-11-30 10:00:00,000 [rank 8/16] INFO" in got["excerpt"][0]
+    # mpirun ended every rank before one could write its error: Hydra's lost node, not all 16 silent ranks.
+    got = xeonsd_job.diagnose(_statuses(tmp_path / "none"), NODES, 4, attempt=1, log_text=log)
+    assert got["nodes"] == ["node3"] and got["ranks"] == [8, 9, 10, 11], got
+    got = xeonsd_job.diagnose(_statuses(tmp_path / "none"), NODES, 4, attempt=1, log_text="\n".join(_startup()))
+    assert got["ranks"] == list(range(16)), "no rank and no mpirun named a node: every silent rank"
 
 
 # ---- the contract: the module's declared fields are the package's, and the real trainer's files read back ----------

@@ -36,7 +36,7 @@ METRICS = ("metrics.partial.jsonl", "metrics.jsonl")
 _LINE = re.compile(r"^\[(?P<rank>\d+)\] (?P<text>.*)$")
 # A rank's line can follow another's progress bar on the same line (tqdm ends its updates with no newline).
 _GLUED = re.compile(r"(?<=\S)(?=\[\d+\] )")
-# Hydra's word for a node whose MPI proxy went away (shown in the excerpt).
+# Hydra's word for a node whose MPI proxy went away: in the excerpt, and the lost node when no rank could say.
 _DOWNSTREAM = re.compile(r"Downstream from host (?P<addr>\S+) exited abnormally")
 # The trainer's start-up line (one per rank once its model is loaded): the "N/M ranks up" of the progress line.
 _STARTUP = re.compile(r"\[rank (?P<rank>\d+)/(?P<world>\d+)\].* node=(?P<addr>\S+) pid=(?P<pid>\d+)")
@@ -202,7 +202,9 @@ def diagnose(statuses: list, nodes: list[dict], ranks_per_node: int, attempt: in
     ``statuses``: every rank status file found on the nodes (those of an earlier ``attempt`` are ignored). A rank
     with an error of its own (bad input, an exception) is the cause. Otherwise the ranks that failed on a lost
     peer or a collective timeout are witnesses, and the cause is the ranks that fell silent (no error, not done)
-    on the nodes the witnesses name as the peer that went away (or, when none named one, simply the silent ones).
+    on the nodes the witnesses name as the peer that went away (when none could report before mpirun ended them,
+    on the node Hydra reports it lost), or else simply the silent ones. ``log_text`` (train.log) otherwise only
+    gives the excerpt: the failing ranks' own lines.
     """
     problems: list[str] = []
     current: dict[int, dict] = {}
@@ -230,6 +232,8 @@ def diagnose(statuses: list, nodes: list[dict], ranks_per_node: int, attempt: in
         return {r: s["error"] for r, s in sorted(current.items())
                 if s["state"] == "failed" and s["error"] and s["error"]["kind"] in kinds}  # fmt: skip
 
+    text = last_attempt(log_text)
+    lines = rank_lines(text)
     own_errors = failed(OWN_ERROR_KINDS)
     witnesses = failed(tuple(k for k in ERROR_KINDS if k not in OWN_ERROR_KINDS))
     if own_errors:
@@ -238,6 +242,8 @@ def diagnose(statuses: list, nodes: list[dict], ranks_per_node: int, attempt: in
     elif current:
         silent = [r for r in range(world) if r not in witnesses and current.get(r, {}).get("state") != "done"]
         named = {by_addr.get(e["peer"], e["peer"]) for e in witnesses.values() if e.get("peer")}
+        if not named:  # mpirun ended every rank before one could report: Hydra's own word for the node it lost
+            named = {by_addr.get(m["addr"], m["addr"]) for m in _DOWNSTREAM.finditer(text)}
         culprits = [r for r in silent if node_of(r) in named] or silent
         kind = "stopped without an error of their own (killed, crashed hard or stalled; or their node went away)"
     else:
@@ -245,9 +251,6 @@ def diagnose(statuses: list, nodes: list[dict], ranks_per_node: int, attempt: in
         kind = "no rank of this attempt wrote its status file (the job did not start: see its log)"
     order = [n["name"] for n in nodes]
     bad_nodes = sorted({node_of(r) for r in culprits}, key=lambda n: order.index(n) if n in order else len(order))
-
-    text = last_attempt(log_text)
-    lines = rank_lines(text)
     excerpt: list[str] = []
     if own_errors:
         for rank in culprits:
