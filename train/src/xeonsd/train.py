@@ -3,7 +3,8 @@
 One loop for every method (:mod:`xeonsd.methods`): ``setup`` (ranks, models, the method's trainable part, the
 latent and prompt caches, optimizer, resume) → ``fit`` (per step: each rank's share of the global batch, loss,
 backward, gradient all-reduce, optimizer, metrics, checkpoint) → ``save`` (the method's result, metrics, loss
-plot). Rank 0 writes every file; every rank logs with its rank in the prefix.
+plot). Rank 0 writes every file; every rank logs with its rank in the prefix and keeps its own status file on its
+node (``status/rank-<r>.json``, :mod:`xeonsd.jobstatus`: state, step, and the kind of error that ended it).
 """
 
 from __future__ import annotations
