@@ -204,6 +204,13 @@ class RankStatusFile:
         self.path = rank_status_path(output_dir, status.rank)
         self.status = status
         self._warned = False
+        self._accepted = False
+        self._write()
+
+    def accept(self) -> None:
+        """The run's inputs passed their checks: from now on the file is written even where the output dir does not
+        exist yet (a worker node's copy of the run dir)."""
+        self._accepted = True
         self._write()
 
     def update(self, *, state: str | None = None, step: int | None = None, error: LastError | None = None) -> None:
@@ -221,6 +228,11 @@ class RankStatusFile:
         self.update(state="failed", error=LastError(kind, message, peer))
 
     def _write(self) -> None:
+        # Always in a launched job's attempt (run.sh sets XEONSD_ATTEMPT; the play reads the file, also for a rank
+        # refused on its inputs), into an output dir that exists, or once the inputs were accepted (``accept``):
+        # a run by hand refused on its inputs before it had an output dir leaves nothing behind.
+        if not (self.status.attempt is not None or self._accepted or self.path.parent.parent.is_dir()):
+            return
         try:
             write_json(self.path, asdict(self.status), fsync=self.status.state in ("done", "failed"))
         except OSError as exc:

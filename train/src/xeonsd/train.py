@@ -228,6 +228,7 @@ def run(cfg: TrainConfig, status: RankStatusFile | None) -> dict:
     if cfg.dry_run:
         return {"dry_run": True}
     assert status is not None, "a training run reports its status"
+    status.accept()
     placement = place_rank(info)
     backend = init_process_group(info, setup_timeout_s=timeouts.setup_s)
     try:
