@@ -1,4 +1,5 @@
-"""A rank that dies or stalls mid-run ends the whole job quickly instead of hanging it (real mpirun, 2 ranks)."""
+"""A rank that dies or stalls mid-run ends the whole job quickly instead of hanging it (real mpirun, 2 ranks), and
+the status files the ranks leave make the finetune role's diagnosis name the lost rank."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ from pathlib import Path
 
 import pytest
 from test_train import train_args
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "roles" / "finetune" / "module_utils"))
+
+import xeonsd_joblog  # noqa: E402
 
 STEP_TIMEOUT_S = 5
 
@@ -85,3 +90,14 @@ def test_a_lost_rank_ends_the_job(sig, what, tiny_model, dataset, tmp_path, cli_
     assert "xeonsd train: error: rank 0/2 on " in output, output[-3000:]
     assert "the all-reduce failed: a peer rank died" in output, output[-3000:]
     assert not (out / "metrics.jsonl").exists(), "a failed run must not leave a final-looking metrics.jsonl"
+    # What the ranks wrote: the survivor failed on its lost peer (closed connection) or the collective timeout
+    # (stall); the lost rank's file still says running. The role's diagnosis, fed these files, names rank 1.
+    statuses = xeonsd_joblog.read_status_dir(str(out / "status"))
+    by_rank = {s["rank"]: s for s in statuses}
+    assert set(by_rank) == {0, 1}, statuses
+    assert by_rank[0]["state"] == "failed" and by_rank[0]["error"]["kind"] in ("lost_peer", "timeout"), by_rank[0]
+    assert by_rank[1]["state"] == "running" and by_rank[1]["step"] >= 3 and by_rank[1]["error"] is None, by_rank[1]
+    here = by_rank[0]["address"]
+    failure = xeonsd_joblog.diagnose(statuses, [{"name": "here", "address": here}], 2, log_text=output)
+    assert failure["ranks"] == [1] and failure["nodes"] == ["here"], failure
+    assert failure["summary"].startswith("here (rank 1): stopped without an error of their own"), failure

@@ -109,3 +109,15 @@ def test_the_collective_watchdog_fires_only_past_the_limit_in_force():
     with single.watch("all-reduce"):
         _time.sleep(0.05)
     assert len(fired) == 1
+
+
+def test_a_lost_peer_error_names_the_peer_gloo_named():
+    """The address gloo puts in a failed connection's message goes into the rank's status file (jobstatus)."""
+    from xeonsd.distributed import PeerLostError, collective, peer_address
+
+    assert peer_address("[pair.cc:537] Read error [10.0.0.13]:23753: Connection reset by peer.") == "10.0.0.13"
+    assert peer_address("Connection closed by peer [10.0.0.14]:4000") == "10.0.0.14"
+    assert peer_address("Timed out waiting 45000ms for recv operation to complete") is None
+    with pytest.raises(PeerLostError) as err, collective("all-reduce"):
+        raise RuntimeError("Connection closed by peer [10.0.0.12]:51777")
+    assert err.value.peer == "10.0.0.12" and "the all-reduce failed: a peer rank died" in str(err.value)

@@ -330,6 +330,10 @@ def test_killing_a_worker_node_fails_the_play_within_60_s_and_resume_finishes(pr
     failure = output[output.index("Training failed:") :]
     assert failure.startswith("Training failed: node3 (ranks 8-11)"), failure[:2000]
     assert "[rank " in failure and "resume=latest" in failure
+    # Who failed came from the ranks' status files, each on its own node: node3's killed ranks still say running.
+    killed_rank = json.loads(provisioned.ssh("node3", f"cat {RUNS}/kill/status/rank-8.json").stdout)
+    assert (killed_rank["node"], killed_rank["state"], killed_rank["attempt"]) == ("node3", "running", 1), killed_rank
+    assert provisioned.ssh("node1", f"test -e {RUNS}/kill/status/rank-8.json", check=False).returncode != 0
     step_at_failure = _latest_step(provisioned)
 
     resumed = run_playbook("finetune.yml", provisioned.inventory, *common, "-e", "resume=latest",
@@ -340,5 +344,8 @@ def test_killing_a_worker_node_fails_the_play_within_60_s_and_resume_finishes(pr
     steps = [r["step"] for r in rows]
     assert steps == list(range(1, 41)), steps
     assert "resumed from" in (runs / "kill" / "train.log").read_text()
+    assert json.loads((runs / "kill" / "exit.json").read_text())["attempt"] == 2
+    resumed_rank = json.loads(provisioned.ssh("node3", f"cat {RUNS}/kill/status/rank-8.json").stdout)
+    assert (resumed_rank["state"], resumed_rank["step"], resumed_rank["attempt"]) == ("done", 40, 2), resumed_rank
     assert (runs / "kill" / "report.html").exists()
     print(f"resumed at a checkpoint <= step {step_at_failure}, finished 40 steps in {resumed.seconds:.1f} s")

@@ -2,6 +2,8 @@
 """Ansible module: the state of a finetune job on the primary (progress while it runs, diagnosis when it failed).
 
 The reading and the diagnosis live in the role's module_utils/xeonsd_joblog.py; this is the Ansible wrapper.
+The diagnosis reads the ranks' status files (``status/rank-<r>.json``, xeonsd.jobstatus): those gathered from
+every node by xeonsd_rank_status when ``rank_status`` is given, else this node's own.
 """
 
 from __future__ import annotations
@@ -48,6 +50,12 @@ options:
     description: How many log lines of the failing ranks to return.
     type: int
     default: 12
+  rank_status:
+    description:
+      - The rank status files of the job, gathered from every node (the C(statuses) of xeonsd_rank_status).
+      - Omitted, a failed job is diagnosed from this node's own status directory only.
+    type: list
+    elements: dict
 """
 
 
@@ -61,6 +69,7 @@ def main() -> None:
             "ranks_per_node": {"type": "int", "default": 1},
             "total_steps": {"type": "int", "required": True},
             "excerpt_lines": {"type": "int", "default": 12},
+            "rank_status": {"type": "list", "elements": "dict"},
         },
         supports_check_mode=True,
     )
@@ -71,7 +80,11 @@ def main() -> None:
         module.fail_json(msg=f"run directory {params['run_dir']} does not exist on this node")
     names, addresses = params["node_names"], params["node_addresses"]
     params["nodes"] = [{"name": names[i], "address": addresses[i]} for i in range(len(names))]
-    module.exit_json(**job_state(params))
+    try:
+        state = job_state(params)
+    except ValueError as exc:  # an exit.json of another schema, or not JSON
+        module.fail_json(msg=f"cannot read how the job ended: {exc}")
+    module.exit_json(**state)
 
 
 if __name__ == "__main__":

@@ -1,28 +1,45 @@
 """What the finetune role's xeonsd_job module reads from a job's run directory, as plain functions.
 
-Progress comes from the trainer's metrics files, the failure diagnosis from ``train.log`` (mpirun -l output of every
-rank, one attempt per header line), the exit code from ``exit.json`` (run.sh) or Ansible's async results file of the
-launch. Nothing here imports Ansible, so the tests import it directly; the module is only the Ansible wrapper.
+Progress comes from the trainer's metrics files; how the job ended from ``exit.json`` (run.sh, through
+``xeonsd jobstatus exit``) or Ansible's async results file of the launch; who ended a failed job from the ranks'
+status files (``status/rank-<r>.json``, one per rank on its own node, gathered from every node by the role). The
+schema of those files is defined once, in the xeonsd package (``xeonsd.jobstatus``); this file cannot import the
+package (it runs under the node's Ansible Python), so it declares the fields it reads below and
+tests/test_finetune_job.py holds the two together. ``train.log`` (every rank's lines, ``mpirun -l``) is read only
+for what people read: the excerpt of the failing ranks' lines, and the count of ranks up while the job starts.
+Nothing here imports Ansible, so the tests import it directly; the modules are only the Ansible wrappers.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
 import time
 
+# ---- The contract with the trainer (xeonsd.jobstatus); tests/test_finetune_job.py checks it against the package.
+SCHEMA_VERSION = 1
+STATUS_DIR = "status"
+RANK_STATUS_FIELDS = ("rank", "world", "node", "address", "pid", "state", "step", "updated", "attempt", "error",
+                      "schema")  # fmt: skip
+ERROR_FIELDS = ("kind", "message", "peer")
+EXIT_FIELDS = ("rc", "started", "ended", "attempt", "schema")
+STATES = ("starting", "running", "saving", "done", "failed")
+ERROR_KINDS = ("input", "exception", "lost_peer", "timeout")
+OWN_ERROR_KINDS = ("input", "exception")  # the rank is the cause; lost_peer and timeout: it saw a peer go
+LOCK_CONFLICT_RC = 75  # launch.yml's flock --conflict-exit-code: another finetune holds the lock
+
+# ---- The human log (train.log), for the excerpt and the start-up count only: never to decide who failed.
 ATTEMPT_MARKER = "#### xeonsd attempt"
 METRICS = ("metrics.partial.jsonl", "metrics.jsonl")
 _LINE = re.compile(r"^\[(?P<rank>\d+)\] (?P<text>.*)$")
 # A rank's line can follow another's progress bar on the same line (tqdm ends its updates with no newline).
 _GLUED = re.compile(r"(?<=\S)(?=\[\d+\] )")
-# Hydra's word for a node whose MPI proxy went away.
+# Hydra's word for a node whose MPI proxy went away: in the excerpt, and the lost node when no rank could say.
 _DOWNSTREAM = re.compile(r"Downstream from host (?P<addr>\S+) exited abnormally")
+# The trainer's start-up line (one per rank once its model is loaded): the "N/M ranks up" of the progress line.
 _STARTUP = re.compile(r"\[rank (?P<rank>\d+)/(?P<world>\d+)\].* node=(?P<addr>\S+) pid=(?P<pid>\d+)")
-_FATAL = re.compile(r"xeonsd train: error: (?:rank (?P<rank>\d+)/(?P<world>\d+) on (?P<addr>\S+?):? )?(?P<msg>.*)")
-_LOST_PEER = "a peer rank died"
-_PEER_ADDR = re.compile(r"\[(?P<addr>\d{1,3}(?:\.\d{1,3}){3})\]:\d+")
 _TIMEOUT = re.compile(r"timed? ?out|Timeout exceeded", re.IGNORECASE)
 # What Intel MPI prints when I_MPI_JOB_TIMEOUT ends the job.
 _JOB_TIMEOUT = "job ending due to application timeout"
@@ -141,80 +158,153 @@ def _compress(ranks: list[int]) -> str:
     return ", ".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in out)
 
 
-def diagnose(log_text: str, nodes: list[dict], ranks_per_node: int, excerpt_lines: int = 12) -> dict:
-    """Which node(s) and rank(s) ended a failed job, and the first lines of their log.
+def check_rank_status(data: object) -> dict:
+    """A rank status as the trainer wrote it, or ValueError saying what is wrong with it."""
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+    where = data.get("file") or f"rank {data.get('rank', '?')}"
+    if "problem" in data and "schema" not in data:
+        raise ValueError(f"{where}: {data['problem']}")
+    if data.get("schema") != SCHEMA_VERSION:
+        raise ValueError(f"{where}: schema {data.get('schema')!r}, this role reads schema {SCHEMA_VERSION} (the "
+                         "trainer and the playbooks are of different versions)")  # fmt: skip
+    missing = [f for f in RANK_STATUS_FIELDS if f not in data]
+    if missing:
+        raise ValueError(f"{where}: missing field(s) {', '.join(missing)}")
+    if data["state"] not in STATES:
+        raise ValueError(f"{where}: state {data['state']!r} is not one of {', '.join(STATES)}")
+    error = data["error"]
+    if error is not None:
+        if not isinstance(error, dict) or any(f not in error for f in ERROR_FIELDS):
+            raise ValueError(f"{where}: error {error!r} lacks {', '.join(ERROR_FIELDS)}")
+        if error["kind"] not in ERROR_KINDS:
+            raise ValueError(f"{where}: error kind {error['kind']!r} is not one of {', '.join(ERROR_KINDS)}")
+    return data
 
-    A rank with an error of its own (bad input, a traceback) is the cause. Otherwise the ranks that reported
-    losing a peer are witnesses, and the cause is the node whose ranks fell silent and that the witnesses name
-    as the peer that went away (or, after a stall, simply the silent node).
+
+def read_status_dir(status_dir: str) -> list[dict]:
+    """The rank status files of one node, parsed (not checked: ``diagnose`` does that); a file that is not JSON
+    comes back as {"file": path, "problem": why}."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(status_dir, "rank-*.json"))):
+        try:
+            with open(path) as fh:
+                found.append(json.load(fh))
+        except (OSError, ValueError) as exc:
+            found.append({"file": path, "problem": f"unreadable ({exc})"})
+    return found
+
+
+def diagnose(statuses: list, nodes: list[dict], ranks_per_node: int, attempt: int | None = None,
+             log_text: str = "", excerpt_lines: int = 12) -> dict:  # fmt: skip
+    """Which node(s) and rank(s) ended a failed job, from the ranks' status files, with their first log lines.
+
+    ``statuses``: every rank status file found on the nodes (those of an earlier ``attempt`` are ignored). A rank
+    with an error of its own (bad input, an exception) is the cause. Otherwise the ranks that failed on a lost
+    peer or a collective timeout are witnesses, and the cause is the ranks that fell silent (no error, not done)
+    on the nodes the witnesses name as the peer that went away (when none could report before mpirun ended them,
+    on the node Hydra reports it lost), or else simply the silent ones. ``log_text`` (train.log) otherwise only
+    gives the excerpt: the failing ranks' own lines.
     """
-    text = last_attempt(log_text)
-    lines = rank_lines(text)
-    addr_of: dict[int, str] = {}
-    world = None
-    for rank, own in lines.items():
-        for line in own:
-            m = _STARTUP.search(line)
-            if m:
-                addr_of[rank] = m["addr"]
-                world = int(m["world"])
-    own_errors: dict[int, str] = {}
-    lost_peer: dict[int, str] = {}
-    for rank, own in lines.items():
-        for line in own:
-            m = _FATAL.search(line)
-            if m:
-                world = world or (int(m["world"]) if m["world"] else None)
-                if m["addr"]:
-                    addr_of.setdefault(rank, m["addr"])
-                (lost_peer if _LOST_PEER in line else own_errors).setdefault(rank, line)
-            elif line.startswith("Traceback"):
-                own_errors.setdefault(rank, line)
-    world = world or (max(lines) + 1 if lines else 0)
+    problems: list[str] = []
+    current: dict[int, dict] = {}
+    for entry in statuses:
+        try:
+            status = check_rank_status(entry)
+        except ValueError as exc:
+            problems.append(f"status file {exc}")
+            continue
+        if attempt is not None and status["attempt"] != attempt:
+            continue  # left by an earlier attempt of this run
+        seen = current.get(status["rank"])
+        if seen is None or status["updated"] >= seen["updated"]:
+            current[status["rank"]] = status
+    world = max((s["world"] for s in current.values()), default=0) or ranks_per_node * len(nodes)
     by_addr = {n["address"]: n["name"] for n in nodes}
 
     def node_of(rank: int) -> str:
-        if rank in addr_of:
-            return by_addr.get(addr_of[rank], addr_of[rank])
+        if rank in current:
+            return by_addr.get(current[rank]["address"], current[rank]["node"])
         index = rank // max(1, ranks_per_node)
         return nodes[index]["name"] if index < len(nodes) else "?"
 
+    def failed(kinds: tuple[str, ...]) -> dict[int, dict]:
+        return {r: s["error"] for r, s in sorted(current.items())
+                if s["state"] == "failed" and s["error"] and s["error"]["kind"] in kinds}  # fmt: skip
+
+    text = last_attempt(log_text)
+    lines = rank_lines(text)
+    own_errors = failed(OWN_ERROR_KINDS)
+    witnesses = failed(tuple(k for k in ERROR_KINDS if k not in OWN_ERROR_KINDS))
     if own_errors:
         culprits = sorted(own_errors)
         kind = "failed with an error"
-    else:
-        silent = [r for r in range(world) if r not in lost_peer]
-        named = {by_addr.get(m["addr"], m["addr"]) for line in lost_peer.values() for m in _PEER_ADDR.finditer(line)}
-        named |= {by_addr.get(m["addr"], m["addr"]) for m in _DOWNSTREAM.finditer(text)}
+    elif current:
+        silent = [r for r in range(world) if r not in witnesses and current.get(r, {}).get("state") != "done"]
+        named = {by_addr.get(e["peer"], e["peer"]) for e in witnesses.values() if e.get("peer")}
+        if not named:  # mpirun ended every rank before one could report: Hydra's own word for the node it lost
+            named = {by_addr.get(m["addr"], m["addr"]) for m in _DOWNSTREAM.finditer(text)}
         culprits = [r for r in silent if node_of(r) in named] or silent
         kind = "stopped without an error of their own (killed, crashed hard or stalled; or their node went away)"
+    else:
+        culprits = []
+        kind = "no rank of this attempt wrote its status file (the job did not start: see its log)"
     order = [n["name"] for n in nodes]
     bad_nodes = sorted({node_of(r) for r in culprits}, key=lambda n: order.index(n) if n in order else len(order))
     excerpt: list[str] = []
     if own_errors:
         for rank in culprits:
             own = lines.get(rank, [])
-            first = next(i for i, ln in enumerate(own) if "error" in ln.lower() or ln.startswith("Traceback"))
-            excerpt += [f"[rank {rank}] {ln[:400]}" for ln in own[first : first + excerpt_lines]]
+            first = next((i for i, ln in enumerate(own) if "error" in ln.lower() or ln.startswith("Traceback")), None)
+            if first is None:  # its lines are not in the log (or there is no log): what its status file says
+                excerpt.append(f"[rank {rank}] {own_errors[rank]['kind']}: {own_errors[rank]['message'][:400]}")
+            else:
+                excerpt += [f"[rank {rank}] {ln[:400]}" for ln in own[first : first + excerpt_lines]]
             if len(excerpt) >= excerpt_lines:
                 break
-    else:
+    elif current:
         # Ranks that died silently: the last line each printed, what their peers saw, and what mpirun saw.
         excerpt += [
             f"[rank {r}] last line: {lines[r][-1][:300]}" for r in culprits[: excerpt_lines // 2] if lines.get(r)
         ]
-        excerpt += [f"[rank {r}] {lost_peer[r][:600]}" for r in sorted(lost_peer)[:2]]
+        excerpt += [f"[rank {r}] {witnesses[r]['message'][:600]}" for r in sorted(witnesses)[:2]]
         excerpt += [m.group(0) for m in _DOWNSTREAM.finditer(text)][:2]
-    if not lines:
+    else:
         excerpt = [ln[:400] for ln in text.splitlines()[-excerpt_lines:]]
     parts = []
     for node in bad_nodes:
         mine = [r for r in culprits if node_of(r) == node]
         parts.append(f"{node} (rank{'s' if len(mine) > 1 else ''} {_compress(mine)})")
     summary = f"{', '.join(parts) or 'unknown node'}: {kind}"
-    if not own_errors and lost_peer:
-        summary += f"; {len(lost_peer)} other rank(s) reported losing them"
-    return {"nodes": bad_nodes, "ranks": culprits, "summary": summary, "excerpt": excerpt[: excerpt_lines + 1]}
+    if not own_errors and witnesses:
+        summary += f"; {len(witnesses)} other rank(s) reported losing them"
+    if problems:
+        summary += f"; {len(problems)} status file(s) could not be read"
+    return {
+        "nodes": bad_nodes,
+        "ranks": culprits,
+        "summary": summary,
+        "excerpt": excerpt[: excerpt_lines + 1] + problems[:2],
+    }
+
+
+def read_exit(run_dir: str) -> dict | None:
+    """run.sh's exit.json (``xeonsd jobstatus exit``), checked; None when there is none."""
+    path = os.path.join(run_dir, "exit.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except ValueError as exc:
+        raise ValueError(f"{path} is not JSON ({exc})") from exc
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA_VERSION:
+        raise ValueError(f"{path}: schema {data.get('schema') if isinstance(data, dict) else None!r}, this role "
+                         f"reads schema {SCHEMA_VERSION} (the trainer and the playbooks are of different versions)")  # fmt: skip
+    missing = [f for f in EXIT_FIELDS if f not in data]
+    if missing:
+        raise ValueError(f"{path}: missing field(s) {', '.join(missing)}")
+    return data
 
 
 def async_state(results_file: str) -> dict:
@@ -234,6 +324,8 @@ def async_state(results_file: str) -> dict:
 
 
 def job_state(params: dict) -> dict:
+    """The poll's answer. ``params["rank_status"]``: the status files gathered from every node (None: this
+    node's own ``status/`` directory, all of them on a one-node cluster)."""
     run_dir = params["run_dir"]
     total = params["total_steps"]
     launch = async_state(params["results_file"])
@@ -256,22 +348,22 @@ def job_state(params: dict) -> dict:
         # One line per straggler node; the xeonsd_progress callback prints each node's once.
         "straggler_warnings": {s["node"]: straggler_warning(s) for s in progress.get("stragglers", [])},
     }
-    exit_path = os.path.join(run_dir, "exit.json")
     if launch["finished"]:
-        exit_info = {}
-        if os.path.isfile(exit_path):
-            with open(exit_path) as fh:
-                exit_info = json.load(fh)
+        exit_info = read_exit(run_dir) or {}
         result["exit"] = exit_info
         rc = exit_info.get("rc", launch.get("rc"))
         if rc is None:
             rc = 124 if _TIMEOUT.search(str(launch.get("msg", ""))) else 1
         result["exit_code"] = rc
-        if rc == 75:
+        if rc == LOCK_CONFLICT_RC:
             result["failure"] = {"nodes": [], "ranks": [], "excerpt": [],
                                  "summary": "another finetune holds the lock on the primary; it was not started twice"}  # fmt: skip
         elif rc != 0:
-            failure = diagnose(log_text, params["nodes"], params["ranks_per_node"], params["excerpt_lines"])
+            statuses = params.get("rank_status")
+            if statuses is None:
+                statuses = read_status_dir(os.path.join(run_dir, STATUS_DIR))
+            failure = diagnose(statuses, params["nodes"], params["ranks_per_node"], exit_info.get("attempt"),
+                               log_text, params["excerpt_lines"])  # fmt: skip
             if rc == 124 or _JOB_TIMEOUT in attempt:
                 failure["summary"] = f"the job ran past its time limit; {failure['summary']}"
             result["failure"] = failure

@@ -178,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="directory with run.json, metrics.jsonl, loss.png, images/ …")
     p.set_defaults(func=_report)
 
+    from xeonsd.jobstatus import add_parser as add_jobstatus_parser  # stdlib only: cheap to import
+
+    add_jobstatus_parser(sub)
+
     p = sub.add_parser("bench", help="benchmarks (`xeonsd bench train --help`)", add_help=False)
     p.add_argument("what", choices=["train", "generate"])
     return parser

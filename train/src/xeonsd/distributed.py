@@ -12,6 +12,7 @@ import datetime
 import importlib
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -40,7 +41,23 @@ class DistributedError(RuntimeError):
 
 
 class PeerLostError(DistributedError):
-    """A collective failed: another rank died, its node went away, or it stalled past the timeout."""
+    """A collective failed: another rank died, its node went away, or it stalled past the timeout. ``peer`` is
+    the address of the peer the backend named, when it named one."""
+
+    def __init__(self, message: str, peer: str | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+# How gloo names the other end of a connection that failed: "Connection closed by peer [10.0.0.13]:4000",
+# "Read error [10.0.0.13]:51234: Connection reset by peer".
+_PEER_ADDRESS = re.compile(r"\[(\d{1,3}(?:\.\d{1,3}){3})\]:\d+")
+
+
+def peer_address(backend_error: str) -> str | None:
+    """The peer address a backend's error message names (gloo's ``[address]:port``), or None."""
+    m = _PEER_ADDRESS.search(backend_error)
+    return m.group(1) if m else None
 
 
 @dataclass(frozen=True)
@@ -283,7 +300,8 @@ def collective(what: str) -> Iterator[None]:
         yield
     except RuntimeError as exc:  # DistBackendError and gloo's errors are RuntimeErrors
         raise PeerLostError(
-            f"the {what} failed: a peer rank died, its node went away or it stalled past the collective timeout ({exc})"
+            f"the {what} failed: a peer rank died, its node went away or it stalled past the collective timeout ({exc})",
+            peer=peer_address(str(exc)),
         ) from exc
 
 

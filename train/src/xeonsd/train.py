@@ -3,7 +3,8 @@
 One loop for every method (:mod:`xeonsd.methods`): ``setup`` (ranks, models, the method's trainable part, the
 latent and prompt caches, optimizer, resume) → ``fit`` (per step: each rank's share of the global batch, loss,
 backward, gradient all-reduce, optimizer, metrics, checkpoint) → ``save`` (the method's result, metrics, loss
-plot). Rank 0 writes every file; every rank logs with its rank in the prefix.
+plot). Rank 0 writes every file; every rank logs with its rank in the prefix and keeps its own status file on its
+node (``status/rank-<r>.json``, :mod:`xeonsd.jobstatus`: state, step, and the kind of error that ended it).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from xeonsd.distributed import (
 )
 from xeonsd.embeddings import ConceptError
 from xeonsd.flops import allreduced_elements, count_attention
+from xeonsd.jobstatus import RankStatus, RankStatusFile, StatusFileError, attempt_from_env
 from xeonsd.latents import LatentTable
 from xeonsd.methods import Method, for_config, method_class
 from xeonsd.metrics import MetricsLog, plot_loss, result_bytes, write_summary
@@ -180,6 +182,7 @@ class Job:
     base_model: str
     timeouts: Timeouts  # read from the environment once, in run()
     timeout: CollectiveTimeout
+    status: RankStatusFile  # this rank's status/rank-<r>.json (xeonsd.jobstatus)
     metrics: MetricsLog | None = None  # rank 0's, from the first step on
 
     @property
@@ -199,8 +202,22 @@ class Job:
         return (sum(p.numel() for p in self.method.parameters()) + 1) * 4
 
 
-def run(cfg: TrainConfig) -> dict:
-    """Train; returns a summary dict. Raises one of BAD_INPUT on bad input."""
+def start_status(cfg: TrainConfig, info: RankInfo) -> RankStatusFile:
+    """This rank's status file (``<output_dir>/status/rank-<r>.json`` on its own node), in state ``starting``."""
+    try:
+        attempt = attempt_from_env()
+    except StatusFileError as exc:
+        raise ConfigError(str(exc)) from exc
+    address = node_address()
+    status = RankStatus(rank=info.rank, world=info.world_size, node=node_names().get(address, address),
+                        address=address, pid=os.getpid(), state="starting", step=0, updated=time.time(),
+                        attempt=attempt)  # fmt: skip
+    return RankStatusFile(cfg.output_path, status)
+
+
+def run(cfg: TrainConfig, status: RankStatusFile | None) -> dict:
+    """Train; returns a summary dict. Raises one of BAD_INPUT on bad input. ``status`` is None only for a dry
+    run (which trains nothing)."""
     info = detect_ranks()
     _setup_logging(info)
     inputs = validate(cfg, info)
@@ -210,10 +227,12 @@ def run(cfg: TrainConfig) -> dict:
     check_memory(cfg, info, inputs)
     if cfg.dry_run:
         return {"dry_run": True}
+    assert status is not None, "a training run reports its status"
+    status.accept()
     placement = place_rank(info)
     backend = init_process_group(info, setup_timeout_s=timeouts.setup_s)
     try:
-        job = setup(cfg, info, backend, placement, inputs, timeouts)
+        job = setup(cfg, info, backend, placement, inputs, timeouts, status)
         step_times = fit(job)
         return save(job, step_times)
     finally:
@@ -244,7 +263,9 @@ def check_memory(cfg: TrainConfig, info: RankInfo, inputs: Inputs) -> None:
         raise ConfigError(problem)
 
 
-def setup(cfg: TrainConfig, info: RankInfo, backend: str | None, placement, inputs: Inputs, timeouts) -> Job:
+def setup(
+    cfg: TrainConfig, info: RankInfo, backend: str | None, placement, inputs: Inputs, timeouts, status: RankStatusFile
+) -> Job:
     world = info.world_size
     method_cls = for_config(cfg)
     models = load_models(cfg, unet_fp32=method_cls.unet_fp32)
@@ -318,14 +339,16 @@ def setup(cfg: TrainConfig, info: RankInfo, backend: str | None, placement, inpu
             unet = DistributedDataParallel(module, broadcast_buffers=False, gradient_as_bucket_view=True)
     return Job(cfg, info, backend, models, method, prompts, text, latents, plan, unet, optimizer, lr_scheduler, seed,
                start_step, base_model, timeouts,
-               CollectiveTimeout(world, timeouts.setup_s, _lost_peer_exit(info)))  # fmt: skip
+               CollectiveTimeout(world, timeouts.setup_s, _lost_peer_exit(info, status)), status)  # fmt: skip
 
 
-def _lost_peer_exit(info: RankInfo):
+def _lost_peer_exit(info: RankInfo, status: RankStatusFile):
     """What the collective watchdog does when a collective waits past its limit: report it as any lost peer is
-    reported, ask the launcher to end the job, and leave (the blocked collective never returns)."""
+    reported (the log line, and the status file with kind ``timeout``), ask the launcher to end the job, and
+    leave (the blocked collective never returns)."""
 
     def expire(message: str) -> None:
+        status.fail("timeout", message)
         print(f"xeonsd train: error: rank {info.rank}/{info.world_size} on {node_address()}: {message}",
               file=sys.stderr, flush=True)  # fmt: skip
         take_the_job_down(info, 2, grace_s=ABORT_GRACE_S)
@@ -479,6 +502,7 @@ def fit(job: Job) -> list[float]:
     clock = stats.clock
     with job.timeout.watch("barrier"):
         barrier(job.world)  # every rank is set up: from here on a collective that waits past the step timeout fails
+    job.status.update(state="running", step=job.start_step)
     with job.timeout.scope(timeouts.step_s):
         if job.world > 1 and timeouts.step_s is not None:
             log.info("collective timeout during the steps: %.0f s (set-up: %.0f s)", timeouts.step_s, timeouts.setup_s)
@@ -494,6 +518,7 @@ def fit(job: Job) -> list[float]:
             dt = time.perf_counter() - t_step
             clock.end_step()
             step_times.append(dt)
+            job.status.update(step=done)
             if done % cfg.stats_every == 0 or done == cfg.max_train_steps:
                 with job.timeout.watch("all-gather of the ranks' statistics"):
                     stats.gather(info.is_main)
@@ -532,6 +557,7 @@ def fit(job: Job) -> list[float]:
 def save(job: Job, step_times: list[float]) -> dict:
     """Rank 0 writes the method's result, the metrics and the loss plot while the others wait."""
     cfg, out, world = job.cfg, job.cfg.output_path, job.world
+    job.status.update(state="saving")
     summary = {
         "steps": cfg.max_train_steps, "ranks": world, "backend": job.backend or "none", "seed": job.seed,
         "median_s_per_step": sorted(step_times)[len(step_times) // 2] if step_times else None,
@@ -563,15 +589,24 @@ def save(job: Job, step_times: list[float]) -> dict:
 
 def main(argv: list[str]) -> int:
     info = detect_ranks()
+    status: RankStatusFile | None = None
     try:
         cfg = parse_config(argv)
-        summary = run(cfg)
+        status = None if cfg.dry_run else start_status(cfg, info)
+        summary = run(cfg, status)
     except BAD_INPUT as exc:
+        if status is not None:  # the status file first: the play reads it, the log line is for people
+            if isinstance(exc, PeerLostError):
+                status.fail("lost_peer", str(exc), exc.peer)
+            else:
+                status.fail("input", str(exc))
         where = f"rank {info.rank}/{info.world_size} on {node_address()}: " if info.world_size > 1 else ""
         print(f"xeonsd train: error: {where}{exc}", file=sys.stderr)
         take_the_job_down(info, 2, grace_s=ABORT_GRACE_S if isinstance(exc, PeerLostError) else 0.0)
         return 2
-    except Exception:
+    except Exception as exc:
+        if status is not None:
+            status.fail("exception", f"{type(exc).__name__}: {exc}")
         if info.world_size > 1:
             print(
                 f"xeonsd train: error: rank {info.rank}/{info.world_size} on {node_address()} failed:", file=sys.stderr
@@ -581,6 +616,8 @@ def main(argv: list[str]) -> int:
         raise
     if summary.get("dry_run"):
         return 0
+    assert status is not None
+    status.update(state="done")
     if info.is_main:
         med = summary["median_s_per_step"]
         print(f"done: {summary['steps']} steps on {summary['ranks']} rank(s), backend {summary['backend']}, "

@@ -1,0 +1,315 @@
+"""What a training job tells the playbooks, as small JSON files whose schema is defined here once.
+
+* ``<output_dir>/status/rank-<r>.json`` (:class:`RankStatus`): one per rank, on that rank's own node (the run
+  directory has the same path on every node). The trainer writes it at start-up, on every state change
+  (starting → running → saving → done, or failed), after every step, and on every fatal error path with the
+  error's kind: ``input`` (bad input, a clear message), ``exception`` (a traceback), ``lost_peer`` (a collective
+  failed: a peer died or went away; ``peer`` is its address when the backend named it) or ``timeout`` (a
+  collective waited past its limit).
+* ``<run_dir>/attempt.json`` (:class:`Attempt`) and ``<run_dir>/exit.json`` (:class:`ExitStatus`): written by the
+  finetune role's ``run.sh`` through ``xeonsd jobstatus begin`` / ``xeonsd jobstatus exit`` around mpirun. Each
+  attempt of a run (a resumed run is a new attempt in the same directory) gets the next number; run.sh exports it
+  as ``XEONSD_ATTEMPT`` so that every rank's status file says which attempt wrote it, and readers ignore files
+  left by an earlier one.
+
+The finetune role's Ansible module cannot import this package (it runs under the node's Ansible Python): its
+``module_utils/xeonsd_joblog.py`` declares the fields it reads, and a unit test holds the two together.
+
+Every file is written under a temporary name and renamed into place, so a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+STATUS_DIR = "status"
+ATTEMPT_FILE = "attempt.json"
+EXIT_FILE = "exit.json"
+ATTEMPT_ENV = "XEONSD_ATTEMPT"
+STATES = ("starting", "running", "saving", "done", "failed")
+ERROR_KINDS = ("input", "exception", "lost_peer", "timeout")
+# Errors that are the rank's own (it is the cause); the others are what a rank saw of a peer (it is a witness).
+OWN_ERROR_KINDS = ("input", "exception")
+# run.sh's exit code when another finetune holds the run lock (flock --conflict-exit-code): nothing was started.
+LOCK_CONFLICT_RC = 75
+
+
+class StatusFileError(ValueError):
+    """A status file that is missing a field, has a wrong value, or was written by another schema version."""
+
+
+@dataclass(frozen=True)
+class LastError:
+    kind: str  # one of ERROR_KINDS
+    message: str
+    peer: str | None = None  # the address of the peer a lost_peer error names, when the backend named it
+
+    def __post_init__(self) -> None:
+        if self.kind not in ERROR_KINDS:
+            raise StatusFileError(f"error kind {self.kind!r} is not one of {', '.join(ERROR_KINDS)}")
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    rank: int
+    world: int
+    node: str  # the inventory's name for this node (XEONSD_NODE_NAMES), else its address
+    address: str  # this node's address on the job's network
+    pid: int
+    state: str  # one of STATES
+    step: int  # optimizer steps done
+    updated: float  # Unix time of this write
+    attempt: int | None = None  # run.sh's attempt number (XEONSD_ATTEMPT); None when started by hand
+    error: LastError | None = None
+    schema: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if self.state not in STATES:
+            raise StatusFileError(f"state {self.state!r} is not one of {', '.join(STATES)}")
+        if not 0 <= self.rank < self.world:
+            raise StatusFileError(f"rank {self.rank} is out of range for world size {self.world}")
+
+
+@dataclass(frozen=True)
+class Attempt:
+    attempt: int
+    started: int  # Unix time
+    schema: int = SCHEMA_VERSION
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    rc: int  # mpirun's exit code (LOCK_CONFLICT_RC: another finetune held the lock)
+    started: int  # Unix time
+    ended: int
+    attempt: int | None = None
+    schema: int = SCHEMA_VERSION
+
+
+def field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def rank_status_path(output_dir: Path, rank: int) -> Path:
+    return Path(output_dir) / STATUS_DIR / f"rank-{rank}.json"
+
+
+def write_json(path: Path, data: dict, fsync: bool = False) -> None:
+    """Write ``data`` to a temporary file beside ``path`` and rename it into place (fsync for files that must
+    survive a power loss too; a rank's per-step status need not)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, sort_keys=True)
+            fh.write("\n")
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _typed(cls: type, data: object, where: str):
+    if not isinstance(data, dict):
+        raise StatusFileError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    if data.get("schema") != SCHEMA_VERSION:
+        raise StatusFileError(
+            f"{where}: schema {data.get('schema')!r}, this xeonsd reads schema {SCHEMA_VERSION} "
+            "(the trainer and the playbooks are of different versions)"
+        )
+    names = field_names(cls)
+    required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
+    missing = [n for n in required if n not in data]
+    if missing:
+        raise StatusFileError(f"{where}: missing field(s) {', '.join(missing)}")
+    try:
+        return cls(**{n: data[n] for n in names if n in data})
+    except TypeError as exc:
+        raise StatusFileError(f"{where}: {exc}") from exc
+
+
+def rank_status_from_dict(data: object, where: str = "rank status") -> RankStatus:
+    status = _typed(RankStatus, data, where)
+    if status.error is not None:
+        status = dataclasses.replace(status, error=_typed_error(status.error, where))
+    return status
+
+
+def _typed_error(data: object, where: str) -> LastError:
+    if not isinstance(data, dict) or not {"kind", "message"} <= data.keys():
+        raise StatusFileError(f"{where}: error must be an object with kind and message, got {data!r}")
+    return LastError(**{n: data[n] for n in field_names(LastError) if n in data})
+
+
+def _read(path: Path) -> object:
+    try:
+        return json.loads(Path(path).read_text())
+    except ValueError as exc:
+        raise StatusFileError(f"{path}: not JSON ({exc})") from exc
+
+
+def read_rank_status(path: Path) -> RankStatus:
+    return rank_status_from_dict(_read(path), str(path))
+
+
+def read_rank_statuses(output_dir: Path) -> list[RankStatus]:
+    """This node's rank status files of a run, by rank."""
+    found = sorted(Path(output_dir, STATUS_DIR).glob("rank-*.json"), key=lambda p: p.name)
+    return sorted((read_rank_status(p) for p in found), key=lambda s: s.rank)
+
+
+def read_attempt(run_dir: Path) -> Attempt | None:
+    path = Path(run_dir) / ATTEMPT_FILE
+    return _typed(Attempt, _read(path), str(path)) if path.exists() else None
+
+
+def read_exit(run_dir: Path) -> ExitStatus | None:
+    path = Path(run_dir) / EXIT_FILE
+    return _typed(ExitStatus, _read(path), str(path)) if path.exists() else None
+
+
+def attempt_from_env(env: dict[str, str] | None = None) -> int | None:
+    raw = (os.environ if env is None else env).get(ATTEMPT_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise StatusFileError(f"{ATTEMPT_ENV}={raw!r} is not an attempt number")
+    return int(raw)
+
+
+class RankStatusFile:
+    """One rank's status file, rewritten in place on every change. A write that fails (a full or read-only disk)
+    is logged once and never stops the training: the file is what the playbooks read, not what the job needs."""
+
+    def __init__(self, output_dir: Path, status: RankStatus) -> None:
+        self.path = rank_status_path(output_dir, status.rank)
+        self.status = status
+        self._warned = False
+        self._accepted = False
+        self._write()
+
+    def accept(self) -> None:
+        """The run's inputs passed their checks: from now on the file is written even where the output dir does not
+        exist yet (a worker node's copy of the run dir)."""
+        self._accepted = True
+        self._write()
+
+    def update(self, *, state: str | None = None, step: int | None = None, error: LastError | None = None) -> None:
+        changes: dict = {"updated": time.time()}
+        if state is not None:
+            changes["state"] = state
+        if step is not None:
+            changes["step"] = step
+        if error is not None:
+            changes["error"] = error
+        self.status = dataclasses.replace(self.status, **changes)
+        self._write()
+
+    def fail(self, kind: str, message: str, peer: str | None = None) -> None:
+        self.update(state="failed", error=LastError(kind, message, peer))
+
+    def _write(self) -> None:
+        # Always in a launched job's attempt (run.sh sets XEONSD_ATTEMPT; the play reads the file, also for a rank
+        # refused on its inputs), into an output dir that exists, or once the inputs were accepted (``accept``):
+        # a run by hand refused on its inputs before it had an output dir leaves nothing behind.
+        if not (self.status.attempt is not None or self._accepted or self.path.parent.parent.is_dir()):
+            return
+        try:
+            write_json(self.path, asdict(self.status), fsync=self.status.state in ("done", "failed"))
+        except OSError as exc:
+            if not self._warned:
+                self._warned = True
+                log.warning("cannot write the rank status file %s (%s); the play's diagnosis will miss it",
+                            self.path, exc)  # fmt: skip
+
+
+# ---- run.sh's side: `xeonsd jobstatus begin RUN_DIR` and `xeonsd jobstatus exit RUN_DIR --rc RC` -------------
+
+
+def begin_attempt(run_dir: Path, now: float | None = None) -> Attempt:
+    """The next attempt of the run in ``run_dir`` (1 for a new run), recorded in attempt.json."""
+    previous = read_attempt(run_dir)
+    attempt = Attempt(attempt=(previous.attempt if previous else 0) + 1, started=int(now or time.time()))
+    write_json(Path(run_dir) / ATTEMPT_FILE, asdict(attempt), fsync=True)
+    return attempt
+
+
+def write_exit(run_dir: Path, rc: int, now: float | None = None) -> ExitStatus:
+    """How the current attempt ended (its number and start from attempt.json), in exit.json."""
+    attempt = read_attempt(run_dir)
+    if attempt is None:
+        raise StatusFileError(f"{Path(run_dir) / ATTEMPT_FILE} does not exist: run `xeonsd jobstatus begin` first")
+    status = ExitStatus(rc=rc, started=attempt.started, ended=int(now or time.time()), attempt=attempt.attempt)
+    write_json(Path(run_dir) / EXIT_FILE, asdict(status), fsync=True)
+    return status
+
+
+DESCRIPTION = (
+    "begin RUN_DIR: start the run's next attempt (attempt.json) and print its number; "
+    "exit RUN_DIR --rc RC: record how it ended (exit.json)."
+)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """``xeonsd jobstatus …``"""
+    p = sub.add_parser(
+        "jobstatus",
+        help="record a training job's attempts and exit code (the finetune role's run.sh)",
+        description=DESCRIPTION,
+    )
+    _add_actions(p)
+
+
+def _add_actions(p: argparse.ArgumentParser) -> None:
+    what = p.add_subparsers(dest="action", required=True)
+    begin = what.add_parser("begin", help="start the next attempt; prints its number")
+    begin.add_argument("run_dir", type=Path)
+    end = what.add_parser("exit", help="record the attempt's exit code")
+    end.add_argument("run_dir", type=Path)
+    end.add_argument("--rc", type=int, required=True, help="mpirun's exit code")
+    p.set_defaults(func=main_args)
+
+
+def main_args(args: argparse.Namespace) -> int:
+    if not args.run_dir.is_dir():
+        print(f"xeonsd jobstatus: error: {args.run_dir} is not a directory", file=sys.stderr)
+        return 2
+    try:
+        if args.action == "begin":
+            print(begin_attempt(args.run_dir).attempt)
+        else:
+            write_exit(args.run_dir, args.rc)
+    except StatusFileError as exc:
+        print(f"xeonsd jobstatus: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m xeonsd.jobstatus", description=DESCRIPTION)
+    _add_actions(parser)
+    args = parser.parse_args(argv)
+    return main_args(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
