@@ -116,18 +116,18 @@ def ssh_row(host: str, result: Mapping[str, Any] | None, route: str) -> dict[str
 
 def nodefile_row(
     nodefile: Mapping[str, Any], listed: Sequence[str] | None, expected: Sequence[str], where: str,
-    mpi_ranks: int, ranks_per_node: int,
+    mpi_ranks: int, ranks_per_node: int, ranks_mismatch: str,
 ) -> dict[str, str]:  # fmt: skip
-    """The nodefile on the primary against the inventory's addresses (primary first), and mpi_ranks that fit."""
+    """The nodefile on the primary against the inventory's addresses (primary first), and mpi_ranks that fit
+    (ranks_mismatch: the xeonsd_ranks_mismatch filter's verdict, plugins/filter/xeonsd_cluster.py)."""
     if listed is None:
         return _row("cluster", "nodefile", "FAIL", f"cannot read {where}: {nodefile.get('msg', 'no result')}")
     listed, expected = list(listed), list(expected)
     if listed != expected:
         return _row("cluster", "nodefile", "FAIL", f"{where} lists {' '.join(listed) or 'nothing'}; the inventory has "
                     f"{' '.join(expected)} (primary first)")  # fmt: skip
-    if mpi_ranks != len(expected) * ranks_per_node:
-        return _row("cluster", "nodefile", "FAIL",
-                    f"mpi_ranks {mpi_ranks} != {len(expected)} nodes x {ranks_per_node} ranks_per_node")  # fmt: skip
+    if ranks_mismatch:
+        return _row("cluster", "nodefile", "FAIL", ranks_mismatch)
     shape = f"{mpi_ranks} ranks = {len(expected)} nodes x {ranks_per_node}"
     return _row("cluster", "nodefile", "PASS", f"{where}: {len(listed)} nodes, primary first; {shape}")
 
@@ -174,6 +174,7 @@ def doctor_rows(
     nodefile_path: str,
     mpi_ranks: int | str,
     ranks_per_node: int | str,
+    ranks_mismatch: str,
     check_limit_s: int | str,
     hello_limit_s: int | str,
     straggler_ratio: float | str = 1.3,
@@ -183,7 +184,8 @@ def doctor_rows(
     hosts, results, addresses: the nodes in the play, in inventory order, with their registered doctor_node
     ({} where the node left the play) and MPI address; ssh: the results of cluster.yml's SSH loop (each with
     "item": the host); nodefile: the slurp of the nodefile; hello: the mpirun hello; expected: the inventory's
-    MPI addresses in nodefile order (cluster_nodes).
+    MPI addresses in nodefile order (cluster_nodes); ranks_mismatch: the xeonsd_ranks_mismatch filter's verdict on
+    mpi_ranks and ranks_per_node (empty when they fit).
     """
     mpi_ranks, ranks_per_node = int(mpi_ranks), int(ranks_per_node)
     by_host = {res.get("item"): res for res in ssh}
@@ -195,7 +197,7 @@ def doctor_rows(
         rows.append(ssh_row(host, by_host.get(host), f"{user}@{primary} -> {address}"))
     listed = base64.b64decode(nodefile["content"]).decode().split() if "content" in nodefile else None
     where = f"{nodefile_path} on {primary}"
-    rows.append(nodefile_row(nodefile, listed, expected, where, mpi_ranks, ranks_per_node))
+    rows.append(nodefile_row(nodefile, listed, expected, where, mpi_ranks, ranks_per_node, ranks_mismatch))
     rows.append(hello_row(hello, primary, mpi_ranks, ranks_per_node, int(hello_limit_s)))
     return rows
 
