@@ -163,6 +163,11 @@ def test_mpirun_hello_timeouts_missing_env_and_no_result() -> None:
     assert hello({"rc": 90, "stderr": "/etc/xeonsd/env.sh is missing\n"})[1].endswith(
         "(rc 90): /etc/xeonsd/env.sh is missing"
     )
+    assert hello({"rc": 91, "stderr": "no mpirun on PATH after sourcing /etc/xeonsd/env.sh\n"})[1].endswith(
+        "(rc 91): no mpirun on PATH after sourcing /etc/xeonsd/env.sh"
+    )
+    no_wrapper = "timeout: failed to run command '/etc/xeonsd/run': No such file or directory"
+    assert hello({"rc": 127, "stderr": no_wrapper + "\n"})[1].endswith(f"(rc 127): {no_wrapper}")
     assert hello({"rc": 7, "stderr_lines": ["", "mpirun: bad things", ""]})[1].endswith("(rc 7): mpirun: bad things")
     assert hello({"rc": 7, "stderr_lines": []})[1].endswith("(rc 7): no output")
     assert hello({"unreachable": True, "msg": "primary down "}) == ("FAIL", "not run on node1: primary down")
