@@ -12,6 +12,9 @@ REPO = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("xeonsd_doctor", REPO / "plugins" / "filter" / "xeonsd_doctor.py")
 xeonsd_doctor = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(xeonsd_doctor)
+_spec = importlib.util.spec_from_file_location("xeonsd_cluster", REPO / "plugins" / "filter" / "xeonsd_cluster.py")
+xeonsd_cluster = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(xeonsd_cluster)
 
 ADDRESSES = {"node1": "10.231.1.11", "node2": "10.231.1.12", "node3": "10.231.1.13", "node4": "10.231.1.14"}
 HOSTS = list(ADDRESSES)
@@ -44,6 +47,7 @@ def rows(case: dict) -> list[dict[str, str]]:
         HOSTS, case["results"], list(ADDRESSES.values()), case["ssh"], case["nodefile"], case["hello"],
         primary="node1", user="devcloud", expected=list(ADDRESSES.values()), nodefile_path="/etc/xeonsd/nodefile",
         mpi_ranks=str(case["mpi_ranks"]), ranks_per_node="4", check_limit_s=1200, hello_limit_s="600",
+        ranks_mismatch=xeonsd_cluster.ranks_mismatch(case["mpi_ranks"], HOSTS, "4"),  # as roles/doctor/tasks/report.yml
     )  # fmt: skip
 
 
@@ -126,7 +130,11 @@ def test_the_nodefile_must_list_the_inventory_primary_first_with_mpi_ranks_that_
     assert "lists nothing;" in table(case)["cluster", "nodefile"][1]
     case = healthy()
     case["mpi_ranks"] = 15
-    assert table(case)["cluster", "nodefile"] == ("FAIL", "mpi_ranks 15 != 4 nodes x 4 ranks_per_node")
+    assert table(case)["cluster", "nodefile"] == (
+        "FAIL",
+        "mpi_ranks is 15 but the cluster has 4 nodes (node1, node2, node3, node4) x ranks_per_node 4 = 16. "
+        "Fix: set mpi_ranks to 16 or change ranks_per_node.",
+    )
 
 
 def test_mpirun_hello_names_the_shared_cause_first() -> None:
@@ -155,6 +163,11 @@ def test_mpirun_hello_timeouts_missing_env_and_no_result() -> None:
     assert hello({"rc": 90, "stderr": "/etc/xeonsd/env.sh is missing\n"})[1].endswith(
         "(rc 90): /etc/xeonsd/env.sh is missing"
     )
+    assert hello({"rc": 91, "stderr": "no mpirun on PATH after sourcing /etc/xeonsd/env.sh\n"})[1].endswith(
+        "(rc 91): no mpirun on PATH after sourcing /etc/xeonsd/env.sh"
+    )
+    no_wrapper = "timeout: failed to run command '/etc/xeonsd/run': No such file or directory"
+    assert hello({"rc": 127, "stderr": no_wrapper + "\n"})[1].endswith(f"(rc 127): {no_wrapper}")
     assert hello({"rc": 7, "stderr_lines": ["", "mpirun: bad things", ""]})[1].endswith("(rc 7): mpirun: bad things")
     assert hello({"rc": 7, "stderr_lines": []})[1].endswith("(rc 7): no output")
     assert hello({"unreachable": True, "msg": "primary down "}) == ("FAIL", "not run on node1: primary down")

@@ -5,7 +5,8 @@ node compared with the others, then SSH from the primary), then the cluster (nod
 
 The comparison: a node whose trial step takes more than ``ratio`` × the median node's holds every rank back at
 each all-reduce of the real job (a straggler); a cluster that mixes CPU generations is its usual cause. The exit codes below are those of the
-shell wrappers in roles/doctor/tasks/{node,cluster}.yml, `timeout`, and `xeonsd doctor`.
+mpi role's wrapper (/etc/xeonsd/run, roles/mpi/templates/run.j2) that roles/doctor/tasks/{node,cluster}.yml run
+under `timeout`, of `timeout`, and of `xeonsd doctor`.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-# roles/doctor/tasks/node.yml's wrapper: no readable env.sh (90), no xeonsd after sourcing it (91); cluster.yml's
-# hello wrapper uses 90 for the missing env.sh too.
+# The wrapper /etc/xeonsd/run: no readable env.sh (90), the command (xeonsd, mpirun) not on the PATH env.sh sets (91).
 RC_NO_ENV_FILE = 90
-RC_NO_XEONSD = 91
-# `timeout --kill-after`: 124 when the limit ended the command, 137 when it had to be killed.
+RC_NO_COMMAND = 91
+# `timeout --kill-after`: 124 when the limit ended the command, 137 when it had to be killed; 126/127 when it could
+# not start the wrapper (not executable, missing: the node is not provisioned).
 RC_TIMED_OUT = (124, 137)
+RC_NO_WRAPPER = (126, 127)
+RC_NO_ENV = (RC_NO_ENV_FILE, RC_NO_COMMAND, *RC_NO_WRAPPER)
 # `xeonsd doctor`: 0 every check passed, 1 a check failed, 2 the model cannot be found; each with its JSON report.
 RC_DOCTOR_REPORTED = (0, 1, 2)
 
@@ -50,7 +53,7 @@ def node_rows(host: str, result: Mapping[str, Any] | None, check_limit_s: int) -
     if "rc" not in r:
         return [_row(host, "doctor", "FAIL", "no result: " + str(r.get("msg", "the node left the play; see above")))]
     rc = r["rc"]
-    if rc in (RC_NO_ENV_FILE, RC_NO_XEONSD):
+    if rc in RC_NO_ENV:
         return [_row(host, "env", "FAIL", str(r.get("stderr", "")).strip())]
     rows = []
     found = [line for line in r.get("stdout_lines", []) if line.startswith("{")]
@@ -116,18 +119,18 @@ def ssh_row(host: str, result: Mapping[str, Any] | None, route: str) -> dict[str
 
 def nodefile_row(
     nodefile: Mapping[str, Any], listed: Sequence[str] | None, expected: Sequence[str], where: str,
-    mpi_ranks: int, ranks_per_node: int,
+    mpi_ranks: int, ranks_per_node: int, ranks_mismatch: str,
 ) -> dict[str, str]:  # fmt: skip
-    """The nodefile on the primary against the inventory's addresses (primary first), and mpi_ranks that fit."""
+    """The nodefile on the primary against the inventory's addresses (primary first), and mpi_ranks that fit
+    (ranks_mismatch: the xeonsd_ranks_mismatch filter's verdict, plugins/filter/xeonsd_cluster.py)."""
     if listed is None:
         return _row("cluster", "nodefile", "FAIL", f"cannot read {where}: {nodefile.get('msg', 'no result')}")
     listed, expected = list(listed), list(expected)
     if listed != expected:
         return _row("cluster", "nodefile", "FAIL", f"{where} lists {' '.join(listed) or 'nothing'}; the inventory has "
                     f"{' '.join(expected)} (primary first)")  # fmt: skip
-    if mpi_ranks != len(expected) * ranks_per_node:
-        return _row("cluster", "nodefile", "FAIL",
-                    f"mpi_ranks {mpi_ranks} != {len(expected)} nodes x {ranks_per_node} ranks_per_node")  # fmt: skip
+    if ranks_mismatch:
+        return _row("cluster", "nodefile", "FAIL", ranks_mismatch)
     shape = f"{mpi_ranks} ranks = {len(expected)} nodes x {ranks_per_node}"
     return _row("cluster", "nodefile", "PASS", f"{where}: {len(listed)} nodes, primary first; {shape}")
 
@@ -148,7 +151,7 @@ def hello_row(
                                 if _HELLO_ERROR.match(line)))  # fmt: skip
     if rc in RC_TIMED_OUT:
         why = f"mpirun did not finish within {hello_limit_s} s"
-    elif rc == RC_NO_ENV_FILE:
+    elif rc in RC_NO_ENV:
         why = str(h.get("stderr", "")).strip()
     elif errors:
         # A cause that every rank shares (not "rank N: ...") first: it is the one to act on.
@@ -174,6 +177,7 @@ def doctor_rows(
     nodefile_path: str,
     mpi_ranks: int | str,
     ranks_per_node: int | str,
+    ranks_mismatch: str,
     check_limit_s: int | str,
     hello_limit_s: int | str,
     straggler_ratio: float | str = 1.3,
@@ -183,7 +187,8 @@ def doctor_rows(
     hosts, results, addresses: the nodes in the play, in inventory order, with their registered doctor_node
     ({} where the node left the play) and MPI address; ssh: the results of cluster.yml's SSH loop (each with
     "item": the host); nodefile: the slurp of the nodefile; hello: the mpirun hello; expected: the inventory's
-    MPI addresses in nodefile order (cluster_nodes).
+    MPI addresses in nodefile order (cluster_nodes); ranks_mismatch: the xeonsd_ranks_mismatch filter's verdict on
+    mpi_ranks and ranks_per_node (empty when they fit).
     """
     mpi_ranks, ranks_per_node = int(mpi_ranks), int(ranks_per_node)
     by_host = {res.get("item"): res for res in ssh}
@@ -195,7 +200,7 @@ def doctor_rows(
         rows.append(ssh_row(host, by_host.get(host), f"{user}@{primary} -> {address}"))
     listed = base64.b64decode(nodefile["content"]).decode().split() if "content" in nodefile else None
     where = f"{nodefile_path} on {primary}"
-    rows.append(nodefile_row(nodefile, listed, expected, where, mpi_ranks, ranks_per_node))
+    rows.append(nodefile_row(nodefile, listed, expected, where, mpi_ranks, ranks_per_node, ranks_mismatch))
     rows.append(hello_row(hello, primary, mpi_ranks, ranks_per_node, int(hello_limit_s)))
     return rows
 

@@ -20,8 +20,10 @@ def assert_node_works(cluster: Cluster, node: str) -> None:
     out = cluster.ssh(node, f"{ENV}/bin/python -c 'import torch, diffusers, xeonsd; print(torch.__version__)'").stdout
     assert out.strip(), f"{node}: no torch version"
     cluster.ssh(node, f"test -x {ENV}/bin/mpirun")
-    maps = cluster.ssh(node, ". /etc/xeonsd/env.sh && python -c 'print(open(\"/proc/self/maps\").read())'").stdout
-    assert "libtcmalloc" in maps, f"{node}: tcmalloc is not preloaded by env.sh"
+    # The wrapper the roles run commands with: env.sh sourced, and without its LD_PRELOAD on request.
+    maps = "/etc/xeonsd/run {}python -c 'print(open(\"/proc/self/maps\").read())'"
+    assert "libtcmalloc" in cluster.ssh(node, maps.format("")).stdout, f"{node}: tcmalloc is not preloaded by env.sh"
+    assert "libtcmalloc" not in cluster.ssh(node, maps.format("--no-preload ")).stdout, f"{node}: --no-preload"
     # The images and their captions (metadata.jsonl), byte for byte the controller's.
     staged = cluster.ssh(node, "cd /home/devcloud/dicoo && sha256sum *").stdout.split("\n")
     staged = dict(reversed(line.split()) for line in staged if line.strip())

@@ -1,0 +1,50 @@
+"""A directory tree as ``{relative path: checksum}``, and what differs between two of them.
+
+roles/verified_tree puts one tree from the controller on every node (the dataset and base_model roles use it):
+the controller's tree and each node's are listed with ``ansible.builtin.find`` (``get_checksum: true``) and
+compared with these filters.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def tree_files(files: Sequence[Mapping[str, Any]], root: str, exclude: str = "") -> dict[str, str]:
+    """``find``'s ``files`` under ``root`` → ``{path relative to root: checksum}``, sorted by path; paths that
+    match the regular expression ``exclude`` (from their start) are left out."""
+    if isinstance(files, (str, Mapping)) or not isinstance(files, Sequence):
+        raise TypeError(f"xeonsd_tree_files: expected the 'files' list of a find result, got {type(files).__name__}")
+    skip = re.compile(exclude) if exclude else None
+    tree = {}
+    for f in files:
+        if "checksum" not in f:
+            raise ValueError(f"xeonsd_tree_files: {f.get('path', f)} has no checksum (find needs get_checksum: true)")
+        rel = posixpath.relpath(f["path"], root)
+        if rel.startswith("../"):
+            raise ValueError(f"xeonsd_tree_files: {f['path']} is not under {root}")
+        if skip is None or not skip.match(rel):
+            tree[rel] = f["checksum"]
+    return dict(sorted(tree.items()))
+
+
+def tree_diff(found: Mapping[str, str], expected: Mapping[str, str]) -> str:
+    """Empty when ``found`` equals ``expected``; else which files are missing, extra or have another checksum."""
+    parts = [
+        (what, names)
+        for what, names in (
+            ("missing", sorted(set(expected) - set(found))),
+            ("extra", sorted(set(found) - set(expected))),
+            ("other checksum", sorted(k for k in set(found) & set(expected) if found[k] != expected[k])),
+        )
+        if names
+    ]
+    return "; ".join(f"{what}: {', '.join(names)}" for what, names in parts)
+
+
+class FilterModule:
+    def filters(self) -> dict:
+        return {"xeonsd_tree_files": tree_files, "xeonsd_tree_diff": tree_diff}

@@ -1,0 +1,36 @@
+"""The job's shape rule (plugins/filter/xeonsd_cluster.py): mpi_ranks == nodes x ranks_per_node, the verdict that
+preflight, the finetune role and doctor's nodefile row all show."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("xeonsd_cluster", REPO / "plugins" / "filter" / "xeonsd_cluster.py")
+xeonsd_cluster = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(xeonsd_cluster)
+
+NODES = ["node1", "node2", "node3", "node4"]
+
+
+def test_ranks_that_fit_the_nodes_pass_with_inventory_strings() -> None:
+    assert xeonsd_cluster.ranks_mismatch("16", NODES, "4") == ""
+    assert xeonsd_cluster.ranks_mismatch(4, NODES, 1) == ""
+
+
+def test_ranks_that_do_not_fit_name_the_nodes_and_the_total_to_set() -> None:
+    assert xeonsd_cluster.ranks_mismatch(15, NODES, 4) == (
+        "mpi_ranks is 15 but the cluster has 4 nodes (node1, node2, node3, node4) x ranks_per_node 4 = 16. "
+        "Fix: set mpi_ranks to 16 or change ranks_per_node."
+    )
+    assert xeonsd_cluster.ranks_mismatch(16, NODES[:3], 4).startswith("mpi_ranks is 16 but the cluster has 3 nodes")
+
+
+def test_bad_input_is_refused_clearly() -> None:
+    with pytest.raises(ValueError, match="must be integers"):
+        xeonsd_cluster.ranks_mismatch("sixteen", NODES, 4)
+    with pytest.raises(TypeError, match="list of hosts"):
+        xeonsd_cluster.ranks_mismatch(16, "node1", 4)
