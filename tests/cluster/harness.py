@@ -153,7 +153,8 @@ class Cluster:
     # --- up ----------------------------------------------------------------------------------------------------
     def up(self, n: int) -> None:
         """Start nodes node1..node<n>, each in its namespaces with its own sshd, and write the inventory.
-        Everything made is recorded in the state file before it is made, so `down` removes it after any crash."""
+        What it makes is recorded in the state file before it is made, or is found by its name (the namespaces,
+        the bridge, the disk), so that `down` removes it also after a crash half-way."""
         if n < 1:
             raise ValueError("a cluster needs at least one node")
         if self.load_state() is not None:
@@ -172,7 +173,7 @@ class Cluster:
         self._save(state)
         add_bridge(self.bridge, f"{self.bridge_address}/24")
 
-        # The mount points of the private directories (the host has them, empty, unless it had them already).
+        # The private directories' mount points on the host: made (empty) where missing; `down` removes those.
         for d in self.private_dirs:
             if not Path(d).exists():
                 Path(d).mkdir(parents=True)
