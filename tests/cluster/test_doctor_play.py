@@ -13,7 +13,7 @@ from harness import NODES, Cluster
 from runner import PlaybookRun, run_playbook
 
 NODE_CHECKS = ("packages", "tcmalloc", "method", "images", "captions", "model", "train 1 step", "ssh from primary")
-RANKS = 4 * NODES  # the test cluster runs 4 ranks per node (harness.write_inventory)
+RANKS = 4 * NODES  # the test cluster runs 4 ranks per node (group_vars/cluster.yml)
 
 
 def report(result: PlaybookRun) -> list[str]:

@@ -9,7 +9,7 @@ import shutil
 import tarfile
 from pathlib import Path
 
-from harness import NODES, PRIVATE_DIRS, REPO, Cluster
+from harness import NODES, REPO, Cluster
 from runner import PlaybookRun, run_playbook
 
 ENV = "/opt/diffuser"
@@ -97,7 +97,7 @@ def test_check_mode_runs_through(provisioned: Cluster) -> None:
 def test_limit_rebuilds_a_wiped_node_without_the_others(provisioned: Cluster) -> None:
     # Wipe node3 like a reinstalled server (its sshd and host key stay), and forget every cached fact, so the
     # run can only use the inventory for the other nodes.
-    for d in PRIVATE_DIRS:
+    for d in provisioned.private_dirs:
         root = provisioned.private_dir("node3", d)
         for child in root.iterdir():
             shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()

@@ -1,0 +1,38 @@
+"""What the test cluster's playbooks stage on the nodes, made on the controller: stand-ins for the dicoo images and
+the base model (with the xeonsd CLI), and a snapshot of train/ (the package the nodes get)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from cluster_inventory import REPO
+from host import run
+
+VENV_BIN = Path(sys.executable).parent
+
+
+def make_assets(assets_dir: Path, xeonsd_source: Path) -> None:
+    """The images with captions at <assets_dir>/dicoo and the tiny model at <assets_dir>/tiny-sd (each made once),
+    and a fresh copy of train/ at `xeonsd_source`, so that edits in the working tree during a test session do not
+    count as changes between two runs."""
+    if xeonsd_source.exists():
+        shutil.rmtree(xeonsd_source)
+    shutil.copytree(
+        REPO / "train",
+        xeonsd_source,
+        ignore=shutil.ignore_patterns(".*", "__pycache__", "*.egg-info", "build", "*.pyc"),
+    )
+    xeonsd = str(VENV_BIN / "xeonsd")
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    # The images come with captions (metadata.jsonl): the dataset role stages them, every method trains on them.
+    if not (assets_dir / "dicoo" / "metadata.jsonl").exists():
+        shutil.rmtree(assets_dir / "dicoo", ignore_errors=True)
+        shutil.rmtree(assets_dir / "dicoo.partial", ignore_errors=True)
+        run([xeonsd, "make-dataset", str(assets_dir / "dicoo.partial"), "--captions", "metadata"], env=env)
+        (assets_dir / "dicoo.partial").rename(assets_dir / "dicoo")
+    if not (assets_dir / "tiny-sd").exists():
+        run([xeonsd, "make-tiny-model", str(assets_dir / "tiny-sd.partial")], env=env)
+        (assets_dir / "tiny-sd.partial").rename(assets_dir / "tiny-sd")

@@ -1,0 +1,63 @@
+"""The host under the test cluster: commands run on it, and its /usr as the nodes' shared OS ("base image").
+
+The nodes share the host's /usr and Debian package database but have no route to a package mirror, so the OS
+packages they need (the base ones below and the roles' own list) are installed on the host before they start, and
+the cluster account lives in the host's /etc/passwd (like an LDAP account on real clusters).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import yaml
+
+# The roles' OS packages for Debian/Ubuntu (what the system_packages role would install on a real node).
+ROLE_PACKAGES_FILE = Path(__file__).resolve().parents[2] / "roles" / "system_packages" / "vars" / "Debian.yml"
+# What every node needs before Ansible can reach it (besides the roles' own OS packages).
+BASE_PACKAGES = ("openssh-server", "sudo", "python3", "python3-apt", "iproute2", "util-linux")
+
+
+def run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """Run a command on the host; a non-zero exit raises, with its output captured."""
+    return subprocess.run(argv, check=True, text=True, capture_output=True, **kwargs)
+
+
+def debian_packages_of_roles() -> list[str]:
+    data = yaml.safe_load(ROLE_PACKAGES_FILE.read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("system_packages_os"), list):
+        raise ValueError(f"{ROLE_PACKAGES_FILE}: expected a list under system_packages_os")
+    return list(data["system_packages_os"])
+
+
+def ensure_base_image(cluster_user: str, cluster_user_home: str) -> None:
+    """The nodes' shared OS: the base packages, the roles' OS packages, and the cluster account (its home is
+    made on each node, as one of the node's private directories)."""
+    wanted = [*BASE_PACKAGES, *debian_packages_of_roles()]
+    missing = [
+        p
+        for p in wanted
+        if "install ok installed"
+        not in subprocess.run(["dpkg-query", "-W", "-f=${Status}", p], text=True, capture_output=True).stdout
+    ]
+    if missing:
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing], check=True, env=env)
+    if subprocess.run(["getent", "passwd", cluster_user], capture_output=True).returncode != 0:
+        # Shared /etc/passwd, like an LDAP account on real clusters; "*": key logins only, not locked.
+        run(
+            [
+                "useradd",
+                "--home-dir",
+                cluster_user_home,
+                "--no-create-home",
+                "--shell",
+                "/bin/bash",
+                "--password",
+                "*",
+                "--user-group",
+                cluster_user,
+            ]
+        )
