@@ -88,7 +88,9 @@ def test_a_lost_rank_ends_the_job(sig, what, tiny_model, dataset, tmp_path, cli_
     # A kill is seen at once (closed connections); a stall is cut off by the step timeout, plus shutdown.
     assert ended_after < STEP_TIMEOUT_S + 30, output[-3000:]
     assert "xeonsd train: error: rank 0/2 on " in output, output[-3000:]
-    assert "the all-reduce failed: a peer rank died" in output, output[-3000:]
+    # Which collective rank 0 was in when rank 1 went (the gradient all-reduce, or with --log_every=1 the
+    # statistics' all-gather) depends on timing; every one of them ends the job with the same cause.
+    assert "failed: a peer rank died, its node went away or it stalled" in output, output[-3000:]
     assert not (out / "metrics.jsonl").exists(), "a failed run must not leave a final-looking metrics.jsonl"
     # What the ranks wrote: the survivor failed on its lost peer (closed connection) or the collective timeout
     # (stall); the lost rank's file still says running. The role's diagnosis, fed these files, names rank 1.

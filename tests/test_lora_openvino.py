@@ -165,10 +165,16 @@ def test_two_adapters_blend(
     args = ["generate", str(ov_base), "--prompt", PROMPT, "--num-images", str(BATCH), "--steps", str(STEPS)]
     args += ["--seed", str(SEED), "--lora", f"{trained_lora}:0", "--lora", f"{second_lora}:0", "--out", str(out)]
     assert cli.main(args) == 0
+    import openvino as ov
     from PIL import Image
 
     zero = as_array([Image.open(out / f"image_{i:03d}.png") for i in range(BATCH)])
-    assert np.abs(zero - no_adapter).max() <= 1.0
+    diff = np.abs(zero - no_adapter)
+    # Where the CPU infers in bf16 (AVX512-BF16, AMX) the adapters' zero-weighted ops change the rounding, so a few
+    # pixels move by more than one level; the images stay far closer than any adapter's effect (mean > 3 above).
+    assert diff.mean() <= 0.5, diff.mean()
+    if ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT") == ov.Type.f32:
+        assert diff.max() <= 1.0
 
 
 # --- refused, before anything is compiled -----------------------------------------------------------------------
