@@ -170,9 +170,12 @@ def test_two_adapters_blend(
 
     zero = as_array([Image.open(out / f"image_{i:03d}.png") for i in range(BATCH)])
     diff = np.abs(zero - no_adapter)
-    # Where the CPU infers in bf16 (AVX512-BF16, AMX) the adapters' zero-weighted ops change the rounding, so a few
-    # pixels move by more than one level; the images stay far closer than any adapter's effect (mean > 3 above).
-    assert diff.mean() <= 0.5, diff.mean()
+    # Where the CPU infers in bf16 (AVX512-BF16, AMX) the adapters' zero-weighted ops change the rounding (a mean of
+    # 0.75 levels, single pixels by 12, measured on an AMD EPYC with AVX512-BF16); it stays a small fraction of
+    # what one adapter does.
+    effect = np.abs(a - no_adapter).mean()
+    print(f"\nmean abs pixel difference to no adapter: alpha 0 {diff.mean():.3f}, adapter a {effect:.3f}")
+    assert diff.mean() < effect / 10, (diff.mean(), effect)
     if ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT") == ov.Type.f32:
         assert diff.max() <= 1.0
 
