@@ -306,13 +306,13 @@ def _job(run: Path, cli_env: dict, *args: str) -> dict:
 
     from test_train import run_cli
 
-    begin = subprocess.run([sys.executable, "-m", "xeonsd.jobstatus", "begin", str(run)], env=cli_env,
+    begin = subprocess.run([sys.executable, "-m", "xeonsd.cli", "jobstatus", "begin", str(run)], env=cli_env,
                            capture_output=True, text=True, check=True)  # fmt: skip
     attempt = begin.stdout.strip()
     env = dict(cli_env, XEONSD_ATTEMPT=attempt, XEONSD_NODE_NAMES="127.0.0.1=node1")
     proc = run_cli(["train", *args], env)
     (run / "train.log").write_text("".join(f"[0] {line}\n" for line in proc.stderr.splitlines()))  # as mpirun -l
-    subprocess.run([sys.executable, "-m", "xeonsd.jobstatus", "exit", str(run), "--rc", str(proc.returncode)],
+    subprocess.run([sys.executable, "-m", "xeonsd.cli", "jobstatus", "exit", str(run), "--rc", str(proc.returncode)],
                    env=cli_env, check=True)  # fmt: skip
     results = run / "async.json"
     results.write_text(json.dumps({"rc": proc.returncode}))

@@ -270,16 +270,12 @@ DESCRIPTION = (
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    """``xeonsd jobstatus …``"""
+    """``xeonsd jobstatus begin|exit …``"""
     p = sub.add_parser(
         "jobstatus",
         help="record a training job's attempts and exit code (the finetune role's run.sh)",
         description=DESCRIPTION,
     )
-    _add_actions(p)
-
-
-def _add_actions(p: argparse.ArgumentParser) -> None:
     what = p.add_subparsers(dest="action", required=True)
     begin = what.add_parser("begin", help="start the next attempt; prints its number")
     begin.add_argument("run_dir", type=Path)
@@ -302,14 +298,3 @@ def main_args(args: argparse.Namespace) -> int:
         print(f"xeonsd jobstatus: error: {exc}", file=sys.stderr)
         return 2
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m xeonsd.jobstatus", description=DESCRIPTION)
-    _add_actions(parser)
-    args = parser.parse_args(argv)
-    return main_args(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
