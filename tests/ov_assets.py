@@ -49,8 +49,8 @@ def full_pipeline(tiny_model: Path, embeds: Path, tmp_path_factory: pytest.TempP
 
 
 def _export(src: Path, out: Path, **kwargs) -> Path:
-    from xeonsd.export import ExportOptions, export
-    from xeonsd.ovdir import StaticShape
+    from xeonsd.openvino.export import ExportOptions, export
+    from xeonsd.openvino.manifest import StaticShape
 
     static = StaticShape(batch_size=BATCH, height=SIZE, width=SIZE, num_images_per_prompt=1)
     kwargs.setdefault("static", static)

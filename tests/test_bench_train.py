@@ -33,7 +33,7 @@ def test_bench_train_variants_differ_in_what_they_switch_off(tiny_model, tmp_pat
 
 
 def test_bench_train_refuses_a_model_it_cannot_find(tmp_path, capsys):
-    from xeonsd.bench_train import main
+    from xeonsd.bench.train import main
 
     assert main([f"--model={tmp_path / 'nope'}", "--peak-size=64"]) == 2
     err = capsys.readouterr().err

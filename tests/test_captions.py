@@ -7,8 +7,8 @@ import json
 import pytest
 
 from xeonsd.assets import make_dataset
-from xeonsd.captions import read_captions
-from xeonsd.data import DataError, find_images
+from xeonsd.trainer.captions import read_captions
+from xeonsd.trainer.data import DataError, find_images
 
 
 @pytest.mark.parametrize("layout,source", [("metadata", "metadata.jsonl"), ("sidecar", "sidecar .txt files"),

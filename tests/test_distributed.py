@@ -6,8 +6,8 @@ import os
 
 import pytest
 
+from xeonsd.cluster.distributed import DistributedError, RankInfo, detect_ranks, place_rank
 from xeonsd.cpu import parse_cpuinfo
-from xeonsd.distributed import DistributedError, RankInfo, detect_ranks, place_rank
 
 
 @pytest.mark.parametrize(
@@ -69,7 +69,7 @@ def test_master_port_in_use_gives_the_hint(monkeypatch):
     """Rank 0 hosts the rendezvous on MASTER_PORT; a port another process holds fails at once, saying what to do."""
     import socket
 
-    from xeonsd.distributed import init_process_group
+    from xeonsd.cluster.distributed import init_process_group
 
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
@@ -91,7 +91,7 @@ def test_the_collective_watchdog_fires_only_past_the_limit_in_force():
     one that finishes in time, or one under a longer scoped limit, is not."""
     import time as _time
 
-    from xeonsd.distributed import CollectiveTimeout
+    from xeonsd.cluster.distributed import CollectiveTimeout
 
     fired: list[str] = []
     limit = CollectiveTimeout(world_size=2, initial_s=0.3, on_expiry=fired.append, poll_s=0.05)
@@ -113,7 +113,7 @@ def test_the_collective_watchdog_fires_only_past_the_limit_in_force():
 
 def test_a_lost_peer_error_names_the_peer_gloo_named():
     """The address gloo puts in a failed connection's message goes into the rank's status file (jobstatus)."""
-    from xeonsd.distributed import PeerLostError, collective, peer_address
+    from xeonsd.cluster.distributed import PeerLostError, collective, peer_address
 
     assert peer_address("[pair.cc:537] Read error [10.0.0.13]:23753: Connection reset by peer.") == "10.0.0.13"
     assert peer_address("Connection closed by peer [10.0.0.14]:4000") == "10.0.0.14"

@@ -17,8 +17,8 @@ from ov_assets import BATCH, PROMPT, SIZE, STEPS, TOKEN, as_array
 from safetensors.torch import save_file
 
 from xeonsd import cli
-from xeonsd.concept import ov_vocab_rows
-from xeonsd.ovdir import MANIFEST
+from xeonsd.concept_file import ov_vocab_rows
+from xeonsd.openvino.manifest import MANIFEST
 
 pytest_plugins = ["ov_assets"]  # the session exports, shared by both test modules
 TOKENS = [TOKEN, f"{TOKEN}_1"]

@@ -1,6 +1,6 @@
 """The finetune role's job module: progress from the trainer's metrics, and which node a failed job blames.
 
-Who failed comes from the ranks' status files, written here with the package's own writers (xeonsd.jobstatus)
+Who failed comes from the ranks' status files, written here with the package's own writers (xeonsd.cluster.job_status)
 into one directory per node, and read back as the role gathers them (read_status_dir on each node); the excerpt
 comes from train.log, in the shape `mpirun -l` gives the trainer's output (every line prefixed with its rank)."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from xeonsd import jobstatus
-from xeonsd.jobstatus import LastError, RankStatus, RankStatusFile
+from xeonsd.cluster import job_status as jobstatus
+from xeonsd.cluster.job_status import LastError, RankStatus, RankStatusFile
 
 REPO = Path(__file__).resolve().parent.parent
 # The module's logic, not the module: importing ansible.module_utils.basic patches sys.intern for the whole process,
@@ -53,7 +53,7 @@ def _statuses(
 
 def _startup(world: int = 16, ppn: int = 4) -> list[str]:
     return [
-        f"[{r}] 2026-11-30 10:00:00,000 [rank {r}/{world}] INFO xeonsd.train: node=10.0.0.{11 + r // ppn} pid={100 + r} "
+        f"[{r}] 2026-11-30 10:00:00,000 [rank {r}/{world}] INFO xeonsd.trainer.loop: node=10.0.0.{11 + r // ppn} pid={100 + r} "
         "launcher=intel-mpi backend=gloo threads=1"
         for r in range(world)
     ]
@@ -193,8 +193,8 @@ def test_progress_line_and_job_state(tmp_path: Path) -> None:
 
 
 def _stats_rows(slow_node: int | None) -> list[dict]:
-    """Metrics rows as the trainer writes them (xeonsd.rankstats), 16 ranks on 4 nodes, stats every 5 steps."""
-    from xeonsd.rankstats import Interval, StragglerWatch, summarize
+    """Metrics rows as the trainer writes them (xeonsd.cluster.rank_stats), 16 ranks on 4 nodes, stats every 5 steps."""
+    from xeonsd.cluster.rank_stats import Interval, StragglerWatch, summarize
 
     watch = StragglerWatch()
     rows = []
@@ -281,7 +281,7 @@ def test_a_killed_node_in_the_shape_mpirun_prints_it(tmp_path: Path) -> None:
 
 
 def test_the_module_reads_the_fields_the_package_writes() -> None:
-    """The module cannot import the package: what it declares must be what xeonsd.jobstatus defines."""
+    """The module cannot import the package: what it declares must be what xeonsd.cluster.job_status defines."""
     assert set(xeonsd_job.RANK_STATUS_FIELDS) == set(jobstatus.field_names(RankStatus))
     assert set(xeonsd_job.ERROR_FIELDS) == set(jobstatus.field_names(LastError))
     assert set(xeonsd_job.EXIT_FIELDS) == set(jobstatus.field_names(jobstatus.ExitStatus))

@@ -16,9 +16,9 @@ import torch
 from ov_assets import BATCH, PROMPT, SIZE, STEPS, TOKEN, as_array
 
 from xeonsd import cli
-from xeonsd.concept import expand_prompt
-from xeonsd.generate import GenerateError, GenerateOptions, generate
-from xeonsd.ovdir import ExportDirError
+from xeonsd.concept_file import expand_prompt
+from xeonsd.openvino.generate import GenerateError, GenerateOptions, generate
+from xeonsd.openvino.manifest import ExportDirError
 
 pytest_plugins = ["ov_assets"]  # the session exports, shared by both test modules
 OPTS = GenerateOptions(prompts=(PROMPT,), num_images=BATCH, steps=STEPS, seed=11)
@@ -158,7 +158,7 @@ def test_refuses_embeds_the_export_already_holds(ov_baked: Path, embeds: Path, t
 
 
 def test_read_manifest_refuses_a_missing_network(ov_base: Path, tmp_path: Path) -> None:
-    from xeonsd.ovdir import read_manifest
+    from xeonsd.openvino.manifest import read_manifest
 
     broken = tmp_path / "broken"
     shutil.copytree(ov_base, broken)
@@ -168,7 +168,7 @@ def test_read_manifest_refuses_a_missing_network(ov_base: Path, tmp_path: Path) 
 
 
 def test_a_failure_while_writing_leaves_no_output(ov_baked: Path, tmp_path: Path, monkeypatch) -> None:
-    import xeonsd.generate as gen
+    import xeonsd.openvino.generate as gen
 
     def broken_grid(images: list) -> None:
         raise OSError("disk full")

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from xeonsd.distributed import node_address
-from xeonsd.hello import Member, gloo_loopback_hint, interface_of, node_lines
+from xeonsd.cluster.distributed import node_address
+from xeonsd.cluster.hello import Member, gloo_loopback_hint, interface_of, node_lines
 
 
 def _mpirun(env: dict[str, str]) -> str:

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from test_train import _fail, _mpi_env, run_cli
 
-from xeonsd.config import build_parser
+from xeonsd.trainer.config import build_parser
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
@@ -124,7 +124,7 @@ def test_lora_file_loads_in_stock_diffusers_and_changes_the_image(tiny_model, da
     pipe.load_lora_weights(str(out))
     # the file carries the adapters' alpha (4 with rank 2: scale 2), for diffusers and for the GenAI conversion
     assert {c.lora_alpha for c in (*pipe.unet.peft_config.values(), *pipe.text_encoder.peft_config.values())} == {4}
-    from xeonsd.loraformat import read_adapter
+    from xeonsd.openvino.lora_files import read_adapter
 
     assert {m.alpha for m in read_adapter(out / LORA_FILE).values()} == {4.0}
     after = image(pipe)
@@ -318,8 +318,8 @@ def test_dry_run_prints_the_memory_estimate_and_writes_nothing(tiny_model, datas
 
 
 def test_estimate_grows_with_what_the_method_trains_and_the_resolution(tiny_model):
-    from xeonsd.config import parse_config
-    from xeonsd.memory import estimate
+    from xeonsd.trainer.config import parse_config
+    from xeonsd.trainer.memory import estimate
 
     def est(method: str, *extra: str):
         args = method_args(method, tiny_model, Path("d"), Path("o"), *extra)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from xeonsd.metrics import ema, ema_window, loss_curve, loss_figure, plot_loss
+from xeonsd.trainer.metrics import ema, ema_window, loss_curve, loss_figure, plot_loss
 
 
 def test_ema_is_the_bias_corrected_exponential_average() -> None:

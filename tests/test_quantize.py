@@ -13,9 +13,9 @@ import pytest
 from ov_assets import SIZE, TOKEN, as_array
 
 from xeonsd import cli
-from xeonsd.data import OBJECT_TEMPLATES
-from xeonsd.ovdir import MANIFEST
-from xeonsd.quantize import CALIBRATION_STEPS, default_prompts
+from xeonsd.openvino.manifest import MANIFEST
+from xeonsd.openvino.quantize import CALIBRATION_STEPS, default_prompts
+from xeonsd.trainer.prompts import OBJECT_TEMPLATES
 
 pytest_plugins = ["ov_assets"]
 
@@ -100,7 +100,7 @@ def test_hybrid_export_generates_in_both_engines(ov_hybrid, engine: str, tmp_pat
 
 
 def test_both_engines_make_the_same_image_from_the_hybrid_export(ov_hybrid) -> None:
-    from xeonsd.generate import GenerateOptions, generate
+    from xeonsd.openvino.generate import GenerateOptions, generate
 
     out, _ = ov_hybrid
     got = {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from xeonsd.rankstats import CAUSES, Interval, RankClock, StragglerWatch, node_names, summarize
+from xeonsd.cluster.rank_stats import CAUSES, Interval, RankClock, StragglerWatch, node_names, summarize
 
 
 class FakeClock:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from xeonsd.report import training_summary
+from xeonsd.ops.report import training_summary
 
 
 def _run_dir(tmp_path: Path) -> Path:
@@ -38,7 +38,7 @@ def _run_dir(tmp_path: Path) -> Path:
 def test_report_shows_a_lora_runs_method_adapter_captions_all_reduce_and_the_reused_base_export(tmp_path):
     """A LoRA run: the method, trainable parameters, the adapter's size, the captions used, the bytes all-reduced
     per step (counted and measured), and the base model's export, reused, found through the run's openvino link."""
-    from xeonsd.report import build_report
+    from xeonsd.ops.report import build_report
 
     run = _run_dir(tmp_path)
     (run / "train_summary.json").write_text(json.dumps({
@@ -77,7 +77,7 @@ def test_training_summary_from_metrics():
 
 def test_report_states_the_smoothed_loss_and_its_window(tmp_path, demo_metrics):
     """The raw first and last loss of the demo run are noise; the report gives the EMA's trend and its window."""
-    from xeonsd.report import build_report
+    from xeonsd.ops.report import build_report
 
     summary = training_summary(demo_metrics)
     assert summary["loss EMA, window 5 steps (α=0.33)"] == "1.1211 at step 5 → 1.1341 at step 30"
@@ -132,7 +132,7 @@ def test_report_shows_the_job_script_and_the_stack_when_run_json_is_absent(tmp_p
 
 def _stats_run(tmp_path: Path, prices: dict | None, slow_node: int | None = 3) -> Path:
     """A run directory whose metrics carry the gathered rank statistics (4 nodes × 4 ranks, every 5 of 20 steps)."""
-    from xeonsd.rankstats import Interval, StragglerWatch, summarize
+    from xeonsd.cluster.rank_stats import Interval, StragglerWatch, summarize
 
     run = _run_dir(tmp_path)
     watch, rows = StragglerWatch(), []

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from xeonsd.config import parse_config
+from xeonsd.trainer.config import parse_config
 
 TOKEN = "<dicoo>"
 
@@ -193,8 +193,8 @@ def test_cached_distribution_equals_encoder_distribution(tiny_model, dataset):
     """Samples from the cached (mean, std) and from fresh encodes have matching moments for every input."""
     from diffusers import AutoencoderKL
 
-    from xeonsd.data import find_images, load_all_pixels
-    from xeonsd.latents import build_latent_cache, sample_latents
+    from xeonsd.trainer.data import find_images, load_all_pixels
+    from xeonsd.trainer.latents import build_latent_cache, sample_latents
 
     vae = AutoencoderKL.from_pretrained(tiny_model, subfolder="vae")
     pixels = load_all_pixels(find_images(dataset), 64, False, 0)

@@ -41,7 +41,7 @@ def _inventory_argv(*extra_vars: str) -> list[str]:
     ],
 )  # fmt: skip
 def test_the_inventorys_argv_carries_only_the_chosen_methods_flags(method, own, foreign) -> None:
-    from xeonsd.config import given_flags, parse_config
+    from xeonsd.trainer.config import given_flags, parse_config
 
     argv = _inventory_argv(f"finetune_method={method}", "finetune_use_ema=true")
     cfg = parse_config(argv)  # a flag of another method would be a ConfigError

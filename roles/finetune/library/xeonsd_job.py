@@ -2,7 +2,7 @@
 """Ansible module: the state of a finetune job on the primary (progress while it runs, diagnosis when it failed).
 
 The reading and the diagnosis live in the role's module_utils/xeonsd_joblog.py; this is the Ansible wrapper.
-The diagnosis reads the ranks' status files (``status/rank-<r>.json``, xeonsd.jobstatus): those gathered from
+The diagnosis reads the ranks' status files (``status/rank-<r>.json``, xeonsd.cluster.job_status): those gathered from
 every node by xeonsd_rank_status when ``rank_status`` is given, else this node's own.
 """
 

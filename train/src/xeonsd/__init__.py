@@ -1,3 +1,19 @@
-"""xeonsd: distributed textual-inversion fine-tuning of Stable Diffusion on Xeon CPUs, exported to OpenVINO."""
+"""xeonsd: fine-tune Stable Diffusion on a cluster of Xeon CPUs (textual inversion, LoRA, full; data-parallel over
+MPI ranks) and ship the result as an OpenVINO model.
+
+The package is one subpackage per concern; each ``__init__`` says what it owns and what it may import:
+
+* :mod:`xeonsd.trainer`: ``xeonsd train``: configuration, data, prompts, models, the loop and the methods;
+* :mod:`xeonsd.cluster`: what a job's ranks share: the process group, rank statistics, job status, ``hello``;
+* :mod:`xeonsd.openvino`: ``xeonsd export`` / ``generate``: the IR export, int8, the export's manifest, LoRA files;
+* :mod:`xeonsd.ops`: ``xeonsd doctor`` / ``report``: checking a node and reading a finished run;
+* :mod:`xeonsd.bench`: ``xeonsd bench train`` / ``generate``.
+
+At the top level only what more than one of them uses: :mod:`~xeonsd.cli` (the command line), :mod:`~xeonsd.fsutil`
+(crash-safe output), :mod:`~xeonsd.cpu` (what the CPU offers), :mod:`~xeonsd.modelsource` (where a model comes from
+and its fingerprint), :mod:`~xeonsd.concept_file` (a learned concept's file, read by the trainer and the OpenVINO
+side), :mod:`~xeonsd.flops` (FLOP counts and the matmul peak) and :mod:`~xeonsd.assets` (the offline tiny model and
+image set that the demo and the tests build).
+"""
 
 __version__ = "0.1.0"

@@ -12,7 +12,7 @@ Nothing can be downloaded in tests, so these stand in for the Hub model and the 
 * ``sd21``: the full SD 2.1 (768-v) architecture (UNet ~865M parameters, OpenCLIP-H-sized text encoder,
   v-prediction) with random weights, for benchmarks.
 
-The image set can come with captions in each layout the trainer reads (see :mod:`xeonsd.captions`).
+The image set can come with captions in each layout the trainer reads (see :mod:`xeonsd.trainer.captions`).
 """
 
 from __future__ import annotations

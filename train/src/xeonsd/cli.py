@@ -30,19 +30,19 @@ def _make_dataset(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, rest: list[str]) -> int:
-    from xeonsd.train import main as train_main
+    from xeonsd.trainer.loop import main as train_main
 
     return train_main(rest)
 
 
 def _export(args: argparse.Namespace) -> int:
-    from xeonsd.export import main_args
+    from xeonsd.openvino.export import main_args
 
     return main_args(args)
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from xeonsd.generate import main_args
+    from xeonsd.openvino.generate import main_args
 
     return main_args(args)
 
@@ -76,7 +76,7 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_quantize_flags(p: argparse.ArgumentParser) -> None:
-    from xeonsd.quantize import DEFAULT_SAMPLES
+    from xeonsd.openvino.quantize import DEFAULT_SAMPLES
 
     p.add_argument("--quantize", choices=["hybrid"],
                    help="hybrid: int8 weights everywhere and int8 activations in the UNet (NNCF), calibrated offline")  # fmt: skip
@@ -127,7 +127,7 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from xeonsd.report import write_report
+    from xeonsd.ops.report import write_report
 
     print(write_report(Path(args.run_dir)))
     return 0
@@ -135,9 +135,9 @@ def _report(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace, rest: list[str]) -> int:
     if args.what == "train":
-        from xeonsd.bench_train import main as bench_main
+        from xeonsd.bench.train import main as bench_main
     else:
-        from xeonsd.bench_generate import main as bench_main
+        from xeonsd.bench.generate import main as bench_main
     return bench_main(rest)
 
 
@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="directory with run.json, metrics.jsonl, loss.png, images/ …")
     p.set_defaults(func=_report)
 
-    from xeonsd.jobstatus import add_parser as add_jobstatus_parser  # stdlib only: cheap to import
+    from xeonsd.cluster.job_status import add_parser as add_jobstatus_parser  # stdlib only: cheap to import
 
     add_jobstatus_parser(sub)
 
@@ -195,11 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "train":
         return _train(argparse.Namespace(), argv[1:])
     if argv and argv[0] == "doctor":
-        from xeonsd.doctor import main as doctor_main
+        from xeonsd.ops.doctor import main as doctor_main
 
         return doctor_main(argv[1:])
     if argv and argv[0] == "hello":
-        from xeonsd.hello import main as hello_main
+        from xeonsd.cluster.hello import main as hello_main
 
         return hello_main(argv[1:])
     if argv and argv[0] == "bench" and len(argv) > 1 and argv[1] in ("train", "generate"):

@@ -14,6 +14,8 @@ client's five retries. Every command that takes a model (``train``, ``export``, 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import socket
 import threading
 from dataclasses import dataclass
@@ -143,3 +145,29 @@ def check_model_source(
             why += "; the Hub cache has a copy, which HF_HUB_OFFLINE=1 loads without the network"
         raise _not_found(flag, model, why, fixes)
     return ModelSource("hub", f"Hub id {model}{at}: {host} resolves (downloaded, or taken from the Hub cache)")
+
+
+def model_fingerprint(src: str, revision: str | None = None, subfolder: str | None = None) -> str:
+    """A short digest that tells base models apart, so that a checkpoint or adapter trained on another base is
+    refused. For a local pipeline: its configs, and the size plus first and last MiB of each weight file (cheap
+    on multi-GB files, and two differently trained models differ there); for a Hub id: the id and revision.
+    With ``subfolder``, only that component (e.g. ``vae``)."""
+    root = Path(src).expanduser()
+    h = hashlib.sha256()
+    if not (root / "model_index.json").is_file():
+        h.update(json.dumps([src, revision, subfolder]).encode())
+        return h.hexdigest()[:16]
+    chunk = 1 << 20
+    top = root / subfolder if subfolder else root
+    for path in sorted(p for p in top.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        rel = path.relative_to(root).as_posix()
+        if path.suffix in (".json", ".txt"):
+            h.update(f"{rel}\0".encode() + path.read_bytes())
+        elif path.suffix in (".safetensors", ".bin", ".ckpt", ".pt"):
+            size = path.stat().st_size
+            with open(path, "rb") as fh:
+                head = fh.read(chunk)
+                fh.seek(max(0, size - chunk))
+                tail = fh.read(chunk)
+            h.update(f"{rel}\0{size}\0".encode() + head + tail)
+    return h.hexdigest()[:16]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from xeonsd.concept import expand_tokens, token_taken
+from xeonsd.concept_file import expand_tokens, token_taken
 from xeonsd.fsutil import atomic_path
 
 log = logging.getLogger(__name__)

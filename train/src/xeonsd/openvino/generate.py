@@ -9,7 +9,7 @@ A static export makes images in calls of exactly ``batch_size x num_images_per_p
 fit is refused with the shape the model has. ``--embeds`` adds a learned concept to the exported text encoder
 at load time (no re-export), giving the same images as an export with the concept baked in. ``--lora FILE[:ALPHA]``
 (genai only) blends LoRA adapters into the exported UNet/text encoder at compile time through GenAI's
-``Adapter``/``AdapterConfig``; our trainer's files are converted to the layout GenAI applies (:mod:`xeonsd.loraformat`).
+``Adapter``/``AdapterConfig``; our trainer's files are converted to the layout GenAI applies (:mod:`xeonsd.openvino.lora_files`).
 Output: ``image_000.png`` …, ``grid.png`` and ``timings.json`` (load, compile, first image, per-call latency,
 images/s).
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from xeonsd.fsutil import atomic_dir
-from xeonsd.ovdir import StaticShape, check_writable_output, read_manifest, static_shape
+from xeonsd.openvino.manifest import StaticShape, check_writable_output, read_manifest, static_shape
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class OptimumEngine(Engine):
             str(self.ov_dir), dynamic_shapes=not self.plan.static, compile=False
         )
         if self.opts.embeds is not None:
-            from xeonsd.concept import add_to_openvino, load_concept
+            from xeonsd.concept_file import add_to_openvino, load_concept
 
             concept = load_concept(self.opts.embeds, self.opts.token)
             add_to_openvino(pipe.tokenizer, pipe.text_encoder.model, concept)
@@ -195,8 +195,8 @@ class GenaiEngine(Engine):
         import openvino as ov
         from transformers import CLIPTokenizer
 
-        from xeonsd import ovtokenizer
-        from xeonsd.concept import add_to_openvino, load_concept
+        from xeonsd.concept_file import add_to_openvino, load_concept
+        from xeonsd.openvino import tokenizer as ovtokenizer
 
         if self._workdir is None:
             self._workdir = tempfile.TemporaryDirectory(prefix="xeonsd-genai-")
@@ -221,7 +221,7 @@ class GenaiEngine(Engine):
         """The ``--lora`` adapters, checked against the export and converted to the layout GenAI applies."""
         import openvino_genai
 
-        from xeonsd import loraformat
+        from xeonsd.openvino import lora_files as loraformat
 
         if self._workdir is None:
             self._workdir = tempfile.TemporaryDirectory(prefix="xeonsd-genai-")
@@ -262,7 +262,7 @@ class GenaiEngine(Engine):
         import openvino_genai
         from PIL import Image
 
-        from xeonsd.concept import expand_prompt
+        from xeonsd.concept_file import expand_prompt
 
         kwargs: dict[str, Any] = {}
         if self.opts.negative_prompt is not None:
@@ -374,7 +374,7 @@ def generate_to_dir(ov_dir: Path, out: Path, opts: GenerateOptions, overwrite: b
 
 
 def parse_lora_specs(specs: list[str]) -> list[tuple[Path, float]]:
-    from xeonsd.loraformat import parse_spec
+    from xeonsd.openvino.lora_files import parse_spec
 
     return [parse_spec(s) for s in specs]
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from xeonsd.fsutil import atomic_file
-from xeonsd.quantize import DEFAULT_SAMPLES
+from xeonsd.openvino.quantize import DEFAULT_SAMPLES
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +106,8 @@ def _model_and_concept(args: argparse.Namespace, workdir: Path) -> tuple[Path, P
 def _export_cached(
     model: Path, embeds: Path, out: Path, static: Any, weight_format: str, quantize: Any = None
 ) -> tuple[Path, float]:
-    from xeonsd.export import ExportOptions, export
-    from xeonsd.ovdir import ExportDirError, read_manifest
+    from xeonsd.openvino.export import ExportOptions, export
+    from xeonsd.openvino.manifest import ExportDirError, read_manifest
 
     try:
         manifest = read_manifest(out)
@@ -160,7 +160,7 @@ def _time_torch(model: Path, embeds: Path, args: argparse.Namespace, bf16: bool)
 
 def _time_ov(ov_dir: Path, engine: str, args: argparse.Namespace, keep: list | None = None) -> tuple[float, float]:
     """Load+compile and mean seconds per image; ``keep`` gets the first timed image (seed ``args.seed``)."""
-    from xeonsd.generate import Call, GenerateOptions, open_engine
+    from xeonsd.openvino.generate import Call, GenerateOptions, open_engine
 
     opts = GenerateOptions(
         prompts=(PROMPT,),
@@ -192,7 +192,7 @@ def _time_ov(ov_dir: Path, engine: str, args: argparse.Namespace, keep: list | N
 
 
 def engine_static(ov_dir: Path) -> bool:
-    from xeonsd.ovdir import read_manifest
+    from xeonsd.openvino.manifest import read_manifest
 
     return read_manifest(ov_dir, verify=False)["static_shape"] is not None
 
@@ -201,8 +201,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import openvino as ov
 
     from xeonsd.cpu import cpu_info
-    from xeonsd.ovdir import StaticShape
-    from xeonsd.quantize import QuantizeOptions
+    from xeonsd.openvino.manifest import StaticShape
+    from xeonsd.openvino.quantize import QuantizeOptions
 
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)

@@ -11,10 +11,10 @@ The recipe's steps, ``OVStableDiffusionPipeline.from_pretrained(model_id, export
 * ``--lora FILE --lora-scale S``: a LoRA adapter fused into the weights before the export (diffusers'
   ``load_lora_weights`` + ``fuse_lora``), for ``--engine optimum`` (no runtime LoRA) or one self-contained directory;
 * ``--weight-format int8``: NNCF data-free 8-bit weight compression; ``fp16``: weights stored in half precision;
-* ``--quantize hybrid``: NNCF hybrid int8, calibrated offline on our prompts (see :mod:`xeonsd.quantize`);
+* ``--quantize hybrid``: NNCF hybrid int8, calibrated offline on our prompts (see :mod:`xeonsd.openvino.quantize`);
 * the OpenVINO tokenizer model ``openvino_genai.Text2ImagePipeline`` needs (optimum-intel does not write one for
   diffusers pipelines), converted with ``openvino_tokenizers.convert_tokenizer``;
-* the manifest ``xeonsd_export.json`` (see :mod:`xeonsd.ovdir`).
+* the manifest ``xeonsd_export.json`` (see :mod:`xeonsd.openvino.manifest`).
 
 Everything is written to a temporary directory beside OUT and renamed into place at the end.
 """
@@ -29,11 +29,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from xeonsd import ovtokenizer
 from xeonsd.fsutil import atomic_dir
 from xeonsd.modelsource import check_model_source
-from xeonsd.ovdir import ExportDirError, StaticShape, check_writable_output, write_manifest
-from xeonsd.quantize import DEFAULT_SAMPLES, QuantizeError, QuantizeOptions, check_options
+from xeonsd.openvino import tokenizer as ovtokenizer
+from xeonsd.openvino.manifest import ExportDirError, StaticShape, check_writable_output, write_manifest
+from xeonsd.openvino.quantize import DEFAULT_SAMPLES, QuantizeError, QuantizeOptions, check_options
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def _with_concept(src: str, embeds: Path, token: str | None, workdir: Path) -> t
     """Write SRC with the concept added to tokenizer and text encoder into ``workdir``; return it and the tokens."""
     from diffusers import StableDiffusionPipeline
 
-    from xeonsd.concept import add_to_torch, load_concept
+    from xeonsd.concept_file import add_to_torch, load_concept
 
     concept = load_concept(embeds, token)
     pipe = StableDiffusionPipeline.from_pretrained(src, safety_checker=None, requires_safety_checker=False)
@@ -109,7 +109,7 @@ def _with_lora(src: str, lora: Path, scale: float, workdir: Path) -> Path:
     """Write SRC with the LoRA adapter fused into its UNet (and text encoder) into ``workdir``; return it."""
     from diffusers import StableDiffusionPipeline
 
-    from xeonsd import loraformat
+    from xeonsd.openvino import lora_files as loraformat
 
     modules = loraformat.read_adapter(lora)
     pipe = StableDiffusionPipeline.from_pretrained(src, safety_checker=None, requires_safety_checker=False)
@@ -132,8 +132,8 @@ def _with_lora(src: str, lora: Path, scale: float, workdir: Path) -> Path:
 
 def _lora_manifest(src: str, opts: ExportOptions) -> dict[str, Any]:
     """The manifest's record of the base model and of a fused adapter."""
-    from xeonsd.models import model_fingerprint
-    from xeonsd.ovdir import _sha256
+    from xeonsd.modelsource import model_fingerprint
+    from xeonsd.openvino.manifest import _sha256
 
     lora = None
     if opts.lora is not None:
@@ -184,7 +184,7 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
     # The OpenVINO stack is imported only once the inputs are known to be good: a bad one fails at once.
     from optimum.intel import OVStableDiffusionPipeline, OVWeightQuantizationConfig
 
-    from xeonsd.concept import ov_vocab_rows
+    from xeonsd.concept_file import ov_vocab_rows
 
     t0 = time.perf_counter()
     tokens: list[str] = []
@@ -211,7 +211,7 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
             tokens = ovtokenizer.concept_tokens(pipe.tokenizer)
         quantization = None
         if opts.quantize is not None:
-            from xeonsd.quantize import quantize_pipeline
+            from xeonsd.openvino.quantize import quantize_pipeline
 
             quantization = quantize_pipeline(pipe, opts.quantize, tokens, opts.static)
         with atomic_dir(out, overwrite=opts.overwrite) as tmp:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from xeonsd.data import PromptTable
-from xeonsd.distributed import all_reduce_sum_
-from xeonsd.models import Models, autocast
+from xeonsd.cluster.distributed import all_reduce_sum_
+from xeonsd.trainer.models import Models, autocast
+from xeonsd.trainer.prompts import PromptTable
 
 
 class PromptConditioning:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from xeonsd.distributed import all_reduce_sum_
+from xeonsd.cluster.distributed import all_reduce_sum_
 from xeonsd.fsutil import atomic_path
 
 log = logging.getLogger(__name__)
@@ -96,8 +96,8 @@ class LatentTable:
 
     @classmethod
     def build(cls, cfg, models, images: list[Path], rank: int, local_rank: int, world: int) -> LatentTable:
-        from xeonsd.data import load_all_pixels, load_pixels
-        from xeonsd.models import model_fingerprint
+        from xeonsd.modelsource import model_fingerprint
+        from xeonsd.trainer.data import load_all_pixels, load_pixels
 
         vae = models.vae
         scale = 2 ** (len(vae.config.block_out_channels) - 1)

@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from xeonsd.config import ConfigError, flag_methods
-from xeonsd.data import PromptTable
+from xeonsd.trainer.config import ConfigError, flag_methods
+from xeonsd.trainer.prompts import PromptTable
 
 if TYPE_CHECKING:
-    from xeonsd.captions import Captions
-    from xeonsd.config import TrainConfig
-    from xeonsd.models import Models
+    from xeonsd.trainer.captions import Captions
+    from xeonsd.trainer.config import TrainConfig
+    from xeonsd.trainer.models import Models
 
 
 class Method:

@@ -92,10 +92,10 @@ def check_method(method: str) -> Check:
 
 
 def check_inputs(train_args: list[str], ranks_per_node: int = 1) -> list[Check]:
-    from xeonsd.captions import read_captions
-    from xeonsd.config import ConfigError, parse_config
-    from xeonsd.data import DataError, find_images
-    from xeonsd.methods import for_config
+    from xeonsd.trainer.captions import read_captions
+    from xeonsd.trainer.config import ConfigError, parse_config
+    from xeonsd.trainer.data import DataError, find_images
+    from xeonsd.trainer.methods import for_config
 
     try:
         cfg = parse_config(train_args)
@@ -128,7 +128,7 @@ def check_memory(cfg, num_images: int, num_prompts: int, ranks_per_node: int) ->
     """The trainer's own estimate of a rank's peak memory, for this node's ranks, against its free memory."""
     import dataclasses
 
-    from xeonsd import memory
+    from xeonsd.trainer import memory
 
     if cfg.mixed_precision == "auto":
         cfg = dataclasses.replace(cfg, mixed_precision="bf16" if cpu_info().native_bf16 else "no")
@@ -167,7 +167,7 @@ def trial_step(train_args: list[str], env: dict[str, str], timeout: float) -> Ch
 
 def node_facts() -> dict:
     """What doctor.yml puts side by side for every node: the CPU model, its physical cores, AMX."""
-    from xeonsd.distributed import _physical_cores
+    from xeonsd.cluster.distributed import _physical_cores
 
     info = cpu_info()
     return {"cpu_model": info.model, "cores": len(_physical_cores(set(os.sched_getaffinity(0)))),

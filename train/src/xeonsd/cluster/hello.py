@@ -14,7 +14,7 @@ import socket
 import sys
 from dataclasses import dataclass
 
-from xeonsd.distributed import (
+from xeonsd.cluster.distributed import (
     DEFAULT_MASTER_ADDR,
     DEFAULT_MASTER_PORT,
     TIMEOUT_ENV,

@@ -8,8 +8,6 @@ through it (textual inversion, LoRA on the text encoder), and it is small.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import shutil
@@ -19,13 +17,13 @@ from pathlib import Path
 
 import torch
 
-from xeonsd.config import ConfigError, TrainConfig
-from xeonsd.embeddings import PlaceholderEmbedding
 from xeonsd.fsutil import atomic_dir
+from xeonsd.trainer.config import ConfigError, TrainConfig
+from xeonsd.trainer.embeddings import PlaceholderEmbedding
 
-log = logging.getLogger("xeonsd.train")
+log = logging.getLogger("xeonsd.trainer.loop")
 
-__all__ = ["ConfigError", "Models", "autocast", "load_models", "model_fingerprint", "save_full_pipeline"]
+__all__ = ["ConfigError", "Models", "autocast", "load_models", "save_full_pipeline"]
 
 
 @dataclass
@@ -128,32 +126,6 @@ def save_full_pipeline(cfg: TrainConfig, target: Path, **components: torch.nn.Mo
     finally:
         if emb is not None:
             text_encoder.set_input_embeddings(emb)
-
-
-def model_fingerprint(src: str, revision: str | None = None, subfolder: str | None = None) -> str:
-    """A short digest that tells base models apart, so that a checkpoint or adapter trained on another base is
-    refused. For a local pipeline: its configs, and the size plus first and last MiB of each weight file (cheap
-    on multi-GB files, and two differently trained models differ there); for a Hub id: the id and revision.
-    With ``subfolder``, only that component (e.g. ``vae``)."""
-    root = Path(src).expanduser()
-    h = hashlib.sha256()
-    if not (root / "model_index.json").is_file():
-        h.update(json.dumps([src, revision, subfolder]).encode())
-        return h.hexdigest()[:16]
-    chunk = 1 << 20
-    top = root / subfolder if subfolder else root
-    for path in sorted(p for p in top.rglob("*") if p.is_file() and not p.name.startswith(".")):
-        rel = path.relative_to(root).as_posix()
-        if path.suffix in (".json", ".txt"):
-            h.update(f"{rel}\0".encode() + path.read_bytes())
-        elif path.suffix in (".safetensors", ".bin", ".ckpt", ".pt"):
-            size = path.stat().st_size
-            with open(path, "rb") as fh:
-                head = fh.read(chunk)
-                fh.seek(max(0, size - chunk))
-                tail = fh.read(chunk)
-            h.update(f"{rel}\0{size}\0".encode() + head + tail)
-    return h.hexdigest()[:16]
 
 
 def render_validation(cfg: TrainConfig, models: Models, target: Path, seed: int) -> None:

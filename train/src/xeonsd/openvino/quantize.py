@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xeonsd.ovdir import StaticShape
+from xeonsd.openvino.manifest import StaticShape
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +78,8 @@ def read_prompts(path: Path) -> list[str]:
 
 def default_prompts(concept_tokens: list[str]) -> list[str]:
     """The recipe's prompt, then the textual-inversion object templates, with the export's concept token."""
-    from xeonsd.data import OBJECT_TEMPLATES
-    from xeonsd.generate import RECIPE_PROMPT
+    from xeonsd.openvino.generate import RECIPE_PROMPT
+    from xeonsd.trainer.prompts import OBJECT_TEMPLATES
 
     token = next((t for t in concept_tokens if not t.rsplit("_", 1)[-1].isdigit()), None) or RECIPE_TOKEN
     return [RECIPE_PROMPT.replace(RECIPE_TOKEN, token), *(t.format(token) for t in OBJECT_TEMPLATES)]

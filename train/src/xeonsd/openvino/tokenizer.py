@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from xeonsd.ovdir import OV_TOKENIZER
+from xeonsd.openvino.manifest import OV_TOKENIZER
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from xeonsd import clusterview
 from xeonsd.fsutil import atomic_file
-from xeonsd.metrics import loss_curve, read_summary
+from xeonsd.ops import run_view as clusterview
+from xeonsd.trainer.metrics import loss_curve, read_summary
 
 REPORT = "report.html"
 

@@ -1,10 +1,10 @@
 """``xeonsd train``: fine-tune Stable Diffusion on CPUs, data-parallel over MPI ranks.
 
-One loop for every method (:mod:`xeonsd.methods`): ``setup`` (ranks, models, the method's trainable part, the
+One loop for every method (:mod:`xeonsd.trainer.methods`): ``setup`` (ranks, models, the method's trainable part, the
 latent and prompt caches, optimizer, resume) → ``fit`` (per step: each rank's share of the global batch, loss,
 backward, gradient all-reduce, optimizer, metrics, checkpoint) → ``save`` (the method's result, metrics, loss
 plot). Rank 0 writes every file; every rank logs with its rank in the prefix and keeps its own status file on its
-node (``status/rank-<r>.json``, :mod:`xeonsd.jobstatus`: state, step, and the kind of error that ended it).
+node (``status/rank-<r>.json``, :mod:`xeonsd.cluster.job_status`: state, step, and the kind of error that ended it).
 """
 
 from __future__ import annotations
@@ -25,12 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from xeonsd import checkpoint as ckpt
-from xeonsd.captions import Captions, read_captions
-from xeonsd.config import ConfigError, TrainConfig, parse_config
-from xeonsd.cpu import cpu_info
-from xeonsd.data import DataError, PromptTable, SamplingPlan, find_images, mix
-from xeonsd.distributed import (
+from xeonsd.cluster.distributed import (
     CollectiveTimeout,
     DistributedError,
     PeerLostError,
@@ -48,18 +43,24 @@ from xeonsd.distributed import (
     place_rank,
     take_the_job_down,
 )
-from xeonsd.embeddings import ConceptError
+from xeonsd.cluster.job_status import RankStatus, RankStatusFile, StatusFileError, attempt_from_env
+from xeonsd.cluster.rank_stats import Interval, RankClock, StragglerWatch, node_names, summarize
+from xeonsd.cpu import cpu_info
 from xeonsd.flops import allreduced_elements, count_attention
-from xeonsd.jobstatus import RankStatus, RankStatusFile, StatusFileError, attempt_from_env
-from xeonsd.latents import LatentTable
-from xeonsd.methods import Method, for_config, method_class
-from xeonsd.metrics import MetricsLog, plot_loss, result_bytes, write_summary
-from xeonsd.models import Models, autocast, load_models, model_fingerprint, render_validation
-from xeonsd.modelsource import ModelSourceError, check_model_source
-from xeonsd.prompts import PromptConditioning
-from xeonsd.rankstats import Interval, RankClock, StragglerWatch, node_names, summarize
+from xeonsd.modelsource import ModelSourceError, check_model_source, model_fingerprint
+from xeonsd.trainer import checkpoint as ckpt
+from xeonsd.trainer.captions import Captions, read_captions
+from xeonsd.trainer.conditioning import PromptConditioning
+from xeonsd.trainer.config import ConfigError, TrainConfig, parse_config
+from xeonsd.trainer.data import DataError, SamplingPlan, find_images, mix
+from xeonsd.trainer.embeddings import ConceptError
+from xeonsd.trainer.latents import LatentTable
+from xeonsd.trainer.methods import Method, for_config, method_class
+from xeonsd.trainer.metrics import MetricsLog, plot_loss, result_bytes, write_summary
+from xeonsd.trainer.models import Models, autocast, load_models, render_validation
+from xeonsd.trainer.prompts import PromptTable
 
-log = logging.getLogger("xeonsd.train")
+log = logging.getLogger("xeonsd.trainer.loop")
 # A rank that lost a peer waits this long before ending the job, so that the other survivors report it too.
 ABORT_GRACE_S = 3.0
 
@@ -182,7 +183,7 @@ class Job:
     base_model: str
     timeouts: Timeouts  # read from the environment once, in run()
     timeout: CollectiveTimeout
-    status: RankStatusFile  # this rank's status/rank-<r>.json (xeonsd.jobstatus)
+    status: RankStatusFile  # this rank's status/rank-<r>.json (xeonsd.cluster.job_status)
     metrics: MetricsLog | None = None  # rank 0's, from the first step on
 
     @property
@@ -242,7 +243,7 @@ def run(cfg: TrainConfig, status: RankStatusFile | None) -> dict:
 def check_memory(cfg: TrainConfig, info: RankInfo, inputs: Inputs) -> None:
     """Estimate this rank's peak memory; refuse a run whose ranks on this node would not fit in its free memory.
     With --dry-run, rank 0 prints the estimate."""
-    from xeonsd import memory
+    from xeonsd.trainer import memory
 
     prompts = len(inputs.captions.texts) if inputs.captions else 1
     try:

@@ -5,7 +5,7 @@
 2. sidecar files: ``object_01.txt`` beside ``object_01.jpg`` (the common LoRA-trainer layout);
 3. ``captions.txt``: one line per image, the images taken in sorted file-name order (the recipe's layout).
 
-Every image must have exactly one non-empty caption; anything else is a :class:`~xeonsd.data.DataError` that
+Every image must have exactly one non-empty caption; anything else is a :class:`~xeonsd.trainer.data.DataError` that
 names the image, the line or both counts.
 """
 
@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from xeonsd.data import DataError
+from xeonsd.trainer.data import DataError
 
 METADATA = "metadata.jsonl"
 CAPTIONS_TXT = "captions.txt"

@@ -150,7 +150,7 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstim
     if method == "textual_inversion":
         trainable = (te_config.vocab_size if cfg.train_full_embedding_matrix else cfg.num_vectors) * hidden
     elif method == "lora":
-        from xeonsd.methods.lora import unet_lora_config
+        from xeonsd.trainer.methods.lora import unet_lora_config
 
         unet.add_adapter(unet_lora_config(cfg))
         for p in unet.parameters():

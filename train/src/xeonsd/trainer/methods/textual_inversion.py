@@ -1,7 +1,7 @@
 """Textual inversion: only the concept's token vectors learn (``num_vectors x hidden`` numbers).
 
 The vectors are their own small parameter in front of the frozen embedding table (see
-:mod:`xeonsd.embeddings`), so the all-reduced gradient is a few KB. ``--train_full_embedding_matrix`` is the
+:mod:`xeonsd.trainer.embeddings`), so the all-reduced gradient is a few KB. ``--train_full_embedding_matrix`` is the
 recipe's way, kept as the benchmark's baseline: the whole table trains and every row but the concept's is reset
 after each step.
 """
@@ -13,15 +13,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from xeonsd.checkpoint import CheckpointError
-from xeonsd.config import ConfigError
-from xeonsd.data import DataError, PromptTable, templates_for
-from xeonsd.embeddings import PlaceholderEmbedding, add_concept, save_learned_embeds
-from xeonsd.methods.base import Method
-from xeonsd.models import save_full_pipeline
+from xeonsd.trainer.checkpoint import CheckpointError
+from xeonsd.trainer.config import ConfigError
+from xeonsd.trainer.data import DataError
+from xeonsd.trainer.embeddings import PlaceholderEmbedding, add_concept, save_learned_embeds
+from xeonsd.trainer.methods.base import Method
+from xeonsd.trainer.models import save_full_pipeline
+from xeonsd.trainer.prompts import PromptTable, templates_for
 
 if TYPE_CHECKING:
-    from xeonsd.captions import Captions
+    from xeonsd.trainer.captions import Captions
 
 EMBEDS_FILE = "learned_embeds.safetensors"
 

@@ -1,4 +1,4 @@
-"""Training data: the concept's images, prompt templates, and a rank-independent sampling plan.
+"""Training data: the concept's images and a rank-independent sampling plan.
 
 Every random choice of an example (which image, flip, template, timestep, noise, latent sample) is a function
 of the seed and the example's *global* index, never of the rank that processes it. So N ranks x batch B and one
@@ -18,65 +18,9 @@ from PIL import Image, UnidentifiedImageError
 
 log = logging.getLogger(__name__)
 
-# Caption files (see xeonsd.captions) sit beside the images; the image scan does not warn about them.
+# Caption files (see xeonsd.trainer.captions) sit beside the images; the image scan does not warn about them.
 CAPTION_SUFFIXES = {".txt", ".jsonl"}
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
-
-OBJECT_TEMPLATES = (
-    "a photo of a {}",
-    "a rendering of a {}",
-    "a cropped photo of the {}",
-    "the photo of a {}",
-    "a photo of a clean {}",
-    "a photo of a dirty {}",
-    "a dark photo of the {}",
-    "a photo of my {}",
-    "a photo of the cool {}",
-    "a close-up photo of a {}",
-    "a bright photo of the {}",
-    "a cropped photo of a {}",
-    "a photo of the {}",
-    "a good photo of the {}",
-    "a photo of one {}",
-    "a close-up photo of the {}",
-    "a rendition of the {}",
-    "a photo of the clean {}",
-    "a rendition of a {}",
-    "a photo of a nice {}",
-    "a good photo of a {}",
-    "a photo of the nice {}",
-    "a photo of the small {}",
-    "a photo of the weird {}",
-    "a photo of the large {}",
-    "a photo of a cool {}",
-    "a photo of a small {}",
-)
-
-STYLE_TEMPLATES = (
-    "a painting in the style of {}",
-    "a rendering in the style of {}",
-    "a cropped painting in the style of {}",
-    "the painting in the style of {}",
-    "a clean painting in the style of {}",
-    "a dirty painting in the style of {}",
-    "a dark painting in the style of {}",
-    "a picture in the style of {}",
-    "a cool painting in the style of {}",
-    "a close-up painting in the style of {}",
-    "a bright painting in the style of {}",
-    "a good painting in the style of {}",
-    "a close-up painting in the style of {}",
-    "a rendition in the style of {}",
-    "a nice painting in the style of {}",
-    "a small painting in the style of {}",
-    "a weird painting in the style of {}",
-    "a large painting in the style of {}",
-)
-
-
-def templates_for(learnable_property: str) -> tuple[str, ...]:
-    return STYLE_TEMPLATES if learnable_property == "style" else OBJECT_TEMPLATES
-
 
 class DataError(ValueError):
     """The training data directory is missing, empty or holds an unreadable image."""
@@ -165,24 +109,6 @@ class Example:
     timestep: int
     noise: torch.Tensor  # [4, h, w]
     latent_eps: torch.Tensor  # [4, h, w], the standard-normal draw that samples the latent distribution
-
-
-@dataclass(frozen=True)
-class PromptTable:
-    """The prompts a run trains on: one per image (captions), or a few that every image shares (the textual
-    inversion templates, or one instance prompt) of which each example draws one."""
-
-    texts: tuple[str, ...]
-    per_image: bool
-    source: str  # "captions.txt", "templates", "--instance_prompt", …
-
-    @property
-    def num_templates(self) -> int:
-        """How many prompts an example draws from (the sampling plan's choice; 1 when captions decide)."""
-        return 1 if self.per_image else len(self.texts)
-
-    def row(self, example: Example) -> int:
-        return example.input_id // 2 if self.per_image else example.template
 
 
 @dataclass(frozen=True)

@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from xeonsd.checkpoint import CheckpointError
-from xeonsd.config import ConfigError
-from xeonsd.methods.base import Method
-from xeonsd.methods.prompts import check_prompt_source, plain_prompts
-from xeonsd.models import save_full_pipeline
+from xeonsd.trainer.checkpoint import CheckpointError
+from xeonsd.trainer.config import ConfigError
+from xeonsd.trainer.methods.base import Method
+from xeonsd.trainer.models import save_full_pipeline
+from xeonsd.trainer.prompts import check_prompt_source, plain_prompts
 
 if TYPE_CHECKING:
-    from xeonsd.captions import Captions
-    from xeonsd.data import PromptTable
+    from xeonsd.trainer.captions import Captions
+    from xeonsd.trainer.prompts import PromptTable
 
 
 class EMA:

@@ -1,6 +1,6 @@
 """The cluster over a whole run, for report.html and run.json: per-node CPU use, time split, stragglers, cost.
 
-Everything comes from the metrics rows that carry ``rank_stats`` (see :mod:`xeonsd.rankstats`) and, for the cost,
+Everything comes from the metrics rows that carry ``rank_stats`` (see :mod:`xeonsd.cluster.rank_stats`) and, for the cost,
 from run.json's ``cost`` (the inventory's ``node_hour_price`` with its currency, optionally ``gpu_hour_price`` and
 ``gpu_s_per_step`` for the same job on a GPU).
 """

@@ -1,0 +1,7 @@
+"""What the ranks of one MPI job share, and what the job tells the playbooks.
+
+It owns the ranks and the process group with their CPU placement (:mod:`.distributed`), each rank's CPU use and
+the straggler watch (:mod:`.rank_stats`), the JSON status files whose schema the finetune role reads
+(:mod:`.job_status`) and ``xeonsd hello`` (:mod:`.hello`). It may import the top-level modules only: the trainer
+uses it, never the other way round.
+"""

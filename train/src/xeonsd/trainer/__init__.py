@@ -1,0 +1,9 @@
+"""The trainer (``xeonsd train``): one data-parallel loop for every method.
+
+It owns the typed configuration (:mod:`.config`), the images and the rank-independent sampling plan
+(:mod:`.data`), captions and prompt tables (:mod:`.captions`, :mod:`.prompts`), their text-encoder conditioning
+(:mod:`.conditioning`), VAE latents (:mod:`.latents`), the models (:mod:`.models`), the concept's embedding
+(:mod:`.embeddings`), checkpoints, metrics and the memory estimate, the methods (:mod:`.methods`) and the loop
+itself (:mod:`.loop`). It may import the top-level modules and :mod:`xeonsd.cluster` (process group, rank
+statistics, status files); never :mod:`xeonsd.openvino`, :mod:`xeonsd.ops` or :mod:`xeonsd.bench`.
+"""
