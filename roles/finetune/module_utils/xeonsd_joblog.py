@@ -5,7 +5,7 @@ Progress comes from the trainer's metrics files; how the job ended from ``exit.j
 status files (``status/rank-<r>.json``, one per rank on its own node, gathered from every node by the role). The
 schema of those files is defined once, in the xeonsd package (``xeonsd.cluster.job_status``); this file cannot import the
 package (it runs under the node's Ansible Python), so it declares the fields it reads below and
-tests/test_finetune_job.py holds the two together. ``train.log`` (every rank's lines, ``mpirun -l``) is read only
+tests/ansible/test_finetune_job.py holds the two together. ``train.log`` (every rank's lines, ``mpirun -l``) is read only
 for what people read: the excerpt of the failing ranks' lines, and the count of ranks up while the job starts.
 Nothing here imports Ansible, so the tests import it directly; the modules are only the Ansible wrappers.
 """
@@ -18,7 +18,7 @@ import os
 import re
 import time
 
-# ---- The contract with the trainer (xeonsd.cluster.job_status); tests/test_finetune_job.py checks it against the package.
+# ---- The contract with the trainer (xeonsd.cluster.job_status); tests/ansible/test_finetune_job.py checks it against the package.
 SCHEMA_VERSION = 1
 STATUS_DIR = "status"
 RANK_STATUS_FIELDS = ("rank", "world", "node", "address", "pid", "state", "step", "updated", "attempt", "error",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -13,11 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runs import TOKEN, mpi_env, refused, run_cli, train_args
 from safetensors.torch import load_file
 
 from xeonsd.trainer.config import parse_config
-
-TOKEN = "<dicoo>"
 
 # The recipe's command line, verbatim, after `xeonsd train` (paths filled in by the tests).
 RECIPE_FLAGS = [
@@ -38,33 +36,6 @@ RECIPE_FLAGS = [
     "bf16",
     "--save_as_full_pipeline",
 ]
-
-
-def train_args(model: Path, data: Path, out: Path, *extra: str, steps: int = 4, batch: int = 1) -> list[str]:
-    """A short fp32 run at 64 px: fast on the tiny model, and exact enough to compare runs."""
-    return [
-        f"--pretrained_model_name_or_path={model}",
-        f"--train_data_dir={data}",
-        "--placeholder_token",
-        TOKEN,
-        "--initializer_token",
-        "toy",
-        "--resolution=64",
-        f"--train_batch_size={batch}",
-        "--seed=7",
-        f"--max_train_steps={steps}",
-        "--learning_rate=5e-3",
-        "--lr_warmup_steps=0",
-        "--checkpointing_steps=0",
-        f"--output_dir={out}",
-        *extra,
-    ]
-
-
-def run_cli(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "xeonsd.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
-    )
 
 
 def vectors(out: Path) -> torch.Tensor:
@@ -124,13 +95,6 @@ def test_only_placeholder_rows_change(tiny_model, dataset, tmp_path, cli_env):
     assert torch.equal(tuned[key][n], vectors(out)[0])
 
 
-def _mpi_env(env: dict[str, str]) -> dict[str, str]:
-    env = dict(env)
-    env.setdefault("I_MPI_FABRICS", "shm")
-    env["MASTER_PORT"] = str(29600 + os.getpid() % 200)
-    return env
-
-
 def test_two_ranks_learn_what_one_rank_with_double_batch_learns(tiny_model, dataset, tmp_path, cli_env):
     """2 ranks x batch 1 under real mpirun == 1 rank x batch 2. Tolerance: 1e-5 absolute on the vectors (only
     the order of float additions in the gradient average differs)."""
@@ -142,7 +106,7 @@ def test_two_ranks_learn_what_one_rank_with_double_batch_learns(tiny_model, data
     assert mpirun, "mpirun (impi-rt) is not installed in the environment"
     cmd = [mpirun, "-n", "2", sys.executable, "-m", "xeonsd.cli", "train",
            *train_args(tiny_model, dataset, two, "--stats_every=3")]  # fmt: skip
-    env = {**_mpi_env(cli_env), "XEONSD_NODE_NAMES": "127.0.0.1=here"}
+    env = {**mpi_env(cli_env), "XEONSD_NODE_NAMES": "127.0.0.1=here"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "rank 1/2" in proc.stderr and "backend=gloo" in proc.stderr
@@ -164,7 +128,7 @@ def test_two_ranks_learn_what_one_rank_with_double_batch_learns(tiny_model, data
 def test_resume_under_mpirun_continues_the_same_trajectory(tiny_model, dataset, tmp_path, cli_env):
     """Rank 0 reads the checkpoint and broadcasts it: a resumed 2-rank run ends where an uninterrupted one does."""
     mpirun = shutil.which("mpirun", path=cli_env["PATH"])
-    env = _mpi_env(cli_env)
+    env = mpi_env(cli_env)
     full, part = tmp_path / "full", tmp_path / "part"
     base = [mpirun, "-n", "2", sys.executable, "-m", "xeonsd.cli", "train"]
     proc = subprocess.run([*base, *train_args(tiny_model, dataset, full, "--checkpointing_steps=3", steps=6)],
@@ -259,61 +223,54 @@ def test_saved_embeddings_load_in_diffusers_and_change_the_prompt(tiny_model, da
 # ---- bad input: a clear error before any training, naming the problem ------------------------------------------
 
 
-def _fail(args: list[str], env: dict[str, str]) -> str:
-    proc = run_cli(["train", *args], env)
-    assert proc.returncode == 2, f"expected exit 2, got {proc.returncode}: {proc.stderr[-2000:]}"
-    assert "Traceback" not in proc.stderr
-    return proc.stderr
-
-
 def test_missing_data_dir(tiny_model, tmp_path, cli_env):
-    err = _fail(train_args(tiny_model, tmp_path / "nope", tmp_path / "o"), cli_env)
+    err = refused(train_args(tiny_model, tmp_path / "nope", tmp_path / "o"), cli_env)
     assert "nope does not exist" in err
 
 
 def test_data_dir_without_images(tiny_model, tmp_path, cli_env):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "notes.txt").write_text("x")
-    assert "holds no images" in _fail(train_args(tiny_model, tmp_path / "empty", tmp_path / "o"), cli_env)
+    assert "holds no images" in refused(train_args(tiny_model, tmp_path / "empty", tmp_path / "o"), cli_env)
 
 
 def test_unreadable_image_is_named(tiny_model, dataset, tmp_path, cli_env):
     data = tmp_path / "data"
     shutil.copytree(dataset, data)
     (data / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really")
-    assert "broken.png" in _fail(train_args(tiny_model, data, tmp_path / "o"), cli_env)
+    assert "broken.png" in refused(train_args(tiny_model, data, tmp_path / "o"), cli_env)
 
 
 def test_placeholder_already_in_vocabulary(tiny_model, dataset, tmp_path, cli_env):
     args = train_args(tiny_model, dataset, tmp_path / "o")
     args[args.index(TOKEN)] = "photo"
-    assert "'photo' is already in the tokenizer's vocabulary" in _fail(args, cli_env)
+    assert "'photo' is already in the tokenizer's vocabulary" in refused(args, cli_env)
 
 
 @pytest.mark.parametrize("init", ["toy robot", "xqzv"])
 def test_initializer_must_be_one_token(tiny_model, dataset, tmp_path, cli_env, init):
     args = train_args(tiny_model, dataset, tmp_path / "o")
     args[args.index("toy")] = init
-    assert "must be exactly one token" in _fail(args, cli_env)
+    assert "must be exactly one token" in refused(args, cli_env)
 
 
 def test_resolution_not_multiple_of_8(tiny_model, dataset, tmp_path, cli_env):
-    assert "multiple of 8" in _fail(train_args(tiny_model, dataset, tmp_path / "o", "--resolution=100"), cli_env)
+    assert "multiple of 8" in refused(train_args(tiny_model, dataset, tmp_path / "o", "--resolution=100"), cli_env)
 
 
 def test_fp16_on_cpu(tiny_model, dataset, tmp_path, cli_env):
-    err = _fail(train_args(tiny_model, dataset, tmp_path / "o", "--mixed_precision=fp16"), cli_env)
+    err = refused(train_args(tiny_model, dataset, tmp_path / "o", "--mixed_precision=fp16"), cli_env)
     assert "fp16" in err and "bf16" in err
 
 
 def test_missing_checkpoint(tiny_model, dataset, tmp_path, cli_env):
-    err = _fail(train_args(tiny_model, dataset, tmp_path / "o", "--resume_from_checkpoint=checkpoint-9"), cli_env)
+    err = refused(train_args(tiny_model, dataset, tmp_path / "o", "--resume_from_checkpoint=checkpoint-9"), cli_env)
     assert "checkpoint-9" in err and "no checkpoint" in err
 
 
 def test_world_size_mismatch(tiny_model, dataset, tmp_path, cli_env):
     env = dict(cli_env, PMI_RANK="0", PMI_SIZE="2", MPI_LOCALRANKID="0", MPI_LOCALNRANKS="2")
-    err = _fail(train_args(tiny_model, dataset, tmp_path / "o", "--world_size=4"), env)
+    err = refused(train_args(tiny_model, dataset, tmp_path / "o", "--world_size=4"), env)
     assert "--world_size 4" in err and "2 rank(s)" in err
 
 
@@ -321,13 +278,13 @@ def test_output_dir_with_an_earlier_run_is_not_overwritten(tiny_model, dataset, 
     out = tmp_path / "o"
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
-    err = _fail(train_args(tiny_model, dataset, out), cli_env)
+    err = refused(train_args(tiny_model, dataset, out), cli_env)
     assert "already holds a run" in err and "--overwrite_output_dir" in err
     assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 0.5}\n'
 
 
 def test_missing_model_dir(dataset, tmp_path, cli_env):
-    err = _fail(train_args(tmp_path / "no-model", dataset, tmp_path / "o"), cli_env)
+    err = refused(train_args(tmp_path / "no-model", dataset, tmp_path / "o"), cli_env)
     assert "no-model" in err
 
 
@@ -335,13 +292,13 @@ def test_a_hub_id_the_hub_cannot_serve_fails_at_once_with_what_to_do(dataset, tm
     """A typo, or a Hub id on a node without network: one line and exit 2, not a traceback after five retries."""
     env = {k: v for k, v in cli_env.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     env.update(HF_ENDPOINT="https://hub.invalid", HF_HUB_CACHE=str(tmp_path / "hub-cache"))  # never resolves
-    err = _fail(train_args(Path("nope/dir"), dataset, tmp_path / "o"), env)
+    err = refused(train_args(Path("nope/dir"), dataset, tmp_path / "o"), env)
     last = err.strip().splitlines()[-1]
     assert last.startswith("xeonsd train: error: --pretrained_model_name_or_path nope/dir: ")
     assert "looked for as a local directory (not found) and on the Hub (host hub.invalid does not resolve)" in last
     assert "local diffusers pipeline directory" in last and "base_model role" in last and "HF_HUB_OFFLINE=1" in last
     assert "Retry" not in err  # the download client was never asked
-    err = _fail(train_args(Path("nope/dir"), dataset, tmp_path / "o"), dict(env, HF_HUB_OFFLINE="1"))
+    err = refused(train_args(Path("nope/dir"), dataset, tmp_path / "o"), dict(env, HF_HUB_OFFLINE="1"))
     assert "on the Hub (offline: HF_HUB_OFFLINE=1, and the Hub cache" in err.strip().splitlines()[-1]
 
 

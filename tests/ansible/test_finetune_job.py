@@ -13,16 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from repo_code import REPO, ansible_code
 
 from xeonsd.cluster import job_status as jobstatus
 from xeonsd.cluster.job_status import LastError, RankStatus, RankStatusFile
 
-REPO = Path(__file__).resolve().parent.parent
-# The module's logic, not the module: importing ansible.module_utils.basic patches sys.intern for the whole process,
-# which breaks torch._dynamo (and so diffusers) in every test that runs after it.
-sys.path.insert(0, str(REPO / "roles" / "finetune" / "module_utils"))
-
-import xeonsd_joblog as xeonsd_job  # noqa: E402
+# The module's logic, not the Ansible module (see repo_code.ansible_code).
+xeonsd_job = ansible_code("xeonsd_joblog")
 
 NODES = [{"name": f"node{i}", "address": f"10.0.0.{10 + i}"} for i in range(1, 5)]
 LOST = "the all-reduce failed: a peer rank died, its node went away or it stalled past the collective timeout"
@@ -304,7 +301,7 @@ def _job(run: Path, cli_env: dict, *args: str) -> dict:
     exit; then the finished job's state as the module computes it from the files the trainer wrote."""
     import subprocess
 
-    from test_train import run_cli
+    from cli_runs import run_cli
 
     begin = subprocess.run([sys.executable, "-m", "xeonsd.cli", "jobstatus", "begin", str(run)], env=cli_env,
                            capture_output=True, text=True, check=True)  # fmt: skip
@@ -325,7 +322,7 @@ def test_the_real_trainer_s_status_files_name_the_failing_rank(tiny_model, datas
     """The trainer, on a bad input, and the module's diagnosis agree: its status file says input, the module names
     the rank and its error; a finished run leaves state done at the last step, and its start-up line is what the
     progress line counts."""
-    from test_train import train_args
+    from cli_runs import train_args
 
     run = tmp_path / "run"
     run.mkdir()

@@ -4,17 +4,12 @@ cluster, and each way a node or the cluster fails, with the row that names it.""
 from __future__ import annotations
 
 import base64
-import importlib.util
 import json
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("xeonsd_doctor", REPO / "plugins" / "filter" / "xeonsd_doctor.py")
-xeonsd_doctor = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(xeonsd_doctor)
-_spec = importlib.util.spec_from_file_location("xeonsd_cluster", REPO / "plugins" / "filter" / "xeonsd_cluster.py")
-xeonsd_cluster = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(xeonsd_cluster)
+from repo_code import ansible_code
+
+xeonsd_doctor = ansible_code("xeonsd_doctor")
+xeonsd_cluster = ansible_code("xeonsd_cluster")
 
 ADDRESSES = {"node1": "10.231.1.11", "node2": "10.231.1.12", "node3": "10.231.1.13", "node4": "10.231.1.14"}
 HOSTS = list(ADDRESSES)

@@ -20,7 +20,6 @@ from xeonsd import cli
 from xeonsd.concept_file import ov_vocab_rows
 from xeonsd.openvino.manifest import MANIFEST
 
-pytest_plugins = ["ov_assets"]  # the session exports, shared by both test modules
 TOKENS = [TOKEN, f"{TOKEN}_1"]
 
 

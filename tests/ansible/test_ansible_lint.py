@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-VENV_BIN = Path(sys.executable).parent
+from repo_code import REPO, VENV_BIN
 
 
 def run(*argv: str) -> subprocess.CompletedProcess:

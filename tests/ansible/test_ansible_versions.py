@@ -4,11 +4,9 @@ Python pin of the stock stack."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import yaml
-
-REPO = Path(__file__).resolve().parent.parent
+from repo_code import REPO
 
 
 def requirement_pins() -> dict[str, str]:

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from repo_code import ansible_code
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "plugins" / "filter"))
-
-import xeonsd_doctor  # noqa: E402
+xeonsd_doctor = ansible_code("xeonsd_doctor")
 
 SPR = {"cpu_model": "Intel(R) Xeon(R) Platinum 8480+", "cores": 56, "logical_cpus": 112, "amx": True}
 ICX = {"cpu_model": "Intel(R) Xeon(R) Platinum 8380", "cores": 40, "logical_cpus": 80, "amx": False}

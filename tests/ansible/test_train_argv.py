@@ -6,16 +6,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from repo_code import REPO, VENV_BIN, ansible_code
 
-REPO = Path(__file__).resolve().parent.parent
-VENV_BIN = Path(sys.executable).parent
-sys.path.insert(0, str(REPO / "plugins" / "filter"))
-
-from xeonsd_train import TrainArgvError, train_argv  # noqa: E402
+xeonsd_train = ansible_code("xeonsd_train")
+TrainArgvError, train_argv = xeonsd_train.TrainArgvError, xeonsd_train.train_argv
 
 
 def _inventory_argv(*extra_vars: str) -> list[str]:

@@ -17,8 +17,6 @@ from xeonsd.openvino.manifest import MANIFEST
 from xeonsd.openvino.quantize import CALIBRATION_STEPS, default_prompts
 from xeonsd.trainer.prompts import OBJECT_TEMPLATES
 
-pytest_plugins = ["ov_assets"]
-
 CALIB_PROMPTS = ["a green <dicoo> toy on a table", "a <dicoo> in the snow"]
 # More UNet calls than three pipeline calls' worth of steps less one (a scheduler may add a UNet call or two per
 # pipeline call): at least three pipeline calls, so the two prompts are cycled and the first comes round again.

@@ -4,18 +4,15 @@ template is rendered and run for real with bash."""
 
 from __future__ import annotations
 
-import importlib.util
 import shlex
 import subprocess
 from pathlib import Path
 
 import jinja2
 import pytest
+from repo_code import REPO, ansible_code
 
-REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("xeonsd_doctor", REPO / "plugins" / "filter" / "xeonsd_doctor.py")
-xeonsd_doctor = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(xeonsd_doctor)
+xeonsd_doctor = ansible_code("xeonsd_doctor")
 
 
 @pytest.fixture

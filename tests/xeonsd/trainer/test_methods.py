@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_runs import method_args, refused, run_cli, train
 from safetensors.torch import load_file
-from test_train import _fail, _mpi_env, run_cli
 
 from xeonsd.trainer.config import build_parser
 
@@ -37,28 +35,6 @@ def captioned(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         make_dataset(root / layout, count=5, size=64, captions=layout)
         out[layout] = root / layout
     return out
-
-
-def method_args(method: str, model: Path, data: Path, out: Path, *extra: str, steps: int = 3, batch: int = 1):
-    args = [
-        f"--method={method}", f"--pretrained_model_name_or_path={model}", f"--train_data_dir={data}",
-        "--resolution=64", f"--train_batch_size={batch}", "--seed=7", f"--max_train_steps={steps}",
-        "--learning_rate=1e-3", "--lr_warmup_steps=0", "--checkpointing_steps=0", f"--output_dir={out}",
-    ]  # fmt: skip
-    if method == "textual_inversion":
-        args += ["--placeholder_token=<dicoo>", "--initializer_token=toy"]
-    return [*args, *extra]
-
-
-def train(args: list[str], env: dict[str, str], ranks: int = 1) -> subprocess.CompletedProcess:
-    if ranks == 1:
-        proc = run_cli(["train", *args], env)
-    else:
-        mpirun = shutil.which("mpirun", path=env["PATH"])
-        cmd = [mpirun, "-n", str(ranks), sys.executable, "-m", "xeonsd.cli", "train", *args]
-        proc = subprocess.run(cmd, env=_mpi_env(env), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc
 
 
 def unet_weights(d: Path) -> dict[str, torch.Tensor]:
@@ -239,20 +215,20 @@ def test_help_groups_the_flags_by_method():
 
 
 def test_flags_of_another_method_are_refused(tiny_model, dataset, tmp_path, cli_env):
-    err = _fail(method_args("textual_inversion", tiny_model, dataset, tmp_path / "o", "--rank=8"), cli_env)
+    err = refused(method_args("textual_inversion", tiny_model, dataset, tmp_path / "o", "--rank=8"), cli_env)
     assert "--method textual_inversion does not use --rank (a lora flag)" in err
-    err = _fail(method_args("lora", tiny_model, dataset, tmp_path / "o", "--instance_prompt=x",
+    err = refused(method_args("lora", tiny_model, dataset, tmp_path / "o", "--instance_prompt=x",
                             "--placeholder_token=<x>", "--use_ema"), cli_env)  # fmt: skip
     assert "--placeholder_token (a textual_inversion flag)" in err and "--use_ema (a full flag)" in err
 
 
 def test_rank_below_one(tiny_model, dataset, tmp_path, cli_env):
-    err = _fail(method_args("lora", tiny_model, dataset, tmp_path / "o", "--instance_prompt=x", "--rank=0"), cli_env)
+    err = refused(method_args("lora", tiny_model, dataset, tmp_path / "o", "--instance_prompt=x", "--rank=0"), cli_env)
     assert "--rank must be at least 1, got 0" in err
 
 
 def test_lora_without_captions_or_instance_prompt(tiny_model, dataset, tmp_path, cli_env):
-    err = _fail(method_args("lora", tiny_model, dataset, tmp_path / "o"), cli_env)
+    err = refused(method_args("lora", tiny_model, dataset, tmp_path / "o"), cli_env)
     assert "needs --instance_prompt" in err
 
 
@@ -262,7 +238,7 @@ def test_caption_without_the_placeholder_is_named(tiny_model, captioned, tmp_pat
     lines = (data / "captions.txt").read_text().splitlines()
     lines[2] = "a photo of a robot"
     (data / "captions.txt").write_text("\n".join(lines) + "\n")
-    err = _fail(method_args("textual_inversion", tiny_model, data, tmp_path / "o"), cli_env)
+    err = refused(method_args("textual_inversion", tiny_model, data, tmp_path / "o"), cli_env)
     assert "captions.txt:3 (dicoo_02.png)" in err and "'a photo of a robot'" in err and "<dicoo>" in err
 
 
@@ -270,7 +246,7 @@ def test_caption_count_mismatch_names_both_counts(tiny_model, captioned, tmp_pat
     data = tmp_path / "d"
     shutil.copytree(captioned["txt"], data)
     (data / "captions.txt").write_text("a <dicoo>\n")
-    err = _fail(method_args("lora", tiny_model, data, tmp_path / "o"), cli_env)
+    err = refused(method_args("lora", tiny_model, data, tmp_path / "o"), cli_env)
     assert "1 caption line(s)" in err and "5 image(s)" in err
     assert not (tmp_path / "o").exists(), "a refused run wrote something"
 
@@ -280,10 +256,10 @@ def test_checkpoint_of_another_method_or_base_model_is_refused(tiny_model, tiny_
     train(method_args("lora", tiny_model, dataset, out, "--instance_prompt=x", "--checkpointing_steps=2",
                       steps=2), cli_env)  # fmt: skip
     before = (out / LORA_FILE).read_bytes()
-    err = _fail(method_args("full", tiny_model, dataset, out, "--instance_prompt=x", "--resume_from_checkpoint=latest"),
+    err = refused(method_args("full", tiny_model, dataset, out, "--instance_prompt=x", "--resume_from_checkpoint=latest"),
                 cli_env)  # fmt: skip
     assert "checkpoint-2 is a lora run's; this run is --method full" in err
-    err = _fail(method_args("lora", tiny_v_model, dataset, out, "--instance_prompt=x", "--resume_from_checkpoint=latest"),
+    err = refused(method_args("lora", tiny_v_model, dataset, out, "--instance_prompt=x", "--resume_from_checkpoint=latest"),
                 cli_env)  # fmt: skip
     assert "was trained on another base model" in err
     assert (out / LORA_FILE).read_bytes() == before
@@ -291,14 +267,14 @@ def test_checkpoint_of_another_method_or_base_model_is_refused(tiny_model, tiny_
 
 def test_resume_latest_without_a_checkpoint_is_refused_unless_asked(tiny_model, dataset, tmp_path, cli_env):
     out = tmp_path / "o"
-    err = _fail(method_args("lora", tiny_model, dataset, out, "--instance_prompt=x", "--resume_from_checkpoint=latest"),
+    err = refused(method_args("lora", tiny_model, dataset, out, "--instance_prompt=x", "--resume_from_checkpoint=latest"),
                 cli_env)  # fmt: skip
     assert f"{out} holds no checkpoint" in err
     proc = train(method_args("lora", tiny_model, dataset, out, "--instance_prompt=x",
                              "--resume_from_checkpoint=latest_if_any", steps=1), cli_env)  # fmt: skip
     assert "resumed from" not in proc.stderr and (out / LORA_FILE).exists()
     # a finished run without checkpoints is not overwritten by 'resume if possible'
-    err = _fail(method_args("lora", tiny_model, dataset, out, "--instance_prompt=x",
+    err = refused(method_args("lora", tiny_model, dataset, out, "--instance_prompt=x",
                             "--resume_from_checkpoint=latest_if_any"), cli_env)  # fmt: skip
     assert "already holds a run" in err
 
@@ -338,6 +314,6 @@ def test_estimate_grows_with_what_the_method_trains_and_the_resolution(tiny_mode
 def test_a_run_that_cannot_fit_in_memory_is_refused_naming_both_figures(tiny_model, dataset, tmp_path, cli_env):
     args = method_args("lora", tiny_model, dataset, tmp_path / "o", "--instance_prompt=x", "--resolution=4096",
                        "--train_batch_size=512")  # fmt: skip
-    err = _fail(args, cli_env)
+    err = refused(args, cli_env)
     assert "the estimated peak memory is" in err and "GB free (MemAvailable)" in err
     assert not (tmp_path / "o").exists()

@@ -12,9 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
-VENV_BIN = Path(sys.executable).parent
+from repo_code import REPO, VENV_BIN
 
 PLAY = """
 - hosts: localhost

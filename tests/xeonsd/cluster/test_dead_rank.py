@@ -13,11 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train import train_args
+from cli_runs import train_args
+from repo_code import ansible_code
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "roles" / "finetune" / "module_utils"))
-
-import xeonsd_joblog  # noqa: E402
+xeonsd_joblog = ansible_code("xeonsd_joblog")
 
 STEP_TIMEOUT_S = 5
 

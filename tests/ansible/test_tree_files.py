@@ -3,15 +3,10 @@ result, and the difference between a node's tree and the controller's, as the da
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from repo_code import ansible_code
 
-REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("xeonsd_tree", REPO / "plugins" / "filter" / "xeonsd_tree.py")
-xeonsd_tree = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(xeonsd_tree)
+xeonsd_tree = ansible_code("xeonsd_tree")
 
 
 def found(root: str, **checksums: str) -> list[dict]:

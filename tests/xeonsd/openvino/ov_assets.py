@@ -8,7 +8,7 @@ Exports are the slow part (~20 s of CPU each on the tiny model), so each is made
 * ``ov_full_dynamic``: the ``--save_as_full_pipeline`` kind of source, written by diffusers'
   ``load_textual_inversion`` + ``save_pretrained``, exported with ``--dynamic``.
 
-Test modules import the fixtures they use from here.
+The conftest beside this file makes the fixtures visible to every test here; the constants are imported.
 """
 
 from __future__ import annotations

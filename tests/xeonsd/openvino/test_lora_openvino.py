@@ -16,15 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cli_runs import method_args, train
 from ov_assets import BATCH, SIZE, STEPS, as_array
-from test_methods import method_args, train
 
 from xeonsd import cli
 from xeonsd.openvino import lora_files as loraformat
 from xeonsd.openvino.generate import GenerateError, GenerateOptions, generate
 from xeonsd.openvino.manifest import MANIFEST
 
-pytest_plugins = ["ov_assets"]  # ov_base: the tiny base model's static export (batch 5, 64 px), shared
 LORA_FILE = "pytorch_lora_weights.safetensors"
 PROMPT = "a photo of toy"
 SEED = 5

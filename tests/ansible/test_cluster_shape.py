@@ -3,15 +3,10 @@ preflight, the finetune role and doctor's nodefile row all show."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from repo_code import ansible_code
 
-REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("xeonsd_cluster", REPO / "plugins" / "filter" / "xeonsd_cluster.py")
-xeonsd_cluster = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(xeonsd_cluster)
+xeonsd_cluster = ansible_code("xeonsd_cluster")
 
 NODES = ["node1", "node2", "node3", "node4"]
 

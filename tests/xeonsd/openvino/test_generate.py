@@ -20,7 +20,6 @@ from xeonsd.concept_file import expand_prompt
 from xeonsd.openvino.generate import GenerateError, GenerateOptions, generate
 from xeonsd.openvino.manifest import ExportDirError
 
-pytest_plugins = ["ov_assets"]  # the session exports, shared by both test modules
 OPTS = GenerateOptions(prompts=(PROMPT,), num_images=BATCH, steps=STEPS, seed=11)
 
 
