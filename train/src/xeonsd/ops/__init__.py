@@ -2,6 +2,6 @@
 
 It owns ``xeonsd doctor`` (:mod:`.doctor`: the node's stack, data, memory and one training step), ``xeonsd report``
 (:mod:`.report`: report.html) and the view of the cluster over a whole run that the report and run.json share
-(:mod:`.run_view`: per-node CPU use, stragglers, cost). It may import the top-level modules and read the trainer's
-configuration, memory estimate and metrics files (:mod:`xeonsd.trainer`).
+(:mod:`.run_view`: per-node CPU use, stragglers, cost). It may import the top-level modules, the trainer (its
+configuration, data checks, memory estimate and metrics files) and the cluster code (core counts, rank statistics).
 """
