@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: install test lint demo demo-local clean cluster-up cluster-down lint-ansible
+.PHONY: install test test-quick lint demo demo-local clean cluster-up cluster-down lint-ansible
 
 install: $(VENV)/.installed
 
@@ -17,8 +17,13 @@ $(VENV)/.installed: requirements.txt requirements-nodeps.txt requirements-dev.tx
 	$(PIP) install --quiet --no-deps -e train
 	touch $@
 
+# Every test; the 25 slowest are listed at the end, so each run shows where its time went.
 test: install
-	$(VENV)/bin/pytest -q tests
+	$(VENV)/bin/pytest -q --durations=25 tests
+
+# The edit loop: everything but the 4-node test cluster (tests/cluster).
+test-quick: install
+	$(VENV)/bin/pytest -q --durations=10 tests --ignore=tests/cluster
 
 lint: install
 	$(VENV)/bin/ruff check train tests plugins roles
