@@ -1,7 +1,7 @@
 """roles/verified_tree on this machine (ansible-playbook, local connection): a tree from a "controller" directory is
 unpacked into a "node" directory, a second run changes nothing, a damaged file is put back, and a node whose copy
-stays wrong fails with the files that differ; its sha256 check names a wrong or missing file; and the wheelhouse
-role, built from a local index, is delivered the same way."""
+stays wrong fails with the files that differ; the wheelhouse role, built from a local index, is delivered the same
+way; and the xeonsd_sha256 module names a staged file that is missing or differs."""
 
 from __future__ import annotations
 
@@ -92,28 +92,28 @@ SHA256_PLAY = """
 - hosts: localhost
   gather_facts: false
   tasks:
-    - ansible.builtin.include_role:
-        name: verified_tree
-        tasks_from: sha256
-      vars:
-        verified_tree_sha256: "{{ files }}"
-        verified_tree_sha256_what: staged file
-        verified_tree_sha256_where: the controller
-        verified_tree_sha256_says: staged_sha256
+    - name: Check the staged files
+      xeonsd_sha256:
+        files: "{{ files }}"
+        what: staged file
+        where: the controller
+        says: staged_sha256
 """
 
 
 def test_files_are_checked_against_their_sha256_and_a_wrong_or_missing_one_is_named(tmp_path: Path) -> None:
+    """plugins/modules/xeonsd_sha256.py, as preflight, python_env, ml_stack and dataset run it."""
     staged = tmp_path / "installer.sh"
     staged.write_bytes(b"#!/bin/sh\n")
     good = hashlib.sha256(staged.read_bytes()).hexdigest()
     (tmp_path / "play.yml").write_text(SHA256_PLAY)
     tree = {"play": tmp_path / "play.yml"}
 
-    def check(*files: dict) -> subprocess.CompletedProcess:
-        return play(tree, "-e", json.dumps({"files": list(files)}))
+    def check(*files: dict, mode: str = "") -> subprocess.CompletedProcess:
+        return play(tree, "-e", json.dumps({"files": list(files)}), *([mode] if mode else []))
 
     assert changed(check({"path": str(staged), "sha256": good})) == 0
+    assert changed(check({"path": str(staged), "sha256": good}, mode="--check")) == 0
     wrong = check({"path": str(staged), "sha256": "0" * 64, "fix": "stage it again"})
     assert wrong.returncode != 0
     assert (f"{staged} (staged file) on the controller has sha256 {good}; staged_sha256 says {'0' * 64}. "
@@ -122,8 +122,9 @@ def test_files_are_checked_against_their_sha256_and_a_wrong_or_missing_one_is_na
     assert missing.returncode != 0
     assert (f"{tmp_path / 'nowhere'} (archive) does not exist on the controller; archive_sha256 says {good}. "
             "Fix: stage the right file there.") in missing.stdout  # fmt: skip
-    unknown = check({"path": str(staged), "sha256": ""})
+    unknown = check({"path": str(staged), "sha256": ""}, {"path": str(tmp_path), "sha256": good})
     assert unknown.returncode != 0 and "staged_sha256 says nothing for this file" in unknown.stdout
+    assert f"{tmp_path} (staged file) on the controller has sha256 none (not a regular file)" in unknown.stdout
 
 
 WHEELHOUSE_PLAY = """
