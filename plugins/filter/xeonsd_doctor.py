@@ -1,4 +1,5 @@
-"""doctor_rows: doctor.yml's table rows from the raw results of its tasks (roles/doctor).
+"""doctor_rows: doctor.yml's table rows from the raw results of its tasks (roles/doctor); doctor_table: the table
+as text, its verdict and what to do about each FAIL (the report task only prints it).
 
 Every row is {"node", "check", "status", "detail"}: the nodes in inventory order (xeonsd doctor's own checks, the
 node compared with the others, then SSH from the primary), then the cluster (nodefile, mpirun hello).
@@ -205,6 +206,49 @@ def doctor_rows(
     return rows
 
 
+HEADS = _row("node", "check", "status", "detail")
+DEFAULT_FIX = "read the detail above"
+
+
+def _truncate(text: str, length: int, end: str = "...", leeway: int = 5) -> str:
+    """Jinja's ``truncate`` (at a word, within ``leeway`` characters over ``length``)."""
+    if len(text) <= length + leeway:
+        return text
+    return text[: length - len(end)].rsplit(" ", 1)[0] + end
+
+
+def doctor_table(rows: Sequence[Mapping[str, str]], fixes: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The doctor's report from its rows (doctor_rows) and ``fixes`` (doctor_fixes: check name → what to do,
+    ``{node}`` replaced by the node's name).
+
+    Returns ``{"lines", "verdict", "failed", "message"}``: the table's lines (``node  check  status  detail``, the
+    columns padded to their widest value, details truncated at 300 characters), then ``RESULT: PASS (…)`` or
+    ``RESULT: FAIL (…). What to do:`` and one line per FAIL; ``verdict`` "PASS" or "FAIL"; ``failed`` the FAIL
+    rows; ``message`` the play's failure message naming them ("" when none failed)."""
+    rows, fixes = list(rows), fixes or {}
+    width_node = max(len(r["node"]) for r in [HEADS, *rows])
+    width_check = max(len(r["check"]) for r in [HEADS, *rows])
+    failed = [r for r in rows if r["status"] == "FAIL"]
+    warned = [r for r in rows if r["status"] == "WARN"]
+    lines = [
+        f"{r['node'].ljust(width_node)}  {r['check'].ljust(width_check)}  {r['status'].ljust(6)}  "
+        f"{_truncate(r['detail'], 300)}"
+        for r in [HEADS, *rows]
+    ]
+    if not failed:
+        lines.append(f"RESULT: PASS ({len(rows)} checks, {len(warned)} warnings): the cluster is ready for "
+                     "ansible-playbook finetune.yml")  # fmt: skip
+        return {"lines": lines, "verdict": "PASS", "failed": [], "message": ""}
+    lines.append(f"RESULT: FAIL ({len(failed)} of {len(rows)} checks failed, {len(warned)} warnings). What to do:")
+    lines += [
+        f"  {r['node']} {r['check']}: {fixes.get(r['check'], DEFAULT_FIX).replace('{node}', r['node'])}" for r in failed
+    ]
+    nodes = ", ".join(dict.fromkeys(r["node"] for r in failed))
+    causes = "; ".join(f"{r['node']} {r['check']} ({_truncate(r['detail'], 200)})" for r in failed)
+    message = f"doctor: {len(failed)} check(s) failed on {nodes}: {causes}. See the table above for what to do."
+    return {"lines": lines, "verdict": "FAIL", "failed": failed, "message": message}
+
+
 class FilterModule:
     def filters(self) -> dict:
-        return {"xeonsd_doctor_rows": doctor_rows}
+        return {"xeonsd_doctor_rows": doctor_rows, "xeonsd_doctor_table": doctor_table}

@@ -167,3 +167,54 @@ def test_mpirun_hello_timeouts_missing_env_and_no_result() -> None:
     assert hello({"rc": 7, "stderr_lines": []})[1].endswith("(rc 7): no output")
     assert hello({"unreachable": True, "msg": "primary down "}) == ("FAIL", "not run on node1: primary down")
     assert hello({"skipped": True}) == ("FAIL", "not run on node1: no result")
+
+
+# The table itself (xeonsd_doctor_table): what roles/doctor/tasks/report.yml prints and fails with.
+FIXES = {"images": "copy the images back: ansible-playbook provision.yml --limit {node}"}
+
+
+def test_a_passing_table_has_aligned_columns_and_a_pass_verdict_that_counts_warnings() -> None:
+    result = rows(healthy())
+    result[0] = {**result[0], "status": "WARN"}
+    report = xeonsd_doctor.doctor_table(result, FIXES)
+    lines = report["lines"]
+    assert report["verdict"] == "PASS" and report["failed"] == [] and report["message"] == ""
+    assert len(lines) == 1 + len(result) + 1
+    assert lines[0].split() == ["node", "check", "status", "detail"]
+    # Every column starts where the header's does: node, check (as wide as "ssh from primary"), status (6).
+    starts = [lines[0].index(word) for word in ("check", "status", "detail")]
+    assert starts == [len("cluster") + 2, len("cluster") + 2 + len("ssh from primary") + 2,
+                      len("cluster") + 2 + len("ssh from primary") + 2 + 6 + 2]  # fmt: skip
+    assert lines[1] == "node1    packages          WARN    torch 2.13.0, diffusers 0.39.0"
+    assert all(line[starts[2] :].strip() == r["detail"] for line, r in zip(lines[1:], result, strict=False))
+    assert lines[-1] == (
+        f"RESULT: PASS ({len(result)} checks, 1 warnings): the cluster is ready for ansible-playbook finetune.yml"
+    )
+
+
+def test_a_failing_table_names_what_to_do_per_fail_and_the_play_fails_with_the_causes() -> None:
+    case = healthy()
+    case["results"][2] = {"rc": 1, "stdout_lines": [report(images="FAIL")], "stderr_lines": []}
+    case["results"][3] = {"rc": 3, "stdout_lines": [], "stderr_lines": ["ImportError: " + "torch " * 80]}
+    result = rows(case)
+    table_report = xeonsd_doctor.doctor_table(result, FIXES)
+    lines = table_report["lines"]
+    assert table_report["verdict"] == "FAIL"
+    assert [(r["node"], r["check"]) for r in table_report["failed"]] == [("node3", "images"), ("node4", "doctor")]
+    assert lines[-3] == f"RESULT: FAIL (2 of {len(result)} checks failed, 0 warnings). What to do:"
+    assert lines[-2] == "  node3 images: copy the images back: ansible-playbook provision.yml --limit node3"
+    assert lines[-1] == "  node4 doctor: read the detail above"  # no fix for the check: the default
+    # A long detail is cut at a word, within 300 characters in the table and 200 in the play's failure.
+    (long_line,) = [line for line in lines if "ImportError" in line]
+    detail = long_line[long_line.index("xeonsd doctor exited") :]
+    assert detail.endswith("torch...") and len(detail) <= 300
+    message = table_report["message"]
+    assert message.startswith("doctor: 2 check(s) failed on node3, node4: node3 images (no images); node4 doctor "
+                              "(xeonsd doctor exited with rc 3: ImportError: torch torch")  # fmt: skip
+    assert message.endswith("torch...). See the table above for what to do.")
+    assert len(message) < 200 + 150
+
+
+def test_a_detail_just_over_the_limit_is_kept_whole_as_jinja_truncate_did() -> None:
+    assert xeonsd_doctor._truncate("x" * 305, 300) == "x" * 305
+    assert xeonsd_doctor._truncate("ab " * 102, 300) == ("ab " * 99).rstrip() + "..."

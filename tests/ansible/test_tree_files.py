@@ -39,3 +39,8 @@ def test_the_difference_names_missing_extra_and_changed_files() -> None:
     assert xeonsd_tree.tree_diff(dict(expected), expected) == ""
     node = {"a.jpg": "1", "b.jpg": "9", "notes.txt": "4"}
     assert xeonsd_tree.tree_diff(node, expected) == "missing: metadata.jsonl; extra: notes.txt; other checksum: b.jpg"
+
+
+def test_files_are_paired_with_the_sha256_their_name_has_and_an_unknown_name_with_none() -> None:
+    pairs = xeonsd_tree.sha256_by_name(["/c/dicoo/1.jpeg", "/c/dicoo/2.jpeg"], {"1.jpeg": "ab" * 32})
+    assert pairs == [{"path": "/c/dicoo/1.jpeg", "sha256": "ab" * 32}, {"path": "/c/dicoo/2.jpeg", "sha256": ""}]

@@ -1,14 +1,18 @@
 """roles/verified_tree on this machine (ansible-playbook, local connection): a tree from a "controller" directory is
 unpacked into a "node" directory, a second run changes nothing, a damaged file is put back, and a node whose copy
-stays wrong fails with the files that differ."""
+stays wrong fails with the files that differ; the wheelhouse role, built from a local index, is delivered the same
+way; and the xeonsd_sha256 module names a staged file that is missing or differs."""
 
 from __future__ import annotations
 
 import getpass
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -48,13 +52,8 @@ def tree(tmp_path: Path) -> dict[str, Path]:
 
 
 def play(tree: dict[str, Path], *args: str) -> subprocess.CompletedProcess:
-    extra = {
-        "src": str(tree["src"]),
-        "dest": str(tree["dest"]),
-        "cache": str(tree["cache"]),
-        "owner": getpass.getuser(),
-        "ansible_python_interpreter": sys.executable,
-    }
+    extra = {k: str(tree[k]) for k in ("src", "dest", "cache") if k in tree}
+    extra |= {"owner": getpass.getuser(), "ansible_python_interpreter": sys.executable}
     env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_ROLES_PATH=str(REPO / "roles"),
                ANSIBLE_FILTER_PLUGINS=str(REPO / "plugins" / "filter"),
                ANSIBLE_LOCALHOST_WARNING="false", ANSIBLE_INVENTORY_UNPARSED_WARNING="false", NO_COLOR="1")  # fmt: skip
@@ -87,3 +86,145 @@ def test_the_tree_is_copied_once_left_alone_repaired_and_a_wrong_copy_is_named(t
     assert result.returncode != 0
     assert (f"localhost: {node} differs from the controller's model (extra: unet/extra.bin; 3 files, 2 expected). "
             f"Fix: remove {node} and re-run with --limit localhost.") in result.stdout  # fmt: skip
+
+
+SHA256_PLAY = """
+- hosts: localhost
+  gather_facts: false
+  tasks:
+    - name: Check the staged files
+      xeonsd_sha256:
+        files: "{{ files }}"
+        what: staged file
+        where: the controller
+        says: staged_sha256
+"""
+
+
+def test_files_are_checked_against_their_sha256_and_a_wrong_or_missing_one_is_named(tmp_path: Path) -> None:
+    """plugins/modules/xeonsd_sha256.py, as preflight, python_env, ml_stack and dataset run it."""
+    staged = tmp_path / "installer.sh"
+    staged.write_bytes(b"#!/bin/sh\n")
+    good = hashlib.sha256(staged.read_bytes()).hexdigest()
+    (tmp_path / "play.yml").write_text(SHA256_PLAY)
+    tree = {"play": tmp_path / "play.yml"}
+
+    def check(*files: dict, mode: str = "") -> subprocess.CompletedProcess:
+        return play(tree, "-e", json.dumps({"files": list(files)}), *([mode] if mode else []))
+
+    assert changed(check({"path": str(staged), "sha256": good})) == 0
+    assert changed(check({"path": str(staged), "sha256": good}, mode="--check")) == 0
+    wrong = check({"path": str(staged), "sha256": "0" * 64, "fix": "stage it again"})
+    assert wrong.returncode != 0
+    assert (f"{staged} (staged file) on the controller has sha256 {good}; staged_sha256 says {'0' * 64}. "
+            "Fix: stage it again.") in wrong.stdout  # fmt: skip
+    missing = check({"path": str(tmp_path / "nowhere"), "sha256": good, "what": "archive", "says": "archive_sha256"})
+    assert missing.returncode != 0
+    assert (f"{tmp_path / 'nowhere'} (archive) does not exist on the controller; archive_sha256 says {good}. "
+            "Fix: stage the right file there.") in missing.stdout  # fmt: skip
+    unknown = check({"path": str(staged), "sha256": ""}, {"path": str(tmp_path), "sha256": good})
+    assert unknown.returncode != 0 and "staged_sha256 says nothing for this file" in unknown.stdout
+    assert f"{tmp_path} (staged file) on the controller has sha256 none (not a regular file)" in unknown.stdout
+
+
+WHEELHOUSE_PLAY = """
+- hosts: localhost
+  gather_facts: false
+  tasks:
+    - ansible.builtin.include_role:
+        name: wheelhouse
+      vars:
+        wheelhouse_downloads: [["--no-deps", "--no-index", "--find-links", "{{ index }}", "-r", "{{ pins }}"]]
+        wheelhouse_inputs: ["{{ pins }}"]
+        wheelhouse_python: "{{ ansible_python_interpreter }}"
+        wheelhouse_controller_dir: "{{ cache }}/wheelhouse"
+        wheelhouse_node_dir: "{{ dest }}"
+        wheelhouse_owner: "{{ owner }}"
+    - ansible.builtin.copy:
+        dest: "{{ cache }}/wheelhouse_path"
+        content: "{{ wheelhouse_path }}"
+        mode: "0644"
+      check_mode: false
+      changed_when: false
+"""
+
+
+def wheel(index: Path, name: str, version: str) -> Path:
+    """A minimal, valid pure-Python wheel in ``index``."""
+    dist = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": "",
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    index.mkdir(exist_ok=True)
+    path = index / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for arcname, text in files.items():
+            z.writestr(arcname, text)
+        z.writestr(f"{dist}/RECORD", "".join(f"{a},,\n" for a in files) + f"{dist}/RECORD,,\n")
+    return path
+
+
+def test_the_wheelhouse_is_built_once_and_delivered_by_verified_tree(tmp_path: Path) -> None:
+    index, cache, dest = tmp_path / "index", tmp_path / "cache", tmp_path / "node"
+    wheel(index, "tinypkg", "1.0")
+    cache.mkdir()
+    pins = tmp_path / "requirements.txt"
+    pins.write_text("tinypkg==1.0\n")
+    (tmp_path / "play.yml").write_text(WHEELHOUSE_PLAY)
+    tree = {"src": tmp_path, "dest": dest, "cache": cache, "play": tmp_path / "play.yml"}
+    extra = ("-e", json.dumps({"index": str(index), "pins": str(pins)}))
+
+    assert changed(play(tree, *extra)) > 0
+    path = Path((cache / "wheelhouse_path").read_text())
+    assert path.parent == dest and sorted(p.name for p in path.iterdir()) == ["tinypkg-1.0-py3-none-any.whl"]
+    # One controller tree (marked complete) and the tar verified_tree packed from it, named after its content.
+    (built,) = [p for p in (cache / "wheelhouse").iterdir() if p.is_dir()]
+    assert built.name == path.name and (built / ".complete").exists()
+    (packed,) = (cache / "wheelhouse").glob("wheelhouse-*.tar")
+    assert changed(play(tree, *extra)) == 0
+    assert changed(play(tree, *extra, "--check")) == 0
+    # A damaged wheel on the node is put back from the same tar; nothing is downloaded again.
+    (path / "tinypkg-1.0-py3-none-any.whl").write_bytes(b"damaged")
+    for whl in index.iterdir():
+        whl.unlink()
+    assert changed(play(tree, *extra)) == 1
+    assert (path / "tinypkg-1.0-py3-none-any.whl").read_bytes()[:2] == b"PK"
+    assert list((cache / "wheelhouse").glob("wheelhouse-*.tar")) == [packed]
+
+
+def test_a_wheelhouse_packed_by_the_earlier_role_is_reused_not_downloaded(tmp_path: Path) -> None:
+    """Before verified_tree delivered it, the role kept only <controller dir>/wheelhouse-<id>.tar (wheelhouse/
+    inside) and nodes a flat <node dir>/<id>: both are taken as they are."""
+    index, cache, dest = tmp_path / "index", tmp_path / "cache", tmp_path / "node"
+    whl = wheel(tmp_path / "old", "tinypkg", "1.0")
+    cache.mkdir()
+    pins = tmp_path / "requirements.txt"
+    pins.write_text("tinypkg==1.0\n")
+    (tmp_path / "play.yml").write_text(WHEELHOUSE_PLAY)
+    tree = {"src": tmp_path, "dest": dest, "cache": cache, "play": tmp_path / "play.yml"}
+    extra = ("-e", json.dumps({"index": str(index), "pins": str(pins)}))
+    # The wheelhouse's id, as the role names it: first run against an empty index fails in pip download.
+    index.mkdir()
+    assert play(tree, *extra).returncode != 0
+    (partial,) = (cache / "wheelhouse").iterdir()
+    wid = partial.name.removesuffix(".partial")
+    shutil.rmtree(partial)
+    (tmp_path / "wheelhouse").mkdir()
+    shutil.copy(whl, tmp_path / "wheelhouse")
+    subprocess.run(["tar", "-C", str(tmp_path), "-cf", str(cache / "wheelhouse" / f"wheelhouse-{wid}.tar"),
+                    "wheelhouse"], check=True)  # fmt: skip
+    (dest / wid).mkdir(parents=True)
+    shutil.copy(whl, dest / wid)
+    (dest / wid / ".complete").write_text(wid + "\n")
+
+    result = play(tree, *extra)
+    assert changed(result) > 0  # the index is empty: a pip download would have failed the run
+    download = result.stdout.split("wheelhouse : Download the wheels]")[1].split("TASK [")[0]
+    assert "skipping:" in download and "changed:" not in download, download
+    assert (cache / "wheelhouse" / wid / whl.name).read_bytes() == whl.read_bytes()
+    # The node's copy already has these files: it is left as it is.
+    unpack = result.stdout.split("Unpack the tree where the node's files differ")[1].split("TASK [")[0]
+    assert "skipping:" in unpack and "changed:" not in unpack, unpack
+    assert changed(play(tree, *extra)) == 0

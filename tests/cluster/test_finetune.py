@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,28 +25,48 @@ def _controller_runs(cluster: Cluster) -> Path:
     return cluster.state_dir / "runs"
 
 
-def _start_playbook(cluster: Cluster, name: str, *args: str) -> tuple[subprocess.Popen, Path, float]:
-    """ansible-playbook in the background (output to a log file), for tests that act while it runs."""
+@contextlib.contextmanager
+def _background_playbook(cluster: Cluster, name: str, *args: str) -> Iterator[tuple[subprocess.Popen, Path, float]]:
+    """ansible-playbook in the background (output to a log file), for tests that act while it runs: yields the
+    process, its log and when it started. However the block ends (an assertion, a skip, a timeout), the playbook
+    is stopped on the way out: its process group, and the training processes it started on the nodes."""
     logs = cluster.state_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{name}.log"
     argv = [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(cluster.inventory), *args]
-    fh = open(log, "w")  # noqa: SIM115 - closed by _finish
-    proc = subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[2], env=ansible_env(cluster.state_dir),
-                            stdout=fh, stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
-    proc.log_file = fh  # type: ignore[attr-defined]
-    return proc, log, time.monotonic()
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[2], env=ansible_env(cluster.state_dir),
+                                stdout=fh, stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+        try:
+            yield proc, log, time.monotonic()
+        finally:
+            _stop(cluster, proc)
+
+
+def _stop(cluster: Cluster, proc: subprocess.Popen) -> None:
+    """End what a background playbook started: its process group (SIGTERM, then SIGKILL after 30 s; the group
+    outlives an ansible-playbook that already ended only in its leftover children), then any training rank or
+    MPI proxy still running in the test cluster's namespaces (the playbook's job; killing ansible does not end
+    it)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):  # nothing of it is left
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=30)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    for pid in _all_job_processes(cluster):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _finish(proc: subprocess.Popen, timeout: float) -> int:
+    """The playbook's exit status once it ends; a failure after ``timeout`` s (_background_playbook stops it)."""
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
         pytest.fail(f"ansible-playbook did not end within {timeout} s")
-    finally:
-        proc.log_file.close()  # type: ignore[attr-defined]
 
 
 def _latest_step(cluster: Cluster) -> int:
@@ -88,18 +109,18 @@ def _all_job_processes(cluster: Cluster) -> list[int]:
 def test_finetune_trains_on_16_ranks_then_exports_generates_and_reports(provisioned: Cluster) -> None:
     """End to end; while it trains, a second finetune is refused and does not start a second job."""
     runs = _controller_runs(provisioned)
-    first, log, began = _start_playbook(
+    with _background_playbook(
         provisioned, "finetune-e2e", "finetune.yml", "-e", f"controller_runs_dir={runs}", "-e", "finetune_run_id=e2e",
         "-e", "node_hour_price=1.5", "-e", "price_currency=EUR",
-    )  # fmt: skip
-    _wait(lambda: _latest_step(provisioned) >= 1, 600, "the first training step", first, log)
-    second = run_playbook("finetune.yml", provisioned.inventory, "-e", f"controller_runs_dir={runs}",
-                          state_dir=provisioned.state_dir, name="finetune-refused", timeout=300)  # fmt: skip
-    assert second.rc != 0, second.tail()
-    assert "A finetune is already running on node1 (run e2e" in second.output, second.tail()
-    assert first.poll() is None, "the refused finetune must not disturb the running one"
-    rc = _finish(first, timeout=1800)
-    wall = time.monotonic() - began
+    ) as (first, log, began):  # fmt: skip
+        _wait(lambda: _latest_step(provisioned) >= 1, 600, "the first training step", first, log)
+        second = run_playbook("finetune.yml", provisioned.inventory, "-e", f"controller_runs_dir={runs}",
+                              state_dir=provisioned.state_dir, name="finetune-refused", timeout=300)  # fmt: skip
+        assert second.rc != 0, second.tail()
+        assert "A finetune is already running on node1 (run e2e" in second.output, second.tail()
+        assert first.poll() is None, "the refused finetune must not disturb the running one"
+        rc = _finish(first, timeout=1800)
+        wall = time.monotonic() - began
     output = log.read_text()
     assert rc == 0, output[-6000:]
     TIMINGS.append(("finetune.yml end to end (train 16 ranks, export, 5 images, report)", wall))
@@ -284,9 +305,10 @@ def test_a_node_given_a_quarter_core_is_named_a_straggler_and_the_job_ends_norma
     naming node3 and its ranks, the report names it, and the job ends normally. The utilisation rule is off
     (finetune_cpu_util_warn=0): on 2 shared cores every rank of the test cluster is far under 80 %."""
     runs = _controller_runs(provisioned)
-    job, log, _ = _start_playbook(provisioned, "finetune-straggler", "finetune.yml", "-e", f"controller_runs_dir={runs}",
-                                  "-e", "finetune_run_id=straggler", "-e", "finetune_cpu_util_warn=0")  # fmt: skip
-    with CpuQuota(f"xeonsd-test-{provisioned.prefix}-node3", cpus=0.25) as quota:
+    quota = CpuQuota(f"xeonsd-test-{provisioned.prefix}-node3", cpus=0.25)  # skips here, before anything starts
+    with quota, _background_playbook(provisioned, "finetune-straggler", "finetune.yml",
+                                     "-e", f"controller_runs_dir={runs}", "-e", "finetune_run_id=straggler",
+                                     "-e", "finetune_cpu_util_warn=0") as (job, log, _):  # fmt: skip
         _wait(lambda: _latest_step(provisioned) >= 1, 600, "the first training step", job, log)
         ranks = [p for p in _job_processes(provisioned, "node3") if b"xeonsd train" in Path(f"/proc/{p}/cmdline")
                  .read_bytes().replace(b"\0", b" ")]  # fmt: skip
@@ -311,17 +333,18 @@ def test_killing_a_worker_node_fails_the_play_within_60_s_and_resume_finishes(pr
     runs = _controller_runs(provisioned)
     common = ("-e", f"controller_runs_dir={runs}", "-e", "finetune_max_train_steps=400",
               "-e", "finetune_checkpointing_steps=5")  # fmt: skip
-    job, log, _ = _start_playbook(provisioned, "finetune-killed", "finetune.yml", *common, "-e", "finetune_run_id=kill")
-    _wait(lambda: _latest_step(provisioned) >= 6, 900, "step 6 (a checkpoint exists)", job, log)
-    victims = _job_processes(provisioned, "node3")
-    assert victims, "no training processes on node3"
-    for pid in victims:
-        os.kill(pid, signal.SIGKILL)
-    killed = time.monotonic()
-    _wait(lambda: not _all_job_processes(provisioned), 120, "every rank on every node to end")
-    job_ended = time.monotonic() - killed
-    rc = _finish(job, timeout=300)
-    play_ended = time.monotonic() - killed
+    with _background_playbook(provisioned, "finetune-killed", "finetune.yml", *common,
+                              "-e", "finetune_run_id=kill") as (job, log, _):  # fmt: skip
+        _wait(lambda: _latest_step(provisioned) >= 6, 900, "step 6 (a checkpoint exists)", job, log)
+        victims = _job_processes(provisioned, "node3")
+        assert victims, "no training processes on node3"
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _wait(lambda: not _all_job_processes(provisioned), 120, "every rank on every node to end")
+        job_ended = time.monotonic() - killed
+        rc = _finish(job, timeout=300)
+        play_ended = time.monotonic() - killed
     output = log.read_text()
     print(f"\nnode3's processes killed: the job ended on every node {job_ended:.1f} s later, "
           f"the play failed {play_ended:.1f} s later (poll every 5 s)")  # fmt: skip

@@ -129,7 +129,8 @@ def test_offline_git_installs_diffusers_from_a_staged_archive(provisioned: Clust
     # The stand-in archive is the Diffusers sdist that the test cluster's wheelhouse already holds.
     wheelhouse = max((REPO / ".cache" / "wheelhouse").glob("wheelhouse-*.tar"), key=lambda p: p.stat().st_mtime)
     with tarfile.open(wheelhouse) as tar:
-        (member,) = [m for m in tar.getmembers() if re.fullmatch(r"wheelhouse/diffusers-[\d.]+\.tar\.gz", m.name)]
+        # verified_tree packs the wheelhouse flat; a wheelhouse packed by the role before had it under wheelhouse/.
+        (member,) = [m for m in tar.getmembers() if re.fullmatch(r"(wheelhouse/)?diffusers-[\d.]+\.tar\.gz", m.name)]
         archive = tmp_path / Path(member.name).name
         archive.write_bytes(tar.extractfile(member).read())
     sha256 = hashlib.sha256(archive.read_bytes()).hexdigest()
