@@ -24,7 +24,7 @@ def test_cpu_flash_attention_is_counted_forward_and_backward():
 
 
 def test_both_benchmarks_use_the_same_matmul_peak(monkeypatch):
-    import xeonsd.bench.generate as bg
+    import xeonsd.bench.generate_report as bg
     import xeonsd.flops as flops
 
     calls = []

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from xeonsd.bench.generate import format_table, main, pipeline_flops
+from xeonsd.bench.generate import main
+from xeonsd.bench.generate_report import format_table, pipeline_flops
 
 
 def test_pipeline_flops_count_every_unet_step_and_scale_with_pixels(tiny_model: Path) -> None:

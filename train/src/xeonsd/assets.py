@@ -24,6 +24,7 @@ import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -209,22 +210,42 @@ ARCHS["tiny-v"] = dataclasses.replace(
 def make_tiny_model(out: Path, arch: str = "tiny", seed: int = 0) -> Path:
     """Write a random-weight ``StableDiffusionPipeline`` directory of the given architecture to ``out``."""
     import torch
-    from diffusers import (
-        AutoencoderKL,
-        DDPMScheduler,
-        PNDMScheduler,
-        StableDiffusionPipeline,
-        UNet2DConditionModel,
-    )
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+    from diffusers import StableDiffusionPipeline
 
     if arch not in ARCHS:
         raise ValueError(f"unknown --arch {arch!r}; choose one of {sorted(ARCHS)}")
     a = ARCHS[arch]
     out = Path(out)
     torch.manual_seed(seed)
+    # Built in this order from one seed: the weights depend on it.
+    unet = _unet(a)
+    vae = _vae(a)
+    vocab, merges = build_clip_vocab(list(_WORDS), a.vocab_size)
+    text_encoder = _text_encoder(a, vocab)
+    scheduler = _scheduler(a)
 
-    unet = UNet2DConditionModel(
+    with atomic_dir(out) as tmp:
+        pipe = StableDiffusionPipeline(
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=_tokenizer(tmp / "_tok_src", vocab, merges),
+            unet=unet,
+            scheduler=scheduler,
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        shutil.rmtree(tmp / "_tok_src")
+    n_unet = sum(p.numel() for p in unet.parameters())
+    log.info("wrote %s pipeline to %s (UNet %.1fM parameters, vocab %d)", arch, out, n_unet / 1e6, len(vocab))
+    return out
+
+
+def _unet(a: Arch) -> Any:
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel(
         sample_size=a.sample_size,
         in_channels=4,
         out_channels=4,
@@ -237,7 +258,12 @@ def make_tiny_model(out: Path, arch: str = "tiny", seed: int = 0) -> Path:
         norm_num_groups=a.norm_groups,
         use_linear_projection=a.linear_projection,
     )
-    vae = AutoencoderKL(
+
+
+def _vae(a: Arch) -> Any:
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
         in_channels=3,
         out_channels=3,
         down_block_types=("DownEncoderBlock2D",) * len(a.vae_channels),
@@ -249,8 +275,11 @@ def make_tiny_model(out: Path, arch: str = "tiny", seed: int = 0) -> Path:
         sample_size=a.sample_size * 8,
         scaling_factor=0.18215,
     )
-    words = list(_WORDS)
-    vocab, merges = build_clip_vocab(words, a.vocab_size)
+
+
+def _text_encoder(a: Arch, vocab: dict[str, int]) -> Any:
+    from transformers import CLIPTextConfig, CLIPTextModel
+
     text_config = CLIPTextConfig(
         vocab_size=len(vocab),
         hidden_size=a.text_hidden,
@@ -264,39 +293,33 @@ def make_tiny_model(out: Path, arch: str = "tiny", seed: int = 0) -> Path:
         eos_token_id=vocab[_EOS],
         pad_token_id=vocab[_EOS],
     )
-    text_encoder = CLIPTextModel(text_config)
-    sched_kwargs = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
-                    "prediction_type": a.prediction_type}  # fmt: skip
-    scheduler = PNDMScheduler(**sched_kwargs, skip_prk_steps=True, steps_offset=1)
+    return CLIPTextModel(text_config)
+
+
+def _scheduler(a: Arch) -> Any:
+    from diffusers import DDPMScheduler, PNDMScheduler
+
+    scheduler = PNDMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        prediction_type=a.prediction_type,
+        skip_prk_steps=True,
+        steps_offset=1,
+    )
     # The training scheduler reads the same config; make sure it is a valid DDPM config too.
     DDPMScheduler.from_config(scheduler.config)
+    return scheduler
 
-    with atomic_dir(out) as tmp:
-        tok_dir = tmp / "_tok_src"
-        tok_dir.mkdir()
-        (tok_dir / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
-        (tok_dir / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
-        tokenizer = CLIPTokenizer(
-            str(tok_dir / "vocab.json"),
-            str(tok_dir / "merges.txt"),
-            model_max_length=77,
-            pad_token=_EOS,
-        )
-        pipe = StableDiffusionPipeline(
-            vae=vae,
-            text_encoder=text_encoder,
-            tokenizer=tokenizer,
-            unet=unet,
-            scheduler=scheduler,
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
-        )
-        pipe.save_pretrained(tmp, safe_serialization=True)
-        shutil.rmtree(tok_dir)
-    n_unet = sum(p.numel() for p in unet.parameters())
-    log.info("wrote %s pipeline to %s (UNet %.1fM parameters, vocab %d)", arch, out, n_unet / 1e6, len(vocab))
-    return out
+
+def _tokenizer(src: Path, vocab: dict[str, int], merges: list[str]) -> Any:
+    """A CLIP tokenizer of ``vocab`` and ``merges``, read from the files it is written to in SRC."""
+    from transformers import CLIPTokenizer
+
+    src.mkdir()
+    (src / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+    (src / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    return CLIPTokenizer(str(src / "vocab.json"), str(src / "merges.txt"), model_max_length=77, pad_token=_EOS)
 
 
 CAPTION_LAYOUTS = ("metadata", "sidecar", "txt")

@@ -147,15 +147,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="xeonsd bench train", description=__doc__.splitlines()[0])
     p.add_argument("--method", choices=["textual_inversion", "lora", "full"], default="textual_inversion")
     p.add_argument("--no-ranks2", action="store_true", help="skip the 2-rank run that measures the all-reduce bytes")
-    p.add_argument("--model", default=None,
-                   help=f"pipeline directory (default: the sd15 architecture built once in {DEFAULT_MODEL_CACHE})")  # fmt: skip
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"pipeline directory (default: the sd15 architecture built once in {DEFAULT_MODEL_CACHE})",
+    )
     p.add_argument("--arch", choices=["sd15", "tiny"], default="sd15", help="what to build when --model is not given")
     p.add_argument("--resolution", type=int, default=512)
     p.add_argument("--images", type=int, default=5, help="training images (each is VAE-encoded twice for the cache)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant (after warm-up)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first also counts FLOPs)")
-    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
-                   help="precision of the optimized run; auto: bf16 where the CPU has AMX or AVX512-BF16, else fp32")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "bf16", "fp32"],
+        default="auto",
+        help="precision of the optimized run; auto: bf16 where the CPU has AMX or AVX512-BF16, else fp32",
+    )
     p.add_argument("--only", nargs="*", default=None, help="variant names to run (default: the four standard ones)")
     p.add_argument("--extra", action="store_true", help="also try channels_last and torch.compile")
     p.add_argument("--peak-size", type=int, default=4096, help="matrix side for the matmul peak measurement")
@@ -165,21 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from xeonsd.assets import make_dataset, make_tiny_model
-    from xeonsd.modelsource import ModelSourceError, check_model_source
+    from xeonsd.assets import make_dataset
 
-    model = args.model
-    if model is not None:
-        try:  # the variants run with HF_HUB_OFFLINE=1: a Hub id must be in the Hub cache
-            check_model_source(str(model), flag="--model", offline=True)
-        except ModelSourceError as exc:
-            print(f"xeonsd bench train: error: {exc}", file=sys.stderr)
-            return 2
-    else:
-        model = DEFAULT_MODEL_CACHE if args.arch == "sd15" else DEFAULT_MODEL_CACHE.with_name("tiny")
-        if not (model / "model_index.json").is_file():
-            log.info("building the %s model once in %s", args.arch, model)
-            make_tiny_model(model, arch=args.arch)
+    model = _model(args)
+    if model is None:
+        return 2
     from xeonsd.cpu import cpu_info
 
     cpu = cpu_info()
@@ -192,8 +189,10 @@ def main(argv: list[str]) -> int:
             return 2
         variants = [v for v in variants if v.name in args.only]
     # xeonsd.flops gives FLOP/s; this table is in TFLOP/s.
-    peaks = {"fp32": matmul_peak(torch.float32, max_n=args.peak_size) / 1e12,
-             "bf16": matmul_peak(torch.bfloat16, max_n=args.peak_size) / 1e12}  # fmt: skip
+    peaks = {
+        "fp32": matmul_peak(torch.float32, max_n=args.peak_size) / 1e12,
+        "bf16": matmul_peak(torch.bfloat16, max_n=args.peak_size) / 1e12,
+    }
     log.info("matmul peaks: %s", peaks)
     if not cpu.native_bf16 and not args.only:
         log.warning("%s has no AMX or AVX512-BF16: skipping the bf16 variant (pass --only bf16 to force it)", cpu.model)
@@ -203,12 +202,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="xeonsd-bench-") as tmp:
         data = Path(tmp) / "data"
         make_dataset(data, count=args.images, size=args.resolution)
-        base_args = [
-            f"--pretrained_model_name_or_path={model}", f"--train_data_dir={data}", *method_args(args.method),
-            f"--resolution={args.resolution}", "--train_batch_size=1", "--seed=7",
-            f"--max_train_steps={args.warmup + args.steps}", "--learning_rate=2e-3", "--lr_warmup_steps=0",
-            f"--mixed_precision={'bf16' if dtype == 'bf16' else 'no'}", "--checkpointing_steps=0", "--count_flops",
-        ]  # fmt: skip
+        base_args = train_args(args, model, data, dtype)
         for i, variant in enumerate(variants):
             run = _run_variant(variant, base_args, Path(tmp) / f"v{i}", env)
             vdtype = variant.name if variant.name in ("bf16", "fp32") else dtype
@@ -220,13 +214,60 @@ def main(argv: list[str]) -> int:
     print(format_table(results, peaks, dtype, cpu.model, args.method), flush=True)
     computed = results[0]["allreduce_bytes"]
     if measured is not None:
-        print(f"all-reduce per step, measured on a 2-rank mpirun run: {measured:,} B (the trainer computes "
-              f"{computed:,} B)", flush=True)  # fmt: skip
+        print(
+            f"all-reduce per step, measured on a 2-rank mpirun run: {measured:,} B (the trainer computes "
+            f"{computed:,} B)",
+            flush=True,
+        )
     else:
         print(f"all-reduce per step on 2 ranks: not measured: {why}", flush=True)
     if args.json:
-        summary = {"cpu": cpu.model, "method": args.method, "dtype": dtype, "peak_tflops": peaks,
-                   "model": str(model), "results": results, "allreduce_bytes_measured_2ranks": measured,
-                   "allreduce_not_measured": why or None}  # fmt: skip
+        summary = {
+            "cpu": cpu.model,
+            "method": args.method,
+            "dtype": dtype,
+            "peak_tflops": peaks,
+            "model": str(model),
+            "results": results,
+            "allreduce_bytes_measured_2ranks": measured,
+            "allreduce_not_measured": why or None,
+        }
         args.json.write_text(json.dumps(summary, indent=2))
     return 0
+
+
+def _model(args: argparse.Namespace) -> str | Path | None:
+    """``--model`` once checked (None after printing why it will not do), else the ``--arch`` model, built once."""
+    from xeonsd.assets import make_tiny_model
+    from xeonsd.modelsource import ModelSourceError, check_model_source
+
+    if args.model is not None:
+        try:  # the variants run with HF_HUB_OFFLINE=1: a Hub id must be in the Hub cache
+            check_model_source(str(args.model), flag="--model", offline=True)
+        except ModelSourceError as exc:
+            print(f"xeonsd bench train: error: {exc}", file=sys.stderr)
+            return None
+        return args.model
+    model = DEFAULT_MODEL_CACHE if args.arch == "sd15" else DEFAULT_MODEL_CACHE.with_name("tiny")
+    if not (model / "model_index.json").is_file():
+        log.info("building the %s model once in %s", args.arch, model)
+        make_tiny_model(model, arch=args.arch)
+    return model
+
+
+def train_args(args: argparse.Namespace, model: str | Path, data: Path, dtype: str) -> list[str]:
+    """The ``xeonsd train`` flags every variant shares (each adds its own)."""
+    return [
+        f"--pretrained_model_name_or_path={model}",
+        f"--train_data_dir={data}",
+        *method_args(args.method),
+        f"--resolution={args.resolution}",
+        "--train_batch_size=1",
+        "--seed=7",
+        f"--max_train_steps={args.warmup + args.steps}",
+        "--learning_rate=2e-3",
+        "--lr_warmup_steps=0",
+        f"--mixed_precision={'bf16' if dtype == 'bf16' else 'no'}",
+        "--checkpointing_steps=0",
+        "--count_flops",
+    ]

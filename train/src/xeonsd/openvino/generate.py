@@ -1,9 +1,7 @@
 """``xeonsd generate``: images from an OpenVINO export, through optimum-intel or OpenVINO GenAI.
 
-* ``optimum``: ``OVStableDiffusionPipeline`` (the recipe's path; needs PyTorch and diffusers for the scheduler
-  and the pipeline logic, OpenVINO runs the networks).
-* ``genai``: ``openvino_genai.Text2ImagePipeline``, OpenVINO's own C++ pipeline; without ``--embeds`` it needs
-  neither PyTorch nor diffusers nor transformers.
+This module holds the request (:class:`GenerateOptions`), its plan of calls, the choice of engine and the output;
+the two engines, ``optimum`` and ``genai``, and what each needs are in :mod:`xeonsd.openvino.engines`.
 
 A static export makes images in calls of exactly ``batch_size x num_images_per_prompt``; a request that does not
 fit is refused with the shape the model has. ``--embeds`` adds a learned concept to the exported text encoder
@@ -16,18 +14,16 @@ images/s).
 
 from __future__ import annotations
 
-import abc
 import json
 import logging
 import math
-import shutil
-import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from xeonsd.fsutil import atomic_dir
+from xeonsd.openvino.engines import Engine, GenaiEngine, OptimumEngine
 from xeonsd.openvino.manifest import StaticShape, check_writable_output, read_manifest, static_shape
 
 log = logging.getLogger(__name__)
@@ -119,165 +115,6 @@ def plan_calls(manifest: dict[str, Any], opts: GenerateOptions) -> Plan:
             "in a call; give one prompt, or use --engine optimum"
         )
     return Plan(shape=shape, static=fixed is not None, calls=calls)
-
-
-@dataclass
-class Engine(abc.ABC):
-    """A loaded, compiled pipeline; ``run`` makes the images of one call."""
-
-    ov_dir: Path
-    plan: Plan
-    opts: GenerateOptions
-    concept_tokens: list[str]
-    source: str = "?"  # what the export was made from (the manifest's source)
-    load_s: float = 0.0
-    compile_s: float = 0.0
-    _pipe: Any = None
-    _workdir: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
-
-    @abc.abstractmethod
-    def open(self) -> Engine:
-        """Load and compile; sets ``load_s`` and ``compile_s``."""
-
-    @abc.abstractmethod
-    def run(self, call: Call, steps: int | None = None) -> list[Any]:
-        """The PIL images of one call (``steps`` overrides the options, e.g. for a warm-up)."""
-
-    def close(self) -> None:
-        self._pipe = None
-        if self._workdir is not None:
-            self._workdir.cleanup()
-            self._workdir = None
-
-
-class OptimumEngine(Engine):
-    def open(self) -> OptimumEngine:
-        from optimum.intel import OVStableDiffusionPipeline
-
-        t0 = time.perf_counter()
-        pipe = OVStableDiffusionPipeline.from_pretrained(
-            str(self.ov_dir), dynamic_shapes=not self.plan.static, compile=False
-        )
-        if self.opts.embeds is not None:
-            from xeonsd.concept_file import add_to_openvino, load_concept
-
-            concept = load_concept(self.opts.embeds, self.opts.token)
-            add_to_openvino(pipe.tokenizer, pipe.text_encoder.model, concept)
-            self.concept_tokens = [*self.concept_tokens, *concept.tokens]
-        self.load_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for part in (pipe.text_encoder, pipe.unet, pipe.vae_decoder):  # the VAE encoder is not used here
-            part.compile()
-        self.compile_s = time.perf_counter() - t0
-        self._pipe = pipe
-        return self
-
-    def run(self, call: Call, steps: int | None = None) -> list[Any]:
-        import torch
-
-        neg = None if self.opts.negative_prompt is None else [self.opts.negative_prompt] * len(call.prompts)
-        result = self._pipe(
-            prompt=call.prompts,
-            negative_prompt=neg,
-            num_images_per_prompt=call.per_prompt,
-            num_inference_steps=steps or self.opts.steps,
-            guidance_scale=self.opts.guidance_scale,
-            height=self.plan.shape.height,
-            width=self.plan.shape.width,
-            generator=torch.Generator("cpu").manual_seed(call.seed),
-        )
-        return list(result.images)
-
-
-class GenaiEngine(Engine):
-    def _overlay_with_concept(self) -> Path:
-        """A directory like OV_DIR whose text encoder and tokenizers also hold the ``--embeds`` concept."""
-        import openvino as ov
-        from transformers import CLIPTokenizer
-
-        from xeonsd.concept_file import add_to_openvino, load_concept
-        from xeonsd.openvino import tokenizer as ovtokenizer
-
-        if self._workdir is None:
-            self._workdir = tempfile.TemporaryDirectory(prefix="xeonsd-genai-")
-        root = Path(self._workdir.name) / "models"
-        root.mkdir()
-        for entry in self.ov_dir.iterdir():
-            if entry.name not in ("text_encoder", "tokenizer"):
-                (root / entry.name).symlink_to(entry.resolve())
-        concept = load_concept(self.opts.embeds, self.opts.token)  # type: ignore[arg-type]
-        tokenizer = CLIPTokenizer.from_pretrained(self.ov_dir / "tokenizer")
-        model = ov.Core().read_model(self.ov_dir / "text_encoder" / "openvino_model.xml")
-        add_to_openvino(tokenizer, model, concept)
-        (root / "text_encoder").mkdir()
-        ov.save_model(model, root / "text_encoder" / "openvino_model.xml", compress_to_fp16=False)
-        shutil.copy(self.ov_dir / "text_encoder" / "config.json", root / "text_encoder" / "config.json")
-        tokenizer.save_pretrained(root / "tokenizer")
-        ovtokenizer.save(tokenizer, root)
-        self.concept_tokens = [*self.concept_tokens, *concept.tokens]
-        return root
-
-    def _adapters(self) -> Any:
-        """The ``--lora`` adapters, checked against the export and converted to the layout GenAI applies."""
-        import openvino_genai
-
-        from xeonsd.openvino import lora_files as loraformat
-
-        if self._workdir is None:
-            self._workdir = tempfile.TemporaryDirectory(prefix="xeonsd-genai-")
-        weights = loraformat.ir_weight_shapes(self.ov_dir)
-        model = f"{self.ov_dir} (exported from {self.source})"
-        pairs = []
-        for i, (path, alpha) in enumerate(self.opts.loras):
-            modules = loraformat.read_adapter(path)
-            loraformat.check_genai_limits(path, modules)
-            loraformat.check_fits(path, modules, weights, model)
-            converted = Path(self._workdir.name) / "lora" / f"{i}-{Path(path).stem}.safetensors"
-            loraformat.convert_for_genai(path, converted, modules)
-            pairs.append((openvino_genai.Adapter(str(converted)), float(alpha)))
-            log.info("LoRA %s (alpha %g): %d module(s)", path, alpha, len(modules))
-        return openvino_genai.AdapterConfig(pairs)
-
-    def open(self) -> GenaiEngine:
-        import openvino_genai
-
-        t0 = time.perf_counter()
-        adapters = self._adapters() if self.opts.loras else None
-        models = self._overlay_with_concept() if self.opts.embeds is not None else self.ov_dir
-        pipe = openvino_genai.Text2ImagePipeline(str(models))
-        if self.plan.static:
-            shape = self.plan.shape
-            pipe.reshape(shape.images_per_call, shape.height, shape.width, self.opts.guidance_scale)
-        self.load_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        if adapters is not None:  # GenAI applies adapters only when they are given at compile time
-            pipe.compile("CPU", adapters=adapters)
-        else:
-            pipe.compile("CPU")
-        self.compile_s = time.perf_counter() - t0
-        self._pipe = pipe
-        return self
-
-    def run(self, call: Call, steps: int | None = None) -> list[Any]:
-        import openvino_genai
-        from PIL import Image
-
-        from xeonsd.concept_file import expand_prompt
-
-        kwargs: dict[str, Any] = {}
-        if self.opts.negative_prompt is not None:
-            kwargs["negative_prompt"] = self.opts.negative_prompt
-        tensor = self._pipe.generate(
-            expand_prompt(call.prompts[0], self.concept_tokens),
-            num_images_per_prompt=len(call.prompts) * call.per_prompt,
-            num_inference_steps=steps or self.opts.steps,
-            guidance_scale=self.opts.guidance_scale,
-            height=self.plan.shape.height,
-            width=self.plan.shape.width,
-            generator=openvino_genai.TorchGenerator(call.seed),
-            **kwargs,
-        )
-        return [Image.fromarray(a) for a in tensor.data]
 
 
 def check_loras(opts: GenerateOptions) -> None:

@@ -86,8 +86,13 @@ def check_method(method: str) -> Check:
     """The packages the chosen method needs on this node (LoRA: peft)."""
     found, missing = _import_all(METHOD_PACKAGES[method])
     if missing:
-        return Check("method", "FAIL", f"--method {method} needs " + "; ".join(missing)
-                     + ": install requirements.txt into the env (provision.yml)")  # fmt: skip
+        return Check(
+            "method",
+            "FAIL",
+            f"--method {method} needs "
+            + "; ".join(missing)
+            + ": install requirements.txt into the env (provision.yml)",
+        )
     return Check("method", "PASS", method + (": " + ", ".join(found) if found else ""))
 
 
@@ -108,8 +113,15 @@ def check_inputs(train_args: list[str], ranks_per_node: int = 1) -> list[Check]:
         checks.append(Check("images", "PASS", f"{len(images)} readable images in {cfg.train_data_dir}"))
         captions = read_captions(Path(cfg.train_data_dir), images, cfg.caption_column)
         for_config(cfg).check(cfg, captions)
-        checks.append(Check("captions", "PASS", f"{len(captions.texts)} from {captions.source}" if captions else
-                            f"none ({'templates' if cfg.method == 'textual_inversion' else '--instance_prompt'})"))  # fmt: skip
+        checks.append(
+            Check(
+                "captions",
+                "PASS",
+                f"{len(captions.texts)} from {captions.source}"
+                if captions
+                else f"none ({'templates' if cfg.method == 'textual_inversion' else '--instance_prompt'})",
+            )
+        )
     except (DataError, ConfigError) as exc:
         checks.append(Check("images" if not images else "captions", "FAIL", str(exc)))
     try:
@@ -148,9 +160,18 @@ def trial_step(train_args: list[str], env: dict[str, str], timeout: float) -> Ch
     """One training step as a single process, with the job's own arguments (output to a scratch dir)."""
     clean = {k: v for k, v in env.items() if not k.startswith(_LAUNCHER_VARS)}
     with tempfile.TemporaryDirectory(prefix="xeonsd-doctor-") as out:
-        cmd = [sys.executable, "-m", "xeonsd.cli", "train", *train_args,
-               "--max_train_steps=1", "--checkpointing_steps=0", f"--output_dir={out}",
-               "--overwrite_output_dir", "--log_every=1"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "xeonsd.cli",
+            "train",
+            *train_args,
+            "--max_train_steps=1",
+            "--checkpointing_steps=0",
+            f"--output_dir={out}",
+            "--overwrite_output_dir",
+            "--log_every=1",
+        ]
         cmd = [c for c in cmd if not c.startswith(("--validation_prompt", "--resume_from_checkpoint", "--world_size"))]
         try:
             proc = subprocess.run(cmd, env=clean, capture_output=True, text=True, timeout=timeout)
@@ -161,8 +182,12 @@ def trial_step(train_args: list[str], env: dict[str, str], timeout: float) -> Ch
             cause = next((ln for ln in reversed(lines) if "error" in ln.lower()), lines[-1] if lines else "no output")
             return Check("train 1 step", "FAIL", cause.strip()[-400:])
         metrics = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    return Check("train 1 step", "PASS", f"loss {metrics[-1]['loss']:.4f} in {metrics[-1]['s_per_step']:.1f} s",
-                 round(metrics[-1]["s_per_step"], 3))  # fmt: skip
+    return Check(
+        "train 1 step",
+        "PASS",
+        f"loss {metrics[-1]['loss']:.4f} in {metrics[-1]['s_per_step']:.1f} s",
+        round(metrics[-1]["s_per_step"], 3),
+    )
 
 
 def node_facts() -> dict:
@@ -170,8 +195,12 @@ def node_facts() -> dict:
     from xeonsd.cluster.distributed import _physical_cores
 
     info = cpu_info()
-    return {"cpu_model": info.model, "cores": len(_physical_cores(set(os.sched_getaffinity(0)))),
-            "logical_cpus": os.cpu_count(), "amx": info.amx_bf16}  # fmt: skip
+    return {
+        "cpu_model": info.model,
+        "cores": len(_physical_cores(set(os.sched_getaffinity(0)))),
+        "logical_cpus": os.cpu_count(),
+        "amx": info.amx_bf16,
+    }
 
 
 def run_checks(
@@ -194,13 +223,20 @@ def format_table(checks: list[Check]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="xeonsd doctor", description=__doc__.splitlines()[0],
-                                     usage="xeonsd doctor [--json] [--skip-train] [--timeout S] [--ranks-per-node N] -- TRAIN_ARGS…")  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="xeonsd doctor",
+        description=__doc__.splitlines()[0],
+        usage="xeonsd doctor [--json] [--skip-train] [--timeout S] [--ranks-per-node N] -- TRAIN_ARGS…",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--skip-train", action="store_true", help="check only, do not train a step")
     parser.add_argument("--timeout", type=float, default=900, help="seconds the one-step trial may take")
-    parser.add_argument("--ranks-per-node", type=int, default=1,
-                        help="ranks the job runs on this node (the memory check counts them all)")  # fmt: skip
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=1,
+        help="ranks the job runs on this node (the memory check counts them all)",
+    )
     if "--" not in argv:
         parser.error("give the training arguments after --, e.g. xeonsd doctor -- --pretrained_model_name_or_path …")
     split = argv.index("--")

@@ -16,6 +16,7 @@ from typing import Any
 
 from xeonsd.fsutil import atomic_file
 from xeonsd.ops import run_view as clusterview
+from xeonsd.ops.report_cluster import cluster_sections, html_table
 from xeonsd.trainer.metrics import loss_curve, read_summary
 
 REPORT = "report.html"
@@ -66,14 +67,22 @@ def training_summary(rows: list[dict]) -> dict[str, Any]:
     }
 
 
-def _table(data: dict[str, Any]) -> str:
-    cells = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>" for k, v in data.items())
-    return f"<table>{cells}</table>"
-
-
 # Distributions whose versions make a run reproducible (absent ones are left out).
-STACK = ("xeonsd", "torch", "intel-extension-for-pytorch", "oneccl_bind_pt", "diffusers", "transformers",
-         "accelerate", "impi-rt", "openvino", "openvino-genai", "openvino-tokenizers", "optimum-intel", "nncf")  # fmt: skip
+STACK = (
+    "xeonsd",
+    "torch",
+    "intel-extension-for-pytorch",
+    "oneccl_bind_pt",
+    "diffusers",
+    "transformers",
+    "accelerate",
+    "impi-rt",
+    "openvino",
+    "openvino-genai",
+    "openvino-tokenizers",
+    "optimum-intel",
+    "nncf",
+)
 
 
 def stack_versions() -> dict[str, str]:
@@ -133,8 +142,11 @@ def method_section(summary: dict, rows: list[dict]) -> str:
         data[RESULT_NAMES.get(method, "result")] = f"{result.get('path')} · {_size(result.get('bytes', 0))}"
     prompts = summary.get("prompts") or {}
     if prompts:
-        data["captions used"] = (f"{prompts['count']} captions from {prompts['source']}" if prompts.get("per_image")
-                                 else f"none: {prompts['count']} prompt(s) from {prompts['source']}")  # fmt: skip
+        data["captions used"] = (
+            f"{prompts['count']} captions from {prompts['source']}"
+            if prompts.get("per_image")
+            else f"none: {prompts['count']} prompt(s) from {prompts['source']}"
+        )
     if summary.get("base_model"):
         data["base model"] = f"{summary['base_model']} (fingerprint {summary.get('base_model_fingerprint')})"
     counted = summary.get("allreduce_bytes_per_step")
@@ -143,82 +155,7 @@ def method_section(summary: dict, rows: list[dict]) -> str:
         data["all-reduced per step (per rank)"] = _size(counted) + (
             f" (measured {_size(measured)})" if measured is not None else ""
         )
-    return "<h2>Method</h2>" + _table(data)
-
-
-def _pct(value: float) -> str:
-    return f"{100 * value:.0f} %"
-
-
-def _money(value: float, currency: str) -> str:
-    return f"{value:.4g} {currency}".strip()
-
-
-def cluster_sections(rows: list[dict], figs: dict) -> list[str]:
-    """CPU use per node (plot), the time split per node (stacked bars), the straggler verdict, the cost."""
-    sections: list[str] = []
-    if clusterview.stats_rows(rows):
-        util = {n: f"mean {_pct(d['mean'])}, lowest {_pct(d['lowest'])} (ranks {', '.join(map(str, d['ranks']))})"
-                for n, d in figs["cpu_util"].items()}  # fmt: skip
-        sections.append(
-            f'<h2>CPU use per node</h2><figure><img src="{clusterview.utilisation_png(rows)}" '
-            'alt="CPU utilisation per node over the run"><figcaption>Each rank\'s process CPU time ÷ (wall time × its '
-            "threads) over each stats interval, averaged over the node's ranks. Under ~80 % usually means a "
-            f"misconfigured job.</figcaption></figure>{_table(util)}"
-        )
-        split = {n: f"compute {d['compute_s']:.3f} s · all-reduce {d['allreduce_s']:.3f} s · data {d['data_s']:.3f} s"
-                 for n, d in figs["time_split_s_per_step"].items()}  # fmt: skip
-        sections.append(
-            f'<h2>Where the step time goes</h2><figure><img src="{clusterview.split_png(rows)}" '
-            'alt="compute, all-reduce and data time per node"><figcaption>Seconds per step. A fast node waits in the '
-            "all-reduce for the slowest one: a long all-reduce bar beside a long compute bar points at the "
-            f"straggler.</figcaption></figure>{_table(split)}"
-        )
-        found = figs["stragglers"]
-        thresholds = clusterview.stats_rows(rows)[-1]["rank_stats"].get("thresholds") or {}
-        if found:
-            items = "".join(
-                f"<li><b>{html.escape(s['node'])}</b> (ranks {', '.join(map(str, s['ranks']))}), from step "
-                f"{s['first_step']}: {html.escape('; '.join(s['why']))}. Likely causes, most likely first:<ol>"
-                + "".join(f"<li>{html.escape(c)}</li>" for c in s["causes"])
-                + "</ol></li>"
-                for s in found
-            )
-            sections.append(f"<h2>Stragglers</h2><ul class=stragglers>{items}</ul>")
-        else:
-            rule = (
-                f" (every node at or above {_pct(thresholds['cpu_util'])} CPU and within "
-                f"{thresholds['compute_ratio']}× the median compute time)"
-                if thresholds
-                else ""
-            )
-            sections.append(f"<h2>Stragglers</h2><p>No straggler{html.escape(rule)}.</p>")
-    cost = figs["cost"]
-    if cost:
-        cur = cost["currency"]
-        table = {
-            "node-hours": f"{cost['node_hours']:.3f} ({cost['nodes']} nodes)",
-            "price per node-hour": _money(cost["node_hour_price"], cur),
-            "training": _money(cost["training_cost"], cur),
-            "per 100 steps": _money(cost["cost_per_100_steps"], cur) + f" (median {cost['s_per_step']} s/step)",
-        }
-        if "cost_per_generated_image" in cost:
-            table["per generated image (one node)"] = _money(cost["cost_per_generated_image"], cur)
-        sections.append("<h2>Cost</h2>" + _table(table))
-        gpu = cost.get("gpu")
-        if gpu:
-            head = "<tr><th></th><th>this cluster</th><th>GPU instance</th><th>GPU ÷ cluster</th></tr>"
-            body = (
-                f"<tr><th>price per hour</th><td>{_money(gpu['cluster_hour_price'], cur)}</td>"
-                f"<td>{_money(gpu['gpu_hour_price'], cur)}</td><td>{gpu['price_ratio_gpu_to_cluster']}×</td></tr>"
-                f"<tr><th>s/step</th><td>{cost['s_per_step']}</td><td>{gpu['gpu_s_per_step']}</td>"
-                f"<td>{gpu['gpu_s_per_step'] / cost['s_per_step']:.3g}×</td></tr>"
-                f"<tr><th>cost per 100 steps</th><td>{_money(cost['cost_per_100_steps'], cur)}</td>"
-                f"<td>{_money(gpu['gpu_cost_per_100_steps'], cur)}</td><td>{gpu['cost_ratio_gpu_to_cluster']}×</td>"
-                "</tr>"
-            )
-            sections.append(f"<h3>Against a GPU for the same job</h3><table>{head}{body}</table>")
-    return sections
+    return "<h2>Method</h2>" + html_table(data)
 
 
 def _figures(run: Path, info: dict, rows: list[dict], timings: dict) -> dict:
@@ -232,22 +169,43 @@ def _figures(run: Path, info: dict, rows: list[dict], timings: dict) -> dict:
     return figs
 
 
-def build_report(run: Path) -> str:  # noqa: C901 - one section after the other
+def build_report(run: Path) -> str:
+    """The HTML of RUN's report: one section after the other, then what the directory lacks."""
     run = Path(run)
     info = _load_json(run / "run.json") or {}
-    sections: list[str] = []
     missing: list[str] = []
+    rows = _metrics(run)
+    images_dir = run / "images"
+    timings = _load_json(images_dir / "timings.json") or {}
+    sections = [
+        *_how_it_ran(run, info, missing),
+        *_what_trained(run, rows, missing),
+        *cluster_sections(rows, _figures(run, info, rows, timings)),
+        *_phases_section(info, timings),
+        *_export_section(run, info),
+        *_images_section(images_dir, timings, missing),
+        *_missing_section(missing),
+    ]
+    return _page(html.escape(info.get("title") or f"xeonsd run {run.name}"), sections)
 
+
+def _how_it_ran(run: Path, info: dict, missing: list[str]) -> list[str]:
+    """The command, the versions of the stack and the cluster."""
+    sections = []
     command = _command(run, info)
     if command:
         sections.append(f"<h2>Command</h2><pre>{html.escape(command)}</pre>")
     else:
         missing.append("run.json or run.sh (the command)")
-    sections.append("<h2>Versions</h2>" + _table(info.get("versions") or stack_versions()))
+    sections.append("<h2>Versions</h2>" + html_table(info.get("versions") or stack_versions()))
     if info.get("cluster"):
-        sections.append("<h2>Cluster</h2>" + _table(info["cluster"]))
+        sections.append("<h2>Cluster</h2>" + html_table(info["cluster"]))
+    return sections
 
-    rows = _metrics(run)
+
+def _what_trained(run: Path, rows: list[dict], missing: list[str]) -> list[str]:
+    """The method and its result, the training figures and the loss plot."""
+    sections = []
     trained = read_summary(run)
     if trained:
         sections.append(method_section(trained, rows))
@@ -255,7 +213,7 @@ def build_report(run: Path) -> str:  # noqa: C901 - one section after the other
         missing.append("train_summary.json (the method and its result)")
     summary = training_summary(rows)
     if summary:
-        sections.append("<h2>Training</h2>" + _table(summary))
+        sections.append("<h2>Training</h2>" + html_table(summary))
     else:
         missing.append("metrics.jsonl")
     if (run / "loss.png").is_file():
@@ -271,46 +229,56 @@ def build_report(run: Path) -> str:  # noqa: C901 - one section after the other
         )
     else:
         missing.append("loss.png")
+    return sections
 
-    images_dir = run / "images"
-    timings = _load_json(images_dir / "timings.json") or {}
-    sections += cluster_sections(rows, _figures(run, info, rows, timings))
 
+def _phases_section(info: dict, timings: dict) -> list[str]:
+    """run.json's phase times and the generation's load, compile and throughput figures."""
     phases = dict(info.get("phases") or {})
     if timings:
         for key in ("load_s", "compile_s", "first_image_s", "images_per_s"):
             if key in timings:
                 phases[f"generate: {key}"] = timings[key]
-    if phases:
-        sections.append("<h2>Throughput per phase</h2>" + _table(phases))
+    return ["<h2>Throughput per phase</h2>" + html_table(phases)] if phases else []
 
+
+def _export_section(run: Path, info: dict) -> list[str]:
+    """The export manifest's scalar fields, and whether this run made the export or reused it."""
     manifest = _find_export_manifest(run)
-    if manifest:
-        shown = {k: v for k, v in manifest.items() if not isinstance(v, dict | list)}
-        export = info.get("export") or {}
-        if export:
-            how = "reused (made by an earlier run)" if export.get("reused") else "made by this run"
-            shown = {"export of": export.get("of"), "directory": export.get("dir"), "this run": how, **shown}
-        sections.append("<h2>OpenVINO export</h2>" + _table(shown))
+    if not manifest:
+        return []
+    shown = {k: v for k, v in manifest.items() if not isinstance(v, dict | list)}
+    export = info.get("export") or {}
+    if export:
+        how = "reused (made by an earlier run)" if export.get("reused") else "made by this run"
+        shown = {"export of": export.get("of"), "directory": export.get("dir"), "this run": how, **shown}
+    return ["<h2>OpenVINO export</h2>" + html_table(shown)]
 
+
+def _images_section(images_dir: Path, timings: dict, missing: list[str]) -> list[str]:
+    """The generated images (linked relatively) under their prompt."""
     pictures = sorted(p for p in images_dir.glob("*.png") if p.name != "grid.png") if images_dir.is_dir() else []
-    if pictures:
-        figs = "".join(
-            f'<figure><img src="images/{html.escape(p.name)}" alt="{html.escape(p.name)}">'
-            f"<figcaption>{html.escape(p.name)}</figcaption></figure>"
-            for p in pictures
-        )
-        prompt = timings.get("prompts") or timings.get("prompt")
-        caption = f"<p>Prompt: <q>{html.escape(str(prompt))}</q></p>" if prompt else ""
-        sections.append(f"<h2>Generated images</h2>{caption}<div class=images>{figs}</div>")
-    else:
+    if not pictures:
         missing.append("images/*.png")
-    if missing:
-        sections.append(
-            "<h2>Not in this run directory</h2><ul>" + "".join(f"<li>{html.escape(m)}</li>" for m in missing) + "</ul>"
-        )
+        return []
+    figs = "".join(
+        f'<figure><img src="images/{html.escape(p.name)}" alt="{html.escape(p.name)}">'
+        f"<figcaption>{html.escape(p.name)}</figcaption></figure>"
+        for p in pictures
+    )
+    prompt = timings.get("prompts") or timings.get("prompt")
+    caption = f"<p>Prompt: <q>{html.escape(str(prompt))}</q></p>" if prompt else ""
+    return [f"<h2>Generated images</h2>{caption}<div class=images>{figs}</div>"]
 
-    title = html.escape(info.get("title") or f"xeonsd run {run.name}")
+
+def _missing_section(missing: list[str]) -> list[str]:
+    if not missing:
+        return []
+    items = "".join(f"<li>{html.escape(m)}</li>" for m in missing)
+    return [f"<h2>Not in this run directory</h2><ul>{items}</ul>"]
+
+
+def _page(title: str, sections: list[str]) -> str:
     style = (
         "body{font-family:sans-serif;max-width:70em;margin:2em auto;padding:0 1em}"
         "table{border-collapse:collapse}th,td{border:1px solid #ccc;padding:.2em .6em;text-align:left}"

@@ -163,8 +163,9 @@ def split_png(rows: list[dict]) -> str:
     names = list(split)
     fig, ax = plt.subplots(figsize=(7, 0.6 * len(names) + 1.4), dpi=100)
     left = [0.0] * len(names)
-    for key, label, color in zip(SPLIT, ("compute", "waiting in the all-reduce", "data"),
-                                 ("tab:blue", "tab:orange", "tab:green"), strict=True):  # fmt: skip
+    for key, label, color in zip(
+        SPLIT, ("compute", "waiting in the all-reduce", "data"), ("tab:blue", "tab:orange", "tab:green"), strict=True
+    ):
         widths = [split[n][key] for n in names]
         ax.barh(names, widths, left=left, label=label, color=color)
         left = [a + b for a, b in zip(left, widths, strict=True)]

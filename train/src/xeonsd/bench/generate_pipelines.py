@@ -1,0 +1,173 @@
+"""How ``xeonsd bench generate`` builds, exports and times each pipeline.
+
+The random-weight model and concept it runs on, the OpenVINO exports (cached in ``--workdir`` and reused while
+source, shape, weight format and calibration are the same), and the timing of one variant: load (+ compile), an
+optional one-step warm-up call, then the mean seconds per image over ``--images`` calls of one image.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PROMPT = "a yellow <dicoo> robot at the beach, high quality"
+TOKEN = "<dicoo>"
+
+
+@dataclass
+class Result:
+    key: str
+    name: str
+    load_s: float | None = None
+    per_image_s: float | None = None
+    note: str = ""
+
+
+@dataclass
+class Bench:
+    """One run's model, concept and work directory, the variants measured so far and the exports they used."""
+
+    args: argparse.Namespace
+    model: Path
+    embeds: Path
+    workdir: Path
+    results: list[Result] = field(default_factory=list)
+    exports: dict[str, float] = field(default_factory=dict)  # export name -> seconds it took (when it was made)
+
+    def export(self, kind: str, shape: Any, fmt: str, quantize: Any = None) -> Path:
+        name = f"{kind}-{'hybrid' if quantize else fmt}"
+        path, seconds = export_cached(self.model, self.embeds, self.workdir / f"ov-{name}", shape, fmt, quantize)
+        self.exports[name] = seconds
+        return path
+
+    def measure(self, key: str, name: str, fn: Callable[[], tuple[float, float]]) -> None:
+        """Run variant ``key`` (when ``--only`` asks for it): ``fn`` gives load seconds and seconds per image."""
+        if key not in self.args.only:
+            return
+        log.info("(%s) %s ...", key, name)
+        load_s, per_image = fn()
+        self.results.append(Result(key, name, round(load_s, 2), round(per_image, 3)))
+        log.info("(%s) %s: %.2f s per image", key, name, per_image)
+
+
+def model_and_concept(args: argparse.Namespace, workdir: Path) -> tuple[Path, Path]:
+    """``--model`` (or a random-weight ``--arch`` model built once in WORKDIR) and a random concept for it."""
+    import torch
+    from safetensors.torch import save_file
+
+    from xeonsd.assets import make_tiny_model
+
+    model = Path(args.model) if args.model else workdir / f"model-{args.arch}"
+    if not model.is_dir():
+        make_tiny_model(model, arch=args.arch)
+    hidden = json.loads((model / "text_encoder" / "config.json").read_text())["hidden_size"]
+    embeds = workdir / f"concept-{hidden}.safetensors"
+    if not embeds.is_file():
+        gen = torch.Generator().manual_seed(0)
+        save_file({TOKEN: torch.randn(1, hidden, generator=gen) * 0.02}, str(embeds))
+    return model, embeds
+
+
+def export_cached(
+    model: Path, embeds: Path, out: Path, static: Any, weight_format: str, quantize: Any = None
+) -> tuple[Path, float]:
+    """The export in OUT, made now unless OUT already holds one of the same source, shape and weights."""
+    from xeonsd.openvino.export import ExportOptions, export
+    from xeonsd.openvino.manifest import ExportDirError, read_manifest
+
+    try:
+        manifest = read_manifest(out)
+        same_shape = manifest["static_shape"] == (None if static is None else asdict(static))
+        q = manifest.get("quantization")
+        same_q = (
+            (q is None) if quantize is None else (q is not None and q["calibration"]["samples"] == quantize.samples)
+        )
+        if manifest["source"] == str(model) and same_shape and manifest["weight_format"] == weight_format and same_q:
+            return out, float(manifest["export_seconds"])
+    except ExportDirError:
+        pass
+    opts = ExportOptions(static=static, weight_format=weight_format, embeds=embeds, overwrite=True, quantize=quantize)
+    export(str(model), out, opts)
+    return out, float(read_manifest(out)["export_seconds"])
+
+
+def time_torch(model: Path, embeds: Path, args: argparse.Namespace, bf16: bool) -> tuple[float, float]:
+    """diffusers on PyTorch, fp32 or under bf16 autocast: load seconds and mean seconds per image."""
+    import contextlib
+
+    import torch
+    from diffusers import StableDiffusionPipeline
+
+    t0 = time.perf_counter()
+    pipe = StableDiffusionPipeline.from_pretrained(model, safety_checker=None, requires_safety_checker=False)
+    pipe.load_textual_inversion(str(embeds))
+    pipe.set_progress_bar_config(disable=True)
+    load_s = time.perf_counter() - t0
+
+    def call(seed: int, steps: int) -> None:
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        with ctx, torch.inference_mode():
+            pipe(
+                PROMPT,
+                num_inference_steps=steps,
+                height=args.height,
+                width=args.width,
+                generator=torch.Generator().manual_seed(seed),
+            )
+
+    if args.warmup:
+        call(args.seed, 1)
+    times = []
+    for i in range(args.images):
+        t0 = time.perf_counter()
+        call(args.seed + i, args.steps)
+        times.append(time.perf_counter() - t0)
+    return load_s, sum(times) / len(times)
+
+
+def time_ov(ov_dir: Path, engine: str, args: argparse.Namespace, keep: list | None = None) -> tuple[float, float]:
+    """Load+compile and mean seconds per image; ``keep`` gets the first timed image (seed ``args.seed``)."""
+    from xeonsd.openvino.generate import Call, GenerateOptions, open_engine
+
+    opts = GenerateOptions(
+        prompts=(PROMPT,),
+        num_images=args.images,
+        steps=args.steps,
+        seed=args.seed,
+        height=None if engine_static(ov_dir) else args.height,
+        width=None if engine_static(ov_dir) else args.width,
+        batch_size=None if engine_static(ov_dir) else 1,
+        engine=engine,
+    )
+    eng = open_engine(ov_dir, opts)
+    try:
+        if hasattr(eng._pipe, "set_progress_bar_config"):
+            eng._pipe.set_progress_bar_config(disable=True)
+        if args.warmup:
+            eng.run(Call(prompts=[PROMPT], per_prompt=1, seed=args.seed), steps=1)
+        times = []
+        for call in eng.plan.calls:
+            t0 = time.perf_counter()
+            images = eng.run(call)
+            times.append(time.perf_counter() - t0)
+            if keep is not None and not keep:
+                keep.append(images[0])
+        return eng.load_s + eng.compile_s, sum(times) / len(times)
+    finally:
+        eng.close()
+        gc.collect()
+
+
+def engine_static(ov_dir: Path) -> bool:
+    from xeonsd.openvino.manifest import read_manifest
+
+    return read_manifest(ov_dir, verify=False)["static_shape"] is not None

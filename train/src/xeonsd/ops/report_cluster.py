@@ -1,0 +1,112 @@
+"""The cluster sections of ``report.html``: CPU use per node, where the step time goes, stragglers and cost.
+
+Figures come from :mod:`xeonsd.ops.run_view` (the same ones run.json gets); this module only lays them out.
+"""
+
+from __future__ import annotations
+
+import html
+
+from xeonsd.ops import run_view as clusterview
+
+
+def html_table(data: dict) -> str:
+    """Two columns, key and value, both escaped."""
+    cells = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>" for k, v in data.items())
+    return f"<table>{cells}</table>"
+
+
+def _pct(value: float) -> str:
+    return f"{100 * value:.0f} %"
+
+
+def _money(value: float, currency: str) -> str:
+    return f"{value:.4g} {currency}".strip()
+
+
+def cluster_sections(rows: list[dict], figs: dict) -> list[str]:
+    """CPU use per node (plot), the time split per node (stacked bars), the straggler verdict, the cost."""
+    sections: list[str] = []
+    if clusterview.stats_rows(rows):
+        sections.append(_cpu_use_section(rows, figs))
+        sections.append(_time_split_section(rows, figs))
+        sections.append(_stragglers_section(rows, figs))
+    if figs["cost"]:
+        sections += _cost_sections(figs["cost"])
+    return sections
+
+
+def _cpu_use_section(rows: list[dict], figs: dict) -> str:
+    util = {
+        n: f"mean {_pct(d['mean'])}, lowest {_pct(d['lowest'])} (ranks {', '.join(map(str, d['ranks']))})"
+        for n, d in figs["cpu_util"].items()
+    }
+    return (
+        f'<h2>CPU use per node</h2><figure><img src="{clusterview.utilisation_png(rows)}" '
+        'alt="CPU utilisation per node over the run"><figcaption>Each rank\'s process CPU time ÷ (wall time × its '
+        "threads) over each stats interval, averaged over the node's ranks. Under ~80 % usually means a "
+        f"misconfigured job.</figcaption></figure>{html_table(util)}"
+    )
+
+
+def _time_split_section(rows: list[dict], figs: dict) -> str:
+    split = {
+        n: f"compute {d['compute_s']:.3f} s · all-reduce {d['allreduce_s']:.3f} s · data {d['data_s']:.3f} s"
+        for n, d in figs["time_split_s_per_step"].items()
+    }
+    return (
+        f'<h2>Where the step time goes</h2><figure><img src="{clusterview.split_png(rows)}" '
+        'alt="compute, all-reduce and data time per node"><figcaption>Seconds per step. A fast node waits in the '
+        "all-reduce for the slowest one: a long all-reduce bar beside a long compute bar points at the "
+        f"straggler.</figcaption></figure>{html_table(split)}"
+    )
+
+
+def _stragglers_section(rows: list[dict], figs: dict) -> str:
+    """Each straggler with why it is one and its likely causes; else the rule every node met."""
+    found = figs["stragglers"]
+    thresholds = clusterview.stats_rows(rows)[-1]["rank_stats"].get("thresholds") or {}
+    if found:
+        items = "".join(
+            f"<li><b>{html.escape(s['node'])}</b> (ranks {', '.join(map(str, s['ranks']))}), from step "
+            f"{s['first_step']}: {html.escape('; '.join(s['why']))}. Likely causes, most likely first:<ol>"
+            + "".join(f"<li>{html.escape(c)}</li>" for c in s["causes"])
+            + "</ol></li>"
+            for s in found
+        )
+        return f"<h2>Stragglers</h2><ul class=stragglers>{items}</ul>"
+    rule = (
+        f" (every node at or above {_pct(thresholds['cpu_util'])} CPU and within "
+        f"{thresholds['compute_ratio']}× the median compute time)"
+        if thresholds
+        else ""
+    )
+    return f"<h2>Stragglers</h2><p>No straggler{html.escape(rule)}.</p>"
+
+
+def _cost_sections(cost: dict) -> list[str]:
+    """What the run cost, and the same job on a GPU instance where one is priced."""
+    cur = cost["currency"]
+    table = {
+        "node-hours": f"{cost['node_hours']:.3f} ({cost['nodes']} nodes)",
+        "price per node-hour": _money(cost["node_hour_price"], cur),
+        "training": _money(cost["training_cost"], cur),
+        "per 100 steps": _money(cost["cost_per_100_steps"], cur) + f" (median {cost['s_per_step']} s/step)",
+    }
+    if "cost_per_generated_image" in cost:
+        table["per generated image (one node)"] = _money(cost["cost_per_generated_image"], cur)
+    sections = ["<h2>Cost</h2>" + html_table(table)]
+    gpu = cost.get("gpu")
+    if gpu:
+        head = "<tr><th></th><th>this cluster</th><th>GPU instance</th><th>GPU ÷ cluster</th></tr>"
+        body = (
+            f"<tr><th>price per hour</th><td>{_money(gpu['cluster_hour_price'], cur)}</td>"
+            f"<td>{_money(gpu['gpu_hour_price'], cur)}</td><td>{gpu['price_ratio_gpu_to_cluster']}×</td></tr>"
+            f"<tr><th>s/step</th><td>{cost['s_per_step']}</td><td>{gpu['gpu_s_per_step']}</td>"
+            f"<td>{gpu['gpu_s_per_step'] / cost['s_per_step']:.3g}×</td></tr>"
+            f"<tr><th>cost per 100 steps</th><td>{_money(cost['cost_per_100_steps'], cur)}</td>"
+            f"<td>{_money(gpu['gpu_cost_per_100_steps'], cur)}</td><td>{gpu['cost_ratio_gpu_to_cluster']}×</td>"
+            "</tr>"
+        )
+        sections.append(f"<h3>Against a GPU for the same job</h3><table>{head}{body}</table>")
+    return sections
