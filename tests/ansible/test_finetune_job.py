@@ -100,7 +100,7 @@ def test_the_lock_conflict_code_comes_from_the_package() -> None:
                          check=True)  # fmt: skip
     assert json.loads(out.stdout) == jobstatus.EXIT_CODES and jobstatus.EXIT_CODES["lock_conflict"] == 75
     launch = (ROLE / "tasks" / "launch.yml").read_text()
-    assert "argv: [\"{{ finetune_env_wrapper }}\", xeonsd, jobstatus, codes]" in launch
+    assert 'argv: ["{{ finetune_env_wrapper }}", xeonsd, jobstatus, codes]' in launch
     assert '--conflict-exit-code, "{{ finetune_exit_codes.lock_conflict }}"' in launch
     assert (ROLE / "tasks" / "wait.yml").read_text().count("[0, finetune_exit_codes.lock_conflict]") == 2
     code = str(jobstatus.LOCK_CONFLICT_RC)

@@ -32,7 +32,10 @@ options:
 
 def main() -> None:
     module = AnsibleModule(
-        argument_spec={"env_wrapper": {"type": "path", "required": True}, "run_dir": {"type": "path", "required": True}},
+        argument_spec={
+            "env_wrapper": {"type": "path", "required": True},
+            "run_dir": {"type": "path", "required": True},
+        },
         supports_check_mode=True,
     )
     argv = ranks_argv(module.params["env_wrapper"], module.params["run_dir"])

@@ -17,8 +17,8 @@ def poll_argv(params: dict) -> list[str]:
     argv = [params["env_wrapper"], "xeonsd", "jobstatus", "poll", params["run_dir"],
             "--results-file", params["results_file"], "--total-steps", str(params["total_steps"]),
             "--ranks-per-node", str(params["ranks_per_node"]), "--excerpt-lines", str(params["excerpt_lines"])]  # fmt: skip
-    for name, address in zip(params["node_names"], params["node_addresses"]):
-        argv += ["--node", f"{name}={address}"]
+    for i, name in enumerate(params["node_names"]):  # the module checked that the two lists match
+        argv += ["--node", f"{name}={params['node_addresses'][i]}"]
     if params.get("rank_status") is not None:
         argv += ["--rank-status", "-"]
     return argv

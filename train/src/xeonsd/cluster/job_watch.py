@@ -27,9 +27,9 @@ from xeonsd.cluster.job_status import (
     OWN_ERROR_KINDS,
     STATUS_DIR,
     StatusFileError,
+    rank_status_from_dict,
     read_attempt,
     read_exit,
-    rank_status_from_dict,
 )
 
 METRICS = ("metrics.partial.jsonl", "metrics.jsonl")
@@ -265,7 +265,9 @@ def _excerpt(verdict: _Verdict, any_status: bool, text: str, excerpt_lines: int)
     elif any_status:
         # Ranks that died silently: the last line each printed, what their peers saw, and what mpirun saw.
         excerpt += [
-            f"[rank {r}] last line: {lines[r][-1][:300]}" for r in verdict.culprits[: excerpt_lines // 2] if lines.get(r)
+            f"[rank {r}] last line: {lines[r][-1][:300]}"
+            for r in verdict.culprits[: excerpt_lines // 2]
+            if lines.get(r)
         ]
         excerpt += [f"[rank {r}] {verdict.witnesses[r]['message'][:600]}" for r in sorted(verdict.witnesses)[:2]]
         excerpt += [m.group(0) for m in _DOWNSTREAM.finditer(text)][:2]
