@@ -14,7 +14,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-METHODS = ("textual_inversion", "lora", "full")
+from xeonsd.trainer.method_names import METHODS
+
 TI, LORA, FULL = METHODS
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 

@@ -55,6 +55,7 @@ from xeonsd.trainer.config import ConfigError, TrainConfig, parse_config
 from xeonsd.trainer.data import DataError, SamplingPlan, find_images, mix
 from xeonsd.trainer.embeddings import ConceptError
 from xeonsd.trainer.latents import LatentTable
+from xeonsd.trainer.method_names import METHODS
 from xeonsd.trainer.methods import Method, for_config, method_class
 from xeonsd.trainer.metrics import MetricsLog, plot_loss, result_bytes, write_summary
 from xeonsd.trainer.models import Models, autocast, load_models, render_validation
@@ -106,7 +107,7 @@ def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
     if cfg.resume_from_checkpoint and info.is_main:
         resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, cfg.output_path)
     earlier = {"metrics.jsonl", "metrics.partial.jsonl"}
-    for name in ("textual_inversion", "lora", "full"):
+    for name in METHODS:
         earlier.update(method_class(name).outputs)
     found = [n for n in sorted(earlier) if (cfg.output_path / n).exists()]
     found += [p.name for _, p in ckpt.list_checkpoints(cfg.output_path)]

@@ -15,6 +15,7 @@ import torch
 
 from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError
+from xeonsd.trainer.method_names import result_file
 from xeonsd.trainer.methods.base import Method
 from xeonsd.trainer.models import save_full_pipeline
 from xeonsd.trainer.prompts import check_prompt_source, plain_prompts
@@ -50,7 +51,7 @@ class EMA:
 
 class FullFineTuning(Method):
     name = "full"
-    outputs = ("model_index.json",)
+    outputs = (result_file("full"),)
     unet_fp32 = True
 
     @classmethod

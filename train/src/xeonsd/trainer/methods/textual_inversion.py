@@ -17,6 +17,7 @@ from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError
 from xeonsd.trainer.data import DataError
 from xeonsd.trainer.embeddings import PlaceholderEmbedding, add_concept, save_learned_embeds
+from xeonsd.trainer.method_names import result_file
 from xeonsd.trainer.methods.base import Method
 from xeonsd.trainer.models import save_full_pipeline
 from xeonsd.trainer.prompts import PromptTable, templates_for
@@ -24,7 +25,7 @@ from xeonsd.trainer.prompts import PromptTable, templates_for
 if TYPE_CHECKING:
     from xeonsd.trainer.captions import Captions
 
-EMBEDS_FILE = "learned_embeds.safetensors"
+EMBEDS_FILE = result_file("textual_inversion")
 
 
 class TextualInversion(Method):
