@@ -11,7 +11,7 @@ A value of true is the bare flag, false/None/"" leaves the flag out (the trainer
 xeonsd_method: what a method leaves in the run directory (its result file, what people call it, whether it is a
 whole pipeline, its `xeonsd generate` flag); xeonsd_generate_result_args: those generate arguments for a run.
 
-The methods and their files are defined once, in the package's ``train/src/xeonsd/trainer/method_names.py``
+The methods and their files are defined once, in the package's ``train/src/xeonsd/method_names.py``
 (standard library only), which this plugin loads from the repository on the controller.
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-_NAMES = Path(__file__).resolve().parents[2] / "train" / "src" / "xeonsd" / "trainer" / "method_names.py"
+_NAMES = Path(__file__).resolve().parents[2] / "train" / "src" / "xeonsd" / "method_names.py"
 
 
 def _method_names():

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from xeonsd.flops import matmul_peak
-from xeonsd.trainer.method_names import METHODS
+from xeonsd.method_names import METHODS
 
 log = logging.getLogger(__name__)
 

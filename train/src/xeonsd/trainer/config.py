@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from xeonsd.trainer.method_names import METHODS
+from xeonsd.method_names import METHODS
 
 TI, LORA, FULL = METHODS
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from xeonsd.method_names import result_file
 from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError
-from xeonsd.trainer.method_names import result_file
 from xeonsd.trainer.methods.base import Method
 from xeonsd.trainer.models import save_full_pipeline
 from xeonsd.trainer.prompts import check_prompt_source, plain_prompts

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from xeonsd.method_names import result_file
 from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError
 from xeonsd.trainer.data import DataError
 from xeonsd.trainer.embeddings import PlaceholderEmbedding, add_concept, save_learned_embeds
-from xeonsd.trainer.method_names import result_file
 from xeonsd.trainer.methods.base import Method
 from xeonsd.trainer.models import save_full_pipeline
 from xeonsd.trainer.prompts import PromptTable, templates_for
