@@ -13,12 +13,30 @@ under `timeout`, of `timeout`, and of `xeonsd doctor`.
 from __future__ import annotations
 
 import base64
+import importlib.util
 import json
 import re
 import statistics
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
+
+# The straggler rule (its ratio and likely causes) is the trainer's: the package's stdlib-only
+# train/src/xeonsd/straggler_rule.py, loaded from the repository on the controller.
+_RULE_FILE = Path(__file__).resolve().parents[2] / "train" / "src" / "xeonsd" / "straggler_rule.py"
+
+
+def _straggler_rule():
+    spec = importlib.util.spec_from_file_location("xeonsd_straggler_rule", _RULE_FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_rule = _straggler_rule()
+STRAGGLER_RATIO: float = _rule.STRAGGLER_RATIO
+STRAGGLER_CAUSES: tuple[str, ...] = _rule.CAUSES
 
 # The wrapper /etc/xeonsd/run: no readable env.sh (90), the command (xeonsd, mpirun) not on the PATH env.sh sets (91).
 RC_NO_ENV_FILE = 90
@@ -31,8 +49,6 @@ RC_NO_ENV = (RC_NO_ENV_FILE, RC_NO_COMMAND, *RC_NO_WRAPPER)
 # `xeonsd doctor`: 0 every check passed, 1 a check failed, 2 the model cannot be found; each with its JSON report.
 RC_DOCTOR_REPORTED = (0, 1, 2)
 
-STRAGGLER_CAUSES = ("threads per rank vs. physical cores", "another process on the node", "memory pressure or swap",
-                    "a slower CPU")  # fmt: skip
 _HELLO_ERROR = re.compile(r"^.*xeonsd hello: error: ")
 _RANK_PREFIX = re.compile(r"^rank [0-9]+: ")
 
@@ -86,9 +102,13 @@ def _cpu(facts: Mapping[str, Any]) -> str:
     return f"{facts.get('cpu_model', '?')} · {facts.get('cores', '?')} cores · {amx}"
 
 
-def compare_rows(reports: Mapping[str, Mapping[str, Any]], ratio: float = 1.3) -> dict[str, list[dict[str, str]]]:
+def compare_rows(
+    reports: Mapping[str, Mapping[str, Any]], ratio: float | None = None
+) -> dict[str, list[dict[str, str]]]:
     """``{host: doctor JSON}`` → ``{host: [row, …]}``: a ``cpu`` row (WARN when the nodes' CPUs differ) and a
-    ``straggler`` row (WARN when its trial step is over ``ratio`` × the median of the nodes')."""
+    ``straggler`` row (WARN when its trial step is over ``ratio`` × the median of the nodes'; None: the straggler
+    rule's)."""
+    ratio = STRAGGLER_RATIO if ratio is None else ratio
     facts = {h: r["node"] for h, r in reports.items() if r and r.get("node")}
     kinds = Counter(_cpu(f) for f in facts.values())
     mixed = ", ".join(f"{n}× {k}" for k, n in kinds.most_common()) if len(kinds) > 1 else ""
@@ -181,7 +201,7 @@ def doctor_rows(
     ranks_mismatch: str,
     check_limit_s: int | str,
     hello_limit_s: int | str,
-    straggler_ratio: float | str = 1.3,
+    straggler_ratio: float | str | None = None,
 ) -> list[dict[str, str]]:
     """Every row of the table.
 
@@ -193,7 +213,8 @@ def doctor_rows(
     """
     mpi_ranks, ranks_per_node = int(mpi_ranks), int(ranks_per_node)
     by_host = {res.get("item"): res for res in ssh}
-    compared = compare_rows({h: _report(r) for h, r in zip(hosts, results, strict=True)}, float(straggler_ratio))
+    ratio = None if straggler_ratio is None or str(straggler_ratio).strip() == "" else float(straggler_ratio)
+    compared = compare_rows({h: _report(r) for h, r in zip(hosts, results, strict=True)}, ratio)
     rows: list[dict[str, str]] = []
     for host, result, address in zip(hosts, results, addresses, strict=True):
         rows += node_rows(host, result, int(check_limit_s))

@@ -7,14 +7,34 @@ doctor.yml's one-step trial both use it.
 
 A value of true is the bare flag, false/None/"" leaves the flag out (the trainer's default), anything else is
 ``--name=value``.
+
+xeonsd_method: what a method leaves in the run directory (its result file, what people call it, whether it is a
+whole pipeline, its `xeonsd generate` flag); xeonsd_generate_result_args: those generate arguments for a run.
+
+The methods and their files are defined once, in the package's ``train/src/xeonsd/method_names.py``
+(standard library only), which this plugin loads from the repository on the controller.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-METHODS = ("textual_inversion", "lora", "full")
+_NAMES = Path(__file__).resolve().parents[2] / "train" / "src" / "xeonsd" / "method_names.py"
+
+
+def _method_names():
+    spec = importlib.util.spec_from_file_location("xeonsd_method_names", _NAMES)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_names = _method_names()
+METHODS: tuple[str, ...] = _names.METHODS
+METHOD_FILES: dict[str, dict] = _names.METHOD_FILES
 
 
 class TrainArgvError(ValueError):
@@ -44,6 +64,24 @@ def train_argv(flags: Mapping[str, Mapping[str, Any]], method: str, extra: Seque
     return argv + [str(a) for a in extra]
 
 
+def method(name: str) -> dict:
+    """``{"name", "result", "what", "pipeline", "generate_flag"}`` of the method ``name``."""
+    if name not in METHODS:
+        raise TrainArgvError(f"finetune_method {name!r}: choose one of {', '.join(METHODS)}")
+    return {"name": name, **METHOD_FILES[name]}
+
+
+def generate_result_args(summary: Mapping[str, Any], run_dir: str, lora_scale: Any = 1.0) -> list[str]:
+    """The `xeonsd generate` arguments that load a run's result (train_summary.json names its method and result
+    file) onto the base model's export: ``--embeds FILE``, ``--lora FILE:SCALE``, or none (a whole pipeline)."""
+    flag = method(summary["method"])["generate_flag"]
+    if flag is None:
+        return []
+    path = f"{run_dir}/{summary['result']['path']}"
+    return [flag, f"{path}:{lora_scale}" if flag == "--lora" else path]
+
+
 class FilterModule:
     def filters(self) -> dict:
-        return {"xeonsd_train_argv": train_argv}
+        return {"xeonsd_train_argv": train_argv, "xeonsd_method": method,
+                "xeonsd_generate_result_args": generate_result_args}  # fmt: skip

@@ -40,3 +40,29 @@ def test_same_cpus_and_even_trials_pass_and_a_node_without_a_result_gets_no_comp
     assert [r["check"] for r in rows["node4"]] == ["cpu"]  # its trial failed: that row is the doctor's own FAIL
     assert {r["status"] for rs in rows.values() for r in rs} == {"PASS"}
     assert rows["node2"][0]["detail"] == "Intel(R) Xeon(R) Platinum 8480+ · 56 cores · AMX"
+
+
+def test_doctor_s_straggler_rule_is_the_trainer_s() -> None:
+    """One ratio and one list of causes (xeonsd.straggler_rule): the doctor's comparison, the trainer's watch and
+    the inventory's (empty) defaults all mean it; no other file writes the number."""
+    import re
+
+    from repo_code import REPO
+
+    from xeonsd.cluster.rank_stats import CAUSES, StragglerWatch
+    from xeonsd.straggler_rule import STRAGGLER_RATIO
+    from xeonsd.trainer.config import TrainConfig
+
+    assert xeonsd_doctor.STRAGGLER_RATIO == STRAGGLER_RATIO == StragglerWatch().ratio
+    assert TrainConfig.__dataclass_fields__["straggler_ratio"].default == STRAGGLER_RATIO
+    assert xeonsd_doctor.STRAGGLER_CAUSES == CAUSES
+    reports = {"node1": _report(5.6, SPR), "node2": _report(5.4, SPR), "node3": _report(9.1, SPR)}
+    slow = xeonsd_doctor.compare_rows(reports)["node3"][1]["detail"]
+    assert f"(over {STRAGGLER_RATIO}×)" in slow and slow.endswith("; ".join(CAUSES))
+    number = re.compile(rf"(?<![\w.]){re.escape(str(STRAGGLER_RATIO))}(?![\w.])")
+    for path in [*REPO.glob("train/src/**/*.py"), *REPO.glob("plugins/**/*.py"), *REPO.glob("roles/**/*.yml"),
+                 *REPO.glob("inventory/**/*.yml")]:  # fmt: skip
+        if path.name == "straggler_rule.py":
+            continue
+        code = [ln for ln in path.read_text().splitlines() if not ln.lstrip().startswith("#")]
+        assert not [ln for ln in code if number.search(ln)], f"{path}: a second straggler ratio"

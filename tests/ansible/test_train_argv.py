@@ -53,3 +53,49 @@ def test_a_method_the_trainer_does_not_know_is_refused() -> None:
         train_argv({"all": {"seed": 7}}, "dreambooth")
     assert train_argv({"all": {"seed": 7, "scale_lr": False, "x": ""}, "lora": {"rank": 8}}, "lora", ["--y"]) == [
         "--method=lora", "--seed=7", "--rank=8", "--y"]  # fmt: skip
+
+
+# ---- the methods and their result files: the package's method_names, read by the plugin ---------------------------
+
+
+def test_the_plugin_s_methods_and_results_are_the_package_s() -> None:
+    from xeonsd import method_names
+    from xeonsd.trainer.methods import method_class
+
+    assert xeonsd_train.METHODS == method_names.METHODS
+    for name in method_names.METHODS:
+        info = xeonsd_train.method(name)
+        assert info["result"] == method_class(name).outputs[0] == method_names.result_file(name)
+    with pytest.raises(TrainArgvError, match="finetune_method 'dreambooth': choose one of textual_inversion, lora"):
+        xeonsd_train.method("dreambooth")
+    summary = {"method": "lora", "result": {"path": "pytorch_lora_weights.safetensors"}}
+    assert xeonsd_train.generate_result_args(summary, "/runs/r1", 0.8) == [
+        "--lora", "/runs/r1/pytorch_lora_weights.safetensors:0.8"]  # fmt: skip
+    summary = {"method": "textual_inversion", "result": {"path": "learned_embeds.safetensors"}}
+    assert xeonsd_train.generate_result_args(summary, "/runs/r1") == ["--embeds", "/runs/r1/learned_embeds.safetensors"]
+    assert xeonsd_train.generate_result_args({"method": "full", "result": {"path": "model_index.json"}}, "/r") == []
+
+
+def test_no_role_or_plugin_names_a_result_file_again() -> None:
+    """The result files are method_names' alone: the roles read them from the xeonsd_method filter or from
+    train_summary.json. (A whole pipeline's model_index.json is every diffusers pipeline's, not only a result.)"""
+    from xeonsd.method_names import METHOD_FILES
+
+    names = [m["result"] for m in METHOD_FILES.values() if not m["pipeline"]]
+    for path in [*REPO.glob("roles/**/*.yml"), *REPO.glob("roles/**/*.j2"), *REPO.glob("plugins/**/*.py"),
+                 *REPO.glob("playbooks/*.yml"), *REPO.glob("*.yml")]:  # fmt: skip
+        code = [ln for ln in path.read_text().splitlines() if not ln.lstrip().startswith("#")]
+        assert not [n for n in names if any(n in ln for ln in code)], f"{path} names a result file"
+
+
+def test_ansible_renders_the_method_filters() -> None:
+    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_NOCOLOR="1")
+    msg = ("{{ ['lora' | xeonsd_method, {'method': 'textual_inversion', 'result': {'path': 'e.safetensors'}}"
+           " | xeonsd_generate_result_args('/r')] }}")  # fmt: skip
+    proc = subprocess.run([str(VENV_BIN / "ansible"), "localhost", "-i", "inventory", "-m", "ansible.builtin.debug",
+                           "-a", json.dumps({"msg": msg})], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    info, args = json.loads(proc.stdout.split("=>", 1)[1])["msg"]
+    assert info == {"name": "lora", "result": "pytorch_lora_weights.safetensors", "what": "LoRA adapter",
+                    "pipeline": False, "generate_flag": "--lora"}  # fmt: skip
+    assert args == ["--embeds", "/r/e.safetensors"]

@@ -1,9 +1,10 @@
 #!/usr/bin/python
 """Ansible module: the state of a finetune job on the primary (progress while it runs, diagnosis when it failed).
 
-The reading and the diagnosis live in the role's module_utils/xeonsd_joblog.py; this is the Ansible wrapper.
-The diagnosis reads the ranks' status files (``status/rank-<r>.json``, xeonsd.cluster.job_status): those gathered from
-every node by xeonsd_rank_status when ``rank_status`` is given, else this node's own.
+The reading and the diagnosis are the node's ``xeonsd jobstatus poll`` (xeonsd.cluster.job_watch, in the diffuser
+env, run through the mpi role's wrapper); this is the Ansible wrapper, and module_utils/xeonsd_joblog.py builds its
+command line. The diagnosis reads the ranks' status files (``status/rank-<r>.json``, xeonsd.cluster.job_status):
+those gathered from every node by xeonsd_rank_status when ``rank_status`` is given, else this node's own.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import os
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.xeonsd_joblog import job_state
+from ansible.module_utils.xeonsd_joblog import answer, poll_argv, poll_stdin
 
 DOCUMENTATION = r"""
 module: xeonsd_job
@@ -20,6 +21,10 @@ description:
   - Reports whether the job launched by the finetune role has finished, its progress (step, loss, s/step,
     time left) and, for a failed job, which node and ranks caused it with the first lines of their log.
 options:
+  env_wrapper:
+    description: The mpi role's wrapper that runs a command in the diffuser env (C(xeonsd jobstatus poll)).
+    type: path
+    required: true
   run_dir:
     description: The job's run directory on the primary.
     type: path
@@ -62,6 +67,7 @@ options:
 def main() -> None:
     module = AnsibleModule(
         argument_spec={
+            "env_wrapper": {"type": "path", "required": True},
             "run_dir": {"type": "path", "required": True},
             "results_file": {"type": "path", "required": True},
             "node_names": {"type": "list", "elements": "str", "default": []},
@@ -78,12 +84,12 @@ def main() -> None:
         module.fail_json(msg="node_names and node_addresses must have the same length")
     if not os.path.isdir(params["run_dir"]):
         module.fail_json(msg=f"run directory {params['run_dir']} does not exist on this node")
-    names, addresses = params["node_names"], params["node_addresses"]
-    params["nodes"] = [{"name": names[i], "address": addresses[i]} for i in range(len(names))]
+    argv = poll_argv(params)
+    rc, out, err = module.run_command(argv, data=poll_stdin(params))
     try:
-        state = job_state(params)
-    except ValueError as exc:  # an exit.json of another schema, or not JSON
-        module.fail_json(msg=f"cannot read how the job ended: {exc}")
+        state = answer(argv, rc, out, err)
+    except ValueError as exc:  # an exit.json of another schema, or no xeonsd in the env
+        module.fail_json(msg=f"cannot read the job's state: {exc}")
     module.exit_json(**state)
 
 

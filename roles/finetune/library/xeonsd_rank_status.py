@@ -2,15 +2,14 @@
 """Ansible module: this node's rank status files of a finetune run (``<run_dir>/status/rank-<r>.json``).
 
 Each rank writes its own on its own node (xeonsd.cluster.job_status); the finetune role runs this on every node after a
-failed job and hands what it found to xeonsd_job on the primary, which decides who ended the job.
+failed job and hands what it found to xeonsd_job on the primary, which decides who ended the job. The reading is the
+node's ``xeonsd jobstatus ranks``, run in the diffuser env through the mpi role's wrapper.
 """
 
 from __future__ import annotations
 
-import os
-
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.xeonsd_joblog import STATUS_DIR, read_status_dir
+from ansible.module_utils.xeonsd_joblog import answer, ranks_argv
 
 DOCUMENTATION = r"""
 module: xeonsd_rank_status
@@ -20,6 +19,10 @@ description:
     back as C({file, problem}); xeonsd_job checks the schema when it diagnoses. No run or status directory on this
     node (no rank started here) gives an empty list.
 options:
+  env_wrapper:
+    description: The mpi role's wrapper that runs a command in the diffuser env (C(xeonsd jobstatus ranks)).
+    type: path
+    required: true
   run_dir:
     description: The run directory (the same path on every node).
     type: path
@@ -28,9 +31,20 @@ options:
 
 
 def main() -> None:
-    module = AnsibleModule(argument_spec={"run_dir": {"type": "path", "required": True}}, supports_check_mode=True)
-    status_dir = os.path.join(module.params["run_dir"], STATUS_DIR)
-    module.exit_json(changed=False, status_dir=status_dir, statuses=read_status_dir(status_dir))
+    module = AnsibleModule(
+        argument_spec={
+            "env_wrapper": {"type": "path", "required": True},
+            "run_dir": {"type": "path", "required": True},
+        },
+        supports_check_mode=True,
+    )
+    argv = ranks_argv(module.params["env_wrapper"], module.params["run_dir"])
+    rc, out, err = module.run_command(argv)
+    try:
+        found = answer(argv, rc, out, err)
+    except ValueError as exc:
+        module.fail_json(msg=f"cannot read this node's rank status files: {exc}")
+    module.exit_json(changed=False, **found)
 
 
 if __name__ == "__main__":

@@ -181,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     from xeonsd.cluster.job_status import add_parser as add_jobstatus_parser  # stdlib only: cheap to import
 
     add_jobstatus_parser(sub)
+    from xeonsd.cluster.run_files import add_parser as add_runjson_parser  # stdlib only: cheap to import
+
+    add_runjson_parser(sub)
 
     p = sub.add_parser("bench", help="benchmarks (`xeonsd bench train --help`)", add_help=False)
     p.add_argument("what", choices=["train", "generate"])

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from xeonsd.flops import matmul_peak
+from xeonsd.method_names import METHODS
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ def format_table(results: list[dict], peaks: dict[str, float], dtype: str, cpu: 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="xeonsd bench train", description=__doc__.splitlines()[0])
-    p.add_argument("--method", choices=["textual_inversion", "lora", "full"], default="textual_inversion")
+    p.add_argument("--method", choices=METHODS, default="textual_inversion")
     p.add_argument("--no-ranks2", action="store_true", help="skip the 2-rank run that measures the all-reduce bytes")
     p.add_argument(
         "--model",

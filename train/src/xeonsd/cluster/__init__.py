@@ -2,6 +2,7 @@
 
 It owns the ranks and the process group with their CPU placement (:mod:`.distributed`), each rank's CPU use and
 the straggler watch (:mod:`.rank_stats`), the JSON status files whose schema the finetune role reads
-(:mod:`.job_status`) and ``xeonsd hello`` (:mod:`.hello`). It may import the top-level modules only: the trainer
+(:mod:`.job_status`), what the role's poll answers from them (:mod:`.job_watch`) and ``xeonsd hello``
+(:mod:`.hello`). It may import the top-level modules only: the trainer
 uses it, never the other way round.
 """

@@ -12,8 +12,10 @@
   as ``XEONSD_ATTEMPT`` so that every rank's status file says which attempt wrote it, and readers ignore files
   left by an earlier one.
 
-The finetune role's Ansible module cannot import this package (it runs under the node's Ansible Python): its
-``module_utils/xeonsd_joblog.py`` declares the fields it reads, and a unit test holds the two together.
+The finetune role reads them only through this package, run in the node's diffuser env: ``xeonsd jobstatus poll``
+(the progress line, and who ended a failed job: :mod:`.job_watch`), ``xeonsd jobstatus ranks`` (a node's rank status
+files) and ``xeonsd jobstatus codes`` (the exit codes the role tells apart, :data:`EXIT_CODES`), all with JSON on
+stdout. Nothing else in the repository restates the schema or the codes.
 
 Every file is written under a temporary name and renamed into place, so a reader never sees half a file.
 """
@@ -45,6 +47,11 @@ ERROR_KINDS = ("input", "exception", "lost_peer", "timeout")
 OWN_ERROR_KINDS = ("input", "exception")
 # run.sh's exit code when another finetune holds the run lock (flock --conflict-exit-code): nothing was started.
 LOCK_CONFLICT_RC = 75
+# The exit codes the playbooks tell apart, by name: the finetune role reads them from `xeonsd jobstatus codes`.
+EXIT_CODES = {"lock_conflict": LOCK_CONFLICT_RC}
+# The job's human log in the run directory (every rank's lines, mpirun -l): attempt.json says where each attempt's
+# part of it starts.
+LOG_FILE = "train.log"
 
 
 class StatusFileError(ValueError):
@@ -87,6 +94,8 @@ class RankStatus:
 class Attempt:
     attempt: int
     started: int  # Unix time
+    log_offset: int = 0  # train.log's size when this attempt began: its lines start there
+    time_limit_s: int | None = None  # the job's time limit (I_MPI_JOB_TIMEOUT), when run.sh set one
     schema: int = SCHEMA_VERSION
 
 
@@ -96,6 +105,7 @@ class ExitStatus:
     started: int  # Unix time
     ended: int
     attempt: int | None = None
+    timed_out: bool = False  # it failed having run for its whole time limit (mpirun ended it)
     schema: int = SCHEMA_VERSION
 
 
@@ -133,7 +143,7 @@ def _typed(cls: type, data: object, where: str):
         raise StatusFileError(f"{where}: expected a JSON object, got {type(data).__name__}")
     if data.get("schema") != SCHEMA_VERSION:
         raise StatusFileError(
-            f"{where}: schema {data.get('schema')!r}, this xeonsd reads schema {SCHEMA_VERSION} "
+            f"{where}: schema {data.get('schema')!r}, this role reads schema {SCHEMA_VERSION} "
             "(the trainer and the playbooks are of different versions)"
         )
     names = field_names(cls)
@@ -245,10 +255,14 @@ class RankStatusFile:
 # ---- run.sh's side: `xeonsd jobstatus begin RUN_DIR` and `xeonsd jobstatus exit RUN_DIR --rc RC` -------------
 
 
-def begin_attempt(run_dir: Path, now: float | None = None) -> Attempt:
-    """The next attempt of the run in ``run_dir`` (1 for a new run), recorded in attempt.json."""
+def begin_attempt(run_dir: Path, now: float | None = None, time_limit_s: int | None = None) -> Attempt:
+    """The next attempt of the run in ``run_dir`` (1 for a new run), recorded in attempt.json with where its part
+    of train.log starts."""
     previous = read_attempt(run_dir)
-    attempt = Attempt(attempt=(previous.attempt if previous else 0) + 1, started=int(now or time.time()))
+    log_file = Path(run_dir) / LOG_FILE
+    attempt = Attempt(attempt=(previous.attempt if previous else 0) + 1, started=int(now or time.time()),
+                      log_offset=log_file.stat().st_size if log_file.is_file() else 0,
+                      time_limit_s=time_limit_s)  # fmt: skip
     write_json(Path(run_dir) / ATTEMPT_FILE, asdict(attempt), fsync=True)
     return attempt
 
@@ -258,43 +272,94 @@ def write_exit(run_dir: Path, rc: int, now: float | None = None) -> ExitStatus:
     attempt = read_attempt(run_dir)
     if attempt is None:
         raise StatusFileError(f"{Path(run_dir) / ATTEMPT_FILE} does not exist: run `xeonsd jobstatus begin` first")
-    status = ExitStatus(rc=rc, started=attempt.started, ended=int(now or time.time()), attempt=attempt.attempt)
+    ended = int(now or time.time())
+    timed_out = rc != 0 and attempt.time_limit_s is not None and ended - attempt.started >= attempt.time_limit_s
+    status = ExitStatus(rc=rc, started=attempt.started, ended=ended, attempt=attempt.attempt, timed_out=timed_out)
     write_json(Path(run_dir) / EXIT_FILE, asdict(status), fsync=True)
     return status
 
 
 DESCRIPTION = (
     "begin RUN_DIR: start the run's next attempt (attempt.json) and print its number; "
-    "exit RUN_DIR --rc RC: record how it ended (exit.json)."
+    "exit RUN_DIR --rc RC: record how it ended (exit.json); "
+    "poll RUN_DIR: the job's progress, and who ended it once it failed (JSON, the finetune role's xeonsd_job); "
+    "ranks RUN_DIR: this node's rank status files (JSON); codes: the exit codes the playbooks tell apart (JSON)."
 )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    """``xeonsd jobstatus begin|exit …``"""
+    """``xeonsd jobstatus begin|exit|poll|ranks|codes …``"""
     p = sub.add_parser(
         "jobstatus",
-        help="record a training job's attempts and exit code (the finetune role's run.sh)",
+        help="record a training job's attempts and exit code, and read its state (the finetune role)",
         description=DESCRIPTION,
     )
     what = p.add_subparsers(dest="action", required=True)
     begin = what.add_parser("begin", help="start the next attempt; prints its number")
     begin.add_argument("run_dir", type=Path)
+    begin.add_argument("--time-limit-s", type=int, help="the job's time limit (I_MPI_JOB_TIMEOUT)")
     end = what.add_parser("exit", help="record the attempt's exit code")
     end.add_argument("run_dir", type=Path)
     end.add_argument("--rc", type=int, required=True, help="mpirun's exit code")
+    poll = what.add_parser("poll", help="the job's state as JSON (progress; once it failed, who ended it)")
+    poll.add_argument("run_dir", type=Path)
+    poll.add_argument("--results-file", required=True, help="Ansible's async results file of the launch")
+    poll.add_argument("--total-steps", type=int, required=True)
+    poll.add_argument("--node", action="append", default=[], metavar="NAME=ADDRESS",
+                      help="the cluster's nodes in nodefile order (primary first), one flag each")  # fmt: skip
+    poll.add_argument("--ranks-per-node", type=int, default=1)
+    poll.add_argument("--excerpt-lines", type=int, default=12)
+    poll.add_argument("--rank-status", choices=["-"],
+                      help="-: read the rank status files gathered from every node as a JSON list on stdin "
+                      "(default: this node's own)")  # fmt: skip
+    ranks = what.add_parser("ranks", help="this node's rank status files of the run, as JSON")
+    ranks.add_argument("run_dir", type=Path)
+    what.add_parser("codes", help="the exit codes the playbooks tell apart, as JSON")
     p.set_defaults(func=main_args)
 
 
+def _poll_params(args: argparse.Namespace) -> dict:
+    nodes = []
+    for item in args.node:
+        name, sep, address = item.partition("=")
+        if not (sep and name and address):
+            raise StatusFileError(f"--node {item!r}: expected NAME=ADDRESS")
+        nodes.append({"name": name, "address": address})
+    return {"run_dir": str(args.run_dir), "results_file": args.results_file, "nodes": nodes,
+            "ranks_per_node": args.ranks_per_node, "total_steps": args.total_steps,
+            "excerpt_lines": args.excerpt_lines,
+            "rank_status": json.load(sys.stdin) if args.rank_status == "-" else None}  # fmt: skip
+
+
+def _answer(args: argparse.Namespace) -> object:
+    if args.action == "begin":
+        return begin_attempt(args.run_dir, time_limit_s=args.time_limit_s).attempt
+    if args.action == "exit":
+        write_exit(args.run_dir, args.rc)
+        return None
+    from xeonsd.cluster import job_watch  # the reading (run.sh's begin and exit need none of it)
+
+    if args.action == "poll":
+        return job_watch.job_state(_poll_params(args))
+    status_dir = Path(args.run_dir) / STATUS_DIR
+    return {"status_dir": str(status_dir), "statuses": job_watch.read_status_dir(status_dir)}
+
+
 def main_args(args: argparse.Namespace) -> int:
-    if not args.run_dir.is_dir():
+    if args.action == "codes":
+        print(json.dumps(EXIT_CODES, sort_keys=True))
+        return 0
+    # A node where no rank started has no run directory: no status files, not an error.
+    if args.action != "ranks" and not args.run_dir.is_dir():
         print(f"xeonsd jobstatus: error: {args.run_dir} is not a directory", file=sys.stderr)
         return 2
     try:
-        if args.action == "begin":
-            print(begin_attempt(args.run_dir).attempt)
-        else:
-            write_exit(args.run_dir, args.rc)
-    except StatusFileError as exc:
+        answer = _answer(args)
+    except (StatusFileError, ValueError) as exc:
         print(f"xeonsd jobstatus: error: {exc}", file=sys.stderr)
         return 2
+    if isinstance(answer, int):
+        print(answer)
+    elif answer is not None:
+        print(json.dumps(answer, sort_keys=True))
     return 0

@@ -20,14 +20,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-# The likely causes of a straggler, most likely first (the play and the report print them in this order).
-CAUSES = (
-    "threads per rank vs. physical cores (OMP_NUM_THREADS × ranks per node above the node's cores, or ranks "
-    "sharing cores)",
-    "another process on the node competing for its cores",
-    "memory pressure or swap on the node",
-    "a slower CPU than the other nodes (a cluster that mixes generations)",
-)
+from xeonsd.straggler_rule import CAUSES, STRAGGLER_RATIO
+
+# The ratio and the likely causes of a straggler are the straggler rule's (xeonsd.straggler_rule), doctor's too.
 NODE_NAMES_ENV = "XEONSD_NODE_NAMES"  # "address=name,address=name": the inventory's names for the MPI addresses
 FIELDS = ("steps", "wall_s", "cpu_s", "threads", "data_s", "allreduce_s")
 
@@ -137,7 +132,7 @@ class StragglerWatch:
     """Rank 0's straggler verdict over the intervals so far (see the module's docstring)."""
 
     min_util: float = 0.8
-    ratio: float = 1.3
+    ratio: float = STRAGGLER_RATIO
     intervals: int = 3
     low_streak: dict[str, int] = field(default_factory=dict)
 

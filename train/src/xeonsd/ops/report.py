@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from xeonsd.fsutil import atomic_file
+from xeonsd.method_names import METHOD_FILES
 from xeonsd.ops import run_view as clusterview
 from xeonsd.ops.report_cluster import cluster_sections, html_table
 from xeonsd.trainer.metrics import loss_curve, read_summary
@@ -115,7 +116,7 @@ def _find_export_manifest(run: Path) -> dict | None:
     return None
 
 
-RESULT_NAMES = {"textual_inversion": "learned embedding", "lora": "LoRA adapter", "full": "fine-tuned pipeline"}
+RESULT_NAMES = {name: files["what"] for name, files in METHOD_FILES.items()}
 
 
 def _size(n: float) -> str:

@@ -14,7 +14,9 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-METHODS = ("textual_inversion", "lora", "full")
+from xeonsd.method_names import METHODS
+from xeonsd.straggler_rule import STRAGGLER_RATIO
+
 TI, LORA, FULL = METHODS
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 
@@ -159,7 +161,7 @@ class TrainConfig:
     )
     straggler_ratio: float = _flag(
         "a node whose compute time per step is above this multiple of the median node's is reported as a straggler",
-        default=1.3,
+        default=STRAGGLER_RATIO,
     )
     world_size: int | None = _flag("expected number of ranks (checked against what the launcher reports)", default=None)
 

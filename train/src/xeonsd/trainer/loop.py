@@ -45,8 +45,10 @@ from xeonsd.cluster.distributed import (
 )
 from xeonsd.cluster.job_status import RankStatus, RankStatusFile, StatusFileError, attempt_from_env
 from xeonsd.cluster.rank_stats import Interval, RankClock, StragglerWatch, node_names, summarize
+from xeonsd.cluster.run_files import train_summary
 from xeonsd.cpu import cpu_info
 from xeonsd.flops import allreduced_elements, count_attention
+from xeonsd.method_names import METHODS
 from xeonsd.modelsource import ModelSourceError, check_model_source, model_fingerprint
 from xeonsd.trainer import checkpoint as ckpt
 from xeonsd.trainer.captions import Captions, read_captions
@@ -106,7 +108,7 @@ def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
     if cfg.resume_from_checkpoint and info.is_main:
         resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, cfg.output_path)
     earlier = {"metrics.jsonl", "metrics.partial.jsonl"}
-    for name in ("textual_inversion", "lora", "full"):
+    for name in METHODS:
         earlier.update(method_class(name).outputs)
     found = [n for n in sorted(earlier) if (cfg.output_path / n).exists()]
     found += [p.name for _, p in ckpt.list_checkpoints(cfg.output_path)]
@@ -578,13 +580,12 @@ def save(job: Job, step_times: list[float]) -> dict:
             what = cfg.placeholder_token if cfg.method == "textual_inversion" else cfg.method
             plot_loss(metrics.rows, out / "loss.png", title=f"{what}: {world} rank(s)")
         metrics.finish()
-        write_summary(out, {
-            **job.method.summary(), "base_model": cfg.pretrained_model_name_or_path,
-            "base_model_fingerprint": job.base_model, "steps": cfg.max_train_steps, "ranks": world,
-            "allreduce_bytes_per_step": job.allreduce_bytes(),
-            "prompts": {"source": job.prompts.source, "count": len(job.prompts.texts), "per_image": job.prompts.per_image},
-            "result": {"path": job.method.outputs[0], "bytes": result_bytes(out, job.method.outputs[0])},
-        })  # fmt: skip
+        write_summary(out, train_summary(
+            job.method.summary(), base_model=cfg.pretrained_model_name_or_path, base_model_fingerprint=job.base_model,
+            steps=cfg.max_train_steps, ranks=world, allreduce_bytes_per_step=job.allreduce_bytes(),
+            prompts={"source": job.prompts.source, "count": len(job.prompts.texts), "per_image": job.prompts.per_image},
+            result_path=job.method.outputs[0], result_bytes=result_bytes(out, job.method.outputs[0]),
+        ))  # fmt: skip
         log.info("saved the %s result to %s", cfg.method, out)
     with job.timeout.watch("barrier after saving"):
         barrier(world)

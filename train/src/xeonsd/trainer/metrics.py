@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from xeonsd.cluster.run_files import TRAIN_SUMMARY_FILE
 from xeonsd.fsutil import atomic_path
 
 PARTIAL = "metrics.partial.jsonl"
@@ -142,7 +143,7 @@ def plot_loss(rows: list[dict], path: Path, title: str = "textual inversion") ->
 
 
 # What a finished run trained, for export.yml and the report (written by rank 0 beside its result).
-SUMMARY = "train_summary.json"
+SUMMARY = TRAIN_SUMMARY_FILE
 
 
 def result_bytes(out_dir: Path, result: str) -> int:

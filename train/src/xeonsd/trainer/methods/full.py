@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from xeonsd.method_names import result_file
 from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError
 from xeonsd.trainer.methods.base import Method
@@ -50,7 +51,7 @@ class EMA:
 
 class FullFineTuning(Method):
     name = "full"
-    outputs = ("model_index.json",)
+    outputs = (result_file("full"),)
     unet_fp32 = True
 
     @classmethod

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from xeonsd.method_names import result_file
 from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError
 from xeonsd.trainer.methods.base import Method
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from xeonsd.trainer.captions import Captions
     from xeonsd.trainer.prompts import PromptTable
 
-LORA_FILE = "pytorch_lora_weights.safetensors"
+LORA_FILE = result_file("lora")
 TEXT_ENCODER_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from xeonsd.method_names import result_file
 from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError
 from xeonsd.trainer.data import DataError
@@ -24,7 +25,7 @@ from xeonsd.trainer.prompts import PromptTable, templates_for
 if TYPE_CHECKING:
     from xeonsd.trainer.captions import Captions
 
-EMBEDS_FILE = "learned_embeds.safetensors"
+EMBEDS_FILE = result_file("textual_inversion")
 
 
 class TextualInversion(Method):

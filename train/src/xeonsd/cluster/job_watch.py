@@ -1,0 +1,387 @@
+"""What the finetune role reads of a job while it runs and once it ended: the progress line, and which node(s) and
+rank(s) ended a failed job. The role's ``xeonsd_job`` and ``xeonsd_rank_status`` modules run this on the node, in
+its diffuser env (``xeonsd jobstatus poll`` / ``xeonsd jobstatus ranks``, JSON on stdout), so the files' schema
+(:mod:`.job_status`) is read here, by the code that defines it, and nowhere else.
+
+Progress comes from the trainer's metrics files; how the job ended from ``exit.json`` (run.sh, through
+``xeonsd jobstatus exit``) or Ansible's async results file of the launch; who ended a failed job from the ranks'
+status files (``status/rank-<r>.json``, one per rank on its own node, gathered from every node by the role).
+``train.log`` (every rank's lines, ``mpirun -l``; this attempt's part starts at attempt.json's ``log_offset``) is
+read only for what people read: the excerpt of the failing ranks' lines and Hydra's word for a lost node, and the
+count of ranks up while the job starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+from xeonsd.cluster.job_status import (
+    ERROR_KINDS,
+    LOCK_CONFLICT_RC,
+    OWN_ERROR_KINDS,
+    STATUS_DIR,
+    StatusFileError,
+    rank_status_from_dict,
+    read_attempt,
+    read_exit,
+)
+
+METRICS = ("metrics.partial.jsonl", "metrics.jsonl")
+LOG_FILE = "train.log"
+# Ansible's async results when the launch itself ran past its async limit.
+ASYNC_TIMEOUT_RC = 124
+_LINE = re.compile(r"^\[(?P<rank>\d+)\] (?P<text>.*)$")
+# A rank's line can follow another's progress bar on the same line (tqdm ends its updates with no newline).
+_GLUED = re.compile(r"(?<=\S)(?=\[\d+\] )")
+# Hydra's word for a node whose MPI proxy went away: in the excerpt, and the lost node when no rank could say.
+_DOWNSTREAM = re.compile(r"Downstream from host (?P<addr>\S+) exited abnormally")
+# The trainer's start-up line (one per rank once its model is loaded, trainer/loop.py's setup): the "N/M ranks up"
+# of the progress line. The primary sees only its own node's status files while the job runs; train.log has every
+# rank's lines.
+STARTUP = re.compile(r"\[rank (?P<rank>\d+)/(?P<world>\d+)\].* node=(?P<addr>\S+) pid=(?P<pid>\d+)")
+_ASYNC_TIMEOUT = re.compile(r"timed? ?out|Timeout exceeded", re.IGNORECASE)
+
+
+def ranks_up(log_text: str) -> int:
+    """How many ranks of this attempt logged their start-up line."""
+    return len({m["rank"] for m in STARTUP.finditer(log_text)})
+
+
+def rank_lines(log_text: str) -> dict[int, list[str]]:
+    """Each rank's own lines (mpirun -l prefixes every line with [rank]; tqdm's carriage returns split too)."""
+    lines: dict[int, list[str]] = {}
+    for raw in _GLUED.sub("\n", log_text.replace("\r", "\n")).splitlines():
+        m = _LINE.match(raw.strip())
+        if m and m["text"].strip():
+            lines.setdefault(int(m["rank"]), []).append(m["text"].rstrip())
+    return lines
+
+
+def attempt_log(run_dir: str | Path) -> str:
+    """The part of train.log written by the current attempt (a resumed run appends to the same log): from the
+    offset ``xeonsd jobstatus begin`` recorded in attempt.json."""
+    path = Path(run_dir) / LOG_FILE
+    if not path.is_file():
+        return ""
+    attempt = read_attempt(run_dir)
+    with open(path, "rb") as fh:
+        fh.seek(attempt.log_offset if attempt else 0)
+        return fh.read().decode(errors="replace")
+
+
+def read_progress(run_dir: str | Path, total: int) -> dict:
+    rows = []
+    for name in METRICS:
+        path = os.path.join(run_dir, name)
+        if os.path.isfile(path):
+            with open(path) as fh:
+                for line in fh:
+                    try:
+                        rows.append(json.loads(line))
+                    except ValueError:
+                        continue  # a line being written right now
+            break
+    if not rows:
+        return {"step": 0, "total": total}
+    last = rows[-1]
+    recent = sorted(r["s_per_step"] for r in rows[-20:])
+    s_per_step = recent[len(recent) // 2]
+    gathered = [r for r in rows if r.get("rank_stats")]
+    stragglers: dict[str, dict] = {}
+    for row in gathered:  # the newest verdict for each node the trainer flagged
+        for s in row.get("stragglers") or []:
+            stragglers[s["node"]] = s
+    return {
+        "step": last["step"],
+        "total": total,
+        "loss": last["loss"],
+        "s_per_step": s_per_step,
+        "eta_s": max(0.0, (total - last["step"]) * s_per_step),
+        "ranks": last.get("ranks"),
+        "backend": last.get("backend"),
+        "rank_stats": gathered[-1]["rank_stats"] if gathered else None,
+        "stragglers": list(stragglers.values()),
+    }
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m {seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def progress_line(progress: dict, ranks_up: int, world: int | None) -> str:
+    if progress["step"] == 0:
+        up = f"{ranks_up}/{world}" if world else str(ranks_up)
+        return f"starting: {up} ranks up, step 0/{progress['total']}"
+    if progress["step"] >= progress["total"]:
+        pct, left = "100%", "saving the outputs"
+    else:
+        pct = f"{100 * progress['step'] / max(1, progress['total']):.0f}%"
+        left = f"~{_duration(progress['eta_s'])} left"
+    return (
+        f"step {progress['step']}/{progress['total']} ({pct}) · loss {progress['loss']:.4f} · "
+        f"{progress['s_per_step']:.2f} s/step · {left} · {progress['ranks']} ranks ({progress['backend']})"
+        + "".join(f" · {part}" for part in cpu_parts(progress.get("rank_stats")))
+    )
+
+
+def cpu_parts(stats: dict | None) -> list[str]:
+    """'cpu 96 % (lowest node3 71 %)' and 'slowest node3 compute 2.95 s vs median 2.10 s' from the trainer's
+    newest gathered rank statistics (metrics.jsonl's ``rank_stats``)."""
+    if not stats:
+        return []
+    parts = [
+        f"cpu {100 * stats['cpu_util']:.0f} % (lowest {stats['lowest_node']} {100 * stats['lowest_cpu_util']:.0f} %)"
+    ]
+    if len(stats.get("nodes", [])) > 1:
+        parts.append(
+            f"slowest {stats['slowest_node']} compute {stats['slowest_compute_s']:.2f} s vs median "
+            f"{stats['median_compute_s']:.2f} s"
+        )
+    return parts
+
+
+def straggler_warning(straggler: dict) -> str:
+    """One warning for a node the trainer flagged: the node, its ranks, why, and the likely causes in order."""
+    causes = " ".join(f"({i}) {c};" for i, c in enumerate(straggler["causes"], 1)).rstrip(";")
+    return (
+        f"{straggler['node']} (rank{'s' if len(straggler['ranks']) > 1 else ''} {_compress(straggler['ranks'])}) "
+        f"is a straggler that holds every rank back at each all-reduce: {'; '.join(straggler['why'])}. "
+        f"Likely causes, most likely first: {causes}. The job keeps running."
+    )
+
+
+def _compress(ranks: list[int]) -> str:
+    """[8, 9, 10, 11, 13] -> '8-11, 13'"""
+    out, run = [], []
+    for r in sorted(ranks):
+        if run and r != run[-1] + 1:
+            out.append(run)
+            run = []
+        run.append(r)
+    if run:
+        out.append(run)
+    return ", ".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in out)
+
+
+# ---- the ranks' status files, as the role gathers them from every node ------------------------------------------
+
+
+def read_status_dir(status_dir: str | Path) -> list[dict]:
+    """The rank status files of one node, parsed (not checked: ``diagnose`` does that); a file that is not JSON
+    comes back as {"file": path, "problem": why}."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(status_dir, "rank-*.json"))):
+        try:
+            with open(path) as fh:
+                found.append(json.load(fh))
+        except (OSError, ValueError) as exc:
+            found.append({"file": path, "problem": f"unreadable ({exc})"})
+    return found
+
+
+def check_rank_status(data: object) -> dict:
+    """A rank status as the trainer wrote it (job_status's schema), or StatusFileError saying what is wrong."""
+    if not isinstance(data, dict):
+        raise StatusFileError(f"expected a JSON object, got {type(data).__name__}")
+    where = data.get("file") or f"rank {data.get('rank', '?')}"
+    if "problem" in data and "schema" not in data:
+        raise StatusFileError(f"{where}: {data['problem']}")
+    return dataclasses.asdict(rank_status_from_dict(data, where))
+
+
+def _current(statuses: list, attempt: int | None) -> tuple[dict[int, dict], list[str]]:
+    """The newest status of each rank of this attempt, and what could not be read."""
+    problems: list[str] = []
+    current: dict[int, dict] = {}
+    for entry in statuses:
+        try:
+            status = check_rank_status(entry)
+        except StatusFileError as exc:
+            problems.append(f"status file {exc}")
+            continue
+        if attempt is not None and status["attempt"] != attempt:
+            continue  # left by an earlier attempt of this run
+        seen = current.get(status["rank"])
+        if seen is None or status["updated"] >= seen["updated"]:
+            current[status["rank"]] = status
+    return current, problems
+
+
+@dataclasses.dataclass
+class _Verdict:
+    """Who ended the job: the ranks to blame (``culprits``), and which ranks had an error of their own or saw
+    a peer go (``own``, ``witnesses``: rank -> its error)."""
+
+    culprits: list[int]
+    kind: str
+    own: dict[int, dict]
+    witnesses: dict[int, dict]
+
+
+def _verdict(current: dict[int, dict], world: int, by_addr: dict[str, str], node_of, text: str) -> _Verdict:
+    def failed(kinds: tuple[str, ...]) -> dict[int, dict]:
+        return {r: s["error"] for r, s in sorted(current.items())
+                if s["state"] == "failed" and s["error"] and s["error"]["kind"] in kinds}  # fmt: skip
+
+    own = failed(OWN_ERROR_KINDS)
+    witnesses = failed(tuple(k for k in ERROR_KINDS if k not in OWN_ERROR_KINDS))
+    if own:
+        return _Verdict(sorted(own), "failed with an error", own, witnesses)
+    if not current:
+        kind = "no rank of this attempt wrote its status file (the job did not start: see its log)"
+        return _Verdict([], kind, own, witnesses)
+    silent = [r for r in range(world) if r not in witnesses and current.get(r, {}).get("state") != "done"]
+    named = {by_addr.get(e["peer"], e["peer"]) for e in witnesses.values() if e.get("peer")}
+    if not named:  # mpirun ended every rank before one could report: Hydra's own word for the node it lost
+        named = {by_addr.get(m["addr"], m["addr"]) for m in _DOWNSTREAM.finditer(text)}
+    culprits = [r for r in silent if node_of(r) in named] or silent
+    kind = "stopped without an error of their own (killed, crashed hard or stalled; or their node went away)"
+    return _Verdict(culprits, kind, own, witnesses)
+
+
+def _excerpt(verdict: _Verdict, any_status: bool, text: str, excerpt_lines: int) -> list[str]:
+    lines = rank_lines(text)
+    excerpt: list[str] = []
+    if verdict.own:
+        for rank in verdict.culprits:
+            mine = lines.get(rank, [])
+            first = next((i for i, ln in enumerate(mine) if "error" in ln.lower() or ln.startswith("Traceback")), None)
+            if first is None:  # its lines are not in the log (or there is no log): what its status file says
+                error = verdict.own[rank]
+                excerpt.append(f"[rank {rank}] {error['kind']}: {error['message'][:400]}")
+            else:
+                excerpt += [f"[rank {rank}] {ln[:400]}" for ln in mine[first : first + excerpt_lines]]
+            if len(excerpt) >= excerpt_lines:
+                break
+    elif any_status:
+        # Ranks that died silently: the last line each printed, what their peers saw, and what mpirun saw.
+        excerpt += [
+            f"[rank {r}] last line: {lines[r][-1][:300]}"
+            for r in verdict.culprits[: excerpt_lines // 2]
+            if lines.get(r)
+        ]
+        excerpt += [f"[rank {r}] {verdict.witnesses[r]['message'][:600]}" for r in sorted(verdict.witnesses)[:2]]
+        excerpt += [m.group(0) for m in _DOWNSTREAM.finditer(text)][:2]
+    else:
+        excerpt = [ln[:400] for ln in text.splitlines()[-excerpt_lines:]]
+    return excerpt
+
+
+def diagnose(statuses: list, nodes: list[dict], ranks_per_node: int, attempt: int | None = None,
+             log_text: str = "", excerpt_lines: int = 12) -> dict:  # fmt: skip
+    """Which node(s) and rank(s) ended a failed job, from the ranks' status files, with their first log lines.
+
+    ``statuses``: every rank status file found on the nodes (those of an earlier ``attempt`` are ignored). A rank
+    with an error of its own (bad input, an exception) is the cause. Otherwise the ranks that failed on a lost
+    peer or a collective timeout are witnesses, and the cause is the ranks that fell silent (no error, not done)
+    on the nodes the witnesses name as the peer that went away (when none could report before mpirun ended them,
+    on the node Hydra reports it lost), or else simply the silent ones. ``log_text`` (this attempt's part of
+    train.log) otherwise only gives the excerpt: the failing ranks' own lines.
+    """
+    current, problems = _current(statuses, attempt)
+    world = max((s["world"] for s in current.values()), default=0) or ranks_per_node * len(nodes)
+    by_addr = {n["address"]: n["name"] for n in nodes}
+
+    def node_of(rank: int) -> str:
+        if rank in current:
+            return by_addr.get(current[rank]["address"], current[rank]["node"])
+        index = rank // max(1, ranks_per_node)
+        return nodes[index]["name"] if index < len(nodes) else "?"
+
+    verdict = _verdict(current, world, by_addr, node_of, log_text)
+    excerpt = _excerpt(verdict, bool(current), log_text, excerpt_lines)
+    order = [n["name"] for n in nodes]
+    bad_nodes = sorted({node_of(r) for r in verdict.culprits},
+                       key=lambda n: order.index(n) if n in order else len(order))  # fmt: skip
+    parts = []
+    for node in bad_nodes:
+        mine = [r for r in verdict.culprits if node_of(r) == node]
+        parts.append(f"{node} (rank{'s' if len(mine) > 1 else ''} {_compress(mine)})")
+    summary = f"{', '.join(parts) or 'unknown node'}: {verdict.kind}"
+    if not verdict.own and verdict.witnesses:
+        summary += f"; {len(verdict.witnesses)} other rank(s) reported losing them"
+    if problems:
+        summary += f"; {len(problems)} status file(s) could not be read"
+    return {
+        "nodes": bad_nodes,
+        "ranks": verdict.culprits,
+        "summary": summary,
+        "excerpt": excerpt[: excerpt_lines + 1] + problems[:2],
+    }
+
+
+# ---- the poll: what xeonsd_job returns ---------------------------------------------------------------------------
+
+
+def async_state(results_file: str | Path) -> dict:
+    """Ansible's async results: {"finished": bool, ...} (the same rules as async_status)."""
+    try:
+        with open(results_file) as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        return {"finished": False}
+    except ValueError:
+        return {"finished": False}  # being written
+    if "started" not in data:
+        data["finished"] = True
+    else:
+        data["finished"] = bool(data.get("finished"))
+    return data
+
+
+def _failure(params: dict, rc: int, exit_info: dict, log_text: str) -> dict:
+    if rc == LOCK_CONFLICT_RC:
+        return {"nodes": [], "ranks": [], "excerpt": [],
+                "summary": "another finetune holds the lock on the primary; it was not started twice"}  # fmt: skip
+    statuses = params.get("rank_status")
+    if statuses is None:
+        statuses = read_status_dir(os.path.join(params["run_dir"], STATUS_DIR))
+    failure = diagnose(statuses, params["nodes"], params["ranks_per_node"], exit_info.get("attempt"), log_text,
+                       params["excerpt_lines"])  # fmt: skip
+    if rc == ASYNC_TIMEOUT_RC or exit_info.get("timed_out"):
+        failure["summary"] = f"the job ran past its time limit; {failure['summary']}"
+    return failure
+
+
+def job_state(params: dict) -> dict:
+    """The poll's answer. ``params``: run_dir, results_file, nodes ([{name, address}] in nodefile order),
+    ranks_per_node, total_steps, excerpt_lines, and rank_status: the status files gathered from every node (None:
+    this node's own ``status/`` directory, all of them on a one-node cluster). Raises StatusFileError for an
+    exit.json or attempt.json of another schema."""
+    run_dir = params["run_dir"]
+    launch = async_state(params["results_file"])
+    progress = read_progress(run_dir, params["total_steps"])
+    log_text = attempt_log(run_dir)
+    world = params["ranks_per_node"] * len(params["nodes"]) if params["nodes"] else None
+    result = {
+        "changed": False,
+        "finished": launch["finished"],
+        # Not "rc": Ansible marks any result whose rc is non-zero as a failed task, and the poll itself did not fail.
+        "exit_code": None,
+        "progress": progress,
+        "msg": progress_line(progress, ranks_up(log_text), world),
+        # One line per straggler node; the xeonsd_progress callback prints each node's once.
+        "straggler_warnings": {s["node"]: straggler_warning(s) for s in progress.get("stragglers", [])},
+    }
+    if launch["finished"]:
+        ended = read_exit(run_dir)
+        exit_info = dataclasses.asdict(ended) if ended else {}
+        result["exit"] = exit_info
+        rc = exit_info.get("rc", launch.get("rc"))
+        if rc is None:
+            rc = ASYNC_TIMEOUT_RC if _ASYNC_TIMEOUT.search(str(launch.get("msg", ""))) else 1
+        result["exit_code"] = rc
+        if rc != 0:
+            result["failure"] = _failure(params, rc, exit_info, log_text)
+        result["msg"] = f"finished (rc {rc}) · " + result["msg"]
+    result["checked_at"] = time.time()
+    return result

@@ -1,0 +1,137 @@
+"""The two summary files of a run directory, whose schemas are defined here once.
+
+* ``train_summary.json`` (:func:`train_summary`): what trained, written by rank 0 when the result is saved. The
+  openvino_export role reads ``method``, ``base_model``, ``base_model_fingerprint`` and ``result.path``; the finetune
+  role ``result.bytes``; ``xeonsd report`` all of it.
+* ``run.json`` (:func:`run_json`): the cluster and the phase times of the play that made the run, written on the
+  primary by the run_report role through ``xeonsd runjson RUN_DIR`` (the play's facts as JSON on stdin:
+  :data:`RUN_JSON_INPUT`); ``xeonsd report`` adds its ``cluster_figures``.
+
+Every file is written under a temporary name and renamed into place (:func:`job_status.write_json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from xeonsd.cluster.job_status import read_exit, write_json
+from xeonsd.method_names import METHOD_FILES
+
+TRAIN_SUMMARY_FILE = "train_summary.json"
+RUN_JSON_FILE = "run.json"
+# The phases of run.json, by the name the report shows.
+TRAINING_WALL = "training job, wall (s)"
+EXPORT_S = "OpenVINO export (s)"
+GENERATE_S = "generate, whole command (s)"
+# What the run_report role passes on stdin (null or absent: that part did not run in this play).
+RUN_JSON_INPUT = ("run", "nodes", "mpi_ranks", "ranks_per_node", "primary", "export", "generate", "cost")
+
+
+def train_summary(method_summary: dict, *, base_model: str, base_model_fingerprint: str, steps: int, ranks: int,
+                  allreduce_bytes_per_step: int, prompts: dict, result_path: str, result_bytes: int) -> dict:  # fmt: skip
+    """train_summary.json: the method's own figures (``method``, ``trainable_params``, …), the base model and its
+    fingerprint, the steps and ranks, the bytes all-reduced per step, the prompts (source, count, per_image) and the
+    result (its path in the run directory and its size)."""
+    return {
+        **method_summary, "base_model": base_model, "base_model_fingerprint": base_model_fingerprint,
+        "steps": steps, "ranks": ranks, "allreduce_bytes_per_step": allreduce_bytes_per_step,
+        "prompts": {"source": prompts["source"], "count": prompts["count"], "per_image": prompts["per_image"]},
+        "result": {"path": result_path, "bytes": result_bytes},
+    }  # fmt: skip
+
+
+def hms_seconds(delta: object) -> float | None:
+    """Seconds of Ansible's ``delta`` of a command ("H:MM:SS.ffffff"); None when the command did not run."""
+    parts = str(delta or "").split(":")
+    if len(parts) != 3:
+        return None
+    try:
+        return round(int(parts[0]) * 3600 + int(parts[1]) * 60 + float(parts[2]), 1)
+    except ValueError:
+        return None
+
+
+def phases(run_dir: Path, export: dict | None, generate: dict | None) -> dict[str, float]:
+    """The training job's wall time (exit.json), the export's and the generation's: a reused export is 0 s."""
+    out: dict[str, float] = {}
+    ended = read_exit(run_dir)
+    if ended is not None:
+        out[TRAINING_WALL] = ended.ended - ended.started
+    if export is not None:
+        seconds = hms_seconds(export.get("delta")) if export.get("changed") else 0.0
+        if seconds is not None:
+            out[EXPORT_S] = seconds
+    seconds = hms_seconds((generate or {}).get("delta"))
+    if seconds is not None:
+        out[GENERATE_S] = seconds
+    return out
+
+
+def _read_summary(run_dir: Path) -> dict:
+    try:
+        return json.loads((Path(run_dir) / TRAIN_SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def run_json(run_dir: Path, facts: dict) -> dict:
+    """run.json from the play's ``facts`` (:data:`RUN_JSON_INPUT`) and the run directory's own files."""
+    unknown = sorted(set(facts) - set(RUN_JSON_INPUT))
+    if unknown:
+        raise ValueError(f"unknown run.json input(s) {', '.join(unknown)}; known: {', '.join(RUN_JSON_INPUT)}")
+    export, cost = facts.get("export"), facts.get("cost") or {}
+    info: dict = {
+        "title": f"xeonsd run {facts['run']}",
+        "cluster": {"nodes": ", ".join(facts["nodes"]), "MPI ranks": facts["mpi_ranks"],
+                    "ranks per node": facts["ranks_per_node"], "primary": facts["primary"]},
+        "phases": phases(run_dir, export, facts.get("generate")),
+    }  # fmt: skip
+    if export is not None:
+        method = METHOD_FILES.get(_read_summary(run_dir).get("method", ""), {})
+        info["export"] = {"dir": export["dir"], "reused": not export.get("changed"),
+                          "of": "its own pipeline" if method.get("pipeline") else "the base model (shared by its runs)"}  # fmt: skip
+    if str(cost.get("node_hour_price", "")):
+        info["cost"] = {k: cost.get(k, "") for k in ("node_hour_price", "currency", "gpu_hour_price", "gpu_s_per_step")}
+    return info
+
+
+def write_run_json(run_dir: Path, facts: dict) -> bool:
+    """Write run.json; whether it changed."""
+    path = Path(run_dir) / RUN_JSON_FILE
+    info = run_json(run_dir, facts)
+    try:
+        before = json.loads(path.read_text())
+    except (OSError, ValueError):
+        before = None
+    if before == info:
+        return False
+    write_json(path, info)
+    return True
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """``xeonsd runjson RUN_DIR`` (facts as JSON on stdin)."""
+    p = sub.add_parser(
+        "runjson",
+        help="write a run's run.json from the play's facts (JSON on stdin; the run_report role)",
+        description=f"Write RUN_DIR/run.json. Reads a JSON object on stdin with {', '.join(RUN_JSON_INPUT)}; "
+        'prints {"changed": true|false}.',
+    )
+    p.add_argument("run_dir", type=Path)
+    p.set_defaults(func=main_args)
+
+
+def main_args(args: argparse.Namespace) -> int:
+    if not args.run_dir.is_dir():
+        print(f"xeonsd runjson: error: {args.run_dir} is not a directory", file=sys.stderr)
+        return 2
+    try:
+        changed = write_run_json(args.run_dir, json.load(sys.stdin))
+    except (ValueError, KeyError, TypeError) as exc:
+        print(f"xeonsd runjson: error: {exc!r}", file=sys.stderr)
+        return 2
+    print(json.dumps({"changed": changed}))
+    return 0

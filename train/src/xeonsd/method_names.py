@@ -1,0 +1,27 @@
+"""The training methods by name, and what each leaves in the run directory: defined here once.
+
+The trainer (``--method``'s choices, each method's result file), the benchmark, the report, run.json
+(:mod:`xeonsd.cluster.run_files`) and the playbooks read this: the filter plugin ``plugins/filter/xeonsd_train.py``
+loads this file on the controller (the finetune role's
+``finetune_method_info``, the train argv's groups, and the openvino_export role's generate flags), so it imports
+nothing but the standard library.
+"""
+
+from __future__ import annotations
+
+METHODS = ("textual_inversion", "lora", "full")
+
+# What each method saves (the first output is its result, train_summary.json's ``result.path``), how people call
+# it, whether it is a whole pipeline (which stays on the primary and is exported itself: no base-model export), and
+# the `xeonsd generate` flag that loads it onto the base model's export (None: nothing to load).
+METHOD_FILES: dict[str, dict] = {
+    "textual_inversion": {"result": "learned_embeds.safetensors", "what": "learned embedding", "pipeline": False,
+                          "generate_flag": "--embeds"},
+    "lora": {"result": "pytorch_lora_weights.safetensors", "what": "LoRA adapter", "pipeline": False,
+             "generate_flag": "--lora"},
+    "full": {"result": "model_index.json", "what": "fine-tuned pipeline", "pipeline": True, "generate_flag": None},
+}  # fmt: skip
+
+
+def result_file(method: str) -> str:
+    return METHOD_FILES[method]["result"]
