@@ -10,16 +10,14 @@ from repo_code import REPO
 
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 80
-CHECKED = ("train/src/xeonsd/**/*.py", "plugins/**/*.py", "roles/*/module_utils/*.py")
+CHECKED = ("train/src/xeonsd/**/*.py", "plugins/**/*.py", "roles/*/module_utils/*.py", "roles/*/library/*.py")
 
 # Still over the limits while their owners split them (issue 20). The lead empties these after merging; an entry
 # that is no longer over its limit fails the test below, so the lists only shrink.
 ALLOWED_FILES: set[str] = {
     "train/src/xeonsd/trainer/loop.py",
 }
-ALLOWED_FUNCTIONS: set[str] = {
-    "roles/finetune/module_utils/xeonsd_joblog.py::diagnose",
-}
+ALLOWED_FUNCTIONS: set[str] = set()
 
 
 def python_files() -> list[Path]:
