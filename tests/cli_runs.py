@@ -55,10 +55,18 @@ def refused(args: list[str], env: dict[str, str]) -> str:
 
 def method_args(method: str, model: Path, data: Path, out: Path, *extra: str, steps: int = 3, batch: int = 1):
     args = [
-        f"--method={method}", f"--pretrained_model_name_or_path={model}", f"--train_data_dir={data}",
-        "--resolution=64", f"--train_batch_size={batch}", "--seed=7", f"--max_train_steps={steps}",
-        "--learning_rate=1e-3", "--lr_warmup_steps=0", "--checkpointing_steps=0", f"--output_dir={out}",
-    ]  # fmt: skip
+        f"--method={method}",
+        f"--pretrained_model_name_or_path={model}",
+        f"--train_data_dir={data}",
+        "--resolution=64",
+        f"--train_batch_size={batch}",
+        "--seed=7",
+        f"--max_train_steps={steps}",
+        "--learning_rate=1e-3",
+        "--lr_warmup_steps=0",
+        "--checkpointing_steps=0",
+        f"--output_dir={out}",
+    ]
     if method == "textual_inversion":
         args += ["--placeholder_token=<dicoo>", "--initializer_token=toy"]
     return [*args, *extra]

@@ -139,17 +139,26 @@ def ssh_row(host: str, result: Mapping[str, Any] | None, route: str) -> dict[str
 
 
 def nodefile_row(
-    nodefile: Mapping[str, Any], listed: Sequence[str] | None, expected: Sequence[str], where: str,
-    mpi_ranks: int, ranks_per_node: int, ranks_mismatch: str,
-) -> dict[str, str]:  # fmt: skip
+    nodefile: Mapping[str, Any],
+    listed: Sequence[str] | None,
+    expected: Sequence[str],
+    where: str,
+    mpi_ranks: int,
+    ranks_per_node: int,
+    ranks_mismatch: str,
+) -> dict[str, str]:
     """The nodefile on the primary against the inventory's addresses (primary first), and mpi_ranks that fit
     (ranks_mismatch: the xeonsd_ranks_mismatch filter's verdict, plugins/filter/xeonsd_cluster.py)."""
     if listed is None:
         return _row("cluster", "nodefile", "FAIL", f"cannot read {where}: {nodefile.get('msg', 'no result')}")
     listed, expected = list(listed), list(expected)
     if listed != expected:
-        return _row("cluster", "nodefile", "FAIL", f"{where} lists {' '.join(listed) or 'nothing'}; the inventory has "
-                    f"{' '.join(expected)} (primary first)")  # fmt: skip
+        return _row(
+            "cluster",
+            "nodefile",
+            "FAIL",
+            f"{where} lists {' '.join(listed) or 'nothing'}; the inventory has {' '.join(expected)} (primary first)",
+        )
     if ranks_mismatch:
         return _row("cluster", "nodefile", "FAIL", ranks_mismatch)
     shape = f"{mpi_ranks} ranks = {len(expected)} nodes x {ranks_per_node}"
@@ -168,8 +177,9 @@ def hello_row(
     if rc == 0:
         hello = [line for line in h.get("stdout_lines", []) if line.startswith("hello: ")]
         return _row("cluster", "mpirun hello", "PASS", hello[-1] if hello else "")
-    errors = list(dict.fromkeys(_HELLO_ERROR.sub("", line) for line in h.get("stderr_lines", [])
-                                if _HELLO_ERROR.match(line)))  # fmt: skip
+    errors = list(
+        dict.fromkeys(_HELLO_ERROR.sub("", line) for line in h.get("stderr_lines", []) if _HELLO_ERROR.match(line))
+    )
     if rc in RC_TIMED_OUT:
         why = f"mpirun did not finish within {hello_limit_s} s"
     elif rc in RC_NO_ENV:
@@ -257,8 +267,10 @@ def doctor_table(rows: Sequence[Mapping[str, str]], fixes: Mapping[str, str] | N
         for r in [HEADS, *rows]
     ]
     if not failed:
-        lines.append(f"RESULT: PASS ({len(rows)} checks, {len(warned)} warnings): the cluster is ready for "
-                     "ansible-playbook finetune.yml")  # fmt: skip
+        lines.append(
+            f"RESULT: PASS ({len(rows)} checks, {len(warned)} warnings): the cluster is ready for "
+            "ansible-playbook finetune.yml"
+        )
         return {"lines": lines, "verdict": "PASS", "failed": [], "message": ""}
     lines.append(f"RESULT: FAIL ({len(failed)} of {len(rows)} checks failed, {len(warned)} warnings). What to do:")
     lines += [

@@ -55,8 +55,9 @@ def train_argv(flags: Mapping[str, Mapping[str, Any]], method: str, extra: Seque
         raise TrainArgvError(f"finetune_method {method!r}: choose one of {', '.join(METHODS)}")
     unknown = sorted(set(flags) - {"all", *METHODS})
     if unknown:
-        raise TrainArgvError(f"finetune_train_flags: unknown group(s) {', '.join(unknown)}; groups: all, "
-                             + ", ".join(METHODS))  # fmt: skip
+        raise TrainArgvError(
+            f"finetune_train_flags: unknown group(s) {', '.join(unknown)}; groups: all, " + ", ".join(METHODS)
+        )
     argv = [f"--method={method}"]
     for group in ("all", method):
         for name, value in (flags.get(group) or {}).items():
@@ -83,5 +84,8 @@ def generate_result_args(summary: Mapping[str, Any], run_dir: str, lora_scale: A
 
 class FilterModule:
     def filters(self) -> dict:
-        return {"xeonsd_train_argv": train_argv, "xeonsd_method": method,
-                "xeonsd_generate_result_args": generate_result_args}  # fmt: skip
+        return {
+            "xeonsd_train_argv": train_argv,
+            "xeonsd_method": method,
+            "xeonsd_generate_result_args": generate_result_args,
+        }

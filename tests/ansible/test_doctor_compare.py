@@ -12,19 +12,31 @@ ICX = {"cpu_model": "Intel(R) Xeon(R) Platinum 8380", "cores": 40, "logical_cpus
 
 def _report(seconds: float | None, node: dict) -> dict:
     trial = {"name": "train 1 step", "status": "PASS" if seconds else "FAIL", "detail": "…", "seconds": seconds}
-    return {"host": "x", "ok": True, "checks": [{"name": "packages", "status": "PASS", "detail": "…"}, trial],
-            "node": node}  # fmt: skip
+    return {
+        "host": "x",
+        "ok": True,
+        "checks": [{"name": "packages", "status": "PASS", "detail": "…"}, trial],
+        "node": node,
+    }
 
 
 def test_a_node_whose_trial_step_is_over_1_3x_the_median_is_a_straggler_and_a_mixed_cluster_is_named() -> None:
-    reports = {"node1": _report(5.6, SPR), "node2": _report(5.4, SPR), "node3": _report(9.1, ICX),
-               "node4": _report(5.7, SPR)}  # fmt: skip
+    reports = {
+        "node1": _report(5.6, SPR),
+        "node2": _report(5.4, SPR),
+        "node3": _report(9.1, ICX),
+        "node4": _report(5.7, SPR),
+    }
     rows = xeonsd_doctor.compare_rows(reports, 1.3)
     straggler = {h: r[1] for h, r in rows.items()}
     assert [h for h, r in straggler.items() if r["status"] == "WARN"] == ["node3"]
     assert straggler["node3"]["detail"].startswith("trial step 9.10 s = 1.61× the median 5.65 s (over 1.3×)")
-    assert straggler["node1"] == {"node": "node1", "check": "straggler", "status": "PASS",
-                                  "detail": "trial step 5.60 s = 0.99× the median 5.65 s"}  # fmt: skip
+    assert straggler["node1"] == {
+        "node": "node1",
+        "check": "straggler",
+        "status": "PASS",
+        "detail": "trial step 5.60 s = 0.99× the median 5.65 s",
+    }
     cpu = {h: r[0] for h, r in rows.items()}
     assert all(r["check"] == "cpu" and r["status"] == "WARN" for r in cpu.values())
     assert cpu["node3"]["detail"] == (
@@ -60,8 +72,12 @@ def test_doctor_s_straggler_rule_is_the_trainer_s() -> None:
     slow = xeonsd_doctor.compare_rows(reports)["node3"][1]["detail"]
     assert f"(over {STRAGGLER_RATIO}×)" in slow and slow.endswith("; ".join(CAUSES))
     number = re.compile(rf"(?<![\w.]){re.escape(str(STRAGGLER_RATIO))}(?![\w.])")
-    for path in [*REPO.glob("train/src/**/*.py"), *REPO.glob("plugins/**/*.py"), *REPO.glob("roles/**/*.yml"),
-                 *REPO.glob("inventory/**/*.yml")]:  # fmt: skip
+    for path in [
+        *REPO.glob("train/src/**/*.py"),
+        *REPO.glob("plugins/**/*.py"),
+        *REPO.glob("roles/**/*.yml"),
+        *REPO.glob("inventory/**/*.yml"),
+    ]:
         if path.name == "straggler_rule.py":
             continue
         code = [ln for ln in path.read_text().splitlines() if not ln.lstrip().startswith("#")]

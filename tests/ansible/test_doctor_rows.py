@@ -39,11 +39,22 @@ def healthy() -> dict:
 
 def rows(case: dict) -> list[dict[str, str]]:
     return xeonsd_doctor.doctor_rows(
-        HOSTS, case["results"], list(ADDRESSES.values()), case["ssh"], case["nodefile"], case["hello"],
-        primary="node1", user="devcloud", expected=list(ADDRESSES.values()), nodefile_path="/etc/xeonsd/nodefile",
-        mpi_ranks=str(case["mpi_ranks"]), ranks_per_node="4", check_limit_s=1200, hello_limit_s="600",
+        HOSTS,
+        case["results"],
+        list(ADDRESSES.values()),
+        case["ssh"],
+        case["nodefile"],
+        case["hello"],
+        primary="node1",
+        user="devcloud",
+        expected=list(ADDRESSES.values()),
+        nodefile_path="/etc/xeonsd/nodefile",
+        mpi_ranks=str(case["mpi_ranks"]),
+        ranks_per_node="4",
+        check_limit_s=1200,
+        hello_limit_s="600",
         ranks_mismatch=xeonsd_cluster.ranks_mismatch(case["mpi_ranks"], HOSTS, "4"),  # as roles/doctor/tasks/report.yml
-    )  # fmt: skip
+    )
 
 
 def table(case: dict) -> dict[tuple[str, str], tuple[str, str]]:
@@ -61,8 +72,9 @@ def test_a_healthy_cluster_passes_every_row_in_inventory_order() -> None:
     t = table(healthy())
     assert t["node3", "ssh from primary"] == ("PASS", "devcloud@node1 -> 10.231.1.13")
     assert t["cluster", "nodefile"] == (
-        "PASS", "/etc/xeonsd/nodefile on node1: 4 nodes, primary first; 16 ranks = 4 nodes x 4"
-    )  # fmt: skip
+        "PASS",
+        "/etc/xeonsd/nodefile on node1: 4 nodes, primary first; 16 ranks = 4 nodes x 4",
+    )
     assert t["cluster", "mpirun hello"] == ("PASS", "hello: 16 ranks on 4 nodes, all-reduce ok")
 
 
@@ -77,11 +89,13 @@ def test_an_unreachable_node_and_one_that_left_the_play_get_one_fail_row_each() 
     assert t["node3", "doctor"] == ("FAIL", "no result: the node left the play; see above")
     assert ("node2", "packages") not in t
     assert t["node2", "ssh from primary"] == (
-        "FAIL", "devcloud@node1 -> 10.231.1.12: ssh: connect to host port 22: No route"
-    )  # fmt: skip
+        "FAIL",
+        "devcloud@node1 -> 10.231.1.12: ssh: connect to host port 22: No route",
+    )
     assert t["node3", "ssh from primary"] == (
-        "FAIL", "devcloud@node1 -> 10.231.1.13: no result (the primary is unreachable?)"
-    )  # fmt: skip
+        "FAIL",
+        "devcloud@node1 -> 10.231.1.13: no result (the primary is unreachable?)",
+    )
 
 
 def test_the_wrapper_exit_codes_become_env_and_doctor_rows() -> None:
@@ -113,8 +127,9 @@ def test_the_nodefile_must_list_the_inventory_primary_first_with_mpi_ranks_that_
     case = healthy()
     case["nodefile"] = {"failed": True, "msg": "file not found: /etc/xeonsd/nodefile"}
     assert table(case)["cluster", "nodefile"] == (
-        "FAIL", "cannot read /etc/xeonsd/nodefile on node1: file not found: /etc/xeonsd/nodefile"
-    )  # fmt: skip
+        "FAIL",
+        "cannot read /etc/xeonsd/nodefile on node1: file not found: /etc/xeonsd/nodefile",
+    )
     case["nodefile"] = {"content": base64.b64encode(b"10.231.1.12\n10.231.1.11\n").decode()}
     assert table(case)["cluster", "nodefile"] == (
         "FAIL",
@@ -134,12 +149,16 @@ def test_the_nodefile_must_list_the_inventory_primary_first_with_mpi_ranks_that_
 
 def test_mpirun_hello_names_the_shared_cause_first() -> None:
     case = healthy()
-    case["hello"] = {"rc": 1, "stdout_lines": [], "stderr_lines": [
-        "[0] xeonsd hello: error: rank 3: timed out waiting for 16 ranks",
-        "[1] xeonsd hello: error: rank 3: timed out waiting for 16 ranks",
-        "[2] xeonsd hello: error: expected 16 ranks, mpirun started 12",
-        "[5] xeonsd hello: error: rank 5: gloo connect refused",
-    ]}  # fmt: skip
+    case["hello"] = {
+        "rc": 1,
+        "stdout_lines": [],
+        "stderr_lines": [
+            "[0] xeonsd hello: error: rank 3: timed out waiting for 16 ranks",
+            "[1] xeonsd hello: error: rank 3: timed out waiting for 16 ranks",
+            "[2] xeonsd hello: error: expected 16 ranks, mpirun started 12",
+            "[5] xeonsd hello: error: rank 5: gloo connect refused",
+        ],
+    }
     assert table(case)["cluster", "mpirun hello"] == (
         "FAIL",
         "mpirun -n 16 -ppn 4 (rc 1): expected 16 ranks, mpirun started 12; rank 3: timed out waiting for 16 ranks",
@@ -153,8 +172,9 @@ def test_mpirun_hello_timeouts_missing_env_and_no_result() -> None:
         return table(case)["cluster", "mpirun hello"]
 
     assert hello({"rc": 124, "stderr_lines": ["x"]}) == (
-        "FAIL", "mpirun -n 16 -ppn 4 (rc 124): mpirun did not finish within 600 s"
-    )  # fmt: skip
+        "FAIL",
+        "mpirun -n 16 -ppn 4 (rc 124): mpirun did not finish within 600 s",
+    )
     assert hello({"rc": 90, "stderr": "/etc/xeonsd/env.sh is missing\n"})[1].endswith(
         "(rc 90): /etc/xeonsd/env.sh is missing"
     )
@@ -183,8 +203,11 @@ def test_a_passing_table_has_aligned_columns_and_a_pass_verdict_that_counts_warn
     assert lines[0].split() == ["node", "check", "status", "detail"]
     # Every column starts where the header's does: node, check (as wide as "ssh from primary"), status (6).
     starts = [lines[0].index(word) for word in ("check", "status", "detail")]
-    assert starts == [len("cluster") + 2, len("cluster") + 2 + len("ssh from primary") + 2,
-                      len("cluster") + 2 + len("ssh from primary") + 2 + 6 + 2]  # fmt: skip
+    assert starts == [
+        len("cluster") + 2,
+        len("cluster") + 2 + len("ssh from primary") + 2,
+        len("cluster") + 2 + len("ssh from primary") + 2 + 6 + 2,
+    ]
     assert lines[1] == "node1    packages          WARN    torch 2.13.0, diffusers 0.39.0"
     assert all(line[starts[2] :].strip() == r["detail"] for line, r in zip(lines[1:], result, strict=False))
     assert lines[-1] == (
@@ -209,8 +232,10 @@ def test_a_failing_table_names_what_to_do_per_fail_and_the_play_fails_with_the_c
     detail = long_line[long_line.index("xeonsd doctor exited") :]
     assert detail.endswith("torch...") and len(detail) <= 300
     message = table_report["message"]
-    assert message.startswith("doctor: 2 check(s) failed on node3, node4: node3 images (no images); node4 doctor "
-                              "(xeonsd doctor exited with rc 3: ImportError: torch torch")  # fmt: skip
+    assert message.startswith(
+        "doctor: 2 check(s) failed on node3, node4: node3 images (no images); node4 doctor "
+        "(xeonsd doctor exited with rc 3: ImportError: torch torch"
+    )
     assert message.endswith("torch...). See the table above for what to do.")
     assert len(message) < 200 + 150
 

@@ -53,14 +53,30 @@ def test_the_job_module_s_poll_is_the_package_s_answer(tmp_path: Path, wrapper: 
     (tmp_path / "async").write_text(json.dumps({"rc": 2}))
     for rank in range(8):
         node = NODES[rank // 4]
-        status = RankStatus(rank=rank, world=8, node=node["name"], address=node["address"], pid=rank,
-                            state="running", step=3, updated=1.0, attempt=1)  # fmt: skip
+        status = RankStatus(
+            rank=rank,
+            world=8,
+            node=node["name"],
+            address=node["address"],
+            pid=rank,
+            state="running",
+            step=3,
+            updated=1.0,
+            attempt=1,
+        )
         writer = RankStatusFile(tmp_path / node["name"], status)
         if rank == 5:
             writer.fail("input", "no images found")
-    params = {"env_wrapper": wrapper, "run_dir": str(run), "results_file": str(tmp_path / "async"),
-              "node_names": [n["name"] for n in NODES], "node_addresses": [n["address"] for n in NODES],
-              "ranks_per_node": 4, "total_steps": 10, "excerpt_lines": 5}  # fmt: skip
+    params = {
+        "env_wrapper": wrapper,
+        "run_dir": str(run),
+        "results_file": str(tmp_path / "async"),
+        "node_names": [n["name"] for n in NODES],
+        "node_addresses": [n["address"] for n in NODES],
+        "ranks_per_node": 4,
+        "total_steps": 10,
+        "excerpt_lines": 5,
+    }
     # xeonsd_rank_status on each node, then xeonsd_job with what they found.
     gathered = [s for n in NODES for s in _run(joblog.ranks_argv(wrapper, str(tmp_path / n["name"])))["statuses"]]
     assert len(gathered) == 8
@@ -79,8 +95,16 @@ def test_a_poll_that_cannot_read_the_job_says_why(tmp_path: Path, wrapper: str) 
     run.mkdir()
     (run / "exit.json").write_text(json.dumps({"rc": 2, "started": 1, "ended": 61}))
     (tmp_path / "async").write_text(json.dumps({"rc": 2}))
-    params = {"env_wrapper": wrapper, "run_dir": str(run), "results_file": str(tmp_path / "async"),
-              "node_names": [], "node_addresses": [], "ranks_per_node": 1, "total_steps": 10, "excerpt_lines": 5}  # fmt: skip
+    params = {
+        "env_wrapper": wrapper,
+        "run_dir": str(run),
+        "results_file": str(tmp_path / "async"),
+        "node_names": [],
+        "node_addresses": [],
+        "ranks_per_node": 1,
+        "total_steps": 10,
+        "excerpt_lines": 5,
+    }
     with pytest.raises(ValueError, match="schema None, this role reads schema 1"):
         _run(joblog.poll_argv(params))
     # A node whose diffuser env lacks the command: the wrapper's own exit code and words, not a traceback.
@@ -96,24 +120,37 @@ def test_a_poll_that_cannot_read_the_job_says_why(tmp_path: Path, wrapper: str) 
 def test_the_lock_conflict_code_comes_from_the_package() -> None:
     """launch.yml's flock and wait.yml's "nothing to diagnose" read xeonsd's one definition, through the fact the
     role fills from `xeonsd jobstatus codes`; no task of the role writes the number."""
-    out = subprocess.run([sys.executable, "-m", "xeonsd.cli", "jobstatus", "codes"], capture_output=True, text=True,
-                         check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "xeonsd.cli", "jobstatus", "codes"], capture_output=True, text=True, check=True
+    )
     assert json.loads(out.stdout) == jobstatus.EXIT_CODES and jobstatus.EXIT_CODES["lock_conflict"] == 75
     launch = (ROLE / "tasks" / "launch.yml").read_text()
     assert 'argv: ["{{ finetune_env_wrapper }}", xeonsd, jobstatus, codes]' in launch
     assert '--conflict-exit-code, "{{ finetune_exit_codes.lock_conflict }}"' in launch
     assert (ROLE / "tasks" / "wait.yml").read_text().count("[0, finetune_exit_codes.lock_conflict]") == 2
     code = str(jobstatus.LOCK_CONFLICT_RC)
-    for path in [*ROLE.glob("tasks/*.yml"), *ROLE.glob("templates/*"), *ROLE.glob("library/*.py"),
-                 *ROLE.glob("module_utils/*.py")]:  # fmt: skip
+    for path in [
+        *ROLE.glob("tasks/*.yml"),
+        *ROLE.glob("templates/*"),
+        *ROLE.glob("library/*.py"),
+        *ROLE.glob("module_utils/*.py"),
+    ]:
         assert not re.search(rf"(?<![\w.]){code}(?![\w.])", path.read_text()), f"{path}: a second {code}"
 
 
 def test_the_role_s_python_restates_no_part_of_the_schema() -> None:
     """The modules only run `xeonsd jobstatus` and return its JSON: no schema version, state, error kind or file
     name of job_status's may appear in them again."""
-    words = ["SCHEMA_VERSION", "LOCK_CONFLICT", *jobstatus.STATES, *jobstatus.ERROR_KINDS, jobstatus.EXIT_FILE,
-             jobstatus.ATTEMPT_FILE, jobstatus.LOG_FILE, "rank-"]  # fmt: skip
+    words = [
+        "SCHEMA_VERSION",
+        "LOCK_CONFLICT",
+        *jobstatus.STATES,
+        *jobstatus.ERROR_KINDS,
+        jobstatus.EXIT_FILE,
+        jobstatus.ATTEMPT_FILE,
+        jobstatus.LOG_FILE,
+        "rank-",
+    ]
     for path in [*ROLE.glob("library/*.py"), *ROLE.glob("module_utils/*.py")]:
         code = "\n".join(ln for ln in path.read_text().splitlines() if not ln.lstrip().startswith(("#", '"""')))
         found = [w for w in words if re.search(rf"['\"]{re.escape(w)}|\b{re.escape(w)}\b(?=\s*=)", code)]
@@ -126,6 +163,7 @@ def test_the_job_logic_imports_without_ansible() -> None:
         "import sys; sys.path.insert(0, sys.argv[1]); import xeonsd_joblog; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ansible'))"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(Path(joblog.__file__).parent)],
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(Path(joblog.__file__).parent)], capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip() == "[]"

@@ -15,8 +15,9 @@ PLAYBOOKS = ("provision.yml", "doctor.yml", "finetune.yml", "export.yml")
 
 def run(*argv: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), NO_COLOR="1", ANSIBLE_NOCOLOR="1")
-    return subprocess.run([str(VENV_BIN / argv[0]), *argv[1:]], cwd=REPO, env=env, text=True, capture_output=True,
-                          timeout=300)  # fmt: skip
+    return subprocess.run(
+        [str(VENV_BIN / argv[0]), *argv[1:]], cwd=REPO, env=env, text=True, capture_output=True, timeout=300
+    )
 
 
 def play_roles() -> dict[str, list]:

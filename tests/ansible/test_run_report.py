@@ -26,16 +26,42 @@ def _runjson_task() -> dict:
 def _render_facts(tmp_path: Path, play_vars: dict) -> dict:
     """The task's stdin as Ansible renders it on the primary of the repository's inventory."""
     task = _runjson_task()
-    play = [{"hosts": "node1", "gather_facts": False, "connection": "local",
-             "vars": {"ansible_python_interpreter": sys.executable, "run_report_name": "r1", "run_report_node_hour_price": "", "run_report_currency": "EUR",
-                      "run_report_gpu_hour_price": "", "run_report_gpu_s_per_step": "", **play_vars},
-             "tasks": [{"ansible.builtin.copy": {"content": task["ansible.builtin.command"]["stdin"],
-                                                 "dest": str(tmp_path / "facts.json"), "mode": "0644"},
-                        "vars": task["vars"]}]}]  # fmt: skip
+    play = [
+        {
+            "hosts": "node1",
+            "gather_facts": False,
+            "connection": "local",
+            "vars": {
+                "ansible_python_interpreter": sys.executable,
+                "run_report_name": "r1",
+                "run_report_node_hour_price": "",
+                "run_report_currency": "EUR",
+                "run_report_gpu_hour_price": "",
+                "run_report_gpu_s_per_step": "",
+                **play_vars,
+            },
+            "tasks": [
+                {
+                    "ansible.builtin.copy": {
+                        "content": task["ansible.builtin.command"]["stdin"],
+                        "dest": str(tmp_path / "facts.json"),
+                        "mode": "0644",
+                    },
+                    "vars": task["vars"],
+                }
+            ],
+        }
+    ]
     (tmp_path / "play.yml").write_text(yaml.safe_dump(play))
     env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_NOCOLOR="1")
-    proc = subprocess.run([str(VENV_BIN / "ansible-playbook"), "-i", "inventory", str(tmp_path / "play.yml")],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [str(VENV_BIN / "ansible-playbook"), "-i", "inventory", str(tmp_path / "play.yml")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((tmp_path / "facts.json").read_text())
 
@@ -44,9 +70,11 @@ def _render_facts(tmp_path: Path, play_vars: dict) -> dict:
 def test_the_role_s_facts_are_what_runjson_reads(tmp_path: Path, exported: bool) -> None:
     play_vars = {}
     if exported:
-        play_vars = {"openvino_export_ov_dir": "/b/x",
-                     "openvino_export_export": {"changed": True, "delta": "0:01:00.04", "rc": 0},
-                     "openvino_export_generate": {"changed": True, "delta": "0:00:30.5", "rc": 0}}  # fmt: skip
+        play_vars = {
+            "openvino_export_ov_dir": "/b/x",
+            "openvino_export_export": {"changed": True, "delta": "0:01:00.04", "rc": 0},
+            "openvino_export_generate": {"changed": True, "delta": "0:00:30.5", "rc": 0},
+        }
     facts = _render_facts(tmp_path, play_vars)
     assert facts["nodes"] == ["node1", "node2", "node3", "node4"] and facts["primary"] == "node1"
     run = tmp_path / "run"
@@ -55,12 +83,19 @@ def test_the_role_s_facts_are_what_runjson_reads(tmp_path: Path, exported: bool)
     job_status.write_exit(run, 0, now=190)
     (run / "train_summary.json").write_text(json.dumps({"method": "lora"}))
     info = run_files.run_json(run, facts)  # an input it does not know would be refused
-    assert info["cluster"] == {"nodes": "node1, node2, node3, node4", "MPI ranks": 16, "ranks per node": 4,
-                               "primary": "node1"}  # fmt: skip
+    assert info["cluster"] == {
+        "nodes": "node1, node2, node3, node4",
+        "MPI ranks": 16,
+        "ranks per node": 4,
+        "primary": "node1",
+    }
     assert "cost" not in info
     if exported:
-        assert info["phases"] == {"training job, wall (s)": 90, "OpenVINO export (s)": 60.0,
-                                  "generate, whole command (s)": 30.5}  # fmt: skip
+        assert info["phases"] == {
+            "training job, wall (s)": 90,
+            "OpenVINO export (s)": 60.0,
+            "generate, whole command (s)": 30.5,
+        }
         assert info["export"] == {"dir": "/b/x", "of": "the base model (shared by its runs)", "reused": False}
     else:
         assert info["phases"] == {"training job, wall (s)": 90} and "export" not in info

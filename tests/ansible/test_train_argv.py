@@ -18,9 +18,24 @@ def _inventory_argv(*extra_vars: str) -> list[str]:
     """finetune_train_argv as Ansible renders it from the repository's inventory, for the implicit localhost."""
     env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_NOCOLOR="1")
     args = [a for v in extra_vars for a in ("-e", v)]
-    proc = subprocess.run([str(VENV_BIN / "ansible"), "localhost", "-i", "inventory", "-m", "ansible.builtin.debug",
-                           "-a", "var=finetune_train_argv", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            str(VENV_BIN / "ansible"),
+            "localhost",
+            "-i",
+            "inventory",
+            "-m",
+            "ansible.builtin.debug",
+            "-a",
+            "var=finetune_train_argv",
+            *args,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # The ad-hoc output: "localhost | SUCCESS => {...}"
     return json.loads(proc.stdout.split("=>", 1)[1])["finetune_train_argv"]
@@ -29,13 +44,23 @@ def _inventory_argv(*extra_vars: str) -> list[str]:
 @pytest.mark.parametrize(
     ("method", "own", "foreign"),
     [
-        ("textual_inversion", {"placeholder_token": "<dicoo>", "initializer_token": "toy"}, ("rank", "instance_prompt")),
-        ("lora", {"rank": 4, "instance_prompt": "a photo of a <dicoo> toy", "learning_rate": 1e-4},
-         ("placeholder_token", "use_ema", "save_as_full_pipeline")),
-        ("full", {"use_ema": True, "instance_prompt": "a photo of a <dicoo> toy", "learning_rate": 1e-5},
-         ("placeholder_token", "rank", "lora_target_modules")),
+        (
+            "textual_inversion",
+            {"placeholder_token": "<dicoo>", "initializer_token": "toy"},
+            ("rank", "instance_prompt"),
+        ),
+        (
+            "lora",
+            {"rank": 4, "instance_prompt": "a photo of a <dicoo> toy", "learning_rate": 1e-4},
+            ("placeholder_token", "use_ema", "save_as_full_pipeline"),
+        ),
+        (
+            "full",
+            {"use_ema": True, "instance_prompt": "a photo of a <dicoo> toy", "learning_rate": 1e-5},
+            ("placeholder_token", "rank", "lora_target_modules"),
+        ),
     ],
-)  # fmt: skip
+)
 def test_the_inventorys_argv_carries_only_the_chosen_methods_flags(method, own, foreign) -> None:
     from xeonsd.trainer.config import given_flags, parse_config
 
@@ -52,7 +77,11 @@ def test_a_method_the_trainer_does_not_know_is_refused() -> None:
     with pytest.raises(TrainArgvError, match="finetune_method 'dreambooth': choose one of textual_inversion, lora"):
         train_argv({"all": {"seed": 7}}, "dreambooth")
     assert train_argv({"all": {"seed": 7, "scale_lr": False, "x": ""}, "lora": {"rank": 8}}, "lora", ["--y"]) == [
-        "--method=lora", "--seed=7", "--rank=8", "--y"]  # fmt: skip
+        "--method=lora",
+        "--seed=7",
+        "--rank=8",
+        "--y",
+    ]
 
 
 # ---- the methods and their result files: the package's method_names, read by the plugin ---------------------------
@@ -70,7 +99,9 @@ def test_the_plugin_s_methods_and_results_are_the_package_s() -> None:
         xeonsd_train.method("dreambooth")
     summary = {"method": "lora", "result": {"path": "pytorch_lora_weights.safetensors"}}
     assert xeonsd_train.generate_result_args(summary, "/runs/r1", 0.8) == [
-        "--lora", "/runs/r1/pytorch_lora_weights.safetensors:0.8"]  # fmt: skip
+        "--lora",
+        "/runs/r1/pytorch_lora_weights.safetensors:0.8",
+    ]
     summary = {"method": "textual_inversion", "result": {"path": "learned_embeds.safetensors"}}
     assert xeonsd_train.generate_result_args(summary, "/runs/r1") == ["--embeds", "/runs/r1/learned_embeds.safetensors"]
     assert xeonsd_train.generate_result_args({"method": "full", "result": {"path": "model_index.json"}}, "/r") == []
@@ -82,20 +113,47 @@ def test_no_role_or_plugin_names_a_result_file_again() -> None:
     from xeonsd.method_names import METHOD_FILES
 
     names = [m["result"] for m in METHOD_FILES.values() if not m["pipeline"]]
-    for path in [*REPO.glob("roles/**/*.yml"), *REPO.glob("roles/**/*.j2"), *REPO.glob("plugins/**/*.py"),
-                 *REPO.glob("playbooks/*.yml"), *REPO.glob("*.yml")]:  # fmt: skip
+    for path in [
+        *REPO.glob("roles/**/*.yml"),
+        *REPO.glob("roles/**/*.j2"),
+        *REPO.glob("plugins/**/*.py"),
+        *REPO.glob("playbooks/*.yml"),
+        *REPO.glob("*.yml"),
+    ]:
         code = [ln for ln in path.read_text().splitlines() if not ln.lstrip().startswith("#")]
         assert not [n for n in names if any(n in ln for ln in code)], f"{path} names a result file"
 
 
 def test_ansible_renders_the_method_filters() -> None:
     env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_NOCOLOR="1")
-    msg = ("{{ ['lora' | xeonsd_method, {'method': 'textual_inversion', 'result': {'path': 'e.safetensors'}}"
-           " | xeonsd_generate_result_args('/r')] }}")  # fmt: skip
-    proc = subprocess.run([str(VENV_BIN / "ansible"), "localhost", "-i", "inventory", "-m", "ansible.builtin.debug",
-                           "-a", json.dumps({"msg": msg})], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    msg = (
+        "{{ ['lora' | xeonsd_method, {'method': 'textual_inversion', 'result': {'path': 'e.safetensors'}}"
+        " | xeonsd_generate_result_args('/r')] }}"
+    )
+    proc = subprocess.run(
+        [
+            str(VENV_BIN / "ansible"),
+            "localhost",
+            "-i",
+            "inventory",
+            "-m",
+            "ansible.builtin.debug",
+            "-a",
+            json.dumps({"msg": msg}),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     info, args = json.loads(proc.stdout.split("=>", 1)[1])["msg"]
-    assert info == {"name": "lora", "result": "pytorch_lora_weights.safetensors", "what": "LoRA adapter",
-                    "pipeline": False, "generate_flag": "--lora"}  # fmt: skip
+    assert info == {
+        "name": "lora",
+        "result": "pytorch_lora_weights.safetensors",
+        "what": "LoRA adapter",
+        "pipeline": False,
+        "generate_flag": "--lora",
+    }
     assert args == ["--embeds", "/r/e.safetensors"]

@@ -21,8 +21,11 @@ def test_the_tree_is_named_by_path_relative_to_its_root_in_sorted_order() -> Non
 
 def test_excluded_paths_leave_the_tree() -> None:
     files = found("/m", model_index_json="1", _cache="x", unet__w="2") + [{"path": "/m/.cache/hf/a", "checksum": "3"}]
-    assert xeonsd_tree.tree_files(files, "/m", exclude=r"(.*/)?\.") == {"_cache": "x", "model_index_json": "1",
-                                                                        "unet/w": "2"}  # fmt: skip
+    assert xeonsd_tree.tree_files(files, "/m", exclude=r"(.*/)?\.") == {
+        "_cache": "x",
+        "model_index_json": "1",
+        "unet/w": "2",
+    }
 
 
 def test_a_file_outside_the_root_or_without_a_checksum_is_refused() -> None:

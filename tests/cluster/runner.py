@@ -24,8 +24,15 @@ VENV_BIN = Path(sys.executable).parent
 TIMINGS: list[tuple[str, float]] = []
 
 # ansible-runner's names for the PLAY RECAP columns.
-_STATS = {"ok": "ok", "changed": "changed", "dark": "unreachable", "failures": "failed", "skipped": "skipped",
-          "rescued": "rescued", "ignored": "ignored"}  # fmt: skip
+_STATS = {
+    "ok": "ok",
+    "changed": "changed",
+    "dark": "unreachable",
+    "failures": "failed",
+    "skipped": "skipped",
+    "rescued": "rescued",
+    "ignored": "ignored",
+}
 
 
 @dataclass(frozen=True)

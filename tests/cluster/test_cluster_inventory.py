@@ -39,8 +39,11 @@ def test_ansible_sees_the_settings_the_node_paths_and_the_run_values(tmp_path: P
     result = run_playbook(str(playbook), inventory, "-e", extra, state_dir=tmp_path / "ansible", name="inventory")
     assert result.rc == 0, result.tail()
 
-    shown = {e["event_data"]["host"]: e["event_data"]["res"]["msg"] for e in result.events
-             if e.get("event") == "runner_on_ok"}  # fmt: skip
+    shown = {
+        e["event_data"]["host"]: e["event_data"]["res"]["msg"]
+        for e in result.events
+        if e.get("event") == "runner_on_ok"
+    }
     assert sorted(shown) == ["node1", "node2", "node3"]
     for node, msg in shown.items():
         assert msg["private_dirs"] == list(cluster.private_dirs), node

@@ -35,8 +35,15 @@ def _background_playbook(cluster: Cluster, name: str, *args: str) -> Iterator[tu
     log = logs / f"{name}.log"
     argv = [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(cluster.inventory), *args]
     with open(log, "w") as fh:
-        proc = subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[2], env=ansible_env(cluster.state_dir),
-                                stdout=fh, stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            argv,
+            cwd=Path(__file__).resolve().parents[2],
+            env=ansible_env(cluster.state_dir),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         try:
             yield proc, log, time.monotonic()
         finally:
@@ -110,12 +117,28 @@ def test_finetune_trains_on_16_ranks_then_exports_generates_and_reports(provisio
     """End to end; while it trains, a second finetune is refused and does not start a second job."""
     runs = _controller_runs(provisioned)
     with _background_playbook(
-        provisioned, "finetune-e2e", "finetune.yml", "-e", f"controller_runs_dir={runs}", "-e", "finetune_run_id=e2e",
-        "-e", "node_hour_price=1.5", "-e", "price_currency=EUR",
-    ) as (first, log, began):  # fmt: skip
+        provisioned,
+        "finetune-e2e",
+        "finetune.yml",
+        "-e",
+        f"controller_runs_dir={runs}",
+        "-e",
+        "finetune_run_id=e2e",
+        "-e",
+        "node_hour_price=1.5",
+        "-e",
+        "price_currency=EUR",
+    ) as (first, log, began):
         _wait(lambda: _latest_step(provisioned) >= 1, 600, "the first training step", first, log)
-        second = run_playbook("finetune.yml", provisioned.inventory, "-e", f"controller_runs_dir={runs}",
-                              state_dir=provisioned.state_dir, name="finetune-refused", timeout=300)  # fmt: skip
+        second = run_playbook(
+            "finetune.yml",
+            provisioned.inventory,
+            "-e",
+            f"controller_runs_dir={runs}",
+            state_dir=provisioned.state_dir,
+            name="finetune-refused",
+            timeout=300,
+        )
         assert second.rc != 0, second.tail()
         assert "A finetune is already running on node1 (run e2e" in second.output, second.tail()
         assert first.poll() is None, "the refused finetune must not disturb the running one"
@@ -150,15 +173,25 @@ def test_finetune_trains_on_16_ranks_then_exports_generates_and_reports(provisio
     assert all(len(s["ranks"]) == 16 for s in stats)
     assert [n["node"] for n in stats[-1]["nodes"]] == ["node1", "node2", "node3", "node4"]
     assert " · cpu " in output and "% (lowest node" in output and " vs median " in output
-    for section in ("<h2>CPU use per node</h2>", "<h2>Where the step time goes</h2>", "<h2>Stragglers</h2>",
-                    "<h2>Cost</h2>", " EUR"):  # fmt: skip
+    for section in (
+        "<h2>CPU use per node</h2>",
+        "<h2>Where the step time goes</h2>",
+        "<h2>Stragglers</h2>",
+        "<h2>Cost</h2>",
+        " EUR",
+    ):
         assert section in page, section
     figures = json.loads((run / "run.json").read_text())["cluster_figures"]
     assert set(figures["cpu_util"]) == {"node1", "node2", "node3", "node4"}
     assert figures["cost"]["currency"] == "EUR" and figures["cost"]["training_cost"] > 0
-    print("\nCPU utilisation per node (mean, lowest):",
-          {n: (d["mean"], d["lowest"]) for n, d in figures["cpu_util"].items()},
-          "\ntime split per node (s/step):", figures["time_split_s_per_step"], "\ncost:", figures["cost"])  # fmt: skip
+    print(
+        "\nCPU utilisation per node (mean, lowest):",
+        {n: (d["mean"], d["lowest"]) for n, d in figures["cpu_util"].items()},
+        "\ntime split per node (s/step):",
+        figures["time_split_s_per_step"],
+        "\ncost:",
+        figures["cost"],
+    )
 
     # The fetched embedding loads into the base pipeline and the token gets the learned vector.
     from diffusers import StableDiffusionPipeline
@@ -173,15 +206,23 @@ def test_finetune_trains_on_16_ranks_then_exports_generates_and_reports(provisio
     ).abs().max() < 1e-6
 
     # What trained, on the staged captions, and the base model's export made by this run (kept for the next runs).
-    for text in ("<h2>Method</h2>", "<td>textual_inversion</td>", "5 captions from metadata.jsonl",
-                 "<th>learned embedding</th>", "<h2>OpenVINO export</h2>", "made by this run"):  # fmt: skip
+    for text in (
+        "<h2>Method</h2>",
+        "<td>textual_inversion</td>",
+        "5 captions from metadata.jsonl",
+        "<th>learned embedding</th>",
+        "<h2>OpenVINO export</h2>",
+        "made by this run",
+    ):
         assert text in page, text
     export = json.loads((run / "run.json").read_text())["export"]
     assert export["reused"] is False and export["dir"].startswith("/home/devcloud/openvino-base/"), export
 
-    print(f"\nfinetune.yml end to end: {wall:.1f} s wall; phases {phases}; "
-          f"generate: load {timings.get('load_s')} s, compile {timings.get('compile_s')} s, "
-          f"{timings.get('images_per_s')} images/s")  # fmt: skip
+    print(
+        f"\nfinetune.yml end to end: {wall:.1f} s wall; phases {phases}; "
+        f"generate: load {timings.get('load_s')} s, compile {timings.get('compile_s')} s, "
+        f"{timings.get('images_per_s')} images/s"
+    )
 
 
 def test_lora_on_16_ranks_reuses_the_base_export_and_generates_with_the_adapter(provisioned: Cluster) -> None:
@@ -192,10 +233,23 @@ def test_lora_on_16_ranks_reuses_the_base_export_and_generates_with_the_adapter(
     first_manifest = (runs / "e2e" / "openvino" / "xeonsd_export.json").read_bytes()
     base_dir = json.loads((runs / "e2e" / "run.json").read_text())["export"]["dir"]
     before = provisioned.ssh("node1", f"stat -c %Y {base_dir}/xeonsd_export.json").stdout.strip()
-    result = run_playbook("finetune.yml", provisioned.inventory, "-e", f"controller_runs_dir={runs}",
-                          "-e", "finetune_run_id=lora", "-e", "finetune_method=lora",
-                          "-e", "finetune_max_train_steps=10", "-e", "finetune_learning_rate=1e-4",
-                          state_dir=provisioned.state_dir, name="finetune-lora", timeout=1800)  # fmt: skip
+    result = run_playbook(
+        "finetune.yml",
+        provisioned.inventory,
+        "-e",
+        f"controller_runs_dir={runs}",
+        "-e",
+        "finetune_run_id=lora",
+        "-e",
+        "finetune_method=lora",
+        "-e",
+        "finetune_max_train_steps=10",
+        "-e",
+        "finetune_learning_rate=1e-4",
+        state_dir=provisioned.state_dir,
+        name="finetune-lora",
+        timeout=1800,
+    )
     assert result.rc == 0, result.tail(80)
     run = runs / "lora"
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -215,8 +269,14 @@ def test_lora_on_16_ranks_reuses_the_base_export_and_generates_with_the_adapter(
     assert "reused: exported by an earlier run" in result.output
     assert len(list((run / "images").glob("image_*.png"))) == 5
     page = (run / "report.html").read_text()
-    for text in ("<td>lora</td>", "<th>LoRA adapter</th>", "pytorch_lora_weights.safetensors · ",
-                 "5 captions from metadata.jsonl", "all-reduced per step", "reused (made by an earlier run)"):  # fmt: skip
+    for text in (
+        "<td>lora</td>",
+        "<th>LoRA adapter</th>",
+        "pytorch_lora_weights.safetensors · ",
+        "5 captions from metadata.jsonl",
+        "all-reduced per step",
+        "reused (made by an earlier run)",
+    ):
         assert text in page, text
 
     # The fetched adapter is the diffusers layout: it loads into the base pipeline.
@@ -225,19 +285,39 @@ def test_lora_on_16_ranks_reuses_the_base_export_and_generates_with_the_adapter(
     pipe = StableDiffusionPipeline.from_pretrained(provisioned.assets_dir / "tiny-sd", safety_checker=None)
     pipe.load_lora_weights(run, weight_name="pytorch_lora_weights.safetensors")
     assert any("lora" in name for name, _ in pipe.unet.named_parameters())
-    print(f"\nfinetune.yml lora (10 steps, 16 ranks, base export reused): {result.seconds:.1f} s wall; "
-          f"phases {info['phases']}")  # fmt: skip
+    print(
+        f"\nfinetune.yml lora (10 steps, 16 ranks, base export reused): {result.seconds:.1f} s wall; "
+        f"phases {info['phases']}"
+    )
 
 
 def test_full_fine_tune_on_4_nodes_exports_its_own_pipeline_and_leaves_it_on_the_primary(provisioned: Cluster) -> None:
     """finetune_method=full, 1 rank per node, a few steps: the pipeline stays on node1 (path and size printed), its
     own OpenVINO export, the manifest, images and report come to the controller."""
     runs = _controller_runs(provisioned)
-    result = run_playbook("finetune.yml", provisioned.inventory, "-e", f"controller_runs_dir={runs}",
-                          "-e", "finetune_run_id=full", "-e", "finetune_method=full", "-e", "mpi_ranks=4",
-                          "-e", "ranks_per_node=1", "-e", "finetune_max_train_steps=3",
-                          "-e", "finetune_checkpointing_steps=0", "-e", "finetune_learning_rate=1e-5",
-                          state_dir=provisioned.state_dir, name="finetune-full", timeout=1800)  # fmt: skip
+    result = run_playbook(
+        "finetune.yml",
+        provisioned.inventory,
+        "-e",
+        f"controller_runs_dir={runs}",
+        "-e",
+        "finetune_run_id=full",
+        "-e",
+        "finetune_method=full",
+        "-e",
+        "mpi_ranks=4",
+        "-e",
+        "ranks_per_node=1",
+        "-e",
+        "finetune_max_train_steps=3",
+        "-e",
+        "finetune_checkpointing_steps=0",
+        "-e",
+        "finetune_learning_rate=1e-5",
+        state_dir=provisioned.state_dir,
+        name="finetune-full",
+        timeout=1800,
+    )
     assert result.rc == 0, result.tail(80)
     run = runs / "full"
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -263,8 +343,10 @@ def test_full_fine_tune_on_4_nodes_exports_its_own_pipeline_and_leaves_it_on_the
     page = (run / "report.html").read_text()
     for text in ("<td>full</td>", "<th>fine-tuned pipeline</th>", "5 captions from metadata.jsonl", "made by this run"):
         assert text in page, text
-    print(f"\nfinetune.yml full (3 steps, 4 nodes x 1 rank, own export): {result.seconds:.1f} s wall; "
-          f"pipeline {size / 1e6:.1f} MB; phases {info['phases']}")  # fmt: skip
+    print(
+        f"\nfinetune.yml full (3 steps, 4 nodes x 1 rank, own export): {result.seconds:.1f} s wall; "
+        f"pipeline {size / 1e6:.1f} MB; phases {info['phases']}"
+    )
 
 
 class CpuQuota:
@@ -306,12 +388,26 @@ def test_a_node_given_a_quarter_core_is_named_a_straggler_and_the_job_ends_norma
     (finetune_cpu_util_warn=0): on 2 shared cores every rank of the test cluster is far under 80 %."""
     runs = _controller_runs(provisioned)
     quota = CpuQuota(f"xeonsd-test-{provisioned.prefix}-node3", cpus=0.25)  # skips here, before anything starts
-    with quota, _background_playbook(provisioned, "finetune-straggler", "finetune.yml",
-                                     "-e", f"controller_runs_dir={runs}", "-e", "finetune_run_id=straggler",
-                                     "-e", "finetune_cpu_util_warn=0") as (job, log, _):  # fmt: skip
+    with (
+        quota,
+        _background_playbook(
+            provisioned,
+            "finetune-straggler",
+            "finetune.yml",
+            "-e",
+            f"controller_runs_dir={runs}",
+            "-e",
+            "finetune_run_id=straggler",
+            "-e",
+            "finetune_cpu_util_warn=0",
+        ) as (job, log, _),
+    ):
         _wait(lambda: _latest_step(provisioned) >= 1, 600, "the first training step", job, log)
-        ranks = [p for p in _job_processes(provisioned, "node3") if b"xeonsd train" in Path(f"/proc/{p}/cmdline")
-                 .read_bytes().replace(b"\0", b" ")]  # fmt: skip
+        ranks = [
+            p
+            for p in _job_processes(provisioned, "node3")
+            if b"xeonsd train" in Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")
+        ]
         assert len(ranks) == 4, ranks
         for pid in ranks:
             quota.add(pid)
@@ -325,16 +421,27 @@ def test_a_node_given_a_quarter_core_is_named_a_straggler_and_the_job_ends_norma
     assert "<b>node3</b> (ranks 8, 9, 10, 11)" in page
     figures = json.loads((runs / "straggler" / "run.json").read_text())["cluster_figures"]
     assert [s["node"] for s in figures["stragglers"]] == ["node3"]
-    print("\nnode3 with a quarter CPU: time split per node (s/step):", figures["time_split_s_per_step"],
-          "\nverdict:", figures["stragglers"][0]["why"])  # fmt: skip
+    print(
+        "\nnode3 with a quarter CPU: time split per node (s/step):",
+        figures["time_split_s_per_step"],
+        "\nverdict:",
+        figures["stragglers"][0]["why"],
+    )
 
 
 def test_killing_a_worker_node_fails_the_play_within_60_s_and_resume_finishes(provisioned: Cluster) -> None:
     runs = _controller_runs(provisioned)
-    common = ("-e", f"controller_runs_dir={runs}", "-e", "finetune_max_train_steps=400",
-              "-e", "finetune_checkpointing_steps=5")  # fmt: skip
-    with _background_playbook(provisioned, "finetune-killed", "finetune.yml", *common,
-                              "-e", "finetune_run_id=kill") as (job, log, _):  # fmt: skip
+    common = (
+        "-e",
+        f"controller_runs_dir={runs}",
+        "-e",
+        "finetune_max_train_steps=400",
+        "-e",
+        "finetune_checkpointing_steps=5",
+    )
+    with _background_playbook(
+        provisioned, "finetune-killed", "finetune.yml", *common, "-e", "finetune_run_id=kill"
+    ) as (job, log, _):
         _wait(lambda: _latest_step(provisioned) >= 6, 900, "step 6 (a checkpoint exists)", job, log)
         victims = _job_processes(provisioned, "node3")
         assert victims, "no training processes on node3"
@@ -346,8 +453,10 @@ def test_killing_a_worker_node_fails_the_play_within_60_s_and_resume_finishes(pr
         rc = _finish(job, timeout=300)
         play_ended = time.monotonic() - killed
     output = log.read_text()
-    print(f"\nnode3's processes killed: the job ended on every node {job_ended:.1f} s later, "
-          f"the play failed {play_ended:.1f} s later (poll every 5 s)")  # fmt: skip
+    print(
+        f"\nnode3's processes killed: the job ended on every node {job_ended:.1f} s later, "
+        f"the play failed {play_ended:.1f} s later (poll every 5 s)"
+    )
     assert rc != 0
     assert job_ended < 60, f"the job took {job_ended:.0f} s to end"
     failure = output[output.index("Training failed:") :]
@@ -359,9 +468,18 @@ def test_killing_a_worker_node_fails_the_play_within_60_s_and_resume_finishes(pr
     assert provisioned.ssh("node1", f"test -e {RUNS}/kill/status/rank-8.json", check=False).returncode != 0
     step_at_failure = _latest_step(provisioned)
 
-    resumed = run_playbook("finetune.yml", provisioned.inventory, *common, "-e", "resume=latest",
-                           "-e", "finetune_max_train_steps=20", state_dir=provisioned.state_dir,
-                           name="finetune-resumed", timeout=1800)  # fmt: skip
+    resumed = run_playbook(
+        "finetune.yml",
+        provisioned.inventory,
+        *common,
+        "-e",
+        "resume=latest",
+        "-e",
+        "finetune_max_train_steps=20",
+        state_dir=provisioned.state_dir,
+        name="finetune-resumed",
+        timeout=1800,
+    )
     assert resumed.rc == 0, resumed.tail(80)
     rows = [json.loads(x) for x in (runs / "kill" / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows]

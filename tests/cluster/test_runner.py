@@ -41,8 +41,9 @@ def test_a_run_reports_its_failures_stats_and_timings_as_data(tmp_path: Path) ->
     assert result.failures() == [
         TaskFailure("localhost", "Refuse with a reason", "item 2: the reason, in words. Fix: do this.")
     ]
-    assert result.recap == {"localhost": {"ok": 2, "changed": 0, "unreachable": 0, "failed": 1, "skipped": 0,
-                                          "rescued": 0, "ignored": 1}}  # fmt: skip
+    assert result.recap == {
+        "localhost": {"ok": 2, "changed": 0, "unreachable": 0, "failed": 1, "skipped": 0, "rescued": 0, "ignored": 1}
+    }
     said = [e["event_data"]["res"].get("msg") for e in result.events if e.get("event") == "runner_on_ok"]
     assert "host key checking True" in said  # ansible-runner would turn checking off if we let it
     assert "TASK TIMINGS" in result.output  # the repository's callback plugins are still loaded

@@ -90,9 +90,17 @@ def test_a_local_only_command_does_not_take_a_hub_id(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("model", "hub"),
-    [("stable-diffusion-v1-5/stable-diffusion-v1-5", True), ("owner/name.v2", True), ("nope/dir", True),
-     ("./owner/name", False), ("/owner/name", False), ("owner", False), ("a/b/c", False), ("own er/x", False),
-     ("owner/na--me", False)],
-)  # fmt: skip
+    [
+        ("stable-diffusion-v1-5/stable-diffusion-v1-5", True),
+        ("owner/name.v2", True),
+        ("nope/dir", True),
+        ("./owner/name", False),
+        ("/owner/name", False),
+        ("owner", False),
+        ("a/b/c", False),
+        ("own er/x", False),
+        ("owner/na--me", False),
+    ],
+)
 def test_hub_ids_are_owner_slash_name(model: str, hub: bool) -> None:
     assert looks_like_hub_id(model) is hub

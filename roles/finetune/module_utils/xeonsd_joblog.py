@@ -14,9 +14,21 @@ import json
 
 def poll_argv(params: dict) -> list[str]:
     """``xeonsd jobstatus poll`` for xeonsd_job's parameters (the gathered rank statuses go on stdin)."""
-    argv = [params["env_wrapper"], "xeonsd", "jobstatus", "poll", params["run_dir"],
-            "--results-file", params["results_file"], "--total-steps", str(params["total_steps"]),
-            "--ranks-per-node", str(params["ranks_per_node"]), "--excerpt-lines", str(params["excerpt_lines"])]  # fmt: skip
+    argv = [
+        params["env_wrapper"],
+        "xeonsd",
+        "jobstatus",
+        "poll",
+        params["run_dir"],
+        "--results-file",
+        params["results_file"],
+        "--total-steps",
+        str(params["total_steps"]),
+        "--ranks-per-node",
+        str(params["ranks_per_node"]),
+        "--excerpt-lines",
+        str(params["excerpt_lines"]),
+    ]
     for i, name in enumerate(params["node_names"]):  # the module checked that the two lists match
         argv += ["--node", f"{name}={params['node_addresses'][i]}"]
     if params.get("rank_status") is not None:

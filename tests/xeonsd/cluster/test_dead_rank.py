@@ -59,8 +59,17 @@ def test_a_lost_rank_ends_the_job(sig, what, tiny_model, dataset, tmp_path, cli_
     assert mpirun, "mpirun (impi-rt) is not installed in the environment"
     out = tmp_path / f"run-{sig.name}"
     env = dict(cli_env, XEONSD_STEP_TIMEOUT=str(STEP_TIMEOUT_S))
-    cmd = [mpirun, "-n", "2", sys.executable, "-m", "xeonsd.cli", "train",
-           *train_args(tiny_model, dataset, out, steps=100000), "--log_every=1"]  # fmt: skip
+    cmd = [
+        mpirun,
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "xeonsd.cli",
+        "train",
+        *train_args(tiny_model, dataset, out, steps=100000),
+        "--log_every=1",
+    ]
     job = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     victim = None
     try:

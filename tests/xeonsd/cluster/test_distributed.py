@@ -13,14 +13,26 @@ from xeonsd.cpu import parse_cpuinfo
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
-        ({"PMI_RANK": "5", "PMI_SIZE": "16", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4"},
-         RankInfo(5, 16, 1, 4, "intel-mpi")),
-        ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "3",
-          "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, RankInfo(3, 8, 3, 4, "open-mpi")),
-        ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, RankInfo(1, 2, 1, 2, "torchrun")),
+        (
+            {"PMI_RANK": "5", "PMI_SIZE": "16", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4"},
+            RankInfo(5, 16, 1, 4, "intel-mpi"),
+        ),
+        (
+            {
+                "OMPI_COMM_WORLD_RANK": "3",
+                "OMPI_COMM_WORLD_SIZE": "8",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "3",
+                "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+            },
+            RankInfo(3, 8, 3, 4, "open-mpi"),
+        ),
+        (
+            {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
+            RankInfo(1, 2, 1, 2, "torchrun"),
+        ),
         ({}, RankInfo(0, 1, 0, 1, "single")),
     ],
-)  # fmt: skip
+)
 def test_detect_ranks_from_each_launcher(env, expected):
     assert detect_ranks(env) == expected
 
@@ -102,8 +114,10 @@ def test_the_collective_watchdog_fires_only_past_the_limit_in_force():
     assert fired == [] and limit.current == 0.3
     with limit.watch("all-reduce"):
         _time.sleep(0.6)
-    assert fired == ["the all-reduce failed: a peer rank died, its node went away or it stalled past the collective "
-                     "timeout (no answer within 0.3 s)"]  # fmt: skip
+    assert fired == [
+        "the all-reduce failed: a peer rank died, its node went away or it stalled past the collective "
+        "timeout (no answer within 0.3 s)"
+    ]
     limit.close()
     single = CollectiveTimeout(world_size=1, initial_s=0.01, on_expiry=fired.append)
     with single.watch("all-reduce"):

@@ -58,13 +58,32 @@ def test_ranks_that_cannot_meet_fail_with_the_rendezvous_named(cli_env):
     first rank to give up (after --timeout) says where it tried to meet and has mpirun end the other one."""
     env = _mpi_env(cli_env)
     port = int(env["MASTER_PORT"])
-    cmd = [_mpirun(env), "-n", "1", "-env", "MASTER_PORT", str(port), *HELLO, "--timeout", "5", ":",
-           "-n", "1", "-env", "MASTER_PORT", str(port + 1), *HELLO, "--timeout", "5"]  # fmt: skip
+    cmd = [
+        _mpirun(env),
+        "-n",
+        "1",
+        "-env",
+        "MASTER_PORT",
+        str(port),
+        *HELLO,
+        "--timeout",
+        "5",
+        ":",
+        "-n",
+        "1",
+        "-env",
+        "MASTER_PORT",
+        str(port + 1),
+        *HELLO,
+        "--timeout",
+        "5",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "hello:" not in proc.stdout
-    errors = re.findall(r"xeonsd hello: error: rank (\d): could not join the gloo process group at 127.0.0.1:(\d+)",
-                        proc.stderr)  # fmt: skip
+    errors = re.findall(
+        r"xeonsd hello: error: rank (\d): could not join the gloo process group at 127.0.0.1:(\d+)", proc.stderr
+    )
     assert errors, proc.stderr[-3000:]
     assert all(int(p) == port + int(rank) for rank, p in errors), errors
 

@@ -37,8 +37,17 @@ def _statuses(
     errors = errors or {}
     for r in only if only is not None else range(world):
         node = NODES[r // ppn]
-        status = RankStatus(rank=r, world=world, node=node["name"], address=node["address"], pid=100 + r,
-                            state="starting", step=0, updated=1.0, attempt=attempt)  # fmt: skip
+        status = RankStatus(
+            rank=r,
+            world=world,
+            node=node["name"],
+            address=node["address"],
+            pid=100 + r,
+            state="starting",
+            step=0,
+            updated=1.0,
+            attempt=attempt,
+        )
         writer = RankStatusFile(tmp / node["name"] / "run", status)
         writer.update(state=state, step=7)
         if r in errors:
@@ -57,10 +66,15 @@ def _startup(world: int = 16, ppn: int = 4) -> list[str]:
 def test_a_node_whose_ranks_fail_with_their_own_error_is_named_with_its_error_lines(tmp_path: Path) -> None:
     errors = {r: LastError("input", "no images found in /home/devcloud/dicoo") for r in (8, 9, 10, 11)}
     errors[0] = LastError("lost_peer", f"{LOST} (Connection closed by peer [10.0.0.13]:4000)", "10.0.0.13")
-    log = "\n".join([
-        "#### xeonsd attempt 1 started 2026-11-30T10:00:00Z on node1",
-        *[f"[{r}] xeonsd train: error: rank {r}/16 on 10.0.0.13: no images found in /home/devcloud/dicoo" for r in (8, 9, 10, 11)],
-    ])  # fmt: skip
+    log = "\n".join(
+        [
+            "#### xeonsd attempt 1 started 2026-11-30T10:00:00Z on node1",
+            *[
+                f"[{r}] xeonsd train: error: rank {r}/16 on 10.0.0.13: no images found in /home/devcloud/dicoo"
+                for r in (8, 9, 10, 11)
+            ],
+        ]
+    )
     got = job_watch.diagnose(_statuses(tmp_path, errors), NODES, 4, attempt=1, log_text=log)
     assert got["nodes"] == ["node3"] and got["ranks"] == [8, 9, 10, 11]
     assert got["summary"].startswith("node3 (ranks 8-11): failed with an error")
@@ -79,8 +93,9 @@ def test_a_node_whose_ranks_fail_with_their_own_error_is_named_with_its_error_li
 def test_who_failed_comes_from_the_status_files_not_the_log(tmp_path: Path) -> None:
     """A log that blames node1 changes nothing: the status files say node2's rank 5 raised."""
     log = "[0] xeonsd train: error: rank 0/16 on 10.0.0.11: no images found\n[0] Traceback (most recent call last):"
-    got = job_watch.diagnose(_statuses(tmp_path, {5: LastError("exception", "RuntimeError: boom")}), NODES, 4,
-                              attempt=1, log_text=log)  # fmt: skip
+    got = job_watch.diagnose(
+        _statuses(tmp_path, {5: LastError("exception", "RuntimeError: boom")}), NODES, 4, attempt=1, log_text=log
+    )
     assert got["nodes"] == ["node2"] and got["ranks"] == [5]
     assert got["excerpt"] == ["[rank 5] exception: RuntimeError: boom"]
 
@@ -151,8 +166,14 @@ def test_progress_line_and_job_state(tmp_path: Path) -> None:
     (run / "metrics.partial.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 51, "lo')
     results = tmp_path / "async"
     results.write_text(json.dumps({"started": 1, "finished": 0}))
-    params = {"run_dir": str(run), "results_file": str(results), "nodes": NODES, "ranks_per_node": 4,
-              "total_steps": 200, "excerpt_lines": 5}  # fmt: skip
+    params = {
+        "run_dir": str(run),
+        "results_file": str(results),
+        "nodes": NODES,
+        "ranks_per_node": 4,
+        "total_steps": 200,
+        "excerpt_lines": 5,
+    }
     state = job_watch.job_state(params)
     assert not state["finished"]
     assert state["msg"] == "step 50/200 (25%) · loss 0.0100 · 2.00 s/step · ~5m 00s left · 16 ranks (gloo)"
@@ -170,8 +191,21 @@ def test_progress_line_and_job_state(tmp_path: Path) -> None:
     state = job_watch.job_state({**params, "rank_status": gathered})
     assert state["finished"] and state["exit_code"] == 2 and state["exit"]["ended"] - state["exit"]["started"] == 60
     assert state["failure"]["nodes"] == ["node2"]
-    RankStatusFile(run, RankStatus(rank=0, world=16, node="node1", address="10.0.0.11", pid=1, state="failed", step=3,
-                                   updated=2.0, attempt=1, error=LastError("input", "--resolution 100")))  # fmt: skip
+    RankStatusFile(
+        run,
+        RankStatus(
+            rank=0,
+            world=16,
+            node="node1",
+            address="10.0.0.11",
+            pid=1,
+            state="failed",
+            step=3,
+            updated=2.0,
+            attempt=1,
+            error=LastError("input", "--resolution 100"),
+        ),
+    )
     state = job_watch.job_state(params)
     assert state["failure"]["nodes"] == ["node1"] and state["failure"]["ranks"] == [0]
 
@@ -213,8 +247,14 @@ def test_progress_line_has_the_cpu_use_and_a_straggler_gets_one_warning(tmp_path
     run.mkdir()
     results = tmp_path / "async"
     results.write_text(json.dumps({"started": 1, "finished": 0}))
-    params = {"run_dir": str(run), "results_file": str(results), "nodes": NODES, "ranks_per_node": 4,
-              "total_steps": 200, "excerpt_lines": 5}  # fmt: skip
+    params = {
+        "run_dir": str(run),
+        "results_file": str(results),
+        "nodes": NODES,
+        "ranks_per_node": 4,
+        "total_steps": 200,
+        "excerpt_lines": 5,
+    }
     (run / "metrics.partial.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _stats_rows(None)))
     state = job_watch.job_state(params)
     assert state["msg"].endswith(" · cpu 96 % (lowest node1 96 %) · slowest node1 compute 2.00 s vs median 2.00 s")
@@ -226,8 +266,12 @@ def test_progress_line_has_the_cpu_use_and_a_straggler_gets_one_warning(tmp_path
     warning = state["straggler_warnings"]["node3"]
     assert warning.startswith("node3 (ranks 8-11) is a straggler") and "1.50× the median" in warning
     assert "56% under 80% for 4 intervals" in warning and warning.endswith("The job keeps running.")
-    causes = ["(1) threads per rank vs. physical cores", "(2) another process", "(3) memory pressure or swap",
-              "(4) a slower CPU"]  # fmt: skip
+    causes = [
+        "(1) threads per rank vs. physical cores",
+        "(2) another process",
+        "(3) memory pressure or swap",
+        "(4) a slower CPU",
+    ]
     where = [warning.index(c) for c in causes]
     assert where == sorted(where), "the likely causes, in order"
     assert list(state["straggler_warnings"]) == ["node3"]
@@ -239,14 +283,23 @@ def test_a_job_past_its_time_limit_says_so(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
     jobstatus.begin_attempt(run, now=1, time_limit_s=60)
-    (run / "train.log").write_text("\n".join(_startup()) + "\nI_MPI_JOB_TIMEOUT = 60 second(s): job ending due to "
-                                   "application timeout\n")  # fmt: skip
+    (run / "train.log").write_text(
+        "\n".join(_startup()) + "\nI_MPI_JOB_TIMEOUT = 60 second(s): job ending due to application timeout\n"
+    )
     assert jobstatus.write_exit(run, 255, now=61).timed_out
     results = tmp_path / "async"
     results.write_text(json.dumps({"rc": 255}))
-    state = job_watch.job_state({"run_dir": str(run), "results_file": str(results), "nodes": NODES,
-                                  "ranks_per_node": 4, "total_steps": 200, "excerpt_lines": 5,
-                                  "rank_status": _statuses(tmp_path / "nodes")})  # fmt: skip
+    state = job_watch.job_state(
+        {
+            "run_dir": str(run),
+            "results_file": str(results),
+            "nodes": NODES,
+            "ranks_per_node": 4,
+            "total_steps": 200,
+            "excerpt_lines": 5,
+            "rank_status": _statuses(tmp_path / "nodes"),
+        }
+    )
     assert state["failure"]["summary"].startswith("the job ran past its time limit")
     # The same failure well within the limit is not a timeout.
     jobstatus.begin_attempt(run, now=100, time_limit_s=60)
@@ -257,13 +310,15 @@ def test_a_killed_node_in_the_shape_mpirun_prints_it(tmp_path: Path) -> None:
     """As seen on the test cluster: one witness's error (its log line glued to rank 0's progress bar), then Hydra's
     own lines; mpirun ended the other ranks before they reported anything."""
     message = f"{LOST} ([pair.cc:537] Read error [10.0.0.13]:23753: Connection reset by peer.)"
-    log = "\n".join([
-        *_startup(),
-        f"[0] textual inversion:   2%|▏         | 9/400 [00:05<03:54,  1.67it/s, loss=1.1282, s_per_step=0.64][7] xeonsd "
-        f"train: error: rank 7/16 on 10.0.0.12: {message}",
-        "[mpiexec@vm] Error: Downstream from host 10.0.0.13 exited abnormally",
-        "[mpiexec@vm] Trying to close other downstreams",
-    ])  # fmt: skip
+    log = "\n".join(
+        [
+            *_startup(),
+            f"[0] textual inversion:   2%|▏         | 9/400 [00:05<03:54,  1.67it/s, loss=1.1282, s_per_step=0.64][7] xeonsd "
+            f"train: error: rank 7/16 on 10.0.0.12: {message}",
+            "[mpiexec@vm] Error: Downstream from host 10.0.0.13 exited abnormally",
+            "[mpiexec@vm] Trying to close other downstreams",
+        ]
+    )
     statuses = _statuses(tmp_path, {7: LastError("lost_peer", message, "10.0.0.13")})
     got = job_watch.diagnose(statuses, NODES, 4, attempt=1, log_text=log)
     assert got["nodes"] == ["node3"] and got["ranks"] == [8, 9, 10, 11], got
@@ -281,8 +336,17 @@ def test_a_killed_node_in_the_shape_mpirun_prints_it(tmp_path: Path) -> None:
 
 
 def test_what_the_package_writes_the_reader_accepts() -> None:
-    status = RankStatus(rank=1, world=2, node="n", address="a", pid=1, state="failed", step=0, updated=0.0,
-                        error=LastError("lost_peer", "m", "10.0.0.1"))  # fmt: skip
+    status = RankStatus(
+        rank=1,
+        world=2,
+        node="n",
+        address="a",
+        pid=1,
+        state="failed",
+        step=0,
+        updated=0.0,
+        error=LastError("lost_peer", "m", "10.0.0.1"),
+    )
     assert job_watch.check_rank_status(dataclasses.asdict(status))["error"]["peer"] == "10.0.0.1"
     assert job_watch.check_rank_status(dataclasses.asdict(dataclasses.replace(status, error=None)))["error"] is None
 
@@ -294,20 +358,35 @@ def _job(run: Path, cli_env: dict, *args: str) -> dict:
 
     from cli_runs import run_cli
 
-    begin = subprocess.run([sys.executable, "-m", "xeonsd.cli", "jobstatus", "begin", str(run)], env=cli_env,
-                           capture_output=True, text=True, check=True)  # fmt: skip
+    begin = subprocess.run(
+        [sys.executable, "-m", "xeonsd.cli", "jobstatus", "begin", str(run)],
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     attempt = begin.stdout.strip()
     env = dict(cli_env, XEONSD_ATTEMPT=attempt, XEONSD_NODE_NAMES="127.0.0.1=node1")
     proc = run_cli(["train", *args], env)
     with open(run / "train.log", "a") as log:  # as mpirun -l >> train.log
         log.write("".join(f"[0] {line}\n" for line in proc.stderr.splitlines()))
-    subprocess.run([sys.executable, "-m", "xeonsd.cli", "jobstatus", "exit", str(run), "--rc", str(proc.returncode)],
-                   env=cli_env, check=True)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "xeonsd.cli", "jobstatus", "exit", str(run), "--rc", str(proc.returncode)],
+        env=cli_env,
+        check=True,
+    )
     results = run / "async.json"
     results.write_text(json.dumps({"rc": proc.returncode}))
-    return job_watch.job_state({"run_dir": str(run), "results_file": str(results), "ranks_per_node": 1,
-                                 "nodes": [{"name": "node1", "address": "127.0.0.1"}], "total_steps": 2,
-                                 "excerpt_lines": 5})  # fmt: skip
+    return job_watch.job_state(
+        {
+            "run_dir": str(run),
+            "results_file": str(results),
+            "ranks_per_node": 1,
+            "nodes": [{"name": "node1", "address": "127.0.0.1"}],
+            "total_steps": 2,
+            "excerpt_lines": 5,
+        }
+    )
 
 
 def test_the_real_trainer_s_status_files_name_the_failing_rank(tiny_model, dataset, tmp_path, cli_env) -> None:

@@ -71,8 +71,10 @@ def test_low_utilisation_is_flagged_only_after_three_intervals_in_a_row() -> Non
     low = [_iv(0.7, 2.0, 0.5), _iv(0.7, 2.0, 0.5)]
     watch = StragglerWatch(min_util=0.8, ratio=1.3, intervals=3)
     fast4 = FAST * 3
-    verdicts = [watch.judge(summarize(seq, NODES)) for seq in (low + fast4, low + fast4, FAST + fast4,
-                                                                 low + fast4, low + fast4, low + fast4)]  # fmt: skip
+    verdicts = [
+        watch.judge(summarize(seq, NODES))
+        for seq in (low + fast4, low + fast4, FAST + fast4, low + fast4, low + fast4, low + fast4)
+    ]
     assert [[f["node"] for f in v] for v in verdicts] == [[], [], [], [], [], ["node1"]]
     assert "70% under 80% for 3 intervals" in verdicts[-1][0]["why"][0]
 

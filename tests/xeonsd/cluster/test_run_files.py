@@ -10,23 +10,42 @@ from pathlib import Path
 
 from xeonsd.cluster import job_status, run_files
 
-FACTS = {"run": "r1", "nodes": ["node1", "node2"], "mpi_ranks": 8, "ranks_per_node": 4, "primary": "node1",
-         "export": None, "generate": None, "cost": {"node_hour_price": "", "currency": "USD", "gpu_hour_price": "",
-                                                    "gpu_s_per_step": ""}}  # fmt: skip
+FACTS = {
+    "run": "r1",
+    "nodes": ["node1", "node2"],
+    "mpi_ranks": 8,
+    "ranks_per_node": 4,
+    "primary": "node1",
+    "export": None,
+    "generate": None,
+    "cost": {"node_hour_price": "", "currency": "USD", "gpu_hour_price": "", "gpu_s_per_step": ""},
+}
 
 
 def test_train_summary_has_the_fields_its_readers_use() -> None:
     summary = run_files.train_summary(
-        {"method": "lora", "trainable_params": 10, "lora_rank": 4}, base_model="m", base_model_fingerprint="f",
-        steps=3, ranks=2, allreduce_bytes_per_step=44, prompts={"source": "captions", "count": 5, "per_image": True},
-        result_path="pytorch_lora_weights.safetensors", result_bytes=100,
-    )  # fmt: skip
+        {"method": "lora", "trainable_params": 10, "lora_rank": 4},
+        base_model="m",
+        base_model_fingerprint="f",
+        steps=3,
+        ranks=2,
+        allreduce_bytes_per_step=44,
+        prompts={"source": "captions", "count": 5, "per_image": True},
+        result_path="pytorch_lora_weights.safetensors",
+        result_bytes=100,
+    )
     assert summary == {
-        "method": "lora", "trainable_params": 10, "lora_rank": 4, "base_model": "m", "base_model_fingerprint": "f",
-        "steps": 3, "ranks": 2, "allreduce_bytes_per_step": 44,
+        "method": "lora",
+        "trainable_params": 10,
+        "lora_rank": 4,
+        "base_model": "m",
+        "base_model_fingerprint": "f",
+        "steps": 3,
+        "ranks": 2,
+        "allreduce_bytes_per_step": 44,
         "prompts": {"source": "captions", "count": 5, "per_image": True},
         "result": {"path": "pytorch_lora_weights.safetensors", "bytes": 100},
-    }  # fmt: skip
+    }
 
 
 def test_hms_deltas() -> None:
@@ -39,17 +58,25 @@ def test_hms_deltas() -> None:
 def test_run_json_phases_export_and_cost(tmp_path: Path) -> None:
     run = tmp_path
     assert run_files.run_json(run, FACTS) == {
-        "title": "xeonsd run r1", "phases": {},
+        "title": "xeonsd run r1",
+        "phases": {},
         "cluster": {"nodes": "node1, node2", "MPI ranks": 8, "ranks per node": 4, "primary": "node1"},
-    }  # fmt: skip
+    }
     job_status.begin_attempt(run, now=100)
     job_status.write_exit(run, 0, now=190)
     (run / "train_summary.json").write_text(json.dumps({"method": "textual_inversion"}))
-    facts = {**FACTS, "export": {"dir": "/b/x", "changed": True, "delta": "0:01:00.04"},
-             "generate": {"delta": "0:00:30.5"}, "cost": {**FACTS["cost"], "node_hour_price": 1.5}}  # fmt: skip
+    facts = {
+        **FACTS,
+        "export": {"dir": "/b/x", "changed": True, "delta": "0:01:00.04"},
+        "generate": {"delta": "0:00:30.5"},
+        "cost": {**FACTS["cost"], "node_hour_price": 1.5},
+    }
     info = run_files.run_json(run, facts)
-    assert info["phases"] == {"training job, wall (s)": 90, "OpenVINO export (s)": 60.0,
-                              "generate, whole command (s)": 30.5}  # fmt: skip
+    assert info["phases"] == {
+        "training job, wall (s)": 90,
+        "OpenVINO export (s)": 60.0,
+        "generate, whole command (s)": 30.5,
+    }
     assert info["export"] == {"dir": "/b/x", "of": "the base model (shared by its runs)", "reused": False}
     assert info["cost"] == {"node_hour_price": 1.5, "currency": "USD", "gpu_hour_price": "", "gpu_s_per_step": ""}
     # Reused (the export command did nothing): 0 s; a full fine-tune's export is of its own pipeline.
@@ -61,8 +88,13 @@ def test_run_json_phases_export_and_cost(tmp_path: Path) -> None:
 
 def test_xeonsd_runjson_writes_run_json_once(tmp_path: Path, cli_env: dict) -> None:
     def runjson(facts: dict) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "xeonsd.cli", "runjson", str(tmp_path)], input=json.dumps(facts),
-                              env=cli_env, capture_output=True, text=True)  # fmt: skip
+        return subprocess.run(
+            [sys.executable, "-m", "xeonsd.cli", "runjson", str(tmp_path)],
+            input=json.dumps(facts),
+            env=cli_env,
+            capture_output=True,
+            text=True,
+        )
 
     first = runjson(FACTS)
     assert first.returncode == 0 and json.loads(first.stdout) == {"changed": True}, first.stderr

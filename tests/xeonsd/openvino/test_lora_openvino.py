@@ -56,8 +56,17 @@ def _peft_adapter(unet, out: Path, targets: list[str], seed: int, scale: float) 
 def trained_lora(tiny_model: Path, dataset: Path, tmp_path_factory: pytest.TempPathFactory, cli_env_module) -> Path:
     """``xeonsd train --method lora`` for 3 steps with a large learning rate, UNet and text encoder adapters."""
     out = tmp_path_factory.mktemp("lora") / "a"
-    args = method_args("lora", tiny_model, dataset, out, f"--instance_prompt={PROMPT}", "--rank=2",
-                       "--train_text_encoder", "--learning_rate=5e-2", steps=3)  # fmt: skip
+    args = method_args(
+        "lora",
+        tiny_model,
+        dataset,
+        out,
+        f"--instance_prompt={PROMPT}",
+        "--rank=2",
+        "--train_text_encoder",
+        "--learning_rate=5e-2",
+        steps=3,
+    )
     train(args, cli_env_module)
     return out / LORA_FILE
 
@@ -130,8 +139,14 @@ def test_genai_adapter_fused_export_and_diffusers_agree(
     pipe = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None, requires_safety_checker=False)
     pipe.set_progress_bar_config(disable=True)
     pipe.load_lora_weights(str(trained_lora))
-    out = pipe(prompt=[PROMPT] * BATCH, num_inference_steps=STEPS, height=SIZE, width=SIZE,
-               generator=torch.Generator().manual_seed(SEED), output_type="np")  # fmt: skip
+    out = pipe(
+        prompt=[PROMPT] * BATCH,
+        num_inference_steps=STEPS,
+        height=SIZE,
+        width=SIZE,
+        generator=torch.Generator().manual_seed(SEED),
+        output_type="np",
+    )
     reference = np.round(out.images.astype(np.float64) * 255.0)
     genai = _images(ov_base, loras=((trained_lora, 1.0),))
     fused = _images(ov_fused, engine="optimum")

@@ -15,23 +15,46 @@ from xeonsd.ops.report import training_summary
 def _run_dir(tmp_path: Path) -> Path:
     run = tmp_path / "run-1"
     (run / "images").mkdir(parents=True)
-    rows = [{"step": s, "loss": 1.0 / s, "s_per_step": 2.0 + s % 2, "images_per_s": 8.0, "ranks": 16,
-             "backend": "gloo", "allreduce_bytes": 3076} for s in range(1, 6)]  # fmt: skip
+    rows = [
+        {
+            "step": s,
+            "loss": 1.0 / s,
+            "s_per_step": 2.0 + s % 2,
+            "images_per_s": 8.0,
+            "ranks": 16,
+            "backend": "gloo",
+            "allreduce_bytes": 3076,
+        }
+        for s in range(1, 6)
+    ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     Image.new("RGB", (8, 8)).save(run / "loss.png")
     for i in range(5):
         Image.new("RGB", (8, 8), (i * 40, 0, 0)).save(run / "images" / f"image_{i:03d}.png")
     (run / "images" / "timings.json").write_text(json.dumps({"load_s": 1.5, "compile_s": 2.5, "images_per_s": 0.7}))
-    (run / "run.json").write_text(json.dumps({
-        "command": "mpirun -f /etc/xeonsd/nodefile -n 16 -ppn 4 xeonsd train --placeholder_token <dicoo>",
-        "versions": {"torch": "2.13.0", "diffusers": "0.39.0"}, "phases": {"train_s": 312.0},
-    }))  # fmt: skip
-    (run / "train_summary.json").write_text(json.dumps({
-        "method": "textual_inversion", "trainable_params": 768, "placeholder_tokens": ["<dicoo>"],
-        "base_model": "/m/sd15", "base_model_fingerprint": "0123456789abcdef", "allreduce_bytes_per_step": 3076,
-        "prompts": {"source": "templates", "count": 27, "per_image": False},
-        "result": {"path": "learned_embeds.safetensors", "bytes": 3200},
-    }))  # fmt: skip
+    (run / "run.json").write_text(
+        json.dumps(
+            {
+                "command": "mpirun -f /etc/xeonsd/nodefile -n 16 -ppn 4 xeonsd train --placeholder_token <dicoo>",
+                "versions": {"torch": "2.13.0", "diffusers": "0.39.0"},
+                "phases": {"train_s": 312.0},
+            }
+        )
+    )
+    (run / "train_summary.json").write_text(
+        json.dumps(
+            {
+                "method": "textual_inversion",
+                "trainable_params": 768,
+                "placeholder_tokens": ["<dicoo>"],
+                "base_model": "/m/sd15",
+                "base_model_fingerprint": "0123456789abcdef",
+                "allreduce_bytes_per_step": 3076,
+                "prompts": {"source": "templates", "count": 27, "per_image": False},
+                "result": {"path": "learned_embeds.safetensors", "bytes": 3200},
+            }
+        )
+    )
     return run
 
 
@@ -41,12 +64,21 @@ def test_report_shows_a_lora_runs_method_adapter_captions_all_reduce_and_the_reu
     from xeonsd.ops.report import build_report
 
     run = _run_dir(tmp_path)
-    (run / "train_summary.json").write_text(json.dumps({
-        "method": "lora", "trainable_params": 797184, "lora_rank": 4, "lora_alpha": 4, "base_model": "/m/sd15",
-        "base_model_fingerprint": "0123456789abcdef", "allreduce_bytes_per_step": 3188740,
-        "prompts": {"source": "metadata.jsonl", "count": 5, "per_image": True},
-        "result": {"path": "pytorch_lora_weights.safetensors", "bytes": 3228672},
-    }))  # fmt: skip
+    (run / "train_summary.json").write_text(
+        json.dumps(
+            {
+                "method": "lora",
+                "trainable_params": 797184,
+                "lora_rank": 4,
+                "lora_alpha": 4,
+                "base_model": "/m/sd15",
+                "base_model_fingerprint": "0123456789abcdef",
+                "allreduce_bytes_per_step": 3188740,
+                "prompts": {"source": "metadata.jsonl", "count": 5, "per_image": True},
+                "result": {"path": "pytorch_lora_weights.safetensors", "bytes": 3228672},
+            }
+        )
+    )
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     rows[0]["allreduce_bytes_measured"] = 3200000
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -58,17 +90,28 @@ def test_report_shows_a_lora_runs_method_adapter_captions_all_reduce_and_the_reu
     info["export"] = {"dir": str(base), "of": "the base model (shared by its runs)", "reused": True}
     (run / "run.json").write_text(json.dumps(info))
     page = build_report(run)
-    for text in ("<h2>Method</h2>", "<td>lora</td>", "<td>797,184</td>", "<th>LoRA adapter</th>",
-                 "pytorch_lora_weights.safetensors · 3.2 MB", "5 captions from metadata.jsonl",
-                 "3.2 MB (measured 3.2 MB)", "fingerprint 0123456789abcdef", "<h2>OpenVINO export</h2>",
-                 "reused (made by an earlier run)", "xeonsd-openvino-export/1"):  # fmt: skip
+    for text in (
+        "<h2>Method</h2>",
+        "<td>lora</td>",
+        "<td>797,184</td>",
+        "<th>LoRA adapter</th>",
+        "pytorch_lora_weights.safetensors · 3.2 MB",
+        "5 captions from metadata.jsonl",
+        "3.2 MB (measured 3.2 MB)",
+        "fingerprint 0123456789abcdef",
+        "<h2>OpenVINO export</h2>",
+        "reused (made by an earlier run)",
+        "xeonsd-openvino-export/1",
+    ):
         assert text in page, text
     assert "Not in this run directory" not in page
 
 
 def test_training_summary_from_metrics():
-    rows = [{"step": s, "loss": loss, "s_per_step": t, "images_per_s": 16 / t, "ranks": 16}
-            for s, loss, t in ((1, 0.9, 9.0), (2, 0.5, 2.0), (3, 0.4, 4.0))]  # fmt: skip
+    rows = [
+        {"step": s, "loss": loss, "s_per_step": t, "images_per_s": 16 / t, "ranks": 16}
+        for s, loss, t in ((1, 0.9, 9.0), (2, 0.5, 2.0), (3, 0.4, 4.0))
+    ]
     summary = training_summary(rows)
     assert summary["steps"] == 3 and summary["ranks"] == 16
     assert summary["median s/step"] == 3.0  # the first (warm-up) step is left out
@@ -90,8 +133,13 @@ def test_report_states_the_smoothed_loss_and_its_window(tmp_path, demo_metrics):
 
 def test_report_links_every_image_and_escapes_the_command(tmp_path, cli_env):
     run = _run_dir(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", "report", str(run)], env=cli_env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "xeonsd.cli", "report", str(run)],
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     page = (run / "report.html").read_text()
     assert "&lt;dicoo&gt;" in page and "<dicoo>" not in page
@@ -104,13 +152,23 @@ def test_report_links_every_image_and_escapes_the_command(tmp_path, cli_env):
 def test_report_names_what_is_missing(tmp_path, cli_env):
     run = tmp_path / "empty-run"
     run.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", "report", str(run)], env=cli_env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "xeonsd.cli", "report", str(run)],
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0
     page = (run / "report.html").read_text()
     assert "metrics.jsonl" in page and "images/*.png" in page and "run.json" in page and "train_summary.json" in page
-    proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", "report", str(tmp_path / "nope")], env=cli_env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "xeonsd.cli", "report", str(tmp_path / "nope")],
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "does not exist" in proc.stderr
 
 
@@ -120,8 +178,13 @@ def test_report_shows_the_job_script_and_the_stack_when_run_json_is_absent(tmp_p
     (run / "run.sh").write_text(
         "mpirun -l -f /etc/xeonsd/nodefile -n 16 -ppn 4 xeonsd train --placeholder_token='<dicoo>'\n"
     )
-    proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", "report", str(run)], env=cli_env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "xeonsd.cli", "report", str(run)],
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     page = (run / "report.html").read_text()
     assert "-n 16 -ppn 4 xeonsd train" in page and "&lt;dicoo&gt;" in page
@@ -137,8 +200,7 @@ def _stats_run(tmp_path: Path, prices: dict | None, slow_node: int | None = 3) -
     run = _run_dir(tmp_path)
     watch, rows = StragglerWatch(), []
     for step in range(1, 21):
-        row = {"step": step, "loss": 1.0 / step, "s_per_step": 3.6, "images_per_s": 4.4, "ranks": 16,
-               "backend": "gloo"}  # fmt: skip
+        row = {"step": step, "loss": 1.0 / step, "s_per_step": 3.6, "images_per_s": 4.4, "ranks": 16, "backend": "gloo"}
         if step % 5 == 0:
             ivs = []
             for r in range(16):
@@ -161,8 +223,9 @@ def _stats_run(tmp_path: Path, prices: dict | None, slow_node: int | None = 3) -
 def test_report_shows_cpu_use_time_split_straggler_and_cost_and_run_json_gets_the_figures(tmp_path, cli_env):
     prices = {"node_hour_price": 2.0, "currency": "EUR", "gpu_hour_price": 12.0, "gpu_s_per_step": 1.2}
     run = _stats_run(tmp_path, prices)
-    proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", "report", str(run)], env=cli_env,
-                          capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "xeonsd.cli", "report", str(run)], env=cli_env, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
     page = (run / "report.html").read_text()
     assert page.count('src="data:image/png;base64,') == 2  # the CPU use over the run and the split bars
@@ -184,8 +247,9 @@ def test_report_shows_cpu_use_time_split_straggler_and_cost_and_run_json_gets_th
 
 def test_report_without_a_price_or_a_straggler_says_so_and_shows_no_cost(tmp_path, cli_env):
     run = _stats_run(tmp_path, None, slow_node=None)
-    proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", "report", str(run)], env=cli_env,
-                          capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "xeonsd.cli", "report", str(run)], env=cli_env, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
     page = (run / "report.html").read_text()
     assert "No straggler (every node at or above 80 % CPU and within 1.3× the median compute time)." in page

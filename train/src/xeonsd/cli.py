@@ -23,8 +23,9 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 def _make_dataset(args: argparse.Namespace) -> int:
     from xeonsd.assets import make_dataset
 
-    for p in make_dataset(Path(args.out), count=args.count, size=args.size, seed=args.seed, captions=args.captions,
-                          token=args.token):  # fmt: skip
+    for p in make_dataset(
+        Path(args.out), count=args.count, size=args.size, seed=args.seed, captions=args.captions, token=args.token
+    ):
         print(p)
     return 0
 
@@ -78,20 +79,34 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
 def _add_quantize_flags(p: argparse.ArgumentParser) -> None:
     from xeonsd.openvino.quantize import DEFAULT_SAMPLES
 
-    p.add_argument("--quantize", choices=["hybrid"],
-                   help="hybrid: int8 weights everywhere and int8 activations in the UNet (NNCF), calibrated offline")  # fmt: skip
-    p.add_argument("--calibration-prompts", metavar="FILE",
-                   help="--quantize: one prompt a line (default: the recipe's prompt and the object templates)")  # fmt: skip
-    p.add_argument("--calibration-samples", type=int, metavar="N",
-                   help=f"--quantize: UNet calls recorded for calibration (default {DEFAULT_SAMPLES})")  # fmt: skip
+    p.add_argument(
+        "--quantize",
+        choices=["hybrid"],
+        help="hybrid: int8 weights everywhere and int8 activations in the UNet (NNCF), calibrated offline",
+    )
+    p.add_argument(
+        "--calibration-prompts",
+        metavar="FILE",
+        help="--quantize: one prompt a line (default: the recipe's prompt and the object templates)",
+    )
+    p.add_argument(
+        "--calibration-samples",
+        type=int,
+        metavar="N",
+        help=f"--quantize: UNet calls recorded for calibration (default {DEFAULT_SAMPLES})",
+    )
 
 
 def _add_export_lora_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lora", metavar="FILE",
-                   help="LoRA file (e.g. pytorch_lora_weights.safetensors) fused into the weights before export: "
-                   "one self-contained directory, usable with --engine optimum")  # fmt: skip
-    p.add_argument("--lora-scale", type=float, default=1.0, metavar="S",
-                   help="strength of the fused --lora (default 1.0)")  # fmt: skip
+    p.add_argument(
+        "--lora",
+        metavar="FILE",
+        help="LoRA file (e.g. pytorch_lora_weights.safetensors) fused into the weights before export: "
+        "one self-contained directory, usable with --engine optimum",
+    )
+    p.add_argument(
+        "--lora-scale", type=float, default=1.0, metavar="S", help="strength of the fused --lora (default 1.0)"
+    )
 
 
 def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -118,9 +133,13 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--embeds", help="learned_embeds.safetensors to load into the exported text encoder")
     p.add_argument("--token", help="load the --embeds concept under this token")
-    p.add_argument("--lora", action="append", metavar="FILE[:ALPHA]",
-                   help="LoRA adapter applied at load time, no re-export (genai engine; repeat to blend several; "
-                   "ALPHA default 1.0); for --engine optimum fuse it instead: xeonsd export SRC OUT --lora FILE")  # fmt: skip
+    p.add_argument(
+        "--lora",
+        action="append",
+        metavar="FILE[:ALPHA]",
+        help="LoRA adapter applied at load time, no re-export (genai engine; repeat to blend several; "
+        "ALPHA default 1.0); for --engine optimum fuse it instead: xeonsd export SRC OUT --lora FILE",
+    )
     p.add_argument("--out", default="images", help="output directory (default: ./images)")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=_generate)
@@ -145,13 +164,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xeonsd", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    sub.add_parser("train", help="textual inversion, LoRA or full fine-tuning (`xeonsd train --help` for its flags)",
-                   add_help=False)  # fmt: skip
+    sub.add_parser(
+        "train",
+        help="textual inversion, LoRA or full fine-tuning (`xeonsd train --help` for its flags)",
+        add_help=False,
+    )
 
     p = sub.add_parser("make-tiny-model", help="write a random-weight Stable Diffusion pipeline (offline test model)")
     p.add_argument("out", help="output directory (must not exist or be empty)")
-    p.add_argument("--arch", choices=["tiny", "tiny-v", "sd15", "sd21"], default="tiny",
-                   help="tiny: for tests; tiny-v: SD 2.x-style (v-prediction) for tests; sd15/sd21: full size")  # fmt: skip
+    p.add_argument(
+        "--arch",
+        choices=["tiny", "tiny-v", "sd15", "sd21"],
+        default="tiny",
+        help="tiny: for tests; tiny-v: SD 2.x-style (v-prediction) for tests; sd15/sd21: full size",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_make_tiny_model)
 
@@ -160,19 +186,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--count", type=int, default=5)
     p.add_argument("--size", type=int, default=128, help="image side in pixels")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--captions", choices=["metadata", "sidecar", "txt"],
-                   help="also write captions: metadata.jsonl, a .txt beside each image, or captions.txt")  # fmt: skip
+    p.add_argument(
+        "--captions",
+        choices=["metadata", "sidecar", "txt"],
+        help="also write captions: metadata.jsonl, a .txt beside each image, or captions.txt",
+    )
     p.add_argument("--token", default="<dicoo>", help="the concept's placeholder in the captions")
     p.set_defaults(func=_make_dataset)
 
     _add_export_parser(sub)
     _add_generate_parser(sub)
 
-    sub.add_parser("doctor", help="check this node and train one step with the job's arguments (`-- TRAIN_ARGS`)",
-                   add_help=False)  # fmt: skip
+    sub.add_parser(
+        "doctor", help="check this node and train one step with the job's arguments (`-- TRAIN_ARGS`)", add_help=False
+    )
 
-    sub.add_parser("hello", help="under mpirun: every rank joins the trainer's process group and answers",
-                   add_help=False)  # fmt: skip
+    sub.add_parser(
+        "hello", help="under mpirun: every rank joins the trainer's process group and answers", add_help=False
+    )
 
     p = sub.add_parser("report", help="write report.html for a run directory (command, loss, throughput, images)")
     p.add_argument("run_dir", help="directory with run.json, metrics.jsonl, loss.png, images/ …")

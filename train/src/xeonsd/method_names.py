@@ -15,12 +15,20 @@ METHODS = ("textual_inversion", "lora", "full")
 # it, whether it is a whole pipeline (which stays on the primary and is exported itself: no base-model export), and
 # the `xeonsd generate` flag that loads it onto the base model's export (None: nothing to load).
 METHOD_FILES: dict[str, dict] = {
-    "textual_inversion": {"result": "learned_embeds.safetensors", "what": "learned embedding", "pipeline": False,
-                          "generate_flag": "--embeds"},
-    "lora": {"result": "pytorch_lora_weights.safetensors", "what": "LoRA adapter", "pipeline": False,
-             "generate_flag": "--lora"},
+    "textual_inversion": {
+        "result": "learned_embeds.safetensors",
+        "what": "learned embedding",
+        "pipeline": False,
+        "generate_flag": "--embeds",
+    },
+    "lora": {
+        "result": "pytorch_lora_weights.safetensors",
+        "what": "LoRA adapter",
+        "pipeline": False,
+        "generate_flag": "--lora",
+    },
     "full": {"result": "model_index.json", "what": "fine-tuned pipeline", "pipeline": True, "generate_flag": None},
-}  # fmt: skip
+}
 
 
 def result_file(method: str) -> str:

@@ -85,10 +85,15 @@ def detect_ranks(env: Mapping[str, str] | None = None) -> RankInfo:
     env = os.environ if env is None else env
     layouts = (
         ("intel-mpi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-        ("open-mpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-         "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        (
+            "open-mpi",
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
+        ),
         ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-    )  # fmt: skip
+    )
     for launcher, r, w, lr, lw in layouts:
         if r in env and w in env:
             rank, world = _int(env, r), _int(env, w)

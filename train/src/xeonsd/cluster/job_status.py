@@ -248,8 +248,9 @@ class RankStatusFile:
         except OSError as exc:
             if not self._warned:
                 self._warned = True
-                log.warning("cannot write the rank status file %s (%s); the play's diagnosis will miss it",
-                            self.path, exc)  # fmt: skip
+                log.warning(
+                    "cannot write the rank status file %s (%s); the play's diagnosis will miss it", self.path, exc
+                )
 
 
 # ---- run.sh's side: `xeonsd jobstatus begin RUN_DIR` and `xeonsd jobstatus exit RUN_DIR --rc RC` -------------
@@ -260,9 +261,12 @@ def begin_attempt(run_dir: Path, now: float | None = None, time_limit_s: int | N
     of train.log starts."""
     previous = read_attempt(run_dir)
     log_file = Path(run_dir) / LOG_FILE
-    attempt = Attempt(attempt=(previous.attempt if previous else 0) + 1, started=int(now or time.time()),
-                      log_offset=log_file.stat().st_size if log_file.is_file() else 0,
-                      time_limit_s=time_limit_s)  # fmt: skip
+    attempt = Attempt(
+        attempt=(previous.attempt if previous else 0) + 1,
+        started=int(now or time.time()),
+        log_offset=log_file.stat().st_size if log_file.is_file() else 0,
+        time_limit_s=time_limit_s,
+    )
     write_json(Path(run_dir) / ATTEMPT_FILE, asdict(attempt), fsync=True)
     return attempt
 
@@ -305,13 +309,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     poll.add_argument("run_dir", type=Path)
     poll.add_argument("--results-file", required=True, help="Ansible's async results file of the launch")
     poll.add_argument("--total-steps", type=int, required=True)
-    poll.add_argument("--node", action="append", default=[], metavar="NAME=ADDRESS",
-                      help="the cluster's nodes in nodefile order (primary first), one flag each")  # fmt: skip
+    poll.add_argument(
+        "--node",
+        action="append",
+        default=[],
+        metavar="NAME=ADDRESS",
+        help="the cluster's nodes in nodefile order (primary first), one flag each",
+    )
     poll.add_argument("--ranks-per-node", type=int, default=1)
     poll.add_argument("--excerpt-lines", type=int, default=12)
-    poll.add_argument("--rank-status", choices=["-"],
-                      help="-: read the rank status files gathered from every node as a JSON list on stdin "
-                      "(default: this node's own)")  # fmt: skip
+    poll.add_argument(
+        "--rank-status",
+        choices=["-"],
+        help="-: read the rank status files gathered from every node as a JSON list on stdin "
+        "(default: this node's own)",
+    )
     ranks = what.add_parser("ranks", help="this node's rank status files of the run, as JSON")
     ranks.add_argument("run_dir", type=Path)
     what.add_parser("codes", help="the exit codes the playbooks tell apart, as JSON")
@@ -325,10 +337,15 @@ def _poll_params(args: argparse.Namespace) -> dict:
         if not (sep and name and address):
             raise StatusFileError(f"--node {item!r}: expected NAME=ADDRESS")
         nodes.append({"name": name, "address": address})
-    return {"run_dir": str(args.run_dir), "results_file": args.results_file, "nodes": nodes,
-            "ranks_per_node": args.ranks_per_node, "total_steps": args.total_steps,
-            "excerpt_lines": args.excerpt_lines,
-            "rank_status": json.load(sys.stdin) if args.rank_status == "-" else None}  # fmt: skip
+    return {
+        "run_dir": str(args.run_dir),
+        "results_file": args.results_file,
+        "nodes": nodes,
+        "ranks_per_node": args.ranks_per_node,
+        "total_steps": args.total_steps,
+        "excerpt_lines": args.excerpt_lines,
+        "rank_status": json.load(sys.stdin) if args.rank_status == "-" else None,
+    }
 
 
 def _answer(args: argparse.Namespace) -> object:

@@ -21,6 +21,7 @@ import re
 import time
 from pathlib import Path
 
+from xeonsd.cluster.job_progress import compress_ranks, progress_line, read_progress, straggler_warning
 from xeonsd.cluster.job_status import (
     ERROR_KINDS,
     LOCK_CONFLICT_RC,
@@ -32,7 +33,6 @@ from xeonsd.cluster.job_status import (
     read_exit,
 )
 
-METRICS = ("metrics.partial.jsonl", "metrics.jsonl")
 LOG_FILE = "train.log"
 # Ansible's async results when the launch itself ran past its async limit.
 ASYNC_TIMEOUT_RC = 124
@@ -73,103 +73,6 @@ def attempt_log(run_dir: str | Path) -> str:
     with open(path, "rb") as fh:
         fh.seek(attempt.log_offset if attempt else 0)
         return fh.read().decode(errors="replace")
-
-
-def read_progress(run_dir: str | Path, total: int) -> dict:
-    rows = []
-    for name in METRICS:
-        path = os.path.join(run_dir, name)
-        if os.path.isfile(path):
-            with open(path) as fh:
-                for line in fh:
-                    try:
-                        rows.append(json.loads(line))
-                    except ValueError:
-                        continue  # a line being written right now
-            break
-    if not rows:
-        return {"step": 0, "total": total}
-    last = rows[-1]
-    recent = sorted(r["s_per_step"] for r in rows[-20:])
-    s_per_step = recent[len(recent) // 2]
-    gathered = [r for r in rows if r.get("rank_stats")]
-    stragglers: dict[str, dict] = {}
-    for row in gathered:  # the newest verdict for each node the trainer flagged
-        for s in row.get("stragglers") or []:
-            stragglers[s["node"]] = s
-    return {
-        "step": last["step"],
-        "total": total,
-        "loss": last["loss"],
-        "s_per_step": s_per_step,
-        "eta_s": max(0.0, (total - last["step"]) * s_per_step),
-        "ranks": last.get("ranks"),
-        "backend": last.get("backend"),
-        "rank_stats": gathered[-1]["rank_stats"] if gathered else None,
-        "stragglers": list(stragglers.values()),
-    }
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    if seconds >= 3600:
-        return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m"
-    return f"{seconds // 60}m {seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
-
-
-def progress_line(progress: dict, ranks_up: int, world: int | None) -> str:
-    if progress["step"] == 0:
-        up = f"{ranks_up}/{world}" if world else str(ranks_up)
-        return f"starting: {up} ranks up, step 0/{progress['total']}"
-    if progress["step"] >= progress["total"]:
-        pct, left = "100%", "saving the outputs"
-    else:
-        pct = f"{100 * progress['step'] / max(1, progress['total']):.0f}%"
-        left = f"~{_duration(progress['eta_s'])} left"
-    return (
-        f"step {progress['step']}/{progress['total']} ({pct}) · loss {progress['loss']:.4f} · "
-        f"{progress['s_per_step']:.2f} s/step · {left} · {progress['ranks']} ranks ({progress['backend']})"
-        + "".join(f" · {part}" for part in cpu_parts(progress.get("rank_stats")))
-    )
-
-
-def cpu_parts(stats: dict | None) -> list[str]:
-    """'cpu 96 % (lowest node3 71 %)' and 'slowest node3 compute 2.95 s vs median 2.10 s' from the trainer's
-    newest gathered rank statistics (metrics.jsonl's ``rank_stats``)."""
-    if not stats:
-        return []
-    parts = [
-        f"cpu {100 * stats['cpu_util']:.0f} % (lowest {stats['lowest_node']} {100 * stats['lowest_cpu_util']:.0f} %)"
-    ]
-    if len(stats.get("nodes", [])) > 1:
-        parts.append(
-            f"slowest {stats['slowest_node']} compute {stats['slowest_compute_s']:.2f} s vs median "
-            f"{stats['median_compute_s']:.2f} s"
-        )
-    return parts
-
-
-def straggler_warning(straggler: dict) -> str:
-    """One warning for a node the trainer flagged: the node, its ranks, why, and the likely causes in order."""
-    causes = " ".join(f"({i}) {c};" for i, c in enumerate(straggler["causes"], 1)).rstrip(";")
-    return (
-        f"{straggler['node']} (rank{'s' if len(straggler['ranks']) > 1 else ''} {_compress(straggler['ranks'])}) "
-        f"is a straggler that holds every rank back at each all-reduce: {'; '.join(straggler['why'])}. "
-        f"Likely causes, most likely first: {causes}. The job keeps running."
-    )
-
-
-def _compress(ranks: list[int]) -> str:
-    """[8, 9, 10, 11, 13] -> '8-11, 13'"""
-    out, run = [], []
-    for r in sorted(ranks):
-        if run and r != run[-1] + 1:
-            out.append(run)
-            run = []
-        run.append(r)
-    if run:
-        out.append(run)
-    return ", ".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in out)
 
 
 # ---- the ranks' status files, as the role gathers them from every node ------------------------------------------
@@ -229,8 +132,11 @@ class _Verdict:
 
 def _verdict(current: dict[int, dict], world: int, by_addr: dict[str, str], node_of, text: str) -> _Verdict:
     def failed(kinds: tuple[str, ...]) -> dict[int, dict]:
-        return {r: s["error"] for r, s in sorted(current.items())
-                if s["state"] == "failed" and s["error"] and s["error"]["kind"] in kinds}  # fmt: skip
+        return {
+            r: s["error"]
+            for r, s in sorted(current.items())
+            if s["state"] == "failed" and s["error"] and s["error"]["kind"] in kinds
+        }
 
     own = failed(OWN_ERROR_KINDS)
     witnesses = failed(tuple(k for k in ERROR_KINDS if k not in OWN_ERROR_KINDS))
@@ -276,8 +182,14 @@ def _excerpt(verdict: _Verdict, any_status: bool, text: str, excerpt_lines: int)
     return excerpt
 
 
-def diagnose(statuses: list, nodes: list[dict], ranks_per_node: int, attempt: int | None = None,
-             log_text: str = "", excerpt_lines: int = 12) -> dict:  # fmt: skip
+def diagnose(
+    statuses: list,
+    nodes: list[dict],
+    ranks_per_node: int,
+    attempt: int | None = None,
+    log_text: str = "",
+    excerpt_lines: int = 12,
+) -> dict:
     """Which node(s) and rank(s) ended a failed job, from the ranks' status files, with their first log lines.
 
     ``statuses``: every rank status file found on the nodes (those of an earlier ``attempt`` are ignored). A rank
@@ -300,12 +212,13 @@ def diagnose(statuses: list, nodes: list[dict], ranks_per_node: int, attempt: in
     verdict = _verdict(current, world, by_addr, node_of, log_text)
     excerpt = _excerpt(verdict, bool(current), log_text, excerpt_lines)
     order = [n["name"] for n in nodes]
-    bad_nodes = sorted({node_of(r) for r in verdict.culprits},
-                       key=lambda n: order.index(n) if n in order else len(order))  # fmt: skip
+    bad_nodes = sorted(
+        {node_of(r) for r in verdict.culprits}, key=lambda n: order.index(n) if n in order else len(order)
+    )
     parts = []
     for node in bad_nodes:
         mine = [r for r in verdict.culprits if node_of(r) == node]
-        parts.append(f"{node} (rank{'s' if len(mine) > 1 else ''} {_compress(mine)})")
+        parts.append(f"{node} (rank{'s' if len(mine) > 1 else ''} {compress_ranks(mine)})")
     summary = f"{', '.join(parts) or 'unknown node'}: {verdict.kind}"
     if not verdict.own and verdict.witnesses:
         summary += f"; {len(verdict.witnesses)} other rank(s) reported losing them"
@@ -340,13 +253,18 @@ def async_state(results_file: str | Path) -> dict:
 
 def _failure(params: dict, rc: int, exit_info: dict, log_text: str) -> dict:
     if rc == LOCK_CONFLICT_RC:
-        return {"nodes": [], "ranks": [], "excerpt": [],
-                "summary": "another finetune holds the lock on the primary; it was not started twice"}  # fmt: skip
+        return {
+            "nodes": [],
+            "ranks": [],
+            "excerpt": [],
+            "summary": "another finetune holds the lock on the primary; it was not started twice",
+        }
     statuses = params.get("rank_status")
     if statuses is None:
         statuses = read_status_dir(os.path.join(params["run_dir"], STATUS_DIR))
-    failure = diagnose(statuses, params["nodes"], params["ranks_per_node"], exit_info.get("attempt"), log_text,
-                       params["excerpt_lines"])  # fmt: skip
+    failure = diagnose(
+        statuses, params["nodes"], params["ranks_per_node"], exit_info.get("attempt"), log_text, params["excerpt_lines"]
+    )
     if rc == ASYNC_TIMEOUT_RC or exit_info.get("timed_out"):
         failure["summary"] = f"the job ran past its time limit; {failure['summary']}"
     return failure

@@ -102,29 +102,41 @@ def summarize(intervals: list[Interval], nodes: list[str]) -> dict:
     ranks = []
     for r, (iv, node) in enumerate(zip(intervals, nodes, strict=True)):
         n = max(1, iv.steps)
-        ranks.append({
-            "rank": r, "node": node, "threads": iv.threads, "cpu_util": round(iv.cpu_util, 4),
-            "compute_s": round(iv.compute_s / n, 4), "allreduce_s": round(iv.allreduce_s / n, 4),
-            "data_s": round(iv.data_s / n, 4),
-        })  # fmt: skip
+        ranks.append(
+            {
+                "rank": r,
+                "node": node,
+                "threads": iv.threads,
+                "cpu_util": round(iv.cpu_util, 4),
+                "compute_s": round(iv.compute_s / n, 4),
+                "allreduce_s": round(iv.allreduce_s / n, 4),
+                "data_s": round(iv.data_s / n, 4),
+            }
+        )
     per_node: dict[str, list[dict]] = {}
     for row in ranks:
         per_node.setdefault(row["node"], []).append(row)
     node_rows = [
-        {"node": node, "ranks": [r["rank"] for r in rows],
-         **{k: round(_mean([r[k] for r in rows]), 4) for k in ("cpu_util", "compute_s", "allreduce_s", "data_s")}}
+        {
+            "node": node,
+            "ranks": [r["rank"] for r in rows],
+            **{k: round(_mean([r[k] for r in rows]), 4) for k in ("cpu_util", "compute_s", "allreduce_s", "data_s")},
+        }
         for node, rows in per_node.items()
-    ]  # fmt: skip
+    ]
     median_compute = statistics.median(n["compute_s"] for n in node_rows)
     lowest = min(node_rows, key=lambda n: n["cpu_util"])
     slowest = max(node_rows, key=lambda n: n["compute_s"])
     return {
         "cpu_util": round(_mean([r["cpu_util"] for r in ranks]), 4),
-        "lowest_node": lowest["node"], "lowest_cpu_util": lowest["cpu_util"],
-        "slowest_node": slowest["node"], "slowest_compute_s": slowest["compute_s"],
+        "lowest_node": lowest["node"],
+        "lowest_cpu_util": lowest["cpu_util"],
+        "slowest_node": slowest["node"],
+        "slowest_compute_s": slowest["compute_s"],
         "median_compute_s": round(median_compute, 4),
-        "nodes": node_rows, "ranks": ranks,
-    }  # fmt: skip
+        "nodes": node_rows,
+        "ranks": ranks,
+    }
 
 
 @dataclass

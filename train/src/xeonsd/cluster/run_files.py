@@ -30,17 +30,31 @@ GENERATE_S = "generate, whole command (s)"
 RUN_JSON_INPUT = ("run", "nodes", "mpi_ranks", "ranks_per_node", "primary", "export", "generate", "cost")
 
 
-def train_summary(method_summary: dict, *, base_model: str, base_model_fingerprint: str, steps: int, ranks: int,
-                  allreduce_bytes_per_step: int, prompts: dict, result_path: str, result_bytes: int) -> dict:  # fmt: skip
+def train_summary(
+    method_summary: dict,
+    *,
+    base_model: str,
+    base_model_fingerprint: str,
+    steps: int,
+    ranks: int,
+    allreduce_bytes_per_step: int,
+    prompts: dict,
+    result_path: str,
+    result_bytes: int,
+) -> dict:
     """train_summary.json: the method's own figures (``method``, ``trainable_params``, …), the base model and its
     fingerprint, the steps and ranks, the bytes all-reduced per step, the prompts (source, count, per_image) and the
     result (its path in the run directory and its size)."""
     return {
-        **method_summary, "base_model": base_model, "base_model_fingerprint": base_model_fingerprint,
-        "steps": steps, "ranks": ranks, "allreduce_bytes_per_step": allreduce_bytes_per_step,
+        **method_summary,
+        "base_model": base_model,
+        "base_model_fingerprint": base_model_fingerprint,
+        "steps": steps,
+        "ranks": ranks,
+        "allreduce_bytes_per_step": allreduce_bytes_per_step,
         "prompts": {"source": prompts["source"], "count": prompts["count"], "per_image": prompts["per_image"]},
         "result": {"path": result_path, "bytes": result_bytes},
-    }  # fmt: skip
+    }
 
 
 def hms_seconds(delta: object) -> float | None:
@@ -85,14 +99,21 @@ def run_json(run_dir: Path, facts: dict) -> dict:
     export, cost = facts.get("export"), facts.get("cost") or {}
     info: dict = {
         "title": f"xeonsd run {facts['run']}",
-        "cluster": {"nodes": ", ".join(facts["nodes"]), "MPI ranks": facts["mpi_ranks"],
-                    "ranks per node": facts["ranks_per_node"], "primary": facts["primary"]},
+        "cluster": {
+            "nodes": ", ".join(facts["nodes"]),
+            "MPI ranks": facts["mpi_ranks"],
+            "ranks per node": facts["ranks_per_node"],
+            "primary": facts["primary"],
+        },
         "phases": phases(run_dir, export, facts.get("generate")),
-    }  # fmt: skip
+    }
     if export is not None:
         method = METHOD_FILES.get(_read_summary(run_dir).get("method", ""), {})
-        info["export"] = {"dir": export["dir"], "reused": not export.get("changed"),
-                          "of": "its own pipeline" if method.get("pipeline") else "the base model (shared by its runs)"}  # fmt: skip
+        info["export"] = {
+            "dir": export["dir"],
+            "reused": not export.get("changed"),
+            "of": "its own pipeline" if method.get("pipeline") else "the base model (shared by its runs)",
+        }
     if str(cost.get("node_hour_price", "")):
         info["cost"] = {k: cost.get(k, "") for k in ("node_hour_price", "currency", "gpu_hour_price", "gpu_s_per_step")}
     return info
