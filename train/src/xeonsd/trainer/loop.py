@@ -45,7 +45,7 @@ from xeonsd.trainer.data import DataError, Example
 from xeonsd.trainer.embeddings import ConceptError
 from xeonsd.trainer.hooks import StepEnd, StepObservers
 from xeonsd.trainer.inputs import check_memory, validate
-from xeonsd.trainer.job import ABORT_GRACE_S, Job, setup, setup_logging, start_status
+from xeonsd.trainer.job import ABORT_GRACE_S, Job, Training, setup, setup_logging, start_status
 from xeonsd.trainer.metrics import MetricsLog, plot_loss, result_bytes, write_summary
 from xeonsd.trainer.models import autocast, render_validation
 
@@ -120,9 +120,9 @@ def _bucket_margin_s(job: Job, step_times: list[float]) -> float:
 
 
 def train_step(job: Job, step: int, clock: RankClock, bucket_margin_s: float) -> float:
-    """One optimizer step: this rank's micro-batches forward and backward, the gradient all-reduce, the update;
-    ``clock`` times the data and the all-reduce. Returns the loss averaged over all ranks."""
-    cfg, training = job.run.cfg, job.training
+    """One optimizer step: this rank's micro-batches sampled, forward and backward, the gradient all-reduce, the
+    update; ``clock`` times the data and the all-reduce. Returns the loss averaged over all ranks."""
+    cfg = job.run.cfg
     accumulation = cfg.gradient_accumulation_steps
     loss_sum = 0.0
     for micro in range(accumulation):
@@ -138,13 +138,20 @@ def train_step(job: Job, step: int, clock: RankClock, bucket_margin_s: float) ->
         loss_sum += float(loss.detach())
     with job.cluster.timeout.watch("all-reduce"), clock.phase("allreduce"):
         mean_loss = sync_gradients(job, loss_sum)
-    if training.method.max_grad_norm:
-        torch.nn.utils.clip_grad_norm_(training.method.parameters(), training.method.max_grad_norm)
+    update(job.training, step + 1)
+    return mean_loss
+
+
+def update(training: Training, done: int) -> None:
+    """The optimizer step (the gradients clipped first when the method asks), the schedule's, and the method's
+    own after-step work (e.g. an EMA update) for step ``done``."""
+    method = training.method
+    if method.max_grad_norm:
+        torch.nn.utils.clip_grad_norm_(method.parameters(), method.max_grad_norm)
     training.optimizer.step()
     training.lr_scheduler.step()
     training.optimizer.zero_grad(set_to_none=True)
-    training.method.after_step(step + 1)
-    return mean_loss
+    method.after_step(done)
 
 
 def _accumulating(job: Job, last: bool):
