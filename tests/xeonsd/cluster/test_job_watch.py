@@ -57,7 +57,7 @@ def _statuses(
 
 def _startup(world: int = 16, ppn: int = 4) -> list[str]:
     return [
-        f"[{r}] 2026-11-30 10:00:00,000 [rank {r}/{world}] INFO xeonsd.trainer.loop: node=10.0.0.{11 + r // ppn} pid={100 + r} "
+        f"[{r}] 2026-11-30 10:00:00,000 [rank {r}/{world}] INFO xeonsd.train: node=10.0.0.{11 + r // ppn} pid={100 + r} "
         "launcher=intel-mpi backend=gloo threads=1"
         for r in range(world)
     ]

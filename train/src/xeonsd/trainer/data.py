@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 CAPTION_SUFFIXES = {".txt", ".jsonl"}
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 
+
 class DataError(ValueError):
     """The training data directory is missing, empty or holds an unreadable image."""
 

@@ -21,7 +21,7 @@ from xeonsd.fsutil import atomic_dir
 from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.embeddings import PlaceholderEmbedding
 
-log = logging.getLogger("xeonsd.trainer.loop")
+log = logging.getLogger("xeonsd.train")
 
 __all__ = ["ConfigError", "Models", "autocast", "load_models", "save_full_pipeline"]
 

@@ -1,0 +1,274 @@
+"""What ``fit`` does around the training step, apart from the step itself: the step observers.
+
+Before a step the rank clock starts and ``--count_flops``' counters wrap the first two steps. After it, in this
+order: the rank clock stops; this rank's status file gets the step; every ``--stats_every`` steps the ranks'
+statistics are all-gathered (:mod:`xeonsd.cluster.rank_stats`); rank 0 draws the progress bar (or, under a pipe,
+logs a progress line), appends a metrics row every ``--log_every`` steps, saves the method's snapshots and a
+checkpoint every ``--checkpointing_steps``; every ``--validation_steps`` rank 0 renders the validation images
+while the others wait at a barrier.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from xeonsd.cluster.distributed import all_gather_floats, all_gather_strings, barrier, node_address
+from xeonsd.cluster.rank_stats import Interval, RankClock, StragglerWatch, node_names, summarize
+from xeonsd.flops import allreduced_elements, count_attention
+from xeonsd.trainer import checkpoint as ckpt
+from xeonsd.trainer.job import Job
+from xeonsd.trainer.metrics import MetricsLog
+from xeonsd.trainer.models import render_validation
+
+log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    """A finished optimizer step, as the observers see it."""
+
+    step: int  # the steps done (1 after the first)
+    loss: float  # averaged over the ranks
+    seconds: float  # this rank's wall time for the step
+
+
+class StepObserver(Protocol):
+    def on_step_end(self, end: StepEnd) -> None: ...
+
+
+class StepObservers:
+    """Everything ``fit`` does around the steps, in the order it does it (see the module's docstring)."""
+
+    def __init__(self, job: Job) -> None:
+        cfg = job.run.cfg
+        self.metrics = MetricsLog(cfg.output_path, resume_step=job.run.start_step) if job.is_main else None
+        self.counters = StepCounters(job)
+        self.progress = Progress(job) if job.is_main else None
+        self.stats = RankStats(job)  # every rank: an all-gather of the node names
+        self.clock = self.stats.clock
+        self.after: list[StepObserver] = [StatusUpdates(job), self.stats]
+        if self.progress is not None and self.metrics is not None:  # rank 0
+            rows = MetricsRows(job, self.metrics, extras=[self.counters.row, self.stats.take_row])
+            self.after += [self.progress, rows, Checkpoints(job)]
+        if cfg.validation_prompt and cfg.validation_steps:
+            self.after.append(ValidationImages(job))
+
+    @contextlib.contextmanager
+    def around_step(self, step: int) -> Iterator[None]:
+        """The rank clock starts; ``--count_flops``' counters watch the step."""
+        self.clock.start_step()
+        with self.counters.around(step):
+            yield
+
+    def on_step_end(self, end: StepEnd) -> None:
+        self.clock.end_step()
+        for observer in self.after:
+            observer.on_step_end(end)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+
+
+class StepCounters:
+    """``--count_flops``: the first step's FLOPs are counted and, on 2+ ranks, the second step's collectives
+    recorded (the bytes all-reduced are measured, not computed)."""
+
+    def __init__(self, job: Job) -> None:
+        self.enabled = job.run.cfg.count_flops
+        self.first = job.run.start_step
+        self.world = job.world
+        self.flops: FlopCounterMode | None = None
+        self.comm = None
+        if self.enabled:
+            count_attention()
+
+    @contextlib.contextmanager
+    def around(self, step: int) -> Iterator[None]:
+        self.flops = FlopCounterMode(display=False) if self.enabled and step == self.first else None
+        self.comm = _comm_profiler() if self.enabled and self.world > 1 and step == self.first + 1 else None
+        with self.flops or contextlib.nullcontext(), self.comm or contextlib.nullcontext():
+            yield
+
+    def row(self) -> dict:
+        """The last step's counts, for its metrics row."""
+        row = {}
+        if self.flops:
+            row["tflop_per_rank"] = self.flops.get_total_flops() / 1e12
+        if self.comm:
+            row["allreduce_bytes_measured"] = allreduced_elements(self.comm) * 4
+        return row
+
+
+def _comm_profiler():
+    """A profiler that records the step's collectives."""
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+
+
+class StatusUpdates:
+    """This rank's status file: the steps done."""
+
+    def __init__(self, job: Job) -> None:
+        self.status = job.cluster.status
+
+    def on_step_end(self, end: StepEnd) -> None:
+        self.status.update(step=end.step)
+
+
+class RankStats:
+    """This rank's clock, the all-gather of every rank's interval sums every ``--stats_every`` steps, and on rank
+    0 the gathered summary (stragglers logged) waiting for the next metrics row."""
+
+    def __init__(self, job: Job) -> None:
+        self.world = job.world
+        self.is_main = job.is_main
+        self.every = job.run.cfg.stats_every
+        self.last = job.run.cfg.max_train_steps
+        self.timeout = job.cluster.timeout
+        self.clock = RankClock(torch.get_num_threads())
+        address = node_address()
+        self.nodes = all_gather_strings(node_names().get(address, address), job.world)
+        self.watch = StragglerWatch(job.run.cfg.straggler_cpu_util, job.run.cfg.straggler_ratio)
+        self.pending: dict = {}
+
+    def on_step_end(self, end: StepEnd) -> None:
+        if end.step % self.every == 0 or end.step == self.last:
+            with self.timeout.watch("all-gather of the ranks' statistics"):
+                self.gather()
+
+    def gather(self) -> None:
+        """Every rank takes part: one all-gather of each rank's interval sums."""
+        intervals = [Interval.from_floats(v) for v in all_gather_floats(self.clock.take().as_floats(), self.world)]
+        if self.is_main:
+            summary = summarize(intervals, self.nodes)
+            stragglers = self.watch.judge(summary)
+            for s in stragglers:
+                log.warning("straggler: %s (ranks %s): %s", s["node"], s["ranks"], "; ".join(s["why"]))
+            w = self.watch
+            thresholds = {"cpu_util": w.min_util, "compute_ratio": w.ratio, "intervals": w.intervals}
+            self.pending = {"rank_stats": {**summary, "thresholds": thresholds}, "stragglers": stragglers}
+
+    def take_row(self) -> dict:
+        row, self.pending = self.pending, {}
+        return row
+
+
+class Progress:
+    """Rank 0's progress: a bar on a terminal; under mpirun (a pipe) whole log lines about every 5 % instead,
+    since a bar's carriage returns glue other ranks' lines onto it in the job log."""
+
+    def __init__(self, job: Job) -> None:
+        from tqdm.auto import tqdm
+
+        cfg = job.run.cfg
+        self.total = cfg.max_train_steps
+        self.bar = tqdm(
+            total=cfg.max_train_steps,
+            initial=job.run.start_step,
+            desc=cfg.method.replace("_", " "),
+            dynamic_ncols=True,
+            mininterval=0.5,
+            disable=not sys.stderr.isatty(),
+        )
+        self.log_every = max(1, cfg.max_train_steps // 20)
+
+    def on_step_end(self, end: StepEnd) -> None:
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{end.loss:.4f}", s_per_step=f"{end.seconds:.2f}")
+        if self.bar.disable and (end.step % self.log_every == 0 or end.step == self.total):
+            log.info("step %d/%d loss %.4f %.2f s/step", end.step, self.total, end.loss, end.seconds)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class MetricsRows:
+    """Rank 0: a row in ``metrics.partial.jsonl`` every ``--log_every`` steps and after the last, with what
+    ``extras`` adds (the counters, the gathered rank statistics)."""
+
+    def __init__(self, job: Job, metrics: MetricsLog, extras: list[Callable[[], dict]]) -> None:
+        self.job = job
+        self.metrics = metrics
+        self.extras = extras
+
+    def on_step_end(self, end: StepEnd) -> None:
+        cfg = self.job.run.cfg
+        if end.step % cfg.log_every == 0 or end.step == cfg.max_train_steps:
+            self.metrics.append(self.row(end))
+
+    def row(self, end: StepEnd) -> dict:
+        job, cfg = self.job, self.job.run.cfg
+        row = {
+            "step": end.step,
+            "loss": end.loss,
+            "lr": job.training.lr_scheduler.get_last_lr()[0],
+            "s_per_step": end.seconds,
+            "images_per_s": job.global_batch * cfg.gradient_accumulation_steps / end.seconds,
+            "ranks": job.world,
+            "backend": job.cluster.backend or "none",
+            "method": cfg.method,
+            "allreduce_bytes": job.allreduce_bytes(),
+            "time": time.time(),
+        }
+        for extra in self.extras:
+            row.update(extra())
+        return row
+
+
+class Checkpoints:
+    """Rank 0: the method's own snapshots after each step, and a checkpoint every ``--checkpointing_steps``. The
+    last step is checkpointed too: a crash while the result is saved loses nothing."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
+    def on_step_end(self, end: StepEnd) -> None:
+        cfg = self.job.run.cfg
+        self.job.training.method.periodic_save(cfg.output_path, end.step)
+        if cfg.checkpointing_steps and (end.step % cfg.checkpointing_steps == 0 or end.step == cfg.max_train_steps):
+            self.save(end.step)
+
+    def save(self, step: int) -> None:
+        run, training = self.job.run, self.job.training
+        state = {
+            "method": run.cfg.method,
+            "base_model": run.base_model,
+            "step": step,
+            "seed": run.seed,
+            "method_state": training.method.state(),
+            "optimizer": training.optimizer.state_dict(),
+            "lr_scheduler": training.lr_scheduler.state_dict(),
+            "global_batch": self.job.global_batch,
+            "config": asdict(run.cfg),
+        }
+        ckpt.save_checkpoint(run.cfg.output_path, step, state, keep=run.cfg.checkpoints_total_limit)
+
+
+class ValidationImages:
+    """Every ``--validation_steps``: rank 0 renders the validation prompt's images, the others wait at a barrier.
+    That takes minutes on a CPU, so the set-up timeout applies instead of the step's."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
+    def on_step_end(self, end: StepEnd) -> None:
+        job, cfg = self.job, self.job.run.cfg
+        if end.step % cfg.validation_steps:
+            return
+        with job.cluster.timeout.scope(job.cluster.timeouts.setup_s):
+            if job.is_main:
+                out = cfg.output_path / "validation" / f"step-{end.step}"
+                render_validation(cfg, job.training.models, out, job.run.seed)
+            with job.cluster.timeout.watch("barrier after the validation images"):
+                barrier(job.world)

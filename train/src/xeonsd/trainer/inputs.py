@@ -1,0 +1,105 @@
+"""What a run checks before a model loads: the flags, the images and their captions, the method's own checks, the
+model source, the checkpoint to resume, an earlier run in ``--output_dir``, and the memory estimate."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from xeonsd.cluster.distributed import RankInfo
+from xeonsd.method_names import METHODS
+from xeonsd.modelsource import check_model_source
+from xeonsd.trainer import checkpoint as ckpt
+from xeonsd.trainer.captions import Captions, read_captions
+from xeonsd.trainer.config import ConfigError, TrainConfig
+from xeonsd.trainer.data import find_images
+from xeonsd.trainer.methods import for_config, method_class
+
+log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What ``validate`` found: the images (each checked to decode), their captions, the checkpoint to resume."""
+
+    images: list[Path]
+    captions: Captions | None
+    resume: Path | None
+
+
+def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
+    """Check everything that can be checked before a model loads."""
+    check_flags(cfg, info)
+    images = find_images(Path(cfg.train_data_dir))
+    captions = read_captions(Path(cfg.train_data_dir), images, cfg.caption_column)
+    for_config(cfg).check(cfg, captions)
+    check_model_source(cfg.pretrained_model_name_or_path, revision=cfg.revision)
+    resume = None
+    # Checkpoints live in rank 0's output dir (on the primary node); rank 0 reads and broadcasts the state.
+    if cfg.resume_from_checkpoint and info.is_main:
+        resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, cfg.output_path)
+    if info.is_main and resume is None and not cfg.overwrite_output_dir:
+        check_no_earlier_run(cfg)
+    return Inputs(images, captions, resume)
+
+
+def check_flags(cfg: TrainConfig, info: RankInfo) -> None:
+    """The flags' values on their own, and ``--world_size`` against the launcher."""
+    if cfg.mixed_precision == "fp16":
+        raise ConfigError(
+            "--mixed_precision fp16 is not supported on CPU (no fp16 autocast/AMX path for training); "
+            "use --mixed_precision bf16 (AMX) or no"
+        )
+    if cfg.resolution <= 0 or cfg.resolution % 8:
+        raise ConfigError(
+            f"--resolution must be a positive multiple of 8 (the VAE downsamples by 8), got {cfg.resolution}"
+        )
+    for name in ("train_batch_size", "gradient_accumulation_steps", "max_train_steps", "stats_every"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.learning_rate <= 0:
+        raise ConfigError(f"--learning_rate must be positive, got {cfg.learning_rate}")
+    if cfg.world_size is not None and cfg.world_size != info.world_size:
+        raise ConfigError(
+            f"--world_size {cfg.world_size} does not match the launcher ({info.launcher}), which reports "
+            f"{info.world_size} rank(s) for rank {info.rank}; check mpirun -n / the nodefile"
+        )
+
+
+def check_no_earlier_run(cfg: TrainConfig) -> None:
+    """Refuse an ``--output_dir`` that holds another run's results, metrics or checkpoints."""
+    earlier = {"metrics.jsonl", "metrics.partial.jsonl"}
+    for name in METHODS:
+        earlier.update(method_class(name).outputs)
+    found = [n for n in sorted(earlier) if (cfg.output_path / n).exists()]
+    found += [p.name for _, p in ckpt.list_checkpoints(cfg.output_path)]
+    if found:
+        raise ConfigError(
+            f"--output_dir {cfg.output_dir} already holds a run ({', '.join(found[:4])}); continue it with "
+            "--resume_from_checkpoint latest, replace it with --overwrite_output_dir, or choose another --output_dir"
+        )
+
+
+def check_memory(cfg: TrainConfig, info: RankInfo, inputs: Inputs) -> None:
+    """Estimate this rank's peak memory; refuse a run whose ranks on this node would not fit in its free memory.
+    With --dry-run, rank 0 prints the estimate."""
+    from xeonsd.trainer import memory
+
+    prompts = len(inputs.captions.texts) if inputs.captions else 1
+    try:
+        est = memory.estimate(cfg, cfg.method, len(inputs.images), prompts)
+    except Exception as exc:  # noqa: BLE001 - an estimate that cannot be made must not stop a run
+        if cfg.dry_run:
+            raise ConfigError(f"cannot estimate the memory of this run: {exc}") from exc
+        log.warning("no memory estimate (%s); training without the check", exc)
+        return
+    free = memory.available_memory()
+    if info.is_main:
+        line = f"estimated peak memory per rank: {est.describe()}"
+        if free is not None:
+            line += f"; {info.local_world_size} rank(s) on this node, {free / memory.GB:.1f} GB free"
+        (print if cfg.dry_run else log.info)(line)
+    problem = memory.check_fits(est, info.local_world_size, free)
+    if problem:
+        raise ConfigError(problem)

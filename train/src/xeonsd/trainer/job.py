@@ -1,0 +1,359 @@
+"""A training job, and ``setup``, which builds it from the configuration: this rank's place in the cluster, the
+models and the method, the optimizer and its schedule, the checkpoint resumed, the latent and prompt caches and
+the sampling plan. Also this rank's status file and its log prefix, which exist before the job does."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import secrets
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from xeonsd.cluster.distributed import (
+    CollectiveTimeout,
+    Placement,
+    RankInfo,
+    Timeouts,
+    collective,
+    node_address,
+    take_the_job_down,
+)
+from xeonsd.cluster.job_status import RankStatus, RankStatusFile, StatusFileError, attempt_from_env
+from xeonsd.cluster.rank_stats import node_names
+from xeonsd.cpu import cpu_info
+from xeonsd.modelsource import model_fingerprint
+from xeonsd.trainer import checkpoint as ckpt
+from xeonsd.trainer.conditioning import PromptConditioning
+from xeonsd.trainer.config import ConfigError, TrainConfig
+from xeonsd.trainer.data import SamplingPlan, mix
+from xeonsd.trainer.inputs import Inputs
+from xeonsd.trainer.latents import LatentTable
+from xeonsd.trainer.methods import Method, for_config
+from xeonsd.trainer.models import Models, load_models
+from xeonsd.trainer.prompts import PromptTable
+
+log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name
+# A rank that lost a peer waits this long before ending the job, so that the other survivors report it too.
+ABORT_GRACE_S = 3.0
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What the run is: its configuration, its seed (the same on every rank), the step it starts at, and the
+    fingerprint of the base model (checked against a checkpoint's)."""
+
+    cfg: TrainConfig
+    seed: int
+    start_step: int
+    base_model: str
+
+
+@dataclass(frozen=True)
+class Training:
+    """What is trained and how: the models, the method's trainable part, and what updates it."""
+
+    models: Models
+    method: Method
+    unet: torch.nn.Module  # the UNet the steps call (DistributedDataParallel-wrapped when the method asks)
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: object
+
+
+@dataclass(frozen=True)
+class TrainingData:
+    """What the steps draw from: the prompts, their text conditioning, the latents, and the sampling plan."""
+
+    prompts: PromptTable
+    text: PromptConditioning
+    latents: LatentTable
+    plan: SamplingPlan
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """This rank among the others: who it is, the process-group backend, the collective timeouts and watchdog,
+    and its status file."""
+
+    info: RankInfo
+    backend: str | None
+    timeouts: Timeouts  # read from the environment once, in run()
+    timeout: CollectiveTimeout
+    status: RankStatusFile  # this rank's status/rank-<r>.json (xeonsd.cluster.job_status)
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything the steps need, built by ``setup``, in four parts: what the run is (``run``), what is trained
+    and how (``training``), what the steps draw from (``data``), and this rank among the others (``cluster``)."""
+
+    run: RunSpec
+    training: Training
+    data: TrainingData
+    cluster: Cluster
+
+    @property
+    def world(self) -> int:
+        return self.cluster.info.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.cluster.info.is_main
+
+    @property
+    def global_batch(self) -> int:
+        return self.world * self.run.cfg.train_batch_size
+
+    @property
+    def ddp(self) -> bool:
+        return self.training.unet is not self.training.models.unet
+
+    def allreduce_bytes(self) -> int:
+        """Bytes each rank all-reduces per optimizer step: the gradients, and the loss."""
+        return (sum(p.numel() for p in self.training.method.parameters()) + 1) * 4
+
+
+def setup(
+    cfg: TrainConfig,
+    info: RankInfo,
+    backend: str | None,
+    placement: Placement,
+    inputs: Inputs,
+    timeouts: Timeouts,
+    status: RankStatusFile,
+) -> Job:
+    """Load the models, make the method and its optimizer, resume, build the caches: the job, on every rank."""
+    method_cls = for_config(cfg)
+    models = load_models(cfg, unet_fp32=method_cls.unet_fp32)
+    _log_placement(cfg, info, backend, placement, models)
+    base_model = model_fingerprint(cfg.pretrained_model_name_or_path, cfg.revision)
+    resume_state = _shared_resume_state(inputs.resume, info.world_size)
+    seed = _shared_seed(cfg, info, resume_state)
+    with torch.random.fork_rng():  # new weights (LoRA's) start the same on every rank and in every run of a seed
+        torch.manual_seed(mix(seed, 3))
+        method = method_cls(cfg, models)
+    optimizer, lr_scheduler = _optimizer(cfg, method, info.world_size)
+    start_step = 0
+    if resume_state is not None:
+        start_step = _resume(cfg, info, inputs.resume, resume_state, base_model, method, optimizer, lr_scheduler)
+    del resume_state
+    data = _prepare_data(cfg, info, models, method, inputs, seed)
+    training = Training(
+        models=models,
+        method=method,
+        unet=_step_unet(models, method, info.world_size),
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+    )
+    cluster = Cluster(
+        info=info,
+        backend=backend,
+        timeouts=timeouts,
+        timeout=CollectiveTimeout(info.world_size, timeouts.setup_s, _lost_peer_exit(info, status)),
+        status=status,
+    )
+    run = RunSpec(cfg=cfg, seed=seed, start_step=start_step, base_model=base_model)
+    return Job(run=run, training=training, data=data, cluster=cluster)
+
+
+def _log_placement(cfg: TrainConfig, info: RankInfo, backend: str | None, placement: Placement, models: Models) -> None:
+    """Where this rank runs and how (one line per rank), and a warning when bf16 is emulated."""
+    native = cpu_info().native_bf16
+    log.info(
+        "node=%s pid=%d launcher=%s backend=%s threads=%d cores=%s dtype=%s bf16_hw=%s ipex=%s local_rank=%d/%d "
+        "method=%s",
+        node_address(),
+        os.getpid(),
+        info.launcher,
+        backend or "none (single process)",
+        placement.threads,
+        ",".join(map(str, placement.cpus)),
+        str(models.weight_dtype).replace("torch.", ""),
+        native or "none",
+        "on" if models.ipex else "off",
+        info.local_rank,
+        info.local_world_size,
+        cfg.method,
+    )
+    if models.weight_dtype == torch.bfloat16 and native is None:
+        log.warning(
+            "--mixed_precision bf16 on a CPU without AMX or AVX512-BF16 (%s): bf16 matmuls are emulated and far "
+            "slower than fp32 here; use --mixed_precision no on this machine",
+            cpu_info().model,
+        )
+
+
+def _shared_resume_state(resume_path: Path | None, world: int) -> dict | None:
+    """Rank 0's checkpoint state (or None), on every rank."""
+    state = ckpt.load_checkpoint(resume_path) if resume_path else None
+    if world > 1:
+        box = [state]
+        with collective("broadcast of the checkpoint"):
+            torch.distributed.broadcast_object_list(box, src=0)
+        state = box[0]
+    return state
+
+
+def _shared_seed(cfg: TrainConfig, info: RankInfo, resume_state: dict | None) -> int:
+    if resume_state is not None:
+        return int(resume_state["seed"])
+    if cfg.seed is not None:
+        return cfg.seed
+    chosen = torch.tensor([secrets.randbelow(2**31) if info.is_main else 0], dtype=torch.int64)
+    if info.world_size > 1:
+        with collective("broadcast of the seed"):
+            torch.distributed.broadcast(chosen, src=0)
+    return int(chosen.item())
+
+
+def _optimizer(cfg: TrainConfig, method: Method, world: int) -> tuple[torch.optim.Optimizer, object]:
+    """AdamW over the method's parameters (``--scale_lr`` scales the rate by the global batch), and its schedule."""
+    lr = cfg.learning_rate
+    if cfg.scale_lr:
+        lr = lr * cfg.gradient_accumulation_steps * cfg.train_batch_size * world
+    optimizer = torch.optim.AdamW(
+        method.parameters(),
+        lr=lr,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        weight_decay=cfg.adam_weight_decay,
+        eps=cfg.adam_epsilon,
+    )
+    from diffusers.optimization import get_scheduler
+
+    lr_scheduler = get_scheduler(
+        cfg.lr_scheduler,
+        optimizer=optimizer,
+        num_warmup_steps=cfg.lr_warmup_steps,
+        num_training_steps=cfg.max_train_steps,
+    )
+    return optimizer, lr_scheduler
+
+
+def _resume(
+    cfg: TrainConfig,
+    info: RankInfo,
+    where: Path | None,
+    state: dict,
+    base_model: str,
+    method: Method,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler,
+) -> int:
+    """Load a checkpoint's state into the method, the optimizer and the schedule; returns its step."""
+    ckpt.check_belongs(state, where or Path("?"), cfg.method, base_model)
+    method.load_state(state["method_state"], str(where))
+    optimizer.load_state_dict(state["optimizer"])
+    lr_scheduler.load_state_dict(state["lr_scheduler"])
+    start_step = int(state["step"])
+    global_batch = info.world_size * cfg.train_batch_size
+    if state.get("global_batch") != global_batch:
+        log.warning("resuming with global batch %d (checkpoint used %s)", global_batch, state.get("global_batch"))
+    log.info("resumed from %s at step %d", where, start_step)
+    return start_step
+
+
+def _prepare_data(
+    cfg: TrainConfig, info: RankInfo, models: Models, method: Method, inputs: Inputs, seed: int
+) -> TrainingData:
+    """The method's prompts and their conditioning, the latents (the VAE dropped when nothing needs it any more),
+    and the sampling plan."""
+    world = info.world_size
+    prompts = method.prompts(inputs.captions)
+    trainable = sum(p.numel() for p in method.parameters())
+    log.info(
+        "%s: %d trainable parameters; prompts: %d from %s", cfg.method, trainable, len(prompts.texts), prompts.source
+    )
+    t0 = time.perf_counter()
+    text = PromptConditioning(models, prompts, trainable=method.trains_text_encoder, rank=info.rank, world=world)
+    latents = LatentTable.build(cfg, models, inputs.images, info.rank, info.local_rank, world)
+    log.info(
+        "prepared %d latent inputs and %d prompts in %.1f s",
+        latents.count,
+        len(prompts.texts),
+        time.perf_counter() - t0,
+    )
+    if cfg.latent_cache and not cfg.validation_prompt:  # nothing decodes or encodes from here on
+        models.vae = None
+        gc.collect()
+    plan = SamplingPlan(
+        seed=seed,
+        num_images=len(inputs.images),
+        num_templates=prompts.num_templates,
+        num_timesteps=models.noise_scheduler.config.num_train_timesteps,
+        latent_shape=latents.shape,
+    )
+    return TrainingData(prompts=prompts, text=text, latents=latents, plan=plan)
+
+
+def _step_unet(models: Models, method: Method, world: int) -> torch.nn.Module:
+    """The UNet the steps call: wrapped in DistributedDataParallel on 2+ ranks when the method trains most of it."""
+    module = method.ddp_module()
+    if module is None or world == 1:
+        return models.unet
+    from torch.nn.parallel import DistributedDataParallel
+
+    with collective("DistributedDataParallel set-up"):
+        return DistributedDataParallel(module, broadcast_buffers=False, gradient_as_bucket_view=True)
+
+
+def _lost_peer_exit(info: RankInfo, status: RankStatusFile):
+    """What the collective watchdog does when a collective waits past its limit: report it as any lost peer is
+    reported (the log line, and the status file with kind ``timeout``), ask the launcher to end the job, and
+    leave (the blocked collective never returns)."""
+
+    def expire(message: str) -> None:
+        status.fail("timeout", message)
+        where = f"rank {info.rank}/{info.world_size} on {node_address()}"
+        print(f"xeonsd train: error: {where}: {message}", file=sys.stderr, flush=True)
+        take_the_job_down(info, 2, grace_s=ABORT_GRACE_S)
+        os._exit(2)
+
+    return expire
+
+
+def start_status(cfg: TrainConfig, info: RankInfo) -> RankStatusFile:
+    """This rank's status file (``<output_dir>/status/rank-<r>.json`` on its own node), in state ``starting``."""
+    try:
+        attempt = attempt_from_env()
+    except StatusFileError as exc:
+        raise ConfigError(str(exc)) from exc
+    address = node_address()
+    status = RankStatus(
+        rank=info.rank,
+        world=info.world_size,
+        node=node_names().get(address, address),
+        address=address,
+        pid=os.getpid(),
+        state="starting",
+        step=0,
+        updated=time.time(),
+        attempt=attempt,
+    )
+    return RankStatusFile(cfg.output_path, status)
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int, world: int) -> None:
+        super().__init__()
+        self.prefix = f"[rank {rank}/{world}]"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rankprefix = self.prefix
+        return True
+
+
+def setup_logging(info: RankInfo) -> None:
+    """Every log line with its rank in the prefix; library chatter only from rank 0."""
+    root = logging.getLogger()
+    for h in root.handlers:
+        h.addFilter(_RankFilter(info.rank, info.world_size))
+        h.setFormatter(logging.Formatter("%(asctime)s %(rankprefix)s %(levelname)s %(name)s: %(message)s"))
+    # Library chatter (loading bars, warnings about unused processors) only from rank 0.
+    if not info.is_main:
+        for name in ("diffusers", "transformers", "peft"):
+            logging.getLogger(name).setLevel(logging.ERROR)
