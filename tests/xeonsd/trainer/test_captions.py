@@ -11,8 +11,9 @@ from xeonsd.trainer.captions import read_captions
 from xeonsd.trainer.data import DataError, find_images
 
 
-@pytest.mark.parametrize("layout,source", [("metadata", "metadata.jsonl"), ("sidecar", "sidecar .txt files"),
-                                           ("txt", "captions.txt")])  # fmt: skip
+@pytest.mark.parametrize(
+    "layout,source", [("metadata", "metadata.jsonl"), ("sidecar", "sidecar .txt files"), ("txt", "captions.txt")]
+)
 def test_each_layout_gives_one_caption_per_image_in_image_order(tmp_path, layout, source):
     data = tmp_path / "d"
     make_dataset(data, count=4, size=16, captions=layout)

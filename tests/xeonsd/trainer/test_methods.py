@@ -65,8 +65,9 @@ def test_lora_two_ranks_learn_what_one_rank_with_double_batch_learns(tiny_model,
     assert a.keys() == b.keys()
     zero = {k: torch.zeros_like(v) for k, v in a.items()}
     # lora_B starts at zero, so the update of the "up" weights is their value
-    assert_same_training({k: a[k] for k in a if "up" in k}, {k: b[k] for k in b if "up" in k},
-                         {k: zero[k] for k in a if "up" in k})  # fmt: skip
+    assert_same_training(
+        {k: a[k] for k in a if "up" in k}, {k: b[k] for k in b if "up" in k}, {k: zero[k] for k in a if "up" in k}
+    )
     rows = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
     n_adapter = sum(v.numel() for v in a.values())
     assert rows[0]["method"] == "lora" and rows[0]["allreduce_bytes"] == (n_adapter + 1) * 4
@@ -74,8 +75,18 @@ def test_lora_two_ranks_learn_what_one_rank_with_double_batch_learns(tiny_model,
 
 def test_lora_file_loads_in_stock_diffusers_and_changes_the_image(tiny_model, dataset, tmp_path, cli_env):
     out = tmp_path / "lora"
-    args = method_args("lora", tiny_model, dataset, out, "--instance_prompt=a photo of toy", "--rank=2",
-                       "--lora_alpha=4", "--train_text_encoder", "--learning_rate=5e-2", steps=4)  # fmt: skip
+    args = method_args(
+        "lora",
+        tiny_model,
+        dataset,
+        out,
+        "--instance_prompt=a photo of toy",
+        "--rank=2",
+        "--lora_alpha=4",
+        "--train_text_encoder",
+        "--learning_rate=5e-2",
+        steps=4,
+    )
     proc = train(args, cli_env)
     assert "prompts: 1 from --instance_prompt" in proc.stderr
     saved = load_file(str(out / LORA_FILE))
@@ -127,8 +138,18 @@ def test_full_two_ranks_learn_what_one_rank_with_double_batch_learns(tiny_model,
 
 def test_full_pipeline_differs_from_the_base_only_in_the_unet(tiny_model, dataset, tmp_path, cli_env):
     out = tmp_path / "full"
-    args = method_args("full", tiny_model, dataset, out, "--instance_prompt=a photo of toy", "--use_ema",
-                       "--ema_decay=0.5", "--gradient_checkpointing", "--max_grad_norm=0.5", "--mixed_precision=bf16")  # fmt: skip
+    args = method_args(
+        "full",
+        tiny_model,
+        dataset,
+        out,
+        "--instance_prompt=a photo of toy",
+        "--use_ema",
+        "--ema_decay=0.5",
+        "--gradient_checkpointing",
+        "--max_grad_norm=0.5",
+        "--mixed_precision=bf16",
+    )
     train(args, cli_env)
     from diffusers import StableDiffusionPipeline
 
@@ -155,8 +176,9 @@ def test_resume_continues_the_same_trajectory(method, tiny_model, dataset, tmp_p
     assert sorted(p.name for p in full.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
     part.mkdir()
     shutil.copytree(full / "checkpoint-3", part / "checkpoint-3")
-    proc = train(method_args(method, tiny_model, dataset, part, *extra, "--resume_from_checkpoint=latest", steps=6),
-                 cli_env)  # fmt: skip
+    proc = train(
+        method_args(method, tiny_model, dataset, part, *extra, "--resume_from_checkpoint=latest", steps=6), cli_env
+    )
     assert "resumed from" in proc.stderr
     if method == "lora":
         a, b = load_file(str(full / LORA_FILE)), load_file(str(part / LORA_FILE))
@@ -206,8 +228,11 @@ def test_latent_cache_dir_is_reused_and_gives_the_same_run(tiny_model, dataset, 
 
 def test_help_groups_the_flags_by_method():
     text = build_parser().format_help()
-    sections = ["textual inversion (--method textual_inversion)", "LoRA (--method lora)",
-                "full fine-tuning of the UNet (--method full)"]  # fmt: skip
+    sections = [
+        "textual inversion (--method textual_inversion)",
+        "LoRA (--method lora)",
+        "full fine-tuning of the UNet (--method full)",
+    ]
     positions = [text.index(s) for s in sections]
     assert positions[0] < text.index("\n  --placeholder_token") < positions[1]
     assert positions[1] < text.index("\n  --rank") < positions[2]
@@ -217,8 +242,12 @@ def test_help_groups_the_flags_by_method():
 def test_flags_of_another_method_are_refused(tiny_model, dataset, tmp_path, cli_env):
     err = refused(method_args("textual_inversion", tiny_model, dataset, tmp_path / "o", "--rank=8"), cli_env)
     assert "--method textual_inversion does not use --rank (a lora flag)" in err
-    err = refused(method_args("lora", tiny_model, dataset, tmp_path / "o", "--instance_prompt=x",
-                            "--placeholder_token=<x>", "--use_ema"), cli_env)  # fmt: skip
+    err = refused(
+        method_args(
+            "lora", tiny_model, dataset, tmp_path / "o", "--instance_prompt=x", "--placeholder_token=<x>", "--use_ema"
+        ),
+        cli_env,
+    )
     assert "--placeholder_token (a textual_inversion flag)" in err and "--use_ema (a full flag)" in err
 
 
@@ -253,29 +282,41 @@ def test_caption_count_mismatch_names_both_counts(tiny_model, captioned, tmp_pat
 
 def test_checkpoint_of_another_method_or_base_model_is_refused(tiny_model, tiny_v_model, dataset, tmp_path, cli_env):
     out = tmp_path / "o"
-    train(method_args("lora", tiny_model, dataset, out, "--instance_prompt=x", "--checkpointing_steps=2",
-                      steps=2), cli_env)  # fmt: skip
+    train(
+        method_args("lora", tiny_model, dataset, out, "--instance_prompt=x", "--checkpointing_steps=2", steps=2),
+        cli_env,
+    )
     before = (out / LORA_FILE).read_bytes()
-    err = refused(method_args("full", tiny_model, dataset, out, "--instance_prompt=x", "--resume_from_checkpoint=latest"),
-                cli_env)  # fmt: skip
+    err = refused(
+        method_args("full", tiny_model, dataset, out, "--instance_prompt=x", "--resume_from_checkpoint=latest"), cli_env
+    )
     assert "checkpoint-2 is a lora run's; this run is --method full" in err
-    err = refused(method_args("lora", tiny_v_model, dataset, out, "--instance_prompt=x", "--resume_from_checkpoint=latest"),
-                cli_env)  # fmt: skip
+    err = refused(
+        method_args("lora", tiny_v_model, dataset, out, "--instance_prompt=x", "--resume_from_checkpoint=latest"),
+        cli_env,
+    )
     assert "was trained on another base model" in err
     assert (out / LORA_FILE).read_bytes() == before
 
 
 def test_resume_latest_without_a_checkpoint_is_refused_unless_asked(tiny_model, dataset, tmp_path, cli_env):
     out = tmp_path / "o"
-    err = refused(method_args("lora", tiny_model, dataset, out, "--instance_prompt=x", "--resume_from_checkpoint=latest"),
-                cli_env)  # fmt: skip
+    err = refused(
+        method_args("lora", tiny_model, dataset, out, "--instance_prompt=x", "--resume_from_checkpoint=latest"), cli_env
+    )
     assert f"{out} holds no checkpoint" in err
-    proc = train(method_args("lora", tiny_model, dataset, out, "--instance_prompt=x",
-                             "--resume_from_checkpoint=latest_if_any", steps=1), cli_env)  # fmt: skip
+    proc = train(
+        method_args(
+            "lora", tiny_model, dataset, out, "--instance_prompt=x", "--resume_from_checkpoint=latest_if_any", steps=1
+        ),
+        cli_env,
+    )
     assert "resumed from" not in proc.stderr and (out / LORA_FILE).exists()
     # a finished run without checkpoints is not overwritten by 'resume if possible'
-    err = refused(method_args("lora", tiny_model, dataset, out, "--instance_prompt=x",
-                            "--resume_from_checkpoint=latest_if_any"), cli_env)  # fmt: skip
+    err = refused(
+        method_args("lora", tiny_model, dataset, out, "--instance_prompt=x", "--resume_from_checkpoint=latest_if_any"),
+        cli_env,
+    )
     assert "already holds a run" in err
 
 
@@ -284,8 +325,9 @@ def test_resume_latest_without_a_checkpoint_is_refused_unless_asked(tiny_model, 
 
 def test_dry_run_prints_the_memory_estimate_and_writes_nothing(tiny_model, dataset, tmp_path, cli_env):
     out = tmp_path / "o"
-    proc = run_cli(["train", *method_args("full", tiny_model, dataset, out, "--instance_prompt=x", "--dry-run")],
-                   cli_env)  # fmt: skip
+    proc = run_cli(
+        ["train", *method_args("full", tiny_model, dataset, out, "--instance_prompt=x", "--dry-run")], cli_env
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("estimated peak memory per rank"))
     for part in ("weights", "gradients", "optimizer", "activations", "GB free"):
@@ -312,8 +354,15 @@ def test_estimate_grows_with_what_the_method_trains_and_the_resolution(tiny_mode
 
 
 def test_a_run_that_cannot_fit_in_memory_is_refused_naming_both_figures(tiny_model, dataset, tmp_path, cli_env):
-    args = method_args("lora", tiny_model, dataset, tmp_path / "o", "--instance_prompt=x", "--resolution=4096",
-                       "--train_batch_size=512")  # fmt: skip
+    args = method_args(
+        "lora",
+        tiny_model,
+        dataset,
+        tmp_path / "o",
+        "--instance_prompt=x",
+        "--resolution=4096",
+        "--train_batch_size=512",
+    )
     err = refused(args, cli_env)
     assert "the estimated peak memory is" in err and "GB free (MemAvailable)" in err
     assert not (tmp_path / "o").exists()

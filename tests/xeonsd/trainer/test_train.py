@@ -104,8 +104,16 @@ def test_two_ranks_learn_what_one_rank_with_double_batch_learns(tiny_model, data
     two = tmp_path / "two"
     mpirun = shutil.which("mpirun", path=cli_env["PATH"])
     assert mpirun, "mpirun (impi-rt) is not installed in the environment"
-    cmd = [mpirun, "-n", "2", sys.executable, "-m", "xeonsd.cli", "train",
-           *train_args(tiny_model, dataset, two, "--stats_every=3")]  # fmt: skip
+    cmd = [
+        mpirun,
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "xeonsd.cli",
+        "train",
+        *train_args(tiny_model, dataset, two, "--stats_every=3"),
+    ]
     env = {**mpi_env(cli_env), "XEONSD_NODE_NAMES": "127.0.0.1=here"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -131,8 +139,13 @@ def test_resume_under_mpirun_continues_the_same_trajectory(tiny_model, dataset, 
     env = mpi_env(cli_env)
     full, part = tmp_path / "full", tmp_path / "part"
     base = [mpirun, "-n", "2", sys.executable, "-m", "xeonsd.cli", "train"]
-    proc = subprocess.run([*base, *train_args(tiny_model, dataset, full, "--checkpointing_steps=3", steps=6)],
-                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [*base, *train_args(tiny_model, dataset, full, "--checkpointing_steps=3", steps=6)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     part.mkdir()
     shutil.copytree(full / "checkpoint-3", part / "checkpoint-3")
@@ -181,8 +194,13 @@ def test_resume_after_kill_continues_the_same_trajectory(tiny_model, dataset, tm
 
     out = tmp_path / "killed"
     args = train_args(tiny_model, dataset, out, "--checkpointing_steps=3", "--checkpoints_total_limit=2", steps=steps)
-    proc = subprocess.Popen([sys.executable, "-m", "xeonsd.cli", "train", *args], env=cli_env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "xeonsd.cli", "train", *args],
+        env=cli_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 240
     while not (out / "checkpoint-3").exists():
         assert proc.poll() is None, proc.stderr.read()[-3000:]
@@ -317,8 +335,15 @@ def test_a_hub_id_in_the_hub_cache_trains_offline(tiny_model, dataset, tmp_path,
 
 def test_validation_images_and_periodic_embeddings(tiny_model, dataset, tmp_path, cli_env):
     out = tmp_path / "out"
-    extra = ["--validation_prompt=a photo of a <dicoo>", "--num_validation_images=2", "--validation_steps=2",
-             "--save_steps=2", "--learnable_property=style", "--center_crop", "--dataloader_num_workers=2"]  # fmt: skip
+    extra = [
+        "--validation_prompt=a photo of a <dicoo>",
+        "--num_validation_images=2",
+        "--validation_steps=2",
+        "--save_steps=2",
+        "--learnable_property=style",
+        "--center_crop",
+        "--dataloader_num_workers=2",
+    ]
     proc = run_cli(["train", *train_args(tiny_model, dataset, out, *extra, steps=2)], cli_env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     from PIL import Image

@@ -80,8 +80,10 @@ def _from_metadata(path: Path, images: list[Path], column: str) -> Captions:
         raise DataError(f"{path}: captions for images that are not in {path.parent}: {', '.join(strays[:5])}")
     missing = [p.name for p in images if p.name not in by_name]
     if missing:
-        raise DataError(f"{path}: no caption for image {missing[0]}" + (f" (and {len(missing) - 1} more)" if
-                        len(missing) > 1 else ""))  # fmt: skip
+        raise DataError(
+            f"{path}: no caption for image {missing[0]}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
     texts = tuple(by_name[p.name][0] for p in images)
     return Captions(texts, METADATA, tuple(by_name[p.name][1] for p in images))
 

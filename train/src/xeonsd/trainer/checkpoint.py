@@ -75,8 +75,12 @@ def load_checkpoint(path: Path) -> dict:
     except Exception as exc:  # noqa: BLE001 - truncated or foreign files raise many kinds of errors
         raise CheckpointError(f"checkpoint {path} is unreadable: {exc}") from exc
     if "method" not in state:  # written before the trainer had methods: textual inversion, state at the top
-        state = {**state, "method": "textual_inversion", "base_model": None,
-                 "method_state": {"vectors": state["vectors"], "placeholder_tokens": state["placeholder_tokens"]}}  # fmt: skip
+        state = {
+            **state,
+            "method": "textual_inversion",
+            "base_model": None,
+            "method_state": {"vectors": state["vectors"], "placeholder_tokens": state["placeholder_tokens"]},
+        }
     return state
 
 

@@ -19,9 +19,12 @@ class PromptConditioning:
         self.models = models
         tok = models.tokenizer
         self.ids = tok(
-            list(prompts.texts), padding="max_length", truncation=True, max_length=tok.model_max_length,
+            list(prompts.texts),
+            padding="max_length",
+            truncation=True,
+            max_length=tok.model_max_length,
             return_tensors="pt",
-        ).input_ids  # fmt: skip
+        ).input_ids
         self.table: torch.Tensor | None = None
         if not trainable:
             self.table = self._encode_all(rank, world)

@@ -76,15 +76,15 @@ class TrainConfig:
     lora_target_modules: str = _flag(
         "comma-separated module names that get adapters", methods=(LORA,), default="to_q,to_k,to_v,to_out.0"
     )
-    train_text_encoder: bool = _flag("also put adapters on the text encoder's attention", methods=(LORA,),
-                                     default=False)  # fmt: skip
+    train_text_encoder: bool = _flag(
+        "also put adapters on the text encoder's attention", methods=(LORA,), default=False
+    )
     gradient_checkpointing: bool = _flag(
         "recompute the UNet's activations in the backward pass (less memory, ~30%% more time)",
         methods=(LORA, FULL),
         default=False,
     )
-    max_grad_norm: float = _flag("clip the gradient's norm to this (0: no clipping)", methods=(LORA, FULL),
-                                 default=1.0)  # fmt: skip
+    max_grad_norm: float = _flag("clip the gradient's norm to this (0: no clipping)", methods=(LORA, FULL), default=1.0)
     use_ema: bool = _flag("save an exponential moving average of the UNet's weights", methods=(FULL,), default=False)
     ema_decay: float = _flag("EMA decay per step", methods=(FULL,), default=0.9999)
     resolution: int = _flag("training image side in pixels (multiple of 8)", default=512)
@@ -110,8 +110,9 @@ class TrainConfig:
         "start a new run in an output dir that holds an earlier run's results (they are replaced)", default=False
     )
     save_as_full_pipeline: bool = _flag("also save a complete pipeline with the concept", methods=(TI,), default=False)
-    save_steps: int = _flag("write learned_embeds-steps-N.safetensors every N steps (0: never)", methods=(TI,),
-                            default=0)  # fmt: skip
+    save_steps: int = _flag(
+        "write learned_embeds-steps-N.safetensors every N steps (0: never)", methods=(TI,), default=0
+    )
     checkpointing_steps: int = _flag("write a resumable checkpoint every N steps (0: never)", default=500)
     checkpoints_total_limit: int | None = _flag("keep at most this many checkpoints", default=None)
     resume_from_checkpoint: str | None = _flag(
@@ -204,8 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
         base = typing.get_args(hint)[0] if typing.get_origin(hint) in (typing.Union, type(int | None)) else hint
         if base is bool:
             if negatable:
-                group.add_argument(name, *aliases, action=argparse.BooleanOptionalAction, default=f.default,
-                                   help=help_text)  # fmt: skip
+                group.add_argument(
+                    name, *aliases, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+                )
             else:
                 group.add_argument(name, *aliases, action="store_true", default=f.default, help=help_text)
             continue

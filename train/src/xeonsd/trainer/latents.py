@@ -130,8 +130,15 @@ class LatentTable:
                 mean[2 * k : 2 * k + 2], std[2 * k : 2 * k + 2] = saved["mean"], saved["std"]
             elif local_rank == 0 and not have[k]:  # one rank per node writes its node's missing files
                 with atomic_path(f) as tmp:
-                    save_file({"mean": mean[2 * k : 2 * k + 2].contiguous(), "std": std[2 * k : 2 * k + 2].contiguous()},
-                              str(tmp))  # fmt: skip
-        log.info("latent cache %s: %d of %d image(s) reused, %d encoded", cache_dir,
-                 len(images) - len(todo) // 2, len(images), len(todo) // 2)  # fmt: skip
+                    save_file(
+                        {"mean": mean[2 * k : 2 * k + 2].contiguous(), "std": std[2 * k : 2 * k + 2].contiguous()},
+                        str(tmp),
+                    )
+        log.info(
+            "latent cache %s: %d of %d image(s) reused, %d encoded",
+            cache_dir,
+            len(images) - len(todo) // 2,
+            len(images),
+            len(todo) // 2,
+        )
         return cls(**common, mean=mean, std=std)

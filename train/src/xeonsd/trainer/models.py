@@ -111,9 +111,13 @@ def save_full_pipeline(cfg: TrainConfig, target: Path, **components: torch.nn.Mo
         text_encoder.set_input_embeddings(emb.merged())
     try:
         pipe = StableDiffusionPipeline.from_pretrained(
-            cfg.pretrained_model_name_or_path, revision=cfg.revision, variant=cfg.variant,
-            safety_checker=None, requires_safety_checker=False, **components,
-        )  # fmt: skip
+            cfg.pretrained_model_name_or_path,
+            revision=cfg.revision,
+            variant=cfg.variant,
+            safety_checker=None,
+            requires_safety_checker=False,
+            **components,
+        )
         target.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".pipeline.tmp-", dir=target) as tmp:
             pipe.save_pretrained(tmp, safe_serialization=True)
@@ -132,15 +136,25 @@ def render_validation(cfg: TrainConfig, models: Models, target: Path, seed: int)
     from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
 
     pipe = StableDiffusionPipeline(
-        vae=models.vae, text_encoder=models.text_encoder, tokenizer=models.tokenizer, unet=models.unet,
+        vae=models.vae,
+        text_encoder=models.text_encoder,
+        tokenizer=models.tokenizer,
+        unet=models.unet,
         scheduler=DPMSolverMultistepScheduler.from_config(models.noise_scheduler.config),
-        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
-    )  # fmt: skip
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
     pipe.set_progress_bar_config(disable=True)
     generator = torch.Generator().manual_seed(seed)
     with atomic_dir(target, overwrite=True) as tmp, torch.no_grad(), autocast(models.weight_dtype):
         for i in range(cfg.num_validation_images):
-            image = pipe(cfg.validation_prompt, num_inference_steps=25, generator=generator,
-                         height=cfg.resolution, width=cfg.resolution).images[0]  # fmt: skip
+            image = pipe(
+                cfg.validation_prompt,
+                num_inference_steps=25,
+                generator=generator,
+                height=cfg.resolution,
+                width=cfg.resolution,
+            ).images[0]
             image.save(tmp / f"{i:02d}.png")
     log.info("validation images in %s", target)

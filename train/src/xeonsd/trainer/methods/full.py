@@ -84,8 +84,10 @@ class FullFineTuning(Method):
             self.ema.update(self.params)
 
     def state(self) -> dict:
-        return {"unet": {k: v.detach().clone() for k, v in self.models.unet.state_dict().items()},
-                "ema": self.ema.state() if self.ema is not None else None}  # fmt: skip
+        return {
+            "unet": {k: v.detach().clone() for k, v in self.models.unet.state_dict().items()},
+            "ema": self.ema.state() if self.ema is not None else None,
+        }
 
     def load_state(self, state: dict, where: str) -> None:
         if (state.get("ema") is None) != (self.ema is None):

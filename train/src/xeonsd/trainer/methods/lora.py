@@ -96,8 +96,9 @@ class LoRA(Method):
         layers = {"unet_lora_layers": get_peft_model_state_dict(self.models.unet)}
         if self.cfg.train_text_encoder:
             layers["text_encoder_lora_layers"] = get_peft_model_state_dict(self.models.text_encoder)
-        return {k: {n: t.detach().clone() for n, t in convert_state_dict_to_diffusers(v).items()}
-                for k, v in layers.items()}  # fmt: skip
+        return {
+            k: {n: t.detach().clone() for n, t in convert_state_dict_to_diffusers(v).items()} for k, v in layers.items()
+        }
 
     def _metadata(self) -> dict[str, dict]:
         """The adapters' configs (rank, alpha, targets) stored in the file's metadata, where diffusers'
@@ -108,12 +109,21 @@ class LoRA(Method):
         return meta
 
     def state(self) -> dict:
-        return {"adapters": [p.detach().clone() for p in self.params], "rank": self.cfg.rank, "alpha": self.alpha,
-                "targets": target_modules(self.cfg), "text_encoder": self.cfg.train_text_encoder}  # fmt: skip
+        return {
+            "adapters": [p.detach().clone() for p in self.params],
+            "rank": self.cfg.rank,
+            "alpha": self.alpha,
+            "targets": target_modules(self.cfg),
+            "text_encoder": self.cfg.train_text_encoder,
+        }
 
     def load_state(self, state: dict, where: str) -> None:
-        mine = {"rank": self.cfg.rank, "alpha": self.alpha, "targets": target_modules(self.cfg),
-                "text_encoder": self.cfg.train_text_encoder}  # fmt: skip
+        mine = {
+            "rank": self.cfg.rank,
+            "alpha": self.alpha,
+            "targets": target_modules(self.cfg),
+            "text_encoder": self.cfg.train_text_encoder,
+        }
         theirs = {k: state.get(k) for k in mine}
         if theirs != mine:
             diff = ", ".join(f"{k} {theirs[k]} (now {mine[k]})" for k in mine if theirs[k] != mine[k])

@@ -51,8 +51,7 @@ class TextualInversion(Method):
     def __init__(self, cfg, models) -> None:
         super().__init__(cfg, models)
         te = models.text_encoder
-        self.concept = add_concept(models.tokenizer, te, cfg.placeholder_token, cfg.initializer_token,
-                                   cfg.num_vectors)  # fmt: skip
+        self.concept = add_concept(models.tokenizer, te, cfg.placeholder_token, cfg.initializer_token, cfg.num_vectors)
         base = te.get_input_embeddings()
         if cfg.train_full_embedding_matrix:
             self.trainable = base.weight
@@ -79,8 +78,9 @@ class TextualInversion(Method):
             texts = tuple(c.replace(self.cfg.placeholder_token, text) for c in captions.texts)
             return PromptTable(texts, per_image=True, source=captions.source)
         templates = templates_for(self.cfg.learnable_property)
-        return PromptTable(tuple(t.format(text) for t in templates), per_image=False,
-                           source=f"{self.cfg.learnable_property} templates")  # fmt: skip
+        return PromptTable(
+            tuple(t.format(text) for t in templates), per_image=False, source=f"{self.cfg.learnable_property} templates"
+        )
 
     def vectors(self) -> torch.Tensor:
         v = self.trainable[self.concept.ids] if self.cfg.train_full_embedding_matrix else self.trainable
@@ -93,8 +93,9 @@ class TextualInversion(Method):
 
     def periodic_save(self, out: Path, step: int) -> None:
         if self.cfg.save_steps and step % self.cfg.save_steps == 0:
-            save_learned_embeds(out / f"learned_embeds-steps-{step}.safetensors", self.cfg.placeholder_token,
-                                self.vectors())  # fmt: skip
+            save_learned_embeds(
+                out / f"learned_embeds-steps-{step}.safetensors", self.cfg.placeholder_token, self.vectors()
+            )
 
     def state(self) -> dict:
         return {"vectors": self.vectors(), "placeholder_tokens": self.concept.tokens}
@@ -116,5 +117,8 @@ class TextualInversion(Method):
         save_learned_embeds(out / EMBEDS_FILE, self.cfg.placeholder_token, self.vectors())
 
     def summary(self) -> dict:
-        return {**super().summary(), "trainable_params": self.cfg.num_vectors * self.trainable.shape[-1],
-                "placeholder_tokens": self.concept.tokens}  # fmt: skip
+        return {
+            **super().summary(),
+            "trainable_params": self.cfg.num_vectors * self.trainable.shape[-1],
+            "placeholder_tokens": self.concept.tokens,
+        }
