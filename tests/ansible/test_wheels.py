@@ -29,8 +29,8 @@ PLAY = """
         name: ml_stack
         tasks_from: wheels
     - ansible.builtin.copy:
-        dest: "{{ cache }}/wheelhouse_built.json"
-        content: "{{ wheelhouse_built | to_json }}"
+        dest: "{{ cache }}/wheelhouse_wheels_built.json"
+        content: "{{ wheelhouse_wheels_built | to_json }}"
         mode: "0644"
       check_mode: false
       changed_when: false
@@ -58,7 +58,7 @@ def changed(result: subprocess.CompletedProcess) -> int:
 def run(site: dict, *args: str, **overrides: object) -> tuple[int, dict, str]:
     result = play(site, *args, **overrides)
     n = changed(result)
-    return n, json.loads((site["cache"] / "wheelhouse_built.json").read_text()), result.stdout
+    return n, json.loads((site["cache"] / "wheelhouse_wheels_built.json").read_text()), result.stdout
 
 
 def installed_wheel(dist_name: str, dest: Path) -> Path:
@@ -227,3 +227,70 @@ def test_diffusers_is_built_from_a_staged_archive_or_a_git_ref_once_each(site: d
     assert wheels["diffusers"]["key"] == f"git file://{repo}@v0.0.3"
     assert wheel_metadata(Path(wheels["diffusers"]["controller"]))["Version"] == "0.0.3"
     assert run(site, **from_git)[0] == 0
+
+
+STACK_PLAY = """
+- hosts: localhost
+  gather_facts: false
+  tasks:
+    - ansible.builtin.include_role:
+        name: ml_stack
+"""
+
+
+def test_the_node_installs_the_controller_wheels_offline_once(site: dict) -> None:
+    """The whole ml_stack role in offline mode, the "node" a venv on this machine: the wheelhouse is downloaded from
+    the local index (PIP_NO_INDEX, PIP_FIND_LINKS) with the controller's Diffusers wheel named as a file, and the
+    env gets Diffusers and xeonsd from the controller's wheels, once."""
+    tmp = site["tmp"]
+    tiny = tmp / "index" / "tinynodeps-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(tiny, "w") as z:
+        z.writestr("tinynodeps/__init__.py", "")
+        z.writestr("tinynodeps-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: tinynodeps\nVersion: 1.0\n")
+        z.writestr("tinynodeps-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr("tinynodeps-1.0.dist-info/RECORD", "")
+    nodeps = tmp / "requirements-nodeps.txt"
+    nodeps.write_text("tinynodeps==1.0\n")
+    env = tmp / "env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(env / "bin" / "python"), "install", "--quiet",
+                    "--no-index", str(installed_wheel("pip", tmp / "pip"))], check=True)  # fmt: skip
+    (tmp / "stack.yml").write_text(STACK_PLAY)
+    stack = {
+        "play": tmp / "stack.yml",
+        "vars": site["vars"]
+        | {
+            "ml_stack_name": "stock",
+            "ml_stack_env_prefix": str(env),
+            "ml_stack_nodeps_requirements": str(nodeps),
+            "ml_stack_extra_index_urls": [],
+            "ml_stack_seed_packages": [],
+            "ml_stack_seed_excluded": [],
+            "ml_stack_seed_index_urls": [],
+            "ml_stack_offline": True,
+            "ml_stack_node_dir": str(tmp / "node-cache"),
+            "ml_stack_verify": False,
+            "wheelhouse_controller_dir": str(site["cache"] / "wheelhouse"),
+            "wheelhouse_node_dir": str(tmp / "node-wheelhouse"),
+        },
+    }
+    os.environ["PIP_NO_INDEX"], os.environ["PIP_FIND_LINKS"] = "1", str(tmp / "index")
+    try:
+        first = play(stack)
+        assert changed(first) > 0
+        again = play(stack)
+        assert changed(again) == 0, again.stdout[-4000:]
+        assert changed(play(stack, "--check")) == 0
+    finally:
+        del os.environ["PIP_NO_INDEX"], os.environ["PIP_FIND_LINKS"]
+    out = subprocess.run([str(env / "bin" / "python"), "-c", "import diffusers, xeonsd, tinynodeps; "
+                          "print(diffusers.__version__, xeonsd.__version__)"],
+                         check=True, capture_output=True, text=True).stdout.split()  # fmt: skip
+    assert out[0] == "0.0.1"
+    markers = sorted(p.name.split("-")[0] for p in env.glob(".*-*"))
+    assert markers == [".diffusers", ".xeonsd"], markers
+    # The wheelhouse holds the controller's Diffusers wheel (copied by pip download), and no other Diffusers.
+    (wheelhouse,) = (tmp / "node-wheelhouse").iterdir()
+    assert sorted(p.name for p in wheelhouse.glob("diffusers*")) == ["diffusers-0.0.1-py3-none-any.whl"]
+    (built,) = (site["cache"] / "wheels").glob("diffusers-*/diffusers-0.0.1-py3-none-any.whl")
+    assert (wheelhouse / built.name).read_bytes() == built.read_bytes()
