@@ -29,7 +29,9 @@ def wheel_builds(run: PlaybookRun, name: str) -> list[str]:
         e["event_data"]["host"]
         for e in run.events
         if e.get("event") in ("runner_on_ok", "runner_on_failed")
-        and e["event_data"].get("task") == f"Build the wheel - {name}"
+        and e["event_data"].get("task", "").startswith("Build the wheel - ")
+        # pip wheel --wheel-dir <controller dir>/<name>-<id>.partial (the event's task name may be untemplated)
+        and f"/{name}-" in str((e["event_data"].get("res") or {}).get("cmd"))
     ]
 
 
