@@ -55,7 +55,7 @@ BAD_INVENTORIES = {
     "offline-git-nothing-staged": (
         dict(overrides={"diffusers_source": "git"}),
         [
-            "offline_install is true and diffusers_source is git, but the nodes would clone",
+            "offline_install is true and diffusers_source is git, but the controller would clone",
             "Fix: set diffusers_source: sdist",
             "set diffusers_source_archive to its path and diffusers_source_archive_sha256",
         ],

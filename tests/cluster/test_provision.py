@@ -6,13 +6,42 @@ from __future__ import annotations
 import hashlib
 import re
 import shutil
-import tarfile
+import subprocess
+import sys
 from pathlib import Path
 
 from harness import NODES, REPO, Cluster
 from runner import PlaybookRun, run_playbook
 
 ENV = "/opt/diffuser"
+# requirements.txt's diffusers pin: the test cluster (diffusers_source: sdist) builds its wheel from the index's sdist.
+DIFFUSERS_PIN = next(
+    line.split("#")[0].replace(" ", "")
+    for line in (REPO / "requirements.txt").read_text().splitlines()
+    if re.match(r"diffusers\s*==", line)
+)
+
+
+def wheel_builds(run: PlaybookRun, name: str) -> list[str]:
+    """The hosts on which the run's "Build the wheel - <name>" task ran (not skipped): one at most, the controller's
+    run_once."""
+    return [
+        e["event_data"]["host"]
+        for e in run.events
+        if e.get("event") in ("runner_on_ok", "runner_on_failed")
+        and e["event_data"].get("task", "").startswith("Build the wheel - ")
+        # pip wheel --wheel-dir <controller dir>/<name>-<id>.partial (the event's task name may be untemplated)
+        and f"/{name}-" in str((e["event_data"].get("res") or {}).get("cmd"))
+    ]
+
+
+def installed_wheel(cluster: Cluster, node: str, name: str) -> tuple[str, str]:
+    """(id, marker content) of the controller-built wheel ``name`` installed on ``node``: ml_stack leaves one
+    <env>/.<name>-<id> for the installed wheel (and forgets those before), holding "<wheel file> (<source key>)"."""
+    out = cluster.ssh(node, f"grep -H . {ENV}/.{name}-*", check=False).stdout.strip().splitlines()
+    assert len(out) == 1, f"{node}: {ENV}/.{name}-* should be one marker, the installed wheel's: {out}"
+    path, content = out[0].split(":", 1)
+    return path.rsplit("-", 1)[1], content
 
 
 def assert_node_works(cluster: Cluster, node: str) -> None:
@@ -37,6 +66,44 @@ def test_fresh_provision_builds_every_node(provisioned: Cluster, fresh_provision
     assert set(fresh_provision.recap) == set(provisioned.nodes)
     for node in provisioned.nodes:
         assert_node_works(provisioned, node)
+
+
+def test_diffusers_and_xeonsd_are_built_once_on_the_controller_and_installed_from_its_wheels(
+    provisioned: Cluster, fresh_provision: PlaybookRun
+) -> None:
+    # Built on the controller at most once in the run (the wheel may already be in .cache/wheels from an earlier
+    # session: then no build at all), never on a node.
+    for name in ("diffusers", "xeonsd"):
+        assert len(wheel_builds(fresh_provision, name)) <= 1, wheel_builds(fresh_provision, name)
+    ids = {node: installed_wheel(provisioned, node, "diffusers") for node in provisioned.nodes}
+    assert len(set(ids.values())) == 1, ids  # every node installed the same wheel
+    ((wid, marker),) = set(ids.values())
+    built = REPO / ".cache" / "wheels" / f"diffusers-{wid}"
+    (wheel,) = built.glob("*.whl")
+    assert re.fullmatch(r"diffusers-[\d.]+-py3-none-any\.whl", wheel.name), wheel.name
+    assert (
+        marker
+        == f"{wheel.name} (sdist {DIFFUSERS_PIN})"
+        == f"{wheel.name} ({(built / '.complete').read_text().strip()})"
+    )
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    for node in provisioned.nodes:
+        found = provisioned.ssh(node, f"sha256sum /var/cache/xeonsd/wheels/*/diffusers-{wid}/{wheel.name}").stdout
+        assert found.split()[0] == digest, f"{node}: {found}"
+        # Nothing of Diffusers' or xeonsd's source reached the node: no clone, no archive, no sdist, no packed train/.
+        leftovers = provisioned.ssh(
+            node, "ls -d /var/cache/xeonsd/diffusers /var/cache/xeonsd/xeonsd-src.tar /var/cache/xeonsd/*.tar.gz "
+            "/var/cache/xeonsd/wheelhouse/*/diffusers-*.tar.gz", check=False).stdout  # fmt: skip
+        assert leftovers.strip() == "", f"{node}: {leftovers}"
+        xid, xmarker = installed_wheel(provisioned, node, "xeonsd")
+        assert xmarker.startswith("xeonsd-") and "(source sha1 " in xmarker, xmarker
+        assert (REPO / ".cache" / "wheels" / f"xeonsd-{xid}" / ".complete").exists()
+    # The offline wheelhouse the nodes got holds that same wheel (its downloads name it as a file) and no other
+    # Diffusers (no sdist, no wheel from the index).
+    (wheelhouse_id,) = provisioned.ssh("node1", "ls /var/cache/xeonsd/wheelhouse").stdout.split()
+    wheelhouse = REPO / ".cache" / "wheelhouse" / wheelhouse_id
+    assert sorted(p.name for p in wheelhouse.glob("diffusers-*")) == [wheel.name]
+    assert (wheelhouse / wheel.name).read_bytes() == wheel.read_bytes()
 
 
 def test_nodes_keep_their_files_private(provisioned: Cluster) -> None:
@@ -84,6 +151,7 @@ def test_second_run_changes_nothing(provisioned: Cluster) -> None:
     print(f"\nsecond run ({NODES} nodes, nothing to do): {result.seconds:.1f} s")
     assert result.rc == 0, result.tail()
     assert result.changed() == {node: 0 for node in provisioned.nodes}, result.recap
+    assert wheel_builds(result, "diffusers") == wheel_builds(result, "xeonsd") == []  # nothing is built again
 
 
 def test_check_mode_runs_through(provisioned: Cluster) -> None:
@@ -123,16 +191,15 @@ def test_limit_rebuilds_a_wiped_node_without_the_others(provisioned: Cluster) ->
     assert f"node={provisioned.address(3)} " in log and "16 ranks (gloo)" in job.output
 
 
-def test_offline_git_installs_diffusers_from_a_staged_archive(provisioned: Cluster, tmp_path: Path) -> None:
+def test_offline_git_builds_diffusers_from_a_staged_archive(provisioned: Cluster, tmp_path: Path) -> None:
     # An air-gapped site with diffusers_source: git stages a source archive of Diffusers on the controller; the
-    # node gets it over SSH instead of cloning (the test cluster reaches no git hosting, so a clone would fail).
-    # The stand-in archive is the Diffusers sdist that the test cluster's wheelhouse already holds.
-    wheelhouse = max((REPO / ".cache" / "wheelhouse").glob("wheelhouse-*.tar"), key=lambda p: p.stat().st_mtime)
-    with tarfile.open(wheelhouse) as tar:
-        # verified_tree packs the wheelhouse flat; a wheelhouse packed by the role before had it under wheelhouse/.
-        (member,) = [m for m in tar.getmembers() if re.fullmatch(r"(wheelhouse/)?diffusers-[\d.]+\.tar\.gz", m.name)]
-        archive = tmp_path / Path(member.name).name
-        archive.write_bytes(tar.extractfile(member).read())
+    # controller builds its wheel instead of cloning (the test cluster reaches no git hosting, so a clone would
+    # fail) and node3 installs that wheel. The stand-in archive is the pinned sdist, fetched by the controller's pip
+    # from the index the wheelhouse comes from. (A new Diffusers wheel is a new wheelhouse too: its downloads name
+    # the wheel, so this run downloads the wheelhouse again.)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", "diffusers",
+                    "--dest", str(tmp_path), DIFFUSERS_PIN], check=True, timeout=600)  # fmt: skip
+    (archive,) = tmp_path.glob("diffusers-*.tar.gz")
     sha256 = hashlib.sha256(archive.read_bytes()).hexdigest()
     inventory = provisioned.write_inventory(
         tmp_path / "inventory.yml",
@@ -146,8 +213,11 @@ def test_offline_git_installs_diffusers_from_a_staged_archive(provisioned: Clust
     first = run_playbook("provision.yml", inventory, "--limit", "node3", state_dir=provisioned.state_dir,
                          name="limit-node3-diffusers-archive")  # fmt: skip
     assert first.rc == 0, first.tail()
-    assert "Install Diffusers from the archive" in first.output and "Clone Diffusers" not in first.output
-    provisioned.ssh("node3", f"test -f {ENV}/.diffusers-{sha256}")
+    # Built once (run_once), or not at all when an earlier session built this archive's wheel (.cache persists).
+    assert wheel_builds(first, "diffusers") in ([], ["node3"]) and "Clone Diffusers" not in first.output
+    wid, marker = installed_wheel(provisioned, "node3", "diffusers")
+    assert marker.endswith(f" (archive sha256 {sha256})"), marker
+    assert (REPO / ".cache" / "wheels" / f"diffusers-{wid}" / ".complete").read_text() == f"archive sha256 {sha256}\n"
     assert provisioned.ssh("node3", "test -e /var/cache/xeonsd/diffusers", check=False).returncode != 0
     assert_node_works(provisioned, "node3")
 
@@ -155,3 +225,4 @@ def test_offline_git_installs_diffusers_from_a_staged_archive(provisioned: Clust
                           name="limit-node3-diffusers-archive-again")  # fmt: skip
     assert second.rc == 0, second.tail()
     assert second.changed() == {"node3": 0}, second.recap
+    assert wheel_builds(second, "diffusers") == []
