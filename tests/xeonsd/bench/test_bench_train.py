@@ -10,7 +10,7 @@ import sys
 def test_bench_train_variants_differ_in_what_they_switch_off(tiny_model, tmp_path, cli_env):
     out = tmp_path / "bench.json"
     args = ["bench", "train", f"--model={tiny_model}", "--resolution=64", "--steps=2", "--warmup=1"]
-    args += ["--peak-size=512", "--dtype=fp32", f"--json={out}", "--no-ranks2"]
+    args += ["--peak-size=512", "--dtype=fp32", f"--json={out}", "--no-ranks2", "--rounds=2", "--probes=2"]
     proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", *args], env=cli_env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -30,6 +30,20 @@ def test_bench_train_variants_differ_in_what_they_switch_off(tiny_model, tmp_pat
     assert 0.005 < report["peak_tflops"]["fp32"] < 100, report["peak_tflops"]
     assert 1e-4 < rows["optimized"]["of_peak"] < 1.5, rows["optimized"]
     assert "x optimized" in proc.stdout and "matmul peak measured in this run" in proc.stdout
+    # Interleaved: A B C A B C, each variant's rounds and its per-round ratio to the optimized run beside them.
+    names = [r["variant"] for r in report["results"]]
+    assert report["schedule"] == names + names
+    for r in rows.values():
+        assert len(r["s_per_step_rounds"]) == 2 and len(r["x_optimized_rounds"]) == 2
+        assert r["s_per_step_spread"]["min"] <= r["s_per_step"] <= r["s_per_step_spread"]["max"]
+    assert rows["optimized"]["x_optimized_rounds"] == [1.0, 1.0]
+    probes = report["matmul_probes_flops"]
+    assert [p["dtype"] for p in probes["before"]] == ["fp32", "bf16", "fp32", "bf16"] and len(probes["after"]) == 4
+    last = proc.stdout.strip().splitlines()[-1]
+    if report["machine"]["unstable"]:
+        assert last == "machine unstable: read the ratios, not the seconds"
+    else:
+        assert last.endswith("machine steady")
 
 
 def test_bench_train_refuses_a_model_it_cannot_find(tmp_path, capsys):
