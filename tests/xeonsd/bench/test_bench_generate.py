@@ -87,3 +87,22 @@ def test_report_puts_g_beside_d_and_judges_its_target_only_with_amx_int8() -> No
     none = format_table(_with_g(None))
     assert "not judged, this CPU (Some CPU) has no AMX-INT8 and no VNNI" in none and "(met)" not in none
     assert "not judged, this CPU (Some CPU) has AVX512-VNNI only" in format_table(_with_g("AVX512-VNNI"))
+
+
+def test_report_reads_the_ratios_round_by_round() -> None:
+    """(a) and (d) measured in two interleaved rounds while the machine slowed down: the ratio is the median of
+    each round's a/d (5x and 8x: 6.5x), not the ratio of the medians (300 / 45 = 6.67x)."""
+    report = _report({"a": 300.0, "d": 45.0, "g": 30.0}, bf16=1e12, fp32=0.25e12)
+    rows = {r["key"]: r for r in report["results"]}
+    rows["a"].update(per_image_spread={"min": 200.0, "max": 400.0}, vs_a={"median": 1.0, "min": 1.0, "max": 1.0})
+    rows["d"].update(per_image_spread={"min": 40.0, "max": 50.0}, vs_a={"median": 6.5, "min": 5.0, "max": 8.0})
+    report["rounds"] = 2
+    report["g_over_d"] = {"speedup_rounds": [1.25, 1.75], "speedup": {"median": 1.5, "min": 1.25, "max": 1.75}}
+    report["cpu"] = {"model": "Some CPU", "native_int8": "AMX-INT8"}
+    table = format_table(report)
+    assert "2 interleaved round(s) of the variants" in table
+    line_d = next(ln for ln in table.splitlines() if ln.startswith("(d)"))
+    assert "40.00-50.00" in line_d and "6.50x" in line_d and "5.00-8.00" in line_d
+    assert "(d) >= 6x faster than (a): 6.50x (met)" in table
+    assert "time g/d 0.67 = 1.50x faster (per round 1.25-1.75x)" in table
+    assert "target (g) >= 1.4x faster than (d): 1.50x (met)" in table
