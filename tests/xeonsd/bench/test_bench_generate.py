@@ -106,3 +106,28 @@ def test_report_reads_the_ratios_round_by_round() -> None:
     assert "(d) >= 6x faster than (a): 6.50x (met)" in table
     assert "time g/d 0.67 = 1.50x faster (per round 1.25-1.75x)" in table
     assert "target (g) >= 1.4x faster than (d): 1.50x (met)" in table
+
+
+def test_bench_generate_runs_its_variants_interleaved_round_by_round() -> None:
+    """a d g a d g: each planned variant once per round; recorded (load, s/image) pairs, nothing timed."""
+    import argparse
+
+    from xeonsd.bench.generate_pipelines import Bench
+
+    calls: list[str] = []
+    recorded = {"a": [(1.0, 200.0), (1.0, 400.0)], "d": [(2.0, 40.0), (4.0, 50.0)], "g": [(3.0, 30.0), (3.0, 25.0)]}
+
+    def variant(key: str):
+        return lambda: (calls.append(key), recorded[key][calls.count(key) - 1])[1]
+
+    bench = Bench(argparse.Namespace(only=["a", "d", "g"]), Path("m"), Path("e"), Path("w"))
+    for key in "gad":  # run in the order they were planned, round after round
+        bench.measure(key, f"variant {key}", variant(key))
+    bench.measure("e", "not asked for", variant("e"))
+    bench.measure_rounds(2)
+    assert calls == ["g", "a", "d", "g", "a", "d"]
+    rows = {r.key: r for r in bench.results}
+    assert [r.key for r in bench.results] == ["a", "d", "g"]
+    assert rows["d"].rounds_s == [40.0, 50.0] and rows["d"].per_image_s == 45.0 and rows["d"].load_s == 3.0
+    assert rows["d"].vs_a_rounds == [5.0, 8.0] and rows["d"].vs_a["median"] == 6.5
+    assert rows["g"].per_image_spread["min"] == 25.0 and rows["g"].per_image_spread["max"] == 30.0

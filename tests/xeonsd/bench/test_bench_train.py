@@ -68,3 +68,22 @@ def test_bench_train_lora_measures_the_allreduce_on_two_ranks(tiny_model, tmp_pa
     assert report["method"] == "lora" and computed > 1000
     assert report["allreduce_bytes_measured_2ranks"] == computed, report.get("allreduce_not_measured")
     assert "measured on a 2-rank mpirun run" in proc.stdout
+
+
+def test_bench_train_runs_its_variants_interleaved_round_by_round(tmp_path, monkeypatch):
+    """A B C A B C, each run in its own output directory; the runs are recorded, not timed."""
+    import xeonsd.bench.train as bt
+
+    calls = []
+
+    def fake_run(variant, base_args, out, env):
+        calls.append((variant.name, out.name))
+        return {"rows": [{"s_per_step": 1.0, "allreduce_bytes": 4}], "peak_rss_gb": 1.0}
+
+    monkeypatch.setattr(bt, "_run_variant", fake_run)
+    variants = list(bt.variants_for("textual_inversion", "bf16"))[:3]
+    runs = bt.run_rounds(variants, 2, [], tmp_path, {})
+    names = [v.name for v in variants]
+    assert [name for name, _ in calls] == names + names
+    assert [out for _, out in calls] == ["v0r0", "v1r0", "v2r0", "v0r1", "v1r1", "v2r1"]
+    assert list(runs) == names and all(len(r) == 2 for r in runs.values())
