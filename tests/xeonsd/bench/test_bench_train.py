@@ -58,7 +58,7 @@ def test_bench_train_lora_measures_the_allreduce_on_two_ranks(tiny_model, tmp_pa
     """The 2-rank run's recorded collectives carry exactly the adapters' gradients and the loss."""
     out = tmp_path / "bench.json"
     args = ["bench", "train", "--method=lora", f"--model={tiny_model}", "--resolution=64", "--steps=1", "--warmup=1",
-            "--peak-size=256", "--dtype=fp32", "--only", "optimized", f"--json={out}"]  # fmt: skip
+            "--peak-size=256", "--dtype=fp32", "--only", "optimized", f"--json={out}", "--rounds=1", "--probes=1"]  # fmt: skip
     env = dict(cli_env, I_MPI_FABRICS="shm")
     proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", *args], env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
