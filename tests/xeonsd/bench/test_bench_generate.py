@@ -87,3 +87,47 @@ def test_report_puts_g_beside_d_and_judges_its_target_only_with_amx_int8() -> No
     none = format_table(_with_g(None))
     assert "not judged, this CPU (Some CPU) has no AMX-INT8 and no VNNI" in none and "(met)" not in none
     assert "not judged, this CPU (Some CPU) has AVX512-VNNI only" in format_table(_with_g("AVX512-VNNI"))
+
+
+def test_report_reads_the_ratios_round_by_round() -> None:
+    """(a) and (d) measured in two interleaved rounds while the machine slowed down: the ratio is the median of
+    each round's a/d (5x and 8x: 6.5x), not the ratio of the medians (300 / 45 = 6.67x)."""
+    report = _report({"a": 300.0, "d": 45.0, "g": 30.0}, bf16=1e12, fp32=0.25e12)
+    rows = {r["key"]: r for r in report["results"]}
+    rows["a"].update(per_image_spread={"min": 200.0, "max": 400.0}, vs_a={"median": 1.0, "min": 1.0, "max": 1.0})
+    rows["d"].update(per_image_spread={"min": 40.0, "max": 50.0}, vs_a={"median": 6.5, "min": 5.0, "max": 8.0})
+    report["rounds"] = 2
+    report["g_over_d"] = {"speedup_rounds": [1.25, 1.75], "speedup": {"median": 1.5, "min": 1.25, "max": 1.75}}
+    report["cpu"] = {"model": "Some CPU", "native_int8": "AMX-INT8"}
+    table = format_table(report)
+    assert "2 interleaved round(s) of the variants" in table
+    line_d = next(ln for ln in table.splitlines() if ln.startswith("(d)"))
+    assert "40.00-50.00" in line_d and "6.50x" in line_d and "5.00-8.00" in line_d
+    assert "(d) >= 6x faster than (a): 6.50x (met)" in table
+    assert "time g/d 0.67 = 1.50x faster (per round 1.25-1.75x)" in table
+    assert "target (g) >= 1.4x faster than (d): 1.50x (met)" in table
+
+
+def test_bench_generate_runs_its_variants_interleaved_round_by_round() -> None:
+    """a d g a d g: each planned variant once per round; recorded (load, s/image) pairs, nothing timed."""
+    import argparse
+
+    from xeonsd.bench.generate_pipelines import Bench
+
+    calls: list[str] = []
+    recorded = {"a": [(1.0, 200.0), (1.0, 400.0)], "d": [(2.0, 40.0), (4.0, 50.0)], "g": [(3.0, 30.0), (3.0, 25.0)]}
+
+    def variant(key: str):
+        return lambda: (calls.append(key), recorded[key][calls.count(key) - 1])[1]
+
+    bench = Bench(argparse.Namespace(only=["a", "d", "g"]), Path("m"), Path("e"), Path("w"))
+    for key in "gad":  # run in the order they were planned, round after round
+        bench.measure(key, f"variant {key}", variant(key))
+    bench.measure("e", "not asked for", variant("e"))
+    bench.measure_rounds(2)
+    assert calls == ["g", "a", "d", "g", "a", "d"]
+    rows = {r.key: r for r in bench.results}
+    assert [r.key for r in bench.results] == ["a", "d", "g"]
+    assert rows["d"].rounds_s == [40.0, 50.0] and rows["d"].per_image_s == 45.0 and rows["d"].load_s == 3.0
+    assert rows["d"].vs_a_rounds == [5.0, 8.0] and rows["d"].vs_a["median"] == 6.5
+    assert rows["g"].per_image_spread["min"] == 25.0 and rows["g"].per_image_spread["max"] == 30.0

@@ -10,7 +10,7 @@ import sys
 def test_bench_train_variants_differ_in_what_they_switch_off(tiny_model, tmp_path, cli_env):
     out = tmp_path / "bench.json"
     args = ["bench", "train", f"--model={tiny_model}", "--resolution=64", "--steps=2", "--warmup=1"]
-    args += ["--peak-size=512", "--dtype=fp32", f"--json={out}", "--no-ranks2"]
+    args += ["--peak-size=512", "--dtype=fp32", f"--json={out}", "--no-ranks2", "--rounds=2", "--probes=2"]
     proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", *args], env=cli_env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -30,6 +30,20 @@ def test_bench_train_variants_differ_in_what_they_switch_off(tiny_model, tmp_pat
     assert 0.005 < report["peak_tflops"]["fp32"] < 100, report["peak_tflops"]
     assert 1e-4 < rows["optimized"]["of_peak"] < 1.5, rows["optimized"]
     assert "x optimized" in proc.stdout and "matmul peak measured in this run" in proc.stdout
+    # Interleaved: A B C A B C, each variant's rounds and its per-round ratio to the optimized run beside them.
+    names = [r["variant"] for r in report["results"]]
+    assert report["schedule"] == names + names
+    for r in rows.values():
+        assert len(r["s_per_step_rounds"]) == 2 and len(r["x_optimized_rounds"]) == 2
+        assert r["s_per_step_spread"]["min"] <= r["s_per_step"] <= r["s_per_step_spread"]["max"]
+    assert rows["optimized"]["x_optimized_rounds"] == [1.0, 1.0]
+    probes = report["matmul_probes_flops"]
+    assert [p["dtype"] for p in probes["before"]] == ["fp32", "bf16", "fp32", "bf16"] and len(probes["after"]) == 4
+    last = proc.stdout.strip().splitlines()[-1]
+    if report["machine"]["unstable"]:
+        assert last == "machine unstable: read the ratios, not the seconds"
+    else:
+        assert last.endswith("machine steady")
 
 
 def test_bench_train_refuses_a_model_it_cannot_find(tmp_path, capsys):
@@ -44,7 +58,7 @@ def test_bench_train_lora_measures_the_allreduce_on_two_ranks(tiny_model, tmp_pa
     """The 2-rank run's recorded collectives carry exactly the adapters' gradients and the loss."""
     out = tmp_path / "bench.json"
     args = ["bench", "train", "--method=lora", f"--model={tiny_model}", "--resolution=64", "--steps=1", "--warmup=1",
-            "--peak-size=256", "--dtype=fp32", "--only", "optimized", f"--json={out}"]  # fmt: skip
+            "--peak-size=256", "--dtype=fp32", "--only", "optimized", f"--json={out}", "--rounds=1", "--probes=1"]  # fmt: skip
     env = dict(cli_env, I_MPI_FABRICS="shm")
     proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", *args], env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
@@ -54,3 +68,22 @@ def test_bench_train_lora_measures_the_allreduce_on_two_ranks(tiny_model, tmp_pa
     assert report["method"] == "lora" and computed > 1000
     assert report["allreduce_bytes_measured_2ranks"] == computed, report.get("allreduce_not_measured")
     assert "measured on a 2-rank mpirun run" in proc.stdout
+
+
+def test_bench_train_runs_its_variants_interleaved_round_by_round(tmp_path, monkeypatch):
+    """A B C A B C, each run in its own output directory; the runs are recorded, not timed."""
+    import xeonsd.bench.train as bt
+
+    calls = []
+
+    def fake_run(variant, base_args, out, env):
+        calls.append((variant.name, out.name))
+        return {"rows": [{"s_per_step": 1.0, "allreduce_bytes": 4}], "peak_rss_gb": 1.0}
+
+    monkeypatch.setattr(bt, "_run_variant", fake_run)
+    variants = list(bt.variants_for("textual_inversion", "bf16"))[:3]
+    runs = bt.run_rounds(variants, 2, [], tmp_path, {})
+    names = [v.name for v in variants]
+    assert [name for name, _ in calls] == names + names
+    assert [out for _, out in calls] == ["v0r0", "v1r0", "v2r0", "v0r1", "v1r1", "v2r1"]
+    assert list(runs) == names and all(len(r) == 2 for r in runs.values())

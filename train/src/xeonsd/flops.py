@@ -15,11 +15,16 @@ import torch
 
 
 def matmul_peak(dtype: torch.dtype, max_n: int = 4096, seconds: float = 2.0) -> float:
-    """Best FLOP/s of a square ``dtype`` matmul over sizes 256, 512, … up to ``max_n``.
+    """Best FLOP/s of a square ``dtype`` matmul over sizes 256, 512, … up to ``max_n`` (see ``matmul_rates``)."""
+    return max(matmul_rates(dtype, max_n, seconds).values())
+
+
+def matmul_rates(dtype: torch.dtype, max_n: int = 4096, seconds: float = 2.0) -> dict[int, float]:
+    """Best FLOP/s of a square ``dtype`` matmul at each size 256, 512, … up to ``max_n``.
 
     The size doubles while one product takes under 0.25 s, so an emulated dtype (bf16 without AMX or AVX512-BF16
     runs ~100x slower than fp32) stops at a small product instead of running for minutes; every size gets its
-    share of ``seconds`` and at least 3 repetitions, and the best rate of any size is the peak."""
+    share of ``seconds`` and at least 3 repetitions, after one untimed product (its kernel selection)."""
     sizes = []
     n = 256
     while n <= max_n:
@@ -30,17 +35,32 @@ def matmul_peak(dtype: torch.dtype, max_n: int = 4096, seconds: float = 2.0) -> 
         if time.perf_counter() - t0 > 0.25:
             break
         n *= 2
-    best = 0.0
+    rates: dict[int, float] = {}
     for n in sizes:
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
         a @ b  # warm-up: the first product of a size pays for its kernel selection
-        start, reps = time.perf_counter(), 0
+        start, reps, best = time.perf_counter(), 0, 0.0
         while reps < 3 or time.perf_counter() - start < seconds / len(sizes):
             t0 = time.perf_counter()
             a @ b
             best = max(best, 2 * n**3 / (time.perf_counter() - t0))
             reps += 1
-    return best
+        rates[n] = best
+    return rates
+
+
+def matmul_probes(
+    dtypes: dict[str, torch.dtype], repeats: int = 3, max_n: int = 4096, seconds: float = 1.0
+) -> list[dict]:
+    """``repeats`` probes of each dtype, the dtypes alternating: ``{"dtype", "peak", "rates"}`` in FLOP/s, rates
+    per matrix side (several sizes each). Benchmarks take them before and after their variants
+    (xeonsd.bench.rounds.stability judges whether the machine held still)."""
+    probes = []
+    for _ in range(repeats):
+        for name, dtype in dtypes.items():
+            rates = matmul_rates(dtype, max_n, seconds)
+            probes.append({"dtype": name, "peak": max(rates.values()), "rates": {str(n): r for n, r in rates.items()}})
+    return probes
 
 
 def count_attention() -> None:

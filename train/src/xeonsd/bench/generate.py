@@ -5,10 +5,12 @@
 (``export --quantize hybrid``, calibrated on the recipe's prompt and templates), printed beside (d) with the speed
 ratio and the mean absolute pixel difference to (d)'s image of the same seed; its target (>= 1.4x faster than (d))
 is judged only on a CPU with AMX-INT8. Each is loaded, warmed up with a
-one-step call, then timed on ``--images`` calls of one image; the table gives seconds per image and the ratio to
-(a). The FLOP floor is the FLOPs (d) executes per image (text encoder, ``steps`` UNet calls at batch 2 for
+one-step call, then timed on ``--images`` calls of one image, in ``--rounds`` interleaved rounds (a b c … a b c, see
+xeonsd.bench.rounds); the table gives the median seconds per image over the rounds with their min-max, and the
+median of each round's ratio to that round's (a). The FLOP floor is the FLOPs (d) executes per image (text encoder, ``steps`` UNet calls at batch 2 for
 classifier-free guidance, VAE decoder; counted with ``torch.utils.flop_counter`` on the same networks) divided by
-the bf16 matmul peak measured in the same run; the floor at the fp32 peak is printed too, and which precision the
+the bf16 matmul peak measured in the same run (the median of probes before and after the variants; probes
+more than 15 % apart end the output with "machine unstable: read the ratios, not the seconds"); the floor at the fp32 peak is printed too, and which precision the
 OpenVINO CPU plugin runs in on this machine.
 
 Default: the full SD1.5 architecture (``make-tiny-model --arch sd15``) at 512x512, 20 steps, as the recipe.
@@ -26,8 +28,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from xeonsd.bench import rounds as rnd
 from xeonsd.bench.generate_pipelines import PROMPT, Bench, Result, model_and_concept, time_ov, time_torch
-from xeonsd.bench.generate_report import format_table, matmul_peak, pipeline_flops
+from xeonsd.bench.generate_report import format_table, pipeline_flops
 from xeonsd.fsutil import atomic_file
 from xeonsd.openvino.quantize import DEFAULT_SAMPLES
 
@@ -43,14 +46,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     model, embeds = model_and_concept(args, workdir)
-    peaks = {"bf16": matmul_peak("bfloat16"), "fp32": matmul_peak("float32")}
+    _probes(1, 0.2)  # warm-up, not kept
+    before = _probes(args.probes, 1.0)
+    peaks = {d: rnd.spread([p["peak"] for p in before if p["dtype"] == d])["median"] for d in ("bf16", "fp32")}
     log.info("matmul peaks: bf16 %.3f TFLOP/s, fp32 %.3f TFLOP/s", peaks["bf16"] / 1e12, peaks["fp32"] / 1e12)
     flops = pipeline_flops(model, args.height, args.width, args.steps)
     ov_precision = str(ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT"))
 
     bench = Bench(args, model, embeds, workdir)
     g_vs_d = _measure_variants(bench, peaks, flops)
+    after = _probes(args.probes, 1.0)
+    stable = rnd.stability(before, after)
+    peaks = {k: v["peak"]["median"] for k, v in stable["by_dtype"].items()}
     cpu = cpu_info()
+    timed = {r.key: r.rounds_s for r in bench.results if r.rounds_s}
+    g_over_d = None
+    if "g" in timed and "d" in timed:  # (d) / (g) within each round: (g)'s speed-up
+        speedups = rnd.per_round_ratios(timed["d"], timed["g"])
+        g_over_d = {"speedup_rounds": speedups, "speedup": rnd.spread(speedups)}
 
     return {
         "model": str(model),
@@ -68,7 +81,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "export_seconds": bench.exports,
         "g_vs_d": g_vs_d,
         "cpu": {"model": cpu.model, "native_int8": cpu.native_int8},
+        "rounds": args.rounds,
+        "schedule": [key for _, key in rnd.schedule([r.key for r in bench.results if r.rounds_s], args.rounds)],
+        "g_over_d": g_over_d,
+        "matmul_probes_flops": {"before": before, "after": after},
+        "machine": stable,
     }
+
+
+def _probes(repeats: int, seconds: float) -> list[dict]:
+    import torch
+
+    from xeonsd.flops import matmul_probes
+
+    return matmul_probes({"bf16": torch.bfloat16, "fp32": torch.float32}, repeats=repeats, seconds=seconds)
 
 
 def _measure_variants(bench: Bench, peaks: dict[str, float], flops: dict[str, float]) -> dict[str, Any] | None:
@@ -105,6 +131,7 @@ def _measure_variants(bench: Bench, peaks: dict[str, float], flops: dict[str, fl
         hybrid_dir = bench.export(f"static-{size}", static, "int8", QuantizeOptions(samples=args.calibration_samples))
         name = f"OpenVINO static {size} hybrid int8"
         bench.measure("g", name, lambda: time_ov(hybrid_dir, "optimum", args, image_g))
+    bench.measure_rounds(args.rounds)
     return _pixel_difference(image_g, image_d, args.seed) if image_d and image_g else None
 
 
@@ -135,7 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--height", type=int, default=512)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--images", type=int, default=1, help="timed images per variant (one per call)")
+    p.add_argument("--images", type=int, default=1, help="timed images per variant and round (one per call)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds: each variant runs once per round")
+    p.add_argument("--probes", type=int, default=3, help="matmul peak probes per dtype, before and after the variants")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="256x256 and 4 steps")
     p.add_argument("--only", default="abcdefg", help="variants to run, e.g. 'ad' ('g' runs 'd' too)")
@@ -154,8 +183,8 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
         args.height, args.width, args.steps = 256, 256, 4
-    if args.images < 1 or args.steps < 1:
-        raise SystemExit("xeonsd bench generate: error: --images and --steps must be at least 1")
+    if min(args.images, args.steps, args.rounds, args.probes) < 1:
+        raise SystemExit("xeonsd bench generate: error: --images, --steps, --rounds and --probes must be at least 1")
     if args.calibration_samples < 1:
         raise SystemExit("xeonsd bench generate: error: --calibration-samples must be at least 1")
     only = set(args.only) & set("abcdefg")
@@ -175,4 +204,5 @@ def main(argv: list[str]) -> int:
     with atomic_file(out, "w") as fh:
         json.dump({**report, "table": table}, fh, indent=2)
     print(f"results: {out}")
+    print("\n".join(rnd.verdict_lines(report["machine"])))
     return 0

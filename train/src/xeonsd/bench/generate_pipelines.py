@@ -2,7 +2,9 @@
 
 The random-weight model and concept it runs on, the OpenVINO exports (cached in ``--workdir`` and reused while
 source, shape, weight format and calibration are the same), and the timing of one variant: load (+ compile), an
-optional one-step warm-up call, then the mean seconds per image over ``--images`` calls of one image.
+optional one-step warm-up call, then the mean seconds per image over ``--images`` calls of one image. The variants
+run interleaved (``Bench.measure_rounds``): in each of ``--rounds`` rounds every variant is loaded, warmed up, timed
+and closed, in the order a b c … (so only one pipeline is in memory at a time, and load time is never timed).
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ import argparse
 import gc
 import json
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from xeonsd.bench import rounds as rnd
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +33,12 @@ class Result:
     key: str
     name: str
     load_s: float | None = None
-    per_image_s: float | None = None
+    per_image_s: float | None = None  # the median of the rounds
     note: str = ""
+    rounds_s: list[float] = field(default_factory=list)  # seconds per image, round by round
+    per_image_spread: dict | None = None  # rnd.spread of rounds_s
+    vs_a_rounds: list[float] = field(default_factory=list)  # (a) / this variant, within each round
+    vs_a: dict | None = None  # rnd.spread of vs_a_rounds
 
 
 @dataclass
@@ -42,6 +51,7 @@ class Bench:
     workdir: Path
     results: list[Result] = field(default_factory=list)
     exports: dict[str, float] = field(default_factory=dict)  # export name -> seconds it took (when it was made)
+    planned: dict[str, tuple[str, Callable[[], tuple[float, float]]]] = field(default_factory=dict)
 
     def export(self, kind: str, shape: Any, fmt: str, quantize: Any = None) -> Path:
         name = f"{kind}-{'hybrid' if quantize else fmt}"
@@ -50,13 +60,30 @@ class Bench:
         return path
 
     def measure(self, key: str, name: str, fn: Callable[[], tuple[float, float]]) -> None:
-        """Run variant ``key`` (when ``--only`` asks for it): ``fn`` gives load seconds and seconds per image."""
-        if key not in self.args.only:
-            return
-        log.info("(%s) %s ...", key, name)
-        load_s, per_image = fn()
-        self.results.append(Result(key, name, round(load_s, 2), round(per_image, 3)))
-        log.info("(%s) %s: %.2f s per image", key, name, per_image)
+        """Plan variant ``key`` (when ``--only`` asks for it): ``fn`` gives load seconds and seconds per image;
+        ``measure_rounds`` runs it."""
+        if key in self.args.only:
+            self.planned[key] = (name, fn)
+
+    def measure_rounds(self, rounds: int) -> None:
+        """Every planned variant once per round (a b c a b c …) into ``results``, in key order: the medians of the
+        rounds, their spread, and each round's speed-up over that round's (a)."""
+        timings: dict[str, list[tuple[float, float]]] = {key: [] for key in self.planned}
+        for r, key in rnd.schedule(list(self.planned), rounds):
+            name, fn = self.planned[key]
+            log.info("round %d of %d: (%s) %s ...", r + 1, rounds, key, name)
+            timings[key].append(fn())
+            log.info("(%s) %s: %.2f s per image", key, name, timings[key][-1][1])
+        secs = {key: [per_image for _, per_image in t] for key, t in timings.items()}
+        stats = rnd.summarize(secs, baseline="a", invert=True) if "a" in secs else {}
+        for key, (name, _) in self.planned.items():
+            spread = rnd.spread(secs[key])
+            load_s = statistics.median(load for load, _ in timings[key])
+            result = Result(key, name, round(load_s, 2), round(spread["median"], 3), "", secs[key], spread)
+            if key in stats:
+                result.vs_a_rounds, result.vs_a = stats[key]["ratio_rounds"], stats[key]["ratio"]
+            self.results.append(result)
+        self.results.sort(key=lambda res: res.key)
 
 
 def model_and_concept(args: argparse.Namespace, workdir: Path) -> tuple[Path, Path]:

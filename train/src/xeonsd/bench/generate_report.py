@@ -1,8 +1,9 @@
 """What ``xeonsd bench generate`` measures beside the timings, and the table it prints.
 
 The FLOPs of one image (counted with ``torch.utils.flop_counter`` on the pipeline's own networks), this CPU's
-matmul peaks (measured as ``bench train`` measures them), and the table: seconds per image, the ratio to (a), the
-FLOP floor of (d), and each target judged where it applies.
+matmul peaks (measured as ``bench train`` measures them), and the table: seconds per image (the median of the
+interleaved rounds, with their min-max), the ratio to (a) (the median of each round's ratio), the FLOP floor of (d),
+and each target judged where it applies.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from xeonsd.bench.rounds import range_text
 
 TARGET_SPEEDUP_D = 6.0
 TARGET_FLOOR_RATIO_D = 1.25
@@ -61,16 +64,26 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [
         f"xeonsd bench generate: {report['model']}, {report['width']}x{report['height']}, {steps} steps, "
         f"{report['images']} image(s) per variant, seed {report['seed']}, warm-up {report['warmup']}",
-        f"{'variant':<40} {'load+compile s':>14} {'s/image':>9} {'s/step':>8} {'vs (a)':>8}",
     ]
+    if report.get("rounds"):
+        lines.append(
+            f"{report['rounds']} interleaved round(s) of the variants; s/image: median of the rounds (min-max); "
+            "vs (a): median of each round's (a) / variant (min-max)"
+        )
+    lines.append(
+        f"{'variant':<40} {'load+compile s':>14} {'s/image':>9} {'min-max':>13} {'s/step':>8} {'vs (a)':>8} "
+        f"{'min-max':>11}"
+    )
     for r in report["results"]:
         label = f"({r['key']}) {r['name']}"
         if r["per_image_s"] is None:
             lines.append(f"{label:<40} {r['note']}")
             continue
-        ratio = f"{base / r['per_image_s']:.2f}x" if base else "-"
+        vs_a, spread = r.get("vs_a"), r.get("per_image_spread")
+        ratio = f"{vs_a['median']:.2f}x" if vs_a else (f"{base / r['per_image_s']:.2f}x" if base else "-")
         lines.append(
-            f"{label:<40} {r['load_s']:>14.1f} {r['per_image_s']:>9.2f} {r['per_image_s'] / steps:>8.2f} {ratio:>8}"
+            f"{label:<40} {r['load_s']:>14.1f} {r['per_image_s']:>9.2f} {range_text(spread) if spread else '-':>13} "
+            f"{r['per_image_s'] / steps:>8.2f} {ratio:>8} {range_text(vs_a) if vs_a else '-':>11}"
         )
     f = report["flops_per_image"]
     peaks = report["matmul_peak_flops"]
@@ -93,7 +106,8 @@ def format_table(report: dict[str, Any]) -> str:
         line += f"; (d) is {d / floor_bf16:.2f}x the bf16 floor, {d / floor_fp32:.2f}x the fp32 floor"
     lines.append(line)
     if d and base:
-        speedup = base / d
+        vs_a = by_key["d"].get("vs_a")
+        speedup = vs_a["median"] if vs_a else base / d
         verdict = [
             f"(d) >= {TARGET_SPEEDUP_D:.0f}x faster than (a): {speedup:.2f}x ({_met(speedup >= TARGET_SPEEDUP_D)})"
         ]
@@ -126,9 +140,12 @@ def _hybrid_line(report: dict[str, Any], by_key: dict[str, Any]) -> str | None:
     g = by_key.get("g", {}).get("per_image_s")
     if not (d and g):
         return None
-    speedup = d / g
+    rounds = report.get("g_over_d")
+    speedup = rounds["speedup"]["median"] if rounds else d / g  # the median of each round's d/g
     faster = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
-    line = f"(g) hybrid int8 beside (d) static: time g/d {g / d:.2f} = {faster}"
+    line = f"(g) hybrid int8 beside (d) static: time g/d {1 / speedup:.2f} = {faster}"
+    if rounds:
+        line += f" (per round {range_text(rounds['speedup'])}x)"
     cmp = report.get("g_vs_d")
     if cmp:
         line += f"; mean absolute pixel difference to (d)'s image (seed {cmp['seed']}): {cmp['mean_abs_pixel_diff']:.2f} / 255"

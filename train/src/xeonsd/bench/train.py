@@ -3,7 +3,10 @@ all-reduce bytes of the trainer (``--method textual_inversion|lora|full``) on th
 each optimisation switched off in turn.
 
 Every variant is a real ``xeonsd train`` process (so its peak RSS is its own), on the same model, images, seed
-and step count; the matmul peaks are measured in the same run (xeonsd.flops, as ``bench generate`` does). The
+and step count. The variants run interleaved, ``--rounds`` rounds of A B C … (xeonsd.bench.rounds): s/step is the
+median over the rounds, and "x optimized" the median of each round's ratio to the optimized run of that round. The
+matmul peaks are probed before and after the variants (xeonsd.flops, as ``bench generate`` does); probes that
+differ by more than 15 % end the output with "machine unstable: read the ratios, not the seconds". The
 bytes all-reduced per step are measured on a real 2-rank ``mpirun`` run (the profiler's record of the
 collectives), beside what the trainer computes. Figures are printed, not asserted.
 """
@@ -14,6 +17,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -23,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from xeonsd.flops import matmul_peak
+from xeonsd.bench import rounds as rnd
+from xeonsd.flops import matmul_probes
 from xeonsd.method_names import METHODS
 
 log = logging.getLogger(__name__)
@@ -109,39 +114,72 @@ def _run_variant(variant: Variant, base_args: list[str], out: Path, env: dict[st
         tail = (out.parent / f"{out.name}.log").read_text()[-3000:]
         raise RuntimeError(f"variant {variant.name!r} failed (exit {proc.returncode}):\n{tail}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    shutil.rmtree(out, ignore_errors=True)  # a full fine-tune writes a whole UNet per run: rounds would fill the disk
     return {"rows": rows, "peak_rss_gb": usage.ru_maxrss * 1024 / 1e9}
 
 
-def summarize(name: str, rows: list[dict], warmup: int, peak_rss_gb: float, peak_tflops: float) -> dict:
-    timed = [r["s_per_step"] for r in rows[warmup:]]
-    s_step = statistics.median(timed)
+def run_rounds(variants: list[Variant], rounds: int, base_args: list[str], tmp: Path, env: dict[str, str]) -> dict:
+    """Each variant once per round, in the order ``rnd.schedule`` gives (A B C A B C …): its runs, by name."""
+    runs: dict[str, list[dict]] = {v.name: [] for v in variants}
+    by_name = {v.name: (i, v) for i, v in enumerate(variants)}
+    for r, name in rnd.schedule(list(runs), rounds):
+        i, variant = by_name[name]
+        runs[name].append(_run_variant(variant, base_args, tmp / f"v{i}r{r}", env))
+        log.info("round %d of %d: %s done", r + 1, rounds, name)
+    return runs
+
+
+def step_seconds(rows: list[dict], warmup: int) -> float:
+    """One run's median s/step over its timed steps."""
+    return statistics.median(r["s_per_step"] for r in rows[warmup:])
+
+
+def summarize(name: str, runs: list[dict], warmup: int, peak_tflops: float, stats: dict) -> dict:
+    """One variant over its rounds: ``stats`` is its entry of ``rnd.summarize`` (seconds and ratio per round)."""
+    rows = runs[0]["rows"]
+    s_step = stats["seconds"]["median"]
     tflop = next((r["tflop_per_rank"] for r in rows if "tflop_per_rank" in r), float("nan"))
     return {
         "variant": name,
         "s_per_step": s_step,
-        "steps_timed": len(timed),
+        "steps_timed": len(rows[warmup:]),
         "tflop_per_step": tflop,
         "tflops": tflop / s_step,
         "of_peak": tflop / s_step / peak_tflops,
-        "peak_rss_gb": peak_rss_gb,
+        "peak_rss_gb": max(run["peak_rss_gb"] for run in runs),
         "allreduce_bytes": rows[-1]["allreduce_bytes"],
+        "rounds": len(runs),
+        "s_per_step_rounds": stats["rounds"],
+        "s_per_step_spread": stats["seconds"],
+        "x_optimized": stats["ratio"]["median"],
+        "x_optimized_rounds": stats["ratio_rounds"],
+        "x_optimized_spread": stats["ratio"],
     }
 
 
 def format_table(results: list[dict], peaks: dict[str, float], dtype: str, cpu: str, method: str = "") -> str:
-    base = results[0]["s_per_step"]
+    rounds = results[0].get("rounds", 1)
     lines = [
         f"CPU: {cpu}; method: {method}; training dtype: {dtype}",
         "matmul peak measured in this run: " + ", ".join(f"{k} {v:.3f} TFLOP/s" for k, v in peaks.items()),
-        f"{'variant':<24}{'s/step':>9}{'x optimized':>13}{'TFLOP/step':>12}{'TFLOP/s':>9}{'of peak':>9}"
-        f"{'peak RSS GB':>13}{'all-reduce B/step':>19}",
+        f"{rounds} interleaved round(s) of the variants; s/step: median of the rounds (min-max); x optimized: median "
+        "of each round's ratio to that round's optimized run (min-max)",
+        f"{'variant':<24}{'s/step':>9}{'min-max':>13}{'x optimized':>13}{'min-max':>13}{'TFLOP/step':>12}"
+        f"{'TFLOP/s':>9}{'of peak':>9}{'peak RSS GB':>13}{'all-reduce B/step':>19}",
     ]
     for r in results:
         lines.append(
-            f"{r['variant']:<24}{r['s_per_step']:>9.2f}{r['s_per_step'] / base:>13.2f}{r['tflop_per_step']:>12.3f}"
+            f"{r['variant']:<24}{r['s_per_step']:>9.2f}{rnd.range_text(r['s_per_step_spread']):>13}"
+            f"{r['x_optimized']:>13.2f}{rnd.range_text(r['x_optimized_spread']):>13}{r['tflop_per_step']:>12.3f}"
             f"{r['tflops']:>9.3f}{r['of_peak']:>9.1%}{r['peak_rss_gb']:>13.2f}{r['allreduce_bytes']:>19,}"
         )
     return "\n".join(lines)
+
+
+def probe_peaks(args: argparse.Namespace) -> list[dict]:
+    """Matmul peak probes of both dtypes (FLOP/s, several sizes each), ``--probes`` times each."""
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    return matmul_probes(dtypes, repeats=args.probes, max_n=args.peak_size, seconds=args.probe_seconds)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,15 +204,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--only", nargs="*", default=None, help="variant names to run (default: the four standard ones)")
     p.add_argument("--extra", action="store_true", help="also try channels_last and torch.compile")
-    p.add_argument("--peak-size", type=int, default=4096, help="matrix side for the matmul peak measurement")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds: each variant runs once per round")
+    p.add_argument("--peak-size", type=int, default=4096, help="largest matrix side of the matmul peak probes")
+    p.add_argument("--probes", type=int, default=3, help="matmul peak probes per dtype, before and after the variants")
+    p.add_argument("--probe-seconds", type=float, default=1.0, help="seconds of products per probe (all its sizes)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     return p
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from xeonsd.assets import make_dataset
-
+    if args.rounds < 1 or args.probes < 1:
+        print("xeonsd bench train: error: --rounds and --probes must be at least 1", file=sys.stderr)
+        return 2
     model = _model(args)
     if model is None:
         return 2
@@ -189,29 +231,23 @@ def main(argv: list[str]) -> int:
             print(f"xeonsd bench train: error: unknown variant(s) {sorted(unknown)}", file=sys.stderr)
             return 2
         variants = [v for v in variants if v.name in args.only]
-    # xeonsd.flops gives FLOP/s; this table is in TFLOP/s.
-    peaks = {
-        "fp32": matmul_peak(torch.float32, max_n=args.peak_size) / 1e12,
-        "bf16": matmul_peak(torch.bfloat16, max_n=args.peak_size) / 1e12,
-    }
-    log.info("matmul peaks: %s", peaks)
     if not cpu.native_bf16 and not args.only:
         log.warning("%s has no AMX or AVX512-BF16: skipping the bf16 variant (pass --only bf16 to force it)", cpu.model)
         variants = [v for v in variants if v.name != "bf16"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    probe_peaks(argparse.Namespace(**{**vars(args), "probes": 1, "probe_seconds": 0.2}))  # warm-up, not kept
+    before = probe_peaks(args)
+    runs, measured, why = _measure(args, model, dtype, variants)
+    after = probe_peaks(args)
+    stable = rnd.stability(before, after)
+    # xeonsd.flops gives FLOP/s; this table is in TFLOP/s: the median of every probe, before and after.
+    peaks = {k: v["peak"]["median"] / 1e12 for k, v in stable["by_dtype"].items()}
+    log.info("matmul peaks: %s", peaks)
+    stats = rnd.summarize({n: [step_seconds(r["rows"], args.warmup) for r in rs] for n, rs in runs.items()},
+                          baseline=variants[0].name)  # fmt: skip
     results = []
-    with tempfile.TemporaryDirectory(prefix="xeonsd-bench-") as tmp:
-        data = Path(tmp) / "data"
-        make_dataset(data, count=args.images, size=args.resolution)
-        base_args = train_args(args, model, data, dtype)
-        for i, variant in enumerate(variants):
-            run = _run_variant(variant, base_args, Path(tmp) / f"v{i}", env)
-            vdtype = variant.name if variant.name in ("bf16", "fp32") else dtype
-            results.append(summarize(variant.name, run["rows"], args.warmup, run["peak_rss_gb"], peaks[vdtype]))
-            log.info("%s: %.2f s/step", variant.name, results[-1]["s_per_step"])
-        measured, why = (None, "skipped (--no-ranks2)")
-        if not args.no_ranks2:
-            measured, why = measure_allreduce(base_args, Path(tmp) / "ranks2", env)
+    for v in variants:
+        vdtype = v.name if v.name in ("bf16", "fp32") else dtype
+        results.append(summarize(v.name, runs[v.name], args.warmup, peaks[vdtype], stats[v.name]))
     print(format_table(results, peaks, dtype, cpu.model, args.method), flush=True)
     computed = results[0]["allreduce_bytes"]
     if measured is not None:
@@ -232,9 +268,30 @@ def main(argv: list[str]) -> int:
             "results": results,
             "allreduce_bytes_measured_2ranks": measured,
             "allreduce_not_measured": why or None,
+            "rounds": args.rounds,
+            "schedule": [name for _, name in rnd.schedule([v.name for v in variants], args.rounds)],
+            "matmul_probes_flops": {"before": before, "after": after},
+            "machine": {k: stable[k] for k in ("difference", "tolerance", "unstable")},
         }
         args.json.write_text(json.dumps(summary, indent=2))
+    print("\n".join(rnd.verdict_lines(stable)), flush=True)
     return 0
+
+
+def _measure(args: argparse.Namespace, model: str | Path, dtype: str, variants: list[Variant]):
+    """The interleaved rounds of the variants, then the 2-rank all-reduce run: (runs by name, bytes, why not)."""
+    from xeonsd.assets import make_dataset
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    with tempfile.TemporaryDirectory(prefix="xeonsd-bench-") as tmp:
+        data = Path(tmp) / "data"
+        make_dataset(data, count=args.images, size=args.resolution)
+        base_args = train_args(args, model, data, dtype)
+        runs = run_rounds(variants, args.rounds, base_args, Path(tmp), env)
+        measured, why = (None, "skipped (--no-ranks2)")
+        if not args.no_ranks2:
+            measured, why = measure_allreduce(base_args, Path(tmp) / "ranks2", env)
+    return runs, measured, why
 
 
 def _model(args: argparse.Namespace) -> str | Path | None:
