@@ -39,8 +39,17 @@ STRAGGLER_RATIO: float = _rule.STRAGGLER_RATIO
 STRAGGLER_CAUSES: tuple[str, ...] = _rule.CAUSES
 
 # The wrapper /etc/xeonsd/run: no readable env.sh (90), the command (xeonsd, mpirun) not on the PATH env.sh sets (91).
+# Defined here once: the mpi role's template (roles/mpi/templates/run.j2) exits with `'no_env_file' | xeonsd_wrapper_rc`.
 RC_NO_ENV_FILE = 90
 RC_NO_COMMAND = 91
+WRAPPER_RCS = {"no_env_file": RC_NO_ENV_FILE, "no_command": RC_NO_COMMAND}
+
+
+def wrapper_rc(name: str) -> int:
+    """The exit code of the job-environment wrapper for ``name`` (``no_env_file`` or ``no_command``)."""
+    if name not in WRAPPER_RCS:
+        raise ValueError(f"xeonsd_wrapper_rc: {name!r} is not one of {sorted(WRAPPER_RCS)}")
+    return WRAPPER_RCS[name]
 # `timeout --kill-after`: 124 when the limit ended the command, 137 when it had to be killed; 126/127 when it could
 # not start the wrapper (not executable, missing: the node is not provisioned).
 RC_TIMED_OUT = (124, 137)
@@ -284,4 +293,8 @@ def doctor_table(rows: Sequence[Mapping[str, str]], fixes: Mapping[str, str] | N
 
 class FilterModule:
     def filters(self) -> dict:
-        return {"xeonsd_doctor_rows": doctor_rows, "xeonsd_doctor_table": doctor_table}
+        return {
+            "xeonsd_doctor_rows": doctor_rows,
+            "xeonsd_doctor_table": doctor_table,
+            "xeonsd_wrapper_rc": wrapper_rc,
+        }

@@ -20,6 +20,7 @@ def etc(tmp_path: Path) -> Path:
     """A node's xeonsd_etc_dir with the rendered wrapper (and no env.sh yet)."""
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     env.filters["quote"] = shlex.quote
+    env.filters.update(xeonsd_doctor.FilterModule().filters())
     template = env.from_string((REPO / "roles" / "mpi" / "templates" / "run.j2").read_text())
     etc = tmp_path / "etc xeonsd"  # a space in the path: the wrapper quotes it
     etc.mkdir()
