@@ -155,5 +155,6 @@ def test_ansible_renders_the_method_filters() -> None:
         "what": "LoRA adapter",
         "pipeline": False,
         "generate_flag": "--lora",
+        "needs": ["peft"],
     }
     assert args == ["--embeds", "/r/e.safetensors"]

@@ -13,21 +13,30 @@ METHODS = ("textual_inversion", "lora", "full")
 
 # What each method saves (the first output is its result, train_summary.json's ``result.path``), how people call
 # it, whether it is a whole pipeline (which stays on the primary and is exported itself: no base-model export), and
-# the `xeonsd generate` flag that loads it onto the base model's export (None: nothing to load).
+# the `xeonsd generate` flag that loads it onto the base model's export (None: nothing to load), and the packages it
+# imports beyond those every method needs (what `xeonsd doctor` checks on a node).
 METHOD_FILES: dict[str, dict] = {
     "textual_inversion": {
         "result": "learned_embeds.safetensors",
         "what": "learned embedding",
         "pipeline": False,
         "generate_flag": "--embeds",
+        "needs": (),
     },
     "lora": {
         "result": "pytorch_lora_weights.safetensors",
         "what": "LoRA adapter",
         "pipeline": False,
         "generate_flag": "--lora",
+        "needs": ("peft",),
     },
-    "full": {"result": "model_index.json", "what": "fine-tuned pipeline", "pipeline": True, "generate_flag": None},
+    "full": {
+        "result": "model_index.json",
+        "what": "fine-tuned pipeline",
+        "pipeline": True,
+        "generate_flag": None,
+        "needs": (),
+    },
 }
 
 

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from xeonsd.cpu import cpu_info
+from xeonsd.method_names import METHOD_FILES
 from xeonsd.modelsource import ModelSourceError, check_model_source
 
 PACKAGES = ("torch", "diffusers", "transformers", "safetensors", "xeonsd")
@@ -78,13 +79,9 @@ def check_cpu() -> Check:
     return Check("amx", "WARN", f"{info.model}: no AMX; {what}; use --mixed_precision no or auto here")
 
 
-# What each method imports beyond the packages every method needs.
-METHOD_PACKAGES = {"textual_inversion": (), "lora": ("peft",), "full": ()}
-
-
 def check_method(method: str) -> Check:
     """The packages the chosen method needs on this node (LoRA: peft)."""
-    found, missing = _import_all(METHOD_PACKAGES[method])
+    found, missing = _import_all(METHOD_FILES[method]["needs"])
     if missing:
         return Check(
             "method",
