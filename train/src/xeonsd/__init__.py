@@ -13,7 +13,9 @@ At the top level only what more than one of them uses: :mod:`~xeonsd.cli` (the c
 (crash-safe output), :mod:`~xeonsd.cpu` (what the CPU offers), :mod:`~xeonsd.modelsource` (where a model comes from
 and its fingerprint), :mod:`~xeonsd.concept_file` (a learned concept's file, read by the trainer and the OpenVINO
 side), :mod:`~xeonsd.flops` (FLOP counts and the matmul peak) and :mod:`~xeonsd.assets` (the offline tiny model and
-image set that the demo and the tests build).
+image set that the demo and the tests build); and the two rules that the playbooks' filter plugins load from this
+tree on the controller, so they import nothing but the standard library: :mod:`~xeonsd.method_names` (the methods
+and what each leaves in the run directory) and :mod:`~xeonsd.straggler_rule` (the straggler ratio and its causes).
 """
 
 __version__ = "0.1.0"
