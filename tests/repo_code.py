@@ -28,3 +28,21 @@ def ansible_code(name: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def write_wrapper(etc: Path) -> Path:
+    """The mpi role's wrapper (roles/mpi/templates/run.j2, /etc/xeonsd/run on the nodes) rendered into ``etc`` the
+    way the role renders it: strict variables, Ansible's ``quote`` and the repository's filter plugins."""
+    import shlex
+
+    import jinja2
+
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    env.filters["quote"] = shlex.quote
+    for path in sorted((REPO / "plugins" / "filter").glob("*.py")):
+        env.filters.update(ansible_code(path.stem).FilterModule().filters())
+    template = env.from_string((REPO / "roles" / "mpi" / "templates" / "run.j2").read_text())
+    run = etc / "run"
+    run.write_text(template.render(ansible_managed="Ansible managed", mpi_etc_dir=str(etc)))
+    run.chmod(0o755)
+    return run

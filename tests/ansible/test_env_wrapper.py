@@ -4,13 +4,11 @@ template is rendered and run for real with bash."""
 
 from __future__ import annotations
 
-import shlex
 import subprocess
 from pathlib import Path
 
-import jinja2
 import pytest
-from repo_code import REPO, ansible_code
+from repo_code import ansible_code, write_wrapper
 
 xeonsd_doctor = ansible_code("xeonsd_doctor")
 
@@ -18,14 +16,9 @@ xeonsd_doctor = ansible_code("xeonsd_doctor")
 @pytest.fixture
 def etc(tmp_path: Path) -> Path:
     """A node's xeonsd_etc_dir with the rendered wrapper (and no env.sh yet)."""
-    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
-    env.filters["quote"] = shlex.quote
-    env.filters.update(xeonsd_doctor.FilterModule().filters())
-    template = env.from_string((REPO / "roles" / "mpi" / "templates" / "run.j2").read_text())
     etc = tmp_path / "etc xeonsd"  # a space in the path: the wrapper quotes it
     etc.mkdir()
-    (etc / "run").write_text(template.render(ansible_managed="Ansible managed", mpi_etc_dir=str(etc)))
-    (etc / "run").chmod(0o755)
+    write_wrapper(etc)
     return etc
 
 

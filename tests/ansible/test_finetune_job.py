@@ -12,9 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jinja2
 import pytest
-from repo_code import REPO, VENV_BIN, ansible_code
+from repo_code import REPO, VENV_BIN, ansible_code, write_wrapper
 
 from xeonsd.cluster import job_status as jobstatus
 from xeonsd.cluster.job_status import RankStatus, RankStatusFile
@@ -28,13 +27,9 @@ NODES = [{"name": f"node{i}", "address": f"10.0.0.{10 + i}"} for i in range(1, 3
 @pytest.fixture
 def wrapper(tmp_path: Path) -> str:
     """The mpi role's wrapper (/etc/xeonsd/run), rendered, with an env.sh whose PATH has this venv's xeonsd."""
-    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
-    env.filters["quote"] = shlex.quote
     etc = tmp_path / "etc"
     etc.mkdir()
-    template = env.from_string((REPO / "roles" / "mpi" / "templates" / "run.j2").read_text())
-    (etc / "run").write_text(template.render(ansible_managed="Ansible managed", mpi_etc_dir=str(etc)))
-    (etc / "run").chmod(0o755)
+    write_wrapper(etc)
     (etc / "env.sh").write_text(f"export PATH={shlex.quote(str(VENV_BIN))}:$PATH\n")
     return str(etc / "run")
 
