@@ -101,6 +101,21 @@ class TrainConfig:
     adam_weight_decay: float = _flag("AdamW weight decay", default=1e-2)
     adam_epsilon: float = _flag("AdamW epsilon", default=1e-8)
     seed: int | None = _flag("random seed (the run is reproducible for a given seed)", default=None)
+    snr_gamma: float | None = _flag(
+        "min-SNR-gamma loss weighting (Hang et al. 2023; 5 is the paper's): each example's MSE weighted by "
+        "min(SNR(t), gamma)/SNR(t) (epsilon prediction) or /(SNR(t)+1) (v prediction); default: off",
+        default=None,
+    )
+    noise_offset: float = _flag(
+        "offset noise: add this x N(0,1) per example and latent channel to the noise (diffusers' train scripts; "
+        "0.05-0.1 helps very dark or bright images); 0: off",
+        default=0.0,
+    )
+    timestep_range: str | None = _flag(
+        "lo,hi: draw the timesteps uniformly in [lo, hi), 0 <= lo < hi <= the scheduler's num_train_timesteps "
+        "(default: the whole range)",
+        default=None,
+    )
     mixed_precision: str = _flag(
         "bf16: frozen UNet/VAE in bf16 on AMX; auto: bf16 where the CPU has AMX or AVX512-BF16, else no",
         default="no",

@@ -1,6 +1,6 @@
 """Training data: the concept's images and a rank-independent sampling plan.
 
-Every random choice of an example (which image, flip, template, timestep, noise, latent sample) is a function
+Every random choice of an example (which image, flip, template, timestep, noise, its offset, latent sample) is a function
 of the seed and the example's *global* index, never of the rank that processes it. So N ranks x batch B and one
 rank x batch N*B draw the same examples, and a resumed run continues exactly where it stopped.
 """
@@ -108,7 +108,7 @@ class Example:
     input_id: int  # row of the pixel / latent table: 2 * image + flipped
     template: int
     timestep: int
-    noise: torch.Tensor  # [4, h, w]
+    noise: torch.Tensor  # [4, h, w], with --noise_offset's per-channel constant added
     latent_eps: torch.Tensor  # [4, h, w], the standard-normal draw that samples the latent distribution
 
 
@@ -120,6 +120,8 @@ class SamplingPlan:
     num_timesteps: int
     latent_shape: tuple[int, int, int]
     flip_p: float = 0.5
+    timestep_range: tuple[int, int] | None = None  # [lo, hi); None: [0, num_timesteps)
+    noise_offset: float = 0.0
 
     def image_for(self, k: int) -> int:
         """Images are visited in a fresh shuffled order every pass over the data (sampling without replacement)."""
@@ -131,9 +133,15 @@ class SamplingPlan:
         g = generator(self.seed, 2, k)
         flip = bool(torch.rand((), generator=g) < self.flip_p)
         template = int(torch.randint(self.num_templates, (), generator=g))
-        timestep = int(torch.randint(self.num_timesteps, (), generator=g))
+        if self.timestep_range is None:
+            timestep = int(torch.randint(self.num_timesteps, (), generator=g))
+        else:
+            timestep = int(torch.randint(*self.timestep_range, (), generator=g))
         noise = torch.randn(self.latent_shape, generator=g)
         eps = torch.randn(self.latent_shape, generator=g)
+        if self.noise_offset:  # drawn after the others, and only when on: without it the draws are as before
+            channels = self.latent_shape[0]
+            noise = noise + self.noise_offset * torch.randn((channels, 1, 1), generator=g)
         return Example(k, 2 * self.image_for(k) + int(flip), template, timestep, noise, eps)
 
     def batch(

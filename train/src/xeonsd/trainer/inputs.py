@@ -14,6 +14,7 @@ from xeonsd.trainer import checkpoint as ckpt
 from xeonsd.trainer.captions import Captions, read_captions
 from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.data import find_images
+from xeonsd.trainer.loss import local_num_train_timesteps, parse_timestep_range
 from xeonsd.trainer.methods import for_config, method_class
 
 log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name
@@ -35,6 +36,7 @@ def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
     captions = read_captions(Path(cfg.train_data_dir), images, cfg.caption_column)
     for_config(cfg).check(cfg, captions)
     check_model_source(cfg.pretrained_model_name_or_path, revision=cfg.revision)
+    parse_timestep_range(cfg.timestep_range, local_num_train_timesteps(cfg.pretrained_model_name_or_path))
     resume = None
     # Checkpoints live in rank 0's output dir (on the primary node); rank 0 reads and broadcasts the state.
     if cfg.resume_from_checkpoint and info.is_main:
@@ -60,6 +62,11 @@ def check_flags(cfg: TrainConfig, info: RankInfo) -> None:
             raise ConfigError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
     if cfg.learning_rate <= 0:
         raise ConfigError(f"--learning_rate must be positive, got {cfg.learning_rate}")
+    if cfg.snr_gamma is not None and not cfg.snr_gamma > 0:
+        raise ConfigError(f"--snr_gamma must be positive (5 is the paper's), got {cfg.snr_gamma}")
+    if not 0 <= cfg.noise_offset < float("inf"):
+        raise ConfigError(f"--noise_offset must be 0 (off) or positive, got {cfg.noise_offset}")
+    parse_timestep_range(cfg.timestep_range)  # the scheduler's upper bound is checked once it is loaded
     if cfg.world_size is not None and cfg.world_size != info.world_size:
         raise ConfigError(
             f"--world_size {cfg.world_size} does not match the launcher ({info.launcher}), which reports "

@@ -34,6 +34,7 @@ from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.data import SamplingPlan, mix
 from xeonsd.trainer.inputs import Inputs
 from xeonsd.trainer.latents import LatentTable
+from xeonsd.trainer.loss import parse_timestep_range
 from xeonsd.trainer.methods import Method, for_config
 from xeonsd.trainer.models import Models, load_models
 from xeonsd.trainer.prompts import PromptTable
@@ -280,12 +281,15 @@ def _prepare_data(
     if cfg.latent_cache and not cfg.validation_prompt:  # nothing decodes or encodes from here on
         models.vae = None
         gc.collect()
+    num_timesteps = models.noise_scheduler.config.num_train_timesteps
     plan = SamplingPlan(
         seed=seed,
         num_images=len(inputs.images),
         num_templates=prompts.num_templates,
-        num_timesteps=models.noise_scheduler.config.num_train_timesteps,
+        num_timesteps=num_timesteps,
         latent_shape=latents.shape,
+        timestep_range=parse_timestep_range(cfg.timestep_range, num_timesteps),
+        noise_offset=cfg.noise_offset,
     )
     return TrainingData(prompts=prompts, text=text, latents=latents, plan=plan)
 

@@ -20,7 +20,6 @@ import traceback
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from xeonsd.cluster import run_files
 from xeonsd.cluster.distributed import (
@@ -47,6 +46,7 @@ from xeonsd.trainer.embeddings import ConceptError
 from xeonsd.trainer.hooks import StepEnd, StepObservers
 from xeonsd.trainer.inputs import check_memory, validate
 from xeonsd.trainer.job import ABORT_GRACE_S, Job, Training, setup, setup_logging, start_status
+from xeonsd.trainer.loss import denoising_loss
 from xeonsd.trainer.metrics import MetricsLog, plot_loss, result_bytes, write_summary
 from xeonsd.trainer.models import autocast, render_validation
 
@@ -189,7 +189,14 @@ def step_loss(job: Job, examples: list[Example], clock: RankClock | None = None)
         target = models.noise_scheduler.get_velocity(latents, noise, timesteps)
     else:
         raise ConfigError(f"unsupported prediction type {prediction_type!r} in the model's scheduler")
-    return F.mse_loss(pred.float(), target.float(), reduction="mean")
+    return denoising_loss(
+        pred,
+        target,
+        timesteps,
+        snr_gamma=job.run.cfg.snr_gamma,
+        alphas_cumprod=models.noise_scheduler.alphas_cumprod,
+        prediction_type=prediction_type,
+    )
 
 
 def sync_gradients(job: Job, loss_sum: float) -> float:

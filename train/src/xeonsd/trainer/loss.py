@@ -1,0 +1,83 @@
+"""The loss and noise options of every method: min-SNR-γ weighting (Hang et al. 2023, ``--snr_gamma``), the
+timesteps' range (``--timestep_range``) and offset noise (``--noise_offset``, drawn in :mod:`.data`'s plan).
+
+Pure functions of tensors and the scheduler's ``alphas_cumprod``; the loop calls :func:`denoising_loss`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from xeonsd.trainer.config import ConfigError
+
+
+def parse_timestep_range(value: str | None, num_train_timesteps: int | None = None) -> tuple[int, int] | None:
+    """``"lo,hi"`` → ``(lo, hi)``, timesteps drawn in [lo, hi); None: the whole range. Refuses anything but
+    0 <= lo < hi <= num_train_timesteps (the upper bound checked only when it is known)."""
+    if value is None or value == "":
+        return None
+    bound = f"{num_train_timesteps}" if num_train_timesteps is not None else "the scheduler's num_train_timesteps"
+    need = f"two integers lo,hi with 0 <= lo < hi <= {bound} (timesteps are drawn in [lo, hi))"
+    parts = value.split(",")
+    try:
+        lo, hi = (int(p.strip()) for p in parts)
+    except ValueError:
+        raise ConfigError(f"--timestep_range {value!r}: expected {need}") from None
+    if not 0 <= lo < hi or (num_train_timesteps is not None and hi > num_train_timesteps):
+        raise ConfigError(f"--timestep_range {value!r}: expected {need}")
+    return lo, hi
+
+
+def local_num_train_timesteps(model: str) -> int | None:
+    """The num_train_timesteps of a local pipeline directory's scheduler config (None: a Hub id, or no config), so
+    that --timestep_range is checked before the model loads."""
+    path = Path(model) / "scheduler" / "scheduler_config.json"
+    try:
+        value = json.loads(path.read_text()).get("num_train_timesteps", 1000)  # DDPMScheduler's default
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) else None
+
+
+def snr(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+    """SNR(t) = ᾱ_t / (1 - ᾱ_t) of each timestep, in float64."""
+    a = alphas_cumprod.to(torch.float64)[timesteps]
+    return a / (1.0 - a)
+
+
+def min_snr_weights(
+    alphas_cumprod: torch.Tensor, timesteps: torch.Tensor, gamma: float, prediction_type: str
+) -> torch.Tensor:
+    """The per-example weights of min-SNR-γ: min(SNR, γ)/SNR for ε-prediction, min(SNR, γ)/(SNR+1) for
+    v-prediction (the v loss is (SNR+1) times the ε loss, so both weigh the ε error by min(SNR, γ))."""
+    s = snr(alphas_cumprod, timesteps)
+    if prediction_type == "epsilon":
+        # min(SNR, γ)/SNR written as min(1, γ/SNR): 1, not 0/0, where a zero-terminal-SNR schedule has SNR = 0
+        return torch.clamp(gamma / s, max=1.0)
+    if prediction_type == "v_prediction":
+        return torch.clamp(s, max=gamma) / (s + 1.0)
+    raise ConfigError(f"--snr_gamma: unsupported prediction type {prediction_type!r} in the model's scheduler")
+
+
+def denoising_loss(
+    pred: torch.Tensor,
+    target: torch.Tensor,
+    timesteps: torch.Tensor,
+    *,
+    snr_gamma: float | None = None,
+    alphas_cumprod: torch.Tensor | None = None,
+    prediction_type: str = "epsilon",
+) -> torch.Tensor:
+    """The MSE of ``pred`` against ``target`` (mean over every element); with ``snr_gamma``, the batch mean of
+    each example's MSE times its min-SNR-γ weight (as diffusers' train scripts compute it)."""
+    pred, target = pred.float(), target.float()
+    if snr_gamma is None:
+        return F.mse_loss(pred, target, reduction="mean")
+    assert alphas_cumprod is not None, "min-SNR weighting needs the scheduler's alphas_cumprod"
+    per_example = F.mse_loss(pred, target, reduction="none").mean(dim=tuple(range(1, pred.ndim)))
+    weights = min_snr_weights(alphas_cumprod, timesteps, snr_gamma, prediction_type).to(per_example.dtype)
+    return (per_example * weights).mean()
