@@ -41,10 +41,12 @@ def train_summary(
     prompts: dict,
     result_path: str,
     result_bytes: int,
+    loss: dict | None = None,
 ) -> dict:
     """train_summary.json: the method's own figures (``method``, ``trainable_params``, …), the base model and its
-    fingerprint, the steps and ranks, the bytes all-reduced per step, the prompts (source, count, per_image) and the
-    result (its path in the run directory and its size)."""
+    fingerprint, the steps and ranks, the bytes all-reduced per step, the prompts (source, count, per_image), the
+    result (its path in the run directory and its size) and, when given, the loss options (``snr_gamma``: None when
+    off, ``noise_offset``, ``timestep_range``: the [lo, hi) drawn from)."""
     return {
         **method_summary,
         "base_model": base_model,
@@ -54,6 +56,7 @@ def train_summary(
         "allreduce_bytes_per_step": allreduce_bytes_per_step,
         "prompts": {"source": prompts["source"], "count": prompts["count"], "per_image": prompts["per_image"]},
         "result": {"path": result_path, "bytes": result_bytes},
+        **({"loss": dict(loss)} if loss is not None else {}),
     }
 
 

@@ -42,6 +42,8 @@ from xeonsd.trainer.prompts import PromptTable
 log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name
 # A rank that lost a peer waits this long before ending the job, so that the other survivors report it too.
 ABORT_GRACE_S = 3.0
+# The loss and noise options: a resumed run that changes one continues on another trajectory (a warning).
+LOSS_OPTIONS = ("snr_gamma", "noise_offset", "timestep_range")
 
 
 @dataclass(frozen=True)
@@ -254,6 +256,10 @@ def _resume(
     global_batch = info.world_size * cfg.train_batch_size
     if state.get("global_batch") != global_batch:
         log.warning("resuming with global batch %d (checkpoint used %s)", global_batch, state.get("global_batch"))
+    saved = state.get("config") or {}
+    for name in LOSS_OPTIONS:
+        if name in saved and saved[name] != getattr(cfg, name):
+            log.warning("resuming with --%s %s (checkpoint used %s)", name, getattr(cfg, name), saved[name])
     log.info("resumed from %s at step %d", where, start_step)
     return start_step
 

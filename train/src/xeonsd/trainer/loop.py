@@ -267,7 +267,15 @@ def train_summary(job: Job) -> dict:
         prompts={"source": prompts.source, "count": len(prompts.texts), "per_image": prompts.per_image},
         result_path=method.outputs[0],
         result_bytes=result_bytes(cfg.output_path, method.outputs[0]),
+        loss=loss_options(job),
     )
+
+
+def loss_options(job: Job) -> dict:
+    """The loss and noise options the run trained with (train_summary.json's ``loss``)."""
+    cfg, plan = job.run.cfg, job.data.plan
+    lo, hi = plan.timestep_range or (0, plan.num_timesteps)
+    return {"snr_gamma": cfg.snr_gamma, "noise_offset": cfg.noise_offset, "timestep_range": [lo, hi]}
 
 
 def main(argv: list[str]) -> int:
