@@ -71,6 +71,18 @@ def test_the_inventorys_argv_carries_only_the_chosen_methods_flags(method, own, 
         assert getattr(cfg, name) == value, (name, argv)
     assert not set(foreign) & given_flags(argv), argv
     assert cfg.captions == "auto" and cfg.resolution == 512
+    assert not {"snr_gamma", "noise_offset", "timestep_range"} & given_flags(argv), argv  # empty: off
+
+
+def test_the_loss_options_reach_the_trainer_when_set() -> None:
+    from xeonsd.trainer.config import parse_config
+
+    argv = _inventory_argv(
+        "finetune_method=lora", "finetune_snr_gamma=5", "finetune_noise_offset=0.05", "finetune_timestep_range=100,900"
+    )
+    cfg = parse_config(argv)
+    assert (cfg.snr_gamma, cfg.noise_offset, cfg.timestep_range) == (5.0, 0.05, "100,900"), argv
+    assert "--timestep_range=100,900" in argv
 
 
 def test_a_method_the_trainer_does_not_know_is_refused() -> None:
