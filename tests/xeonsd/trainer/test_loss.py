@@ -112,6 +112,10 @@ def test_timestep_range_draws_stay_in_range_and_are_a_function_of_seed_and_index
     two = p.batch(3, 0, 1, 2, 0, 2) + p.batch(3, 0, 1, 2, 1, 2)
     assert [e.timestep for e in one] == [e.timestep for e in two]
     assert all(e.timestep == 100 for e in (plan(timestep_range=(100, 101)).example(k) for k in range(20)))
+    # the whole range given explicitly draws what the default draws
+    assert [plan(timestep_range=(0, 1000)).example(k).timestep for k in range(50)] == [
+        plan().example(k).timestep for k in range(50)
+    ]
     # the other draws are the unranged plan's
     base = plan().example(42)
     assert torch.equal(p.example(42).noise, base.noise) and p.example(42).input_id == base.input_id
