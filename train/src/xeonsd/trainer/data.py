@@ -1,8 +1,8 @@
 """Training data: the concept's images and a rank-independent sampling plan.
 
 Every random choice of an example (which image, flip, template, timestep, noise and its offset, latent sample) is
-a function of the seed and the example's *global* index, never of the rank that processes it. So N ranks x batch B and one
-rank x batch N*B draw the same examples, and a resumed run continues exactly where it stopped.
+a function of the seed and the example's *global* index, never of the rank that processes it. So N ranks x batch B
+and one rank x batch N*B draw the same examples, and a resumed run continues exactly where it stopped.
 """
 
 from __future__ import annotations
