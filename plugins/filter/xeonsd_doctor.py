@@ -50,6 +50,8 @@ def wrapper_rc(name: str) -> int:
     if name not in WRAPPER_RCS:
         raise ValueError(f"xeonsd_wrapper_rc: {name!r} is not one of {sorted(WRAPPER_RCS)}")
     return WRAPPER_RCS[name]
+
+
 # `timeout --kill-after`: 124 when the limit ended the command, 137 when it had to be killed; 126/127 when it could
 # not start the wrapper (not executable, missing: the node is not provisioned).
 RC_TIMED_OUT = (124, 137)
