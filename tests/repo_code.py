@@ -4,6 +4,9 @@ imported the same way by every test that checks them without running Ansible."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -46,3 +49,26 @@ def write_wrapper(etc: Path) -> Path:
     run.write_text(template.render(ansible_managed="Ansible managed", mpi_etc_dir=str(etc)))
     run.chmod(0o755)
     return run
+
+
+def local_playbook(play: Path, extra: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``ansible-playbook`` on this machine (local connection) with the repository's config, roles and plugins:
+    how the tests run a role for real without the test cluster."""
+    env = dict(
+        os.environ,
+        ANSIBLE_CONFIG=str(REPO / "ansible.cfg"),
+        ANSIBLE_ROLES_PATH=str(REPO / "roles"),
+        ANSIBLE_FILTER_PLUGINS=str(REPO / "plugins" / "filter"),
+        ANSIBLE_LOCALHOST_WARNING="false",
+        ANSIBLE_INVENTORY_UNPARSED_WARNING="false",
+        NO_COLOR="1",
+    )
+    argv = [str(VENV_BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local", "-e", json.dumps(extra), str(play)]
+    return subprocess.run([*argv, *args], cwd=REPO, env=env, text=True, capture_output=True, timeout=timeout)
+
+
+def changed(result: subprocess.CompletedProcess) -> int:
+    """The ``changed=`` count of a successful local run's recap."""
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (recap,) = [line for line in result.stdout.splitlines() if line.startswith("localhost ") and "changed=" in line]
+    return int(recap.split("changed=")[1].split()[0])

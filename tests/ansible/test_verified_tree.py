@@ -8,7 +8,6 @@ from __future__ import annotations
 import getpass
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from repo_code import REPO, VENV_BIN
+from repo_code import changed, local_playbook
 
 PLAY = """
 - hosts: localhost
@@ -54,20 +53,7 @@ def tree(tmp_path: Path) -> dict[str, Path]:
 def play(tree: dict[str, Path], *args: str) -> subprocess.CompletedProcess:
     extra = {k: str(tree[k]) for k in ("src", "dest", "cache") if k in tree}
     extra |= {"owner": getpass.getuser(), "ansible_python_interpreter": sys.executable}
-    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_ROLES_PATH=str(REPO / "roles"),
-               ANSIBLE_FILTER_PLUGINS=str(REPO / "plugins" / "filter"),
-               ANSIBLE_LOCALHOST_WARNING="false", ANSIBLE_INVENTORY_UNPARSED_WARNING="false", NO_COLOR="1")  # fmt: skip
-    return subprocess.run(
-        [str(VENV_BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local", "-e", json.dumps(extra),
-         str(tree["play"]), *args],
-        cwd=REPO, env=env, text=True, capture_output=True, timeout=300,
-    )  # fmt: skip
-
-
-def changed(result: subprocess.CompletedProcess) -> int:
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    (recap,) = [line for line in result.stdout.splitlines() if line.startswith("localhost ") and "changed=" in line]
-    return int(recap.split("changed=")[1].split()[0])
+    return local_playbook(tree["play"], extra, *args)
 
 
 def test_the_tree_is_copied_once_left_alone_repaired_and_a_wrong_copy_is_named(tree: dict[str, Path]) -> None:
@@ -84,8 +70,10 @@ def test_the_tree_is_copied_once_left_alone_repaired_and_a_wrong_copy_is_named(t
     (node / "unet" / "extra.bin").write_text("left over")
     result = play(tree)
     assert result.returncode != 0
-    assert (f"localhost: {node} differs from the controller's model (extra: unet/extra.bin; 3 files, 2 expected). "
-            f"Fix: remove {node} and re-run with --limit localhost.") in result.stdout  # fmt: skip
+    assert (
+        f"localhost: {node} differs from the controller's model (extra: unet/extra.bin; 3 files, 2 expected). "
+        f"Fix: remove {node} and re-run with --limit localhost."
+    ) in result.stdout
 
 
 SHA256_PLAY = """
@@ -116,12 +104,16 @@ def test_files_are_checked_against_their_sha256_and_a_wrong_or_missing_one_is_na
     assert changed(check({"path": str(staged), "sha256": good}, mode="--check")) == 0
     wrong = check({"path": str(staged), "sha256": "0" * 64, "fix": "stage it again"})
     assert wrong.returncode != 0
-    assert (f"{staged} (staged file) on the controller has sha256 {good}; staged_sha256 says {'0' * 64}. "
-            "Fix: stage it again.") in wrong.stdout  # fmt: skip
+    assert (
+        f"{staged} (staged file) on the controller has sha256 {good}; staged_sha256 says {'0' * 64}. "
+        "Fix: stage it again."
+    ) in wrong.stdout
     missing = check({"path": str(tmp_path / "nowhere"), "sha256": good, "what": "archive", "says": "archive_sha256"})
     assert missing.returncode != 0
-    assert (f"{tmp_path / 'nowhere'} (archive) does not exist on the controller; archive_sha256 says {good}. "
-            "Fix: stage the right file there.") in missing.stdout  # fmt: skip
+    assert (
+        f"{tmp_path / 'nowhere'} (archive) does not exist on the controller; archive_sha256 says {good}. "
+        "Fix: stage the right file there."
+    ) in missing.stdout
     unknown = check({"path": str(staged), "sha256": ""}, {"path": str(tmp_path), "sha256": good})
     assert unknown.returncode != 0 and "staged_sha256 says nothing for this file" in unknown.stdout
     assert f"{tmp_path} (staged file) on the controller has sha256 none (not a regular file)" in unknown.stdout
@@ -213,8 +205,10 @@ def test_a_wheelhouse_packed_by_the_earlier_role_is_reused_not_downloaded(tmp_pa
     shutil.rmtree(partial)
     (tmp_path / "wheelhouse").mkdir()
     shutil.copy(whl, tmp_path / "wheelhouse")
-    subprocess.run(["tar", "-C", str(tmp_path), "-cf", str(cache / "wheelhouse" / f"wheelhouse-{wid}.tar"),
-                    "wheelhouse"], check=True)  # fmt: skip
+    subprocess.run(
+        ["tar", "-C", str(tmp_path), "-cf", str(cache / "wheelhouse" / f"wheelhouse-{wid}.tar"), "wheelhouse"],
+        check=True,
+    )
     (dest / wid).mkdir(parents=True)
     shutil.copy(whl, dest / wid)
     (dest / wid / ".complete").write_text(wid + "\n")

@@ -19,7 +19,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from repo_code import REPO, VENV_BIN
+from repo_code import REPO, changed, local_playbook
 
 PLAY = """
 - hosts: localhost
@@ -38,21 +38,7 @@ PLAY = """
 
 
 def play(site: dict, *args: str, **overrides: object) -> subprocess.CompletedProcess:
-    extra = site["vars"] | overrides
-    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_ROLES_PATH=str(REPO / "roles"),
-               ANSIBLE_FILTER_PLUGINS=str(REPO / "plugins" / "filter"),
-               ANSIBLE_LOCALHOST_WARNING="false", ANSIBLE_INVENTORY_UNPARSED_WARNING="false", NO_COLOR="1")  # fmt: skip
-    return subprocess.run(
-        [str(VENV_BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local", "-e", json.dumps(extra),
-         str(site["play"]), *args],
-        cwd=REPO, env=env, text=True, capture_output=True, timeout=600,
-    )  # fmt: skip
-
-
-def changed(result: subprocess.CompletedProcess) -> int:
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    (recap,) = [line for line in result.stdout.splitlines() if line.startswith("localhost ") and "changed=" in line]
-    return int(recap.split("changed=")[1].split()[0])
+    return local_playbook(site["play"], site["vars"] | overrides, *args, timeout=600)
 
 
 def run(site: dict, *args: str, **overrides: object) -> tuple[int, dict, str]:
