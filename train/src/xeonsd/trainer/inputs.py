@@ -36,7 +36,6 @@ def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
     captions = read_captions(Path(cfg.train_data_dir), images, cfg.caption_column)
     for_config(cfg).check(cfg, captions)
     check_model_source(cfg.pretrained_model_name_or_path, revision=cfg.revision)
-    parse_timestep_range(cfg.timestep_range, local_num_train_timesteps(cfg.pretrained_model_name_or_path))
     resume = None
     # Checkpoints live in rank 0's output dir (on the primary node); rank 0 reads and broadcasts the state.
     if cfg.resume_from_checkpoint and info.is_main:
@@ -66,7 +65,8 @@ def check_flags(cfg: TrainConfig, info: RankInfo) -> None:
         raise ConfigError(f"--snr_gamma must be positive (5 is the paper's), got {cfg.snr_gamma}")
     if not 0 <= cfg.noise_offset < float("inf"):
         raise ConfigError(f"--noise_offset must be 0 (off) or positive, got {cfg.noise_offset}")
-    parse_timestep_range(cfg.timestep_range)  # the scheduler's upper bound is checked once it is loaded
+    # A local model's scheduler bounds it now; a Hub id's once its scheduler has loaded (job.py).
+    parse_timestep_range(cfg.timestep_range, local_num_train_timesteps(cfg.pretrained_model_name_or_path))
     if cfg.world_size is not None and cfg.world_size != info.world_size:
         raise ConfigError(
             f"--world_size {cfg.world_size} does not match the launcher ({info.launcher}), which reports "
