@@ -41,12 +41,12 @@ def _cpu_use_section(rows: list[dict], figs: dict) -> str:
         n: f"mean {_pct(d['mean'])}, lowest {_pct(d['lowest'])} (ranks {', '.join(map(str, d['ranks']))})"
         for n, d in figs["cpu_util"].items()
     }
-    return (
-        f'<h2>CPU use per node</h2><figure><img src="{clusterview.utilisation_png(rows)}" '
-        'alt="CPU utilisation per node over the run"><figcaption>Each rank\'s process CPU time ÷ (wall time × its '
-        "threads) over each stats interval, averaged over the node's ranks. Under ~80 % usually means a "
-        f"misconfigured job.</figcaption></figure>{html_table(util)}"
+    caption = (
+        "Each rank's process CPU time ÷ (wall time × its threads) over each stats interval, averaged over the "
+        "node's ranks. Under ~80 % usually means a misconfigured job."
     )
+    png = clusterview.utilisation_png(rows)
+    return _figure_section("CPU use per node", png, "CPU utilisation per node over the run", caption, util)
 
 
 def _time_split_section(rows: list[dict], figs: dict) -> str:
@@ -54,11 +54,21 @@ def _time_split_section(rows: list[dict], figs: dict) -> str:
         n: f"compute {d['compute_s']:.3f} s · all-reduce {d['allreduce_s']:.3f} s · data {d['data_s']:.3f} s"
         for n, d in figs["time_split_s_per_step"].items()
     }
+    caption = (
+        "Seconds per step. A fast node waits in the all-reduce for the slowest one: a long all-reduce bar beside a "
+        "long compute bar points at the straggler."
+    )
+    png = clusterview.split_png(rows)
+    return _figure_section(
+        "Where the step time goes", png, "compute, all-reduce and data time per node", caption, split
+    )
+
+
+def _figure_section(title: str, png: str, alt: str, caption: str, table: dict) -> str:
+    """A heading, a plot (a data: URL) with its caption, and the per-node table under it."""
     return (
-        f'<h2>Where the step time goes</h2><figure><img src="{clusterview.split_png(rows)}" '
-        'alt="compute, all-reduce and data time per node"><figcaption>Seconds per step. A fast node waits in the '
-        "all-reduce for the slowest one: a long all-reduce bar beside a long compute bar points at the "
-        f"straggler.</figcaption></figure>{html_table(split)}"
+        f'<h2>{title}</h2><figure><img src="{png}" alt="{alt}"><figcaption>{caption}</figcaption></figure>'
+        f"{html_table(table)}"
     )
 
 
