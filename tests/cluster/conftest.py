@@ -2,6 +2,8 @@
 
 The cluster lives in .cluster/pytest with its own namespaces (xsdt-*) and subnet (10.231.1.0/24), apart from
 a developer's `make cluster-up` cluster; it is removed at the end of the session, also when tests fail.
+XEONSD_TEST_CLUSTER_SLOT=N (2-8) gives a second checkout its own namespaces (xsdtN-*) and subnet (10.231.N.0/24),
+so two checkouts can run their cluster tests at the same time.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ from runner import TIMINGS, PlaybookRun, run_playbook  # noqa: E402
 def cluster() -> Iterator[Cluster]:
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("the test cluster needs root and iproute2 (network and mount namespaces)")
-    c = Cluster(REPO / ".cluster" / "pytest", prefix="xsdt", subnet=1)
+    slot = int(os.environ.get("XEONSD_TEST_CLUSTER_SLOT", "1"))
+    if not 1 <= slot <= 8:
+        pytest.fail(f"XEONSD_TEST_CLUSTER_SLOT={slot}: expected 1-8")
+    c = Cluster(REPO / ".cluster" / "pytest", prefix="xsdt" if slot == 1 else f"xsdt{slot}", subnet=slot)
     c.state_dir.mkdir(parents=True, exist_ok=True)
     # One test session at a time on this machine (also from another checkout: the namespaces and the subnet are
     # the same): a second one would tear down (and rebuild) the cluster under the first.
