@@ -20,6 +20,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_xl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny SDXL pipeline (two text encoders, a UNet with text_time conditioning; 64 px)."""
+    from xeonsd.assets import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("assets") / "tiny-xl", arch="tiny-xl")
+
+
+@pytest.fixture(scope="session")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from xeonsd.assets import make_dataset
 

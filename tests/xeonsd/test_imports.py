@@ -21,6 +21,7 @@ ALLOWED: dict[str, set[str] | None] = {
     "trainer": {"cluster"},
     "openvino": {"trainer.prompts"},
     "ops": {"trainer", "cluster"},
+    "assets": set(),
     "bench": None,
     "cli": None,
 }

@@ -170,13 +170,16 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
 
-    p = sub.add_parser("make-tiny-model", help="write a random-weight Stable Diffusion pipeline (offline test model)")
+    p = sub.add_parser(
+        "make-tiny-model", help="write a random-weight Stable Diffusion (or SDXL) pipeline (offline test model)"
+    )
     p.add_argument("out", help="output directory (must not exist or be empty)")
     p.add_argument(
         "--arch",
-        choices=["tiny", "tiny-v", "sd15", "sd21"],
+        choices=["tiny", "tiny-v", "tiny-xl", "sd15", "sd21", "sdxl"],
         default="tiny",
-        help="tiny: for tests; tiny-v: SD 2.x-style (v-prediction) for tests; sd15/sd21: full size",
+        help="tiny: for tests; tiny-v: SD 2.x-style (v-prediction) for tests; tiny-xl: SDXL-style for tests; "
+        "sd15/sd21/sdxl: full size",
     )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_make_tiny_model)

@@ -1,0 +1,100 @@
+"""Model families told apart from their config files: SD 1.x/2.x and SDXL served, the others refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from xeonsd.families import FamilyError, detect_family
+
+
+def _pipeline(tmp_path: Path, index: dict, unet: dict | None = None, vae: dict | None = None) -> Path:
+    """A pipeline directory with only its config files (detection must not need any weights)."""
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "model_index.json").write_text(json.dumps(index))
+    for sub, cfg in (("unet", unet), ("vae", vae)):
+        if cfg is not None:
+            (d / sub).mkdir()
+            (d / sub / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+C = ["diffusers", "X"]
+SDXL_INDEX = {
+    "_class_name": "StableDiffusionXLPipeline",
+    **{k: C for k in ("vae", "unet", "scheduler", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")},
+}
+VAE = {"block_out_channels": [128, 256, 512, 512]}
+
+
+def test_the_tiny_pipelines_are_told_apart(tiny_model: Path, tiny_xl_model: Path) -> None:
+    sd = detect_family(tiny_model)
+    assert (sd.name, sd.text_encoders, sd.pipeline_class) == ("sd", ("text_encoder",), "StableDiffusionPipeline")
+    assert sd.default_resolution == 64  # sample_size 8 × VAE scale 8
+    xl = detect_family(tiny_xl_model)
+    assert (xl.name, xl.is_xl, xl.label) == ("sdxl", True, "SDXL")
+    assert xl.text_encoders == ("text_encoder", "text_encoder_2")
+    assert xl.tokenizers == ("tokenizer", "tokenizer_2")
+
+
+def test_the_tiny_xl_pipeline_runs_in_stock_diffusers(tiny_xl_model: Path) -> None:
+    import torch
+    from diffusers import StableDiffusionXLPipeline
+
+    pipe = StableDiffusionXLPipeline.from_pretrained(tiny_xl_model)
+    assert pipe.unet.config.addition_embed_type == "text_time"
+    assert pipe.unet.config.cross_attention_dim == 64  # 32 + 32: both encoders' hidden states, concatenated
+    assert pipe.text_encoder_2.config.projection_dim == 32
+    out = pipe("a photo of a toy", num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="np")
+    assert out.images.shape == (1, 64, 64, 3)
+
+
+def test_sdxl_at_its_real_size_defaults_to_1024(tmp_path: Path) -> None:
+    d = _pipeline(tmp_path, SDXL_INDEX, {"addition_embed_type": "text_time", "sample_size": 128}, VAE)
+    assert detect_family(d).default_resolution == 1024
+
+
+@pytest.mark.parametrize(
+    ("index", "unet", "expected"),
+    [
+        ({"_class_name": "StableDiffusion3Pipeline", "transformer": C, "vae": C}, None, "not a UNet pipeline"),
+        ({"_class_name": "FluxPipeline", "transformer": C, "vae": C}, None, "FluxPipeline"),
+        (
+            {
+                "_class_name": "StableDiffusionXLImg2ImgPipeline",
+                "requires_aesthetics_score": True,
+                **{k: C for k in ("vae", "unet", "scheduler", "text_encoder_2", "tokenizer_2")},
+                "text_encoder": [None, None],
+                "tokenizer": [None, None],
+            },
+            {"addition_embed_type": "text_time"},
+            "an SDXL refiner",
+        ),
+        (
+            {"_class_name": "StableDiffusionInpaintPipeline", **{k: C for k in ("vae", "unet", "scheduler")}},
+            {"in_channels": 9},
+            "9 input channels",
+        ),
+        ({**SDXL_INDEX, "tokenizer_2": [None, None]}, {"addition_embed_type": "text_time"}, "without tokenizer_2"),
+    ],
+)
+def test_other_families_are_refused_naming_what_was_found(
+    tmp_path: Path, index: dict, unet: dict | None, expected: str
+) -> None:
+    d = _pipeline(tmp_path, index, unet, VAE)
+    with pytest.raises(FamilyError) as err:
+        detect_family(d)
+    msg = str(err.value)
+    assert expected in msg and index["_class_name"] in msg and "supported: SD 1.x/2.x" in msg
+    assert "\n" not in msg
+
+
+def test_a_pipeline_without_readable_configs_is_refused(tmp_path: Path) -> None:
+    d = tmp_path / "broken"
+    d.mkdir()
+    (d / "model_index.json").write_text("{not json")
+    with pytest.raises(FamilyError, match="cannot read model_index.json"):
+        detect_family(d)

@@ -1,0 +1,25 @@
+"""Offline assets built from code: a Stable Diffusion pipeline with random weights and a small image set.
+
+Nothing can be downloaded in tests, so these stand in for the Hub model and the dicoo images:
+
+* ``tiny``: a pipeline small enough to train in seconds, with the same structure as SD 1.x (4-level VAE with
+  scale factor 8, cross-attention UNet, CLIP text encoder) and a tokenizer that knows the recipe's
+  initializer word ``toy`` as one token.
+* ``tiny-v``: the tiny pipeline in the SD 2.x style (v-prediction, linear attention projections, per-level
+  head dims, GELU text encoder), for the tests of SD 2.x training.
+* ``sd15``: the full SD 1.5 architecture (UNet ~860M parameters, 49,408-token vocabulary, VAE, CLIP-L text
+  encoder) with random weights: the same FLOPs and memory as the real model, for realistic benchmarks.
+* ``sd21``: the full SD 2.1 (768-v) architecture (UNet ~865M parameters, OpenCLIP-H-sized text encoder,
+  v-prediction) with random weights, for benchmarks.
+
+The image set can come with captions in each layout the trainer reads (see :mod:`xeonsd.trainer.captions`).
+
+Modules: :mod:`.vocab` (the CLIP-style vocabulary and tokenizer files), :mod:`.models` (the pipelines, one
+:class:`~xeonsd.assets.models.Arch` per ``--arch``), :mod:`.datasets` (the image sets).
+"""
+
+from xeonsd.assets.datasets import CAPTION_LAYOUTS, make_dataset
+from xeonsd.assets.models import ARCHS, Arch, make_tiny_model
+from xeonsd.assets.vocab import build_clip_vocab
+
+__all__ = ["ARCHS", "CAPTION_LAYOUTS", "Arch", "build_clip_vocab", "make_dataset", "make_tiny_model"]

@@ -1,0 +1,77 @@
+"""The offline image sets: synthetic pictures of one small object, with captions in each layout the trainer reads."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from xeonsd.fsutil import atomic_dir
+
+log = logging.getLogger("xeonsd.assets")
+
+CAPTION_LAYOUTS = ("metadata", "sidecar", "txt")
+_COLOURS = ("red", "green", "blue")
+
+
+def make_dataset(
+    out: Path, count: int = 5, size: int = 128, seed: int = 0, captions: str | None = None, token: str = "<dicoo>"
+) -> list[Path]:
+    """Write ``count`` synthetic pictures of one small object (a yellow toy robot) in different poses.
+
+    With ``captions`` (``metadata``: metadata.jsonl, ``sidecar``: a .txt beside each image, ``txt``:
+    captions.txt), each image gets a caption that names the concept's ``token`` and the background's colour,
+    e.g. ``a photo of a <dicoo> on a red background``."""
+    if count < 1:
+        raise ValueError("make-dataset needs --count >= 1")
+    if captions is not None and captions not in CAPTION_LAYOUTS:
+        raise ValueError(f"unknown --captions {captions!r}; choose one of {', '.join(CAPTION_LAYOUTS)}")
+    rng = np.random.default_rng(seed)
+    out = Path(out)
+    paths = []
+    texts = []
+    with atomic_dir(out) as tmp:
+        for i in range(count):
+            bg = tuple(int(v) for v in rng.integers(40, 200, size=3))
+            img = Image.new("RGB", (size, size), bg)
+            d = ImageDraw.Draw(img)
+            s = size / 128
+            cx = size / 2 + rng.uniform(-12, 12) * s
+            cy = size / 2 + rng.uniform(-8, 8) * s
+            angle = rng.uniform(-0.4, 0.4)
+            w, h = 44 * s, 50 * s
+            body = [
+                (
+                    cx + dx * math.cos(angle) - dy * math.sin(angle),
+                    cy + dx * math.sin(angle) + dy * math.cos(angle),
+                )
+                for dx, dy in ((-w / 2, -h / 2), (w / 2, -h / 2), (w / 2, h / 2), (-w / 2, h / 2))
+            ]
+            d.polygon(body, fill=(235, 200, 40), outline=(40, 40, 40))
+            head_r = 14 * s
+            hx, hy = cx + math.sin(angle) * h * 0.8, cy - math.cos(angle) * h * 0.8
+            d.ellipse(
+                [hx - head_r, hy - head_r, hx + head_r, hy + head_r],
+                fill=(245, 215, 60),
+                outline=(40, 40, 40),
+            )
+            for ex in (-5, 5):
+                d.ellipse([hx + ex * s - 2 * s, hy - 2 * s, hx + ex * s + 2 * s, hy + 2 * s], fill=(20, 20, 20))
+            name = f"dicoo_{i:02d}.png"
+            img.save(tmp / name)
+            paths.append(out / name)
+            texts.append(f"a photo of a {token} on a {_COLOURS[int(np.argmax(bg))]} background")
+        if captions == "metadata":
+            lines = [json.dumps({"file_name": p.name, "text": t}) for p, t in zip(paths, texts, strict=True)]
+            (tmp / "metadata.jsonl").write_text("\n".join(lines) + "\n")
+        elif captions == "sidecar":
+            for p, t in zip(paths, texts, strict=True):
+                (tmp / p.with_suffix(".txt").name).write_text(t + "\n")
+        elif captions == "txt":
+            (tmp / "captions.txt").write_text("\n".join(texts) + "\n")
+    log.info("wrote %d images to %s%s", count, out, f" with captions ({captions})" if captions else "")
+    return paths

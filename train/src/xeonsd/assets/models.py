@@ -1,0 +1,307 @@
+"""The offline pipelines: one :class:`Arch` per ``make-tiny-model --arch``, built with random weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from xeonsd.assets.vocab import BOS, EOS, WORDS, build_clip_vocab, write_tokenizer
+from xeonsd.fsutil import atomic_dir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SecondEncoder:
+    """SDXL's second text encoder (OpenCLIP bigG in the real model): a CLIP text model with a projection."""
+
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Dimensions of a generated pipeline. With ``text2`` it is an SDXL pipeline: two text encoders whose hidden
+    states are concatenated for the cross-attention, and a UNet with ``text_time`` conditioning (the second
+    encoder's pooled output and the six micro-conditioning numbers, each embedded in ``time_embed_dim``)."""
+
+    unet_channels: tuple[int, ...]
+    unet_layers: int
+    unet_heads: int | tuple[int, ...]
+    unet_down: tuple[str, ...]
+    unet_up: tuple[str, ...]
+    sample_size: int
+    vae_channels: tuple[int, ...]
+    vae_layers: int
+    text_hidden: int
+    text_layers: int
+    text_heads: int
+    text_intermediate: int
+    vocab_size: int | None
+    norm_groups: int
+    prediction_type: str = "epsilon"
+    linear_projection: bool = False
+    text_act: str = "quick_gelu"
+    text2: SecondEncoder | None = None
+    transformer_layers: int | tuple[int, ...] = 1
+    time_embed_dim: int = 0
+    vae_scaling: float = 0.18215
+
+    @property
+    def family(self) -> str:
+        return "sdxl" if self.text2 is not None else "sd"
+
+
+ARCHS: dict[str, Arch] = {
+    "tiny": Arch(
+        unet_channels=(32, 64),
+        unet_layers=1,
+        unet_heads=2,
+        unet_down=("CrossAttnDownBlock2D", "DownBlock2D"),
+        unet_up=("UpBlock2D", "CrossAttnUpBlock2D"),
+        sample_size=8,
+        vae_channels=(8, 8, 16, 16),
+        vae_layers=1,
+        text_hidden=32,
+        text_layers=2,
+        text_heads=4,
+        text_intermediate=64,
+        vocab_size=None,
+        norm_groups=8,
+    ),
+    "sd15": Arch(
+        unet_channels=(320, 640, 1280, 1280),
+        unet_layers=2,
+        unet_heads=8,
+        unet_down=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+        unet_up=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        sample_size=64,
+        vae_channels=(128, 256, 512, 512),
+        vae_layers=2,
+        text_hidden=768,
+        text_layers=12,
+        text_heads=12,
+        text_intermediate=3072,
+        vocab_size=49408,
+        norm_groups=32,
+    ),
+}
+ARCHS["sd21"] = dataclasses.replace(
+    ARCHS["sd15"],
+    unet_heads=(5, 10, 20, 20),
+    sample_size=96,
+    text_hidden=1024,
+    text_layers=23,
+    text_heads=16,
+    text_intermediate=4096,
+    prediction_type="v_prediction",
+    linear_projection=True,
+    text_act="gelu",
+)
+ARCHS["tiny-v"] = dataclasses.replace(
+    ARCHS["tiny"], unet_heads=(2, 4), prediction_type="v_prediction", linear_projection=True, text_act="gelu"
+)
+# SDXL base 1.0: UNet 2.57 B parameters (no attention at the first level, 1/2/10 transformer layers below),
+# CLIP-L and OpenCLIP-bigG text encoders (123 M + 695 M), 1024 px, its VAE's scaling factor.
+ARCHS["sdxl"] = Arch(
+    unet_channels=(320, 640, 1280),
+    unet_layers=2,
+    unet_heads=(5, 10, 20),
+    unet_down=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    unet_up=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+    sample_size=128,
+    vae_channels=(128, 256, 512, 512),
+    vae_layers=2,
+    text_hidden=768,
+    text_layers=12,
+    text_heads=12,
+    text_intermediate=3072,
+    vocab_size=49408,
+    norm_groups=32,
+    linear_projection=True,
+    text2=SecondEncoder(hidden=1280, layers=32, heads=20, intermediate=5120),
+    transformer_layers=(1, 2, 10),
+    time_embed_dim=256,
+    vae_scaling=0.13025,
+)
+# The same structure at the tiny pipeline's size (64 px), for the tests.
+ARCHS["tiny-xl"] = dataclasses.replace(
+    ARCHS["tiny"],
+    unet_heads=(2, 4),
+    unet_down=("DownBlock2D", "CrossAttnDownBlock2D"),
+    unet_up=("CrossAttnUpBlock2D", "UpBlock2D"),
+    linear_projection=True,
+    text2=SecondEncoder(hidden=32, layers=2, heads=4, intermediate=64),
+    transformer_layers=(1, 2),
+    time_embed_dim=8,
+    vae_scaling=0.13025,
+)
+
+
+def make_tiny_model(out: Path, arch: str = "tiny", seed: int = 0) -> Path:
+    """Write a random-weight pipeline directory of the given architecture to ``out``: a
+    ``StableDiffusionPipeline``, or a ``StableDiffusionXLPipeline`` for the SDXL architectures."""
+    import torch
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown --arch {arch!r}; choose one of {sorted(ARCHS)}")
+    a = ARCHS[arch]
+    out = Path(out)
+    torch.manual_seed(seed)
+    # Built in this order from one seed: the weights depend on it.
+    unet = _unet(a)
+    vae = _vae(a)
+    vocab, merges = build_clip_vocab(list(WORDS), a.vocab_size)
+    text_encoder = _text_encoder(a, vocab)
+    text_encoder_2 = _text_encoder_2(a.text2, vocab) if a.text2 is not None else None
+    scheduler = _scheduler(a)
+
+    with atomic_dir(out) as tmp:
+        tokenizer = write_tokenizer(tmp / "_tok_src", vocab, merges)
+        if text_encoder_2 is None:
+            pipe = StableDiffusionPipeline(
+                vae=vae,
+                text_encoder=text_encoder,
+                tokenizer=tokenizer,
+                unet=unet,
+                scheduler=scheduler,
+                safety_checker=None,
+                feature_extractor=None,
+                requires_safety_checker=False,
+            )
+        else:
+            pipe = StableDiffusionXLPipeline(
+                vae=vae,
+                text_encoder=text_encoder,
+                text_encoder_2=text_encoder_2,
+                tokenizer=tokenizer,
+                tokenizer_2=tokenizer,
+                unet=unet,
+                scheduler=scheduler,
+            )
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        shutil.rmtree(tmp / "_tok_src")
+    n_unet = sum(p.numel() for p in unet.parameters())
+    log.info("wrote %s pipeline to %s (UNet %.1fM parameters, vocab %d)", arch, out, n_unet / 1e6, len(vocab))
+    return out
+
+
+def _unet(a: Arch) -> Any:
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel(
+        sample_size=a.sample_size,
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=a.unet_channels,
+        layers_per_block=a.unet_layers,
+        down_block_types=a.unet_down,
+        up_block_types=a.unet_up,
+        cross_attention_dim=a.text_hidden + (a.text2.hidden if a.text2 else 0),
+        attention_head_dim=a.unet_heads,
+        norm_num_groups=a.norm_groups,
+        use_linear_projection=a.linear_projection,
+        transformer_layers_per_block=a.transformer_layers,
+        **_text_time(a),
+    )
+
+
+def _text_time(a: Arch) -> dict[str, Any]:
+    """SDXL's added conditioning: the pooled text embedding and 6 micro-conditioning numbers (original size, crop
+    top-left, target size), each number embedded in ``time_embed_dim`` channels."""
+    if a.text2 is None:
+        return {}
+    return {
+        "addition_embed_type": "text_time",
+        "addition_time_embed_dim": a.time_embed_dim,
+        "projection_class_embeddings_input_dim": a.text2.hidden + 6 * a.time_embed_dim,
+    }
+
+
+def _vae(a: Arch) -> Any:
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * len(a.vae_channels),
+        up_block_types=("UpDecoderBlock2D",) * len(a.vae_channels),
+        block_out_channels=a.vae_channels,
+        layers_per_block=a.vae_layers,
+        latent_channels=4,
+        norm_num_groups=a.norm_groups,
+        sample_size=a.sample_size * 8,
+        scaling_factor=a.vae_scaling,
+    )
+
+
+def _text_encoder(a: Arch, vocab: dict[str, int]) -> Any:
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    text_config = CLIPTextConfig(
+        vocab_size=len(vocab),
+        hidden_size=a.text_hidden,
+        intermediate_size=a.text_intermediate,
+        num_hidden_layers=a.text_layers,
+        num_attention_heads=a.text_heads,
+        max_position_embeddings=77,
+        hidden_act=a.text_act,
+        projection_dim=a.text_hidden,
+        bos_token_id=vocab[BOS],
+        eos_token_id=vocab[EOS],
+        pad_token_id=vocab[EOS],
+    )
+    return CLIPTextModel(text_config)
+
+
+def _text_encoder_2(e: SecondEncoder, vocab: dict[str, int]) -> Any:
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    text_config = CLIPTextConfig(
+        vocab_size=len(vocab),
+        hidden_size=e.hidden,
+        intermediate_size=e.intermediate,
+        num_hidden_layers=e.layers,
+        num_attention_heads=e.heads,
+        max_position_embeddings=77,
+        hidden_act="gelu",
+        projection_dim=e.hidden,
+        bos_token_id=vocab[BOS],
+        eos_token_id=vocab[EOS],
+        pad_token_id=vocab[EOS],
+    )
+    return CLIPTextModelWithProjection(text_config)
+
+
+def _scheduler(a: Arch) -> Any:
+    from diffusers import DDPMScheduler, EulerDiscreteScheduler, PNDMScheduler
+
+    if a.text2 is not None:  # SDXL ships Euler with "leading" spacing
+        scheduler = EulerDiscreteScheduler(
+            beta_start=0.00085,
+            beta_end=0.012,
+            beta_schedule="scaled_linear",
+            prediction_type=a.prediction_type,
+            steps_offset=1,
+            timestep_spacing="leading",
+        )
+        DDPMScheduler.from_config(scheduler.config)
+        return scheduler
+    scheduler = PNDMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        prediction_type=a.prediction_type,
+        skip_prk_steps=True,
+        steps_offset=1,
+    )
+    # The training scheduler reads the same config; make sure it is a valid DDPM config too.
+    DDPMScheduler.from_config(scheduler.config)
+    return scheduler

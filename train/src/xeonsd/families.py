@@ -1,0 +1,128 @@
+"""Which model family a pipeline belongs to, read from its small config files before any weight loads.
+
+Every command that takes a model (``train``, ``export``, ``generate``, ``doctor``, ``bench``) asks
+:func:`detect_family` and gets a :class:`Family`: what the pipeline's text side looks like (one text encoder, or
+SDXL's two with the second's pooled output), its default resolution and its diffusers class. A family we do not
+serve (SD3, Flux, an SDXL refiner, an inpainting UNet, …) is refused in one line that names what was found and what
+is supported, instead of a traceback after minutes of loading.
+
+The rules read ``model_index.json`` (the pipeline's class and components), ``unet/config.json`` (``text_time``
+conditioning, input channels, sample size) and ``vae/config.json`` (its scale factor), from a local directory or,
+for a Hub id, from the Hub (its cache when offline): three small files.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED = "SD 1.x/2.x (StableDiffusionPipeline) and SDXL base (StableDiffusionXLPipeline)"
+
+
+class FamilyError(ValueError):
+    """The pipeline is of a family we do not serve, or its config files cannot be read; one line."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """``name`` is ``sd`` (SD 1.x/2.x) or ``sdxl``; ``text_encoders`` and ``tokenizers`` are the pipeline's
+    component names in the order their hidden states are concatenated."""
+
+    name: str
+    label: str
+    pipeline_class: str
+    text_encoders: tuple[str, ...]
+    tokenizers: tuple[str, ...]
+    sample_size: int  # the UNet's latent size
+    vae_scale: int  # pixels per latent
+
+    @property
+    def default_resolution(self) -> int:
+        """The resolution the model was trained at: 512 (SD 1.5), 768 (SD 2.1 768-v), 1024 (SDXL)."""
+        return self.sample_size * self.vae_scale
+
+    @property
+    def is_xl(self) -> bool:
+        return self.name == "sdxl"
+
+
+SD = ("sd", "SD 1.x/2.x", "StableDiffusionPipeline", ("text_encoder",), ("tokenizer",))
+SDXL = (
+    "sdxl",
+    "SDXL",
+    "StableDiffusionXLPipeline",
+    ("text_encoder", "text_encoder_2"),
+    ("tokenizer", "tokenizer_2"),
+)
+
+
+def components(index: dict[str, Any]) -> set[str]:
+    """The pipeline components that are present (``[library, class]`` entries that are not ``[null, null]``)."""
+    return {
+        k
+        for k, v in index.items()
+        if not k.startswith("_") and isinstance(v, list) and len(v) == 2 and v[0] is not None and v[1] is not None
+    }
+
+
+def family_of(index: dict[str, Any], unet: dict[str, Any] | None, vae: dict[str, Any] | None, where: str) -> Family:
+    """The family of a pipeline from its three config files (pure: the rules, without the reading)."""
+    cls = str(index.get("_class_name", "an unnamed pipeline"))
+    have = components(index)
+    found = f"{cls} with {', '.join(sorted(have)) or 'no components'}"
+
+    def refuse(what: str) -> FamilyError:
+        return FamilyError(f"{where}: {what} ({found}); supported: {SUPPORTED}")
+
+    if "transformer" in have or unet is None:
+        raise refuse("not a UNet pipeline (SD3, Flux, PixArt and other transformer models are not supported)")
+    if index.get("requires_aesthetics_score") or ("text_encoder_2" in have and "text_encoder" not in have):
+        raise refuse("an SDXL refiner (it refines SDXL base images and is not fine-tuned on its own)")
+    if unet.get("in_channels", 4) != 4:
+        raise refuse(f"a UNet with {unet.get('in_channels')} input channels (inpainting or depth models)")
+    missing = {"vae", "scheduler"} - have
+    text_time = unet.get("addition_embed_type") == "text_time"
+    if text_time:
+        spec = SDXL
+    elif unet.get("addition_embed_type") is None and "text_encoder_2" not in have:
+        spec = SD
+    else:
+        raise refuse(f"a UNet with addition_embed_type {unet.get('addition_embed_type')!r}")
+    missing |= set(spec[3]) | set(spec[4])
+    missing -= have
+    if missing:
+        raise refuse(f"a {spec[1]} pipeline without {', '.join(sorted(missing))}")
+    blocks = (vae or {}).get("block_out_channels") or [0, 0, 0, 0]
+    return Family(*spec, sample_size=int(unet.get("sample_size") or 64), vae_scale=2 ** (len(blocks) - 1))
+
+
+def detect_family(src: str | Path, revision: str | None = None) -> Family:
+    """The family of the pipeline at ``src`` (a local pipeline directory or a Hub id)."""
+    where = str(src)
+    index = _read(src, "model_index.json", revision, required=True)
+    assert index is not None
+    have = components(index)
+    unet = _read(src, "unet/config.json", revision, required="unet" in have)
+    vae = _read(src, "vae/config.json", revision, required="vae" in have)
+    return family_of(index, unet, vae, where)
+
+
+def _read(src: str | Path, name: str, revision: str | None, required: bool) -> dict[str, Any] | None:
+    if not required:
+        return None
+    local = Path(src)
+    try:
+        if local.is_dir():
+            text = (local / name).read_text()
+        else:
+            from huggingface_hub import hf_hub_download
+
+            text = Path(hf_hub_download(str(src), name, revision=revision)).read_text()
+        data = json.loads(text)
+    except (OSError, ValueError) as exc:  # missing file, offline without a cache, not JSON
+        raise FamilyError(f"{src}: cannot read {name} to tell the model family: {exc}") from exc
+    if not isinstance(data, dict):
+        raise FamilyError(f"{src}: {name} is not a JSON object")
+    return data
