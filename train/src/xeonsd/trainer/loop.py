@@ -300,6 +300,7 @@ def main(argv: list[str]) -> int:
     except Interrupted as stop:
         return stopped(info, status, stop)
     except BAD_INPUT as exc:
+        signals.defer()  # a signal from here on (mpirun ending the job) must not cut the report short
         if status is not None:  # the status file first: the play reads it, the log line is for people
             if isinstance(exc, PeerLostError):
                 status.fail("lost_peer", str(exc), exc.peer)
@@ -310,6 +311,7 @@ def main(argv: list[str]) -> int:
         take_the_job_down(info, 2, grace_s=ABORT_GRACE_S if isinstance(exc, PeerLostError) else 0.0)
         return 2
     except Exception as exc:
+        signals.defer()
         if status is not None:
             status.fail("exception", f"{type(exc).__name__}: {exc}")
         if info.world_size > 1:
