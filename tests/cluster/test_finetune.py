@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -490,3 +491,68 @@ def test_killing_a_worker_node_fails_the_play_within_60_s_and_resume_finishes(pr
     assert (resumed_rank["state"], resumed_rank["step"], resumed_rank["attempt"]) == ("done", 20, 2), resumed_rank
     assert (runs / "kill" / "report.html").exists()
     print(f"resumed at a checkpoint <= step {step_at_failure}, finished 20 steps in {resumed.seconds:.1f} s")
+
+
+def _launcher(cluster: Cluster) -> int:
+    """The job's mpiexec.hydra on the primary (run.sh's "mpirun")."""
+    pids = subprocess.run(["ip", "netns", "pids", f"{cluster.prefix}-node1"], capture_output=True, text=True)
+    for pid in pids.stdout.split():
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].endswith(b"mpiexec.hydra"):
+                return int(pid)
+    pytest.fail("no mpiexec.hydra in node1's namespace")
+
+
+def test_sigterm_to_the_running_job_leaves_a_checkpoint_and_resume_continues_from_it(provisioned: Cluster) -> None:
+    """SIGTERM to the job's launcher on node1 (what an operator's kill or mpirun on abort sends): every one of the
+    16 ranks on the 4 nodes stops after the same step, rank 0 writes a checkpoint there, the play fails saying so,
+    with the report; -e resume=latest continues from that checkpoint."""
+    runs = _controller_runs(provisioned)
+    common = ("-e", f"controller_runs_dir={runs}", "-e", "finetune_checkpointing_steps=0")
+    with _background_playbook(
+        provisioned, "finetune-sigterm", "finetune.yml", *common, "-e", "finetune_run_id=sigterm", "-e",
+        "finetune_max_train_steps=400",
+    ) as (job, log, _):  # fmt: skip
+        _wait(lambda: _latest_step(provisioned) >= 2, 900, "step 2", job, log)
+        os.kill(_launcher(provisioned), signal.SIGTERM)
+        signalled = time.monotonic()
+        _wait(lambda: not _all_job_processes(provisioned), 300, "every rank to stop")
+        stopped_after = time.monotonic() - signalled
+        rc = _finish(job, timeout=300)
+    output = log.read_text()
+    assert rc != 0
+    said = re.search(
+        r"Training stopped by SIGTERM at step (\d+) \(checkpoint-(\d+) written\); resume with -e resume", output
+    )
+    assert said and said[1] == said[2], output[-6000:]
+    step = int(said[1])
+    print(f"\nSIGTERM to mpiexec.hydra: 16 ranks stopped at step {step}, all gone {stopped_after:.1f} s later")
+    for node, rank in (("node1", 0), ("node3", 9), ("node4", 15)):
+        status = json.loads(provisioned.ssh(node, f"cat {RUNS}/sigterm/status/rank-{rank}.json").stdout)
+        assert (status["state"], status["step"], status["stop"]["signal"]) == ("interrupted", step, "SIGTERM"), status
+    provisioned.ssh("node1", f"test -f {RUNS}/sigterm/checkpoint-{step}/trainer_state.pt")
+    ended = json.loads((runs / "sigterm" / "exit.json").read_text())
+    assert ended["rc"] == 143 and ended["stopped"]["step"] == step, ended
+    page = (runs / "sigterm" / "report.html").read_text()
+    assert f"<h2>Stopped</h2><p>Attempt 1 stopped by SIGTERM at step {step} (checkpoint-{step} written)" in page
+
+    resumed = run_playbook(
+        "finetune.yml",
+        provisioned.inventory,
+        *common,
+        "-e",
+        "resume=latest",
+        "-e",
+        f"finetune_max_train_steps={step + 2}",
+        "--tags",
+        "finetune",  # the training alone: the export is another test's
+        state_dir=provisioned.state_dir,
+        name="finetune-sigterm-resumed",
+        timeout=1800,
+    )
+    assert resumed.rc == 0, resumed.tail(80)
+    rows = [json.loads(x) for x in (runs / "sigterm" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, step + 3))
+    assert (
+        f"resumed from {RUNS}/sigterm/checkpoint-{step} at step {step}" in (runs / "sigterm" / "train.log").read_text()
+    )

@@ -2,33 +2,33 @@
 
 * ``<output_dir>/status/rank-<r>.json`` (:class:`RankStatus`): one per rank, on that rank's own node (the run
   directory has the same path on every node). The trainer writes it at start-up, on every state change
-  (starting → running → saving → done, or failed), after every step, and on every fatal error path with the
-  error's kind: ``input`` (bad input, a clear message), ``exception`` (a traceback), ``lost_peer`` (a collective
-  failed: a peer died or went away; ``peer`` is its address when the backend named it) or ``timeout`` (a
-  collective waited past its limit).
+  (starting → running → saving → done, or failed, or interrupted), after every step, and on every fatal error
+  path with the error's kind: ``input`` (bad input, a clear message), ``exception`` (a traceback), ``lost_peer`` (a
+  collective failed: a peer died or went away; ``peer`` is its address when the backend named it) or ``timeout``
+  (a collective waited past its limit). A job told to stop (SIGTERM, SIGINT, SIGUSR1: :mod:`xeonsd.trainer.stopping`)
+  ends ``interrupted`` with its :class:`Stop`: the signal, why (``time_limit`` for SIGUSR1, the launcher's warning
+  before its time limit), and the checkpoint written at that step; it exits with 128 + the signal.
 * ``<run_dir>/attempt.json`` (:class:`Attempt`) and ``<run_dir>/exit.json`` (:class:`ExitStatus`): written by the
   finetune role's ``run.sh`` through ``xeonsd jobstatus begin`` / ``xeonsd jobstatus exit`` around mpirun. Each
   attempt of a run (a resumed run is a new attempt in the same directory) gets the next number; run.sh exports it
   as ``XEONSD_ATTEMPT`` so that every rank's status file says which attempt wrote it, and readers ignore files
-  left by an earlier one.
+  left by an earlier one. An attempt that was stopped has rank 0's :class:`Stop` in exit.json too.
 
-The finetune role reads them only through this package, run in the node's diffuser env: ``xeonsd jobstatus poll``
-(the progress line, and who ended a failed job: :mod:`.job_watch`), ``xeonsd jobstatus ranks`` (a node's rank status
-files) and ``xeonsd jobstatus codes`` (the exit codes the role tells apart, :data:`EXIT_CODES`), all with JSON on
-stdout. Nothing else in the repository restates the schema or the codes.
+The finetune role reads them only through this package, run in the node's diffuser env (the command line:
+:mod:`.job_status_cli`): ``xeonsd jobstatus poll`` (the progress line, and who ended a failed job or how a stopped
+one stopped: :mod:`.job_watch`), ``xeonsd jobstatus ranks`` (a node's rank status files) and ``xeonsd jobstatus
+codes`` (the exit codes the role tells apart, :data:`EXIT_CODES`), all with JSON on stdout. Nothing else in the repository restates the schema or the codes.
 
 Every file is written under a temporary name and renamed into place, so a reader never sees half a file.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
 import logging
 import os
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -41,14 +41,18 @@ STATUS_DIR = "status"
 ATTEMPT_FILE = "attempt.json"
 EXIT_FILE = "exit.json"
 ATTEMPT_ENV = "XEONSD_ATTEMPT"
-STATES = ("starting", "running", "saving", "done", "failed")
+STATES = ("starting", "running", "saving", "done", "failed", "interrupted")
+# Why a job was told to stop: SIGUSR1 is the launcher's warning before its time limit (Slurm's --signal), the
+# others an operator's, a scheduler's or mpirun's SIGTERM, or a Ctrl-C.
+STOP_REASONS = ("signal", "time_limit")
 ERROR_KINDS = ("input", "exception", "lost_peer", "timeout")
 # Errors that are the rank's own (it is the cause); the others are what a rank saw of a peer (it is a witness).
 OWN_ERROR_KINDS = ("input", "exception")
 # run.sh's exit code when another finetune holds the run lock (flock --conflict-exit-code): nothing was started.
 LOCK_CONFLICT_RC = 75
 # The exit codes the playbooks tell apart, by name: the finetune role reads them from `xeonsd jobstatus codes`.
-EXIT_CODES = {"lock_conflict": LOCK_CONFLICT_RC}
+# A job that stopped when told to exits with 128 + the signal.
+EXIT_CODES = {"lock_conflict": LOCK_CONFLICT_RC, "sigint": 130, "sigusr1": 138, "sigterm": 143}
 # The job's human log in the run directory (every rank's lines, mpirun -l): attempt.json says where each attempt's
 # part of it starts.
 LOG_FILE = "train.log"
@@ -70,6 +74,21 @@ class LastError:
 
 
 @dataclass(frozen=True)
+class Stop:
+    """How a job that was told to stop ended: the signal's name, why (one of STOP_REASONS), the step it stopped
+    at (every rank the same) and the checkpoint written there (its directory name; None before the first step)."""
+
+    signal: str
+    reason: str
+    step: int
+    checkpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.reason not in STOP_REASONS:
+            raise StatusFileError(f"stop reason {self.reason!r} is not one of {', '.join(STOP_REASONS)}")
+
+
+@dataclass(frozen=True)
 class RankStatus:
     rank: int
     world: int
@@ -81,6 +100,7 @@ class RankStatus:
     updated: float  # Unix time of this write
     attempt: int | None = None  # run.sh's attempt number (XEONSD_ATTEMPT); None when started by hand
     error: LastError | None = None
+    stop: Stop | None = None  # state interrupted: how it stopped
     schema: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -106,6 +126,7 @@ class ExitStatus:
     ended: int
     attempt: int | None = None
     timed_out: bool = False  # it failed having run for its whole time limit (mpirun ended it)
+    stopped: Stop | None = None  # rank 0's Stop, when the attempt stopped as it was told to
     schema: int = SCHEMA_VERSION
 
 
@@ -160,14 +181,18 @@ def _typed(cls: type, data: object, where: str):
 def rank_status_from_dict(data: object, where: str = "rank status") -> RankStatus:
     status = _typed(RankStatus, data, where)
     if status.error is not None:
-        status = dataclasses.replace(status, error=_typed_error(status.error, where))
+        status = dataclasses.replace(status, error=_typed_part(LastError, status.error, where, "error"))
+    if status.stop is not None:
+        status = dataclasses.replace(status, stop=_typed_part(Stop, status.stop, where, "stop"))
     return status
 
 
-def _typed_error(data: object, where: str) -> LastError:
-    if not isinstance(data, dict) or not {"kind", "message"} <= data.keys():
-        raise StatusFileError(f"{where}: error must be an object with kind and message, got {data!r}")
-    return LastError(**{n: data[n] for n in field_names(LastError) if n in data})
+def _typed_part(cls: type, data: object, where: str, name: str):
+    """A nested object of a status file (``error``, ``stop``), or StatusFileError naming what it lacks."""
+    required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
+    if not isinstance(data, dict) or not set(required) <= data.keys():
+        raise StatusFileError(f"{where}: {name} must be an object with {', '.join(required)}, got {data!r}")
+    return cls(**{n: data[n] for n in field_names(cls) if n in data})
 
 
 def _read(path: Path) -> object:
@@ -194,7 +219,12 @@ def read_attempt(run_dir: Path) -> Attempt | None:
 
 def read_exit(run_dir: Path) -> ExitStatus | None:
     path = Path(run_dir) / EXIT_FILE
-    return _typed(ExitStatus, _read(path), str(path)) if path.exists() else None
+    if not path.exists():
+        return None
+    ended = _typed(ExitStatus, _read(path), str(path))
+    if ended.stopped is not None:
+        ended = dataclasses.replace(ended, stopped=_typed_part(Stop, ended.stopped, str(path), "stopped"))
+    return ended
 
 
 def attempt_from_env(env: dict[str, str] | None = None) -> int | None:
@@ -237,6 +267,10 @@ class RankStatusFile:
     def fail(self, kind: str, message: str, peer: str | None = None) -> None:
         self.update(state="failed", error=LastError(kind, message, peer))
 
+    def interrupt(self, stop: Stop) -> None:
+        self.status = dataclasses.replace(self.status, state="interrupted", step=stop.step, stop=stop)
+        self.update()
+
     def _write(self) -> None:
         # Always in a launched job's attempt (run.sh sets XEONSD_ATTEMPT; the play reads the file, also for a rank
         # refused on its inputs), into an output dir that exists, or once the inputs were accepted (``accept``):
@@ -244,7 +278,7 @@ class RankStatusFile:
         if not (self.status.attempt is not None or self._accepted or self.path.parent.parent.is_dir()):
             return
         try:
-            write_json(self.path, asdict(self.status), fsync=self.status.state in ("done", "failed"))
+            write_json(self.path, asdict(self.status), fsync=self.status.state in ("done", "failed", "interrupted"))
         except OSError as exc:
             if not self._warned:
                 self._warned = True
@@ -271,112 +305,24 @@ def begin_attempt(run_dir: Path, now: float | None = None, time_limit_s: int | N
     return attempt
 
 
+def _stopped(run_dir: Path, attempt: int) -> Stop | None:
+    """Rank 0's Stop, when its status file (on the primary, where run.sh runs) says this attempt stopped."""
+    try:
+        status = read_rank_status(rank_status_path(run_dir, 0))
+    except (OSError, StatusFileError):
+        return None
+    return status.stop if status.attempt == attempt and status.state == "interrupted" else None
+
+
 def write_exit(run_dir: Path, rc: int, now: float | None = None) -> ExitStatus:
-    """How the current attempt ended (its number and start from attempt.json), in exit.json."""
+    """How the current attempt ended (its number and start from attempt.json; a stopped one's Stop), in exit.json."""
     attempt = read_attempt(run_dir)
     if attempt is None:
         raise StatusFileError(f"{Path(run_dir) / ATTEMPT_FILE} does not exist: run `xeonsd jobstatus begin` first")
     ended = int(now or time.time())
     timed_out = rc != 0 and attempt.time_limit_s is not None and ended - attempt.started >= attempt.time_limit_s
-    status = ExitStatus(rc=rc, started=attempt.started, ended=ended, attempt=attempt.attempt, timed_out=timed_out)
+    status = ExitStatus(
+        rc, attempt.started, ended, attempt.attempt, timed_out, _stopped(run_dir, attempt.attempt) if rc else None
+    )
     write_json(Path(run_dir) / EXIT_FILE, asdict(status), fsync=True)
     return status
-
-
-DESCRIPTION = (
-    "begin RUN_DIR: start the run's next attempt (attempt.json) and print its number; "
-    "exit RUN_DIR --rc RC: record how it ended (exit.json); "
-    "poll RUN_DIR: the job's progress, and who ended it once it failed (JSON, the finetune role's xeonsd_job); "
-    "ranks RUN_DIR: this node's rank status files (JSON); codes: the exit codes the playbooks tell apart (JSON)."
-)
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    """``xeonsd jobstatus begin|exit|poll|ranks|codes …``"""
-    p = sub.add_parser(
-        "jobstatus",
-        help="record a training job's attempts and exit code, and read its state (the finetune role)",
-        description=DESCRIPTION,
-    )
-    what = p.add_subparsers(dest="action", required=True)
-    begin = what.add_parser("begin", help="start the next attempt; prints its number")
-    begin.add_argument("run_dir", type=Path)
-    begin.add_argument("--time-limit-s", type=int, help="the job's time limit (I_MPI_JOB_TIMEOUT)")
-    end = what.add_parser("exit", help="record the attempt's exit code")
-    end.add_argument("run_dir", type=Path)
-    end.add_argument("--rc", type=int, required=True, help="mpirun's exit code")
-    poll = what.add_parser("poll", help="the job's state as JSON (progress; once it failed, who ended it)")
-    poll.add_argument("run_dir", type=Path)
-    poll.add_argument("--results-file", required=True, help="Ansible's async results file of the launch")
-    poll.add_argument("--total-steps", type=int, required=True)
-    poll.add_argument(
-        "--node",
-        action="append",
-        default=[],
-        metavar="NAME=ADDRESS",
-        help="the cluster's nodes in nodefile order (primary first), one flag each",
-    )
-    poll.add_argument("--ranks-per-node", type=int, default=1)
-    poll.add_argument("--excerpt-lines", type=int, default=12)
-    poll.add_argument(
-        "--rank-status",
-        choices=["-"],
-        help="-: read the rank status files gathered from every node as a JSON list on stdin "
-        "(default: this node's own)",
-    )
-    ranks = what.add_parser("ranks", help="this node's rank status files of the run, as JSON")
-    ranks.add_argument("run_dir", type=Path)
-    what.add_parser("codes", help="the exit codes the playbooks tell apart, as JSON")
-    p.set_defaults(func=main_args)
-
-
-def _poll_params(args: argparse.Namespace) -> dict:
-    nodes = []
-    for item in args.node:
-        name, sep, address = item.partition("=")
-        if not (sep and name and address):
-            raise StatusFileError(f"--node {item!r}: expected NAME=ADDRESS")
-        nodes.append({"name": name, "address": address})
-    return {
-        "run_dir": str(args.run_dir),
-        "results_file": args.results_file,
-        "nodes": nodes,
-        "ranks_per_node": args.ranks_per_node,
-        "total_steps": args.total_steps,
-        "excerpt_lines": args.excerpt_lines,
-        "rank_status": json.load(sys.stdin) if args.rank_status == "-" else None,
-    }
-
-
-def _answer(args: argparse.Namespace) -> object:
-    if args.action == "begin":
-        return begin_attempt(args.run_dir, time_limit_s=args.time_limit_s).attempt
-    if args.action == "exit":
-        write_exit(args.run_dir, args.rc)
-        return None
-    from xeonsd.cluster import job_watch  # the reading (run.sh's begin and exit need none of it)
-
-    if args.action == "poll":
-        return job_watch.job_state(_poll_params(args))
-    status_dir = Path(args.run_dir) / STATUS_DIR
-    return {"status_dir": str(status_dir), "statuses": job_watch.read_status_dir(status_dir)}
-
-
-def main_args(args: argparse.Namespace) -> int:
-    if args.action == "codes":
-        print(json.dumps(EXIT_CODES, sort_keys=True))
-        return 0
-    # A node where no rank started has no run directory: no status files, not an error.
-    if args.action != "ranks" and not args.run_dir.is_dir():
-        print(f"xeonsd jobstatus: error: {args.run_dir} is not a directory", file=sys.stderr)
-        return 2
-    try:
-        answer = _answer(args)
-    except (StatusFileError, ValueError) as exc:
-        print(f"xeonsd jobstatus: error: {exc}", file=sys.stderr)
-        return 2
-    if isinstance(answer, int):
-        print(answer)
-    elif answer is not None:
-        print(json.dumps(answer, sort_keys=True))
-    return 0

@@ -1,5 +1,5 @@
-"""What the finetune role reads of a job while it runs and once it ended: the progress line, and which node(s) and
-rank(s) ended a failed job. The role's ``xeonsd_job`` and ``xeonsd_rank_status`` modules run this on the node, in
+"""What the finetune role reads of a job while it runs and once it ended: the progress line, which node(s) and
+rank(s) ended a failed job, and how a job that was told to stop stopped (signal, step, checkpoint). The role's ``xeonsd_job`` and ``xeonsd_rank_status`` modules run this on the node, in
 its diffuser env (``xeonsd jobstatus poll`` / ``xeonsd jobstatus ranks``, JSON on stdout), so the files' schema
 (:mod:`.job_status`) is read here, by the code that defines it, and nowhere else.
 
@@ -182,6 +182,33 @@ def _excerpt(verdict: _Verdict, any_status: bool, text: str, excerpt_lines: int)
     return excerpt
 
 
+def stop_summary(stop: dict, recorded: int | None = None, world: int | None = None) -> str:
+    """'stopped by SIGTERM at step 12 (checkpoint-12 written); resume with -e resume=latest' for a Stop (a status
+    file's ``stop``), with how many ranks recorded it when not all did."""
+    what = "the time limit" if stop["reason"] == "time_limit" else stop["signal"]
+    if stop["step"]:
+        where = f"at step {stop['step']}" + (f" ({stop['checkpoint']} written)" if stop.get("checkpoint") else "")
+        todo = "resume with -e resume=latest"
+    else:
+        where = "before the first training step"
+        todo = "nothing of this attempt was saved: start it again (-e resume=latest continues an earlier checkpoint)"
+    counted = f" ({recorded}/{world} ranks recorded it)" if world and recorded is not None and recorded < world else ""
+    return f"stopped by {what} {where}{counted}; {todo}"
+
+
+def _stopped(current: dict[int, dict], world: int) -> dict | None:
+    """The stop the ranks recorded (rank 0's, else the lowest rank's), or None when no rank of the attempt did."""
+    interrupted = {r: s for r, s in sorted(current.items()) if s["state"] == "interrupted" and s.get("stop")}
+    if not interrupted:
+        return None
+    stop = interrupted.get(0, next(iter(interrupted.values())))["stop"]
+    summary = stop_summary(stop, len(interrupted), world)
+    steps = sorted({s["stop"]["step"] for s in interrupted.values()})
+    if len(steps) > 1:
+        summary += f" (the ranks stopped at different steps: {', '.join(map(str, steps))})"
+    return {"nodes": [], "ranks": [], "summary": summary, "excerpt": [], "stopped": stop}
+
+
 def diagnose(
     statuses: list,
     nodes: list[dict],
@@ -193,7 +220,9 @@ def diagnose(
     """Which node(s) and rank(s) ended a failed job, from the ranks' status files, with their first log lines.
 
     ``statuses``: every rank status file found on the nodes (those of an earlier ``attempt`` are ignored). A rank
-    with an error of its own (bad input, an exception) is the cause. Otherwise the ranks that failed on a lost
+    with an error of its own (bad input, an exception) is the cause. Without one, ranks that recorded a stop (state
+    interrupted) make it a job that stopped as it was told to: the answer's ``stopped`` is their Stop and its
+    summary says by what, at which step, and to resume. Otherwise the ranks that failed on a lost
     peer or a collective timeout are witnesses, and the cause is the ranks that fell silent (no error, not done)
     on the nodes the witnesses name as the peer that went away (when none could report before mpirun ended them,
     on the node Hydra reports it lost), or else simply the silent ones. ``log_text`` (this attempt's part of
@@ -210,6 +239,9 @@ def diagnose(
         return nodes[index]["name"] if index < len(nodes) else "?"
 
     verdict = _verdict(current, world, by_addr, node_of, log_text)
+    stopped = None if verdict.own else _stopped(current, world)
+    if stopped is not None:  # told to stop, and it did: not a failure of any rank
+        return stopped
     excerpt = _excerpt(verdict, bool(current), log_text, excerpt_lines)
     order = [n["name"] for n in nodes]
     bad_nodes = sorted(
@@ -265,7 +297,7 @@ def _failure(params: dict, rc: int, exit_info: dict, log_text: str) -> dict:
     failure = diagnose(
         statuses, params["nodes"], params["ranks_per_node"], exit_info.get("attempt"), log_text, params["excerpt_lines"]
     )
-    if rc == ASYNC_TIMEOUT_RC or exit_info.get("timed_out"):
+    if (rc == ASYNC_TIMEOUT_RC or exit_info.get("timed_out")) and not failure.get("stopped"):
         failure["summary"] = f"the job ran past its time limit; {failure['summary']}"
     return failure
 

@@ -3,17 +3,21 @@
 It reads what is there and says what is missing: ``run.json`` (the exact command, versions, phase times, written
 by whoever launched the run), ``metrics.jsonl`` and ``loss.png`` (the trainer), ``images/`` with ``timings.json``
 (``xeonsd generate``) and an export manifest (``xeonsd export``). Images are linked relatively, so the
-directory can be moved or copied as a whole.
+directory can be moved or copied as a whole. A run whose last attempt was told to stop (``exit.json``'s
+``stopped``) says so first: by what, at which step, and how to resume.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import statistics
 from pathlib import Path
 from typing import Any
 
+from xeonsd.cluster.job_status import StatusFileError, read_exit
+from xeonsd.cluster.job_watch import stop_summary
 from xeonsd.fsutil import atomic_file
 from xeonsd.method_names import METHOD_FILES
 from xeonsd.ops import run_view as clusterview
@@ -179,6 +183,7 @@ def build_report(run: Path) -> str:
     images_dir = run / "images"
     timings = _load_json(images_dir / "timings.json") or {}
     sections = [
+        *_stopped_section(run),
         *_how_it_ran(run, info, missing),
         *_what_trained(run, rows, missing),
         *cluster_sections(rows, _figures(run, info, rows, timings)),
@@ -188,6 +193,18 @@ def build_report(run: Path) -> str:
         *_missing_section(missing),
     ]
     return _page(html.escape(info.get("title") or f"xeonsd run {run.name}"), sections)
+
+
+def _stopped_section(run: Path) -> list[str]:
+    """The last attempt stopped as it was told to (SIGTERM, the time limit, …): by what, where, how to resume."""
+    try:
+        ended = read_exit(run)
+    except (OSError, StatusFileError):
+        return []
+    if ended is None or ended.stopped is None:
+        return []
+    text = stop_summary(dataclasses.asdict(ended.stopped))
+    return [f"<h2>Stopped</h2><p>Attempt {ended.attempt or '?'} {html.escape(text)} (exit code {ended.rc}).</p>"]
 
 
 def _how_it_ran(run: Path, info: dict, missing: list[str]) -> list[str]:

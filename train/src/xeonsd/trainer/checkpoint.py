@@ -59,8 +59,12 @@ def resolve_resume(arg: str, out_dir: Path) -> Path | None:
     return path
 
 
+def checkpoint_name(step: int) -> str:
+    return f"checkpoint-{step}"
+
+
 def save_checkpoint(out_dir: Path, step: int, state: dict, keep: int | None = None) -> Path:
-    target = Path(out_dir) / f"checkpoint-{step}"
+    target = Path(out_dir) / checkpoint_name(step)
     with atomic_dir(target, overwrite=True) as tmp:
         torch.save(state, tmp / STATE_FILE)
     if keep is not None and keep > 0:

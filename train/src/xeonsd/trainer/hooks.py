@@ -5,7 +5,9 @@ order: the rank clock stops; this rank's status file gets the step; every ``--st
 statistics are all-gathered (:mod:`xeonsd.cluster.rank_stats`); rank 0 draws the progress bar (or, under a pipe,
 logs a progress line), appends a metrics row every ``--log_every`` steps, saves the method's snapshots and a
 checkpoint every ``--checkpointing_steps``; every ``--validation_steps`` rank 0 renders the validation images
-while the others wait at a barrier.
+while the others wait at a barrier. After the step the ranks agreed to stop at (:mod:`.stopping`), the same
+observers run once more within the stop's time bound: the statistics are gathered, a metrics row is written, rank
+0 writes a checkpoint, the validation images are skipped; then every rank records the stop and raises Interrupted.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -28,6 +30,7 @@ from xeonsd.trainer import checkpoint as ckpt
 from xeonsd.trainer.job import Job
 from xeonsd.trainer.metrics import MetricsLog
 from xeonsd.trainer.models import render_validation
+from xeonsd.trainer.stopping import Interrupted, StopDeadline, describe, exit_code, make_stop
 
 log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name
 
@@ -39,6 +42,7 @@ class StepEnd:
     step: int  # the steps done (1 after the first)
     loss: float  # averaged over the ranks
     seconds: float  # this rank's wall time for the step
+    stopping: bool = False  # the ranks agreed to stop after this step (a signal)
 
 
 class StepObserver(Protocol):
@@ -50,6 +54,7 @@ class StepObservers:
 
     def __init__(self, job: Job) -> None:
         cfg = job.run.cfg
+        self.job = job
         self.metrics = MetricsLog(cfg.output_path, resume_step=job.run.start_step) if job.is_main else None
         self.counters = StepCounters(job)
         self.progress = Progress(job) if job.is_main else None
@@ -77,6 +82,26 @@ class StepObservers:
     def close(self) -> None:
         if self.progress is not None:
             self.progress.close()
+
+    def stop(self, end: StepEnd, signum: int, timeout_s: float) -> NoReturn:
+        """The ranks agreed to stop after ``end``: within ``timeout_s`` (else the rank exits without it) the
+        observers run (rank 0's checkpoint among them), every rank waits for rank 0 and records the stop; then
+        raises Interrupted."""
+        job, t0 = self.job, time.perf_counter()
+        status = job.cluster.status
+        with (
+            StopDeadline(timeout_s, exit_code(signum), lambda: status.interrupt(make_stop(signum, end.step))),
+            job.cluster.timeout.scope(timeout_s),
+        ):
+            self.on_step_end(end)
+            with job.cluster.timeout.watch("barrier after the stop's checkpoint"):
+                barrier(job.world)
+            stop = make_stop(signum, end.step, ckpt.checkpoint_name(end.step))
+            status.interrupt(stop)
+        self.close()
+        if job.is_main:
+            log.warning("%s: %s written in %.1f s", describe(signum), stop.checkpoint, time.perf_counter() - t0)
+        raise Interrupted(signum, stop)
 
 
 class StepCounters:
@@ -143,7 +168,7 @@ class RankStats:
         self.pending: dict = {}
 
     def on_step_end(self, end: StepEnd) -> None:
-        if end.step % self.every == 0 or end.step == self.last:
+        if end.step % self.every == 0 or end.step == self.last or end.stopping:
             with self.timeout.watch("all-gather of the ranks' statistics"):
                 self.gather()
 
@@ -204,7 +229,7 @@ class MetricsRows:
 
     def on_step_end(self, end: StepEnd) -> None:
         cfg = self.job.run.cfg
-        if end.step % cfg.log_every == 0 or end.step == cfg.max_train_steps:
+        if end.step % cfg.log_every == 0 or end.step == cfg.max_train_steps or end.stopping:
             self.metrics.append(self.row(end))
 
     def row(self, end: StepEnd) -> dict:
@@ -228,7 +253,7 @@ class MetricsRows:
 
 class Checkpoints:
     """Rank 0: the method's own snapshots after each step, and a checkpoint every ``--checkpointing_steps``. The
-    last step is checkpointed too: a crash while the result is saved loses nothing."""
+    last step is checkpointed too (a crash while the result is saved loses nothing), and the step a stop comes at."""
 
     def __init__(self, job: Job) -> None:
         self.job = job
@@ -236,7 +261,8 @@ class Checkpoints:
     def on_step_end(self, end: StepEnd) -> None:
         cfg = self.job.run.cfg
         self.job.training.method.periodic_save(cfg.output_path, end.step)
-        if cfg.checkpointing_steps and (end.step % cfg.checkpointing_steps == 0 or end.step == cfg.max_train_steps):
+        every = cfg.checkpointing_steps
+        if end.stopping or (every and (end.step % every == 0 or end.step == cfg.max_train_steps)):
             self.save(end.step)
 
     def save(self, step: int) -> None:
@@ -264,7 +290,7 @@ class ValidationImages:
 
     def on_step_end(self, end: StepEnd) -> None:
         job, cfg = self.job, self.job.run.cfg
-        if end.step % cfg.validation_steps:
+        if end.step % cfg.validation_steps or end.stopping:  # minutes on a CPU: not while the job is stopping
             return
         with job.cluster.timeout.scope(job.cluster.timeouts.setup_s):
             if job.is_main:

@@ -6,7 +6,8 @@ optimizer, resume) → ``fit`` (per step: each rank's share of the global batch,
 optimizer; then the observers of :mod:`.hooks`: status, statistics, progress, metrics, checkpoint, validation) →
 ``save`` (the method's result, metrics, loss plot). Rank 0 writes every file; every rank logs with its rank in the
 prefix and keeps its own status file on its node (``status/rank-<r>.json``, :mod:`xeonsd.cluster.job_status`:
-state, step, and the kind of error that ended it).
+state, step, and the kind of error that ended it). A job told to stop (SIGTERM, SIGINT, SIGUSR1) stops at the
+same step on every rank with a checkpoint there and exits with 128 + the signal (:mod:`.stopping`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from xeonsd.cluster import run_files
 from xeonsd.cluster.distributed import (
     DistributedError,
     PeerLostError,
+    RankInfo,
     Timeouts,
     all_reduce_mean_,
     barrier,
@@ -49,15 +51,16 @@ from xeonsd.trainer.job import ABORT_GRACE_S, Job, Training, setup, setup_loggin
 from xeonsd.trainer.loss import denoising_loss
 from xeonsd.trainer.metrics import MetricsLog, plot_loss, result_bytes, write_summary
 from xeonsd.trainer.models import autocast, render_validation
+from xeonsd.trainer.stopping import Interrupted, StopSignals
 
 log = logging.getLogger("xeonsd.train")
 
 BAD_INPUT = (ConfigError, ModelSourceError, DataError, ConceptError, ckpt.CheckpointError, DistributedError)
 
 
-def run(cfg: TrainConfig, status: RankStatusFile | None) -> dict:
-    """Train; returns a summary dict. Raises one of BAD_INPUT on bad input. ``status`` is None only for a dry
-    run (which trains nothing)."""
+def run(cfg: TrainConfig, status: RankStatusFile | None, signals: StopSignals | None = None) -> dict:
+    """Train; returns a summary dict. Raises one of BAD_INPUT on bad input, Interrupted when ``signals`` got a
+    stop signal. ``status`` is None only for a dry run (which trains nothing)."""
     info = detect_ranks()
     setup_logging(info)
     inputs = validate(cfg, info)
@@ -73,7 +76,7 @@ def run(cfg: TrainConfig, status: RankStatusFile | None) -> dict:
     backend = init_process_group(info, setup_timeout_s=timeouts.setup_s)
     try:
         job = setup(cfg, info, backend, placement, inputs, timeouts, status)
-        fitted = fit(job)
+        fitted = fit(job, signals or StopSignals())
         return save(job, fitted)
     finally:
         destroy_process_group()
@@ -87,14 +90,16 @@ class Fitted:
     metrics: MetricsLog | None
 
 
-def fit(job: Job) -> Fitted:
-    """The optimizer steps from the job's start step on, each followed by the observers of :mod:`.hooks` (status
-    file, rank statistics, progress, metrics row, checkpoint, validation images)."""
+def fit(job: Job, signals: StopSignals) -> Fitted:
+    """The optimizer steps from the job's start step on, each followed by the ranks' agreement on whether to stop
+    (``signals``) and the observers of :mod:`.hooks` (status file, rank statistics, progress, metrics row,
+    checkpoint, validation images). Raises Interrupted after the step the ranks agreed to stop at."""
     cluster = job.cluster
     observers = StepObservers(job)
     step_times: list[float] = []
     with cluster.timeout.watch("barrier"):
         barrier(job.world)  # every rank is set up: from here on a collective that waits past the step timeout fails
+    signals.defer()  # from here on a signal stops the job at a step's end, with a checkpoint
     cluster.status.update(state="running", step=job.run.start_step)
     with cluster.timeout.scope(cluster.timeouts.step_s):
         _log_step_timeout(job)
@@ -103,7 +108,12 @@ def fit(job: Job) -> Fitted:
             with observers.around_step(step):  # the rank clock, and --count_flops' counters
                 loss = train_step(job, step, observers.clock, _bucket_margin_s(job, step_times))
             step_times.append(time.perf_counter() - t0)
-            observers.on_step_end(StepEnd(step=step + 1, loss=loss, seconds=step_times[-1]))
+            with cluster.timeout.watch("all-reduce of the stop flag"):
+                signum = signals.agree(job.world)
+            end = StepEnd(step=step + 1, loss=loss, seconds=step_times[-1], stopping=bool(signum))
+            if signum:
+                observers.stop(end, signum, signals.timeout_s)  # raises Interrupted
+            observers.on_step_end(end)
     observers.close()
     return Fitted(step_times=step_times, metrics=observers.metrics)
 
@@ -281,11 +291,16 @@ def loss_options(job: Job) -> dict:
 def main(argv: list[str]) -> int:
     info = detect_ranks()
     status: RankStatusFile | None = None
+    signals = StopSignals()
     try:
+        signals.install()
         cfg = parse_config(argv)
         status = None if cfg.dry_run else start_status(cfg, info)
-        summary = run(cfg, status)
+        summary = run(cfg, status, signals)
+    except Interrupted as stop:
+        return stopped(info, status, stop)
     except BAD_INPUT as exc:
+        signals.defer()  # a signal from here on (mpirun ending the job) must not cut the report short
         if status is not None:  # the status file first: the play reads it, the log line is for people
             if isinstance(exc, PeerLostError):
                 status.fail("lost_peer", str(exc), exc.peer)
@@ -296,6 +311,7 @@ def main(argv: list[str]) -> int:
         take_the_job_down(info, 2, grace_s=ABORT_GRACE_S if isinstance(exc, PeerLostError) else 0.0)
         return 2
     except Exception as exc:
+        signals.defer()
         if status is not None:
             status.fail("exception", f"{type(exc).__name__}: {exc}")
         if info.world_size > 1:
@@ -304,6 +320,8 @@ def main(argv: list[str]) -> int:
             traceback.print_exc()
             take_the_job_down(info, 1)
         raise
+    finally:
+        signals.restore()
     if summary.get("dry_run"):
         return 0
     assert status is not None
@@ -311,6 +329,18 @@ def main(argv: list[str]) -> int:
     if info.is_main:
         print(_done_line(summary))
     return 0
+
+
+def stopped(info: RankInfo, status: RankStatusFile | None, stop: Interrupted) -> int:
+    """A job told to stop: its status file says so, and it exits with 128 + the signal. Before the steps a rank
+    may be alone in that (its peers blocked in a collective): it asks the launcher to end the job."""
+    if status is not None:
+        status.interrupt(stop.stop)
+    if info.is_main or stop.stop.step == 0:
+        print(f"xeonsd train: {stop}", file=sys.stderr, flush=True)
+    if stop.stop.step == 0:
+        take_the_job_down(info, stop.exit_code, grace_s=ABORT_GRACE_S)
+    return stop.exit_code
 
 
 def _done_line(summary: dict) -> str:

@@ -1,0 +1,109 @@
+"""``xeonsd jobstatus begin|exit|poll|ranks|codes``: the command line of :mod:`.job_status` (run.sh's begin and
+exit, the finetune role's poll, ranks and codes), JSON on stdout. Standard library only: cheap to import."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from xeonsd.cluster.job_status import EXIT_CODES, STATUS_DIR, StatusFileError, begin_attempt, write_exit
+
+DESCRIPTION = (
+    "begin RUN_DIR: start the run's next attempt (attempt.json) and print its number; "
+    "exit RUN_DIR --rc RC: record how it ended (exit.json); "
+    "poll RUN_DIR: the job's progress, and who ended it once it failed (JSON, the finetune role's xeonsd_job); "
+    "ranks RUN_DIR: this node's rank status files (JSON); codes: the exit codes the playbooks tell apart (JSON)."
+)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """``xeonsd jobstatus begin|exit|poll|ranks|codes …``"""
+    p = sub.add_parser(
+        "jobstatus",
+        help="record a training job's attempts and exit code, and read its state (the finetune role)",
+        description=DESCRIPTION,
+    )
+    what = p.add_subparsers(dest="action", required=True)
+    begin = what.add_parser("begin", help="start the next attempt; prints its number")
+    begin.add_argument("run_dir", type=Path)
+    begin.add_argument("--time-limit-s", type=int, help="the job's time limit (I_MPI_JOB_TIMEOUT)")
+    end = what.add_parser("exit", help="record the attempt's exit code")
+    end.add_argument("run_dir", type=Path)
+    end.add_argument("--rc", type=int, required=True, help="mpirun's exit code")
+    poll = what.add_parser("poll", help="the job's state as JSON (progress; once it failed, who ended it)")
+    poll.add_argument("run_dir", type=Path)
+    poll.add_argument("--results-file", required=True, help="Ansible's async results file of the launch")
+    poll.add_argument("--total-steps", type=int, required=True)
+    poll.add_argument(
+        "--node",
+        action="append",
+        default=[],
+        metavar="NAME=ADDRESS",
+        help="the cluster's nodes in nodefile order (primary first), one flag each",
+    )
+    poll.add_argument("--ranks-per-node", type=int, default=1)
+    poll.add_argument("--excerpt-lines", type=int, default=12)
+    poll.add_argument(
+        "--rank-status",
+        choices=["-"],
+        help="-: read the rank status files gathered from every node as a JSON list on stdin "
+        "(default: this node's own)",
+    )
+    ranks = what.add_parser("ranks", help="this node's rank status files of the run, as JSON")
+    ranks.add_argument("run_dir", type=Path)
+    what.add_parser("codes", help="the exit codes the playbooks tell apart, as JSON")
+    p.set_defaults(func=main_args)
+
+
+def _poll_params(args: argparse.Namespace) -> dict:
+    nodes = []
+    for item in args.node:
+        name, sep, address = item.partition("=")
+        if not (sep and name and address):
+            raise StatusFileError(f"--node {item!r}: expected NAME=ADDRESS")
+        nodes.append({"name": name, "address": address})
+    return {
+        "run_dir": str(args.run_dir),
+        "results_file": args.results_file,
+        "nodes": nodes,
+        "ranks_per_node": args.ranks_per_node,
+        "total_steps": args.total_steps,
+        "excerpt_lines": args.excerpt_lines,
+        "rank_status": json.load(sys.stdin) if args.rank_status == "-" else None,
+    }
+
+
+def _answer(args: argparse.Namespace) -> object:
+    if args.action == "begin":
+        return begin_attempt(args.run_dir, time_limit_s=args.time_limit_s).attempt
+    if args.action == "exit":
+        write_exit(args.run_dir, args.rc)
+        return None
+    from xeonsd.cluster import job_watch  # the reading (run.sh's begin and exit need none of it)
+
+    if args.action == "poll":
+        return job_watch.job_state(_poll_params(args))
+    status_dir = Path(args.run_dir) / STATUS_DIR
+    return {"status_dir": str(status_dir), "statuses": job_watch.read_status_dir(status_dir)}
+
+
+def main_args(args: argparse.Namespace) -> int:
+    if args.action == "codes":
+        print(json.dumps(EXIT_CODES, sort_keys=True))
+        return 0
+    # A node where no rank started has no run directory: no status files, not an error.
+    if args.action != "ranks" and not args.run_dir.is_dir():
+        print(f"xeonsd jobstatus: error: {args.run_dir} is not a directory", file=sys.stderr)
+        return 2
+    try:
+        answer = _answer(args)
+    except (StatusFileError, ValueError) as exc:
+        print(f"xeonsd jobstatus: error: {exc}", file=sys.stderr)
+        return 2
+    if isinstance(answer, int):
+        print(answer)
+    elif answer is not None:
+        print(json.dumps(answer, sort_keys=True))
+    return 0
