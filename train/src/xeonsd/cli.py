@@ -126,8 +126,12 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0, help="seed of the first call (call k uses seed + k)")
     p.add_argument("--guidance-scale", type=float, default=7.5)
-    p.add_argument("--height", type=int, help="dynamic exports only (default 512); a static export has its own")
-    p.add_argument("--width", type=int, help="dynamic exports only (default 512)")
+    p.add_argument(
+        "--height",
+        type=int,
+        help="dynamic exports only (default: the family's, 512 or SDXL 1024); static have their own",
+    )
+    p.add_argument("--width", type=int, help="dynamic exports only (default: the family's resolution)")
     p.add_argument("--batch-size", type=int, help="images per call for a dynamic export (default: all)")
     p.add_argument(
         "--engine",

@@ -52,14 +52,18 @@ def pipeline_flops(model: Path, height: int, width: int, steps: int) -> dict[str
         return float(counter.get_total_flops())
 
     h, w, hidden = height // 8, width // 8, text.config.hidden_size
-    extra: dict[str, Any] = {}
     encoders = [text]
     if text2 is not None:  # SDXL: the pooled output of the second encoder and the six micro-conditioning numbers
         hidden += text2.config.hidden_size
-        pooled = torch.randn(2, text2.config.projection_dim)
-        extra["added_cond_kwargs"] = {"text_embeds": pooled, "time_ids": torch.randn(2, 6)}
         encoders.append(text2)
-    unet_call = count(lambda: unet(torch.randn(2, 4, h, w), torch.tensor(1), torch.randn(2, 77, hidden), **extra))
+
+    def extra() -> dict[str, Any]:  # made inside ``count``, on the meta device
+        if text2 is None:
+            return {}
+        pooled = torch.randn(2, text2.config.projection_dim)
+        return {"added_cond_kwargs": {"text_embeds": pooled, "time_ids": torch.randn(2, 6)}}
+
+    unet_call = count(lambda: unet(torch.randn(2, 4, h, w), torch.tensor(1), torch.randn(2, 77, hidden), **extra()))
     out = {
         "text_encoder": sum(count(lambda e=e: e(torch.zeros(2, 77, dtype=torch.long))) for e in encoders),
         "unet": steps * unet_call,
