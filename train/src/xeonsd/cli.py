@@ -53,15 +53,19 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
         "export",
         help="export a pipeline (with its learned concept) to OpenVINO",
         description="Export SRC (a diffusers pipeline directory or Hub id) to the OpenVINO directory OUT. "
-        "Static shapes by default, the recipe's: batch 5, 512x512, 1 image per prompt.",
+        "Static shapes by default, the recipe's: batch 5, 1 image per prompt, at the model family's resolution "
+        "(SD 1.5 512x512, SDXL 1024x1024).",
     )
     p.add_argument("src", help="diffusers pipeline directory (e.g. --save_as_full_pipeline output) or Hub model id")
     p.add_argument("out", help="output directory (must not exist or be empty unless --overwrite)")
     p.add_argument("--embeds", help="learned_embeds.safetensors to add to tokenizer and text encoder before export")
     p.add_argument("--token", help="load the --embeds concept under this token instead of the one in the file")
     p.add_argument("--batch-size", type=int, default=5, help="prompts per call (static shape)")
-    p.add_argument("--height", type=int, default=512)
-    p.add_argument("--width", type=int, default=512)
+    p.add_argument(
+        "--resolution", type=int, help="height and width of the static shape (default: the family's, SDXL 1024)"
+    )
+    p.add_argument("--height", type=int, help="static height (default --resolution)")
+    p.add_argument("--width", type=int, help="static width (default --resolution)")
     p.add_argument("--num-images-per-prompt", type=int, default=1)
     p.add_argument("--dynamic", action="store_true", help="keep dynamic shapes (skip the static reshape)")
     p.add_argument(
@@ -122,8 +126,12 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0, help="seed of the first call (call k uses seed + k)")
     p.add_argument("--guidance-scale", type=float, default=7.5)
-    p.add_argument("--height", type=int, help="dynamic exports only (default 512); a static export has its own")
-    p.add_argument("--width", type=int, help="dynamic exports only (default 512)")
+    p.add_argument(
+        "--height",
+        type=int,
+        help="dynamic exports only (default: the family's, 512 or SDXL 1024); static have their own",
+    )
+    p.add_argument("--width", type=int, help="dynamic exports only (default: the family's resolution)")
     p.add_argument("--batch-size", type=int, help="images per call for a dynamic export (default: all)")
     p.add_argument(
         "--engine",

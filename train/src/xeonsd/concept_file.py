@@ -7,6 +7,12 @@ One loader for both places a concept goes in after training: the PyTorch text en
 The file format is the one diffusers' ``load_textual_inversion`` reads: ``{token: tensor[num_vectors, hidden]}``
 (or ``[hidden]``); a concept with ``num_vectors > 1`` becomes the tokens ``<tok>``, ``<tok>_1``, … in that order.
 The A1111 formats (``string_to_param`` / ``emb_params``) are read too when ``token`` names the concept.
+
+SDXL has two text encoders, so an SDXL concept is two vector sets in one safetensors file, the layout the
+community's SDXL embeddings use: ``clip_l`` ``[num_vectors, 768]`` for ``text_encoder`` (CLIP ViT-L) and ``clip_g``
+``[num_vectors, 1280]`` for ``text_encoder_2`` (OpenCLIP bigG), the same number of vectors in both. The file's
+metadata ``token`` names the concept (our writer, :func:`save_xl_concept`, stores it; community files have none,
+so ``--token`` names it). :func:`load_concepts` reads the layout of the model's family and refuses the other one.
 """
 
 from __future__ import annotations
@@ -218,3 +224,104 @@ def expand_prompt(prompt: str, tokens: list[str]) -> str:
                 i += 1
             prompt = prompt.replace(token, replacement)
     return prompt
+
+
+# --- SDXL: one vector set per text encoder ----------------------------------------------------------------------
+
+XL_KEYS = {"clip_l": "text_encoder", "clip_g": "text_encoder_2"}  # file key -> the SDXL pipeline component
+XL_TOKEN_METADATA = "token"
+
+
+def is_xl_layout(keys: Any) -> bool:
+    """The file holds the SDXL layout (``clip_l`` and ``clip_g``)."""
+    return set(XL_KEYS) <= set(keys)
+
+
+def save_xl_concept(path: Path, token: str, clip_l: Any, clip_g: Any) -> Path:
+    """Write an SDXL concept (``clip_l`` [n, 768], ``clip_g`` [n, 1280], the token in the metadata) atomically."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    arrays = {key: _as_array(value, path) for key, value in (("clip_l", clip_l), ("clip_g", clip_g))}
+    if arrays["clip_l"].shape[0] != arrays["clip_g"].shape[0]:
+        raise ConceptError(
+            f"{path}: clip_l has {arrays['clip_l'].shape[0]} vectors and clip_g {arrays['clip_g'].shape[0]}; "
+            "an SDXL concept has the same number in both"
+        )
+    if not token:
+        raise ConceptError(f"{path}: an SDXL concept needs a token to be saved under")
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp), metadata={XL_TOKEN_METADATA: token})
+    tmp.replace(path)
+    return path
+
+
+def load_xl_concept(path: Path, token: str | None = None) -> dict[str, Concept]:
+    """Read an SDXL concept file: ``{"text_encoder": Concept(clip_l), "text_encoder_2": Concept(clip_g)}``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConceptError(f"embeddings file {path} does not exist")
+    state = _read_state_dict(path)
+    if not is_xl_layout(state):
+        raise ConceptError(
+            f"{path} holds {sorted(state)[:5]}, not an SDXL concept (clip_l [n, 768] and clip_g [n, 1280])"
+        )
+    extra = sorted(set(state) - set(XL_KEYS))
+    if extra:
+        raise ConceptError(f"{path}: an SDXL concept holds clip_l and clip_g only, this file also {extra[:5]}")
+    name = token or _xl_token(path)
+    if not name:
+        raise ConceptError(f"{path} does not name its token (no {XL_TOKEN_METADATA!r} metadata); pass --token '<tok>'")
+    arrays = {key: _as_array(state[key], path) for key in XL_KEYS}
+    if arrays["clip_l"].shape[0] != arrays["clip_g"].shape[0]:
+        raise ConceptError(
+            f"{path}: clip_l has {arrays['clip_l'].shape[0]} vectors and clip_g {arrays['clip_g'].shape[0]}; "
+            "an SDXL concept has the same number in both"
+        )
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    tokens = expand_tokens(name, arrays["clip_l"].shape[0])
+    return {
+        component: Concept(tokens=tokens, vectors=arrays[key], source=f"{path} ({key})", sha256=digest)
+        for key, component in XL_KEYS.items()
+    }
+
+
+def _xl_token(path: Path) -> str | None:
+    if path.suffix != ".safetensors":
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as fh:
+        return (fh.metadata() or {}).get(XL_TOKEN_METADATA)
+
+
+def load_concepts(path: Path, token: str | None, family: str) -> dict[str, Concept]:
+    """The concept for each text encoder of ``family`` (``sd`` or ``sdxl``), by component name; a file of the other
+    family's layout is refused naming both."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConceptError(f"embeddings file {path} does not exist")
+    xl_file = path.suffix == ".safetensors" and is_xl_layout(_safetensors_keys(path))
+    if family == "sdxl":
+        if not xl_file:
+            raise ConceptError(
+                f"{path} is an embedding for SD 1.x/2.x (one text encoder), and this model is SDXL, which needs "
+                "one vector set per text encoder: a safetensors file with clip_l and clip_g"
+            )
+        return load_xl_concept(path, token)
+    if xl_file:
+        raise ConceptError(
+            f"{path} is an SDXL embedding (clip_l and clip_g), and this model is SD 1.x/2.x, which has one "
+            "text encoder; use an embedding trained for it"
+        )
+    return {"text_encoder": load_concept(path, token)}
+
+
+def _safetensors_keys(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as fh:
+            return list(fh.keys())  # noqa: SIM118 - safe_open is not a dict
+    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        raise ConceptError(f"{path} is not a readable safetensors file: {exc}") from exc

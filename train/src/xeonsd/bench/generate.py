@@ -13,7 +13,8 @@ the bf16 matmul peak measured in the same run (the median of probes before and a
 more than 15 % apart end the output with "machine unstable: read the ratios, not the seconds"); the floor at the fp32 peak is printed too, and which precision the
 OpenVINO CPU plugin runs in on this machine.
 
-Default: the full SD1.5 architecture (``make-tiny-model --arch sd15``) at 512x512, 20 steps, as the recipe.
+Default: the full SD1.5 architecture (``make-tiny-model --arch sd15``) at 512x512, 20 steps, as the recipe;
+``--arch sdxl``: the full SDXL base architecture at its 1024x1024 (``--height``/``--width`` change it).
 ``--quick``: 256x256, 4 steps. Exports are cached in ``--workdir`` and reused by later runs.
 """
 
@@ -157,10 +158,10 @@ def _pixel_difference(image_g: list, image_d: list, seed: int) -> dict[str, Any]
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="xeonsd bench generate", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="diffusers pipeline directory (default: a random-weight --arch model in --workdir)")
-    p.add_argument("--arch", choices=["sd15", "tiny"], default="sd15")
+    p.add_argument("--arch", choices=["sd15", "sdxl", "tiny", "tiny-xl"], default="sd15")
     p.add_argument("--workdir", default="bench-generate", help="models, exports and results (reused between runs)")
-    p.add_argument("--height", type=int, default=512)
-    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--height", type=int, help="default: the model family's resolution (SD 1.5 512, SDXL 1024)")
+    p.add_argument("--width", type=int, help="default: the model family's resolution")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--images", type=int, default=1, help="timed images per variant and round (one per call)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds: each variant runs once per round")
@@ -177,6 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16", choices=["auto", "run"], default="auto", help="auto: skip (b) without native bf16")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the one-step warm-up call")
     return p
+
+
+ARCH_RESOLUTION = {"sd15": 512, "sdxl": 1024, "tiny": 64, "tiny-xl": 64}  # the random-weight models' own
+
+
+def _family_resolution(model: str) -> int:
+    from xeonsd.families import detect_family
+
+    return detect_family(model).default_resolution
 
 
 def main(argv: list[str]) -> int:
@@ -197,6 +207,9 @@ def main(argv: list[str]) -> int:
         except ModelSourceError as exc:
             print(f"xeonsd bench generate: error: {exc}", file=sys.stderr)
             return 2
+    if not args.quick and (args.height is None or args.width is None):
+        size = ARCH_RESOLUTION.get(args.arch, 512) if not args.model else _family_resolution(args.model)
+        args.height, args.width = args.height or size, args.width or size
     report = run(args)
     table = format_table(report)
     print(table)

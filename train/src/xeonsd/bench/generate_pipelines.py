@@ -97,11 +97,42 @@ def model_and_concept(args: argparse.Namespace, workdir: Path) -> tuple[Path, Pa
     if not model.is_dir():
         make_tiny_model(model, arch=args.arch)
     hidden = json.loads((model / "text_encoder" / "config.json").read_text())["hidden_size"]
+    gen = torch.Generator().manual_seed(0)
+    if (model / "text_encoder_2").is_dir():  # SDXL: one vector set per text encoder (clip_l, clip_g)
+        from xeonsd.concept_file import save_xl_concept
+
+        hidden_g = json.loads((model / "text_encoder_2" / "config.json").read_text())["hidden_size"]
+        embeds = workdir / f"concept-{hidden}-{hidden_g}.safetensors"
+        if not embeds.is_file():
+            clip_l, clip_g = (torch.randn(1, n, generator=gen) * 0.02 for n in (hidden, hidden_g))
+            save_xl_concept(embeds, TOKEN, clip_l, clip_g)
+        return model, embeds
     embeds = workdir / f"concept-{hidden}.safetensors"
     if not embeds.is_file():
-        gen = torch.Generator().manual_seed(0)
         save_file({TOKEN: torch.randn(1, hidden, generator=gen) * 0.02}, str(embeds))
     return model, embeds
+
+
+def torch_pipeline(model: Path, embeds: Path) -> Any:
+    """The diffusers pipeline of ``model``'s family with the concept loaded (SDXL: into both text encoders)."""
+    from safetensors.torch import load_file
+
+    from xeonsd.families import detect_family
+    from xeonsd.openvino.pipelines import load_torch_pipeline
+
+    family = detect_family(model).name
+    pipe = load_torch_pipeline(str(model), family)
+    if family == "sdxl":
+        state = load_file(str(embeds))
+        pipe.load_textual_inversion(
+            state["clip_l"], token=TOKEN, text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer
+        )
+        pipe.load_textual_inversion(
+            state["clip_g"], token=TOKEN, text_encoder=pipe.text_encoder_2, tokenizer=pipe.tokenizer_2
+        )
+    else:
+        pipe.load_textual_inversion(str(embeds))
+    return pipe
 
 
 def export_cached(
@@ -132,11 +163,9 @@ def time_torch(model: Path, embeds: Path, args: argparse.Namespace, bf16: bool) 
     import contextlib
 
     import torch
-    from diffusers import StableDiffusionPipeline
 
     t0 = time.perf_counter()
-    pipe = StableDiffusionPipeline.from_pretrained(model, safety_checker=None, requires_safety_checker=False)
-    pipe.load_textual_inversion(str(embeds))
+    pipe = torch_pipeline(model, embeds)
     pipe.set_progress_bar_config(disable=True)
     load_s = time.perf_counter() - t0
 

@@ -40,6 +40,11 @@ def pipeline_flops(model: Path, height: int, width: int, steps: int) -> dict[str
         unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(model / "unet"))
         vae = AutoencoderKL.from_config(AutoencoderKL.load_config(model / "vae"))
         text = CLIPTextModel(CLIPTextConfig.from_pretrained(model / "text_encoder"))
+        text2 = None
+        if (model / "text_encoder_2").is_dir():  # SDXL: its second encoder's hidden states are concatenated
+            from transformers import CLIPTextModelWithProjection
+
+            text2 = CLIPTextModelWithProjection(CLIPTextConfig.from_pretrained(model / "text_encoder_2"))
 
     def count(fn: Callable[[], Any]) -> float:
         with FlopCounterMode(display=False) as counter, torch.no_grad(), torch.device("meta"):
@@ -47,9 +52,20 @@ def pipeline_flops(model: Path, height: int, width: int, steps: int) -> dict[str
         return float(counter.get_total_flops())
 
     h, w, hidden = height // 8, width // 8, text.config.hidden_size
-    unet_call = count(lambda: unet(torch.randn(2, 4, h, w), torch.tensor(1), torch.randn(2, 77, hidden)))
+    encoders = [text]
+    if text2 is not None:  # SDXL: the pooled output of the second encoder and the six micro-conditioning numbers
+        hidden += text2.config.hidden_size
+        encoders.append(text2)
+
+    def extra() -> dict[str, Any]:  # made inside ``count``, on the meta device
+        if text2 is None:
+            return {}
+        pooled = torch.randn(2, text2.config.projection_dim)
+        return {"added_cond_kwargs": {"text_embeds": pooled, "time_ids": torch.randn(2, 6)}}
+
+    unet_call = count(lambda: unet(torch.randn(2, 4, h, w), torch.tensor(1), torch.randn(2, 77, hidden), **extra()))
     out = {
-        "text_encoder": count(lambda: text(torch.zeros(2, 77, dtype=torch.long))),
+        "text_encoder": sum(count(lambda e=e: e(torch.zeros(2, 77, dtype=torch.long))) for e in encoders),
         "unet": steps * unet_call,
         "vae_decoder": count(lambda: vae.decode(torch.randn(1, 4, h, w))),
     }

@@ -5,7 +5,8 @@
 * ``genai`` (:class:`GenaiEngine`): ``openvino_genai.Text2ImagePipeline``, OpenVINO's own C++ pipeline; without
   ``--embeds`` it needs neither PyTorch nor diffusers nor transformers. ``--embeds`` is added to a copy of the text
   encoder and tokenizers, ``--lora`` adapters are converted to the layout GenAI applies and blended in at compile
-  time.
+  time. On SDXL the adapters' text-encoder part is added to copies of the text encoders' weights instead (GenAI
+  cannot tell its two text encoders apart in an adapter; see :mod:`xeonsd.openvino.pipelines`).
 
 Which engine, for which request, is chosen in :mod:`xeonsd.openvino.generate`.
 """
@@ -20,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from xeonsd.openvino import pipelines
 
 if TYPE_CHECKING:
     from xeonsd.openvino.generate import Call, GenerateOptions, Plan
@@ -36,6 +39,7 @@ class Engine(abc.ABC):
     opts: GenerateOptions
     concept_tokens: list[str]
     source: str = "?"  # what the export was made from (the manifest's source)
+    family: str = "sd"  # the manifest's family: sd or sdxl
     load_s: float = 0.0
     compile_s: float = 0.0
     _pipe: Any = None
@@ -58,21 +62,21 @@ class Engine(abc.ABC):
 
 class OptimumEngine(Engine):
     def open(self) -> OptimumEngine:
-        from optimum.intel import OVStableDiffusionPipeline
-
         t0 = time.perf_counter()
-        pipe = OVStableDiffusionPipeline.from_pretrained(
+        pipe = pipelines.ov_pipeline_class(self.family).from_pretrained(
             str(self.ov_dir), dynamic_shapes=not self.plan.static, compile=False
         )
         if self.opts.embeds is not None:
-            from xeonsd.concept_file import add_to_openvino, load_concept
+            from xeonsd.concept_file import add_to_openvino, load_concepts
 
-            concept = load_concept(self.opts.embeds, self.opts.token)
-            add_to_openvino(pipe.tokenizer, pipe.text_encoder.model, concept)
-            self.concept_tokens = [*self.concept_tokens, *concept.tokens]
+            concepts = load_concepts(self.opts.embeds, self.opts.token, self.family)
+            for encoder, tokenizer in pipelines.text_side(self.family):
+                add_to_openvino(getattr(pipe, tokenizer), getattr(pipe, encoder).model, concepts[encoder])
+            self.concept_tokens = [*self.concept_tokens, *concepts["text_encoder"].tokens]
         self.load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        for part in (pipe.text_encoder, pipe.unet, pipe.vae_decoder):  # the VAE encoder is not used here
+        encoders = [getattr(pipe, encoder) for encoder, _ in pipelines.text_side(self.family)]
+        for part in (*encoders, pipe.unet, pipe.vae_decoder):  # the VAE encoder is not used here
             part.compile()
         self.compile_s = time.perf_counter() - t0
         self._pipe = pipe
@@ -95,33 +99,53 @@ class OptimumEngine(Engine):
         return list(result.images)
 
 
+@dataclass
 class GenaiEngine(Engine):
-    def _overlay_with_concept(self) -> Path:
-        """A directory like OV_DIR whose text encoder and tokenizers also hold the ``--embeds`` concept."""
-        import openvino as ov
-        from transformers import CLIPTokenizer
+    # SDXL: the adapters' text-encoder modules and alphas, added to copies of the text encoders (see the module doc)
+    _text_loras: list[tuple[list[Any], float]] = field(default_factory=list, repr=False)
 
-        from xeonsd.concept_file import add_to_openvino, load_concept
-        from xeonsd.openvino import tokenizer as ovtokenizer
+    def _overlay(self) -> Path:
+        """A directory like OV_DIR whose text encoders (and tokenizers) also hold the ``--embeds`` concept and, on
+        SDXL, the text-encoder part of the ``--lora`` adapters."""
+        import openvino as ov
+
+        from xeonsd.concept_file import load_concepts
 
         if self._workdir is None:
             self._workdir = tempfile.TemporaryDirectory(prefix="xeonsd-genai-")
         root = Path(self._workdir.name) / "models"
         root.mkdir()
+        concepts = None
+        if self.opts.embeds is not None:
+            concepts = load_concepts(self.opts.embeds, self.opts.token, self.family)
+            self.concept_tokens = [*self.concept_tokens, *concepts["text_encoder"].tokens]
+        edited = {enc for enc, _ in pipelines.text_side(self.family)}
+        edited |= {tok for _, tok in pipelines.text_side(self.family)} if concepts else set()
         for entry in self.ov_dir.iterdir():
-            if entry.name not in ("text_encoder", "tokenizer"):
+            if entry.name not in edited:
                 (root / entry.name).symlink_to(entry.resolve())
-        concept = load_concept(self.opts.embeds, self.opts.token)  # type: ignore[arg-type]
-        tokenizer = CLIPTokenizer.from_pretrained(self.ov_dir / "tokenizer")
-        model = ov.Core().read_model(self.ov_dir / "text_encoder" / "openvino_model.xml")
-        add_to_openvino(tokenizer, model, concept)
-        (root / "text_encoder").mkdir()
-        ov.save_model(model, root / "text_encoder" / "openvino_model.xml", compress_to_fp16=False)
-        shutil.copy(self.ov_dir / "text_encoder" / "config.json", root / "text_encoder" / "config.json")
-        tokenizer.save_pretrained(root / "tokenizer")
-        ovtokenizer.save(tokenizer, root)
-        self.concept_tokens = [*self.concept_tokens, *concept.tokens]
+        for encoder, tokenizer in pipelines.text_side(self.family):
+            model = ov.Core().read_model(self.ov_dir / encoder / "openvino_model.xml")
+            if concepts is not None:
+                self._add_concept(root, tokenizer, model, concepts[encoder])
+            prefix = loraformat_prefix(encoder)
+            for modules, alpha in self._text_loras:
+                pipelines.fuse_into_ir(model, [m for m in modules if m.name.startswith(prefix)], alpha)
+            (root / encoder).mkdir()
+            ov.save_model(model, root / encoder / "openvino_model.xml", compress_to_fp16=False)
+            shutil.copy(self.ov_dir / encoder / "config.json", root / encoder / "config.json")
         return root
+
+    def _add_concept(self, root: Path, tokenizer_dir: str, model: Any, concept: Any) -> None:
+        from transformers import CLIPTokenizer
+
+        from xeonsd.concept_file import add_to_openvino
+        from xeonsd.openvino import tokenizer as ovtokenizer
+
+        tokenizer = CLIPTokenizer.from_pretrained(self.ov_dir / tokenizer_dir)
+        add_to_openvino(tokenizer, model, concept)
+        tokenizer.save_pretrained(root / tokenizer_dir)
+        ovtokenizer.save(tokenizer, root, tokenizer_dir)
 
     def _adapters(self) -> Any:
         """The ``--lora`` adapters, checked against the export and converted to the layout GenAI applies."""
@@ -136,20 +160,28 @@ class GenaiEngine(Engine):
         pairs = []
         for i, (path, alpha) in enumerate(self.opts.loras):
             modules = loraformat.read_adapter(path)
+            loraformat.check_family(path, modules, self.family, model)
             loraformat.check_genai_limits(path, modules)
             loraformat.check_fits(path, modules, weights, model)
+            log.info("LoRA %s (alpha %g): %d module(s)", path, alpha, len(modules))
+            if self.family == "sdxl":  # the text encoders' part goes into their weights (see the module doc)
+                text = [m for m in modules.values() if not m.name.startswith(loraformat.PREFIXES["unet"])]
+                self._text_loras.append((text, float(alpha)))
+                modules = {k: m for k, m in modules.items() if k.startswith(loraformat.PREFIXES["unet"])}
+                if not modules:
+                    continue
             converted = Path(self._workdir.name) / "lora" / f"{i}-{Path(path).stem}.safetensors"
             loraformat.convert_for_genai(path, converted, modules)
             pairs.append((openvino_genai.Adapter(str(converted)), float(alpha)))
-            log.info("LoRA %s (alpha %g): %d module(s)", path, alpha, len(modules))
-        return openvino_genai.AdapterConfig(pairs)
+        return openvino_genai.AdapterConfig(pairs) if pairs else None
 
     def open(self) -> GenaiEngine:
         import openvino_genai
 
         t0 = time.perf_counter()
         adapters = self._adapters() if self.opts.loras else None
-        models = self._overlay_with_concept() if self.opts.embeds is not None else self.ov_dir
+        overlay = self.opts.embeds is not None or any(mods for mods, _ in self._text_loras)
+        models = self._overlay() if overlay else self.ov_dir
         pipe = openvino_genai.Text2ImagePipeline(str(models))
         if self.plan.static:
             shape = self.plan.shape
@@ -184,3 +216,10 @@ class GenaiEngine(Engine):
             **kwargs,
         )
         return [Image.fromarray(a) for a in tensor.data]
+
+
+def loraformat_prefix(encoder: str) -> str:
+    """The kohya prefix of a text encoder's LoRA modules (``lora_te_``, ``lora_te2_``)."""
+    from xeonsd.openvino.lora_files import PREFIXES
+
+    return PREFIXES[encoder]

@@ -3,6 +3,9 @@
 The recipe's steps, ``OVStableDiffusionPipeline.from_pretrained(model_id, export=True)``,
 ``reshape(batch_size=5, height=512, width=512, num_images_per_prompt=1)`` and ``save_pretrained``, plus:
 
+* the family, read from SRC's config files (:func:`xeonsd.families.detect_family`): SD 1.x/2.x through
+  ``OVStableDiffusionPipeline``, SDXL through ``OVStableDiffusionXLPipeline`` (both text encoders, both tokenizers;
+  see :mod:`xeonsd.openvino.pipelines`); the CLI's default size is the family's resolution (SDXL 1024);
 * the concept: SRC is a full pipeline with the token(s) baked in (``--save_as_full_pipeline``), or a base model
   plus ``--embeds learned_embeds.safetensors``, added to tokenizer and text encoder before the export;
 * a VAE decoder reshaped to the number of images a call produces. optimum-intel 2.2 reshapes it to
@@ -29,8 +32,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from xeonsd.families import Family, detect_family
 from xeonsd.fsutil import atomic_dir
 from xeonsd.modelsource import check_model_source
+from xeonsd.openvino import pipelines
 from xeonsd.openvino import tokenizer as ovtokenizer
 from xeonsd.openvino.manifest import ExportDirError, StaticShape, check_writable_output, write_manifest
 from xeonsd.openvino.quantize import DEFAULT_SAMPLES, QuantizeError, QuantizeOptions, check_options
@@ -91,40 +96,33 @@ def check_source(src: str) -> Path | None:
     return path
 
 
-def _with_concept(src: str, embeds: Path, token: str | None, workdir: Path) -> tuple[Path, list[str]]:
-    """Write SRC with the concept added to tokenizer and text encoder into ``workdir``; return it and the tokens."""
-    from diffusers import StableDiffusionPipeline
+def _with_concept(src: str, embeds: Path, token: str | None, workdir: Path, family: Family) -> tuple[Path, list[str]]:
+    """Write SRC with the concept added to its tokenizer(s) and text encoder(s) into ``workdir``; return it and the
+    tokens."""
+    from xeonsd.concept_file import load_concepts
 
-    from xeonsd.concept_file import add_to_torch, load_concept
-
-    concept = load_concept(embeds, token)
-    pipe = StableDiffusionPipeline.from_pretrained(src, safety_checker=None, requires_safety_checker=False)
-    add_to_torch(pipe.tokenizer, pipe.text_encoder, concept)
+    concepts = load_concepts(embeds, token, family.name)
+    pipe = pipelines.load_torch_pipeline(src, family.name)
+    tokens = pipelines.add_concepts_to_torch(pipe, family.name, concepts)
     out = workdir / "pipeline"
     pipe.save_pretrained(out, safe_serialization=True)
-    return out, concept.tokens
+    return out, tokens
 
 
-def _with_lora(src: str, lora: Path, scale: float, workdir: Path) -> Path:
-    """Write SRC with the LoRA adapter fused into its UNet (and text encoder) into ``workdir``; return it."""
-    from diffusers import StableDiffusionPipeline
-
+def _with_lora(src: str, lora: Path, scale: float, workdir: Path, family: Family) -> Path:
+    """Write SRC with the LoRA adapter fused into its UNet (and text encoders) into ``workdir``; return it."""
     from xeonsd.openvino import lora_files as loraformat
 
     modules = loraformat.read_adapter(lora)
-    pipe = StableDiffusionPipeline.from_pretrained(src, safety_checker=None, requires_safety_checker=False)
-    weights = loraformat.torch_weight_shapes(pipe.unet, pipe.text_encoder)
+    loraformat.check_family(lora, modules, family.name, f"the source {src}")
+    pipe = pipelines.load_torch_pipeline(src, family.name)
+    weights = loraformat.torch_weight_shapes(pipe.unet, pipe.text_encoder, getattr(pipe, "text_encoder_2", None))
     loraformat.check_fits(lora, modules, weights, f"the source {src}")
     log.info("fusing LoRA %s (scale %g, %d modules) into %s", lora, scale, len(modules), src)
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)  # a file path alone needs the Hub when offline
     pipe.fuse_lora(lora_scale=scale)
     pipe.unload_lora_weights()  # the fused weights stay; the adapter layers go
-    # transformers 5 saves a text encoder that once held peft layers under other keys ("text_base_model.model.…"),
-    # which load as missing (random) weights: save a fresh model holding the fused weights instead.
-    te = pipe.text_encoder
-    clean = type(te)(te.config)
-    clean.load_state_dict(te.state_dict())
-    pipe.register_modules(text_encoder=clean.eval())
+    pipelines.fresh_text_encoders(pipe, family.name)
     out = workdir / "pipeline-lora"
     pipe.save_pretrained(out, safe_serialization=True)
     return out
@@ -174,6 +172,7 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
         except QuantizeError as exc:
             raise ExportError(str(exc)) from exc
     local = check_source(src)
+    family = detect_family(str(local) if local is not None else src)
     if opts.embeds is not None and not Path(opts.embeds).is_file():
         raise ExportError(f"embeddings file {opts.embeds} does not exist")
     if opts.lora is not None and not Path(opts.lora).is_file():
@@ -182,31 +181,27 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
     if out.is_dir() and any(out.iterdir()) and not opts.overwrite:
         raise ExportError(f"output {out} already exists and is not empty; remove it or pass --overwrite")
     # The OpenVINO stack is imported only once the inputs are known to be good: a bad one fails at once.
-    from optimum.intel import OVStableDiffusionPipeline, OVWeightQuantizationConfig
-
-    from xeonsd.concept_file import ov_vocab_rows
+    from optimum.intel import OVWeightQuantizationConfig
 
     t0 = time.perf_counter()
     tokens: list[str] = []
     with tempfile.TemporaryDirectory(prefix="xeonsd-export-") as work:
         source: str = str(local) if local is not None else src
         if opts.embeds is not None:
-            path, tokens = _with_concept(source, Path(opts.embeds), opts.token, Path(work))
+            path, tokens = _with_concept(source, Path(opts.embeds), opts.token, Path(work), family)
             source = str(path)
         if opts.lora is not None:
-            source = str(_with_lora(source, Path(opts.lora), opts.lora_scale, Path(work)))
+            source = str(_with_lora(source, Path(opts.lora), opts.lora_scale, Path(work), family))
         kwargs: dict[str, Any] = {"export": True, "compile": False}
         if opts.weight_format == "int8" and opts.quantize is None:  # hybrid compresses the weights itself
             kwargs["quantization_config"] = OVWeightQuantizationConfig(bits=8)  # data-free: no dataset
-        log.info("exporting %s to OpenVINO (%s weights)", src, opts.weight_format)
-        pipe = OVStableDiffusionPipeline.from_pretrained(source, **kwargs)
+        log.info("exporting %s (%s) to OpenVINO (%s weights)", src, family.label, opts.weight_format)
+        pipe = pipelines.ov_pipeline_class(family.name).from_pretrained(source, **kwargs)
         if opts.weight_format == "fp16":
             pipe.half()
         if opts.static is not None:
             reshape_static(pipe, opts.static)
-        rows = ov_vocab_rows(pipe.text_encoder.model)
-        if rows != len(pipe.tokenizer):
-            raise ExportError(f"text encoder has {rows} embedding rows but the tokenizer {len(pipe.tokenizer)} tokens")
+        rows = _check_vocab(pipe, family)
         if not tokens:
             tokens = ovtokenizer.concept_tokens(pipe.tokenizer)
         quantization = None
@@ -216,9 +211,12 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
             quantization = quantize_pipeline(pipe, opts.quantize, tokens, opts.static)
         with atomic_dir(out, overwrite=opts.overwrite) as tmp:
             pipe.save_pretrained(tmp)
-            ovtokenizer.save(pipe.tokenizer, tmp)
+            for _, tokenizer in pipelines.text_side(family.name):
+                ovtokenizer.save(getattr(pipe, tokenizer), tmp, tokenizer)
             manifest = {
                 "source": src,
+                "family": family.name,
+                "default_resolution": family.default_resolution,  # a dynamic export's size when none is asked
                 "embeds": None if opts.embeds is None else str(opts.embeds),
                 "concept_tokens": tokens,
                 "static_shape": None if opts.static is None else asdict(opts.static),
@@ -231,6 +229,25 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
             write_manifest(tmp, manifest)
     log.info("wrote %s in %.1f s", out, time.perf_counter() - t0)
     return out
+
+
+def _check_vocab(pipe: Any, family: Family) -> int:
+    """Every exported text encoder has one embedding row per token of its tokenizer; returns the first's rows."""
+    from xeonsd.concept_file import ov_vocab_rows
+
+    counts = []
+    for encoder, tokenizer in pipelines.text_side(family.name):
+        rows, tokens = ov_vocab_rows(getattr(pipe, encoder).model), len(getattr(pipe, tokenizer))
+        if rows != tokens:
+            raise ExportError(f"{encoder} has {rows} embedding rows but {tokenizer} {tokens} tokens")
+        counts.append(rows)
+    return counts[0]
+
+
+def default_size(src: str) -> int:
+    """The side of the CLI's default static shape: the family's resolution (SD 1.5 512, SDXL 1024)."""
+    local = check_source(src)
+    return detect_family(str(local) if local is not None else src).default_resolution
 
 
 def quantize_options(args: Any) -> QuantizeOptions | None:
@@ -252,16 +269,17 @@ def _lora_args(args: Any) -> dict[str, Any]:
 
 def main_args(args: Any) -> int:
     """Entry point of ``xeonsd export`` (parsed by :mod:`xeonsd.cli`)."""
-    static = (
-        None
-        if args.dynamic
-        else StaticShape(
+    static = None
+    if not args.dynamic:
+        size = args.resolution
+        if size is None and (args.height is None or args.width is None):
+            size = default_size(args.src)
+        static = StaticShape(
             batch_size=args.batch_size,
-            height=args.height,
-            width=args.width,
+            height=args.height or size,
+            width=args.width or size,
             num_images_per_prompt=args.num_images_per_prompt,
         )
-    )
     quantize = quantize_options(args)
     opts = ExportOptions(
         static=static,

@@ -25,6 +25,7 @@ from typing import Any
 from xeonsd.fsutil import atomic_dir
 from xeonsd.openvino.engines import Engine, GenaiEngine, OptimumEngine
 from xeonsd.openvino.manifest import StaticShape, check_writable_output, read_manifest, static_shape
+from xeonsd.openvino.pipelines import manifest_family, text_side
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,8 @@ def plan_calls(manifest: dict[str, Any], opts: GenerateOptions) -> Plan:
             )
         shape = fixed
     else:
-        height, width = opts.height or DEFAULT_SIZE, opts.width or DEFAULT_SIZE
+        size = int(manifest.get("default_resolution") or DEFAULT_SIZE)  # the family's (SDXL 1024)
+        height, width = opts.height or size, opts.width or size
         if height % 8 or width % 8:
             raise GenerateError(f"--height/--width must be multiples of 8, got {height}x{width}")
         batch = opts.batch_size or opts.num_images
@@ -140,11 +142,19 @@ def open_engine(ov_dir: Path, opts: GenerateOptions) -> Engine:
     if opts.embeds is not None and not Path(opts.embeds).is_file():
         raise GenerateError(f"embeddings file {opts.embeds} does not exist")
     check_loras(opts)
-    if opts.engine == "genai" and not (ov_dir / "tokenizer" / "openvino_tokenizer.xml").is_file():
-        raise GenerateError(f"{ov_dir} has no tokenizer/openvino_tokenizer.xml, which --engine genai needs")
+    for _, tokenizer in text_side(manifest_family(manifest)) if opts.engine == "genai" else ():
+        if not (ov_dir / tokenizer / "openvino_tokenizer.xml").is_file():
+            raise GenerateError(f"{ov_dir} has no {tokenizer}/openvino_tokenizer.xml, which --engine genai needs")
     cls = OptimumEngine if opts.engine == "optimum" else GenaiEngine
     tokens = list(manifest.get("concept_tokens", []))
-    engine = cls(ov_dir=ov_dir, plan=plan, opts=opts, concept_tokens=tokens, source=str(manifest.get("source")))
+    engine = cls(
+        ov_dir=ov_dir,
+        plan=plan,
+        opts=opts,
+        concept_tokens=tokens,
+        source=str(manifest.get("source")),
+        family=manifest_family(manifest),
+    )
     try:
         return engine.open()
     except BaseException:

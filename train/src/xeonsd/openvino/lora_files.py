@@ -27,16 +27,20 @@ from pathlib import Path
 
 import numpy as np
 
-PREFIXES = {"unet": "lora_unet_", "text_encoder": "lora_te_"}
+# SDXL's second text encoder: kohya's ``lora_te2_`` (its first is ``lora_te1_`` there, read as ``lora_te_``).
+PREFIXES = {"unet": "lora_unet_", "text_encoder": "lora_te_", "text_encoder_2": "lora_te2_"}
 # diffusers/peft key: <component>.<module>.<lora part>.weight -> (down|up)
 _DIFFUSERS = re.compile(
-    r"^(?P<comp>unet|text_encoder)\.(?P<module>.+?)\."
+    r"^(?P<comp>unet|text_encoder_2|text_encoder)\.(?P<module>.+?)\."
     r"(?P<part>lora\.down|lora\.up|lora_linear_layer\.down|lora_linear_layer\.up|lora_A|lora_B)\.weight$"
 )
-_KOHYA = re.compile(r"^(?P<name>lora_(?:unet|te)_[A-Za-z0-9_]+)\.(?P<part>lora_down\.weight|lora_up\.weight|alpha)$")
+_KOHYA = re.compile(
+    r"^(?P<name>lora_(?:unet|te|te1|te2)_[A-Za-z0-9_]+)\.(?P<part>lora_down\.weight|lora_up\.weight|alpha)$"
+)
 _DOWN = {"lora.down", "lora_linear_layer.down", "lora_A", "lora_down.weight"}
 # What a module's weight is called in an optimum-intel OpenVINO IR: a Constant named ``self.<module>.weight``.
-_IR_WEIGHT = re.compile(r"^self\.(?P<module>.+)\.weight$")
+# (optimum-intel wraps the SDXL UNet for export: its weights are ``self.model.<module>.weight``.)
+_IR_WEIGHT = re.compile(r"^self\.(?:model\.)?(?P<module>.+)\.weight$")
 
 
 class LoraFormatError(ValueError):
@@ -114,7 +118,8 @@ def read_adapter(path: Path) -> dict[str, LoraModule]:
             )
             down = m["part"] in _DOWN
         elif m := _KOHYA.match(key):
-            mod = modules.setdefault(m["name"], LoraModule(name=m["name"], module=None))
+            name = m["name"].replace("lora_te1_", "lora_te_", 1)  # kohya SDXL's first text encoder
+            mod = modules.setdefault(name, LoraModule(name=name, module=None))
             if m["part"] == "alpha":
                 mod.alpha = float(value)
                 continue
@@ -182,17 +187,21 @@ def ir_weight_shapes(ov_dir: Path) -> dict[str, tuple[int, ...]]:
     core = ov.Core()
     out: dict[str, tuple[int, ...]] = {}
     for component in PREFIXES:
-        model = core.read_model(Path(ov_dir) / component / "openvino_model.xml")
+        xml = Path(ov_dir) / component / "openvino_model.xml"
+        if component == "text_encoder_2" and not xml.is_file():
+            continue  # SD 1.x/2.x
+        model = core.read_model(xml)
         for op in model.get_ops():
             if op.get_type_name() == "Constant" and (m := _IR_WEIGHT.match(op.get_friendly_name())):
                 out[kohya_name(component, m["module"])] = tuple(op.get_output_shape(0))
     return out
 
 
-def torch_weight_shapes(unet, text_encoder) -> dict[str, tuple[int, ...]]:
-    """Kohya name -> weight shape of a diffusers pipeline's UNet and text encoder."""
+def torch_weight_shapes(unet, text_encoder, text_encoder_2=None) -> dict[str, tuple[int, ...]]:
+    """Kohya name -> weight shape of a diffusers pipeline's UNet and text encoder(s)."""
     out: dict[str, tuple[int, ...]] = {}
-    for component, model in (("unet", unet), ("text_encoder", text_encoder)):
+    parts = (("unet", unet), ("text_encoder", text_encoder), ("text_encoder_2", text_encoder_2))
+    for component, model in ((c, m) for c, m in parts if m is not None):
         for key, value in model.state_dict().items():
             if key.endswith(".weight"):
                 out[kohya_name(component, key[: -len(".weight")])] = tuple(value.shape)
@@ -216,3 +225,37 @@ def convert_for_genai(path: Path, out: Path, modules: dict[str, LoraModule] | No
     save_file(tensors, str(tmp), metadata={"format": "pt", "source": json.dumps(str(path))})
     tmp.replace(out)
     return out
+
+
+FAMILY_LABELS = {"sd": "SD 1.x/2.x", "sdxl": "SDXL"}
+
+
+def lora_family(modules: dict[str, LoraModule]) -> tuple[str, str] | None:
+    """The family an adapter was made for, read from its module names and shapes, with the evidence; None when
+    they do not tell. SDXL: a second text encoder, attention in the UNet's first up block (SDXL's first down block
+    has none) or 2048-wide cross-attention; SD 1.x/2.x: attention in the first down block, 768/1024-wide
+    cross-attention."""
+    names = list(modules)
+    if any(n.startswith(PREFIXES["text_encoder_2"]) for n in names):
+        return "sdxl", "it adapts a second text encoder (text_encoder_2)"
+    for n in names:
+        if n.startswith("lora_unet_up_blocks_0_attentions_"):
+            return "sdxl", "it adapts attention in the UNet's first up block"
+        if n.startswith("lora_unet_down_blocks_0_attentions_"):
+            return "sd", "it adapts attention in the UNet's first down block"
+    for mod in modules.values():
+        if re.search(r"_attn2_to_[kv]$", mod.name) and mod.down is not None:
+            width = int(mod.down.shape[1])
+            if width in (768, 1024, 2048):
+                return ("sdxl" if width == 2048 else "sd"), f"its cross-attention takes {width}-wide text features"
+    return None
+
+
+def check_family(path: Path, modules: dict[str, LoraModule], family: str, model: str) -> None:
+    """Refuse an adapter made for the other family (SD 1.x/2.x vs SDXL), naming both."""
+    found = lora_family(modules)
+    if found is not None and found[0] != family:
+        raise LoraFormatError(
+            f"LoRA file {path} was made for {FAMILY_LABELS[found[0]]} ({found[1]}), and {model} is "
+            f"{FAMILY_LABELS[family]}; use an adapter trained on an {FAMILY_LABELS[family]} model"
+        )

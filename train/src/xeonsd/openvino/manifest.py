@@ -21,9 +21,10 @@ from typing import Any
 
 MANIFEST = "xeonsd_export.json"
 FORMAT = "xeonsd-openvino-export/1"
-COMPONENTS = ("unet", "vae_decoder", "vae_encoder", "text_encoder")
+COMPONENTS = ("unet", "vae_decoder", "vae_encoder", "text_encoder", "text_encoder_2")  # the last: SDXL
 REQUIRED = ("unet", "vae_decoder", "text_encoder")
 OV_TOKENIZER = Path("tokenizer") / "openvino_tokenizer.xml"
+OV_TOKENIZER_2 = Path("tokenizer_2") / "openvino_tokenizer.xml"  # SDXL's second tokenizer
 VERSIONED = (
     "torch",
     "diffusers",
@@ -86,9 +87,9 @@ def fingerprint(ov_dir: Path) -> dict[str, dict[str, Any]]:
         xml = ov_dir / name / "openvino_model.xml"
         if xml.is_file():
             out[name] = {"xml_sha256": _sha256(xml), "bin_bytes": xml.with_suffix(".bin").stat().st_size}
-    tok = ov_dir / OV_TOKENIZER
-    if tok.is_file():
-        out["openvino_tokenizer"] = {"xml_sha256": _sha256(tok), "bin_bytes": tok.with_suffix(".bin").stat().st_size}
+    for key, tok in (("openvino_tokenizer", ov_dir / OV_TOKENIZER), ("openvino_tokenizer_2", ov_dir / OV_TOKENIZER_2)):
+        if tok.is_file():
+            out[key] = {"xml_sha256": _sha256(tok), "bin_bytes": tok.with_suffix(".bin").stat().st_size}
     return out
 
 

@@ -75,11 +75,12 @@ def convert(tokenizer: Any) -> Any:
     return model
 
 
-def save(tokenizer: Any, out_dir: Path) -> Path:
-    """Write ``tokenizer/openvino_tokenizer.xml`` (+ .bin) for ``tokenizer`` under ``out_dir``."""
+def save(tokenizer: Any, out_dir: Path, folder: str = "tokenizer") -> Path:
+    """Write ``<folder>/openvino_tokenizer.xml`` (+ .bin) for ``tokenizer`` under ``out_dir`` (SDXL: ``tokenizer``
+    and ``tokenizer_2``)."""
     import openvino as ov
 
-    path = Path(out_dir) / OV_TOKENIZER
+    path = Path(out_dir) / folder / OV_TOKENIZER.name
     path.parent.mkdir(parents=True, exist_ok=True)
     ov.save_model(convert(tokenizer), path)
     return path

@@ -1,0 +1,107 @@
+"""What differs between the families on the OpenVINO side: SD 1.x/2.x (one text encoder) and SDXL (two).
+
+* the classes: diffusers' ``StableDiffusionPipeline`` / ``StableDiffusionXLPipeline`` before the export,
+  optimum-intel's ``OVStableDiffusionPipeline`` / ``OVStableDiffusionXLPipeline`` for the export and its engine;
+* the text side, as (text encoder, tokenizer) pairs: a concept goes into every pair (SDXL: ``clip_l`` into
+  ``text_encoder``, ``clip_g`` into ``text_encoder_2``, see :mod:`xeonsd.concept_file`), the OpenVINO tokenizer
+  model is written for every tokenizer;
+* a LoRA's text-encoder part for GenAI on SDXL: OpenVINO GenAI 2026.4.1 applies an adapter's ``lora_te_`` tensors
+  to *both* SDXL text encoders alike and ignores kohya's ``lora_te1_``/``lora_te2_`` ("Unused LoRA tensor", the
+  image does not change; measured on tiny-xl), so one adapter cannot carry the two encoders' different weights.
+  :func:`fuse_into_ir` adds them to the weights of a copy of each text encoder's graph instead
+  (``W += alpha * (file alpha / rank) * up @ down``, the kohya scale GenAI applies), and GenAI gets the UNet part.
+
+The export manifest records the family (``family``); an export written before it did is SD 1.x/2.x.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+TEXT_SIDE: dict[str, tuple[tuple[str, str], ...]] = {
+    "sd": (("text_encoder", "tokenizer"),),
+    "sdxl": (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")),
+}
+LABELS = {"sd": "SD 1.x/2.x", "sdxl": "SDXL"}
+
+
+def manifest_family(manifest: dict[str, Any]) -> str:
+    """``sd`` or ``sdxl``: what the export was made from (exports without the field are SD 1.x/2.x)."""
+    return str(manifest.get("family") or "sd")
+
+
+def text_side(family: str) -> tuple[tuple[str, str], ...]:
+    return TEXT_SIDE[family]
+
+
+def ov_pipeline_class(family: str) -> Any:
+    from optimum.intel import OVStableDiffusionPipeline, OVStableDiffusionXLPipeline
+
+    return OVStableDiffusionXLPipeline if family == "sdxl" else OVStableDiffusionPipeline
+
+
+def load_torch_pipeline(src: str, family: str) -> Any:
+    """The diffusers pipeline of ``family`` at ``src`` (fp32, no safety checker)."""
+    if family == "sdxl":
+        from diffusers import StableDiffusionXLPipeline
+
+        return StableDiffusionXLPipeline.from_pretrained(src)
+    from diffusers import StableDiffusionPipeline
+
+    return StableDiffusionPipeline.from_pretrained(src, safety_checker=None, requires_safety_checker=False)
+
+
+def add_concepts_to_torch(pipe: Any, family: str, concepts: dict[str, Any]) -> list[str]:
+    """Each text encoder's concept (from :func:`xeonsd.concept_file.load_concepts`) into it and its tokenizer."""
+    from xeonsd.concept_file import add_to_torch
+
+    for encoder, tokenizer in text_side(family):
+        add_to_torch(getattr(pipe, tokenizer), getattr(pipe, encoder), concepts[encoder])
+    return concepts["text_encoder"].tokens
+
+
+def fresh_text_encoders(pipe: Any, family: str) -> None:
+    """Replace each text encoder by a fresh model holding its weights. transformers 5 saves a text encoder that once
+    held peft layers under other keys ("text_base_model.model.…"), which load as missing (random) weights."""
+    for encoder, _ in text_side(family):
+        te = getattr(pipe, encoder)
+        clean = type(te)(te.config)
+        clean.load_state_dict(te.state_dict())
+        pipe.register_modules(**{encoder: clean.eval()})
+
+
+def fuse_into_ir(model: Any, modules: list[Any], alpha: float) -> int:
+    """Add LoRA ``modules`` (:class:`xeonsd.openvino.lora_files.LoraModule`, named ``<prefix><module with _>``)
+    to the matching weights ``self.<module>.weight`` of an uncompiled OpenVINO text encoder, in place; returns the
+    number of weights changed. Only float weights can take the sum: an 8-bit weight is refused."""
+    import numpy as np
+    import openvino as ov
+    from openvino import opset13
+
+    from xeonsd.openvino.lora_files import LoraFormatError
+
+    by_module = {}
+    for mod in modules:
+        by_module[mod.name.split("_", 2)[2]] = mod  # lora_te_text_model_… / lora_te2_text_model_… -> text_model_…
+    changed = 0
+    for op in model.get_ops():
+        name = op.get_friendly_name()
+        if op.get_type_name() != "Constant" or not name.startswith("self.") or not name.endswith(".weight"):
+            continue
+        mod = by_module.get(name[len("self.") : -len(".weight")].replace(".", "_"))
+        if mod is None:
+            continue
+        if op.get_element_type() not in (ov.Type.f32, ov.Type.f16):
+            raise LoraFormatError(
+                f"{mod.label}: the export's text encoder weight is {op.get_element_type().get_type_name()}; a LoRA "
+                "on an 8-bit text encoder cannot be applied at generation time: fuse it into an export "
+                "(xeonsd export SRC OUT --lora FILE)"
+            )
+        weight = op.get_data().astype(np.float32)
+        scale = alpha * (mod.alpha if mod.alpha is not None else mod.rank) / mod.rank
+        summed = weight + scale * (mod.up.astype(np.float32) @ mod.down.astype(np.float32))
+        new = opset13.constant(summed.astype(weight.dtype if op.get_element_type() == ov.Type.f32 else np.float16))
+        new.set_friendly_name(name)
+        op.output(0).replace(new.output(0))
+        changed += 1
+    return changed
