@@ -7,6 +7,11 @@ One loader for both places a concept goes in after training: the PyTorch text en
 The file format is the one diffusers' ``load_textual_inversion`` reads: ``{token: tensor[num_vectors, hidden]}``
 (or ``[hidden]``); a concept with ``num_vectors > 1`` becomes the tokens ``<tok>``, ``<tok>_1``, … in that order.
 The A1111 formats (``string_to_param`` / ``emb_params``) are read too when ``token`` names the concept.
+
+An SDXL concept has one vector set per text encoder, in one safetensors file with the keys ``clip_l`` ([n, 768],
+for ``text_encoder``) and ``clip_g`` ([n, 1280], for ``text_encoder_2``), the layout the community's SDXL
+embeddings use; the token is in the file's metadata (``token``) where we wrote it. :func:`write_concept_file`
+writes both layouts, :func:`load_concept` reads the SD one and :func:`load_xl_concept` the SDXL one.
 """
 
 from __future__ import annotations
@@ -93,6 +98,11 @@ def load_concept(path: Path, token: str | None = None) -> Concept:
         name, vectors = token, next(iter(state["string_to_param"].values()))
     elif "emb_params" in state:  # A1111 .safetensors
         name, vectors = token, state["emb_params"]
+    elif set(state) == set(XL_KEYS):
+        raise ConceptError(
+            f"{path} is an SDXL concept (one vector set per text encoder: {', '.join(XL_KEYS)}); it goes into an "
+            "SDXL pipeline's two text encoders, not into one"
+        )
     elif len(state) == 1:
         (key, vectors), name = next(iter(state.items())), None
         name = token or key
@@ -105,6 +115,71 @@ def load_concept(path: Path, token: str | None = None) -> Concept:
     arr = _as_array(vectors, path)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     return Concept(tokens=expand_tokens(name, arr.shape[0]), vectors=arr, source=str(path), sha256=digest)
+
+
+# The keys of an SDXL concept file, in the order of the pipeline's text encoders.
+XL_KEYS = ("clip_l", "clip_g")
+
+
+def write_concept_file(path: Path, token: str, vectors: list[Any]) -> Path:
+    """Write a concept atomically: one ``[num_vectors, hidden]`` array as ``{token: …}`` (SD 1.x/2.x), or two (SDXL:
+    the first and the second text encoder's) as ``{"clip_l": …, "clip_g": …}`` with the token in the metadata.
+    float32, ``format: pt`` (what diffusers' ``load_textual_inversion`` reads)."""
+    from safetensors.numpy import save_file
+
+    from xeonsd.fsutil import atomic_path
+
+    arrays = [np.ascontiguousarray(_as_array(v, Path(path))) for v in vectors]
+    if len(arrays) == 1:
+        tensors, metadata = {token: arrays[0]}, {"format": "pt"}
+    elif len(arrays) == len(XL_KEYS):
+        if arrays[0].shape[0] != arrays[1].shape[0]:
+            raise ConceptError(f"{path}: {arrays[0].shape[0]} clip_l vectors but {arrays[1].shape[0]} clip_g vectors")
+        tensors, metadata = dict(zip(XL_KEYS, arrays, strict=True)), {"format": "pt", "token": token}
+    else:
+        raise ConceptError(f"a concept has one vector set per text encoder (1 or 2), got {len(arrays)}")
+    with atomic_path(Path(path)) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
+    return Path(path)
+
+
+def is_xl_concept(path: Path) -> bool:
+    """Whether the file holds an SDXL concept (``clip_l`` and ``clip_g``), read from its header only."""
+    if Path(path).suffix != ".safetensors":
+        return False
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            return set(f.keys()) == set(XL_KEYS)
+    except Exception:  # noqa: BLE001 - unreadable: load_concept says why
+        return False
+
+
+def load_xl_concept(path: Path, token: str | None = None) -> tuple[Concept, Concept]:
+    """An SDXL concept file: the ``clip_l`` concept (for ``text_encoder``) and the ``clip_g`` one (for
+    ``text_encoder_2``), with the same tokens; ``token`` renames it (required when the file does not name it)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConceptError(f"embeddings file {path} does not exist")
+    if not is_xl_concept(path):
+        raise ConceptError(f"{path} is not an SDXL embeddings file (expected the two tensors {', '.join(XL_KEYS)})")
+    with safe_open(str(path), framework="numpy") as f:
+        name = token or (f.metadata() or {}).get("token")
+        arrays = [_as_array(f.get_tensor(k), path) for k in XL_KEYS]
+    if not name:
+        raise ConceptError(f"{path} does not name its token; pass --token '<my-concept>'")
+    if arrays[0].shape[0] != arrays[1].shape[0]:
+        raise ConceptError(f"{path}: {arrays[0].shape[0]} clip_l vectors but {arrays[1].shape[0]} clip_g vectors")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    tokens = expand_tokens(name, arrays[0].shape[0])
+    clip_l, clip_g = (
+        Concept(tokens=tokens, vectors=a, source=f"{path} ({k})", sha256=digest)
+        for k, a in zip(XL_KEYS, arrays, strict=True)
+    )
+    return clip_l, clip_g
 
 
 def token_taken(tokenizer: Any, token: str, vocab: dict[str, int] | None = None) -> bool:
