@@ -272,6 +272,8 @@ def train_summary(job: Job) -> dict:
         result_path=method.outputs[0],
         result_bytes=result_bytes(cfg.output_path, method.outputs[0]),
         loss=loss_options(job),
+        family=family.name if (family := job.training.models.family) is not None else None,
+        resolution=cfg.resolution,
     )
 
 
