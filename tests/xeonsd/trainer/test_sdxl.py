@@ -58,11 +58,15 @@ def xl_runs(tiny_xl_model, xl_data, tmp_path_factory):
         if (method, ranks) not in done:
             out = root / f"{method}-{ranks}"
             batch = 2 if ranks == 1 else 1
-            train(xl_args(method, tiny_xl_model, xl_data[DATA[method]], out, batch=batch), env, ranks=ranks)
+            # full fine-tuning keeps its latents on disk: the 2-rank run reads the 1-rank run's files
+            cache = (f"--latent_cache_dir={root / 'latent-cache'}",) if method == "full" else ()
+            args = xl_args(method, tiny_xl_model, xl_data[DATA[method]], out, *cache, batch=batch)
+            (out.parent / f"{out.name}.log").write_text(train(args, env, ranks=ranks).stderr)
             done[method, ranks] = out
         return done[method, ranks]
 
     runs.env = env  # type: ignore[attr-defined]
+    runs.root = root  # type: ignore[attr-defined]
     return runs
 
 
@@ -92,6 +96,12 @@ def test_two_ranks_learn_what_one_rank_with_double_batch_learns(method, xl_runs,
         assert_same_training(a, b, initial_vectors(tiny_xl_model))
     else:
         assert_same_training(unet_weights(one), unet_weights(two), unet_weights(tiny_xl_model))
+        # the time ids are stored with each image's cached latents (80 x 80 images, no crop, trained at 64 px)
+        assert "0 of 4 image(s) reused" in (one.parent / f"{one.name}.log").read_text()
+        assert "4 of 4 image(s) reused, 0 encoded" in (two.parent / f"{two.name}.log").read_text()
+        files = sorted((xl_runs.root / "latent-cache").glob("*.safetensors"))
+        assert len(files) == 4
+        assert all(load_file(str(f))["time_ids"].tolist() == [[80, 80, 0, 0, 64, 64]] * 2 for f in files)
 
 
 def sdxl_image(pipe, prompt: str) -> torch.Tensor:
@@ -164,6 +174,7 @@ def test_resume_continues_the_same_trajectory(xl_runs, tiny_xl_model, xl_data, t
 def test_time_ids_follow_the_crop_and_the_mirror(tmp_path):
     from PIL import Image
 
+    from xeonsd.trainer.latents import image_cache_key
     from xeonsd.trainer.xl import time_ids_for
 
     Image.new("RGB", (120, 80)).save(tmp_path / "wide.png")  # width 120, height 80
@@ -172,6 +183,9 @@ def test_time_ids_follow_the_crop_and_the_mirror(tmp_path):
     cropped = time_ids_for(tmp_path / "wide.png", 64, center_crop=True)
     # the centre 80 x 80 square starts at x = 20 of 120; in the image resized to a 64-px short side: 16
     assert cropped.tolist() == [[80, 120, 0, 16, 64, 64], [80, 120, 0, 16, 64, 64]]
+    # part of the latent cache's key: SDXL's cached latents are never taken for other micro-conditioning
+    keys = {image_cache_key(tmp_path / "wide.png", "vae", 64, True, t) for t in (None, squashed, cropped)}
+    assert len(keys) == 3
 
 
 # ---- the real SDXL architecture: its memory, from the config files alone -------------------------------------------
