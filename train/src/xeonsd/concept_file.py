@@ -99,6 +99,11 @@ def load_concept(path: Path, token: str | None = None) -> Concept:
         name, vectors = token, next(iter(state["string_to_param"].values()))
     elif "emb_params" in state:  # A1111 .safetensors
         name, vectors = token, state["emb_params"]
+    elif is_xl_layout(state):
+        raise ConceptError(
+            f"{path} is an SDXL concept (one vector set per text encoder: {', '.join(XL_KEYS)}); it goes into an "
+            "SDXL pipeline's two text encoders, not into one"
+        )
     elif len(state) == 1:
         (key, vectors), name = next(iter(state.items())), None
         name = token or key
@@ -241,6 +246,8 @@ def save_xl_concept(path: Path, token: str, clip_l: Any, clip_g: Any) -> Path:
     """Write an SDXL concept (``clip_l`` [n, 768], ``clip_g`` [n, 1280], the token in the metadata) atomically."""
     from safetensors.numpy import save_file
 
+    from xeonsd.fsutil import atomic_path
+
     path = Path(path)
     arrays = {key: _as_array(value, path) for key, value in (("clip_l", clip_l), ("clip_g", clip_g))}
     if arrays["clip_l"].shape[0] != arrays["clip_g"].shape[0]:
@@ -250,10 +257,28 @@ def save_xl_concept(path: Path, token: str, clip_l: Any, clip_g: Any) -> Path:
         )
     if not token:
         raise ConceptError(f"{path}: an SDXL concept needs a token to be saved under")
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp), metadata={XL_TOKEN_METADATA: token})
-    tmp.replace(path)
+    tensors = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt", XL_TOKEN_METADATA: token})
     return path
+
+
+def write_concept_file(path: Path, token: str, vectors: list[Any]) -> Path:
+    """Write a concept atomically: one ``[num_vectors, hidden]`` array as ``{token: …}`` (SD 1.x/2.x), or the two
+    text encoders' (SDXL) through :func:`save_xl_concept`. float32, ``format: pt`` (what diffusers'
+    ``load_textual_inversion`` reads)."""
+    from safetensors.numpy import save_file
+
+    from xeonsd.fsutil import atomic_path
+
+    if len(vectors) == len(XL_KEYS):
+        return save_xl_concept(path, token, *vectors)
+    if len(vectors) != 1:
+        raise ConceptError(f"a concept has one vector set per text encoder (1 or 2), got {len(vectors)}")
+    array = np.ascontiguousarray(_as_array(vectors[0], Path(path)))
+    with atomic_path(Path(path)) as tmp:
+        save_file({token: array}, str(tmp), metadata={"format": "pt"})
+    return Path(path)
 
 
 def load_xl_concept(path: Path, token: str | None = None) -> dict[str, Concept]:

@@ -42,11 +42,14 @@ def train_summary(
     result_path: str,
     result_bytes: int,
     loss: dict | None = None,
+    family: str | None = None,
+    resolution: int | None = None,
 ) -> dict:
     """train_summary.json: the method's own figures (``method``, ``trainable_params``, …), the base model and its
     fingerprint, the steps and ranks, the bytes all-reduced per step, the prompts (source, count, per_image), the
     result (its path in the run directory and its size) and, when given, the loss options (``snr_gamma``: None when
-    off, ``noise_offset``, ``timestep_range``: the [lo, hi) drawn from)."""
+    off, ``noise_offset``, ``timestep_range``: the [lo, hi) drawn from), the base model's ``family`` (``sd`` or
+    ``sdxl``, :mod:`xeonsd.families`) and the ``resolution`` trained at."""
     return {
         **method_summary,
         "base_model": base_model,
@@ -57,6 +60,8 @@ def train_summary(
         "prompts": {"source": prompts["source"], "count": prompts["count"], "per_image": prompts["per_image"]},
         "result": {"path": result_path, "bytes": result_bytes},
         **({"loss": dict(loss)} if loss is not None else {}),
+        **({"family": family} if family is not None else {}),
+        **({"resolution": resolution} if resolution is not None else {}),
     }
 
 

@@ -126,8 +126,17 @@ def check_inputs(train_args: list[str], ranks_per_node: int = 1) -> list[Check]:
     except ModelSourceError as exc:
         checks.append(Check("model", "FAIL", str(exc)))
         return checks
+    from xeonsd.trainer.inputs import with_resolution
+    from xeonsd.trainer.models import model_family
+
+    try:  # a family we do not serve (SD3, Flux, an SDXL refiner, …) fails here, before the trial step loads it
+        family = model_family(cfg)
+    except ConfigError as exc:
+        checks.append(Check("model", "FAIL", str(exc)))
+        return checks
     # A download on every node at the job's start is what the base_model role exists to avoid.
-    checks.append(Check("model", "WARN" if source.kind == "hub" else "PASS", source.detail))
+    checks.append(Check("model", "WARN" if source.kind == "hub" else "PASS", f"{source.detail}; {family.label}"))
+    cfg = with_resolution(cfg, family)  # the memory row at the resolution the job trains at
     if images:
         checks.append(check_memory(cfg, len(images), len(captions.texts) if captions else 1, ranks_per_node))
     return checks
@@ -150,7 +159,8 @@ def check_memory(cfg, num_images: int, num_prompts: int, ranks_per_node: int) ->
     if problem:
         return Check("memory", "FAIL", problem)
     room = f", {free / memory.GB:.1f} GB free" if free is not None else ""
-    return Check("memory", "PASS", f"{est.describe()} per rank x {ranks_per_node} rank(s){room}")
+    at = f" at {cfg.resolution} px" if cfg.resolution else ""
+    return Check("memory", "PASS", f"{est.describe()} per rank x {ranks_per_node} rank(s){at}{room}")
 
 
 def trial_step(train_args: list[str], env: dict[str, str], timeout: float) -> Check:

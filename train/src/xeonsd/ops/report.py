@@ -154,6 +154,10 @@ def method_section(summary: dict, rows: list[dict]) -> str:
         )
     if summary.get("base_model"):
         data["base model"] = f"{summary['base_model']} (fingerprint {summary.get('base_model_fingerprint')})"
+    if summary.get("family"):
+        labels = {"sd": "SD 1.x/2.x", "sdxl": "SDXL"}
+        at = f", {summary['resolution']} px" if summary.get("resolution") else ""
+        data["model family, resolution"] = f"{labels.get(summary['family'], summary['family'])}{at}"
     counted = summary.get("allreduce_bytes_per_step")
     measured = next((r["allreduce_bytes_measured"] for r in rows if "allreduce_bytes_measured" in r), None)
     if counted is not None:

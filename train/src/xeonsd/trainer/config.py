@@ -87,7 +87,10 @@ class TrainConfig:
     max_grad_norm: float = _flag("clip the gradient's norm to this (0: no clipping)", methods=(LORA, FULL), default=1.0)
     use_ema: bool = _flag("save an exponential moving average of the UNet's weights", methods=(FULL,), default=False)
     ema_decay: float = _flag("EMA decay per step", methods=(FULL,), default=0.9999)
-    resolution: int = _flag("training image side in pixels (multiple of 8)", default=512)
+    resolution: int | None = _flag(
+        "training image side in pixels (multiple of 8; default: the model's, 1024 for SDXL, 512 for SD 1.x/2.x)",
+        default=None,
+    )
     center_crop: bool = _flag("crop the centre square before resizing", default=False)
     train_batch_size: int = _flag("images per rank per micro-step", default=16)
     gradient_accumulation_steps: int = _flag("micro-steps per optimizer step", default=1)

@@ -14,10 +14,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
-from xeonsd.concept_file import expand_tokens, token_taken
-from xeonsd.fsutil import atomic_path
+from xeonsd.concept_file import expand_tokens, token_taken, write_concept_file
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +106,9 @@ class PlaceholderEmbedding(torch.nn.Module):
         return out
 
 
-def save_learned_embeds(path: Path, placeholder: str, vectors: torch.Tensor) -> Path:
-    """Write ``{placeholder: [num_vectors, hidden]}`` (float32) in the format ``load_textual_inversion`` reads."""
-    tensor = vectors.detach().to(torch.float32).contiguous().clone()
-    with atomic_path(path) as tmp:
-        save_file({placeholder: tensor}, str(tmp), metadata={"format": "pt"})
-    return Path(path)
+def save_learned_embeds(path: Path, placeholder: str, vectors: torch.Tensor | list[torch.Tensor]) -> Path:
+    """Write ``{placeholder: [num_vectors, hidden]}`` (float32) in the format ``load_textual_inversion`` reads; for
+    SDXL (a list of the two text encoders' vectors) one file with ``clip_l`` and ``clip_g``
+    (:func:`xeonsd.concept_file.write_concept_file`)."""
+    sets = vectors if isinstance(vectors, list) else [vectors]
+    return write_concept_file(path, placeholder, [v.detach().to(torch.float32).numpy() for v in sets])

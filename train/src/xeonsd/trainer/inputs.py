@@ -3,11 +3,13 @@ model source, the checkpoint to resume, an earlier run in ``--output_dir``, and 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from xeonsd.cluster.distributed import RankInfo
+from xeonsd.families import Family
 from xeonsd.method_names import METHODS
 from xeonsd.modelsource import check_model_source
 from xeonsd.trainer import checkpoint as ckpt
@@ -16,17 +18,33 @@ from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.data import find_images
 from xeonsd.trainer.loss import local_num_train_timesteps, parse_timestep_range
 from xeonsd.trainer.methods import for_config, method_class
+from xeonsd.trainer.models import model_family
 
 log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name
 
 
 @dataclass(frozen=True)
 class Inputs:
-    """What ``validate`` found: the images (each checked to decode), their captions, the checkpoint to resume."""
+    """What ``validate`` found: the images (each checked to decode), their captions, the checkpoint to resume, and
+    the base model's family (from its config files; None where a caller built the inputs without a model)."""
 
     images: list[Path]
     captions: Captions | None
     resume: Path | None
+    family: Family | None = None
+
+
+def default_resolution(family: Family | None) -> int:
+    """The resolution a run trains at without --resolution: the family's (1024 for SDXL base, from its UNet's
+    sample size); 512 for SD 1.x/2.x, as before the families."""
+    return family.default_resolution if family is not None and family.is_xl else 512
+
+
+def with_resolution(cfg: TrainConfig, family: Family | None) -> TrainConfig:
+    """``cfg`` with --resolution filled in from the family when it was not given."""
+    if cfg.resolution is not None:
+        return cfg
+    return dataclasses.replace(cfg, resolution=default_resolution(family))
 
 
 def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
@@ -36,13 +54,14 @@ def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
     captions = read_captions(Path(cfg.train_data_dir), images, cfg.caption_column)
     for_config(cfg).check(cfg, captions)
     check_model_source(cfg.pretrained_model_name_or_path, revision=cfg.revision)
+    family = model_family(cfg)  # a family we do not serve is refused here, before any weight loads
     resume = None
     # Checkpoints live in rank 0's output dir (on the primary node); rank 0 reads and broadcasts the state.
     if cfg.resume_from_checkpoint and info.is_main:
         resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, cfg.output_path)
     if info.is_main and resume is None and not cfg.overwrite_output_dir:
         check_no_earlier_run(cfg)
-    return Inputs(images, captions, resume)
+    return Inputs(images, captions, resume, family)
 
 
 def check_flags(cfg: TrainConfig, info: RankInfo) -> None:
@@ -52,7 +71,7 @@ def check_flags(cfg: TrainConfig, info: RankInfo) -> None:
             "--mixed_precision fp16 is not supported on CPU (no fp16 autocast/AMX path for training); "
             "use --mixed_precision bf16 (AMX) or no"
         )
-    if cfg.resolution <= 0 or cfg.resolution % 8:
+    if cfg.resolution is not None and (cfg.resolution <= 0 or cfg.resolution % 8):
         raise ConfigError(
             f"--resolution must be a positive multiple of 8 (the VAE downsamples by 8), got {cfg.resolution}"
         )

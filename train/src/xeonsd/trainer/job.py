@@ -38,6 +38,7 @@ from xeonsd.trainer.loss import parse_timestep_range
 from xeonsd.trainer.methods import Method, for_config
 from xeonsd.trainer.models import Models, load_models
 from xeonsd.trainer.prompts import PromptTable
+from xeonsd.trainer.xl import XLPromptConditioning
 
 log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name
 # A rank that lost a peer waits this long before ending the job, so that the other survivors report it too.
@@ -73,7 +74,7 @@ class TrainingData:
     """What the steps draw from: the prompts, their text conditioning, the latents, and the sampling plan."""
 
     prompts: PromptTable
-    text: PromptConditioning
+    text: PromptConditioning | XLPromptConditioning
     latents: LatentTable
     plan: SamplingPlan
 
@@ -132,7 +133,7 @@ def setup(
 ) -> Job:
     """Load the models, make the method and its optimizer, resume, build the caches: the job, on every rank."""
     method_cls = for_config(cfg)
-    models = load_models(cfg, unet_fp32=method_cls.unet_fp32)
+    models = load_models(cfg, unet_fp32=method_cls.unet_fp32, family=inputs.family)
     _log_placement(cfg, info, backend, placement, models)
     base_model = model_fingerprint(cfg.pretrained_model_name_or_path, cfg.revision)
     resume_state = _shared_resume_state(inputs.resume, info.world_size)
@@ -276,7 +277,8 @@ def _prepare_data(
         "%s: %d trainable parameters; prompts: %d from %s", cfg.method, trainable, len(prompts.texts), prompts.source
     )
     t0 = time.perf_counter()
-    text = PromptConditioning(models, prompts, trainable=method.trains_text_encoder, rank=info.rank, world=world)
+    conditioning = XLPromptConditioning if models.is_xl else PromptConditioning
+    text = conditioning(models, prompts, trainable=method.trains_text_encoder, rank=info.rank, world=world)
     latents = LatentTable.build(cfg, models, inputs.images, info.rank, info.local_rank, world)
     log.info(
         "prepared %d latent inputs and %d prompts in %.1f s",

@@ -7,7 +7,8 @@ distribution draws from exactly the same distribution as encoding every step, wi
 The cache is built in shards: each rank encodes every ``world``-th input and one all-reduce gives every rank all
 of them. With ``--latent_cache_dir`` it is also kept on disk between runs, one file per image keyed by the
 image's bytes, the VAE, the resolution and the crop, so a second run (or a rank on another node that has the
-files) encodes nothing.
+files) encodes nothing. For SDXL each input also has its micro-conditioning (``time_ids``: original size, crop,
+target size; :func:`xeonsd.trainer.xl.time_ids_for`), which is part of the key and stored in the file.
 """
 
 from __future__ import annotations
@@ -64,10 +65,14 @@ def sample_latents(mean: torch.Tensor, std: torch.Tensor, eps: torch.Tensor, sca
     return (mean + std * eps) * scaling_factor
 
 
-def image_cache_key(image: Path, vae_key: str, resolution: int, center_crop: bool) -> str:
-    """The disk cache's name for one image's (and its mirror's) latent distribution."""
+def image_cache_key(
+    image: Path, vae_key: str, resolution: int, center_crop: bool, time_ids: torch.Tensor | None = None
+) -> str:
+    """The disk cache's name for one image's (and its mirror's) latent distribution (and SDXL's time ids)."""
     h = hashlib.sha256(Path(image).read_bytes())
     h.update(f"\0{vae_key}\0{resolution}\0{int(center_crop)}".encode())
+    if time_ids is not None:
+        h.update(("\0time_ids:" + ",".join(f"{v:g}" for v in time_ids.flatten().tolist())).encode())
     return h.hexdigest()[:32]
 
 
@@ -84,6 +89,11 @@ class LatentTable:
     vae: torch.nn.Module | None = None
     pixels: torch.Tensor | None = None
     dtype: torch.dtype = torch.float32
+    time_ids: torch.Tensor | None = None  # SDXL: [count, 6] micro-conditioning per input row
+
+    def time_ids_of(self, examples) -> torch.Tensor:
+        assert self.time_ids is not None, "time ids exist for SDXL models only"
+        return self.time_ids[[e.input_id for e in examples]]
 
     def sample(self, examples) -> torch.Tensor:
         rows = [e.input_id for e in examples]
@@ -104,6 +114,11 @@ class LatentTable:
         shape = (vae.config.latent_channels, cfg.resolution // scale, cfg.resolution // scale)
         count = 2 * len(images)
         common = {"shape": shape, "count": count, "scaling": vae.config.scaling_factor, "dtype": models.weight_dtype}
+        if models.is_xl:
+            from xeonsd.trainer.xl import time_ids_for
+
+            common["time_ids"] = torch.cat([time_ids_for(p, cfg.resolution, cfg.center_crop) for p in images])
+        time_ids = common.get("time_ids")
         if not cfg.latent_cache:
             pixels = load_all_pixels(images, cfg.resolution, cfg.center_crop, cfg.dataloader_num_workers)
             return cls(**common, vae=vae, pixels=pixels)
@@ -118,7 +133,16 @@ class LatentTable:
 
         vae_key = model_fingerprint(cfg.pretrained_model_name_or_path, cfg.revision, subfolder="vae")
         vae_key += str(models.weight_dtype)
-        keys = [image_cache_key(p, vae_key, cfg.resolution, cfg.center_crop) for p in images]
+        keys = [
+            image_cache_key(
+                p,
+                vae_key,
+                cfg.resolution,
+                cfg.center_crop,
+                time_ids[2 * k : 2 * k + 2] if time_ids is not None else None,
+            )
+            for k, p in enumerate(images)
+        ]
         files = [cache_dir / f"{k}.safetensors" for k in keys]
         have = torch.tensor([int(f.is_file()) for f in files], dtype=torch.int64)
         everywhere = all_reduce_sum_(have.clone(), world)  # an image is reused only where every rank has it
@@ -128,12 +152,14 @@ class LatentTable:
             if everywhere[k] == world:
                 saved = load_file(str(f))
                 mean[2 * k : 2 * k + 2], std[2 * k : 2 * k + 2] = saved["mean"], saved["std"]
+                if time_ids is not None:
+                    time_ids[2 * k : 2 * k + 2] = saved["time_ids"]
             elif local_rank == 0 and not have[k]:  # one rank per node writes its node's missing files
+                entry = {"mean": mean[2 * k : 2 * k + 2].contiguous(), "std": std[2 * k : 2 * k + 2].contiguous()}
+                if time_ids is not None:
+                    entry["time_ids"] = time_ids[2 * k : 2 * k + 2].contiguous()
                 with atomic_path(f) as tmp:
-                    save_file(
-                        {"mean": mean[2 * k : 2 * k + 2].contiguous(), "std": std[2 * k : 2 * k + 2].contiguous()},
-                        str(tmp),
-                    )
+                    save_file(entry, str(tmp))
         log.info(
             "latent cache %s: %d of %d image(s) reused, %d encoded",
             cache_dir,

@@ -46,12 +46,13 @@ from xeonsd.trainer.config import ConfigError, TrainConfig, parse_config
 from xeonsd.trainer.data import DataError, Example
 from xeonsd.trainer.embeddings import ConceptError
 from xeonsd.trainer.hooks import StepEnd, StepObservers
-from xeonsd.trainer.inputs import check_memory, validate
+from xeonsd.trainer.inputs import check_memory, validate, with_resolution
 from xeonsd.trainer.job import ABORT_GRACE_S, Job, Training, setup, setup_logging, start_status
 from xeonsd.trainer.loss import denoising_loss
 from xeonsd.trainer.metrics import MetricsLog, plot_loss, result_bytes, write_summary
 from xeonsd.trainer.models import autocast, render_validation
 from xeonsd.trainer.stopping import Interrupted, StopSignals
+from xeonsd.trainer.xl import unet_conditioning
 
 log = logging.getLogger("xeonsd.train")
 
@@ -64,6 +65,7 @@ def run(cfg: TrainConfig, status: RankStatusFile | None, signals: StopSignals | 
     info = detect_ranks()
     setup_logging(info)
     inputs = validate(cfg, info)
+    cfg = with_resolution(cfg, inputs.family)
     timeouts = Timeouts.from_env()
     if cfg.mixed_precision == "auto":
         cfg = dataclasses.replace(cfg, mixed_precision="bf16" if cpu_info().native_bf16 else "no")
@@ -185,13 +187,15 @@ def step_loss(job: Job, examples: list[Example], clock: RankClock | None = None)
         noise = torch.stack([e.noise for e in examples])
     timesteps = torch.tensor([e.timestep for e in examples], dtype=torch.long)
     noisy = models.noise_scheduler.add_noise(latents, noise, timesteps)
-    hidden = data.text.hidden([data.prompts.row(e) for e in examples])
+    hidden, added = unet_conditioning(data.text, data.latents, [data.prompts.row(e) for e in examples], examples)
     dtype = models.unet_dtype
     model_in = noisy.to(dtype)
+    if added is not None:  # SDXL: the pooled text embedding and the micro-conditioning
+        added = {k: v.to(dtype) for k, v in added.items()}
     if job.run.cfg.channels_last:
         model_in = model_in.contiguous(memory_format=torch.channels_last)
     with autocast(models.weight_dtype) if models.unet_autocast else contextlib.nullcontext():
-        pred = job.training.unet(model_in, timesteps, hidden.to(dtype), return_dict=False)[0]
+        pred = job.training.unet(model_in, timesteps, hidden.to(dtype), added_cond_kwargs=added, return_dict=False)[0]
     prediction_type = models.noise_scheduler.config.prediction_type
     if prediction_type == "epsilon":
         target = noise
@@ -278,6 +282,8 @@ def train_summary(job: Job) -> dict:
         result_path=method.outputs[0],
         result_bytes=result_bytes(cfg.output_path, method.outputs[0]),
         loss=loss_options(job),
+        family=family.name if (family := job.training.models.family) is not None else None,
+        resolution=cfg.resolution,
     )
 
 

@@ -108,7 +108,9 @@ def _cpu_attention():
         yield
 
 
-def _activations(unet, cfg, cross_dim: int, weight_dtype: torch.dtype, hidden_grad: bool, autocast: bool) -> int:
+def _activations(
+    unet, cfg, cross_dim: int, weight_dtype: torch.dtype, hidden_grad: bool, autocast: bool, pooled_dim: int = 0
+) -> int:
     saved = _SavedBytes(list(unet.parameters()))
     for block in [*unet.down_blocks, unet.mid_block, *unet.up_blocks]:
         if block is not None:
@@ -118,9 +120,15 @@ def _activations(unet, cfg, cross_dim: int, weight_dtype: torch.dtype, hidden_gr
     x = torch.zeros(cfg.train_batch_size, unet.config.in_channels, side, side, device="meta", dtype=dtype)
     h = torch.zeros(cfg.train_batch_size, 77, cross_dim, device="meta", dtype=dtype, requires_grad=hidden_grad)
     t = torch.zeros(cfg.train_batch_size, dtype=torch.long, device="meta")
+    added = None
+    if pooled_dim:  # SDXL: the pooled text embedding and the six micro-conditioning numbers
+        added = {
+            "text_embeds": torch.zeros(cfg.train_batch_size, pooled_dim, device="meta", dtype=dtype),
+            "time_ids": torch.zeros(cfg.train_batch_size, 6, device="meta", dtype=dtype),
+        }
     amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), amp, _cpu_attention():
-        unet(x, t, h, return_dict=False)
+        unet(x, t, h, added_cond_kwargs=added, return_dict=False)
     # While the backward pass goes through a block it also holds that block's activation gradients: about the
     # size of what the block saved. With checkpointing, a block's activations exist only while it is recomputed.
     largest = max((b for b, _ in saved.blocks), default=0)
@@ -130,26 +138,27 @@ def _activations(unet, cfg, cross_dim: int, weight_dtype: torch.dtype, hidden_gr
     return saved.total - inside + sum(i for _, i in saved.blocks) + 2 * largest
 
 
-def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstimate:
-    """Peak bytes of one rank for this configuration (the model's configs must be readable)."""
-    from diffusers import AutoencoderKL, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
+def _text_encoders(src: str, kw: dict, xl: bool) -> list[tuple[object, torch.nn.Module]]:
+    """(config, meta-device model) of each text encoder: SDXL's second has the projection (pooled output)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    src, kw = cfg.pretrained_model_name_or_path, {"revision": cfg.revision}
-    weight_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
-    wbytes = torch.finfo(weight_dtype).bits // 8
-    with torch.device("meta"):
-        unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(src, subfolder="unet", **kw))
-        vae = AutoencoderKL.from_config(AutoencoderKL.load_config(src, subfolder="vae", **kw))
-        te_config = CLIPTextConfig.from_pretrained(src, subfolder="text_encoder", **kw)
-        text_encoder = CLIPTextModel(te_config)
-    unet.requires_grad_(False)
-    unet_dtype = torch.float32 if method == "full" else weight_dtype
-    torch.nn.Module.to(unet, unet_dtype)  # (ModelMixin.to warns about keep-in-fp32 modules SD has none of)
-    hidden = te_config.hidden_size
-    if method == "textual_inversion":
-        trainable = (te_config.vocab_size if cfg.train_full_embedding_matrix else cfg.num_vectors) * hidden
-    elif method == "lora":
+    out = []
+    for sub, cls in (("text_encoder", CLIPTextModel), ("text_encoder_2", CLIPTextModelWithProjection))[
+        : 2 if xl else 1
+    ]:
+        config = CLIPTextConfig.from_pretrained(src, subfolder=sub, **kw)
+        with torch.device("meta"):
+            out.append((config, cls(config)))
+    return out
+
+
+def _trainable(cfg, method: str, unet, encoders: list[tuple[object, torch.nn.Module]]) -> int:
+    """The trainable numbers of the method (LoRA's adapters are added to the meta UNet, which they change)."""
+    if method == "textual_inversion":  # one vector set per text encoder
+        return sum(
+            (c.vocab_size if cfg.train_full_embedding_matrix else cfg.num_vectors) * c.hidden_size for c, _ in encoders
+        )
+    if method == "lora":
         from xeonsd.trainer.methods.lora import unet_lora_config
 
         unet.add_adapter(unet_lora_config(cfg))
@@ -157,13 +166,37 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstim
             if p.requires_grad:
                 p.data = p.data.float()
         trainable = _numel(unet, trainable_only=True)
-        if cfg.train_text_encoder:  # about the same share of the text encoder's attention
-            trainable += 4 * te_config.num_hidden_layers * 2 * cfg.rank * hidden
-    else:
-        unet.requires_grad_(True)  # (measured without checkpointing: the block figures give its effect)
-        trainable = _numel(unet)
+        if cfg.train_text_encoder:  # about the same share of each text encoder's attention
+            trainable += sum(4 * c.num_hidden_layers * 2 * cfg.rank * c.hidden_size for c, _ in encoders)
+        return trainable
+    unet.requires_grad_(True)  # (measured without checkpointing: the block figures give its effect)
+    return _numel(unet)
+
+
+def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstimate:
+    """Peak bytes of one rank for this configuration (the model's configs must be readable). Without
+    --resolution, at the family's default (:func:`xeonsd.trainer.inputs.with_resolution`)."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+
+    from xeonsd.families import detect_family
+    from xeonsd.trainer.inputs import with_resolution
+
+    src, kw = cfg.pretrained_model_name_or_path, {"revision": cfg.revision}
+    family = detect_family(src, cfg.revision)
+    cfg = with_resolution(cfg, family)
+    weight_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
+    wbytes = torch.finfo(weight_dtype).bits // 8
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(src, subfolder="unet", **kw))
+        vae = AutoencoderKL.from_config(AutoencoderKL.load_config(src, subfolder="vae", **kw))
+    encoders = _text_encoders(src, kw, family.is_xl)
+    text_bytes = sum(_numel(m) for _, m in encoders) * 4  # fp32
+    unet.requires_grad_(False)
+    unet_dtype = torch.float32 if method == "full" else weight_dtype
+    torch.nn.Module.to(unet, unet_dtype)  # (ModelMixin.to warns about keep-in-fp32 modules SD has none of)
+    trainable = _trainable(cfg, method, unet, encoders)
     frozen_unet = _numel(unet) - (trainable if method != "textual_inversion" else 0)
-    weights = _numel(text_encoder) * 4 + frozen_unet * torch.finfo(unet_dtype).bits // 8
+    weights = text_bytes + frozen_unet * torch.finfo(unet_dtype).bits // 8
     if method in ("lora", "full"):
         weights += trainable * 4
     if cfg.validation_prompt or not cfg.latent_cache:
@@ -171,19 +204,23 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstim
     gradients = trainable * 4
     optimizer = trainable * 8 + (trainable * 4 if method == "full" and cfg.use_ema else 0)
     autocast = weight_dtype == torch.bfloat16 and unet_dtype == torch.float32
-    activations = _activations(unet, cfg, hidden, weight_dtype, method == "textual_inversion", autocast)
+    cross_dim = sum(c.hidden_size for c, _ in encoders)  # SDXL: both encoders' hidden states side by side
+    pooled_dim = encoders[-1][0].projection_dim if family.is_xl else 0
+    activations = _activations(
+        unet, cfg, cross_dim, weight_dtype, method == "textual_inversion", autocast, pooled_dim=pooled_dim
+    )
     side = cfg.resolution // 8
     latents = 2 * num_images * 2 * 4 * side * side * 4
     if not cfg.latent_cache:
         latents = 2 * num_images * 3 * cfg.resolution**2 * 4
-    prompts = num_prompts * 77 * hidden * 4 if method != "textual_inversion" else 0
+    prompts = num_prompts * (77 * cross_dim + pooled_dim) * 4 if method != "textual_inversion" else 0
     runtime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     # Loading reads each UNet weight as stored, then casts it: both copies exist until the load ends.
     unet_files = list((Path(src).expanduser() / "unet").glob("*.safetensors"))
     stored = sum(f.stat().st_size for f in unet_files) if unet_files else _numel(unet) * 4
     cast = _numel(unet) * torch.finfo(unet_dtype).bits // 8
     same_dtype = abs(stored - cast) < 0.01 * cast  # stored as it is used: no second copy
-    loading = runtime + _numel(text_encoder) * 4 + _numel(vae) * wbytes + stored + (0 if same_dtype else cast)
+    loading = runtime + text_bytes + _numel(vae) * wbytes + stored + (0 if same_dtype else cast)
     return MemoryEstimate(weights, gradients, optimizer, activations, latents + prompts, runtime, loading)
 
 

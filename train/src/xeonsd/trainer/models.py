@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from xeonsd.families import Family, FamilyError, detect_family
 from xeonsd.fsutil import atomic_dir
 from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.embeddings import PlaceholderEmbedding
@@ -35,6 +36,21 @@ class Models:
     noise_scheduler: object
     weight_dtype: torch.dtype
     ipex: bool
+    family: Family | None = None  # None: SD 1.x/2.x (models built by hand in the tests)
+    tokenizer_2: object | None = None  # SDXL's second tokenizer and text encoder (OpenCLIP bigG, with projection)
+    text_encoder_2: torch.nn.Module | None = None
+
+    @property
+    def is_xl(self) -> bool:
+        return self.family is not None and self.family.is_xl
+
+    @property
+    def text_pairs(self) -> list[tuple[object, torch.nn.Module]]:
+        """(tokenizer, text encoder) of each text encoder, in the order their hidden states are concatenated."""
+        pairs = [(self.tokenizer, self.text_encoder)]
+        if self.text_encoder_2 is not None:
+            pairs.append((self.tokenizer_2, self.text_encoder_2))
+        return pairs
 
     @property
     def unet_dtype(self) -> torch.dtype:
@@ -46,9 +62,22 @@ class Models:
         return self.weight_dtype == torch.bfloat16 and self.unet_dtype == torch.float32
 
 
-def load_models(cfg: TrainConfig, unet_fp32: bool = False) -> Models:
+def model_family(cfg: TrainConfig) -> Family:
+    """The base model's family, read from its config files (a family we do not serve: one-line ConfigError)."""
     try:
-        return _load_models(cfg, unet_fp32)
+        return detect_family(cfg.pretrained_model_name_or_path, cfg.revision)
+    except FamilyError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def load_models(cfg: TrainConfig, unet_fp32: bool = False, family: Family | None = None) -> Models:
+    family = family or model_family(cfg)
+    try:
+        models = _load_models(cfg, unet_fp32)
+        models.family = family
+        if family.is_xl:
+            models.tokenizer_2, models.text_encoder_2 = _load_second_text_encoder(cfg)
+        return models
     except OSError as exc:  # missing files, or a Hub id that cannot be fetched (offline, gated, wrong name)
         raise ConfigError(f"cannot load the model {cfg.pretrained_model_name_or_path!r}: {exc}") from exc
 
@@ -90,33 +119,53 @@ def _load_models(cfg: TrainConfig, unet_fp32: bool) -> Models:
     return Models(tokenizer, text_encoder, vae, unet, noise_scheduler, weight_dtype, ipex)
 
 
+def _load_second_text_encoder(cfg: TrainConfig) -> tuple[object, torch.nn.Module]:
+    """SDXL's ``tokenizer_2`` and ``text_encoder_2`` (with the projection that gives the pooled ``text_embeds``),
+    frozen and fp32 like the first."""
+    from transformers import CLIPTextModelWithProjection, CLIPTokenizer
+
+    src, kw = cfg.pretrained_model_name_or_path, {"revision": cfg.revision}
+    tokenizer = CLIPTokenizer.from_pretrained(src, subfolder="tokenizer_2", **kw)
+    encoder = CLIPTextModelWithProjection.from_pretrained(src, subfolder="text_encoder_2", variant=cfg.variant, **kw)
+    encoder.requires_grad_(False)
+    encoder.eval()
+    return tokenizer, encoder.float()
+
+
+def pipeline_class(family: Family | None):
+    """The diffusers pipeline class of the family (SD 1.x/2.x when unknown)."""
+    import diffusers
+
+    return getattr(diffusers, family.pipeline_class if family is not None else "StableDiffusionPipeline")
+
+
 def autocast(dtype: torch.dtype) -> contextlib.AbstractContextManager:
     if dtype == torch.bfloat16:
         return torch.autocast("cpu", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
-def save_full_pipeline(cfg: TrainConfig, target: Path, **components: torch.nn.Module | object) -> None:
+def save_full_pipeline(
+    cfg: TrainConfig, target: Path, family: Family | None = None, **components: torch.nn.Module | object
+) -> None:
     """A complete pipeline in ``target`` (the output dir loads with ``from_pretrained``): the base model's
     components, with ``components`` (e.g. ``tokenizer=…, text_encoder=…`` with the concept, or a trained
     ``unet=…``) in their place; the others are re-read in full precision, not the bf16 training copies.
 
     Written in a temporary directory first; components are moved in and ``model_index.json`` comes last, so a
-    crash never leaves a directory that looks like a complete pipeline."""
-    from diffusers import StableDiffusionPipeline
-
-    text_encoder = components.get("text_encoder")
-    emb = text_encoder.get_input_embeddings() if text_encoder is not None else None
-    if isinstance(emb, PlaceholderEmbedding):
-        text_encoder.set_input_embeddings(emb.merged())
+    crash never leaves a directory that looks like a complete pipeline. ``family``: the pipeline class (SDXL's
+    has two text encoders and no safety checker)."""
+    swapped = []  # (text encoder, its placeholder module): the trained vectors merged in for the save
+    for name in ("text_encoder", "text_encoder_2"):
+        encoder = components.get(name)
+        emb = encoder.get_input_embeddings() if encoder is not None else None
+        if isinstance(emb, PlaceholderEmbedding):
+            encoder.set_input_embeddings(emb.merged())
+            swapped.append((encoder, emb))
+    extra = {} if family is not None and family.is_xl else {"safety_checker": None, "requires_safety_checker": False}
     try:
-        pipe = StableDiffusionPipeline.from_pretrained(
-            cfg.pretrained_model_name_or_path,
-            revision=cfg.revision,
-            variant=cfg.variant,
-            safety_checker=None,
-            requires_safety_checker=False,
-            **components,
+        pipe = pipeline_class(family).from_pretrained(
+            cfg.pretrained_model_name_or_path, revision=cfg.revision, variant=cfg.variant, **extra, **components
         )
         target.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".pipeline.tmp-", dir=target) as tmp:
@@ -128,23 +177,25 @@ def save_full_pipeline(cfg: TrainConfig, target: Path, **components: torch.nn.Mo
                     shutil.rmtree(dest)
                 os.replace(item, dest)
     finally:
-        if emb is not None:
-            text_encoder.set_input_embeddings(emb)
+        for encoder, emb in swapped:
+            encoder.set_input_embeddings(emb)
 
 
 def render_validation(cfg: TrainConfig, models: Models, target: Path, seed: int) -> None:
-    from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
+    from diffusers import DPMSolverMultistepScheduler
 
-    pipe = StableDiffusionPipeline(
-        vae=models.vae,
-        text_encoder=models.text_encoder,
-        tokenizer=models.tokenizer,
-        unet=models.unet,
-        scheduler=DPMSolverMultistepScheduler.from_config(models.noise_scheduler.config),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
+    parts = {
+        "vae": models.vae,
+        "text_encoder": models.text_encoder,
+        "tokenizer": models.tokenizer,
+        "unet": models.unet,
+        "scheduler": DPMSolverMultistepScheduler.from_config(models.noise_scheduler.config),
+    }
+    if models.is_xl:
+        parts.update(text_encoder_2=models.text_encoder_2, tokenizer_2=models.tokenizer_2)
+    else:
+        parts.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe = pipeline_class(models.family)(**parts)
     pipe.set_progress_bar_config(disable=True)
     generator = torch.Generator().manual_seed(seed)
     with atomic_dir(target, overwrite=True) as tmp, torch.no_grad(), autocast(models.weight_dtype):

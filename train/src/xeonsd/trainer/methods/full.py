@@ -106,4 +106,4 @@ class FullFineTuning(Method):
                 for p, s in zip(self.params, self.ema.shadow, strict=True):
                     p.copy_(s)
         unet.eval()
-        save_full_pipeline(self.cfg, out, unet=unet)
+        save_full_pipeline(self.cfg, out, self.models.family, unet=unet)

@@ -2,7 +2,9 @@
 
 The base UNet stays frozen in the training dtype (bf16 on AMX); the adapters, their optimizer state and the loss
 are fp32 (peft casts each adapter's input to the adapter's dtype). The result is
-``pytorch_lora_weights.safetensors`` in the diffusers layout: ``pipe.load_lora_weights(dir)`` loads it.
+``pytorch_lora_weights.safetensors`` in the diffusers layout: ``pipe.load_lora_weights(dir)`` loads it. On SDXL
+``--train_text_encoder`` puts adapters on both text encoders, saved as ``text_encoder.*`` and ``text_encoder_2.*``
+(the layout ``StableDiffusionXLPipeline.load_lora_weights`` reads).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from xeonsd.method_names import result_file
 from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError
 from xeonsd.trainer.methods.base import Method
+from xeonsd.trainer.models import pipeline_class
 from xeonsd.trainer.prompts import check_prompt_source, plain_prompts
 
 if TYPE_CHECKING:
@@ -68,12 +71,14 @@ class LoRA(Method):
             models.unet.add_adapter(unet_lora_config(cfg))
         except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
             raise ConfigError(f"--lora_target_modules {cfg.lora_target_modules}: {exc}") from exc
+        encoders = [encoder for _, encoder in models.text_pairs]  # SDXL: both
         if cfg.train_text_encoder:
-            models.text_encoder.add_adapter(_lora_config(cfg.rank, alpha, list(TEXT_ENCODER_TARGETS)))
+            for encoder in encoders:
+                encoder.add_adapter(_lora_config(cfg.rank, alpha, list(TEXT_ENCODER_TARGETS)))
         if cfg.gradient_checkpointing:
             models.unet.enable_gradient_checkpointing()
         self.params: list[torch.nn.Parameter] = []
-        for module in (models.unet, models.text_encoder):
+        for module in (models.unet, *encoders):
             for p in module.parameters():
                 if p.requires_grad:
                     p.data = p.data.float()  # adapters train in fp32 beside the bf16 base
@@ -95,7 +100,8 @@ class LoRA(Method):
 
         layers = {"unet_lora_layers": get_peft_model_state_dict(self.models.unet)}
         if self.cfg.train_text_encoder:
-            layers["text_encoder_lora_layers"] = get_peft_model_state_dict(self.models.text_encoder)
+            for name, encoder in self._encoders().items():
+                layers[f"{name}_lora_layers"] = get_peft_model_state_dict(encoder)
         return {
             k: {n: t.detach().clone() for n, t in convert_state_dict_to_diffusers(v).items()} for k, v in layers.items()
         }
@@ -105,8 +111,14 @@ class LoRA(Method):
         ``load_lora_weights`` (and our GenAI conversion) read them: without them a reader takes alpha = rank."""
         meta = {"unet_lora_adapter_metadata": self.models.unet.peft_config["default"].to_dict()}
         if self.cfg.train_text_encoder:
-            meta["text_encoder_lora_adapter_metadata"] = self.models.text_encoder.peft_config["default"].to_dict()
+            for name, encoder in self._encoders().items():
+                meta[f"{name}_lora_adapter_metadata"] = encoder.peft_config["default"].to_dict()
         return meta
+
+    def _encoders(self) -> dict[str, torch.nn.Module]:
+        """The text encoders by their pipeline component name (``text_encoder``, SDXL's ``text_encoder_2``)."""
+        names = ("text_encoder", "text_encoder_2")
+        return {n: encoder for n, (_, encoder) in zip(names, self.models.text_pairs, strict=False)}
 
     def state(self) -> dict:
         return {
@@ -133,11 +145,9 @@ class LoRA(Method):
                 p.copy_(saved)
 
     def save(self, out: Path) -> None:
-        from diffusers import StableDiffusionPipeline
-
         # save_lora_weights writes into a directory: write it beside the result, then move the file in.
         with tempfile.TemporaryDirectory(prefix=".lora.tmp-", dir=out) as tmp:
-            StableDiffusionPipeline.save_lora_weights(
+            pipeline_class(self.models.family).save_lora_weights(
                 tmp, safe_serialization=True, **self._layers(), **self._metadata()
             )
             os.replace(Path(tmp) / LORA_FILE, out / LORA_FILE)

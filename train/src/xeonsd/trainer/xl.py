@@ -1,0 +1,105 @@
+"""SDXL's conditioning, as the model was trained (diffusers' ``StableDiffusionXLPipeline.encode_prompt`` and
+``train_text_to_image_lora_sdxl.py`` follow the same conventions):
+
+* the cross-attention input is the *penultimate* hidden states of both text encoders (CLIP-L, 768 wide, and
+  OpenCLIP bigG, 1280 wide), concatenated along the feature axis (2048 wide);
+* ``text_embeds`` is the pooled, projected output of the second encoder (``CLIPTextModelWithProjection``);
+* ``time_ids`` is each image's micro-conditioning: (original height, width, crop top, crop left, target height,
+  width), from the data pipeline (:func:`time_ids_for`), kept with the cached latents.
+
+With frozen encoders each prompt's two tensors are computed once before the first step, shared out over the ranks
+like the SD table (:class:`XLPromptConditioning`); a method that trains an encoder runs both every step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from xeonsd.cluster.distributed import all_reduce_sum_
+from xeonsd.trainer.models import Models, autocast
+from xeonsd.trainer.prompts import PromptTable
+
+TIME_IDS = 6  # original (h, w), crop top-left (top, left), target (h, w)
+
+
+def time_ids_for(image: Path, resolution: int, center_crop: bool) -> torch.Tensor:
+    """The micro-conditioning of an image and of its mirror, [2, 6] float32, for the way
+    :func:`xeonsd.trainer.data.load_pixels` prepares them: with ``center_crop`` the centre square of the original,
+    resized to ``resolution`` (the crop's top-left in the pixels of the image resized so that its shorter side is
+    ``resolution``, as SDXL's training measured it; mirrored, the crop's left is counted from the mirrored side);
+    without, the whole image resized to the square (no crop: 0, 0)."""
+    with Image.open(image) as im:
+        width, height = im.size
+    top = left = left_mirrored = 0
+    if center_crop:
+        side = min(height, width)
+        scale = resolution / side
+        crop_top, crop_left = (height - side) // 2, (width - side) // 2
+        top, left = round(crop_top * scale), round(crop_left * scale)
+        left_mirrored = round((width - side - crop_left) * scale)
+    rows = [
+        (height, width, top, left, resolution, resolution),
+        (height, width, top, left_mirrored, resolution, resolution),
+    ]
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+class XLPromptConditioning:
+    """The prompt table through SDXL's two text encoders: ``encode(rows)`` gives the concatenated penultimate
+    hidden states [n, 77, 768 + 1280] and the pooled ``text_embeds`` [n, 1280]."""
+
+    def __init__(self, models: Models, prompts: PromptTable, trainable: bool, rank: int, world: int) -> None:
+        self.models = models
+        texts = list(prompts.texts)
+        self.ids = [
+            tok(
+                texts, padding="max_length", truncation=True, max_length=tok.model_max_length, return_tensors="pt"
+            ).input_ids
+            for tok, _ in models.text_pairs
+        ]
+        self.table: tuple[torch.Tensor, torch.Tensor] | None = None
+        if not trainable:
+            self.table = self._encode_all(rank, world)
+
+    def _forward(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, pooled = [], None
+        with autocast(self.models.weight_dtype):
+            for ids, (_, encoder) in zip(self.ids, self.models.text_pairs, strict=True):
+                out = encoder(ids[rows], output_hidden_states=True)
+                pooled = out[0]  # the last encoder's: its projected, pooled output (text_embeds)
+                hidden.append(out.hidden_states[-2])
+        assert pooled is not None
+        return torch.cat(hidden, dim=-1), pooled
+
+    @torch.no_grad()
+    def _encode_all(self, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.ids[0].shape[0]
+        if n < world:  # fewer prompts than ranks (an instance prompt): every rank encodes them
+            hidden, pooled = self._forward(list(range(n)))
+            return hidden.float(), pooled.float()
+        first_hidden, first_pooled = self._forward([0])
+        hidden = torch.zeros((n, *first_hidden.shape[1:]), dtype=torch.float32)
+        pooled = torch.zeros((n, *first_pooled.shape[1:]), dtype=torch.float32)
+        for i in range(rank, n, world):
+            h, p = self._forward([i])
+            hidden[i], pooled[i] = h[0].float(), p[0].float()
+        packed = all_reduce_sum_(torch.cat([hidden.flatten(1), pooled], dim=1), world)
+        split = hidden[0].numel()
+        return packed[:, :split].reshape(hidden.shape).contiguous(), packed[:, split:].contiguous()
+
+    def encode(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.table is not None:
+            return self.table[0][rows], self.table[1][rows]
+        return self._forward(rows)
+
+
+def unet_conditioning(text, latents, rows: list[int], examples) -> tuple[torch.Tensor, dict | None]:
+    """The UNet's text conditioning for these examples: the encoder hidden states, and for SDXL the
+    ``added_cond_kwargs`` (``text_embeds`` and each example's ``time_ids``)."""
+    if not isinstance(text, XLPromptConditioning):
+        return text.hidden(rows), None
+    hidden, pooled = text.encode(rows)
+    return hidden, {"text_embeds": pooled, "time_ids": latents.time_ids_of(examples)}
