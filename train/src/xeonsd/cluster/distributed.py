@@ -1,7 +1,8 @@
 """Ranks, process group and CPU placement.
 
 A job is started by Intel MPI / MPICH (``PMI_*``, ``MPI_LOCAL*``), Open MPI (``OMPI_COMM_WORLD_*``), torchrun
-(``RANK``/``WORLD_SIZE``/``LOCAL_*``) or by hand (one process). The process group uses ``ccl`` when the oneCCL
+(``RANK``/``WORLD_SIZE``/``LOCAL_*``), Slurm's ``srun`` (``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``, ``SLURM_LOCALID``:
+where no MPI's variables are set) or by hand (one process). The process group uses ``ccl`` when the oneCCL
 bindings import and ``gloo`` otherwise; ``MASTER_ADDR``/``MASTER_PORT`` come from the environment.
 """
 
@@ -99,12 +100,49 @@ def detect_ranks(env: Mapping[str, str] | None = None) -> RankInfo:
             rank, world = _int(env, r), _int(env, w)
             local_rank = _int(env, lr) if lr in env else rank
             local_world = _int(env, lw) if lw in env else world
-            if not (0 <= rank < world) or not (0 <= local_rank < local_world):
-                raise DistributedError(
-                    f"{launcher} reports rank {rank} of {world} (local {local_rank} of {local_world}): out of range"
-                )
-            return RankInfo(rank, world, local_rank, local_world, launcher)
+            return _checked(RankInfo(rank, world, local_rank, local_world, launcher))
+    # A task of an srun job step (SLURM_STEP_ID: not the batch script itself, which has SLURM_PROCID=0 and the
+    # job's SLURM_NTASKS too).
+    if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
+        world_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+        if world_var not in env:
+            raise DistributedError("srun started this task without SLURM_STEP_NUM_TASKS or SLURM_NTASKS")
+        rank, world = _int(env, "SLURM_PROCID"), _int(env, world_var)
+        local_rank = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else rank
+        local_world = slurm_tasks_on_node(env) if "SLURM_LOCALID" in env else world
+        return _checked(RankInfo(rank, world, local_rank, local_world, "slurm"))
     return RankInfo(0, 1, 0, 1, "single")
+
+
+def _checked(info: RankInfo) -> RankInfo:
+    if not (0 <= info.rank < info.world_size) or not (0 <= info.local_rank < info.local_world_size):
+        raise DistributedError(
+            f"{info.launcher} reports rank {info.rank} of {info.world_size} "
+            f"(local {info.local_rank} of {info.local_world_size}): out of range"
+        )
+    return info
+
+
+def expand_tasks_per_node(spec: str) -> list[int]:
+    """Slurm's compressed task counts per node (``SLURM_STEP_TASKS_PER_NODE``: ``4(x3),2`` = 4, 4, 4, 2)."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise DistributedError(f"cannot read Slurm's tasks per node {spec!r} (expected e.g. 4(x3),2)")
+        counts += [int(m[1])] * int(m[2] or 1)
+    return counts
+
+
+def slurm_tasks_on_node(env: Mapping[str, str]) -> int:
+    """How many tasks of this job step run on this task's node (SLURM_NODEID's entry of the tasks per node)."""
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if not spec or "SLURM_NODEID" not in env:
+        raise DistributedError("srun started this task without SLURM_STEP_TASKS_PER_NODE and SLURM_NODEID")
+    counts, node = expand_tasks_per_node(spec), _int(env, "SLURM_NODEID")
+    if not 0 <= node < len(counts):
+        raise DistributedError(f"SLURM_NODEID={node} is out of range for tasks per node {spec!r}")
+    return counts[node]
 
 
 def _seconds(env: Mapping[str, str], name: str) -> float | None:
