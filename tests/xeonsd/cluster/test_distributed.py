@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from xeonsd.cluster.distributed import DistributedError, RankInfo, detect_ranks, expand_tasks_per_node, place_rank
+from xeonsd.cluster.distributed import DistributedError, RankInfo, detect_ranks, place_rank
+from xeonsd.cluster.slurm_tasks import expand_tasks_per_node
 from xeonsd.cpu import parse_cpuinfo
 
 
@@ -67,7 +68,7 @@ def test_mpi_variables_win_over_slurms():
 
 def test_slurm_tasks_per_node_expand():
     assert expand_tasks_per_node("4(x3),2") == [4, 4, 4, 2]
-    with pytest.raises(DistributedError, match="tasks per node 'four'"):
+    with pytest.raises(ValueError, match="tasks per node 'four'"):
         expand_tasks_per_node("four")
     with pytest.raises(DistributedError, match="SLURM_NODEID=4 is out of range"):
         detect_ranks({**SRUN_TASK, "SLURM_NODEID": "4", "SLURM_STEP_TASKS_PER_NODE": "4(x4)"})

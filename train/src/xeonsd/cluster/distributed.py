@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from xeonsd.cluster.slurm_tasks import tasks_on_node
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -75,6 +77,8 @@ class RankInfo:
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
+    if name not in env:
+        raise DistributedError(f"environment variable {name} is not set")
     try:
         return int(env[name])
     except ValueError as exc:
@@ -101,15 +105,15 @@ def detect_ranks(env: Mapping[str, str] | None = None) -> RankInfo:
             local_rank = _int(env, lr) if lr in env else rank
             local_world = _int(env, lw) if lw in env else world
             return _checked(RankInfo(rank, world, local_rank, local_world, launcher))
-    # A task of an srun job step (SLURM_STEP_ID: not the batch script itself, which has SLURM_PROCID=0 and the
-    # job's SLURM_NTASKS too).
+    # A task of an srun job step (SLURM_STEP_ID; the batch script itself has SLURM_PROCID=0 and SLURM_NTASKS too).
     if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
         world_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
-        if world_var not in env:
-            raise DistributedError("srun started this task without SLURM_STEP_NUM_TASKS or SLURM_NTASKS")
         rank, world = _int(env, "SLURM_PROCID"), _int(env, world_var)
         local_rank = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else rank
-        local_world = slurm_tasks_on_node(env) if "SLURM_LOCALID" in env else world
+        try:
+            local_world = tasks_on_node(env) if "SLURM_LOCALID" in env else world
+        except ValueError as exc:
+            raise DistributedError(str(exc)) from exc
         return _checked(RankInfo(rank, world, local_rank, local_world, "slurm"))
     return RankInfo(0, 1, 0, 1, "single")
 
@@ -121,28 +125,6 @@ def _checked(info: RankInfo) -> RankInfo:
             f"(local {info.local_rank} of {info.local_world_size}): out of range"
         )
     return info
-
-
-def expand_tasks_per_node(spec: str) -> list[int]:
-    """Slurm's compressed task counts per node (``SLURM_STEP_TASKS_PER_NODE``: ``4(x3),2`` = 4, 4, 4, 2)."""
-    counts: list[int] = []
-    for part in spec.split(","):
-        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
-        if not m:
-            raise DistributedError(f"cannot read Slurm's tasks per node {spec!r} (expected e.g. 4(x3),2)")
-        counts += [int(m[1])] * int(m[2] or 1)
-    return counts
-
-
-def slurm_tasks_on_node(env: Mapping[str, str]) -> int:
-    """How many tasks of this job step run on this task's node (SLURM_NODEID's entry of the tasks per node)."""
-    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-    if not spec or "SLURM_NODEID" not in env:
-        raise DistributedError("srun started this task without SLURM_STEP_TASKS_PER_NODE and SLURM_NODEID")
-    counts, node = expand_tasks_per_node(spec), _int(env, "SLURM_NODEID")
-    if not 0 <= node < len(counts):
-        raise DistributedError(f"SLURM_NODEID={node} is out of range for tasks per node {spec!r}")
-    return counts[node]
 
 
 def _seconds(env: Mapping[str, str], name: str) -> float | None:
