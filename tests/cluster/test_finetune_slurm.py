@@ -73,3 +73,16 @@ def test_finetune_under_slurm_trains_16_ranks_and_reports_the_job(slurm_cluster:
     assert f"{job['job_id']} (COMPLETED, exit 0)" in page and "Slurm CPU time (s)" in page
     assert len(list((run / "images").glob("image_*.png"))) == 5
     print(f"\nSlurm job {job['job_id']}: elapsed {job['elapsed_s']} s, CPU time {job['cpu_time_s']} s")
+
+
+def test_preflight_refuses_a_partition_slurm_does_not_have(slurm_cluster: Cluster, tmp_path) -> None:
+    inventory = slurm_cluster.write_inventory(
+        tmp_path / "inventory.yml", overrides={"finetune_launcher": "slurm", "slurm_partition": "gpu"}
+    )
+    result = run_playbook("provision.yml", inventory, state_dir=slurm_cluster.state_dir, name="preflight-slurm")
+    assert result.rc != 0, result.tail()
+    failures = result.failures()
+    assert failures and all(f.task.startswith("preflight : ") for f in failures), failures
+    said = " ".join(f.msg for f in failures)
+    assert "Slurm has no partition gpu (its partitions: xeonsd). Fix: set slurm_partition to one of them." in said
+    assert all(n == 0 for n in result.changed().values()), result.recap
