@@ -3,6 +3,7 @@ stop, the wait for the final line, and run.json's cluster table with the job id 
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -88,3 +89,33 @@ def test_run_json_shows_the_slurm_job(tmp_path):
     (tmp_path / slurm_job.SLURM_FILE).write_text('{"schema": 0}')
     with pytest.raises(StatusFileError, match="not a slurm.json of schema 1"):
         run_files.run_json(tmp_path, facts)
+
+
+def test_a_job_stopped_by_the_slurm_time_limit_is_named_with_its_step(tmp_path):
+    """The poll's failure for a job Slurm stopped at its limit says so, with the step reached and the resume hint."""
+    from xeonsd.cluster import job_status, job_watch
+
+    run = tmp_path / "run"
+    run.mkdir()
+    job_status.begin_attempt(run, now=1, time_limit_s=600)
+    job_status.write_exit(run, 138, now=300)
+    (run / "metrics.partial.jsonl").write_text(json.dumps({"step": 7, "loss": 0.5, "s_per_step": 2.0}) + "\n")
+    job = slurm_job.parse_sacct("9|FAILED|138:0|299|10:00|1196|node[1-4]|10\n", "9")
+    run_files.write_json(run / slurm_job.SLURM_FILE, job.__dict__)
+    results = tmp_path / "async"
+    results.write_text(json.dumps({"rc": 138}))
+    params = {
+        "run_dir": str(run),
+        "results_file": str(results),
+        "nodes": [{"name": "node1", "address": "10.0.0.11"}],
+        "ranks_per_node": 4,
+        "total_steps": 30,
+        "excerpt_lines": 5,
+        "rank_status": [],
+    }
+    summary = job_watch.job_state(params)["failure"]["summary"]
+    assert summary.startswith(
+        "stopped by the time limit at step 7 (Slurm job 9, FAILED); resume with -e resume=latest; "
+    ), summary
+    (run / slurm_job.SLURM_FILE).unlink()  # the same failure of an mpirun job: no Slurm words
+    assert "Slurm" not in job_watch.job_state(params)["failure"]["summary"]
