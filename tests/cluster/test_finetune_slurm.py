@@ -10,18 +10,21 @@ import time
 
 import pytest
 from harness import Cluster
-from runner import TIMINGS, run_playbook
+from runner import TIMINGS, PlaybookRun, run_playbook
 
 # Each node's CPUs in slurm.conf: ranks_per_node (the nodes share the host's cores, oversubscribed on purpose).
 SLURM_CPUS = 4
 
 
 @pytest.fixture(scope="module")
-def slurm_cluster(provisioned: Cluster) -> Cluster:
+def slurm_cluster(cluster: Cluster, fresh_provision: PlaybookRun) -> Cluster:
+    """The session's provisioned cluster, now also a Slurm cluster (its daemons stay until the session ends)."""
+    if fresh_provision.rc != 0:
+        pytest.fail(f"the fresh provision failed (rc={fresh_provision.rc}):\n{fresh_provision.tail()}")
     began = time.monotonic()
-    provisioned.start_slurm(SLURM_CPUS)
+    cluster.start_slurm(SLURM_CPUS)
     TIMINGS.append(("Slurm daemons up on the test cluster", time.monotonic() - began))
-    return provisioned
+    return cluster
 
 
 def test_finetune_under_slurm_trains_16_ranks_and_reports_the_job(slurm_cluster: Cluster) -> None:
