@@ -48,16 +48,20 @@ lint-ansible: install
 # root), provisioned by provision.yml, then finetune.yml: 16 MPI ranks (-n 16 -ppn 4) train the concept on the
 # offline tiny model and 5 synthetic captioned images, export to OpenVINO, generate 5 images, write report.html.
 # METHOD=lora (an adapter, generated with on the base model's export) or METHOD=full (the whole UNet; its pipeline
-# stays on the primary and gets its own export) instead of the recipe's textual inversion.
+# stays on the primary and gets its own export) instead of the recipe's textual inversion. LAUNCHER=slurm: the test
+# cluster also runs Slurm (slurmctld and slurmdbd on this machine, a slurmd per node) and the job is one batch job
+# (sbatch from node1, the ranks srun's tasks) instead of mpirun over SSH.
 ANSIBLE_PLAYBOOK := ANSIBLE_CONFIG=$(CURDIR)/ansible.cfg ANSIBLE_CACHE_PLUGIN_CONNECTION=$(CURDIR)/.cluster/facts $(VENV)/bin/ansible-playbook \
 	-i .cluster/inventory.yml
 DEMO_STEPS ?= 30
 METHOD     ?= textual_inversion
+LAUNCHER   ?= mpirun
 demo: install
 	$(PY) tests/cluster/harness.py down
-	$(PY) tests/cluster/harness.py up --nodes 4
+	$(PY) tests/cluster/harness.py up --nodes 4 $(if $(filter slurm,$(LAUNCHER)),--slurm)
 	$(ANSIBLE_PLAYBOOK) provision.yml
-	$(ANSIBLE_PLAYBOOK) finetune.yml -e finetune_max_train_steps=$(DEMO_STEPS) -e finetune_method=$(METHOD)
+	$(ANSIBLE_PLAYBOOK) finetune.yml -e finetune_max_train_steps=$(DEMO_STEPS) -e finetune_method=$(METHOD) \
+		-e finetune_launcher=$(LAUNCHER)
 	@echo
 	@echo "report:    runs/latest/report.html"
 	@echo "images:    runs/latest/images/ (grid.png, timings.json)"

@@ -45,7 +45,7 @@ from cluster_inventory import (
     node_private_dirs,
     write_inventory_dir,
 )
-from host import ensure_base_image
+from host import ensure_base_image, ensure_packages
 from namespaces import (
     add_bridge,
     add_namespace,
@@ -56,6 +56,7 @@ from namespaces import (
     remove_namespace,
     unmount_disk,
 )
+from slurm import SLURM_PACKAGES, SlurmCluster, bind_into, stopped_munged
 from sshd import close_control_masters, make_ed25519_key, prepare_etc_ssh, ssh_argv, start_sshd, wait_for_port
 
 __all__ = ["NODES", "REPO", "Cluster", "State", "main"]
@@ -299,6 +300,39 @@ class Cluster:
                         seen[f"{node}:{d}/{Path(dirpath, name).relative_to(root)}"] = (st.st_size, st.st_mtime_ns)
         return seen
 
+    # --- Slurm (finetune_launcher=slurm) ----------------------------------------------------------------------
+    @property
+    def slurm(self) -> SlurmCluster:
+        return SlurmCluster(
+            self.state_dir / "slurm", cluster=self.prefix, address=self.bridge_address, slot=self.subnet
+        )
+
+    def start_slurm(self, cpus: int) -> SlurmCluster:
+        """Make the running cluster a Slurm cluster (slurm.py): the daemons on the host and one slurmd per node,
+        each node's `cpus` CPUs taken from slurm.conf. Recorded in the state, so `down` stops them."""
+        state = self.load_state()
+        assert state is not None, "cluster is not up"
+        ensure_packages(SLURM_PACKAGES)
+        for d in ("/etc/slurm", "/var/spool/slurmd"):  # the mount points in the nodes
+            if not Path(d).exists():
+                Path(d).mkdir(parents=True)
+                state.created_dirs.append(d)
+        self._save(state)
+        slurm = self.slurm
+        nodes = {node: self.address(i) for i, node in enumerate(state.nodes, start=1)}
+        slurm.write_config(nodes, cpus)
+        try:
+            slurm.start_host_daemons()
+            for node in state.nodes:
+                bind_into(state.pids[node], slurm.etc, "/etc/slurm")
+                mounts = [(self.private_dir(node, d), d) for d in self.private_dirs]
+                slurm.start_slurmd(f"{self.prefix}-{node}", node, mounts)
+            slurm.wait_for_nodes(state.nodes)
+        finally:
+            state.pids.update({f"slurm-{name}": pid for name, pid in slurm.pids.items()})
+            self._save(state)
+        return slurm
+
     # --- down --------------------------------------------------------------------------------------------------
     def down(self) -> None:
         """Remove everything `up` made; safe to call on a half-made or already removed cluster."""
@@ -310,6 +344,8 @@ class Cluster:
             remove_namespace(ns)
         for pid in state.pids.values():
             kill_group(pid)
+        if "slurm-munged" in state.pids:
+            stopped_munged()
         for link in {*state.links, self.bridge}:
             remove_link(link)
         for d in state.created_dirs:
@@ -328,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start N nodes and write <state>/inventory.yml")
     up.add_argument("--nodes", type=int, default=4)
+    up.add_argument("--slurm", action="store_true", help="also start Slurm (slurmctld, slurmdbd, a slurmd per node)")
+    up.add_argument("--slurm-cpus", type=int, default=4, help="each node's CPUs in slurm.conf (default 4)")
     sub.add_parser("down", help="remove every namespace, process, link and node directory")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
@@ -338,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cluster.make_assets()
             cluster.up(args.nodes)
+            if args.slurm:
+                cluster.start_slurm(args.slurm_cpus)
         except Exception:
             cluster.down()
             raise

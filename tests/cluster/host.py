@@ -31,10 +31,8 @@ def debian_packages_of_roles() -> list[str]:
     return list(data["system_packages_os"])
 
 
-def ensure_base_image(cluster_user: str, cluster_user_home: str) -> None:
-    """The nodes' shared OS: the base packages, the roles' OS packages, and the cluster account (its home is
-    made on each node, as one of the node's private directories)."""
-    wanted = [*BASE_PACKAGES, *debian_packages_of_roles()]
+def ensure_packages(wanted: list[str] | tuple[str, ...]) -> None:
+    """Install on the host those of the Debian packages `wanted` that are not installed yet."""
     missing = [
         p
         for p in wanted
@@ -45,6 +43,13 @@ def ensure_base_image(cluster_user: str, cluster_user_home: str) -> None:
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
         subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
         subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing], check=True, env=env)
+
+
+def ensure_base_image(cluster_user: str, cluster_user_home: str) -> None:
+    """The nodes' shared OS: the base packages, the roles' OS packages, and the cluster account (its home is
+    made on each node, as one of the node's private directories)."""
+    wanted = [*BASE_PACKAGES, *debian_packages_of_roles()]
+    ensure_packages(wanted)
     if subprocess.run(["getent", "passwd", cluster_user], capture_output=True).returncode != 0:
         # Shared /etc/passwd, like an LDAP account on real clusters; "*": key logins only, not locked.
         run(

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from xeonsd.cluster.distributed import DistributedError, RankInfo, detect_ranks, place_rank
+from xeonsd.cluster.slurm_tasks import expand_tasks_per_node
 from xeonsd.cpu import parse_cpuinfo
 
 
@@ -35,6 +36,44 @@ from xeonsd.cpu import parse_cpuinfo
 )
 def test_detect_ranks_from_each_launcher(env, expected):
     assert detect_ranks(env) == expected
+
+
+# What srun gives the tasks of a job step (measured on the Slurm test cluster: srun -N2 -n4 put 3 on node1, 1 on
+# node2), and the batch script itself, which is no rank: it has SLURM_PROCID=0 and the job's SLURM_NTASKS too.
+SRUN_TASK = {
+    "SLURM_JOB_ID": "1",
+    "SLURM_STEP_ID": "0",
+    "SLURM_PROCID": "3",
+    "SLURM_NTASKS": "4",
+    "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "1",
+    "SLURM_STEP_TASKS_PER_NODE": "3,1",
+}
+
+
+def test_slurm_task_ranks_come_from_srun_variables():
+    assert detect_ranks(SRUN_TASK) == RankInfo(3, 4, 0, 1, "slurm")
+    on_node1 = {**SRUN_TASK, "SLURM_PROCID": "2", "SLURM_LOCALID": "2", "SLURM_NODEID": "0"}
+    assert detect_ranks(on_node1) == RankInfo(2, 4, 2, 3, "slurm")
+    batch_script = {"SLURM_JOB_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "16"}
+    assert detect_ranks(batch_script) == RankInfo(0, 1, 0, 1, "single")
+
+
+def test_mpi_variables_win_over_slurms():
+    """Intel MPI's mpirun inside an allocation: its own ranks, not the srun step's that started its proxies."""
+    env = {**SRUN_TASK, "PMI_RANK": "5", "PMI_SIZE": "16", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4"}
+    assert detect_ranks(env) == RankInfo(5, 16, 1, 4, "intel-mpi")
+
+
+def test_slurm_tasks_per_node_expand():
+    assert expand_tasks_per_node("4(x3),2") == [4, 4, 4, 2]
+    with pytest.raises(ValueError, match="tasks per node 'four'"):
+        expand_tasks_per_node("four")
+    with pytest.raises(DistributedError, match="SLURM_NODEID=4 is out of range"):
+        detect_ranks({**SRUN_TASK, "SLURM_NODEID": "4", "SLURM_STEP_TASKS_PER_NODE": "4(x4)"})
+    with pytest.raises(DistributedError, match="rank 4 of 4"):
+        detect_ranks({**SRUN_TASK, "SLURM_PROCID": "4"})
 
 
 def test_out_of_range_rank_is_an_error():

@@ -226,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     from xeonsd.cluster.run_files import add_parser as add_runjson_parser  # stdlib only: cheap to import
 
     add_runjson_parser(sub)
+    from xeonsd.cluster.slurm_job import add_parser as add_slurmjob_parser  # stdlib only: cheap to import
+
+    add_slurmjob_parser(sub)
 
     p = sub.add_parser("bench", help="benchmarks (`xeonsd bench train --help`)", add_help=False)
     p.add_argument("what", choices=["train", "generate"])

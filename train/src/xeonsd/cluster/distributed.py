@@ -1,7 +1,8 @@
 """Ranks, process group and CPU placement.
 
 A job is started by Intel MPI / MPICH (``PMI_*``, ``MPI_LOCAL*``), Open MPI (``OMPI_COMM_WORLD_*``), torchrun
-(``RANK``/``WORLD_SIZE``/``LOCAL_*``) or by hand (one process). The process group uses ``ccl`` when the oneCCL
+(``RANK``/``WORLD_SIZE``/``LOCAL_*``), Slurm's ``srun`` (``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``, ``SLURM_LOCALID``:
+where no MPI's variables are set) or by hand (one process). The process group uses ``ccl`` when the oneCCL
 bindings import and ``gloo`` otherwise; ``MASTER_ADDR``/``MASTER_PORT`` come from the environment.
 """
 
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from xeonsd.cluster.slurm_tasks import tasks_on_node
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,8 @@ class RankInfo:
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
+    if name not in env:
+        raise DistributedError(f"environment variable {name} is not set")
     try:
         return int(env[name])
     except ValueError as exc:
@@ -99,12 +104,27 @@ def detect_ranks(env: Mapping[str, str] | None = None) -> RankInfo:
             rank, world = _int(env, r), _int(env, w)
             local_rank = _int(env, lr) if lr in env else rank
             local_world = _int(env, lw) if lw in env else world
-            if not (0 <= rank < world) or not (0 <= local_rank < local_world):
-                raise DistributedError(
-                    f"{launcher} reports rank {rank} of {world} (local {local_rank} of {local_world}): out of range"
-                )
-            return RankInfo(rank, world, local_rank, local_world, launcher)
+            return _checked(RankInfo(rank, world, local_rank, local_world, launcher))
+    # A task of an srun job step (SLURM_STEP_ID; the batch script itself has SLURM_PROCID=0 and SLURM_NTASKS too).
+    if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
+        world_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+        rank, world = _int(env, "SLURM_PROCID"), _int(env, world_var)
+        local_rank = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else rank
+        try:
+            local_world = tasks_on_node(env) if "SLURM_LOCALID" in env else world
+        except ValueError as exc:
+            raise DistributedError(str(exc)) from exc
+        return _checked(RankInfo(rank, world, local_rank, local_world, "slurm"))
     return RankInfo(0, 1, 0, 1, "single")
+
+
+def _checked(info: RankInfo) -> RankInfo:
+    if not (0 <= info.rank < info.world_size) or not (0 <= info.local_rank < info.local_world_size):
+        raise DistributedError(
+            f"{info.launcher} reports rank {info.rank} of {info.world_size} "
+            f"(local {info.local_rank} of {info.local_world_size}): out of range"
+        )
+    return info
 
 
 def _seconds(env: Mapping[str, str], name: str) -> float | None:

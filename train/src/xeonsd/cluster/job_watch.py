@@ -32,6 +32,7 @@ from xeonsd.cluster.job_status import (
     read_attempt,
     read_exit,
 )
+from xeonsd.cluster.slurm_job import read_slurm_job
 
 LOG_FILE = "train.log"
 # Ansible's async results when the launch itself ran past its async limit.
@@ -299,6 +300,13 @@ def _failure(params: dict, rc: int, exit_info: dict, log_text: str) -> dict:
     )
     if (rc == ASYNC_TIMEOUT_RC or exit_info.get("timed_out")) and not failure.get("stopped"):
         failure["summary"] = f"the job ran past its time limit; {failure['summary']}"
+    slurm = read_slurm_job(params["run_dir"])
+    if slurm is not None and slurm.stopped_by_time_limit:
+        step = read_progress(params["run_dir"], params["total_steps"])["step"]
+        failure["summary"] = (
+            f"stopped by the time limit at step {step} (Slurm job {slurm.job_id}, {slurm.state}); resume with "
+            f"-e resume=latest; {failure['summary']}"
+        )
     return failure
 
 

@@ -3,7 +3,8 @@
 * ``train_summary.json`` (:func:`train_summary`): what trained, written by rank 0 when the result is saved. The
   openvino_export role reads ``method``, ``base_model``, ``base_model_fingerprint`` and ``result.path``; the finetune
   role ``result.bytes``; ``xeonsd report`` all of it.
-* ``run.json`` (:func:`run_json`): the cluster and the phase times of the play that made the run, written on the
+* ``run.json`` (:func:`run_json`): the cluster and the phase times of the play that made the run (and the Slurm
+  job's id and accounting from ``slurm.json`` when it ran under Slurm: :mod:`.slurm_job`), written on the
   primary by the run_report role through ``xeonsd runjson RUN_DIR`` (the play's facts as JSON on stdin:
   :data:`RUN_JSON_INPUT`); ``xeonsd report`` adds its ``cluster_figures``.
 
@@ -13,11 +14,13 @@ Every file is written under a temporary name and renamed into place (:func:`job_
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 from xeonsd.cluster.job_status import read_exit, write_json
+from xeonsd.cluster.slurm_job import read_slurm_job
 from xeonsd.method_names import METHOD_FILES
 
 TRAIN_SUMMARY_FILE = "train_summary.json"
@@ -115,6 +118,19 @@ def run_json(run_dir: Path, facts: dict) -> dict:
         },
         "phases": phases(run_dir, export, facts.get("generate")),
     }
+    job = read_slurm_job(run_dir)
+    if job is not None:  # the job ran under Slurm (finetune_launcher: slurm): its id and sacct's accounting
+        info["cluster"].update(
+            {
+                "launcher": "Slurm (sbatch, srun)",
+                "Slurm job": f"{job.job_id} ({job.state}, exit {job.exit_code})",
+                "Slurm elapsed (s)": job.elapsed_s,
+                "Slurm CPU time (s)": job.cpu_time_s,
+            }
+        )
+        if job.stopped_by_time_limit:
+            info["cluster"]["Slurm job"] += ": stopped by the time limit, resume with -e resume=latest"
+        info["slurm"] = dataclasses.asdict(job)
     if export is not None:
         method = METHOD_FILES.get(_read_summary(run_dir).get("method", ""), {})
         info["export"] = {

@@ -1,0 +1,121 @@
+"""slurm.json (xeonsd.cluster.slurm_job): sacct's lines as the Slurm test cluster printed them, the time-limit
+stop, the wait for the final line, and run.json's cluster table with the job id and its accounting."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from xeonsd.cluster import run_files, slurm_job
+from xeonsd.cluster.job_status import StatusFileError
+
+# sacct -n -P -j 12 -o JobID,State,ExitCode,ElapsedRaw,TotalCPU,CPUTimeRAW,NodeList,TimelimitRaw: the job's line,
+# then its batch and srun steps (their CPU time is already in the job's TotalCPU).
+SACCT = """\
+12|COMPLETED|0:0|95|03:10.250|1520|node[1-4]|240
+12.batch|COMPLETED|0:0|95|00:01.014|380|node1|
+12.0|COMPLETED|0:0|93|03:09.236|1488|node[1-4]|
+"""
+
+
+def test_the_jobs_own_line_gives_its_accounting():
+    job = slurm_job.parse_sacct(SACCT, "12")
+    assert job == slurm_job.SlurmJob(
+        job_id="12",
+        state="COMPLETED",
+        exit_code=0,
+        elapsed_s=95,
+        cpu_time_s=190.25,
+        allocated_cpu_s=1520,
+        nodes="node[1-4]",
+        time_limit_s=14400,
+        stopped_by_time_limit=False,
+    )
+    assert slurm_job.parse_sacct(SACCT, "13") is None
+
+
+@pytest.mark.parametrize(
+    ("state", "exit_code", "stopped"),
+    [
+        ("TIMEOUT", "0:15", True),  # Slurm ended it at the limit
+        ("FAILED", "138:0", True),  # the ranks stopped on the warning signal (128 + SIGUSR1)
+        ("CANCELLED by 1000", "0:15", False),
+        ("FAILED", "1:0", False),
+    ],
+)
+def test_a_time_limit_stop_is_told_apart(state, exit_code, stopped):
+    job = slurm_job.parse_sacct(f"7|{state}|{exit_code}|60|00:30|240|node1|UNLIMITED\n", "7")
+    assert job is not None and job.stopped_by_time_limit is stopped and job.time_limit_s is None
+    assert job.state == state.split()[0]
+    assert ("stopped by the time limit" in slurm_job.summary(job)) is stopped
+
+
+def test_cpu_time_formats():
+    assert slurm_job.cpu_seconds("00:00.030") == 0.03
+    assert slurm_job.cpu_seconds("01:02:03") == 3723
+    assert slurm_job.cpu_seconds("1-00:00:01") == 86401
+    with pytest.raises(StatusFileError, match="TotalCPU 'soon'"):
+        slurm_job.cpu_seconds("soon")
+
+
+def test_query_waits_for_the_final_line_and_names_sacct_when_it_never_comes():
+    answers = iter(["12|RUNNING|0:0|90|00:00:00|0|node[1-4]|240\n", SACCT])
+
+    def sacct(argv, **_):
+        assert argv[:5] == ["sacct", "-n", "-P", "-j", "12"]
+        return subprocess.CompletedProcess(argv, 0, next(answers), "")
+
+    assert slurm_job.query("12", wait_s=5, poll_s=0, run=sacct).state == "COMPLETED"
+
+    def disabled(argv, **_):
+        return subprocess.CompletedProcess(argv, 1, "", "Slurm accounting storage is disabled")
+
+    with pytest.raises(StatusFileError, match="accounting storage is disabled.*Fix: check that Slurm's accounting"):
+        slurm_job.query("12", wait_s=0, poll_s=0, run=disabled)
+
+
+def test_run_json_shows_the_slurm_job(tmp_path):
+    facts = {"run": "r1", "nodes": ["node1"], "mpi_ranks": 4, "ranks_per_node": 4, "primary": "node1"}
+    assert "launcher" not in run_files.run_json(tmp_path, facts)["cluster"]  # an mpirun run: no Slurm rows
+    job = slurm_job.parse_sacct(SACCT, "12")
+    run_files.write_json(tmp_path / slurm_job.SLURM_FILE, job.__dict__)
+    assert slurm_job.read_slurm_job(tmp_path) == job
+    info = run_files.run_json(tmp_path, facts)
+    assert info["cluster"]["Slurm job"] == "12 (COMPLETED, exit 0)"
+    assert info["cluster"]["Slurm elapsed (s)"] == 95 and info["cluster"]["Slurm CPU time (s)"] == 190.25
+    assert info["slurm"]["job_id"] == "12"
+    (tmp_path / slurm_job.SLURM_FILE).write_text('{"schema": 0}')
+    with pytest.raises(StatusFileError, match="not a slurm.json of schema 1"):
+        run_files.run_json(tmp_path, facts)
+
+
+def test_a_job_stopped_by_the_slurm_time_limit_is_named_with_its_step(tmp_path):
+    """The poll's failure for a job Slurm stopped at its limit says so, with the step reached and the resume hint."""
+    from xeonsd.cluster import job_status, job_watch
+
+    run = tmp_path / "run"
+    run.mkdir()
+    job_status.begin_attempt(run, now=1, time_limit_s=600)
+    job_status.write_exit(run, 138, now=300)
+    (run / "metrics.partial.jsonl").write_text(json.dumps({"step": 7, "loss": 0.5, "s_per_step": 2.0}) + "\n")
+    job = slurm_job.parse_sacct("9|FAILED|138:0|299|10:00|1196|node[1-4]|10\n", "9")
+    run_files.write_json(run / slurm_job.SLURM_FILE, job.__dict__)
+    results = tmp_path / "async"
+    results.write_text(json.dumps({"rc": 138}))
+    params = {
+        "run_dir": str(run),
+        "results_file": str(results),
+        "nodes": [{"name": "node1", "address": "10.0.0.11"}],
+        "ranks_per_node": 4,
+        "total_steps": 30,
+        "excerpt_lines": 5,
+        "rank_status": [],
+    }
+    summary = job_watch.job_state(params)["failure"]["summary"]
+    assert summary.startswith(
+        "stopped by the time limit at step 7 (Slurm job 9, FAILED); resume with -e resume=latest; "
+    ), summary
+    (run / slurm_job.SLURM_FILE).unlink()  # the same failure of an mpirun job: no Slurm words
+    assert "Slurm" not in job_watch.job_state(params)["failure"]["summary"]
