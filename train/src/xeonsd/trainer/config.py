@@ -66,6 +66,24 @@ class TrainConfig:
         choices=("auto", "on", "off"),
     )
     caption_column: str = _flag("the caption field of metadata.jsonl", default="text")
+    caption_dropout: float = _flag(
+        "probability that an example trains on the empty caption (the unconditional case classifier-free guidance "
+        "needs; kohya's caption_dropout_rate); 0: off",
+        methods=(LORA, FULL),
+        default=0.0,
+    )
+    shuffle_tags: bool = _flag(
+        "shuffle each caption's comma-separated tags, per example (needs captions; kohya's shuffle_caption)",
+        default=False,
+    )
+    keep_tokens: int = _flag(
+        "with --shuffle_tags: the first N tags of each caption stay in place (e.g. the trigger word)", default=0
+    )
+    caption_prefix: str | None = _flag(
+        "put this in front of every caption, e.g. the trigger word 'sks' (needs captions)",
+        methods=(LORA, FULL),
+        default=None,
+    )
     instance_prompt: str | None = _flag(
         "the prompt of every image when there are no captions (DreamBooth style, e.g. 'a photo of sks dog')",
         methods=(LORA, FULL),

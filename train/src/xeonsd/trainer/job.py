@@ -29,6 +29,7 @@ from xeonsd.cluster.rank_stats import node_names
 from xeonsd.cpu import cpu_info
 from xeonsd.modelsource import model_fingerprint
 from xeonsd.trainer import checkpoint as ckpt
+from xeonsd.trainer.captions import CaptionDraws
 from xeonsd.trainer.conditioning import PromptConditioning
 from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.data import SamplingPlan, mix
@@ -42,8 +43,8 @@ from xeonsd.trainer.prompts import PromptTable
 log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name
 # A rank that lost a peer waits this long before ending the job, so that the other survivors report it too.
 ABORT_GRACE_S = 3.0
-# The loss and noise options: a resumed run that changes one continues on another trajectory (a warning).
-LOSS_OPTIONS = ("snr_gamma", "noise_offset", "timestep_range")
+# The loss, noise and caption options: a resumed run that changes one continues on another trajectory (a warning).
+LOSS_OPTIONS = ("snr_gamma", "noise_offset", "timestep_range", "caption_dropout", "shuffle_tags", "keep_tokens")
 
 
 @dataclass(frozen=True)
@@ -276,7 +277,14 @@ def _prepare_data(
         "%s: %d trainable parameters; prompts: %d from %s", cfg.method, trainable, len(prompts.texts), prompts.source
     )
     t0 = time.perf_counter()
-    text = PromptConditioning(models, prompts, trainable=method.trains_text_encoder, rank=info.rank, world=world)
+    text = PromptConditioning(
+        models,
+        prompts,
+        trainable=method.trains_text_encoder,
+        rank=info.rank,
+        world=world,
+        draws=caption_draws(cfg, seed),
+    )
     latents = LatentTable.build(cfg, models, inputs.images, info.rank, info.local_rank, world)
     log.info(
         "prepared %d latent inputs and %d prompts in %.1f s",
@@ -298,6 +306,17 @@ def _prepare_data(
         noise_offset=cfg.noise_offset,
     )
     return TrainingData(prompts=prompts, text=text, latents=latents, plan=plan)
+
+
+def caption_draws(cfg: TrainConfig, seed: int) -> CaptionDraws:
+    """The run's caption draws (--caption_dropout, --shuffle_tags, --keep_tokens, --caption_prefix)."""
+    return CaptionDraws(
+        seed=seed,
+        dropout=cfg.caption_dropout,
+        shuffle_tags=cfg.shuffle_tags,
+        keep_tokens=cfg.keep_tokens,
+        prefix=(cfg.caption_prefix or "").strip(),
+    )
 
 
 def _step_unet(models: Models, method: Method, world: int) -> torch.nn.Module:

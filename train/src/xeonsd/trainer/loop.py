@@ -175,7 +175,7 @@ def step_loss(job: Job, examples: list[Example], clock: RankClock | None = None)
         noise = torch.stack([e.noise for e in examples])
     timesteps = torch.tensor([e.timestep for e in examples], dtype=torch.long)
     noisy = models.noise_scheduler.add_noise(latents, noise, timesteps)
-    hidden = data.text.hidden([data.prompts.row(e) for e in examples])
+    hidden = data.text.for_examples(examples)
     dtype = models.unet_dtype
     model_in = noisy.to(dtype)
     if job.run.cfg.channels_last:
@@ -264,7 +264,15 @@ def train_summary(job: Job) -> dict:
         steps=cfg.max_train_steps,
         ranks=job.world,
         allreduce_bytes_per_step=job.allreduce_bytes(),
-        prompts={"source": prompts.source, "count": len(prompts.texts), "per_image": prompts.per_image},
+        prompts={
+            "source": prompts.source,
+            "count": len(prompts.texts),
+            "per_image": prompts.per_image,
+            "caption_dropout": cfg.caption_dropout,
+            "shuffle_tags": cfg.shuffle_tags,
+            "keep_tokens": cfg.keep_tokens,
+            "caption_prefix": cfg.caption_prefix,
+        },
         result_path=method.outputs[0],
         result_bytes=result_bytes(cfg.output_path, method.outputs[0]),
         loss=loss_options(job),
