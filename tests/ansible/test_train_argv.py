@@ -85,7 +85,7 @@ def test_the_loss_options_reach_the_trainer_when_set() -> None:
     assert "--timestep_range=100,900" in argv
 
 
-def test_the_caption_options_reach_the_trainer_when_set() -> None:
+def test_the_caption_options_and_the_lora_file_layout_reach_the_trainer() -> None:
     from xeonsd.trainer.config import given_flags, parse_config
 
     caption_flags = {"shuffle_tags", "keep_tokens", "caption_dropout", "caption_prefix"}
@@ -99,6 +99,10 @@ def test_the_caption_options_reach_the_trainer_when_set() -> None:
     )
     cfg = parse_config(argv)
     assert (cfg.shuffle_tags, cfg.keep_tokens, cfg.caption_dropout, cfg.caption_prefix) == (True, 2, 0.1, "zwx")
+    assert cfg.save_format == "diffusers"
+    assert (
+        parse_config(_inventory_argv("finetune_method=lora", "finetune_lora_save_format=kohya")).save_format == "kohya"
+    )
     # textual inversion: the tags' flags only (dropout and prefix are lora/full flags, left out of its list)
     argv = _inventory_argv("finetune_shuffle_tags=true", "finetune_caption_dropout=0.1", "finetune_caption_prefix=z")
     cfg = parse_config(argv)

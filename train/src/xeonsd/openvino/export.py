@@ -109,13 +109,16 @@ def _with_lora(src: str, lora: Path, scale: float, workdir: Path) -> Path:
     """Write SRC with the LoRA adapter fused into its UNet (and text encoder) into ``workdir``; return it."""
     from diffusers import StableDiffusionPipeline
 
-    from xeonsd.openvino import lora_files as loraformat
+    from xeonsd import lora_layout
 
-    modules = loraformat.read_adapter(lora)
+    modules = lora_layout.read_adapter(lora)
     pipe = StableDiffusionPipeline.from_pretrained(src, safety_checker=None, requires_safety_checker=False)
-    weights = loraformat.torch_weight_shapes(pipe.unet, pipe.text_encoder)
-    loraformat.check_fits(lora, modules, weights, f"the source {src}")
+    weights = lora_layout.torch_weight_shapes(pipe.unet, pipe.text_encoder)
+    lora_layout.check_fits(lora, modules, weights, f"the source {src}")
     log.info("fusing LoRA %s (scale %g, %d modules) into %s", lora, scale, len(modules), src)
+    if any(m.module is None for m in modules.values()):  # kohya layout: loaded as the diffusers layout it maps to
+        names = lora_layout.module_names(pipe.unet, pipe.text_encoder)
+        lora = lora_layout.write_diffusers(modules, workdir / "lora" / lora.name, names, lora)
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)  # a file path alone needs the Hub when offline
     pipe.fuse_lora(lora_scale=scale)
     pipe.unload_lora_weights()  # the fused weights stay; the adapter layers go

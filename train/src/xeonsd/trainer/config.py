@@ -94,6 +94,13 @@ class TrainConfig:
     lora_target_modules: str = _flag(
         "comma-separated module names that get adapters", methods=(LORA,), default="to_q,to_k,to_v,to_out.0"
     )
+    save_format: str = _flag(
+        "the LoRA file's layout: diffusers (load_lora_weights) or kohya (lora_unet_…/lora_te_… with .alpha: "
+        "AUTOMATIC1111, Forge, ComfyUI; diffusers reads it too)",
+        methods=(LORA,),
+        default="diffusers",
+        choices=("diffusers", "kohya"),
+    )
     train_text_encoder: bool = _flag(
         "also put adapters on the text encoder's attention", methods=(LORA,), default=False
     )
