@@ -44,12 +44,14 @@ def train_summary(
     result_path: str,
     result_bytes: int,
     loss: dict | None = None,
+    validation: dict | None = None,
 ) -> dict:
     """train_summary.json: the method's own figures (``method``, ``trainable_params``, …), the base model and its
     fingerprint, the steps and ranks, the bytes all-reduced per step, the prompts (source, count, per_image, and when
     given the caption draws: ``caption_dropout``, ``shuffle_tags``, ``keep_tokens``, ``caption_prefix``), the
     result (its path in the run directory and its size) and, when given, the loss options (``snr_gamma``: None when
-    off, ``noise_offset``, ``timestep_range``: the [lo, hi) drawn from)."""
+    off, ``noise_offset``, ``timestep_range``: the [lo, hi) drawn from) and the validation loss's held-out images
+    (``validation``: ``source``, ``images``, ``timesteps``)."""
     return {
         **method_summary,
         "base_model": base_model,
@@ -60,6 +62,7 @@ def train_summary(
         "prompts": {k: prompts[k] for k in PROMPT_FIELDS if k in prompts},
         "result": {"path": result_path, "bytes": result_bytes},
         **({"loss": dict(loss)} if loss is not None else {}),
+        **({"validation": dict(validation)} if validation is not None else {}),
     }
 
 

@@ -141,6 +141,12 @@ class CaptionDraws:
     keep_tokens: int = 0  # with shuffle_tags: the first N tags stay in place
     prefix: str = ""  # put in front of every caption (after the shuffle; not with the empty caption)
 
+    @classmethod
+    def for_run(cls, cfg, seed: int) -> CaptionDraws:
+        """The run's draws (--caption_dropout, --shuffle_tags, --keep_tokens, --caption_prefix)."""
+        prefix = (cfg.caption_prefix or "").strip()
+        return cls(seed, cfg.caption_dropout, cfg.shuffle_tags, cfg.keep_tokens, prefix)
+
     @property
     def varies(self) -> bool:
         """Whether an example can see anything but :meth:`fixed` of its caption."""

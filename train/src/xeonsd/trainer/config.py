@@ -162,7 +162,16 @@ class TrainConfig:
     )
     validation_prompt: str | None = _flag("prompt for validation images", default=None)
     num_validation_images: int = _flag("images per validation", default=4)
-    validation_steps: int = _flag("validate every N steps", default=100)
+    validation_steps: int = _flag("validation images and validation loss every N steps", default=100)
+    validation_split: float = _flag(
+        "hold this fraction of the images out of training (at least one; chosen by file name, the same in every "
+        "run) and log the loss on them every --validation_steps; 0: off",
+        default=0.0,
+    )
+    validation_data_dir: str | None = _flag(
+        "held-out images (and their captions, in the layouts of --train_data_dir) for the validation loss",
+        default=None,
+    )
     dataloader_num_workers: int = _flag("worker threads that decode images for the latent cache", default=0)
     revision: str | None = _flag("model revision on the Hub", default=None)
     variant: str | None = _flag("model file variant, e.g. fp16", default=None)

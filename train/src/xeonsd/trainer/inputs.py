@@ -16,6 +16,7 @@ from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.data import find_images
 from xeonsd.trainer.loss import local_num_train_timesteps, parse_timestep_range
 from xeonsd.trainer.methods import for_config, method_class
+from xeonsd.trainer.validation import HeldOut, check_held_out, hold_out
 
 log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name
 
@@ -24,9 +25,10 @@ log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logg
 class Inputs:
     """What ``validate`` found: the images (each checked to decode), their captions, the checkpoint to resume."""
 
-    images: list[Path]
+    images: list[Path]  # the training images (the held-out ones left out)
     captions: Captions | None
     resume: Path | None
+    held_out: HeldOut | None = None  # the validation loss's images
 
 
 def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
@@ -34,9 +36,13 @@ def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
     check_flags(cfg, info)
     images = find_images(Path(cfg.train_data_dir))
     captions = read_captions(Path(cfg.train_data_dir), images, cfg.caption_column)
+    images, captions, held_out = hold_out(cfg, images, captions)
     method_cls = for_config(cfg)
     method_cls.check(cfg, captions)
-    check_caption_options(cfg, images, captions, method_cls.uses_captions(cfg, captions), info.is_main)
+    uses_captions = method_cls.uses_captions(cfg, captions)
+    check_caption_options(cfg, images, captions, uses_captions, info.is_main)
+    if held_out is not None:
+        check_held_out(cfg, held_out, uses_captions)
     check_model_source(cfg.pretrained_model_name_or_path, revision=cfg.revision)
     resume = None
     # Checkpoints live in rank 0's output dir (on the primary node); rank 0 reads and broadcasts the state.
@@ -44,7 +50,7 @@ def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
         resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, cfg.output_path)
     if info.is_main and resume is None and not cfg.overwrite_output_dir:
         check_no_earlier_run(cfg)
-    return Inputs(images, captions, resume)
+    return Inputs(images, captions, resume, held_out)
 
 
 def check_flags(cfg: TrainConfig, info: RankInfo) -> None:

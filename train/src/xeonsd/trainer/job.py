@@ -39,6 +39,7 @@ from xeonsd.trainer.loss import parse_timestep_range
 from xeonsd.trainer.methods import Method, for_config
 from xeonsd.trainer.models import Models, load_models
 from xeonsd.trainer.prompts import PromptTable
+from xeonsd.trainer.validation import ValidationSet, build_validation
 
 log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name
 # A rank that lost a peer waits this long before ending the job, so that the other survivors report it too.
@@ -71,12 +72,14 @@ class Training:
 
 @dataclass(frozen=True)
 class TrainingData:
-    """What the steps draw from: the prompts, their text conditioning, the latents, and the sampling plan."""
+    """What the steps draw from: the prompts, their text conditioning, the latents, and the sampling plan; and the
+    validation loss's held-out images."""
 
     prompts: PromptTable
     text: PromptConditioning
     latents: LatentTable
     plan: SamplingPlan
+    validation: ValidationSet | None = None  # the held-out images of the validation loss
 
 
 @dataclass(frozen=True)
@@ -283,9 +286,14 @@ def _prepare_data(
         trainable=method.trains_text_encoder,
         rank=info.rank,
         world=world,
-        draws=caption_draws(cfg, seed),
+        draws=CaptionDraws.for_run(cfg, seed),
     )
     latents = LatentTable.build(cfg, models, inputs.images, info.rank, info.local_rank, world)
+    num_timesteps = models.noise_scheduler.config.num_train_timesteps
+    timestep_range = parse_timestep_range(cfg.timestep_range, num_timesteps)
+    validation = build_validation(
+        cfg, info, models, method, inputs.held_out, seed, timestep_range or (0, num_timesteps)
+    )
     log.info(
         "prepared %d latent inputs and %d prompts in %.1f s",
         latents.count,
@@ -295,28 +303,16 @@ def _prepare_data(
     if cfg.latent_cache and not cfg.validation_prompt:  # nothing decodes or encodes from here on
         models.vae = None
         gc.collect()
-    num_timesteps = models.noise_scheduler.config.num_train_timesteps
     plan = SamplingPlan(
         seed=seed,
         num_images=len(inputs.images),
         num_templates=prompts.num_templates,
         num_timesteps=num_timesteps,
         latent_shape=latents.shape,
-        timestep_range=parse_timestep_range(cfg.timestep_range, num_timesteps),
+        timestep_range=timestep_range,
         noise_offset=cfg.noise_offset,
     )
-    return TrainingData(prompts=prompts, text=text, latents=latents, plan=plan)
-
-
-def caption_draws(cfg: TrainConfig, seed: int) -> CaptionDraws:
-    """The run's caption draws (--caption_dropout, --shuffle_tags, --keep_tokens, --caption_prefix)."""
-    return CaptionDraws(
-        seed=seed,
-        dropout=cfg.caption_dropout,
-        shuffle_tags=cfg.shuffle_tags,
-        keep_tokens=cfg.keep_tokens,
-        prefix=(cfg.caption_prefix or "").strip(),
-    )
+    return TrainingData(prompts=prompts, text=text, latents=latents, plan=plan, validation=validation)
 
 
 def _step_unet(models: Models, method: Method, world: int) -> torch.nn.Module:

@@ -276,7 +276,16 @@ def train_summary(job: Job) -> dict:
         result_path=method.outputs[0],
         result_bytes=result_bytes(cfg.output_path, method.outputs[0]),
         loss=loss_options(job),
+        validation=validation_record(job),
     )
+
+
+def validation_record(job: Job) -> dict | None:
+    """The validation loss's held-out images (train_summary.json's ``validation``), or None without one."""
+    vs = job.data.validation
+    if vs is None:
+        return None
+    return {"source": vs.held.source, "images": [p.name for p in vs.held.images], "timesteps": list(vs.timesteps)}
 
 
 def loss_options(job: Job) -> dict:
