@@ -142,3 +142,22 @@ def test_the_plot_and_the_report_show_the_validation_loss(demo_metrics, tmp_path
         plt.close(fig)
     assert training_summary(rows)[VALIDATION_LABEL] == "0.9000 at step 10 → 0.8000 at step 30; lowest 0.7000 at step 20"
     assert VALIDATION_LABEL not in training_summary(demo_metrics)
+
+
+def test_the_report_shows_the_validation_images_grid(tmp_path) -> None:
+    from PIL import Image
+
+    from xeonsd.ops.report import build_report
+    from xeonsd.trainer.validation import write_image_grid
+
+    assert write_image_grid(tmp_path) is None  # no validation images: no grid
+    for sub, colour in (("step-10", "red"), ("step-2", "blue"), ("final", "green")):
+        (tmp_path / "validation" / sub).mkdir(parents=True)
+        for i in range(3):
+            Image.new("RGB", (64, 64), colour).save(tmp_path / "validation" / sub / f"{i:02d}.png")
+    grid = Image.open(write_image_grid(tmp_path, cell=32)).convert("RGB")
+    assert grid.size == (3 * 32, 16 + 3 * 32)
+    # columns in step order (2 before 10), then the final images
+    assert [grid.getpixel((c * 32 + 16, 16 + 2 * 32 + 16)) for c in range(3)] == [(0, 0, 255), (255, 0, 0), (0, 128, 0)]
+    page = build_report(tmp_path)
+    assert "<h2>Validation images</h2>" in page and 'src="validation_grid.png"' in page

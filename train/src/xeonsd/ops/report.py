@@ -1,7 +1,7 @@
 """``xeonsd report RUN_DIR``: one ``report.html`` a person can open, from what a run left in its directory.
 
 It reads what is there and says what is missing: ``run.json`` (the exact command, versions, phase times, written
-by whoever launched the run), ``metrics.jsonl`` and ``loss.png`` (the trainer), ``images/`` with ``timings.json``
+by whoever launched the run), ``metrics.jsonl``, ``loss.png`` and ``validation_grid.png`` (the trainer), ``images/`` with ``timings.json``
 (``xeonsd generate``) and an export manifest (``xeonsd export``). Images are linked relatively, so the
 directory can be moved or copied as a whole.
 """
@@ -18,7 +18,7 @@ from xeonsd.fsutil import atomic_file
 from xeonsd.method_names import METHOD_FILES
 from xeonsd.ops import run_view as clusterview
 from xeonsd.ops.report_cluster import cluster_sections, html_table
-from xeonsd.trainer.metrics import VALIDATION_LABEL, loss_curve, read_summary, validation_points
+from xeonsd.trainer.metrics import GRID, VALIDATION_LABEL, loss_curve, read_summary, validation_points
 
 REPORT = "report.html"
 
@@ -247,6 +247,12 @@ def _what_trained(run: Path, rows: list[dict], missing: list[str]) -> list[str]:
         )
     else:
         missing.append("loss.png")
+    if (run / GRID).is_file():
+        sections.append(
+            f'<h2>Validation images</h2><figure><img src="{GRID}" alt="validation images over the steps">'
+            "<figcaption>The validation prompt's images (one row per image, the same seed in every column) at "
+            "every --validation_steps evaluation and at the end.</figcaption></figure>"
+        )
     return sections
 
 

@@ -49,6 +49,7 @@ from xeonsd.trainer.job import ABORT_GRACE_S, Job, Training, setup, setup_loggin
 from xeonsd.trainer.loss import denoising_loss
 from xeonsd.trainer.metrics import MetricsLog, plot_loss, result_bytes, write_summary
 from xeonsd.trainer.models import autocast, render_validation
+from xeonsd.trainer.validation import write_image_grid
 
 log = logging.getLogger("xeonsd.train")
 
@@ -239,6 +240,7 @@ def save(job: Job, fitted: Fitted) -> dict:
     if job.is_main:
         if cfg.validation_prompt:
             render_validation(cfg, job.training.models, out / "validation" / "final", job.run.seed)
+            write_image_grid(out)
         method.save(out)
         metrics = fitted.metrics
         assert metrics is not None

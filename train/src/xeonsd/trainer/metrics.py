@@ -18,6 +18,7 @@ from xeonsd.fsutil import atomic_path
 
 PARTIAL = "metrics.partial.jsonl"
 FINAL = "metrics.jsonl"
+GRID = "validation_grid.png"  # the validation images over the run (xeonsd.trainer.validation.write_image_grid)
 
 
 class MetricsLog:

@@ -12,6 +12,10 @@ and, every ``--validation_steps``, the denoising loss on them at fixed timesteps
   templates taken in turn). The loss is the training loss's (min-SNR weights included), without gradient.
 * Every rank evaluates its share of the examples; one all-reduce sums them, so the figure is the same on any world
   size (up to the order of the float additions).
+
+The validation *images* (``--validation_prompt``, rendered by :func:`xeonsd.trainer.models.render_validation` every
+``--validation_steps`` and at the end) become one picture at the end, :func:`write_image_grid`: a row per image,
+a column per evaluation.
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from xeonsd.cluster.distributed import all_reduce_sum_
+from xeonsd.fsutil import atomic_path
 from xeonsd.trainer.captions import CaptionDraws, Captions, read_captions
 from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.data import DataError, Example, find_images, generator
+from xeonsd.trainer.metrics import GRID
 
 if TYPE_CHECKING:
     from xeonsd.trainer.conditioning import PromptConditioning
@@ -175,3 +181,39 @@ def validation_loss(job: Job, vs: ValidationSet) -> float:
         examples = [vs.example(k) for k in mine[first : first + batch]]
         total += float(step_loss(view, examples)) * len(examples)
     return float(all_reduce_sum_(total, job.world)[0]) / vs.size
+
+
+def _step_dirs(validation_dir: Path) -> list[tuple[str, Path]]:
+    """(column label, directory) of ``validation/step-N`` in step order, then ``validation/final``."""
+    steps = []
+    for d in validation_dir.glob("step-*"):
+        if d.is_dir() and d.name[5:].isdigit():
+            steps.append((int(d.name[5:]), d))
+    columns = [(f"step {n}", d) for n, d in sorted(steps)]
+    if (validation_dir / "final").is_dir():
+        columns.append(("final", validation_dir / "final"))
+    return columns
+
+
+def write_image_grid(out_dir: Path, cell: int = 128) -> Path | None:
+    """``validation_grid.png``: the validation prompt's images over the run, one row per image (seed), one column
+    per ``--validation_steps`` evaluation and the final one, each labelled; None when there are none."""
+    from PIL import Image, ImageDraw
+
+    columns = [(label, sorted(d.glob("*.png"))) for label, d in _step_dirs(Path(out_dir) / "validation")]
+    columns = [(label, files) for label, files in columns if files]
+    if not columns:
+        return None
+    rows = max(len(files) for _, files in columns)
+    head = 16
+    grid = Image.new("RGB", (cell * len(columns), head + cell * rows), "white")
+    draw = ImageDraw.Draw(grid)
+    for c, (label, files) in enumerate(columns):
+        draw.text((c * cell + 4, 2), label, fill="black")
+        for r, path in enumerate(files):
+            with Image.open(path) as im:
+                grid.paste(im.convert("RGB").resize((cell, cell)), (c * cell, head + r * cell))
+    path = Path(out_dir) / GRID
+    with atomic_path(path) as tmp:
+        grid.save(tmp, format="png")
+    return path
