@@ -92,16 +92,18 @@ def test_the_timesteps_and_noise_are_fixed() -> None:
 
 
 def test_validation_runs_log_the_held_out_loss_and_do_not_change_training(tiny_model, captioned, tmp_path, cli_env):
-    """Evaluated every 2 steps or every step, the loss at step 2 is the same: the inputs are fixed and the
-    evaluations change nothing in the training (they draw from their own streams, without gradient)."""
+    """1 rank x batch 2 evaluated every 2 steps, and 2 ranks x batch 1 (each rank its share of the validation
+    examples) evaluated every step: the same training loss and the same validation loss at steps 2 and 4. The
+    inputs are fixed, the ranks' shares add up, and the evaluations change nothing in the training (their own
+    draws, no gradient)."""
     runs = {}
-    for every in (2, 1):
+    for every, ranks, batch in ((2, 1, 2), (1, 2, 1)):
         out = tmp_path / f"every-{every}"
         args = method_args(
             "lora", tiny_model, captioned, out, "--validation_split=0.2", f"--validation_steps={every}",
-            "--learning_rate=5e-2", steps=4,
+            "--learning_rate=5e-2", steps=4, batch=batch,
         )  # fmt: skip
-        proc = train(args, cli_env)
+        proc = train(args, cli_env, ranks=ranks)
         assert "validation loss at step 2:" in proc.stderr
         runs[every] = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
         summary = json.loads((out / "train_summary.json").read_text())
@@ -111,9 +113,9 @@ def test_validation_runs_log_the_held_out_loss_and_do_not_change_training(tiny_m
     assert [r["step"] for r in runs[1] if "val_loss" in r] == [1, 2, 3, 4]
     val2 = {r["step"]: r["val_loss"] for r in runs[2] if "val_loss" in r}
     val1 = {r["step"]: r["val_loss"] for r in runs[1] if "val_loss" in r}
-    assert val1[2] == pytest.approx(val2[2], rel=1e-6) and val1[4] == pytest.approx(val2[4], rel=1e-6)
-    assert [r["loss"] for r in runs[1]] == pytest.approx([r["loss"] for r in runs[2]], rel=1e-6)
-    assert val1[1] != val1[4]  # the adapter learns: the held-out loss moves
+    assert val1[2] == pytest.approx(val2[2], rel=1e-4) and val1[4] == pytest.approx(val2[4], rel=1e-4)
+    assert [r["loss"] for r in runs[1]] == pytest.approx([r["loss"] for r in runs[2]], rel=1e-4)
+    assert val1[1] != pytest.approx(val1[4], rel=1e-3)  # the adapter learns: the held-out loss moves
 
 
 def test_a_split_that_leaves_nothing_to_train_on_exits_2(tiny_model, dataset, tmp_path, cli_env) -> None:

@@ -12,11 +12,12 @@ The package is one subpackage per concern; each ``__init__`` says what it owns a
 At the top level only what more than one of them uses: :mod:`~xeonsd.cli` (the command line), :mod:`~xeonsd.fsutil`
 (crash-safe output), :mod:`~xeonsd.cpu` (what the CPU offers), :mod:`~xeonsd.modelsource` (where a model comes from
 and its fingerprint), :mod:`~xeonsd.concept_file` (a learned concept's file, read by the trainer and the OpenVINO
-side), :mod:`~xeonsd.lora_layout` (LoRA files in the diffusers and the kohya layout, the converter between them:
-the trainer writes either, the OpenVINO side reads both), :mod:`~xeonsd.flops` (FLOP counts and the matmul peak) and :mod:`~xeonsd.assets` (the offline tiny model and
+side), :mod:`~xeonsd.flops` (FLOP counts and the matmul peak) and :mod:`~xeonsd.assets` (the offline tiny model and
 image set that the demo and the tests build); and the two rules that the playbooks' filter plugins load from this
 tree on the controller, so they import nothing but the standard library: :mod:`~xeonsd.method_names` (the methods
 and what each leaves in the run directory) and :mod:`~xeonsd.straggler_rule` (the straggler ratio and its causes).
+Also at the top: :mod:`~xeonsd.lora_layout` (LoRA files in the diffusers and the kohya layout and the converter
+between them: the trainer writes either, the OpenVINO side reads both).
 """
 
 __version__ = "0.1.0"
