@@ -85,6 +85,41 @@ def test_the_loss_options_reach_the_trainer_when_set() -> None:
     assert "--timestep_range=100,900" in argv
 
 
+def test_the_caption_options_and_the_lora_file_layout_reach_the_trainer() -> None:
+    from xeonsd.trainer.config import given_flags, parse_config
+
+    caption_flags = {"shuffle_tags", "keep_tokens", "caption_dropout", "caption_prefix"}
+    assert not caption_flags & given_flags(_inventory_argv("finetune_method=lora"))  # the defaults: off
+    argv = _inventory_argv(
+        "finetune_method=lora",
+        "finetune_shuffle_tags=true",
+        "finetune_keep_tokens=2",
+        "finetune_caption_dropout=0.1",
+        "finetune_caption_prefix=zwx",
+    )
+    cfg = parse_config(argv)
+    assert (cfg.shuffle_tags, cfg.keep_tokens, cfg.caption_dropout, cfg.caption_prefix) == (True, 2, 0.1, "zwx")
+    assert cfg.save_format == "diffusers"
+    assert (
+        parse_config(_inventory_argv("finetune_method=lora", "finetune_lora_save_format=kohya")).save_format == "kohya"
+    )
+    # textual inversion: the tags' flags only (dropout and prefix are lora/full flags, left out of its list)
+    argv = _inventory_argv("finetune_shuffle_tags=true", "finetune_caption_dropout=0.1", "finetune_caption_prefix=z")
+    cfg = parse_config(argv)
+    assert cfg.shuffle_tags and not {"caption_dropout", "caption_prefix"} & given_flags(argv), argv
+
+
+def test_the_validation_loss_options_reach_the_trainer_when_set() -> None:
+    from xeonsd.trainer.config import given_flags, parse_config
+
+    names = {"validation_split", "validation_data_dir", "validation_steps"}
+    assert not names & given_flags(_inventory_argv())  # empty: off
+    cfg = parse_config(_inventory_argv("finetune_validation_split=0.1", "finetune_validation_steps=25"))
+    assert (cfg.validation_split, cfg.validation_steps, cfg.validation_data_dir) == (0.1, 25, None)
+    cfg = parse_config(_inventory_argv("finetune_validation_data_dir=/srv/held-out"))
+    assert (cfg.validation_split, cfg.validation_data_dir) == (0.0, "/srv/held-out")
+
+
 def test_a_method_the_trainer_does_not_know_is_refused() -> None:
     with pytest.raises(TrainArgvError, match="finetune_method 'dreambooth': choose one of textual_inversion, lora"):
         train_argv({"all": {"seed": 7}}, "dreambooth")

@@ -72,6 +72,26 @@ def trained_lora(tiny_model: Path, dataset: Path, tmp_path_factory: pytest.TempP
 
 
 @pytest.fixture(scope="module")
+def trained_kohya(tiny_model: Path, dataset: Path, tmp_path_factory: pytest.TempPathFactory, cli_env_module) -> Path:
+    """The same run as ``trained_lora`` with ``--save_format kohya``: the same adapter in the kohya layout."""
+    out = tmp_path_factory.mktemp("lora") / "kohya"
+    args = method_args(
+        "lora",
+        tiny_model,
+        dataset,
+        out,
+        f"--instance_prompt={PROMPT}",
+        "--rank=2",
+        "--train_text_encoder",
+        "--learning_rate=5e-2",
+        "--save_format=kohya",
+        steps=3,
+    )
+    train(args, cli_env_module)
+    return out / LORA_FILE
+
+
+@pytest.fixture(scope="module")
 def cli_env_module() -> dict[str, str]:
     """``cli_env`` for module fixtures."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
@@ -134,20 +154,7 @@ def test_genai_adapter_fused_export_and_diffusers_agree(
     fused export (optimum engine) and GenAI's adapter on the base export. Tolerance: mean < 1.5 and every image
     within 3.0 of PyTorch. Measured on the 2-core Xeon (openvino-genai 2026.4.1): GenAI adapter 0.49, fused export
     0.00 (< 0.0005); the adapter itself moves the images by more than 5 (asserted, printed)."""
-    from diffusers import StableDiffusionPipeline
-
-    pipe = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None, requires_safety_checker=False)
-    pipe.set_progress_bar_config(disable=True)
-    pipe.load_lora_weights(str(trained_lora))
-    out = pipe(
-        prompt=[PROMPT] * BATCH,
-        num_inference_steps=STEPS,
-        height=SIZE,
-        width=SIZE,
-        generator=torch.Generator().manual_seed(SEED),
-        output_type="np",
-    )
-    reference = np.round(out.images.astype(np.float64) * 255.0)
+    reference = _diffusers_images(tiny_model, trained_lora)
     genai = _images(ov_base, loras=((trained_lora, 1.0),))
     fused = _images(ov_fused, engine="optimum")
     figures = {}
@@ -163,6 +170,88 @@ def test_genai_adapter_fused_export_and_diffusers_agree(
     assert manifest["lora"] == {"file": str(trained_lora), "scale": 1.0, "sha256": _sha256(trained_lora)}
     base = json.loads((ov_base / MANIFEST).read_text())
     assert base["lora"] is None and base["source_fingerprint"] == manifest["source_fingerprint"]
+
+
+def _diffusers_images(tiny_model: Path, lora: Path) -> np.ndarray:
+    """Stock diffusers PyTorch with ``load_lora_weights(lora)``: the images as uint8 levels."""
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
+    out = pipe(
+        prompt=[PROMPT] * BATCH,
+        num_inference_steps=STEPS,
+        height=SIZE,
+        width=SIZE,
+        generator=torch.Generator().manual_seed(SEED),
+        output_type="np",
+    )
+    return np.round(out.images.astype(np.float64) * 255.0)
+
+
+def test_the_kohya_file_gives_the_diffusers_files_images_in_diffusers_and_genai(
+    tiny_model: Path, ov_base: Path, trained_lora: Path, trained_kohya: Path, no_adapter: np.ndarray
+) -> None:
+    """``--save_format kohya``: only kohya keys (with an alpha per module, the rank's here); stock diffusers'
+    ``load_lora_weights`` and GenAI (``generate --lora``) each give the diffusers-format file's images. Measured on
+    the 2-core Xeon: diffusers 0.000 levels apart, GenAI identical (both become the same kohya file)."""
+    from safetensors import safe_open
+
+    with safe_open(str(trained_kohya), framework="np") as fh:
+        keys, meta = list(fh.keys()), fh.metadata()  # noqa: SIM118 - safe_open is not a dict
+        alpha = float(fh.get_tensor("lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q.alpha"))
+    assert all(k.startswith(("lora_unet_", "lora_te_")) for k in keys), keys[:3]
+    assert any(k.startswith("lora_te_text_model_encoder_layers_0_self_attn_q_proj.") for k in keys)
+    assert alpha == 2.0 and (meta["ss_network_dim"], meta["ss_network_alpha"]) == ("2", "2")
+    assert sum(k.endswith(".alpha") for k in keys) * 3 == len(keys)
+    diffusers_diff = np.abs(_diffusers_images(tiny_model, trained_kohya) - _diffusers_images(tiny_model, trained_lora))
+    genai_kohya = _images(ov_base, loras=((trained_kohya, 1.0),))
+    genai_diff = np.abs(genai_kohya - _images(ov_base, loras=((trained_lora, 1.0),)))
+    print(f"\nkohya vs diffusers file: diffusers {diffusers_diff.mean():.4f}, genai {genai_diff.mean():.4f} levels")
+    assert diffusers_diff.mean() < 0.05 and diffusers_diff.max() <= 1.0
+    assert genai_diff.max() == 0.0
+    assert np.abs(genai_kohya - no_adapter).mean() > 5.0  # and it is applied
+
+
+def test_kohya_and_diffusers_layouts_convert_both_ways(
+    tiny_model: Path, trained_lora: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """diffusers -> kohya -> diffusers gives each module's up x down x alpha/rank back (alpha folded into up); a
+    kohya module the model lacks is named, by write_diffusers and by ``export --lora`` alike."""
+    from diffusers import StableDiffusionPipeline
+
+    from xeonsd import lora_layout
+
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None, requires_safety_checker=False)
+    names = lora_layout.module_names(pipe.unet, pipe.text_encoder)
+    kohya = lora_layout.convert(trained_lora, tmp_path / "k.safetensors", "kohya")
+    assert lora_layout.layout_of(kohya) == "kohya" and lora_layout.layout_of(trained_lora) == "diffusers"
+    back = lora_layout.convert(kohya, tmp_path / "d.safetensors", "diffusers", names)
+    original, again = lora_layout.read_adapter(trained_lora), lora_layout.read_adapter(back)
+    assert again.keys() == original.keys() and lora_layout.layout_of(back) == "diffusers"
+    for name, mod in original.items():
+        delta = (mod.up @ mod.down) * mod.scale
+        assert np.allclose((again[name].up @ again[name].down) * again[name].scale, delta, atol=1e-6), name
+        assert again[name].module == mod.module
+    # a kohya file with modules this model does not have
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(kohya))
+    for part in ("lora_down.weight", "lora_up.weight", "alpha"):
+        tensors[f"lora_unet_mid_block_attentions_7_proj_in.{part}"] = tensors[
+            f"lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q.{part}"
+        ]
+    save_file(tensors, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(
+        lora_layout.LoraFormatError, match="modules the model lacks: lora_unet_mid_block_attentions_7_proj_in"
+    ):
+        lora_layout.convert(tmp_path / "bad.safetensors", tmp_path / "x.safetensors", "diffusers", names)
+    bad = ["export", str(tiny_model), str(tmp_path / "ov"), "--lora", str(tmp_path / "bad.safetensors")]
+    err = _cli_error(bad, capsys)
+    assert "was made for another base model than the source" in err
+    assert "that model has no module lora_unet_mid_block_attentions_7_proj_in" in err
+    assert not (tmp_path / "ov").exists()
 
 
 def test_two_adapters_blend(

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from cli_runs import TOKEN, mpi_env, refused, run_cli, train_args
@@ -352,4 +353,10 @@ def test_validation_images_and_periodic_embeddings(tiny_model, dataset, tmp_path
         files = sorted((out / "validation" / sub).glob("*.png"))
         assert len(files) == 2
         assert Image.open(files[0]).size == (64, 64)
+    # one grid of them: a column per evaluation (step 2, final) under its label, a row per image, 128 px cells
+    grid = Image.open(out / "validation_grid.png")
+    assert grid.size == (2 * 128, 16 + 2 * 128)
+    cell = np.asarray(grid.convert("RGB"))[16 + 128 :, 128:]  # image 1 of the final evaluation
+    final = np.asarray(Image.open(out / "validation" / "final" / "01.png").convert("RGB").resize((128, 128)))
+    assert np.array_equal(cell, final)
     torch.testing.assert_close(load_file(str(out / "learned_embeds-steps-2.safetensors"))[TOKEN], vectors(out))

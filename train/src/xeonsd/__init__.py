@@ -16,6 +16,8 @@ side), :mod:`~xeonsd.flops` (FLOP counts and the matmul peak) and :mod:`~xeonsd.
 image set that the demo and the tests build); and the two rules that the playbooks' filter plugins load from this
 tree on the controller, so they import nothing but the standard library: :mod:`~xeonsd.method_names` (the methods
 and what each leaves in the run directory) and :mod:`~xeonsd.straggler_rule` (the straggler ratio and its causes).
+Also at the top: :mod:`~xeonsd.lora_layout` (LoRA files in the diffusers and the kohya layout and the converter
+between them: the trainer writes either, the OpenVINO side reads both).
 """
 
 __version__ = "0.1.0"

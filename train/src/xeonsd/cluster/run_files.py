@@ -31,6 +31,8 @@ EXPORT_S = "OpenVINO export (s)"
 GENERATE_S = "generate, whole command (s)"
 # What the run_report role passes on stdin (null or absent: that part did not run in this play).
 RUN_JSON_INPUT = ("run", "nodes", "mpi_ranks", "ranks_per_node", "primary", "export", "generate", "cost")
+# train_summary.json's prompts: where they came from, how many, and the caption draws (when the trainer gives them).
+PROMPT_FIELDS = ("source", "count", "per_image", "caption_dropout", "shuffle_tags", "keep_tokens", "caption_prefix")
 
 
 def train_summary(
@@ -47,12 +49,15 @@ def train_summary(
     loss: dict | None = None,
     family: str | None = None,
     resolution: int | None = None,
+    validation: dict | None = None,
 ) -> dict:
     """train_summary.json: the method's own figures (``method``, ``trainable_params``, …), the base model and its
-    fingerprint, the steps and ranks, the bytes all-reduced per step, the prompts (source, count, per_image), the
+    fingerprint, the steps and ranks, the bytes all-reduced per step, the prompts (source, count, per_image, and when
+    given the caption draws: ``caption_dropout``, ``shuffle_tags``, ``keep_tokens``, ``caption_prefix``), the
     result (its path in the run directory and its size) and, when given, the loss options (``snr_gamma``: None when
     off, ``noise_offset``, ``timestep_range``: the [lo, hi) drawn from), the base model's ``family`` (``sd`` or
-    ``sdxl``, :mod:`xeonsd.families`) and the ``resolution`` trained at."""
+    ``sdxl``, :mod:`xeonsd.families`), the ``resolution`` trained at and the validation loss's held-out images
+    (``validation``: ``source``, ``images``, ``timesteps``)."""
     return {
         **method_summary,
         "base_model": base_model,
@@ -60,11 +65,12 @@ def train_summary(
         "steps": steps,
         "ranks": ranks,
         "allreduce_bytes_per_step": allreduce_bytes_per_step,
-        "prompts": {"source": prompts["source"], "count": prompts["count"], "per_image": prompts["per_image"]},
+        "prompts": {k: prompts[k] for k in PROMPT_FIELDS if k in prompts},
         "result": {"path": result_path, "bytes": result_bytes},
         **({"loss": dict(loss)} if loss is not None else {}),
         **({"family": family} if family is not None else {}),
         **({"resolution": resolution} if resolution is not None else {}),
+        **({"validation": dict(validation)} if validation is not None else {}),
     }
 
 

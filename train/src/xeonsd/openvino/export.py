@@ -111,14 +111,18 @@ def _with_concept(src: str, embeds: Path, token: str | None, workdir: Path, fami
 
 def _with_lora(src: str, lora: Path, scale: float, workdir: Path, family: Family) -> Path:
     """Write SRC with the LoRA adapter fused into its UNet (and text encoders) into ``workdir``; return it."""
-    from xeonsd.openvino import lora_files as loraformat
+    from xeonsd import lora_layout
 
-    modules = loraformat.read_adapter(lora)
-    loraformat.check_family(lora, modules, family.name, f"the source {src}")
+    modules = lora_layout.read_adapter(lora)
+    lora_layout.check_family(lora, modules, family.name, f"the source {src}")
     pipe = pipelines.load_torch_pipeline(src, family.name)
-    weights = loraformat.torch_weight_shapes(pipe.unet, pipe.text_encoder, getattr(pipe, "text_encoder_2", None))
-    loraformat.check_fits(lora, modules, weights, f"the source {src}")
+    encoders = (pipe.unet, pipe.text_encoder, getattr(pipe, "text_encoder_2", None))
+    weights = lora_layout.torch_weight_shapes(*encoders)
+    lora_layout.check_fits(lora, modules, weights, f"the source {src}")
     log.info("fusing LoRA %s (scale %g, %d modules) into %s", lora, scale, len(modules), src)
+    if any(m.module is None for m in modules.values()):  # kohya layout: loaded as the diffusers layout it maps to
+        names = lora_layout.module_names(*encoders)
+        lora = lora_layout.write_diffusers(modules, workdir / "lora" / lora.name, names, lora)
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)  # a file path alone needs the Hub when offline
     pipe.fuse_lora(lora_scale=scale)
     pipe.unload_lora_weights()  # the fused weights stay; the adapter layers go

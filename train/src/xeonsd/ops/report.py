@@ -1,7 +1,7 @@
 """``xeonsd report RUN_DIR``: one ``report.html`` a person can open, from what a run left in its directory.
 
 It reads what is there and says what is missing: ``run.json`` (the exact command, versions, phase times, written
-by whoever launched the run), ``metrics.jsonl`` and ``loss.png`` (the trainer), ``images/`` with ``timings.json``
+by whoever launched the run), ``metrics.jsonl``, ``loss.png`` and ``validation_grid.png`` (the trainer), ``images/`` with ``timings.json``
 (``xeonsd generate``) and an export manifest (``xeonsd export``). Images are linked relatively, so the
 directory can be moved or copied as a whole. A run whose last attempt was told to stop (``exit.json``'s
 ``stopped``) says so first: by what, at which step, and how to resume.
@@ -22,7 +22,7 @@ from xeonsd.fsutil import atomic_file
 from xeonsd.method_names import METHOD_FILES
 from xeonsd.ops import run_view as clusterview
 from xeonsd.ops.report_cluster import cluster_sections, html_table
-from xeonsd.trainer.metrics import loss_curve, read_summary
+from xeonsd.trainer.metrics import GRID, VALIDATION_LABEL, loss_curve, read_summary, validation_points
 
 REPORT = "report.html"
 
@@ -65,11 +65,22 @@ def training_summary(rows: list[dict]) -> dict[str, Any]:
         "last loss": round(rows[-1]["loss"], 5),
         f"loss {curve.label}": f"{curve.smooth[start]:.4f} at step {curve.steps[start]} → "
         f"{curve.smooth[-1]:.4f} at step {curve.steps[-1]}",
+        **_validation_summary(rows),
         "median s/step": round(statistics.median(timed), 3),
         "images/s": round(statistics.median(r["images_per_s"] for r in rows[1:] or rows), 3),
         "all-reduce bytes/step": rows[-1].get("allreduce_bytes"),
         "training time (s)": round(sum(r["s_per_step"] for r in rows), 1),
     }
+
+
+def _validation_summary(rows: list[dict]) -> dict[str, str]:
+    """The validation loss's first, last and lowest points, when the run measured one."""
+    val = validation_points(rows)
+    if not val:
+        return {}
+    (s0, v0), (s1, v1) = val[0], val[-1]
+    best_step, best = min(val, key=lambda p: p[1])
+    return {VALIDATION_LABEL: f"{v0:.4f} at step {s0} → {v1:.4f} at step {s1}; lowest {best:.4f} at step {best_step}"}
 
 
 # Distributions whose versions make a run reproducible (absent ones are left out).
@@ -242,6 +253,12 @@ def _what_trained(run: Path, rows: list[dict], missing: list[str]) -> list[str]:
         caption = (
             "Faint: the loss of each step, mostly the noise of the sampled timesteps. Bold: the trend, the "
             f"exponential moving average of the loss: {loss_curve(rows).label}."
+            + (
+                " Green: the loss on images held out of training, at the same timesteps and noise every time: "
+                "where it turns up while the training loss goes on down, the run over-fits."
+                if validation_points(rows)
+                else ""
+            )
             if rows
             else "The loss per step."
         )
@@ -251,6 +268,12 @@ def _what_trained(run: Path, rows: list[dict], missing: list[str]) -> list[str]:
         )
     else:
         missing.append("loss.png")
+    if (run / GRID).is_file():
+        sections.append(
+            f'<h2>Validation images</h2><figure><img src="{GRID}" alt="validation images over the steps">'
+            "<figcaption>The validation prompt's images (one row per image, the same seed in every column) at "
+            "every --validation_steps evaluation and at the end.</figcaption></figure>"
+        )
     return sections
 
 

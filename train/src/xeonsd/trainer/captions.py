@@ -7,6 +7,12 @@
 
 Every image must have exactly one non-empty caption; anything else is a :class:`~xeonsd.trainer.data.DataError` that
 names the image, the line or both counts.
+
+What a training example sees of its caption is :class:`CaptionDraws`' choice: ``--caption_dropout`` (the empty
+caption), ``--shuffle_tags`` with ``--keep_tokens`` (the comma-separated tags shuffled, the first N in place) and
+``--caption_prefix`` (put in front). Like every draw of the sampling plan it is a function of the seed and the
+example's global index only (its own stream), so world size and resume do not change it; validation sees the
+caption with its prefix and nothing drawn (:meth:`CaptionDraws.fixed`).
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from xeonsd.trainer.data import DataError
+import torch
+
+from xeonsd.trainer.data import DataError, generator
 
 METADATA = "metadata.jsonl"
 CAPTIONS_TXT = "captions.txt"
@@ -111,3 +119,64 @@ def _from_lines(path: Path, images: list[Path]) -> Captions:
     where = tuple(f"{path}:{n} ({img.name})" for n, img in enumerate(images, start=1))
     texts = tuple(_check_text(line, w) for line, w in zip(lines, where, strict=True))
     return Captions(texts, CAPTIONS_TXT, where)
+
+
+# The caption draws' stream of the plan's generator (xeonsd.trainer.data: 1 the image order, 2 the example's draws,
+# 3 new weights): its own, so turning them on changes no other draw.
+CAPTION_STREAM = 5
+
+
+def split_tags(caption: str) -> list[str]:
+    """The comma-separated tags of a caption, stripped, empty ones left out."""
+    return [t.strip() for t in caption.split(",") if t.strip()]
+
+
+@dataclass(frozen=True)
+class CaptionDraws:
+    """What each training example makes of its caption: a function of (seed, global example index) only."""
+
+    seed: int = 0
+    dropout: float = 0.0  # probability of the empty caption
+    shuffle_tags: bool = False
+    keep_tokens: int = 0  # with shuffle_tags: the first N tags stay in place
+    prefix: str = ""  # put in front of every caption (after the shuffle; not with the empty caption)
+
+    @classmethod
+    def for_run(cls, cfg, seed: int) -> CaptionDraws:
+        """The run's draws (--caption_dropout, --shuffle_tags, --keep_tokens, --caption_prefix)."""
+        prefix = (cfg.caption_prefix or "").strip()
+        return cls(seed, cfg.caption_dropout, cfg.shuffle_tags, cfg.keep_tokens, prefix)
+
+    @property
+    def varies(self) -> bool:
+        """Whether an example can see anything but :meth:`fixed` of its caption."""
+        return self.dropout > 0 or self.shuffle_tags
+
+    def fixed(self, caption: str) -> str:
+        """The caption as validation (and a run without draws) sees it: the prefix, nothing drawn."""
+        return f"{self.prefix} {caption}" if self.prefix else caption
+
+    def dropped(self, k: int) -> bool:
+        """Whether example ``k`` trains on the empty caption (the first draw of its stream)."""
+        return self.dropout > 0 and bool(
+            torch.rand((), generator=generator(self.seed, CAPTION_STREAM, k)) < self.dropout
+        )
+
+    def text(self, caption: str, k: int) -> str:
+        """The caption example ``k`` trains on."""
+        if not self.varies:
+            return self.fixed(caption)
+        g = generator(self.seed, CAPTION_STREAM, k)
+        if self.dropout > 0 and bool(torch.rand((), generator=g) < self.dropout):
+            return ""
+        if self.shuffle_tags:
+            tags = split_tags(caption)
+            kept, rest = tags[: self.keep_tokens], tags[self.keep_tokens :]
+            order = torch.randperm(len(rest), generator=g).tolist()
+            caption = ", ".join(kept + [rest[i] for i in order])
+        return self.fixed(caption)
+
+
+def short_tag_captions(captions: Captions, images: list[Path], keep_tokens: int) -> list[str]:
+    """The images whose caption has fewer tags than ``--keep_tokens`` (all their tags stay in place)."""
+    return [img.name for img, text in zip(images, captions.texts, strict=True) if len(split_tags(text)) < keep_tokens]

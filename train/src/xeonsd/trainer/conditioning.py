@@ -3,6 +3,11 @@
 A method that trains the text encoder (textual inversion's vectors, LoRA on the text encoder) needs the forward
 pass every step. Otherwise the encoder is frozen and each prompt's hidden states are computed once before the
 first step (shared out over the ranks like the latent cache), so a step pays nothing for its captions.
+
+The caption draws (:class:`~xeonsd.trainer.captions.CaptionDraws`) keep that: with ``--caption_dropout`` alone an
+example sees its caption or the empty one, so the table gets one more row, the empty caption's. ``--shuffle_tags``
+makes more orders than a table can hold (n tags: n! of them), so each example's shuffled caption goes through the
+frozen encoder in the step, without gradient (one text-encoder forward per example; docs/trainer.md has its cost).
 """
 
 from __future__ import annotations
@@ -10,24 +15,39 @@ from __future__ import annotations
 import torch
 
 from xeonsd.cluster.distributed import all_reduce_sum_
+from xeonsd.trainer.captions import CaptionDraws
+from xeonsd.trainer.data import Example
 from xeonsd.trainer.models import Models, autocast
 from xeonsd.trainer.prompts import PromptTable
 
 
 class PromptConditioning:
-    def __init__(self, models: Models, prompts: PromptTable, trainable: bool, rank: int, world: int) -> None:
+    def __init__(
+        self,
+        models: Models,
+        prompts: PromptTable,
+        trainable: bool,
+        rank: int,
+        world: int,
+        draws: CaptionDraws | None = None,
+    ) -> None:
         self.models = models
-        tok = models.tokenizer
-        self.ids = tok(
-            list(prompts.texts),
-            padding="max_length",
-            truncation=True,
-            max_length=tok.model_max_length,
-            return_tensors="pt",
-        ).input_ids
+        self.prompts = prompts
+        self.trainable = trainable
+        self.draws = draws or CaptionDraws()
+        texts = [self.draws.fixed(t) for t in prompts.texts]
+        if self.draws.dropout > 0:
+            texts.append("")  # the empty caption's row: len(prompts.texts)
+        self.ids = self._tokenize(texts)
         self.table: torch.Tensor | None = None
         if not trainable:
             self.table = self._encode_all(rank, world)
+
+    def _tokenize(self, texts: list[str]) -> torch.Tensor:
+        tok = self.models.tokenizer
+        return tok(
+            texts, padding="max_length", truncation=True, max_length=tok.model_max_length, return_tensors="pt"
+        ).input_ids
 
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
         with autocast(self.models.weight_dtype):
@@ -45,7 +65,23 @@ class PromptConditioning:
         return all_reduce_sum_(table, world)
 
     def hidden(self, rows: list[int]) -> torch.Tensor:
-        """The text encoder's hidden states for these prompt rows, [len(rows), tokens, hidden]."""
+        """The text encoder's hidden states for these prompt rows (as validation sees them: nothing drawn),
+        [len(rows), tokens, hidden]."""
         if self.table is not None:
             return self.table[rows]
         return self._forward(torch.stack([self.ids[r] for r in rows]))
+
+    def for_examples(self, examples: list[Example]) -> torch.Tensor:
+        """The hidden states these training examples condition on: their prompt rows, with the caption draws."""
+        rows = [self.prompts.row(e) for e in examples]
+        if not self.draws.shuffle_tags:
+            empty = len(self.prompts.texts)
+            return self.hidden(
+                [empty if self.draws.dropped(e.index) else r for r, e in zip(rows, examples, strict=True)]
+            )
+        texts = [self.draws.text(self.prompts.texts[r], e.index) for r, e in zip(rows, examples, strict=True)]
+        ids = self._tokenize(texts)
+        if self.trainable:
+            return self._forward(ids)
+        with torch.no_grad():
+            return self._forward(ids).float()

@@ -66,6 +66,24 @@ class TrainConfig:
         choices=("auto", "on", "off"),
     )
     caption_column: str = _flag("the caption field of metadata.jsonl", default="text")
+    caption_dropout: float = _flag(
+        "probability that an example trains on the empty caption (the unconditional case classifier-free guidance "
+        "needs; kohya's caption_dropout_rate); 0: off",
+        methods=(LORA, FULL),
+        default=0.0,
+    )
+    shuffle_tags: bool = _flag(
+        "shuffle each caption's comma-separated tags, per example (needs captions; kohya's shuffle_caption)",
+        default=False,
+    )
+    keep_tokens: int = _flag(
+        "with --shuffle_tags: the first N tags of each caption stay in place (e.g. the trigger word)", default=0
+    )
+    caption_prefix: str | None = _flag(
+        "put this in front of every caption, e.g. the trigger word 'sks' (needs captions)",
+        methods=(LORA, FULL),
+        default=None,
+    )
     instance_prompt: str | None = _flag(
         "the prompt of every image when there are no captions (DreamBooth style, e.g. 'a photo of sks dog')",
         methods=(LORA, FULL),
@@ -75,6 +93,13 @@ class TrainConfig:
     lora_alpha: float | None = _flag("LoRA alpha (scale alpha/rank; default: --rank)", methods=(LORA,), default=None)
     lora_target_modules: str = _flag(
         "comma-separated module names that get adapters", methods=(LORA,), default="to_q,to_k,to_v,to_out.0"
+    )
+    save_format: str = _flag(
+        "the LoRA file's layout: diffusers (load_lora_weights) or kohya (lora_unet_…/lora_te_… with .alpha: "
+        "AUTOMATIC1111, Forge, ComfyUI; diffusers reads it too)",
+        methods=(LORA,),
+        default="diffusers",
+        choices=("diffusers", "kohya"),
     )
     train_text_encoder: bool = _flag(
         "also put adapters on the text encoder's attention", methods=(LORA,), default=False
@@ -140,7 +165,16 @@ class TrainConfig:
     )
     validation_prompt: str | None = _flag("prompt for validation images", default=None)
     num_validation_images: int = _flag("images per validation", default=4)
-    validation_steps: int = _flag("validate every N steps", default=100)
+    validation_steps: int = _flag("validation images and validation loss every N steps", default=100)
+    validation_split: float = _flag(
+        "hold this fraction of the images out of training (at least one; chosen by file name, the same in every "
+        "run) and log the loss on them every --validation_steps; 0: off",
+        default=0.0,
+    )
+    validation_data_dir: str | None = _flag(
+        "held-out images (and their captions, in the layouts of --train_data_dir) for the validation loss",
+        default=None,
+    )
     dataloader_num_workers: int = _flag("worker threads that decode images for the latent cache", default=0)
     revision: str | None = _flag("model revision on the Hub", default=None)
     variant: str | None = _flag("model file variant, e.g. fp16", default=None)

@@ -4,10 +4,11 @@ Before a step the rank clock starts and ``--count_flops``' counters wrap the fir
 order: the rank clock stops; this rank's status file gets the step; every ``--stats_every`` steps the ranks'
 statistics are all-gathered (:mod:`xeonsd.cluster.rank_stats`); rank 0 draws the progress bar (or, under a pipe,
 logs a progress line), appends a metrics row every ``--log_every`` steps, saves the method's snapshots and a
-checkpoint every ``--checkpointing_steps``; every ``--validation_steps`` rank 0 renders the validation images
-while the others wait at a barrier. After the step the ranks agreed to stop at (:mod:`.stopping`), the same
-observers run once more within the stop's time bound: the statistics are gathered, a metrics row is written, rank
-0 writes a checkpoint, the validation images are skipped; then every rank records the stop and raises Interrupted.
+checkpoint every ``--checkpointing_steps``; every ``--validation_steps`` every rank evaluates its share of the
+validation loss (before the metrics row, which carries it), and rank 0 renders the validation images while the
+others wait at a barrier. After the step the ranks agreed to stop at (:mod:`.stopping`), the same observers run
+once more within the stop's time bound: the statistics are gathered, a metrics row is written, rank 0 writes a
+checkpoint, the validation images are skipped; then every rank records the stop and raises Interrupted.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from xeonsd.trainer.job import Job
 from xeonsd.trainer.metrics import MetricsLog
 from xeonsd.trainer.models import render_validation
 from xeonsd.trainer.stopping import Interrupted, StopDeadline, describe, exit_code, make_stop
+from xeonsd.trainer.validation import validation_loss
 
 log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name
 
@@ -61,8 +63,13 @@ class StepObservers:
         self.stats = RankStats(job)  # every rank: an all-gather of the node names
         self.clock = self.stats.clock
         self.after: list[StepObserver] = [StatusUpdates(job), self.stats]
+        extras = [self.counters.row, self.stats.take_row]
+        self.validation = ValidationLoss(job) if job.data.validation is not None else None
+        if self.validation is not None:  # every rank: each evaluates its share
+            self.after.append(self.validation)
+            extras.append(self.validation.take_row)
         if self.progress is not None and self.metrics is not None:  # rank 0
-            rows = MetricsRows(job, self.metrics, extras=[self.counters.row, self.stats.take_row])
+            rows = MetricsRows(job, self.metrics, extras=extras, force=self.validation)
             self.after += [self.progress, rows, Checkpoints(job)]
         if cfg.validation_prompt and cfg.validation_steps:
             self.after.append(ValidationImages(job))
@@ -222,14 +229,18 @@ class MetricsRows:
     """Rank 0: a row in ``metrics.partial.jsonl`` every ``--log_every`` steps and after the last, with what
     ``extras`` adds (the counters, the gathered rank statistics)."""
 
-    def __init__(self, job: Job, metrics: MetricsLog, extras: list[Callable[[], dict]]) -> None:
+    def __init__(
+        self, job: Job, metrics: MetricsLog, extras: list[Callable[[], dict]], force: ValidationLoss | None = None
+    ) -> None:
         self.job = job
         self.metrics = metrics
         self.extras = extras
+        self.force = force  # a validation loss waiting for its row makes a row whatever --log_every says
 
     def on_step_end(self, end: StepEnd) -> None:
         cfg = self.job.run.cfg
-        if end.step % cfg.log_every == 0 or end.step == cfg.max_train_steps or end.stopping:
+        pending = self.force is not None and self.force.value is not None
+        if end.step % cfg.log_every == 0 or end.step == cfg.max_train_steps or end.stopping or pending:
             self.metrics.append(self.row(end))
 
     def row(self, end: StepEnd) -> dict:
@@ -298,3 +309,37 @@ class ValidationImages:
                 render_validation(cfg, job.training.models, out, job.run.seed)
             with job.cluster.timeout.watch("barrier after the validation images"):
                 barrier(job.world)
+
+
+class ValidationLoss:
+    """Every ``--validation_steps`` and after the last step: the loss on the held-out images
+    (:mod:`xeonsd.trainer.validation`), every rank its share, one all-reduce; rank 0 logs it and puts it on the
+    step's metrics row as ``val_loss``. Under the set-up timeout: an evaluation can take longer than a step."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.value: float | None = None
+
+    def on_step_end(self, end: StepEnd) -> None:
+        job, cfg = self.job, self.job.run.cfg
+        if end.step % cfg.validation_steps and end.step != cfg.max_train_steps:
+            return
+        vs = job.data.validation
+        assert vs is not None
+        t0 = time.perf_counter()
+        timeout = job.cluster.timeout
+        with timeout.scope(job.cluster.timeouts.setup_s), timeout.watch("all-reduce of the validation loss"):
+            self.value = validation_loss(job, vs)
+        if job.is_main:
+            log.info(
+                "validation loss at step %d: %.5f (%d held-out image(s) x %d timesteps, %.1f s)",
+                end.step,
+                self.value,
+                len(vs.held.images),
+                len(vs.timesteps),
+                time.perf_counter() - t0,
+            )
+
+    def take_row(self) -> dict:
+        value, self.value = self.value, None
+        return {} if value is None else {"val_loss": value}

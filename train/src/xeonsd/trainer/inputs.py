@@ -13,12 +13,13 @@ from xeonsd.families import Family
 from xeonsd.method_names import METHODS
 from xeonsd.modelsource import check_model_source
 from xeonsd.trainer import checkpoint as ckpt
-from xeonsd.trainer.captions import Captions, read_captions
+from xeonsd.trainer.captions import Captions, read_captions, short_tag_captions
 from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.data import find_images
 from xeonsd.trainer.loss import local_num_train_timesteps, parse_timestep_range
 from xeonsd.trainer.methods import for_config, method_class
 from xeonsd.trainer.models import model_family
+from xeonsd.trainer.validation import HeldOut, check_held_out, hold_out
 
 log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name
 
@@ -28,10 +29,11 @@ class Inputs:
     """What ``validate`` found: the images (each checked to decode), their captions, the checkpoint to resume, and
     the base model's family (from its config files; None where a caller built the inputs without a model)."""
 
-    images: list[Path]
+    images: list[Path]  # the training images (the held-out ones left out)
     captions: Captions | None
     resume: Path | None
     family: Family | None = None
+    held_out: HeldOut | None = None  # the validation loss's images
 
 
 def default_resolution(family: Family | None) -> int:
@@ -52,7 +54,13 @@ def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
     check_flags(cfg, info)
     images = find_images(Path(cfg.train_data_dir))
     captions = read_captions(Path(cfg.train_data_dir), images, cfg.caption_column)
-    for_config(cfg).check(cfg, captions)
+    images, captions, held_out = hold_out(cfg, images, captions)
+    method_cls = for_config(cfg)
+    method_cls.check(cfg, captions)
+    uses_captions = method_cls.uses_captions(cfg, captions)
+    check_caption_options(cfg, images, captions, uses_captions, info.is_main)
+    if held_out is not None:
+        check_held_out(cfg, held_out, uses_captions)
     check_model_source(cfg.pretrained_model_name_or_path, revision=cfg.revision)
     family = model_family(cfg)  # a family we do not serve is refused here, before any weight loads
     resume = None
@@ -61,7 +69,7 @@ def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
         resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, cfg.output_path)
     if info.is_main and resume is None and not cfg.overwrite_output_dir:
         check_no_earlier_run(cfg)
-    return Inputs(images, captions, resume, family)
+    return Inputs(images, captions, resume, family, held_out)
 
 
 def check_flags(cfg: TrainConfig, info: RankInfo) -> None:
@@ -91,6 +99,36 @@ def check_flags(cfg: TrainConfig, info: RankInfo) -> None:
             f"--world_size {cfg.world_size} does not match the launcher ({info.launcher}), which reports "
             f"{info.world_size} rank(s) for rank {info.rank}; check mpirun -n / the nodefile"
         )
+
+
+def check_caption_options(
+    cfg: TrainConfig, images: list[Path], captions: Captions | None, uses_captions: bool, is_main: bool
+) -> None:
+    """--caption_dropout, --shuffle_tags, --keep_tokens, --caption_prefix: their values, and captions where they
+    need them; rank 0 warns about the images with fewer tags than --keep_tokens."""
+    if not 0 <= cfg.caption_dropout < 1:
+        raise ConfigError(f"--caption_dropout is a probability in [0, 1) (0: off), got {cfg.caption_dropout}")
+    if cfg.keep_tokens < 0:
+        raise ConfigError(f"--keep_tokens must be 0 or more, got {cfg.keep_tokens}")
+    if cfg.keep_tokens and not cfg.shuffle_tags:
+        raise ConfigError("--keep_tokens keeps tags in place when --shuffle_tags shuffles them: add --shuffle_tags")
+    need = [f for f in ("shuffle_tags", "caption_prefix") if getattr(cfg, f)]
+    if need and not uses_captions:
+        instead = "the prompt templates" if cfg.method == METHODS[0] else "--instance_prompt"
+        raise ConfigError(
+            " and ".join(f"--{f}" for f in need) + f" work on captions, but this run trains on {instead} "
+            f"(--captions {cfg.captions}; {cfg.train_data_dir} needs metadata.jsonl, a .txt beside each image or "
+            "captions.txt)"
+        )
+    if cfg.keep_tokens and captions is not None and is_main:
+        short = short_tag_captions(captions, images, cfg.keep_tokens)
+        if short:
+            log.warning(
+                "--keep_tokens %d: %d image(s) have fewer tags, all of theirs stay in place: %s",
+                cfg.keep_tokens,
+                len(short),
+                ", ".join(short[:10]) + (f" and {len(short) - 10} more" if len(short) > 10 else ""),
+            )
 
 
 def check_no_earlier_run(cfg: TrainConfig) -> None:

@@ -29,6 +29,7 @@ from xeonsd.cluster.rank_stats import node_names
 from xeonsd.cpu import cpu_info
 from xeonsd.modelsource import model_fingerprint
 from xeonsd.trainer import checkpoint as ckpt
+from xeonsd.trainer.captions import CaptionDraws
 from xeonsd.trainer.conditioning import PromptConditioning
 from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.data import SamplingPlan, mix
@@ -38,13 +39,14 @@ from xeonsd.trainer.loss import parse_timestep_range
 from xeonsd.trainer.methods import Method, for_config
 from xeonsd.trainer.models import Models, load_models
 from xeonsd.trainer.prompts import PromptTable
+from xeonsd.trainer.validation import ValidationSet, build_validation
 from xeonsd.trainer.xl import XLPromptConditioning
 
 log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name
 # A rank that lost a peer waits this long before ending the job, so that the other survivors report it too.
 ABORT_GRACE_S = 3.0
-# The loss and noise options: a resumed run that changes one continues on another trajectory (a warning).
-LOSS_OPTIONS = ("snr_gamma", "noise_offset", "timestep_range")
+# The loss, noise and caption options: a resumed run that changes one continues on another trajectory (a warning).
+LOSS_OPTIONS = ("snr_gamma", "noise_offset", "timestep_range", "caption_dropout", "shuffle_tags", "keep_tokens")
 
 
 @dataclass(frozen=True)
@@ -71,12 +73,14 @@ class Training:
 
 @dataclass(frozen=True)
 class TrainingData:
-    """What the steps draw from: the prompts, their text conditioning, the latents, and the sampling plan."""
+    """What the steps draw from: the prompts, their text conditioning, the latents, and the sampling plan; and the
+    validation loss's held-out images."""
 
     prompts: PromptTable
     text: PromptConditioning | XLPromptConditioning
     latents: LatentTable
     plan: SamplingPlan
+    validation: ValidationSet | None = None  # the held-out images of the validation loss
 
 
 @dataclass(frozen=True)
@@ -278,8 +282,20 @@ def _prepare_data(
     )
     t0 = time.perf_counter()
     conditioning = XLPromptConditioning if models.is_xl else PromptConditioning
-    text = conditioning(models, prompts, trainable=method.trains_text_encoder, rank=info.rank, world=world)
+    text = conditioning(
+        models,
+        prompts,
+        trainable=method.trains_text_encoder,
+        rank=info.rank,
+        world=world,
+        draws=CaptionDraws.for_run(cfg, seed),
+    )
     latents = LatentTable.build(cfg, models, inputs.images, info.rank, info.local_rank, world)
+    num_timesteps = models.noise_scheduler.config.num_train_timesteps
+    timestep_range = parse_timestep_range(cfg.timestep_range, num_timesteps)
+    validation = build_validation(
+        cfg, info, models, method, inputs.held_out, seed, timestep_range or (0, num_timesteps)
+    )
     log.info(
         "prepared %d latent inputs and %d prompts in %.1f s",
         latents.count,
@@ -289,17 +305,16 @@ def _prepare_data(
     if cfg.latent_cache and not cfg.validation_prompt:  # nothing decodes or encodes from here on
         models.vae = None
         gc.collect()
-    num_timesteps = models.noise_scheduler.config.num_train_timesteps
     plan = SamplingPlan(
         seed=seed,
         num_images=len(inputs.images),
         num_templates=prompts.num_templates,
         num_timesteps=num_timesteps,
         latent_shape=latents.shape,
-        timestep_range=parse_timestep_range(cfg.timestep_range, num_timesteps),
+        timestep_range=timestep_range,
         noise_offset=cfg.noise_offset,
     )
-    return TrainingData(prompts=prompts, text=text, latents=latents, plan=plan)
+    return TrainingData(prompts=prompts, text=text, latents=latents, plan=plan, validation=validation)
 
 
 def _step_unet(models: Models, method: Method, world: int) -> torch.nn.Module:

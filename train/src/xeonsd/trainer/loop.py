@@ -52,6 +52,7 @@ from xeonsd.trainer.loss import denoising_loss
 from xeonsd.trainer.metrics import MetricsLog, plot_loss, result_bytes, write_summary
 from xeonsd.trainer.models import autocast, render_validation
 from xeonsd.trainer.stopping import Interrupted, StopSignals
+from xeonsd.trainer.validation import write_image_grid
 from xeonsd.trainer.xl import unet_conditioning
 
 log = logging.getLogger("xeonsd.train")
@@ -187,7 +188,7 @@ def step_loss(job: Job, examples: list[Example], clock: RankClock | None = None)
         noise = torch.stack([e.noise for e in examples])
     timesteps = torch.tensor([e.timestep for e in examples], dtype=torch.long)
     noisy = models.noise_scheduler.add_noise(latents, noise, timesteps)
-    hidden, added = unet_conditioning(data.text, data.latents, [data.prompts.row(e) for e in examples], examples)
+    hidden, added = unet_conditioning(data.text, data.latents, examples)
     dtype = models.unet_dtype
     model_in = noisy.to(dtype)
     if added is not None:  # SDXL: the pooled text embedding and the micro-conditioning
@@ -253,6 +254,7 @@ def save(job: Job, fitted: Fitted) -> dict:
     if job.is_main:
         if cfg.validation_prompt:
             render_validation(cfg, job.training.models, out / "validation" / "final", job.run.seed)
+            write_image_grid(out)
         method.save(out)
         metrics = fitted.metrics
         assert metrics is not None
@@ -278,13 +280,30 @@ def train_summary(job: Job) -> dict:
         steps=cfg.max_train_steps,
         ranks=job.world,
         allreduce_bytes_per_step=job.allreduce_bytes(),
-        prompts={"source": prompts.source, "count": len(prompts.texts), "per_image": prompts.per_image},
+        prompts={
+            "source": prompts.source,
+            "count": len(prompts.texts),
+            "per_image": prompts.per_image,
+            "caption_dropout": cfg.caption_dropout,
+            "shuffle_tags": cfg.shuffle_tags,
+            "keep_tokens": cfg.keep_tokens,
+            "caption_prefix": cfg.caption_prefix,
+        },
         result_path=method.outputs[0],
         result_bytes=result_bytes(cfg.output_path, method.outputs[0]),
         loss=loss_options(job),
         family=family.name if (family := job.training.models.family) is not None else None,
         resolution=cfg.resolution,
+        validation=validation_record(job),
     )
+
+
+def validation_record(job: Job) -> dict | None:
+    """The validation loss's held-out images (train_summary.json's ``validation``), or None without one."""
+    vs = job.data.validation
+    if vs is None:
+        return None
+    return {"source": vs.held.source, "images": [p.name for p in vs.held.images], "timesteps": list(vs.timesteps)}
 
 
 def loss_options(job: Job) -> dict:

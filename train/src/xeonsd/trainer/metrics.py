@@ -18,6 +18,7 @@ from xeonsd.fsutil import atomic_path
 
 PARTIAL = "metrics.partial.jsonl"
 FINAL = "metrics.jsonl"
+GRID = "validation_grid.png"  # the validation images over the run (xeonsd.trainer.validation.write_image_grid)
 
 
 class MetricsLog:
@@ -108,9 +109,18 @@ def loss_curve(rows: list[dict]) -> LossCurve:
     return LossCurve(steps, raw, ema(raw, window), window, statistics.median_low(gaps) if gaps else 1)
 
 
+VALIDATION_LABEL = "validation loss (held-out images, fixed timesteps and noise)"
+
+
+def validation_points(rows: list[dict]) -> list[tuple[int, float]]:
+    """(step, val_loss) of the rows that carry a validation loss (``--validation_split`` / ``_data_dir``)."""
+    return [(int(r["step"]), float(r["val_loss"])) for r in rows if r.get("val_loss") is not None]
+
+
 def loss_figure(rows: list[dict], title: str = "textual inversion") -> Any:
     """The loss per step, faint (on textual inversion it is mostly the noise of the sampled timesteps), with its
-    EMA drawn over it (the trend); a matplotlib Figure (Agg), closed by the caller."""
+    EMA drawn over it (the trend), and the validation loss where the rows have one; a matplotlib Figure (Agg),
+    closed by the caller."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -121,6 +131,10 @@ def loss_figure(rows: list[dict], title: str = "textual inversion") -> Any:
     raw_label = "loss per step" if curve.every == 1 else f"loss, every {curve.every} steps"
     ax.plot(curve.steps, curve.raw, lw=0.8, alpha=0.45, color="tab:blue", label=raw_label)
     ax.plot(curve.steps, curve.smooth, lw=2.0, color="tab:orange", label=curve.label)
+    val = validation_points(rows)
+    if val:
+        steps, values = zip(*val, strict=True)
+        ax.plot(steps, values, "o-", lw=1.5, ms=4, color="tab:green", label=VALIDATION_LABEL)
     ax.set_xlabel("step")
     ax.set_ylabel("MSE loss")
     ax.set_title(title)

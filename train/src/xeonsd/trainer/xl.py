@@ -19,6 +19,8 @@ import torch
 from PIL import Image
 
 from xeonsd.cluster.distributed import all_reduce_sum_
+from xeonsd.trainer.captions import CaptionDraws
+from xeonsd.trainer.data import Example
 from xeonsd.trainer.models import Models, autocast
 from xeonsd.trainer.prompts import PromptTable
 
@@ -49,30 +51,51 @@ def time_ids_for(image: Path, resolution: int, center_crop: bool) -> torch.Tenso
 
 class XLPromptConditioning:
     """The prompt table through SDXL's two text encoders: ``encode(rows)`` gives the concatenated penultimate
-    hidden states [n, 77, 768 + 1280] and the pooled ``text_embeds`` [n, 1280]."""
+    hidden states [n, 77, 768 + 1280] and the pooled ``text_embeds`` [n, 1280]. The caption draws work as in
+    :class:`~xeonsd.trainer.conditioning.PromptConditioning`: dropout adds the empty caption's row, shuffled tags
+    go through the (frozen) encoders in the step."""
 
-    def __init__(self, models: Models, prompts: PromptTable, trainable: bool, rank: int, world: int) -> None:
+    def __init__(
+        self,
+        models: Models,
+        prompts: PromptTable,
+        trainable: bool,
+        rank: int,
+        world: int,
+        draws: CaptionDraws | None = None,
+    ) -> None:
         self.models = models
-        texts = list(prompts.texts)
-        self.ids = [
-            tok(
-                texts, padding="max_length", truncation=True, max_length=tok.model_max_length, return_tensors="pt"
-            ).input_ids
-            for tok, _ in models.text_pairs
-        ]
+        self.prompts = prompts
+        self.trainable = trainable
+        self.draws = draws or CaptionDraws()
+        texts = [self.draws.fixed(t) for t in prompts.texts]
+        if self.draws.dropout > 0:
+            texts.append("")  # the empty caption's row: len(prompts.texts)
+        self.ids = self._tokenize(texts)
         self.table: tuple[torch.Tensor, torch.Tensor] | None = None
         if not trainable:
             self.table = self._encode_all(rank, world)
 
-    def _forward(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tokenize(self, texts: list[str]) -> list[torch.Tensor]:
+        return [
+            tok(
+                texts, padding="max_length", truncation=True, max_length=tok.model_max_length, return_tensors="pt"
+            ).input_ids
+            for tok, _ in self.models.text_pairs
+        ]
+
+    def _forward_ids(self, ids: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, pooled = [], None
         with autocast(self.models.weight_dtype):
-            for ids, (_, encoder) in zip(self.ids, self.models.text_pairs, strict=True):
-                out = encoder(ids[rows], output_hidden_states=True)
+            for one, (_, encoder) in zip(ids, self.models.text_pairs, strict=True):
+                out = encoder(one, output_hidden_states=True)
                 pooled = out[0]  # the last encoder's: its projected, pooled output (text_embeds)
                 hidden.append(out.hidden_states[-2])
         assert pooled is not None
         return torch.cat(hidden, dim=-1), pooled
+
+    def _forward(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._forward_ids([ids[rows] for ids in self.ids])
 
     @torch.no_grad()
     def _encode_all(self, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,15 +114,33 @@ class XLPromptConditioning:
         return packed[:, :split].reshape(hidden.shape).contiguous(), packed[:, split:].contiguous()
 
     def encode(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """These prompt rows as validation sees them (nothing drawn)."""
         if self.table is not None:
             return self.table[0][rows], self.table[1][rows]
         return self._forward(rows)
 
+    def for_examples(self, examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor]:
+        """What these training examples condition on: their prompt rows, with the caption draws."""
+        rows = [self.prompts.row(e) for e in examples]
+        if not self.draws.shuffle_tags:
+            empty = len(self.prompts.texts)
+            return self.encode(
+                [empty if self.draws.dropped(e.index) else r for r, e in zip(rows, examples, strict=True)]
+            )
+        ids = self._tokenize(
+            [self.draws.text(self.prompts.texts[r], e.index) for r, e in zip(rows, examples, strict=True)]
+        )
+        if self.trainable:
+            return self._forward_ids(ids)
+        with torch.no_grad():
+            hidden, pooled = self._forward_ids(ids)
+        return hidden.float(), pooled.float()
 
-def unet_conditioning(text, latents, rows: list[int], examples) -> tuple[torch.Tensor, dict | None]:
-    """The UNet's text conditioning for these examples: the encoder hidden states, and for SDXL the
-    ``added_cond_kwargs`` (``text_embeds`` and each example's ``time_ids``)."""
+
+def unet_conditioning(text, latents, examples: list[Example]) -> tuple[torch.Tensor, dict | None]:
+    """The UNet's text conditioning for these examples (with the caption draws): the encoder hidden states, and for
+    SDXL the ``added_cond_kwargs`` (``text_embeds`` and each example's ``time_ids``)."""
     if not isinstance(text, XLPromptConditioning):
-        return text.hidden(rows), None
-    hidden, pooled = text.encode(rows)
+        return text.for_examples(examples), None
+    hidden, pooled = text.for_examples(examples)
     return hidden, {"text_embeds": pooled, "time_ids": latents.time_ids_of(examples)}

@@ -2,9 +2,10 @@
 
 The base UNet stays frozen in the training dtype (bf16 on AMX); the adapters, their optimizer state and the loss
 are fp32 (peft casts each adapter's input to the adapter's dtype). The result is
-``pytorch_lora_weights.safetensors`` in the diffusers layout: ``pipe.load_lora_weights(dir)`` loads it. On SDXL
-``--train_text_encoder`` puts adapters on both text encoders, saved as ``text_encoder.*`` and ``text_encoder_2.*``
-(the layout ``StableDiffusionXLPipeline.load_lora_weights`` reads).
+``pytorch_lora_weights.safetensors`` in the diffusers layout: ``pipe.load_lora_weights(dir)`` loads it; with
+``--save_format kohya`` the same file in the kohya layout AUTOMATIC1111, Forge and ComfyUI load (diffusers reads it
+too), through :mod:`xeonsd.lora_layout`. On SDXL ``--train_text_encoder`` puts adapters on both text encoders, saved
+as ``text_encoder.*`` and ``text_encoder_2.*`` (the layout ``StableDiffusionXLPipeline.load_lora_weights`` reads).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from xeonsd.lora_layout import convert
 from xeonsd.method_names import result_file
 from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError
@@ -150,7 +152,10 @@ class LoRA(Method):
             pipeline_class(self.models.family).save_lora_weights(
                 tmp, safe_serialization=True, **self._layers(), **self._metadata()
             )
-            os.replace(Path(tmp) / LORA_FILE, out / LORA_FILE)
+            if self.cfg.save_format == "kohya":  # the same adapter in the layout the UIs load (alpha per module)
+                convert(Path(tmp) / LORA_FILE, out / LORA_FILE, "kohya")
+            else:
+                os.replace(Path(tmp) / LORA_FILE, out / LORA_FILE)
 
     def summary(self) -> dict:
         return {**super().summary(), "lora_rank": self.cfg.rank, "lora_alpha": self.alpha}

@@ -1,0 +1,289 @@
+"""LoRA files in the two layouts people use, read into one form and written in either: the one converter that the
+trainer (``--save_format``) and the OpenVINO side (``export --lora``, ``generate --lora``) share.
+
+* diffusers/peft: what diffusers' ``save_lora_weights`` writes (and our trainer by default):
+  ``unet.<module>.lora.down.weight`` / ``.lora.up.weight`` (text encoder: ``text_encoder.<module>.lora_linear_layer.
+  down.weight``; peft's own names ``lora_A``/``lora_B`` are read too); each component's alpha in the file's
+  metadata (``lora_adapter_metadata``: ``unet.lora_alpha``, ``text_encoder.lora_alpha``); where a file has none,
+  diffusers' ``load_lora_weights`` uses alpha = rank (scale 1), and so does this module.
+* kohya/A1111: what AUTOMATIC1111, Forge and ComfyUI load, and what OpenVINO GenAI's ``Adapter`` applies:
+  ``lora_unet_<module with . -> _>.lora_down.weight``, ``.lora_up.weight`` and ``.alpha`` (``lora_te_`` for the
+  text encoder), one alpha per module.
+
+The kohya names lose the dots, so the way back to module names needs the model's modules
+(:func:`module_names`): a kohya module the model does not have is a :class:`LoraFormatError` naming it. Writing
+the diffusers layout folds each module's alpha/rank into its up matrix and leaves the alpha out, so every reader
+applies the same weights. :func:`check_fits` refuses an adapter made for another base model (modules the model
+lacks, or other shapes), naming the adapter file, the model and the modules.
+
+Tensors are read and written with numpy (no PyTorch needed); files are written to a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+LAYOUTS = ("diffusers", "kohya")
+# SDXL's second text encoder: kohya's ``lora_te2_`` (its first is ``lora_te1_`` there, read as ``lora_te_``).
+PREFIXES = {"unet": "lora_unet_", "text_encoder": "lora_te_", "text_encoder_2": "lora_te2_"}
+# diffusers/peft key: <component>.<module>.<lora part>.weight -> (down|up)
+_DIFFUSERS = re.compile(
+    r"^(?P<comp>unet|text_encoder_2|text_encoder)\.(?P<module>.+?)\."
+    r"(?P<part>lora\.down|lora\.up|lora_linear_layer\.down|lora_linear_layer\.up|lora_A|lora_B)\.weight$"
+)
+_KOHYA = re.compile(
+    r"^(?P<name>lora_(?:unet|te|te1|te2)_[A-Za-z0-9_]+)\.(?P<part>lora_down\.weight|lora_up\.weight|alpha)$"
+)
+_DOWN = {"lora.down", "lora_linear_layer.down", "lora_A", "lora_down.weight"}
+
+
+class LoraFormatError(ValueError):
+    """The adapter file cannot be read, or does not fit the model, or GenAI cannot apply it."""
+
+
+@dataclass
+class LoraModule:
+    """One adapted module: the kohya name, the dotted module name where known, and its matrices."""
+
+    name: str  # lora_unet_down_blocks_0_..._to_q
+    module: str | None  # unet.down_blocks.0....to_q (None for a file in the kohya layout until resolved)
+    down: np.ndarray | None = None
+    up: np.ndarray | None = None
+    alpha: float | None = None
+
+    @property
+    def rank(self) -> int:
+        assert self.down is not None
+        return int(self.down.shape[0])
+
+    @property
+    def label(self) -> str:
+        return self.module or self.name
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank: what the up x down product is multiplied by (alpha = rank where the file has none)."""
+        return (self.alpha if self.alpha is not None else float(self.rank)) / self.rank
+
+
+def kohya_name(component: str, module: str) -> str:
+    return PREFIXES[component] + module.replace(".", "_")
+
+
+def _component_alphas(path: Path, metadata: dict[str, str]) -> dict[str, float]:
+    """{component: lora_alpha} from the diffusers metadata (``lora_adapter_metadata``), where the file has it."""
+    raw = metadata.get("lora_adapter_metadata")
+    if not raw:
+        return {}
+    try:
+        config = json.loads(raw)
+    except ValueError as exc:
+        raise LoraFormatError(f"LoRA file {path}: its lora_adapter_metadata is not JSON ({exc})") from exc
+    return {comp: float(config[f"{comp}.lora_alpha"]) for comp in PREFIXES if f"{comp}.lora_alpha" in config}
+
+
+def _load(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise LoraFormatError(f"LoRA file {path} does not exist")
+    try:
+        with safe_open(str(path), framework="numpy") as fh:
+            return {k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata() or {}  # noqa: SIM118 - not a dict
+    except Exception as exc:  # safetensors raises its own error types (and TypeError for bf16 under numpy)
+        raise LoraFormatError(f"LoRA file {path} cannot be read as safetensors: {exc}") from exc
+
+
+def layout_of(path: Path) -> str:
+    """``diffusers`` or ``kohya``: the layout of an adapter file (read as :func:`read_adapter` reads it)."""
+    return "kohya" if all(m.module is None for m in read_adapter(path).values()) else "diffusers"
+
+
+def read_adapter(path: Path) -> dict[str, LoraModule]:
+    """The adapter's modules by kohya name, from a file in the diffusers/peft or the kohya layout."""
+    path = Path(path)
+    tensors, metadata = _load(path)
+    alphas = _component_alphas(path, metadata)
+    modules: dict[str, LoraModule] = {}
+    unknown = []
+    for key, value in tensors.items():
+        if m := _DIFFUSERS.match(key):
+            name = kohya_name(m["comp"], m["module"])
+            mod = modules.setdefault(
+                name, LoraModule(name=name, module=f"{m['comp']}.{m['module']}", alpha=alphas.get(m["comp"]))
+            )
+            down = m["part"] in _DOWN
+        elif m := _KOHYA.match(key):
+            name = m["name"].replace("lora_te1_", "lora_te_", 1)  # kohya SDXL's first text encoder
+            mod = modules.setdefault(name, LoraModule(name=name, module=None))
+            if m["part"] == "alpha":
+                mod.alpha = float(value)
+                continue
+            down = m["part"] in _DOWN
+        else:
+            unknown.append(key)
+            continue
+        if down:
+            mod.down = value
+        else:
+            mod.up = value
+    if unknown:
+        raise LoraFormatError(
+            f"LoRA file {path} has tensors of a layout xeonsd does not know, e.g. {unknown[0]!r} "
+            "(expected the diffusers layout `unet.<module>.lora.down.weight` or kohya's `lora_unet_<module>.lora_down.weight`)"
+        )
+    if not modules:
+        raise LoraFormatError(f"LoRA file {path} holds no LoRA tensors")
+    for mod in modules.values():
+        _check_pair(path, mod)
+    return modules
+
+
+def _check_pair(path: Path, mod: LoraModule) -> None:
+    if mod.down is None or mod.up is None:
+        raise LoraFormatError(f"LoRA file {path}: {mod.label} has no {'down' if mod.down is None else 'up'} matrix")
+    if mod.down.ndim != mod.up.ndim or mod.down.ndim not in (2, 4) or mod.up.shape[1] != mod.down.shape[0]:
+        raise LoraFormatError(
+            f"LoRA file {path}: {mod.label} has down {list(mod.down.shape)} and up {list(mod.up.shape)}, "
+            "which are not the two matrices of one adapter"
+        )
+
+
+def _listed(names: list[str], limit: int = 4) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def check_fits(path: Path, modules: dict[str, LoraModule], weights: dict[str, tuple[int, ...]], model: str) -> None:
+    """Refuse an adapter made for another base model: ``weights`` maps kohya names to the model's weight shapes."""
+    missing = sorted(m.label for m in modules.values() if m.name not in weights)
+    if missing:
+        raise LoraFormatError(
+            f"LoRA file {path} was made for another base model than {model}: that model has no module "
+            f"{_listed(missing)}"
+        )
+    for mod in sorted(modules.values(), key=lambda m: m.name):
+        have = weights[mod.name]
+        want = (int(mod.up.shape[0]), int(mod.down.shape[1]))  # type: ignore[union-attr]
+        if tuple(have[:2]) != want or (len(have) == 4 and mod.down.ndim == 4 and have[2:] != mod.down.shape[2:]):  # type: ignore[union-attr]
+            raise LoraFormatError(
+                f"LoRA file {path} was made for another base model than {model}: {mod.label} is "
+                f"{'x'.join(map(str, have))} there, the adapter expects {'x'.join(map(str, want))}"
+            )
+
+
+def _parts(unet, text_encoder, text_encoder_2) -> list[tuple[str, object]]:
+    parts = (("unet", unet), ("text_encoder", text_encoder), ("text_encoder_2", text_encoder_2))
+    return [(c, m) for c, m in parts if m is not None]
+
+
+def torch_weight_shapes(unet, text_encoder, text_encoder_2=None) -> dict[str, tuple[int, ...]]:
+    """Kohya name -> weight shape of a diffusers pipeline's UNet and text encoder(s)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for component, model in _parts(unet, text_encoder, text_encoder_2):
+        for key, value in model.state_dict().items():
+            if key.endswith(".weight"):
+                out[kohya_name(component, key[: -len(".weight")])] = tuple(value.shape)
+    return out
+
+
+def module_names(unet, text_encoder, text_encoder_2=None) -> dict[str, str]:
+    """Kohya name -> dotted module name (``unet.down_blocks.0…``) of every weight of the UNet and text encoder(s)."""
+    out: dict[str, str] = {}
+    for component, model in _parts(unet, text_encoder, text_encoder_2):
+        for key in model.state_dict():
+            if key.endswith(".weight"):
+                module = key[: -len(".weight")]
+                out[kohya_name(component, module)] = f"{component}.{module}"
+    return out
+
+
+FAMILY_LABELS = {"sd": "SD 1.x/2.x", "sdxl": "SDXL"}
+
+
+def lora_family(modules: dict[str, LoraModule]) -> tuple[str, str] | None:
+    """The family an adapter was made for, read from its module names and shapes, with the evidence; None when
+    they do not tell. SDXL: a second text encoder, attention in the UNet's first up block (SDXL's first down block
+    has none) or 2048-wide cross-attention; SD 1.x/2.x: attention in the first down block, 768/1024-wide
+    cross-attention."""
+    names = list(modules)
+    if any(n.startswith(PREFIXES["text_encoder_2"]) for n in names):
+        return "sdxl", "it adapts a second text encoder (text_encoder_2)"
+    for n in names:
+        if n.startswith("lora_unet_up_blocks_0_attentions_"):
+            return "sdxl", "it adapts attention in the UNet's first up block"
+        if n.startswith("lora_unet_down_blocks_0_attentions_"):
+            return "sd", "it adapts attention in the UNet's first down block"
+    for mod in modules.values():
+        if re.search(r"_attn2_to_[kv]$", mod.name) and mod.down is not None:
+            width = int(mod.down.shape[1])
+            if width in (768, 1024, 2048):
+                return ("sdxl" if width == 2048 else "sd"), f"its cross-attention takes {width}-wide text features"
+    return None
+
+
+def check_family(path: Path, modules: dict[str, LoraModule], family: str, model: str) -> None:
+    """Refuse an adapter made for the other family (SD 1.x/2.x vs SDXL), naming both."""
+    found = lora_family(modules)
+    if found is not None and found[0] != family:
+        raise LoraFormatError(
+            f"LoRA file {path} was made for {FAMILY_LABELS[found[0]]} ({found[1]}), and {model} is "
+            f"{FAMILY_LABELS[family]}; use an adapter trained on an {FAMILY_LABELS[family]} model"
+        )
+
+
+def _save(tensors: dict[str, np.ndarray], out: Path, metadata: dict[str, str]) -> Path:
+    from safetensors.numpy import save_file
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    tmp.replace(out)
+    return out
+
+
+def write_kohya(modules: dict[str, LoraModule], out: Path, source: str = "") -> Path:
+    """The adapter in the kohya layout (fp32, alpha = rank where it had none), with kohya's dim/alpha metadata
+    when every module shares them."""
+    tensors: dict[str, np.ndarray] = {}
+    for mod in modules.values():
+        tensors[f"{mod.name}.lora_down.weight"] = np.ascontiguousarray(mod.down, dtype=np.float32)
+        tensors[f"{mod.name}.lora_up.weight"] = np.ascontiguousarray(mod.up, dtype=np.float32)
+        tensors[f"{mod.name}.alpha"] = np.array(mod.scale * mod.rank, dtype=np.float32)
+    metadata = {"format": "pt", "source": json.dumps(source)}
+    ranks = {m.rank for m in modules.values()}
+    alphas = {m.scale * m.rank for m in modules.values()}
+    if len(ranks) == 1 and len(alphas) == 1:
+        metadata.update(ss_network_module="networks.lora", ss_network_dim=str(ranks.pop()))
+        metadata["ss_network_alpha"] = f"{alphas.pop():g}"
+    return _save(tensors, out, metadata)
+
+
+def write_diffusers(modules: dict[str, LoraModule], out: Path, names: dict[str, str], path: Path) -> Path:
+    """The adapter in the diffusers layout ``load_lora_weights`` reads; ``names`` (:func:`module_names`) turns
+    kohya names back into modules. Each module's alpha/rank is folded into its up matrix (no alpha written)."""
+    lacking = sorted(m.name for m in modules.values() if m.module is None and m.name not in names)
+    if lacking:
+        raise LoraFormatError(f"LoRA file {path} has modules the model lacks: {_listed(lacking)}")
+    tensors: dict[str, np.ndarray] = {}
+    for mod in modules.values():
+        module = mod.module or names[mod.name]
+        part = "lora_linear_layer" if module.startswith(("text_encoder.", "text_encoder_2.")) else "lora"
+        tensors[f"{module}.{part}.down.weight"] = np.ascontiguousarray(mod.down, dtype=np.float32)
+        tensors[f"{module}.{part}.up.weight"] = np.ascontiguousarray(np.asarray(mod.up) * mod.scale, dtype=np.float32)
+    return _save(tensors, out, {"format": "pt"})
+
+
+def convert(path: Path, out: Path, layout: str, names: dict[str, str] | None = None) -> Path:
+    """Write the adapter file ``path`` to ``out`` in ``layout`` (``kohya``, or ``diffusers`` with ``names``)."""
+    modules = read_adapter(path)
+    if layout == "kohya":
+        return write_kohya(modules, out, str(path))
+    if layout == "diffusers":
+        return write_diffusers(modules, out, names or {}, path)
+    raise LoraFormatError(f"unknown LoRA layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
