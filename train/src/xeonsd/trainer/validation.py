@@ -37,10 +37,10 @@ from xeonsd.trainer.metrics import GRID
 
 if TYPE_CHECKING:
     from xeonsd.trainer.conditioning import PromptConditioning
-    from xeonsd.trainer.xl import XLPromptConditioning
     from xeonsd.trainer.job import Job
     from xeonsd.trainer.latents import LatentTable
     from xeonsd.trainer.prompts import PromptTable
+    from xeonsd.trainer.xl import XLPromptConditioning
 
 TIMESTEPS = 4  # evaluated timesteps per held-out image
 # The validation draws' stream of the plan's generator (see xeonsd.trainer.captions.CAPTION_STREAM).
