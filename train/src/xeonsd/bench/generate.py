@@ -149,7 +149,7 @@ def _measure_variants(bench: Bench, peaks: dict[str, float], flops: dict[str, fl
     if "i" in only:
         quantize = QuantizeOptions(samples=args.calibration_samples)
         both_dir = bench.export(f"static-{size}", static, "int8", quantize, tome=args.tome)
-        name = f"OpenVINO static {size} ToMe {args.tome:g} + hybrid int8"
+        name = f"OpenVINO ToMe {args.tome:g} + hybrid {size}"
         bench.measure("i", name, lambda: time_ov(both_dir, "optimum", args, tome_images["i"]))
     bench.measure_rounds(args.rounds)
     for key, image in tome_images.items():
