@@ -119,6 +119,10 @@ def test_export_runs_self_attention_on_the_merged_tokens(ov_tome: Path, ov_base:
     assert entry["ratio"] == RATIO and entry["mlp"] is False
     assert {(b["tokens"], b["merged_tokens"]) for b in entry["blocks"]} == {(TOKENS, MERGED)}
     assert json.loads((ov_base / MANIFEST).read_text())["tome"] is None
+    # The module tree is unchanged: the IR's weights keep the names GenAI's LoRA adapters are matched against.
+    from xeonsd.openvino.lora_files import ir_weight_shapes
+
+    assert ir_weight_shapes(ov_tome) == ir_weight_shapes(ov_base) != {}
 
 
 def _images(ov_dir: Path, engine: str) -> np.ndarray:
