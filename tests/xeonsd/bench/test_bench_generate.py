@@ -131,3 +131,35 @@ def test_bench_generate_runs_its_variants_interleaved_round_by_round() -> None:
     assert rows["d"].rounds_s == [40.0, 50.0] and rows["d"].per_image_s == 45.0 and rows["d"].load_s == 3.0
     assert rows["d"].vs_a_rounds == [5.0, 8.0] and rows["d"].vs_a["median"] == 6.5
     assert rows["g"].per_image_spread["min"] == 25.0 and rows["g"].per_image_spread["max"] == 30.0
+
+
+def _with_tome(amx: bool, size: int = 512) -> dict:
+    report = _report({"d": 60.0, "h": 40.0, "i": 30.0}, bf16=2e12, fp32=0.5e12)
+    report["height"] = report["width"] = size
+    report["tome_ratio"] = 0.5
+    report["tome_vs_d"] = {
+        "h": {"speedup_rounds": [1.4, 1.6], "speedup": {"median": 1.5}, "mean_abs_pixel_diff": 3.5, "seed": 0},
+        "i": {"speedup_rounds": [1.9, 2.1], "speedup": {"median": 2.0}, "mean_abs_pixel_diff": 5.25, "seed": 0},
+    }
+    report["cpu"] = {"model": "Some CPU", "native_int8": "AMX-INT8" if amx else None, "amx": amx}
+    return report
+
+
+def test_report_puts_tome_beside_d_and_judges_i_only_on_amx_at_512() -> None:
+    amx = format_table(_with_tome(amx=True))
+    assert "(h) ToMe 0.5 beside (d) static: 1.50x faster (per round 1.40, 1.60); mean absolute pixel" in amx
+    assert "(d)'s image (seed 0): 3.50 / 255" in amx and "(seed 0): 5.25 / 255" in amx
+    assert "target (i) >= 1.8x faster than (d) at 512 px: 2.00x (met)" in amx
+    assert "(h) ToMe 0.5 beside (d) static: 1.50x faster" in amx and amx.count("target (i)") == 1
+    none = format_table(_with_tome(amx=False))
+    assert "(i) ToMe + hybrid int8 0.5 beside (d) static: 2.00x faster" in none
+    assert "target (i) >= 1.8x faster than (d) at 512 px is for AMX: not judged, this CPU (Some CPU) has no AMX" in none
+    assert "not judged at 256x256" in format_table(_with_tome(amx=True, size=256))
+
+
+@pytest.mark.parametrize("flags", [["--tome", "0.9"], ["--tome", "x"], ["--tome", "0", "--only", "h"]])
+def test_bench_generate_refuses_a_bad_tome_ratio(tmp_path: Path, monkeypatch, flags: list[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="xeonsd bench generate: error: .*--tome"):
+        main(["--workdir", "work", "--quick", *flags])
+    assert list(tmp_path.iterdir()) == []

@@ -75,6 +75,7 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
         help="int8: NNCF data-free 8-bit weight compression (default fp32; int8 with --quantize)",
     )
     _add_quantize_flags(p)
+    _add_tome_flags(p)
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT (only once the new one is done)")
     _add_export_lora_flags(p)
     p.set_defaults(func=_export)
@@ -99,6 +100,17 @@ def _add_quantize_flags(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"--quantize: UNet calls recorded for calibration (default {DEFAULT_SAMPLES})",
     )
+
+
+def _add_tome_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tome",
+        metavar="RATIO",
+        default="0",
+        help="token merging: merge this share (0-0.75) of the tokens before the self-attention of the UNet's "
+        "largest transformer blocks, in the exported graph (static exports; default 0: none)",
+    )
+    p.add_argument("--tome-mlp", action="store_true", help="--tome: merge before those blocks' feed-forward too")
 
 
 def _add_export_lora_flags(p: argparse.ArgumentParser) -> None:

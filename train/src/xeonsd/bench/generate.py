@@ -4,7 +4,9 @@
 (e) OpenVINO static with int8 weights, (f) OpenVINO GenAI on the static export, (g) OpenVINO static hybrid int8
 (``export --quantize hybrid``, calibrated on the recipe's prompt and templates), printed beside (d) with the speed
 ratio and the mean absolute pixel difference to (d)'s image of the same seed; its target (>= 1.4x faster than (d))
-is judged only on a CPU with AMX-INT8. Each is loaded, warmed up with a
+is judged only on a CPU with AMX-INT8. (h) OpenVINO static with token merging (``export --tome``, ``--tome`` ratio,
+0.5 by default) and (i) token merging + hybrid int8, each beside (d) in the same way; the target of (i) (>= 1.8x
+faster than (d) at 512 px) is judged only on AMX. Each is loaded, warmed up with a
 one-step call, then timed on ``--images`` calls of one image, in ``--rounds`` interleaved rounds (a b c … a b c, see
 xeonsd.bench.rounds); the table gives the median seconds per image over the rounds with their min-max, and the
 median of each round's ratio to that round's (a). The FLOP floor is the FLOPs (d) executes per image (text encoder, ``steps`` UNet calls at batch 2 for
@@ -65,6 +67,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "g" in timed and "d" in timed:  # (d) / (g) within each round: (g)'s speed-up
         speedups = rnd.per_round_ratios(timed["d"], timed["g"])
         g_over_d = {"speedup_rounds": speedups, "speedup": rnd.spread(speedups)}
+    tome_vs_d = {}
+    for key in ("h", "i"):
+        if key in timed and "d" in timed:
+            speedups = rnd.per_round_ratios(timed["d"], timed[key])
+            tome_vs_d[key] = {"speedup_rounds": speedups, "speedup": rnd.spread(speedups), **bench.pixels.get(key, {})}
 
     return {
         "model": str(model),
@@ -81,10 +88,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "openvino_cpu_precision": ov_precision,
         "export_seconds": bench.exports,
         "g_vs_d": g_vs_d,
-        "cpu": {"model": cpu.model, "native_int8": cpu.native_int8},
+        "cpu": {"model": cpu.model, "native_int8": cpu.native_int8, "amx": cpu.amx_bf16},
         "rounds": args.rounds,
         "schedule": [key for _, key in rnd.schedule([r.key for r in bench.results if r.rounds_s], args.rounds)],
         "g_over_d": g_over_d,
+        "tome_ratio": args.tome,
+        "tome_vs_d": tome_vs_d,
         "matmul_probes_flops": {"before": before, "after": after},
         "machine": stable,
     }
@@ -99,7 +108,8 @@ def _probes(repeats: int, seconds: float) -> list[dict]:
 
 
 def _measure_variants(bench: Bench, peaks: dict[str, float], flops: dict[str, float]) -> dict[str, Any] | None:
-    """(a) to (g) into ``bench.results``; returns how (g)'s image differs from (d)'s when both ran."""
+    """(a) to (i) into ``bench.results``; returns how (g)'s image differs from (d)'s when both ran ((h)'s and
+    (i)'s go to ``bench.pixels``)."""
     from xeonsd.openvino.manifest import StaticShape
     from xeonsd.openvino.quantize import QuantizeOptions
 
@@ -132,7 +142,20 @@ def _measure_variants(bench: Bench, peaks: dict[str, float], flops: dict[str, fl
         hybrid_dir = bench.export(f"static-{size}", static, "int8", QuantizeOptions(samples=args.calibration_samples))
         name = f"OpenVINO static {size} hybrid int8"
         bench.measure("g", name, lambda: time_ov(hybrid_dir, "optimum", args, image_g))
+    tome_images: dict[str, list] = {"h": [], "i": []}
+    if "h" in only:
+        tome_dir = bench.export(f"static-{size}", static, "fp32", tome=args.tome)
+        name = f"OpenVINO static {size} ToMe {args.tome:g}"
+        bench.measure("h", name, lambda: time_ov(tome_dir, "optimum", args, tome_images["h"]))
+    if "i" in only:
+        quantize = QuantizeOptions(samples=args.calibration_samples)
+        both_dir = bench.export(f"static-{size}", static, "int8", quantize, tome=args.tome)
+        name = f"OpenVINO ToMe {args.tome:g} + hybrid {size}"
+        bench.measure("i", name, lambda: time_ov(both_dir, "optimum", args, tome_images["i"]))
     bench.measure_rounds(args.rounds)
+    for key, image in tome_images.items():
+        if image and image_d:
+            bench.pixels[key] = _pixel_difference(image, image_d, args.seed)
     return _pixel_difference(image_g, image_d, args.seed) if image_d and image_g else None
 
 
@@ -168,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probes", type=int, default=3, help="matmul peak probes per dtype, before and after the variants")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="256x256 and 4 steps")
-    p.add_argument("--only", default="abcdefg", help="variants to run, e.g. 'ad' ('g' runs 'd' too)")
+    p.add_argument("--only", default="abcdefghi", help="variants to run, e.g. 'ad' ('g', 'h', 'i' run 'd' too)")
+    p.add_argument("--tome", default="0.5", metavar="RATIO", help="(h), (i): the token merging ratio (export --tome)")
     p.add_argument(
         "--calibration-samples",
         type=int,
@@ -197,8 +221,16 @@ def main(argv: list[str]) -> int:
         raise SystemExit("xeonsd bench generate: error: --images, --steps, --rounds and --probes must be at least 1")
     if args.calibration_samples < 1:
         raise SystemExit("xeonsd bench generate: error: --calibration-samples must be at least 1")
-    only = set(args.only) & set("abcdefg")
-    args.only = sorted(only | {"d"} if "g" in only else only)  # (g) is judged against (d)
+    only = set(args.only) & set("abcdefghi")
+    args.only = sorted(only | {"d"} if only & set("ghi") else only)  # (g), (h), (i) are judged against (d)
+    from xeonsd.openvino.tome import TomeError, check_ratio
+
+    try:
+        args.tome = check_ratio(args.tome)
+    except TomeError as exc:
+        raise SystemExit(f"xeonsd bench generate: error: {exc}") from None
+    if args.tome == 0 and only & set("hi"):
+        raise SystemExit("xeonsd bench generate: error: (h) and (i) need --tome above 0")
     if args.model:
         from xeonsd.modelsource import ModelSourceError, check_model_source
 

@@ -52,10 +52,12 @@ class Bench:
     results: list[Result] = field(default_factory=list)
     exports: dict[str, float] = field(default_factory=dict)  # export name -> seconds it took (when it was made)
     planned: dict[str, tuple[str, Callable[[], tuple[float, float]]]] = field(default_factory=dict)
+    pixels: dict[str, dict] = field(default_factory=dict)  # variant -> its image's difference to (d)'s
 
-    def export(self, kind: str, shape: Any, fmt: str, quantize: Any = None) -> Path:
-        name = f"{kind}-{'hybrid' if quantize else fmt}"
-        path, seconds = export_cached(self.model, self.embeds, self.workdir / f"ov-{name}", shape, fmt, quantize)
+    def export(self, kind: str, shape: Any, fmt: str, quantize: Any = None, tome: float = 0.0) -> Path:
+        name = f"{kind}-{'hybrid' if quantize else fmt}" + (f"-tome{tome:g}" if tome else "")
+        out = self.workdir / f"ov-{name}"
+        path, seconds = export_cached(self.model, self.embeds, out, shape, fmt, quantize, tome)
         self.exports[name] = seconds
         return path
 
@@ -136,9 +138,9 @@ def torch_pipeline(model: Path, embeds: Path) -> Any:
 
 
 def export_cached(
-    model: Path, embeds: Path, out: Path, static: Any, weight_format: str, quantize: Any = None
+    model: Path, embeds: Path, out: Path, static: Any, weight_format: str, quantize: Any = None, tome: float = 0.0
 ) -> tuple[Path, float]:
-    """The export in OUT, made now unless OUT already holds one of the same source, shape and weights."""
+    """The export in OUT, made now unless OUT already holds one of the same source, shape, weights and ToMe ratio."""
     from xeonsd.openvino.export import ExportOptions, export
     from xeonsd.openvino.manifest import ExportDirError, read_manifest
 
@@ -149,11 +151,15 @@ def export_cached(
         same_q = (
             (q is None) if quantize is None else (q is not None and q["calibration"]["samples"] == quantize.samples)
         )
-        if manifest["source"] == str(model) and same_shape and manifest["weight_format"] == weight_format and same_q:
+        same_tome = (manifest.get("tome") or {}).get("ratio", 0.0) == tome
+        same = same_shape and same_q and same_tome and manifest["weight_format"] == weight_format
+        if manifest["source"] == str(model) and same:
             return out, float(manifest["export_seconds"])
     except ExportDirError:
         pass
-    opts = ExportOptions(static=static, weight_format=weight_format, embeds=embeds, overwrite=True, quantize=quantize)
+    opts = ExportOptions(
+        static=static, weight_format=weight_format, embeds=embeds, overwrite=True, quantize=quantize, tome=tome
+    )
     export(str(model), out, opts)
     return out, float(read_manifest(out)["export_seconds"])
 

@@ -18,6 +18,8 @@ from xeonsd.bench.rounds import range_text
 TARGET_SPEEDUP_D = 6.0
 TARGET_FLOOR_RATIO_D = 1.25
 TARGET_SPEEDUP_G_OVER_D = 1.4  # on AMX-INT8
+TARGET_SPEEDUP_I_OVER_D = 1.8  # on AMX, at 512 px
+TARGET_SIZE_I = 512
 
 
 def matmul_peak(dtype_name: str) -> float:
@@ -145,6 +147,7 @@ def format_table(report: dict[str, Any]) -> str:
     g_line = _hybrid_line(report, by_key)
     if g_line:
         lines.append(g_line)
+    lines.extend(_tome_lines(report))
     if report["export_seconds"]:
         lines.append("export time (s, cached between runs): " + json.dumps(report["export_seconds"]))
     return "\n".join(lines)
@@ -178,6 +181,36 @@ def _hybrid_line(report: dict[str, Any], by_key: dict[str, Any]) -> str | None:
             "AMX-INT8 and no VNNI (no amx_int8, avx512_vnni or avx_vnni in /proc/cpuinfo)"
         )
     return line
+
+
+def _tome_lines(report: dict[str, Any]) -> list[str]:
+    """(h) ToMe and (i) ToMe + hybrid beside (d): each round's d/variant, the pixel difference for the same seed,
+    and the target of (i), judged only on AMX at 512 px."""
+    lines = []
+    names = {"h": "ToMe", "i": "ToMe + hybrid int8"}
+    for key, cmp in (report.get("tome_vs_d") or {}).items():
+        speedup = cmp["speedup"]["median"]
+        faster = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
+        line = (
+            f"({key}) {names[key]} {report['tome_ratio']:g} beside (d) static: {faster} "
+            f"(per round {', '.join(f'{r:.2f}' for r in cmp['speedup_rounds'])})"
+        )
+        if "mean_abs_pixel_diff" in cmp:
+            line += f"; mean absolute pixel difference to (d)'s image (seed {cmp['seed']}): {cmp['mean_abs_pixel_diff']:.2f} / 255"
+        if key == "i":
+            line += "; " + _tome_target(report, speedup)
+        lines.append(line)
+    return lines
+
+
+def _tome_target(report: dict[str, Any], speedup: float) -> str:
+    cpu = report.get("cpu") or {}
+    target = f"target (i) >= {TARGET_SPEEDUP_I_OVER_D}x faster than (d) at {TARGET_SIZE_I} px"
+    if not cpu.get("amx"):
+        return f"{target} is for AMX: not judged, this CPU ({cpu.get('model', 'unknown')}) has no AMX"
+    if (report["height"], report["width"]) != (TARGET_SIZE_I, TARGET_SIZE_I):
+        return f"{target}: not judged at {report['width']}x{report['height']}"
+    return f"{target}: {speedup:.2f}x ({_met(speedup >= TARGET_SPEEDUP_I_OVER_D)})"
 
 
 def _met(ok: bool) -> str:

@@ -24,6 +24,7 @@ Everything is written to a temporary directory beside OUT and renamed into place
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import tempfile
@@ -39,6 +40,7 @@ from xeonsd.openvino import pipelines
 from xeonsd.openvino import tokenizer as ovtokenizer
 from xeonsd.openvino.manifest import ExportDirError, StaticShape, check_writable_output, write_manifest
 from xeonsd.openvino.quantize import DEFAULT_SAMPLES, QuantizeError, QuantizeOptions, check_options
+from xeonsd.openvino.tome import TomeError, TomeReport, check_ratio, export_patch
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,8 @@ class ExportOptions:
     quantize: QuantizeOptions | None = None  # hybrid int8 (needs weight_format "int8")
     lora: Path | None = None
     lora_scale: float = 1.0
+    tome: float = 0.0  # token merging ratio (0: none; needs a static shape)
+    tome_mlp: bool = False  # merge before the feed-forward too
 
 
 def check_source(src: str) -> Path | None:
@@ -158,10 +162,8 @@ def reshape_static(pipe: Any, shape: StaticShape) -> None:
     pipe.clear_requests()
 
 
-def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
-    """Export SRC (a diffusers pipeline directory or Hub id) to the OpenVINO directory OUT; return OUT."""
-    opts = options or ExportOptions()
-    out = Path(out)
+def _check_options(opts: ExportOptions) -> None:
+    """Refuse bad options before anything is loaded."""
     if opts.weight_format not in WEIGHT_FORMATS:
         raise ExportError(f"unknown weight format {opts.weight_format!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     if opts.static is not None:
@@ -175,6 +177,28 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
             check_options(opts.quantize, opts.weight_format)
         except QuantizeError as exc:
             raise ExportError(str(exc)) from exc
+    try:
+        ratio = check_ratio(opts.tome)
+    except TomeError as exc:
+        raise ExportError(str(exc)) from exc
+    if ratio > 0 and opts.static is None:
+        raise ExportError("--tome needs a static export (its merge is fixed to the export's shape); drop --dynamic")
+
+
+def _latent_size(source: str, shape: StaticShape) -> tuple[int, int]:
+    """The UNet's sample size (h, w) for images of ``shape``: the VAE downsamples by 2 per block after the first."""
+    from diffusers import AutoencoderKL
+
+    blocks = len(AutoencoderKL.load_config(source, subfolder="vae")["block_out_channels"])
+    factor = 2 ** (blocks - 1)
+    return shape.height // factor, shape.width // factor
+
+
+def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
+    """Export SRC (a diffusers pipeline directory or Hub id) to the OpenVINO directory OUT; return OUT."""
+    opts = options or ExportOptions()
+    out = Path(out)
+    _check_options(opts)
     local = check_source(src)
     family = detect_family(str(local) if local is not None else src)
     if opts.embeds is not None and not Path(opts.embeds).is_file():
@@ -200,7 +224,13 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
         if opts.weight_format == "int8" and opts.quantize is None:  # hybrid compresses the weights itself
             kwargs["quantization_config"] = OVWeightQuantizationConfig(bits=8)  # data-free: no dataset
         log.info("exporting %s (%s) to OpenVINO (%s weights)", src, family.label, opts.weight_format)
-        pipe = pipelines.ov_pipeline_class(family.name).from_pretrained(source, **kwargs)
+        merging = (
+            contextlib.nullcontext(TomeReport(ratio=0.0, mlp=False))
+            if opts.tome == 0
+            else export_patch(opts.tome, opts.tome_mlp, _latent_size(source, opts.static))  # type: ignore[arg-type]
+        )
+        with merging as tome:
+            pipe = pipelines.ov_pipeline_class(family.name).from_pretrained(source, **kwargs)
         if opts.weight_format == "fp16":
             pipe.half()
         if opts.static is not None:
@@ -226,6 +256,7 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
                 "static_shape": None if opts.static is None else asdict(opts.static),
                 "weight_format": opts.weight_format,
                 "quantization": quantization,
+                "tome": tome.manifest_entry() if tome.blocks else None,
                 "vocab_size": rows,
                 "export_seconds": round(time.perf_counter() - t0, 1),
                 **_lora_manifest(src, opts),
@@ -285,6 +316,8 @@ def main_args(args: Any) -> int:
             num_images_per_prompt=args.num_images_per_prompt,
         )
     quantize = quantize_options(args)
+    if args.tome_mlp and check_ratio(args.tome) == 0:
+        raise ExportError("--tome-mlp needs --tome RATIO above 0")
     opts = ExportOptions(
         static=static,
         weight_format=args.weight_format or ("int8" if quantize is not None else "fp32"),
@@ -292,6 +325,8 @@ def main_args(args: Any) -> int:
         embeds=None if args.embeds is None else Path(args.embeds),
         token=args.token,
         overwrite=args.overwrite,
+        tome=check_ratio(args.tome),
+        tome_mlp=args.tome_mlp,
         **_lora_args(args),
     )
     out = export(args.src, Path(args.out), opts)
