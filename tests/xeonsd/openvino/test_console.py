@@ -57,9 +57,12 @@ def test_c_level_output_goes_to_the_log_and_a_failure_shows_its_tail(tmp_path: P
     assert "chatter written by C++" in log.read_text() and "library print" in log.read_text()
 
 
-def test_an_error_of_our_own_shows_no_tail(tmp_path: Path, capfd) -> None:
-    with pytest.raises(ValueError), quiet_console(tmp_path / "x.log", expected=(ValueError,)):
+def test_an_error_of_our_own_shows_no_tail_and_keeps_the_earlier_log(tmp_path: Path, capfd) -> None:
+    log = tmp_path / "x.log"
+    log.write_text("the earlier run's log\n")
+    with pytest.raises(ValueError), quiet_console(log, expected=(ValueError,)):
         os.write(1, b"some chatter\n")
         raise ValueError("the output exists")
     cap = capfd.readouterr()
     assert "some chatter" not in cap.out + cap.err
+    assert log.read_text() == "the earlier run's log\n" and sorted(p.name for p in tmp_path.iterdir()) == ["x.log"]

@@ -17,6 +17,7 @@ import ctypes
 import logging
 import os
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,14 +63,19 @@ def quiet_console(
     log_path: Path, verbose: bool = False, expected: tuple[type[BaseException], ...] = ()
 ) -> Iterator[TextIO]:
     """Send stdout and stderr to ``log_path`` (and, ``verbose``, to the console too) while the block runs; yields
-    the console's stdout for the command's own output. An exception out of the block shows the log's last lines,
-    unless it is one of ``expected`` (the command's own errors, which say what is wrong). Where the log cannot be
+    the console's stdout for the command's own output. The log is written under a temporary name and renamed into
+    place when the block ends. An exception out of the block shows the log's last lines, unless it is one of
+    ``expected`` (the command's own errors, which say what is wrong: then no log is left, and an earlier one stays). Where the log cannot be
     opened (the command's output directory is not writable: the command reports that itself) nothing is
     captured."""
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        log_path = Path(log_path)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{log_path.name}.tmp-", dir=log_path.parent)
+        os.close(fd)
+        tmp_log = Path(tmp_name)
+        log_fd = os.open(tmp_log, os.O_WRONLY | os.O_TRUNC)
     except OSError:
         yield sys.stdout
         return
@@ -99,11 +105,12 @@ def quiet_console(
     saved_streams = sys.stdout, sys.stderr
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (flushed in the finally below)
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    failed = False
+    failed = refused = False
     try:
         yield console_out
     except BaseException as exc:
-        failed = not isinstance(exc, expected)
+        refused = isinstance(exc, expected)
+        failed = not refused
         raise
     finally:
         for stream in (sys.stdout, sys.stderr):
@@ -120,6 +127,11 @@ def quiet_console(
         if console_handler is not None:
             root.removeHandler(console_handler)
         os.close(log_fd)
+        if refused:  # the command refused its input: nothing ran, an earlier run's log stays as it was
+            tmp_log.unlink(missing_ok=True)
+        else:
+            os.chmod(tmp_log, 0o644)
+            os.replace(tmp_log, log_path)
         if failed and not verbose:
             lines = _tail(log_path, TAIL_LINES)
             if lines:

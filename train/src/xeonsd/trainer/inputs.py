@@ -109,10 +109,10 @@ def check_memory(cfg: TrainConfig, info: RankInfo, inputs: Inputs) -> None:
         if free is not None:
             line += f"; {info.local_world_size} rank(s) on this node, {free / memory.GB:.1f} GB free"
         (print if cfg.dry_run else log.info)(line)
-        if not cfg.dry_run:
-            cfg.output_path.mkdir(parents=True, exist_ok=True)
-            with atomic_path(cfg.output_path / memory.ESTIMATE_FILE) as tmp:
-                tmp.write_text(json.dumps(est.as_dict()))
     problem = memory.check_fits(est, info.local_world_size, free)
     if problem:
         raise ConfigError(problem)
+    if info.is_main and not cfg.dry_run:
+        cfg.output_path.mkdir(parents=True, exist_ok=True)
+        with atomic_path(cfg.output_path / memory.ESTIMATE_FILE) as tmp:
+            tmp.write_text(json.dumps(est.as_dict()))
