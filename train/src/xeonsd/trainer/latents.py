@@ -38,7 +38,7 @@ def encode_distribution(
 
 
 # Inputs per VAE call while the cache is built. Measured (SD 1.5 VAE, 512 px, bf16 on AMX, interleaved, CPU
-# seconds): one call of 2 inputs costs 1.07x two calls of 1; the encoder is compute-bound, batching gains nothing.
+# seconds): one call of 2 inputs costs 1.00-1.07x two calls of 1; the encoder is compute-bound, batching gains nothing.
 ENCODE_BATCH = 1
 
 
