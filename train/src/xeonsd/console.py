@@ -58,6 +58,19 @@ def _tail(path: Path, n: int) -> list[str]:
     return []
 
 
+def _put_log_in_place(tmp_log: Path, log_path: Path, refused: bool, show_tail: bool, console: TextIO) -> None:
+    if refused:  # the command refused its input: nothing ran, an earlier run's log stays as it was
+        tmp_log.unlink(missing_ok=True)
+        return
+    os.chmod(tmp_log, 0o644)
+    os.replace(tmp_log, log_path)
+    lines = _tail(log_path, TAIL_LINES) if show_tail else []
+    if lines:
+        print(f"the libraries' output is in {log_path}; its last lines:", file=console)
+        for line in lines:
+            print(f"  {line}", file=console)
+
+
 @contextlib.contextmanager
 def quiet_console(
     log_path: Path, verbose: bool = False, expected: tuple[type[BaseException], ...] = ()
@@ -127,16 +140,6 @@ def quiet_console(
         if console_handler is not None:
             root.removeHandler(console_handler)
         os.close(log_fd)
-        if refused:  # the command refused its input: nothing ran, an earlier run's log stays as it was
-            tmp_log.unlink(missing_ok=True)
-        else:
-            os.chmod(tmp_log, 0o644)
-            os.replace(tmp_log, log_path)
-        if failed and not verbose:
-            lines = _tail(log_path, TAIL_LINES)
-            if lines:
-                print(f"the libraries' output is in {log_path}; its last lines:", file=console_err)
-                for line in lines:
-                    print(f"  {line}", file=console_err)
+        _put_log_in_place(tmp_log, log_path, refused, failed and not verbose, console_err)
         console_out.close()
         console_err.close()
