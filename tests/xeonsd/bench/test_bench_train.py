@@ -25,6 +25,9 @@ def test_bench_train_variants_differ_in_what_they_switch_off(tiny_model, tmp_pat
     assert rows["per-step VAE encode"]["tflop_per_step"] > rows["optimized"]["tflop_per_step"] * 1.05
     for r in rows.values():
         assert r["s_per_step"] > 0 and r["peak_rss_gb"] > 0
+        # The trainer's own estimate beside the measured peak (its memory_estimate.json).
+        assert 0 < r["estimate_training_gb"] < 2 * r["peak_rss_gb"] and r["estimate_loading_gb"] > 0, r
+    assert "est. train" in proc.stdout and "est. load" in proc.stdout
     # The peaks and the shares are in TFLOP/s and fractions: a CPU core does 0.01-10 TFLOP/s fp32, and the
     # optimized run reaches a measurable share of it (a FLOP/s peak against TFLOP/step reads 0.0 %).
     assert 0.005 < report["peak_tflops"]["fp32"] < 100, report["peak_tflops"]

@@ -10,8 +10,10 @@ The package is one subpackage per concern; each ``__init__`` says what it owns a
 * :mod:`xeonsd.bench`: ``xeonsd bench train`` / ``generate``.
 
 At the top level only what more than one of them uses: :mod:`~xeonsd.cli` (the command line), :mod:`~xeonsd.fsutil`
-(crash-safe output), :mod:`~xeonsd.cpu` (what the CPU offers), :mod:`~xeonsd.modelsource` (where a model comes from
-and its fingerprint), :mod:`~xeonsd.families` (SD 1.x/2.x or SDXL, told from the pipeline's config files), :mod:`~xeonsd.concept_file` (a learned concept's file, read by the trainer and the OpenVINO
+(crash-safe output), :mod:`~xeonsd.console` (a command's console: the libraries' chatter in a log file),
+:mod:`~xeonsd.cpu` (what the CPU offers), :mod:`~xeonsd.modelsource` (where a model comes from and its
+fingerprint), :mod:`~xeonsd.families` (SD 1.x/2.x or SDXL, told from the pipeline's config files),
+:mod:`~xeonsd.concept_file` (a learned concept's file, read by the trainer and the OpenVINO
 side), :mod:`~xeonsd.flops` (FLOP counts and the matmul peak) and :mod:`~xeonsd.assets` (the offline tiny models and
 image set that the demo and the tests build); and the two rules that the playbooks' filter plugins load from this
 tree on the controller, so they import nothing but the standard library: :mod:`~xeonsd.method_names` (the methods

@@ -36,16 +36,41 @@ def _train(args: argparse.Namespace, rest: list[str]) -> int:
     return train_main(rest)
 
 
+# The errors a command reports itself, in one line (everything else is a traceback).
+COMMAND_ERRORS = (ValueError, FileExistsError, PermissionError, FileNotFoundError, NotADirectoryError)
+
+
+def _quietly(args: argparse.Namespace, out: str, run) -> int:
+    """Run ``run(console)`` with the libraries' chatter in the log beside ``out`` (``-v``: on the console too)."""
+    from xeonsd.console import log_path_beside, quiet_console
+
+    log_path = Path(args.log) if args.log else log_path_beside(out)
+    with quiet_console(log_path, verbose=args.verbose, expected=COMMAND_ERRORS) as console:
+        return run(console)
+
+
 def _export(args: argparse.Namespace) -> int:
     from xeonsd.openvino.export import main_args
 
-    return main_args(args)
+    return _quietly(args, args.out, lambda console: main_args(args, console))
 
 
 def _generate(args: argparse.Namespace) -> int:
     from xeonsd.openvino.generate import main_args
 
-    return main_args(args)
+    return _quietly(args, args.out, lambda console: main_args(args, console))
+
+
+def _add_console_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="show the libraries' output (notices, progress bars, OpenVINO's own lines) on the console too",
+    )
+    p.add_argument(
+        "--log", metavar="FILE", help="where the libraries' output goes (default: OUT.log beside the output)"
+    )
 
 
 def _add_export_parser(sub: argparse._SubParsersAction) -> None:
@@ -78,6 +103,7 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
     _add_tome_flags(p)
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT (only once the new one is done)")
     _add_export_lora_flags(p)
+    _add_console_flags(p)
     p.set_defaults(func=_export)
 
 
@@ -162,6 +188,7 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--out", default="images", help="output directory (default: ./images)")
     p.add_argument("--overwrite", action="store_true")
+    _add_console_flags(p)
     p.set_defaults(func=_generate)
 
 
@@ -267,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileExistsError, PermissionError, FileNotFoundError, NotADirectoryError) as exc:
+    except COMMAND_ERRORS as exc:
         print(f"xeonsd {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -30,6 +30,7 @@ import torch
 from xeonsd.bench import rounds as rnd
 from xeonsd.flops import matmul_probes
 from xeonsd.method_names import METHODS
+from xeonsd.trainer.memory import ESTIMATE_FILE
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,10 @@ def _run_variant(variant: Variant, base_args: list[str], out: Path, env: dict[st
         tail = (out.parent / f"{out.name}.log").read_text()[-3000:]
         raise RuntimeError(f"variant {variant.name!r} failed (exit {proc.returncode}):\n{tail}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    estimate_file = out / ESTIMATE_FILE
+    estimate = json.loads(estimate_file.read_text()) if estimate_file.is_file() else {}
     shutil.rmtree(out, ignore_errors=True)  # a full fine-tune writes a whole UNet per run: rounds would fill the disk
-    return {"rows": rows, "peak_rss_gb": usage.ru_maxrss * 1024 / 1e9}
+    return {"rows": rows, "peak_rss_gb": usage.ru_maxrss * 1024 / 1e9, "estimate": estimate}
 
 
 def run_rounds(variants: list[Variant], rounds: int, base_args: list[str], tmp: Path, env: dict[str, str]) -> dict:
@@ -147,6 +150,9 @@ def summarize(name: str, runs: list[dict], warmup: int, peak_tflops: float, stat
         "tflops": tflop / s_step,
         "of_peak": tflop / s_step / peak_tflops,
         "peak_rss_gb": max(run["peak_rss_gb"] for run in runs),
+        # The trainer's own estimate (memory_estimate.json), NaN where the run wrote none.
+        "estimate_training_gb": runs[0].get("estimate", {}).get("training", float("nan")) / 1e9,
+        "estimate_loading_gb": runs[0].get("estimate", {}).get("loading", float("nan")) / 1e9,
         "allreduce_bytes": rows[-1]["allreduce_bytes"],
         "rounds": len(runs),
         "s_per_step_rounds": stats["rounds"],
@@ -163,15 +169,18 @@ def format_table(results: list[dict], peaks: dict[str, float], dtype: str, cpu: 
         f"CPU: {cpu}; method: {method}; training dtype: {dtype}",
         "matmul peak measured in this run: " + ", ".join(f"{k} {v:.3f} TFLOP/s" for k, v in peaks.items()),
         f"{rounds} interleaved round(s) of the variants; s/step: median of the rounds (min-max); x optimized: median "
-        "of each round's ratio to that round's optimized run (min-max)",
+        "of each round's ratio to that round's optimized run (min-max); peak RSS measured, est. train / est. load: "
+        "the trainer's own estimate of its training and loading peak (GB)",
         f"{'variant':<24}{'s/step':>9}{'min-max':>13}{'x optimized':>13}{'min-max':>13}{'TFLOP/step':>12}"
-        f"{'TFLOP/s':>9}{'of peak':>9}{'peak RSS GB':>13}{'all-reduce B/step':>19}",
+        f"{'TFLOP/s':>9}{'of peak':>9}{'peak RSS GB':>13}{'est. train':>12}{'est. load':>11}{'all-reduce B/step':>19}",
     ]
     for r in results:
         lines.append(
             f"{r['variant']:<24}{r['s_per_step']:>9.2f}{rnd.range_text(r['s_per_step_spread']):>13}"
             f"{r['x_optimized']:>13.2f}{rnd.range_text(r['x_optimized_spread']):>13}{r['tflop_per_step']:>12.3f}"
-            f"{r['tflops']:>9.3f}{r['of_peak']:>9.1%}{r['peak_rss_gb']:>13.2f}{r['allreduce_bytes']:>19,}"
+            f"{r['tflops']:>9.3f}{r['of_peak']:>9.1%}{r['peak_rss_gb']:>13.2f}"
+            f"{r.get('estimate_training_gb', float('nan')):>12.2f}{r.get('estimate_loading_gb', float('nan')):>11.2f}"
+            f"{r['allreduce_bytes']:>19,}"
         )
     return "\n".join(lines)
 

@@ -31,7 +31,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from xeonsd.families import Family, detect_family
 from xeonsd.fsutil import atomic_dir
@@ -302,7 +302,7 @@ def _lora_args(args: Any) -> dict[str, Any]:
     return {"lora": None if args.lora is None else Path(args.lora), "lora_scale": args.lora_scale}
 
 
-def main_args(args: Any) -> int:
+def main_args(args: Any, console: TextIO | None = None) -> int:
     """Entry point of ``xeonsd export`` (parsed by :mod:`xeonsd.cli`)."""
     static = None
     if not args.dynamic:
@@ -330,7 +330,7 @@ def main_args(args: Any) -> int:
         **_lora_args(args),
     )
     out = export(args.src, Path(args.out), opts)
-    print(json.dumps({"out": str(out), "static_shape": None if static is None else asdict(static)}))
+    print(json.dumps({"out": str(out), "static_shape": None if static is None else asdict(static)}), file=console)
     return 0
 
 

@@ -20,7 +20,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from xeonsd.fsutil import atomic_dir
 from xeonsd.openvino.engines import Engine, GenaiEngine, OptimumEngine
@@ -226,7 +226,7 @@ def parse_lora_specs(specs: list[str]) -> list[tuple[Path, float]]:
     return [parse_spec(s) for s in specs]
 
 
-def main_args(args: Any) -> int:
+def main_args(args: Any, console: TextIO | None = None) -> int:
     """Entry point of ``xeonsd generate`` (parsed by :mod:`xeonsd.cli`)."""
     opts = GenerateOptions(
         prompts=tuple(args.prompt or [RECIPE_PROMPT]),
@@ -244,5 +244,7 @@ def main_args(args: Any) -> int:
         loras=tuple(parse_lora_specs(args.lora or [])),
     )
     timings = generate_to_dir(Path(args.ov_dir), Path(args.out), opts, overwrite=args.overwrite)
-    print(json.dumps({"out": args.out, **{k: timings[k] for k in ("load_s", "compile_s", "images_per_s")}}))
+    print(
+        json.dumps({"out": args.out, **{k: timings[k] for k in ("load_s", "compile_s", "images_per_s")}}), file=console
+    )
     return 0

@@ -20,6 +20,8 @@ from xeonsd.trainer.data import Example
 from xeonsd.trainer.models import Models, autocast
 from xeonsd.trainer.prompts import PromptTable
 
+ENCODE_BATCH = 16  # prompts per text encoder call while the table is built
+
 
 class PromptConditioning:
     def __init__(
@@ -58,10 +60,14 @@ class PromptConditioning:
         n = self.ids.shape[0]
         if n < world:  # fewer prompts than ranks (an instance prompt): every rank encodes them
             return self._forward(self.ids).float()
-        first = self._forward(self.ids[:1])
-        table = torch.zeros((n, *first.shape[1:]), dtype=torch.float32)
-        for i in range(rank, n, world):
-            table[i] = self._forward(self.ids[i : i + 1])[0].float()
+        mine = list(range(rank, n, world))
+        table: torch.Tensor | None = None
+        for k in range(0, len(mine), ENCODE_BATCH):
+            rows = mine[k : k + ENCODE_BATCH]
+            hidden = self._forward(self.ids[rows]).float()
+            if table is None:
+                table = torch.zeros((n, *hidden.shape[1:]), dtype=torch.float32)
+            table[rows] = hidden
         return all_reduce_sum_(table, world)
 
     def hidden(self, rows: list[int]) -> torch.Tensor:

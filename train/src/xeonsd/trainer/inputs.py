@@ -4,12 +4,14 @@ model source, the checkpoint to resume, an earlier run in ``--output_dir``, and 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from xeonsd.cluster.distributed import RankInfo
 from xeonsd.families import Family
+from xeonsd.fsutil import atomic_path
 from xeonsd.method_names import METHODS
 from xeonsd.modelsource import check_model_source
 from xeonsd.trainer import checkpoint as ckpt
@@ -167,3 +169,7 @@ def check_memory(cfg: TrainConfig, info: RankInfo, inputs: Inputs) -> None:
     problem = memory.check_fits(est, info.local_world_size, free)
     if problem:
         raise ConfigError(problem)
+    if info.is_main and not cfg.dry_run:
+        cfg.output_path.mkdir(parents=True, exist_ok=True)
+        with atomic_path(cfg.output_path / memory.ESTIMATE_FILE) as tmp:
+            tmp.write_text(json.dumps(est.as_dict()))

@@ -137,7 +137,9 @@ def setup(
 ) -> Job:
     """Load the models, make the method and its optimizer, resume, build the caches: the job, on every rank."""
     method_cls = for_config(cfg)
+    t0 = time.perf_counter()
     models = load_models(cfg, unet_fp32=method_cls.unet_fp32, family=inputs.family)
+    load_s = time.perf_counter() - t0
     _log_placement(cfg, info, backend, placement, models)
     base_model = model_fingerprint(cfg.pretrained_model_name_or_path, cfg.revision)
     resume_state = _shared_resume_state(inputs.resume, info.world_size)
@@ -150,7 +152,7 @@ def setup(
     if resume_state is not None:
         start_step = _resume(cfg, info, inputs.resume, resume_state, base_model, method, optimizer, lr_scheduler)
     del resume_state
-    data = _prepare_data(cfg, info, models, method, inputs, seed)
+    data = _prepare_data(cfg, info, models, method, inputs, seed, load_s)
     training = Training(
         models=models,
         method=method,
@@ -270,10 +272,10 @@ def _resume(
 
 
 def _prepare_data(
-    cfg: TrainConfig, info: RankInfo, models: Models, method: Method, inputs: Inputs, seed: int
+    cfg: TrainConfig, info: RankInfo, models: Models, method: Method, inputs: Inputs, seed: int, load_s: float
 ) -> TrainingData:
     """The method's prompts and their conditioning, the latents (the VAE dropped when nothing needs it any more),
-    and the sampling plan."""
+    and the sampling plan; logs the start-up's split (the models' load took ``load_s``)."""
     world = info.world_size
     prompts = method.prompts(inputs.captions)
     trainable = sum(p.numel() for p in method.parameters())
@@ -290,17 +292,22 @@ def _prepare_data(
         world=world,
         draws=CaptionDraws.for_run(cfg, seed),
     )
+    t1 = time.perf_counter()
     latents = LatentTable.build(cfg, models, inputs.images, info.rank, info.local_rank, world)
+    t2 = time.perf_counter()
     num_timesteps = models.noise_scheduler.config.num_train_timesteps
     timestep_range = parse_timestep_range(cfg.timestep_range, num_timesteps)
     validation = build_validation(
         cfg, info, models, method, inputs.held_out, seed, timestep_range or (0, num_timesteps)
     )
     log.info(
-        "prepared %d latent inputs and %d prompts in %.1f s",
+        "start-up: models loaded in %.1f s; prepared %d latent inputs in %.1f s and %d prompts in %.1f s (%s)",
+        load_s,
         latents.count,
+        t2 - t1,
         len(prompts.texts),
-        time.perf_counter() - t0,
+        t1 - t0,
+        "encoded once" if text.table is not None else "tokenized; encoded every step",
     )
     if cfg.latent_cache and not cfg.validation_prompt:  # nothing decodes or encodes from here on
         models.vae = None

@@ -13,6 +13,7 @@ target size; :func:`xeonsd.trainer.xl.time_ids_for`), which is part of the key a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
@@ -37,6 +38,11 @@ def encode_distribution(
     return dist.mean.float(), dist.std.float()
 
 
+# Inputs per VAE call while the cache is built. Measured (SD 1.5 VAE, 512 px, bf16 on AMX, interleaved, CPU
+# seconds): one call of 2 inputs costs 1.00-1.07x two calls of 1; the encoder is compute-bound, batching gains nothing.
+ENCODE_BATCH = 1
+
+
 @torch.no_grad()
 def build_latent_cache(
     vae: torch.nn.Module,
@@ -49,13 +55,16 @@ def build_latent_cache(
     todo: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode the inputs ``todo`` (default: all ``count``; ``load(i)`` gives input i as [1, 3, H, W]) once: each
-    rank encodes every ``world_size``-th of them and the results are summed across ranks, so the cache costs
-    ``ceil(len(todo) / ranks)`` encodes per rank. Rows not in ``todo`` stay zero."""
+    rank encodes every ``world_size``-th of them, ``ENCODE_BATCH`` to a VAE call, and the results are summed
+    across ranks, so the cache costs ``ceil(len(todo) / ranks)`` encodes per rank. Rows not in ``todo`` stay
+    zero."""
     todo = list(range(count)) if todo is None else list(todo)
     packed = torch.zeros((2, count, *latent_shape), dtype=torch.float32)
-    for i in todo[rank::world_size]:
-        m, s = encode_distribution(vae, load(i), dtype)
-        packed[0, i], packed[1, i] = m[0], s[0]
+    mine = todo[rank::world_size]
+    for k in range(0, len(mine), ENCODE_BATCH):
+        rows = mine[k : k + ENCODE_BATCH]
+        m, s = encode_distribution(vae, torch.cat([load(i) for i in rows]), dtype)
+        packed[0, rows], packed[1, rows] = m, s
     all_reduce_sum_(packed, world_size)
     return packed[0], packed[1]
 
@@ -123,8 +132,12 @@ class LatentTable:
             pixels = load_all_pixels(images, cfg.resolution, cfg.center_crop, cfg.dataloader_num_workers)
             return cls(**common, vae=vae, pixels=pixels)
 
+        @functools.lru_cache(maxsize=1)  # an image and its mirror are consecutive inputs: one decode for both
+        def pair(image: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return load_pixels(images[image], cfg.resolution, cfg.center_crop)
+
         def load(i: int) -> torch.Tensor:
-            return load_pixels(images[i // 2], cfg.resolution, cfg.center_crop)[i % 2].unsqueeze(0)
+            return pair(i // 2)[i % 2].unsqueeze(0)
 
         cache_dir = Path(cfg.latent_cache_dir).expanduser() if cfg.latent_cache_dir else None
         if cache_dir is None:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 GB = 1e9
+ESTIMATE_FILE = "memory_estimate.json"  # rank 0 writes the estimate in --output_dir (bench train reads it)
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class MemoryEstimate:
     activations: int
     caches: int
     runtime: int
-    loading: int = 0  # the peak while the models load (a UNet stored in fp32 and cast to bf16 is briefly twice)
+    loading: int = 0  # the peak while the models load (see _loading)
 
     @property
     def training(self) -> int:
@@ -42,6 +43,10 @@ class MemoryEstimate:
     def describe(self) -> str:
         parts = ", ".join(f"{f.name} {getattr(self, f.name) / GB:.2f}" for f in fields(self) if f.name != "loading")
         return f"{self.total / GB:.2f} GB (training {self.training / GB:.2f}: {parts}; loading {self.loading / GB:.2f})"
+
+    def as_dict(self) -> dict[str, int]:
+        """The figures in bytes (``memory_estimate.json``), with the training and total sums."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "training": self.training, "total": self.total}
 
 
 def available_memory() -> int | None:
@@ -215,13 +220,26 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstim
         latents = 2 * num_images * 3 * cfg.resolution**2 * 4
     prompts = num_prompts * (77 * cross_dim + pooled_dim) * 4 if method != "textual_inversion" else 0
     runtime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    # Loading reads each UNet weight as stored, then casts it: both copies exist until the load ends.
-    unet_files = list((Path(src).expanduser() / "unet").glob("*.safetensors"))
-    stored = sum(f.stat().st_size for f in unet_files) if unet_files else _numel(unet) * 4
-    cast = _numel(unet) * torch.finfo(unet_dtype).bits // 8
-    same_dtype = abs(stored - cast) < 0.01 * cast  # stored as it is used: no second copy
-    loading = runtime + text_bytes + _numel(vae) * wbytes + stored + (0 if same_dtype else cast)
+    frozen = runtime + text_bytes + _numel(vae) * wbytes
+    loading = frozen + _unet_loading(cfg, _numel(unet), torch.finfo(unet_dtype).bits // 8)
     return MemoryEstimate(weights, gradients, optimizer, activations, latents + prompts, runtime, loading)
+
+
+def _unet_loading(cfg, numel: int, nbytes: int) -> int:
+    """The UNet's bytes while it loads. Local safetensors weights are read tensor by tensor into their dtype
+    (trainer.weights): the model plus its largest tensor as stored. Otherwise ``from_pretrained`` reads every
+    weight as stored and then casts it: both copies exist until the load ends."""
+    from xeonsd.trainer.weights import largest_tensor_bytes, local_weight_files
+
+    src = cfg.pretrained_model_name_or_path
+    files = local_weight_files(src, "unet", cfg.variant, cfg.revision)
+    if files is not None:
+        return numel * nbytes + largest_tensor_bytes(files)
+    cast = numel * nbytes
+    unet_files = list((Path(src).expanduser() / "unet").glob("*.safetensors"))
+    stored = sum(f.stat().st_size for f in unet_files) if unet_files else numel * 4
+    same_dtype = abs(stored - cast) < 0.01 * cast  # stored as it is used: no second copy
+    return stored + (0 if same_dtype else cast)
 
 
 def check_fits(est: MemoryEstimate, ranks_on_node: int, available: int | None) -> str | None:

@@ -21,6 +21,7 @@ from xeonsd.families import Family, FamilyError, detect_family
 from xeonsd.fsutil import atomic_dir
 from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.embeddings import PlaceholderEmbedding
+from xeonsd.trainer.weights import load_frozen
 
 log = logging.getLogger("xeonsd.train")
 
@@ -92,11 +93,10 @@ def _load_models(cfg: TrainConfig, unet_fp32: bool) -> Models:
     noise_scheduler = DDPMScheduler.from_pretrained(src, subfolder="scheduler", **kw)
     weight_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
     text_encoder = CLIPTextModel.from_pretrained(src, subfolder="text_encoder", variant=cfg.variant, **kw)
-    vae = AutoencoderKL.from_pretrained(src, subfolder="vae", variant=cfg.variant, torch_dtype=weight_dtype, **kw)
+    # Read tensor by tensor into their dtype: no whole fp32 copy beside the cast one (that was the peak memory).
+    vae = load_frozen(AutoencoderKL, src, "vae", weight_dtype, cfg.variant, cfg.revision)
     unet_dtype = torch.float32 if unet_fp32 else weight_dtype
-    unet = UNet2DConditionModel.from_pretrained(
-        src, subfolder="unet", variant=cfg.variant, torch_dtype=unet_dtype, **kw
-    )
+    unet = load_frozen(UNet2DConditionModel, src, "unet", unet_dtype, cfg.variant, cfg.revision)
     for m in (text_encoder, vae, unet):
         m.requires_grad_(False)
         m.eval()
