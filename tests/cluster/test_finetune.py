@@ -532,7 +532,9 @@ def test_sigterm_to_the_running_job_leaves_a_checkpoint_and_resume_continues_fro
         assert (status["state"], status["step"], status["stop"]["signal"]) == ("interrupted", step, "SIGTERM"), status
     provisioned.ssh("node1", f"test -f {RUNS}/sigterm/checkpoint-{step}/trainer_state.pt")
     ended = json.loads((runs / "sigterm" / "exit.json").read_text())
-    assert ended["rc"] == 143 and ended["stopped"]["step"] == step, ended
+    # Every rank exits 143; mpiexec.hydra across 4 nodes returned 143 in one run and 255 in another (both seen
+    # here): the play tells a stop from the ranks' status files, exit.json's `stopped`, not from the code.
+    assert ended["rc"] in (143, 255) and ended["stopped"]["step"] == step, ended
     page = (runs / "sigterm" / "report.html").read_text()
     assert f"<h2>Stopped</h2><p>Attempt 1 stopped by SIGTERM at step {step} (checkpoint-{step} written)" in page
 
