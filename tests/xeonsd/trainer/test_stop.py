@@ -155,4 +155,5 @@ def test_sigint_before_the_first_step_exits_130_and_leaves_nothing_that_looks_do
     assert (written["state"], written["step"]) == ("interrupted", 0), written
     assert written["stop"] == {"signal": "SIGINT", "reason": "signal", "step": 0, "checkpoint": None}
     assert "stopped by SIGINT before the first training step" in output and "Traceback" not in output
-    assert sorted(p.name for p in out.iterdir()) == ["status"] and _left_behind(out) == []
+    # the status files, and the memory estimate the input checks wrote: no result, checkpoint or partial file
+    assert set(p.name for p in out.iterdir()) <= {"status", "memory_estimate.json"} and _left_behind(out) == []
