@@ -242,42 +242,37 @@ def _vae(a: Arch) -> Any:
     )
 
 
-def _text_encoder(a: Arch, vocab: dict[str, int]) -> Any:
-    from transformers import CLIPTextConfig, CLIPTextModel
+def _clip_config(vocab: dict[str, int], hidden: int, layers: int, heads: int, intermediate: int, act: str) -> Any:
+    from transformers import CLIPTextConfig
 
-    text_config = CLIPTextConfig(
+    return CLIPTextConfig(
         vocab_size=len(vocab),
-        hidden_size=a.text_hidden,
-        intermediate_size=a.text_intermediate,
-        num_hidden_layers=a.text_layers,
-        num_attention_heads=a.text_heads,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
         max_position_embeddings=77,
-        hidden_act=a.text_act,
-        projection_dim=a.text_hidden,
+        hidden_act=act,
+        projection_dim=hidden,
         bos_token_id=vocab[BOS],
         eos_token_id=vocab[EOS],
         pad_token_id=vocab[EOS],
     )
-    return CLIPTextModel(text_config)
+
+
+def _text_encoder(a: Arch, vocab: dict[str, int]) -> Any:
+    from transformers import CLIPTextModel
+
+    return CLIPTextModel(
+        _clip_config(vocab, a.text_hidden, a.text_layers, a.text_heads, a.text_intermediate, a.text_act)
+    )
 
 
 def _text_encoder_2(e: SecondEncoder, vocab: dict[str, int]) -> Any:
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+    """SDXL's second encoder (OpenCLIP bigG in the real model): GELU, with the pooled output's projection."""
+    from transformers import CLIPTextModelWithProjection
 
-    text_config = CLIPTextConfig(
-        vocab_size=len(vocab),
-        hidden_size=e.hidden,
-        intermediate_size=e.intermediate,
-        num_hidden_layers=e.layers,
-        num_attention_heads=e.heads,
-        max_position_embeddings=77,
-        hidden_act="gelu",
-        projection_dim=e.hidden,
-        bos_token_id=vocab[BOS],
-        eos_token_id=vocab[EOS],
-        pad_token_id=vocab[EOS],
-    )
-    return CLIPTextModelWithProjection(text_config)
+    return CLIPTextModelWithProjection(_clip_config(vocab, e.hidden, e.layers, e.heads, e.intermediate, "gelu"))
 
 
 def _scheduler(a: Arch) -> Any:

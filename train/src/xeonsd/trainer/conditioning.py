@@ -24,6 +24,10 @@ ENCODE_BATCH = 16  # prompts per text encoder call while the table is built
 
 
 class PromptConditioning:
+    """The prompt table through the text encoder: ``encode(rows)`` gives the hidden states [n, 77, hidden].
+    :class:`~xeonsd.trainer.xl.XLPromptConditioning` overrides the four hooks (``_tokenize``, ``_select``,
+    ``_forward``, ``_encode_all``) for SDXL's two encoders; the caption draws are the same code for both."""
+
     def __init__(
         self,
         models: Models,
@@ -41,9 +45,7 @@ class PromptConditioning:
         if self.draws.dropout > 0:
             texts.append("")  # the empty caption's row: len(prompts.texts)
         self.ids = self._tokenize(texts)
-        self.table: torch.Tensor | None = None
-        if not trainable:
-            self.table = self._encode_all(rank, world)
+        self.table = None if trainable else self._encode_all(rank, world)
 
     def _tokenize(self, texts: list[str]) -> torch.Tensor:
         tok = self.models.tokenizer
@@ -51,12 +53,16 @@ class PromptConditioning:
             texts, padding="max_length", truncation=True, max_length=tok.model_max_length, return_tensors="pt"
         ).input_ids
 
-    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def _select(self, rows: list[int]):
+        """The token ids of these prompt rows."""
+        return self.ids[rows]
+
+    def _forward(self, ids):
         with autocast(self.models.weight_dtype):
             return self.models.text_encoder(ids)[0]
 
     @torch.no_grad()
-    def _encode_all(self, rank: int, world: int) -> torch.Tensor:
+    def _encode_all(self, rank: int, world: int):
         n = self.ids.shape[0]
         if n < world:  # fewer prompts than ranks (an instance prompt): every rank encodes them
             return self._forward(self.ids).float()
@@ -64,30 +70,31 @@ class PromptConditioning:
         table: torch.Tensor | None = None
         for k in range(0, len(mine), ENCODE_BATCH):
             rows = mine[k : k + ENCODE_BATCH]
-            hidden = self._forward(self.ids[rows]).float()
+            hidden = self._forward(self._select(rows)).float()
             if table is None:
                 table = torch.zeros((n, *hidden.shape[1:]), dtype=torch.float32)
             table[rows] = hidden
         return all_reduce_sum_(table, world)
 
-    def hidden(self, rows: list[int]) -> torch.Tensor:
-        """The text encoder's hidden states for these prompt rows (as validation sees them: nothing drawn),
-        [len(rows), tokens, hidden]."""
+    def encode(self, rows: list[int]):
+        """These prompt rows as validation sees them (nothing drawn)."""
         if self.table is not None:
             return self.table[rows]
-        return self._forward(torch.stack([self.ids[r] for r in rows]))
+        return self._forward(self._select(rows))
 
-    def for_examples(self, examples: list[Example]) -> torch.Tensor:
-        """The hidden states these training examples condition on: their prompt rows, with the caption draws."""
+    def for_examples(self, examples: list[Example]):
+        """What these training examples condition on: their prompt rows, with the caption draws."""
         rows = [self.prompts.row(e) for e in examples]
         if not self.draws.shuffle_tags:
             empty = len(self.prompts.texts)
-            return self.hidden(
+            return self.encode(
                 [empty if self.draws.dropped(e.index) else r for r, e in zip(rows, examples, strict=True)]
             )
-        texts = [self.draws.text(self.prompts.texts[r], e.index) for r, e in zip(rows, examples, strict=True)]
-        ids = self._tokenize(texts)
+        ids = self._tokenize(
+            [self.draws.text(self.prompts.texts[r], e.index) for r, e in zip(rows, examples, strict=True)]
+        )
         if self.trainable:
             return self._forward(ids)
         with torch.no_grad():
-            return self._forward(ids).float()
+            out = self._forward(ids)
+        return tuple(t.float() for t in out) if isinstance(out, tuple) else out.float()

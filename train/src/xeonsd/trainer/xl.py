@@ -19,10 +19,9 @@ import torch
 from PIL import Image
 
 from xeonsd.cluster.distributed import all_reduce_sum_
-from xeonsd.trainer.captions import CaptionDraws
+from xeonsd.trainer.conditioning import PromptConditioning
 from xeonsd.trainer.data import Example
-from xeonsd.trainer.models import Models, autocast
-from xeonsd.trainer.prompts import PromptTable
+from xeonsd.trainer.models import autocast
 
 TIME_IDS = 6  # original (h, w), crop top-left (top, left), target (h, w)
 
@@ -49,32 +48,9 @@ def time_ids_for(image: Path, resolution: int, center_crop: bool) -> torch.Tenso
     return torch.tensor(rows, dtype=torch.float32)
 
 
-class XLPromptConditioning:
+class XLPromptConditioning(PromptConditioning):
     """The prompt table through SDXL's two text encoders: ``encode(rows)`` gives the concatenated penultimate
-    hidden states [n, 77, 768 + 1280] and the pooled ``text_embeds`` [n, 1280]. The caption draws work as in
-    :class:`~xeonsd.trainer.conditioning.PromptConditioning`: dropout adds the empty caption's row, shuffled tags
-    go through the (frozen) encoders in the step."""
-
-    def __init__(
-        self,
-        models: Models,
-        prompts: PromptTable,
-        trainable: bool,
-        rank: int,
-        world: int,
-        draws: CaptionDraws | None = None,
-    ) -> None:
-        self.models = models
-        self.prompts = prompts
-        self.trainable = trainable
-        self.draws = draws or CaptionDraws()
-        texts = [self.draws.fixed(t) for t in prompts.texts]
-        if self.draws.dropout > 0:
-            texts.append("")  # the empty caption's row: len(prompts.texts)
-        self.ids = self._tokenize(texts)
-        self.table: tuple[torch.Tensor, torch.Tensor] | None = None
-        if not trainable:
-            self.table = self._encode_all(rank, world)
+    hidden states [n, 77, 768 + 1280] and the pooled ``text_embeds`` [n, 1280]; the caption draws as for SD."""
 
     def _tokenize(self, texts: list[str]) -> list[torch.Tensor]:
         return [
@@ -84,7 +60,10 @@ class XLPromptConditioning:
             for tok, _ in self.models.text_pairs
         ]
 
-    def _forward_ids(self, ids: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _select(self, rows: list[int]) -> list[torch.Tensor]:
+        return [ids[rows] for ids in self.ids]
+
+    def _forward(self, ids: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, pooled = [], None
         with autocast(self.models.weight_dtype):
             for one, (_, encoder) in zip(ids, self.models.text_pairs, strict=True):
@@ -94,47 +73,28 @@ class XLPromptConditioning:
         assert pooled is not None
         return torch.cat(hidden, dim=-1), pooled
 
-    def _forward(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._forward_ids([ids[rows] for ids in self.ids])
-
     @torch.no_grad()
     def _encode_all(self, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.ids[0].shape[0]
         if n < world:  # fewer prompts than ranks (an instance prompt): every rank encodes them
-            hidden, pooled = self._forward(list(range(n)))
+            hidden, pooled = self._forward(self.ids)
             return hidden.float(), pooled.float()
-        first_hidden, first_pooled = self._forward([0])
-        hidden = torch.zeros((n, *first_hidden.shape[1:]), dtype=torch.float32)
-        pooled = torch.zeros((n, *first_pooled.shape[1:]), dtype=torch.float32)
+        hidden = pooled = None
         for i in range(rank, n, world):
-            h, p = self._forward([i])
+            h, p = self._forward(self._select([i]))
+            if hidden is None:
+                hidden = torch.zeros((n, *h.shape[1:]), dtype=torch.float32)
+                pooled = torch.zeros((n, *p.shape[1:]), dtype=torch.float32)
             hidden[i], pooled[i] = h[0].float(), p[0].float()
+        assert hidden is not None and pooled is not None
         packed = all_reduce_sum_(torch.cat([hidden.flatten(1), pooled], dim=1), world)
         split = hidden[0].numel()
         return packed[:, :split].reshape(hidden.shape).contiguous(), packed[:, split:].contiguous()
 
     def encode(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """These prompt rows as validation sees them (nothing drawn)."""
         if self.table is not None:
             return self.table[0][rows], self.table[1][rows]
-        return self._forward(rows)
-
-    def for_examples(self, examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor]:
-        """What these training examples condition on: their prompt rows, with the caption draws."""
-        rows = [self.prompts.row(e) for e in examples]
-        if not self.draws.shuffle_tags:
-            empty = len(self.prompts.texts)
-            return self.encode(
-                [empty if self.draws.dropped(e.index) else r for r, e in zip(rows, examples, strict=True)]
-            )
-        ids = self._tokenize(
-            [self.draws.text(self.prompts.texts[r], e.index) for r, e in zip(rows, examples, strict=True)]
-        )
-        if self.trainable:
-            return self._forward_ids(ids)
-        with torch.no_grad():
-            hidden, pooled = self._forward_ids(ids)
-        return hidden.float(), pooled.float()
+        return self._forward(self._select(rows))
 
 
 def unet_conditioning(text, latents, examples: list[Example]) -> tuple[torch.Tensor, dict | None]:
