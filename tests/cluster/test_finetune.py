@@ -257,7 +257,13 @@ def test_lora_on_16_ranks_reuses_the_base_export_and_generates_with_the_adapter(
     assert rows[-1]["step"] == 10 and {r["ranks"] for r in rows} == {16} and {r["method"] for r in rows} == {"lora"}
     assert "--method=lora" in (run / "run.sh").read_text() and "--placeholder_token" not in (run / "run.sh").read_text()
     summary = json.loads((run / "train_summary.json").read_text())
-    assert summary["prompts"] == {"source": "metadata.jsonl", "count": 5, "per_image": True}, summary
+    prompts = summary["prompts"]
+    assert {k: prompts[k] for k in ("source", "count", "per_image")} == {
+        "source": "metadata.jsonl",
+        "count": 5,
+        "per_image": True,
+    }, summary
+    assert (prompts["caption_dropout"], prompts["shuffle_tags"], prompts["caption_prefix"]) == (0.0, False, None)
     assert "LoRA adapter: " + str(run / "pytorch_lora_weights.safetensors") in result.output
     assert not (run / "learned_embeds.safetensors").exists()
 
