@@ -40,18 +40,23 @@ class WeightsFileError(ValueError):
     """A safetensors file that cannot be read as one."""
 
 
+def _read_header(f, path: Path) -> tuple[dict, int]:
+    """A safetensors file's tensor table (without ``__metadata__``) and the offset its data starts at."""
+    try:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    except (struct.error, ValueError) as exc:
+        raise WeightsFileError(f"{path}: not a safetensors file ({exc})") from exc
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
 def read_safetensors(path: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the safetensors file ``path``, floating-point ones cast to ``dtype`` (None: as stored),
     reading one tensor at a time."""
     out: dict[str, torch.Tensor] = {}
     with open(path, "rb") as f:
-        try:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        except (struct.error, ValueError) as exc:
-            raise WeightsFileError(f"{path}: not a safetensors file ({exc})") from exc
-        start = 8 + size
-        header.pop("__metadata__", None)
+        header, start = _read_header(f, path)
         for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             stored = _DTYPES.get(info.get("dtype"))
             if stored is None:
@@ -74,12 +79,7 @@ def largest_tensor_bytes(files: list[Path]) -> int:
     largest = 0
     for path in files:
         with open(path, "rb") as f:
-            try:
-                (size,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(size))
-            except (struct.error, ValueError) as exc:
-                raise WeightsFileError(f"{path}: not a safetensors file ({exc})") from exc
-        header.pop("__metadata__", None)
+            header, _ = _read_header(f, path)
         largest = max([largest, *(info["data_offsets"][1] - info["data_offsets"][0] for info in header.values())])
     return largest
 
