@@ -52,10 +52,8 @@ def _peft_adapter(unet, out: Path, targets: list[str], seed: int, scale: float) 
     return out / LORA_FILE
 
 
-@pytest.fixture(scope="module")
-def trained_lora(tiny_model: Path, dataset: Path, tmp_path_factory: pytest.TempPathFactory, cli_env_module) -> Path:
+def _train_lora(tiny_model: Path, dataset: Path, out: Path, env: dict[str, str], *extra: str) -> Path:
     """``xeonsd train --method lora`` for 3 steps with a large learning rate, UNet and text encoder adapters."""
-    out = tmp_path_factory.mktemp("lora") / "a"
     args = method_args(
         "lora",
         tiny_model,
@@ -65,30 +63,24 @@ def trained_lora(tiny_model: Path, dataset: Path, tmp_path_factory: pytest.TempP
         "--rank=2",
         "--train_text_encoder",
         "--learning_rate=5e-2",
+        *extra,
         steps=3,
     )
-    train(args, cli_env_module)
+    train(args, env)
     return out / LORA_FILE
+
+
+@pytest.fixture(scope="module")
+def trained_lora(tiny_model: Path, dataset: Path, tmp_path_factory: pytest.TempPathFactory, cli_env_module) -> Path:
+    """The adapter in the diffusers layout (the trainer's default)."""
+    return _train_lora(tiny_model, dataset, tmp_path_factory.mktemp("lora") / "a", cli_env_module)
 
 
 @pytest.fixture(scope="module")
 def trained_kohya(tiny_model: Path, dataset: Path, tmp_path_factory: pytest.TempPathFactory, cli_env_module) -> Path:
     """The same run as ``trained_lora`` with ``--save_format kohya``: the same adapter in the kohya layout."""
     out = tmp_path_factory.mktemp("lora") / "kohya"
-    args = method_args(
-        "lora",
-        tiny_model,
-        dataset,
-        out,
-        f"--instance_prompt={PROMPT}",
-        "--rank=2",
-        "--train_text_encoder",
-        "--learning_rate=5e-2",
-        "--save_format=kohya",
-        steps=3,
-    )
-    train(args, cli_env_module)
-    return out / LORA_FILE
+    return _train_lora(tiny_model, dataset, out, cli_env_module, "--save_format=kohya")
 
 
 @pytest.fixture(scope="module")
