@@ -70,8 +70,15 @@ def test_the_inventorys_argv_carries_only_the_chosen_methods_flags(method, own, 
     for name, value in own.items():
         assert getattr(cfg, name) == value, (name, argv)
     assert not set(foreign) & given_flags(argv), argv
-    assert cfg.captions == "auto" and cfg.resolution == 512
+    assert cfg.captions == "auto" and "resolution" not in given_flags(argv)  # auto: the family's, the trainer's
     assert not {"snr_gamma", "noise_offset", "timestep_range"} & given_flags(argv), argv  # empty: off
+
+
+def test_a_resolution_number_reaches_the_trainer_and_auto_leaves_it_to_the_family() -> None:
+    from xeonsd.trainer.config import given_flags, parse_config
+
+    assert "resolution" not in given_flags(_inventory_argv("finetune_resolution=auto"))
+    assert parse_config(_inventory_argv("finetune_resolution=768")).resolution == 768
 
 
 def test_the_loss_options_reach_the_trainer_when_set() -> None:

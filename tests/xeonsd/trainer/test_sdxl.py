@@ -232,7 +232,7 @@ def test_sdxl_defaults_to_1024_and_full_fine_tuning_does_not_fit_a_24_gb_node(sd
 
     models = (sdxl_configs, tiny_xl_model, tiny_model)
     resolutions = [with_resolution(cfg(m, "lora"), detect_family(m)).resolution for m in models]
-    assert resolutions == [1024, 64, 512]  # SDXL base's, tiny-xl's; SD 1.x/2.x keep 512
+    assert resolutions == [1024, 64, 64]  # sample_size × VAE scale: SDXL base's, tiny-xl's, tiny SD's
     full = estimate(cfg(sdxl_configs, "full"), "full", 5, 1)  # at the default, 1024 px
     assert full.gradients > 2.5e9 * 4 and full.optimizer == 2 * full.gradients  # fp32, for the 2.57 B UNet weights
     problem = check_fits(full, 1, int(24 * GB))

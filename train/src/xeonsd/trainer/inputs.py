@@ -39,9 +39,9 @@ class Inputs:
 
 
 def default_resolution(family: Family | None) -> int:
-    """The resolution a run trains at without --resolution: the family's (1024 for SDXL base, from its UNet's
-    sample size); 512 for SD 1.x/2.x, as before the families."""
-    return family.default_resolution if family is not None and family.is_xl else 512
+    """The resolution a run trains at without --resolution: the family's, its UNet's sample size × the VAE's scale
+    (SD 1.5 and SD 2 base 512, SD 2.1 768-v 768, SDXL 1024); 512 when no model was read."""
+    return family.default_resolution if family is not None else 512
 
 
 def with_resolution(cfg: TrainConfig, family: Family | None) -> TrainConfig:
