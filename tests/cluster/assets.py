@@ -36,3 +36,15 @@ def make_assets(assets_dir: Path, xeonsd_source: Path) -> None:
     if not (assets_dir / "tiny-sd").exists():
         run([xeonsd, "make-tiny-model", str(assets_dir / "tiny-sd.partial")], env=env)
         (assets_dir / "tiny-sd.partial").rename(assets_dir / "tiny-sd")
+
+
+def make_tiny_xl(assets_dir: Path) -> Path:
+    """The tiny SDXL pipeline at <assets_dir>/tiny-xl (made once): the second base model that the SDXL test stages
+    next to tiny-sd."""
+    out = assets_dir / "tiny-xl"
+    if not out.exists():
+        shutil.rmtree(assets_dir / "tiny-xl.partial", ignore_errors=True)
+        xeonsd = str(VENV_BIN / "xeonsd")
+        run([xeonsd, "make-tiny-model", str(assets_dir / "tiny-xl.partial"), "--arch", "tiny-xl"])
+        (assets_dir / "tiny-xl.partial").rename(out)
+    return out
