@@ -45,25 +45,27 @@ def xl_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def xl_runs(tiny_xl_model, xl_data, tmp_path_factory):
-    """``runs(method, ranks)``: the output dir of that run (1 rank x batch 2, or 2 ranks x batch 1), trained once."""
+    """``runs(method, ranks, *extra)``: the output dir of that run (1 rank x batch 2, or 2 ranks x batch 1, with the
+    extra flags), trained once."""
     import os
     import sys
 
     root = tmp_path_factory.mktemp("xl-runs")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    done: dict[tuple[str, int], Path] = {}
+    done: dict[tuple, Path] = {}
 
-    def runs(method: str, ranks: int) -> Path:
-        if (method, ranks) not in done:
-            out = root / f"{method}-{ranks}"
+    def runs(method: str, ranks: int, *extra: str) -> Path:
+        key = (method, ranks, *extra)
+        if key not in done:
+            out = root / f"{method}-{ranks}-{len(done)}"
             batch = 2 if ranks == 1 else 1
             # full fine-tuning keeps its latents on disk: the 2-rank run reads the 1-rank run's files
             cache = (f"--latent_cache_dir={root / 'latent-cache'}",) if method == "full" else ()
-            args = xl_args(method, tiny_xl_model, xl_data[DATA[method]], out, *cache, batch=batch)
+            args = xl_args(method, tiny_xl_model, xl_data[DATA[method]], out, *cache, *extra, batch=batch)
             (out.parent / f"{out.name}.log").write_text(train(args, env, ranks=ranks).stderr)
-            done[method, ranks] = out
-        return done[method, ranks]
+            done[key] = out
+        return done[key]
 
     runs.env = env  # type: ignore[attr-defined]
     runs.root = root  # type: ignore[attr-defined]
@@ -126,6 +128,39 @@ def test_lora_loads_in_stock_sdxl_pipeline_and_changes_the_image(xl_runs, tiny_x
     assert (after - before).abs().mean() > 1e-3, "the adapter does not change the image"
     pipe.unload_lora_weights()
     assert all(torch.equal(v, base_unet[k]) for k, v in pipe.unet.state_dict().items())
+
+
+def test_kohya_sdxl_lora_names_both_text_encoders_and_round_trips_to_diffusers(xl_runs, tiny_xl_model, tmp_path):
+    """--save_format kohya on SDXL: lora_te1_ (text_encoder) and lora_te2_ (text_encoder_2), the names the UIs'
+    SDXL loaders and diffusers read; the same training as the diffusers file; kohya -> diffusers keeps every
+    tensor (alpha/rank folded into up, as documented)."""
+    from diffusers import StableDiffusionXLPipeline
+
+    from xeonsd.lora_layout import convert, module_names, read_adapter
+
+    kohya = xl_runs("lora", 1, "--save_format=kohya") / LORA_FILE
+    keys = list(load_file(str(kohya)))
+    assert {k.split("_text_model_")[0] for k in keys if "_text_model_" in k} == {"lora_te1", "lora_te2"}, keys[:4]
+    assert any(k.startswith("lora_unet_") for k in keys) and not any(k.startswith("lora_te_") for k in keys)
+
+    ours, theirs = read_adapter(kohya), read_adapter(xl_runs("lora", 1) / LORA_FILE)
+    assert ours.keys() == theirs.keys() and {m.alpha for m in ours.values()} == {4.0}
+    ups = {n: torch.from_numpy(m.up) for n, m in ours.items()}
+    assert_same_training(
+        ups, {n: torch.from_numpy(m.up) for n, m in theirs.items()}, {n: 0 * u for n, u in ups.items()}
+    )
+
+    pipe = StableDiffusionXLPipeline.from_pretrained(tiny_xl_model)
+    names = module_names(pipe.unet, pipe.text_encoder, pipe.text_encoder_2)
+    back = load_file(str(convert(kohya, tmp_path / LORA_FILE, "diffusers", names)))
+    assert {k.split(".", 1)[0] for k in back} == {"unet", "text_encoder", "text_encoder_2"}
+    for mod in ours.values():
+        module = names[mod.name]
+        part = "lora" if module.startswith("unet.") else "lora_linear_layer"
+        assert torch.equal(back[f"{module}.{part}.down.weight"], torch.from_numpy(mod.down)), module
+        assert torch.equal(back[f"{module}.{part}.up.weight"], torch.from_numpy(mod.up) * 2), module  # alpha 4 / rank 2
+    pipe.load_lora_weights(str(kohya.parent), weight_name=LORA_FILE)  # diffusers' own kohya SDXL reader
+    assert all(getattr(pipe, c).peft_config for c in ("unet", "text_encoder", "text_encoder_2"))
 
 
 def test_embedding_loads_with_the_two_documented_calls_and_changes_the_image(xl_runs, tiny_xl_model):

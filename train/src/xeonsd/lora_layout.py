@@ -7,8 +7,14 @@ trainer (``--save_format``) and the OpenVINO side (``export --lora``, ``generate
   metadata (``lora_adapter_metadata``: ``unet.lora_alpha``, ``text_encoder.lora_alpha``); where a file has none,
   diffusers' ``load_lora_weights`` uses alpha = rank (scale 1), and so does this module.
 * kohya/A1111: what AUTOMATIC1111, Forge and ComfyUI load, and what OpenVINO GenAI's ``Adapter`` applies:
-  ``lora_unet_<module with . -> _>.lora_down.weight``, ``.lora_up.weight`` and ``.alpha`` (``lora_te_`` for the
-  text encoder), one alpha per module.
+  ``lora_unet_<module with . -> _>.lora_down.weight``, ``.lora_up.weight`` and ``.alpha``, one alpha per module;
+  the text encoder's modules are ``lora_te_`` (SD 1.x/2.x), on SDXL ``lora_te1_`` (``text_encoder``) and
+  ``lora_te2_`` (``text_encoder_2``), the names kohya's sd-scripts write and the UIs' SDXL loaders expect. All three
+  are read; :func:`write_kohya` writes ``lora_te1_`` for an SDXL adapter (GenAI's file keeps ``lora_te_``: GenAI
+  ignores ``lora_te1_``, see :mod:`xeonsd.openvino.pipelines`).
+
+In memory a module is named by its kohya name with ``lora_te_`` for the first text encoder in every family
+(:data:`PREFIXES`); only the SDXL file's names differ.
 
 The kohya names lose the dots, so the way back to module names needs the model's modules
 (:func:`module_names`): a kohya module the model does not have is a :class:`LoraFormatError` naming it. Writing
@@ -31,6 +37,7 @@ import numpy as np
 LAYOUTS = ("diffusers", "kohya")
 # SDXL's second text encoder: kohya's ``lora_te2_`` (its first is ``lora_te1_`` there, read as ``lora_te_``).
 PREFIXES = {"unet": "lora_unet_", "text_encoder": "lora_te_", "text_encoder_2": "lora_te2_"}
+SDXL_TE1_PREFIX = "lora_te1_"  # the first text encoder's prefix in an SDXL kohya file
 # diffusers/peft key: <component>.<module>.<lora part>.weight -> (down|up)
 _DIFFUSERS = re.compile(
     r"^(?P<comp>unet|text_encoder_2|text_encoder)\.(?P<module>.+?)\."
@@ -119,7 +126,7 @@ def read_adapter(path: Path) -> dict[str, LoraModule]:
             )
             down = m["part"] in _DOWN
         elif m := _KOHYA.match(key):
-            name = m["name"].replace("lora_te1_", "lora_te_", 1)  # kohya SDXL's first text encoder
+            name = m["name"].replace(SDXL_TE1_PREFIX, PREFIXES["text_encoder"], 1)  # kohya SDXL's first encoder
             mod = modules.setdefault(name, LoraModule(name=name, module=None))
             if m["part"] == "alpha":
                 mod.alpha = float(value)
@@ -247,14 +254,24 @@ def _save(tensors: dict[str, np.ndarray], out: Path, metadata: dict[str, str]) -
     return out
 
 
-def write_kohya(modules: dict[str, LoraModule], out: Path, source: str = "") -> Path:
+def kohya_file_name(name: str, sdxl: bool) -> str:
+    """A module's name in a kohya file: SDXL's first text encoder is ``lora_te1_`` there (``lora_te_`` in memory)."""
+    te = PREFIXES["text_encoder"]
+    return SDXL_TE1_PREFIX + name[len(te) :] if sdxl and name.startswith(te) else name
+
+
+def write_kohya(modules: dict[str, LoraModule], out: Path, source: str = "", sdxl_names: bool | None = None) -> Path:
     """The adapter in the kohya layout (fp32, alpha = rank where it had none), with kohya's dim/alpha metadata
-    when every module shares them."""
+    when every module shares them. ``sdxl_names``: the text encoders as ``lora_te1_``/``lora_te2_`` (SDXL's); None:
+    when :func:`lora_family` reads the adapter as SDXL's; False: ``lora_te_`` (SD 1.x/2.x, and what GenAI applies)."""
+    if sdxl_names is None:
+        sdxl_names = (lora_family(modules) or ("sd",))[0] == "sdxl"
     tensors: dict[str, np.ndarray] = {}
     for mod in modules.values():
-        tensors[f"{mod.name}.lora_down.weight"] = np.ascontiguousarray(mod.down, dtype=np.float32)
-        tensors[f"{mod.name}.lora_up.weight"] = np.ascontiguousarray(mod.up, dtype=np.float32)
-        tensors[f"{mod.name}.alpha"] = np.array(mod.scale * mod.rank, dtype=np.float32)
+        name = kohya_file_name(mod.name, sdxl_names)
+        tensors[f"{name}.lora_down.weight"] = np.ascontiguousarray(mod.down, dtype=np.float32)
+        tensors[f"{name}.lora_up.weight"] = np.ascontiguousarray(mod.up, dtype=np.float32)
+        tensors[f"{name}.alpha"] = np.array(mod.scale * mod.rank, dtype=np.float32)
     metadata = {"format": "pt", "source": json.dumps(source)}
     ranks = {m.rank for m in modules.values()}
     alphas = {m.scale * m.rank for m in modules.values()}
@@ -279,11 +296,12 @@ def write_diffusers(modules: dict[str, LoraModule], out: Path, names: dict[str, 
     return _save(tensors, out, {"format": "pt"})
 
 
-def convert(path: Path, out: Path, layout: str, names: dict[str, str] | None = None) -> Path:
-    """Write the adapter file ``path`` to ``out`` in ``layout`` (``kohya``, or ``diffusers`` with ``names``)."""
+def convert(path: Path, out: Path, layout: str, names: dict[str, str] | None = None, family: str | None = None) -> Path:
+    """Write the adapter file ``path`` to ``out`` in ``layout`` (``kohya``, or ``diffusers`` with ``names``);
+    ``family`` (``sd``/``sdxl``, None: read from the adapter) chooses the kohya text encoders' names."""
     modules = read_adapter(path)
     if layout == "kohya":
-        return write_kohya(modules, out, str(path))
+        return write_kohya(modules, out, str(path), sdxl_names=None if family is None else family == "sdxl")
     if layout == "diffusers":
         return write_diffusers(modules, out, names or {}, path)
     raise LoraFormatError(f"unknown LoRA layout {layout!r}: choose one of {', '.join(LAYOUTS)}")

@@ -95,5 +95,7 @@ def ir_weight_shapes(ov_dir: Path) -> dict[str, tuple[int, ...]]:
 
 
 def convert_for_genai(path: Path, out: Path, modules: dict[str, LoraModule] | None = None) -> Path:
-    """Write the adapter in the kohya layout GenAI applies to ``out``; alpha = rank where the file has none."""
-    return write_kohya(read_adapter(path) if modules is None else modules, out, str(path))
+    """Write the adapter in the kohya layout GenAI applies to ``out``; alpha = rank where the file has none. The text
+    encoder stays ``lora_te_``: GenAI ignores SDXL's ``lora_te1_``/``lora_te2_`` (the SDXL engine fuses those into
+    the text encoders' weights and gives GenAI the UNet part only)."""
+    return write_kohya(read_adapter(path) if modules is None else modules, out, str(path), sdxl_names=False)

@@ -95,8 +95,8 @@ class TrainConfig:
         "comma-separated module names that get adapters", methods=(LORA,), default="to_q,to_k,to_v,to_out.0"
     )
     save_format: str = _flag(
-        "the LoRA file's layout: diffusers (load_lora_weights) or kohya (lora_unet_…/lora_te_… with .alpha: "
-        "AUTOMATIC1111, Forge, ComfyUI; diffusers reads it too)",
+        "the LoRA file's layout: diffusers (load_lora_weights) or kohya (lora_unet_…/lora_te_… with .alpha, SDXL "
+        "lora_te1_…/lora_te2_…: AUTOMATIC1111, Forge, ComfyUI; diffusers reads it too)",
         methods=(LORA,),
         default="diffusers",
         choices=("diffusers", "kohya"),

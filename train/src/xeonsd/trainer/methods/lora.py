@@ -153,7 +153,8 @@ class LoRA(Method):
                 tmp, safe_serialization=True, **self._layers(), **self._metadata()
             )
             if self.cfg.save_format == "kohya":  # the same adapter in the layout the UIs load (alpha per module)
-                convert(Path(tmp) / LORA_FILE, out / LORA_FILE, "kohya")
+                family = "sdxl" if self.models.is_xl else "sd"  # SDXL's text encoders: lora_te1_, lora_te2_
+                convert(Path(tmp) / LORA_FILE, out / LORA_FILE, "kohya", family=family)
             else:
                 os.replace(Path(tmp) / LORA_FILE, out / LORA_FILE)
 
