@@ -579,10 +579,8 @@ def test_sdxl_lora_trains_at_the_familys_resolution_exports_the_sdxl_base_and_ge
     runs = _controller_runs(provisioned)
     xl = ("-e", "base_model_id=xeonsd/tiny-xl", "-e", f"base_model_source_dir={tiny_xl}")
     staged = run_playbook(
-        "provision.yml",
+        "tests/cluster/stage_base_model.yml",
         provisioned.inventory,
-        "--tags",
-        "base_model",
         *xl,
         state_dir=provisioned.state_dir,
         name="stage-tiny-xl",
