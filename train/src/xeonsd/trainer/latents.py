@@ -227,22 +227,7 @@ class LatentTable:
         everywhere = all_reduce_sum_(have.clone(), world)  # an image is reused only where every rank has it
         todo = [i for i in range(count) if everywhere[i // 2] < world]
         mean, std, here = build_bucketed_cache(vae, load, models.weight_dtype, shapes, rank, world, todo)
-        for k, f in enumerate(files):
-            if everywhere[k] == world:
-                saved = load_file(str(f))
-                mean[2 * k], mean[2 * k + 1] = saved["mean"]
-                std[2 * k], std[2 * k + 1] = saved["std"]
-                if time_ids is not None:
-                    time_ids[2 * k : 2 * k + 2] = saved["time_ids"]
-            elif local_rank == 0 and not have[k]:  # one rank per node writes its node's missing files
-                entry = {
-                    "mean": torch.stack([mean[2 * k], mean[2 * k + 1]]),
-                    "std": torch.stack([std[2 * k], std[2 * k + 1]]),
-                }
-                if time_ids is not None:
-                    entry["time_ids"] = time_ids[2 * k : 2 * k + 2].contiguous()
-                with atomic_path(f) as tmp:
-                    save_file(entry, str(tmp))
+        sync_disk_cache(files, have, everywhere == world, mean, std, time_ids, local_rank == 0)
         log.info(
             "latent cache %s: %d of %d image(s) reused, %d encoded (%d input(s) on this rank)",
             cache_dir,
@@ -259,3 +244,24 @@ def bucket_placements(images: list[Path], buckets: Buckets | None, center_crop: 
     if buckets is None:
         return None
     return [placement(image_size(p), buckets.size_of(k), center_crop) for k, p in enumerate(images)]
+
+
+def sync_disk_cache(files, have, everywhere, mean, std, time_ids, writer: bool) -> None:
+    """Fill the rows of the images every rank has (``everywhere``) from their files; a ``writer`` (one rank per
+    node) writes the files its node lacks (``have``) from the freshly encoded rows (an image's two rows a file)."""
+    for k, f in enumerate(files):
+        if everywhere[k]:
+            saved = load_file(str(f))
+            mean[2 * k], mean[2 * k + 1] = saved["mean"]
+            std[2 * k], std[2 * k + 1] = saved["std"]
+            if time_ids is not None:
+                time_ids[2 * k : 2 * k + 2] = saved["time_ids"]
+        elif writer and not have[k]:
+            entry = {
+                "mean": torch.stack([mean[2 * k], mean[2 * k + 1]]),
+                "std": torch.stack([std[2 * k], std[2 * k + 1]]),
+            }
+            if time_ids is not None:
+                entry["time_ids"] = time_ids[2 * k : 2 * k + 2].contiguous()
+            with atomic_path(f) as tmp:
+                save_file(entry, str(tmp))
