@@ -152,3 +152,11 @@ class _Vae:
     class config:  # noqa: N801 - the diffusers attribute name
         block_out_channels = (32, 32, 32, 32)
         latent_channels = 4
+
+
+def test_the_latent_cache_key_includes_the_bucket(tmp_path):
+    from xeonsd.trainer.latents import image_cache_key
+
+    Image.new("RGB", (99, 99)).save(tmp_path / "a.png")
+    keys = {image_cache_key(tmp_path / "a.png", "vae", 64, False, bucket=b) for b in (None, (64, 64), (48, 80))}
+    assert len(keys) == 3  # and without buckets the key is the one of before (the existing caches stay valid)
