@@ -4,8 +4,9 @@ The VAE encoder maps an image to a diagonal Gaussian (mean, std); training sampl
 inputs never change during a run (each image and its mirror), so encoding them once and sampling the cached
 distribution draws from exactly the same distribution as encoding every step, without the encoder's FLOPs.
 
-The cache is built in shards: each rank encodes every ``world``-th input and one all-reduce gives every rank all
-of them. With ``--latent_cache_dir`` it is also kept on disk between runs, one file per image keyed by the
+The cache is built in shards: each rank encodes every ``world``-th image (the image and its mirror, so each image
+is decoded on one rank, one at a time: no rank holds the decoded set) and one all-reduce gives every rank all of
+them; with aspect-ratio buckets, one shard and all-reduce per bucket size. With ``--latent_cache_dir`` it is also kept on disk between runs, one file per image keyed by the
 image's bytes, the VAE, the resolution and the crop, so a second run (or a rank on another node that has the
 files) encodes nothing. For SDXL each input also has its micro-conditioning (``time_ids``: original size, crop,
 target size; :func:`xeonsd.trainer.xl.time_ids_for`), which is part of the key and stored in the file.
