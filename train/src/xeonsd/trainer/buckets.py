@@ -33,6 +33,8 @@ from xeonsd.trainer.data import generator
 log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name
 
 Size = tuple[int, int]  # (width, height) in pixels
+# The bucket flags: a resumed run that changes one continues on another trajectory (a warning, as the loss options).
+BUCKET_OPTIONS = ("buckets", "min_bucket_reso", "max_bucket_reso", "bucket_reso_steps")
 
 
 class BucketError(ConfigError):

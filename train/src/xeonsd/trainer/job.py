@@ -29,7 +29,7 @@ from xeonsd.cluster.rank_stats import node_names
 from xeonsd.cpu import cpu_info
 from xeonsd.modelsource import model_fingerprint
 from xeonsd.trainer import checkpoint as ckpt
-from xeonsd.trainer.buckets import BucketBatches, Buckets
+from xeonsd.trainer.buckets import BUCKET_OPTIONS, BucketBatches, Buckets
 from xeonsd.trainer.captions import CaptionDraws
 from xeonsd.trainer.conditioning import PromptConditioning
 from xeonsd.trainer.config import ConfigError, TrainConfig
@@ -266,7 +266,7 @@ def _resume(
     if state.get("global_batch") != global_batch:
         log.warning("resuming with global batch %d (checkpoint used %s)", global_batch, state.get("global_batch"))
     saved = state.get("config") or {}
-    for name in LOSS_OPTIONS:
+    for name in LOSS_OPTIONS + BUCKET_OPTIONS:
         if name in saved and saved[name] != getattr(cfg, name):
             log.warning("resuming with --%s %s (checkpoint used %s)", name, getattr(cfg, name), saved[name])
     log.info("resumed from %s at step %d", where, start_step)
