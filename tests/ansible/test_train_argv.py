@@ -72,6 +72,19 @@ def test_the_inventorys_argv_carries_only_the_chosen_methods_flags(method, own, 
     assert not set(foreign) & given_flags(argv), argv
     assert cfg.captions == "auto" and "resolution" not in given_flags(argv)  # auto: the family's, the trainer's
     assert not {"snr_gamma", "noise_offset", "timestep_range"} & given_flags(argv), argv  # empty: off
+    assert not {"buckets", "min_bucket_reso", "max_bucket_reso", "bucket_reso_steps"} & given_flags(argv), argv
+
+
+def test_the_bucket_options_reach_the_trainer_when_set() -> None:
+    from xeonsd.trainer.config import parse_config
+
+    argv = _inventory_argv(
+        "finetune_buckets=true", "finetune_min_bucket_reso=320", "finetune_max_bucket_reso=768",
+        "finetune_bucket_reso_steps=32",
+    )  # fmt: skip
+    cfg = parse_config(argv)
+    assert (cfg.buckets, cfg.min_bucket_reso, cfg.max_bucket_reso, cfg.bucket_reso_steps) == (True, 320, 768, 32)
+    assert "--buckets" in argv and "--bucket_reso_steps=32" in argv
 
 
 def test_a_resolution_number_reaches_the_trainer_and_auto_leaves_it_to_the_family() -> None:

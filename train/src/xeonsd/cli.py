@@ -24,7 +24,13 @@ def _make_dataset(args: argparse.Namespace) -> int:
     from xeonsd.assets import make_dataset
 
     for p in make_dataset(
-        Path(args.out), count=args.count, size=args.size, seed=args.seed, captions=args.captions, token=args.token
+        Path(args.out),
+        count=args.count,
+        size=args.size,
+        seed=args.seed,
+        captions=args.captions,
+        token=args.token,
+        sizes=args.sizes,
     ):
         print(p)
     return 0
@@ -235,6 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="output directory (must not exist or be empty)")
     p.add_argument("--count", type=int, default=5)
     p.add_argument("--size", type=int, default=128, help="image side in pixels")
+    p.add_argument(
+        "--sizes",
+        choices=["square", "mixed"],
+        default="square",
+        help="square: every image --size x --size; mixed: mixed aspect ratios (1:1 to 16:9 and 9:16), each with "
+        "1.25-1.75 x --size as the side of its square of equal area (for --buckets at --resolution --size)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--captions",

@@ -16,12 +16,38 @@ log = logging.getLogger("xeonsd.assets")
 
 CAPTION_LAYOUTS = ("metadata", "sidecar", "txt")
 _COLOURS = ("red", "green", "blue")
+SIZES = ("square", "mixed")
+MIXED_ASPECTS = (1.0, 4 / 3, 3 / 4, 3 / 2, 2 / 3, 16 / 9, 9 / 16)  # width / height
+
+
+def image_sizes(count: int, size: int, sizes: str, seed: int) -> list[tuple[int, int]]:
+    """Each image's (width, height): ``square``, ``size`` x ``size``; ``mixed``, one of the aspect ratios of
+    ``MIXED_ASPECTS`` with 1.25-1.75 x ``size`` as the side of its square of equal area (so that every image
+    covers its aspect-ratio bucket at ``--resolution size`` and is never upscaled). Deterministic in ``seed``."""
+    if sizes not in SIZES:
+        raise ValueError(f"unknown --sizes {sizes!r}; choose one of {', '.join(SIZES)}")
+    if sizes == "square":
+        return [(size, size)] * count
+    rng = np.random.default_rng([seed, 1])  # apart from the pictures' stream: their poses stay those of square
+    out = []
+    for _ in range(count):
+        aspect = MIXED_ASPECTS[int(rng.integers(len(MIXED_ASPECTS)))]
+        side = size * rng.uniform(1.25, 1.75)
+        out.append((round(side * math.sqrt(aspect)), round(side / math.sqrt(aspect))))
+    return out
 
 
 def make_dataset(
-    out: Path, count: int = 5, size: int = 128, seed: int = 0, captions: str | None = None, token: str = "<dicoo>"
+    out: Path,
+    count: int = 5,
+    size: int = 128,
+    seed: int = 0,
+    captions: str | None = None,
+    token: str = "<dicoo>",
+    sizes: str = "square",
 ) -> list[Path]:
-    """Write ``count`` synthetic pictures of one small object (a yellow toy robot) in different poses.
+    """Write ``count`` synthetic pictures of one small object (a yellow toy robot) in different poses, all
+    ``size`` x ``size`` or, with ``sizes="mixed"``, of mixed sizes and aspect ratios (:func:`image_sizes`).
 
     With ``captions`` (``metadata``: metadata.jsonl, ``sidecar``: a .txt beside each image, ``txt``:
     captions.txt), each image gets a caption that names the concept's ``token`` and the background's colour,
@@ -30,18 +56,20 @@ def make_dataset(
         raise ValueError("make-dataset needs --count >= 1")
     if captions is not None and captions not in CAPTION_LAYOUTS:
         raise ValueError(f"unknown --captions {captions!r}; choose one of {', '.join(CAPTION_LAYOUTS)}")
+    dims = image_sizes(count, size, sizes, seed)
+    digits = max(2, len(str(count - 1)))
     rng = np.random.default_rng(seed)
     out = Path(out)
     paths = []
     texts = []
     with atomic_dir(out) as tmp:
-        for i in range(count):
+        for i, (width, height) in enumerate(dims):
             bg = tuple(int(v) for v in rng.integers(40, 200, size=3))
-            img = Image.new("RGB", (size, size), bg)
+            img = Image.new("RGB", (width, height), bg)
             d = ImageDraw.Draw(img)
-            s = size / 128
-            cx = size / 2 + rng.uniform(-12, 12) * s
-            cy = size / 2 + rng.uniform(-8, 8) * s
+            s = min(width, height) / 128
+            cx = width / 2 + rng.uniform(-12, 12) * s
+            cy = height / 2 + rng.uniform(-8, 8) * s
             angle = rng.uniform(-0.4, 0.4)
             w, h = 44 * s, 50 * s
             body = [
@@ -61,7 +89,7 @@ def make_dataset(
             )
             for ex in (-5, 5):
                 d.ellipse([hx + ex * s - 2 * s, hy - 2 * s, hx + ex * s + 2 * s, hy + 2 * s], fill=(20, 20, 20))
-            name = f"dicoo_{i:02d}.png"
+            name = f"dicoo_{i:0{digits}d}.png"
             img.save(tmp / name)
             paths.append(out / name)
             texts.append(f"a photo of a {token} on a {_COLOURS[int(np.argmax(bg))]} background")
@@ -73,5 +101,5 @@ def make_dataset(
                 (tmp / p.with_suffix(".txt").name).write_text(t + "\n")
         elif captions == "txt":
             (tmp / "captions.txt").write_text("\n".join(texts) + "\n")
-    log.info("wrote %d images to %s%s", count, out, f" with captions ({captions})" if captions else "")
+    log.info("wrote %d %s images to %s%s", count, sizes, out, f" with captions ({captions})" if captions else "")
     return paths

@@ -50,6 +50,8 @@ def train_summary(
     family: str | None = None,
     resolution: int | None = None,
     validation: dict | None = None,
+    buckets: dict | None = None,
+    startup: dict | None = None,
 ) -> dict:
     """train_summary.json: the method's own figures (``method``, ``trainable_params``, …), the base model and its
     fingerprint, the steps and ranks, the bytes all-reduced per step, the prompts (source, count, per_image, and when
@@ -57,7 +59,10 @@ def train_summary(
     result (its path in the run directory and its size) and, when given, the loss options (``snr_gamma``: None when
     off, ``noise_offset``, ``timestep_range``: the [lo, hi) drawn from), the base model's ``family`` (``sd`` or
     ``sdxl``, :mod:`xeonsd.families`), the ``resolution`` trained at and the validation loss's held-out images
-    (``validation``: ``source``, ``images``, ``timesteps``)."""
+    (``validation``: ``source``, ``images``, ``timesteps``), the aspect-ratio buckets (``buckets``: ``step``,
+    ``min_reso``, ``max_reso``, and ``buckets``: each one's ``width``, ``height`` and ``images``) and the start-up
+    (``startup``: ``time_to_first_step_s`` from the trainer's start, and the latent cache's ``latent_inputs``,
+    ``latent_inputs_encoded`` by the VAE, the rest read from the disk cache)."""
     return {
         **method_summary,
         "base_model": base_model,
@@ -71,6 +76,8 @@ def train_summary(
         **({"family": family} if family is not None else {}),
         **({"resolution": resolution} if resolution is not None else {}),
         **({"validation": dict(validation)} if validation is not None else {}),
+        **({"buckets": dict(buckets)} if buckets is not None else {}),
+        **({"startup": dict(startup)} if startup is not None else {}),
     }
 
 

@@ -117,6 +117,21 @@ class TrainConfig:
         default=None,
     )
     center_crop: bool = _flag("crop the centre square before resizing", default=False)
+    buckets: bool = _flag(
+        "aspect-ratio buckets: each image trains at the bucket size nearest its aspect ratio, of about "
+        "--resolution squared pixels (never upscaled; with --center_crop the bucket is cut from its centre, "
+        "without the image is resized to it); a global batch comes from one bucket",
+        default=False,
+    )
+    min_bucket_reso: int | None = _flag(
+        "with --buckets: the smallest bucket side (a multiple of --bucket_reso_steps; default: --resolution / 2)",
+        default=None,
+    )
+    max_bucket_reso: int | None = _flag(
+        "with --buckets: the largest bucket side (a multiple of --bucket_reso_steps; default: 2 x --resolution)",
+        default=None,
+    )
+    bucket_reso_steps: int = _flag("with --buckets: bucket sides are multiples of this (of 8)", default=64)
     train_batch_size: int = _flag("images per rank per micro-step", default=16)
     gradient_accumulation_steps: int = _flag("micro-steps per optimizer step", default=1)
     max_train_steps: int = _flag("optimizer steps", default=5000)

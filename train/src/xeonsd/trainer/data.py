@@ -11,10 +11,14 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
+
+if TYPE_CHECKING:
+    from xeonsd.trainer.buckets import BucketBatches, Placement
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +56,24 @@ def find_images(data_dir: Path) -> list[Path]:
     return images
 
 
-def load_pixels(path: Path, resolution: int, center_crop: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """An image as a [3, R, R] tensor in [-1, 1], and its horizontal mirror (as the recipe prepares it)."""
+def load_pixels(
+    path: Path, resolution: int, center_crop: bool, placement: Placement | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An image as a [3, R, R] tensor in [-1, 1], and its horizontal mirror (as the recipe prepares it); with a
+    bucket's ``placement`` (:func:`xeonsd.trainer.buckets.placement`), [3, bucket height, bucket width]."""
     with Image.open(path) as im:
         img = np.array(im.convert("RGB")).astype(np.uint8)
-    if center_crop:
-        h, w = img.shape[:2]
-        side = min(h, w)
-        top, left = (h - side) // 2, (w - side) // 2
-        img = img[top : top + side, left : left + side]
-    pil = Image.fromarray(img).resize((resolution, resolution), resample=Image.Resampling.BICUBIC)
+    if placement is not None:
+        (bw, bh), (top, left) = placement.bucket, (placement.top, placement.left)
+        pil = Image.fromarray(img).resize(placement.resized, resample=Image.Resampling.BICUBIC)
+        pil = pil.crop((left, top, left + bw, top + bh))
+    else:
+        if center_crop:
+            h, w = img.shape[:2]
+            side = min(h, w)
+            top, left = (h - side) // 2, (w - side) // 2
+            img = img[top : top + side, left : left + side]
+        pil = Image.fromarray(img).resize((resolution, resolution), resample=Image.Resampling.BICUBIC)
     flipped = pil.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
 
     def to_tensor(p: Image.Image) -> torch.Tensor:
@@ -71,18 +83,22 @@ def load_pixels(path: Path, resolution: int, center_crop: bool) -> tuple[torch.T
     return to_tensor(pil), to_tensor(flipped)
 
 
-def load_all_pixels(paths: list[Path], resolution: int, center_crop: bool, workers: int) -> torch.Tensor:
-    """All distinct training inputs as [2 * len(paths), 3, R, R]: input ``2*i`` is image i, ``2*i+1`` its mirror."""
+def load_all_pixels(
+    paths: list[Path], resolution: int, center_crop: bool, workers: int, placements: list[Placement] | None = None
+) -> torch.Tensor | list[torch.Tensor]:
+    """All distinct training inputs as [2 * len(paths), 3, R, R]: input ``2*i`` is image i, ``2*i+1`` its mirror.
+    With buckets (a ``placements`` entry per image) a list of the inputs, each its bucket's size."""
 
-    def one(p: Path) -> tuple[torch.Tensor, torch.Tensor]:
-        return load_pixels(p, resolution, center_crop)
+    def one(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return load_pixels(paths[i], resolution, center_crop, placements[i] if placements else None)
 
     if workers > 0:
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            pairs = list(pool.map(one, paths))
+            pairs = list(pool.map(one, range(len(paths))))
     else:
-        pairs = [one(p) for p in paths]
-    return torch.stack([t for pair in pairs for t in pair])
+        pairs = [one(i) for i in range(len(paths))]
+    inputs = [t for pair in pairs for t in pair]
+    return inputs if placements else torch.stack(inputs)
 
 
 def mix(*parts: int) -> int:
@@ -122,27 +138,32 @@ class SamplingPlan:
     flip_p: float = 0.5
     timestep_range: tuple[int, int] | None = None  # [lo, hi); None: [0, num_timesteps)
     noise_offset: float = 0.0
+    buckets: BucketBatches | None = None  # --buckets: a global batch from one bucket, latents of its shape
 
     def image_for(self, k: int) -> int:
         """Images are visited in a fresh shuffled order every pass over the data (sampling without replacement)."""
+        if self.buckets is not None:
+            return self.buckets.image_for(self.seed, k)
         epoch, pos = divmod(k, self.num_images)
         perm = torch.randperm(self.num_images, generator=generator(self.seed, 1, epoch))
         return int(perm[pos])
 
     def example(self, k: int) -> Example:
         g = generator(self.seed, 2, k)
+        image = self.image_for(k)
+        shape = self.latent_shape if self.buckets is None else self.buckets.latent_shape(image)
         flip = bool(torch.rand((), generator=g) < self.flip_p)
         template = int(torch.randint(self.num_templates, (), generator=g))
         if self.timestep_range is None:
             timestep = int(torch.randint(self.num_timesteps, (), generator=g))
         else:
             timestep = int(torch.randint(*self.timestep_range, (), generator=g))
-        noise = torch.randn(self.latent_shape, generator=g)
-        eps = torch.randn(self.latent_shape, generator=g)
+        noise = torch.randn(shape, generator=g)
+        eps = torch.randn(shape, generator=g)
         if self.noise_offset:  # drawn after the others, and only when on: without it the draws are as before
-            channels = self.latent_shape[0]
+            channels = shape[0]
             noise = noise + self.noise_offset * torch.randn((channels, 1, 1), generator=g)
-        return Example(k, 2 * self.image_for(k) + int(flip), template, timestep, noise, eps)
+        return Example(k, 2 * image + int(flip), template, timestep, noise, eps)
 
     def batch(
         self, step: int, micro: int, accumulation: int, world_size: int, rank: int, batch_size: int

@@ -15,6 +15,7 @@ from xeonsd.fsutil import atomic_path
 from xeonsd.method_names import METHODS
 from xeonsd.modelsource import check_model_source
 from xeonsd.trainer import checkpoint as ckpt
+from xeonsd.trainer.buckets import Buckets, assign
 from xeonsd.trainer.captions import Captions, read_captions, short_tag_captions
 from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.data import find_images
@@ -36,6 +37,7 @@ class Inputs:
     resume: Path | None
     family: Family | None = None
     held_out: HeldOut | None = None  # the validation loss's images
+    buckets: Buckets | None = None  # --buckets: each training image's aspect-ratio bucket
 
 
 def default_resolution(family: Family | None) -> int:
@@ -65,13 +67,17 @@ def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
         check_held_out(cfg, held_out, uses_captions)
     check_model_source(cfg.pretrained_model_name_or_path, revision=cfg.revision)
     family = model_family(cfg)  # a family we do not serve is refused here, before any weight loads
+    buckets = None
+    if cfg.buckets:
+        resolution = cfg.resolution or default_resolution(family)
+        buckets = assign(images, resolution, cfg.min_bucket_reso, cfg.max_bucket_reso, cfg.bucket_reso_steps)
     resume = None
     # Checkpoints live in rank 0's output dir (on the primary node); rank 0 reads and broadcasts the state.
     if cfg.resume_from_checkpoint and info.is_main:
         resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, cfg.output_path)
     if info.is_main and resume is None and not cfg.overwrite_output_dir:
         check_no_earlier_run(cfg)
-    return Inputs(images, captions, resume, family, held_out)
+    return Inputs(images, captions, resume, family, held_out, buckets)
 
 
 def check_flags(cfg: TrainConfig, info: RankInfo) -> None:
@@ -96,6 +102,10 @@ def check_flags(cfg: TrainConfig, info: RankInfo) -> None:
         raise ConfigError(f"--noise_offset must be 0 (off) or positive, got {cfg.noise_offset}")
     # A local model's scheduler bounds it now; a Hub id's once its scheduler has loaded (job.py).
     parse_timestep_range(cfg.timestep_range, local_num_train_timesteps(cfg.pretrained_model_name_or_path))
+    bucket_flags = [f"--{n}" for n in ("min_bucket_reso", "max_bucket_reso") if getattr(cfg, n) is not None]
+    bucket_flags += ["--bucket_reso_steps"] if cfg.bucket_reso_steps != 64 else []
+    if bucket_flags and not cfg.buckets:
+        raise ConfigError(f"{' and '.join(bucket_flags)} shape the aspect-ratio buckets: add --buckets")
     if cfg.world_size is not None and cfg.world_size != info.world_size:
         raise ConfigError(
             f"--world_size {cfg.world_size} does not match the launcher ({info.launcher}), which reports "

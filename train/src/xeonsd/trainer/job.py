@@ -29,6 +29,7 @@ from xeonsd.cluster.rank_stats import node_names
 from xeonsd.cpu import cpu_info
 from xeonsd.modelsource import model_fingerprint
 from xeonsd.trainer import checkpoint as ckpt
+from xeonsd.trainer.buckets import BUCKET_OPTIONS, BucketBatches, Buckets
 from xeonsd.trainer.captions import CaptionDraws
 from xeonsd.trainer.conditioning import PromptConditioning
 from xeonsd.trainer.config import ConfigError, TrainConfig
@@ -81,6 +82,7 @@ class TrainingData:
     latents: LatentTable
     plan: SamplingPlan
     validation: ValidationSet | None = None  # the held-out images of the validation loss
+    buckets: Buckets | None = None  # --buckets: the aspect-ratio buckets and their images
 
 
 @dataclass(frozen=True)
@@ -264,7 +266,7 @@ def _resume(
     if state.get("global_batch") != global_batch:
         log.warning("resuming with global batch %d (checkpoint used %s)", global_batch, state.get("global_batch"))
     saved = state.get("config") or {}
-    for name in LOSS_OPTIONS:
+    for name in LOSS_OPTIONS + BUCKET_OPTIONS:
         if name in saved and saved[name] != getattr(cfg, name):
             log.warning("resuming with --%s %s (checkpoint used %s)", name, getattr(cfg, name), saved[name])
     log.info("resumed from %s at step %d", where, start_step)
@@ -293,8 +295,9 @@ def _prepare_data(
         draws=CaptionDraws.for_run(cfg, seed),
     )
     t1 = time.perf_counter()
-    latents = LatentTable.build(cfg, models, inputs.images, info.rank, info.local_rank, world)
+    latents = LatentTable.build(cfg, models, inputs.images, info.rank, info.local_rank, world, inputs.buckets)
     t2 = time.perf_counter()
+    batches = BucketBatches.for_run(inputs.buckets, models.vae, world * cfg.train_batch_size)
     num_timesteps = models.noise_scheduler.config.num_train_timesteps
     timestep_range = parse_timestep_range(cfg.timestep_range, num_timesteps)
     validation = build_validation(
@@ -320,8 +323,11 @@ def _prepare_data(
         latent_shape=latents.shape,
         timestep_range=timestep_range,
         noise_offset=cfg.noise_offset,
+        buckets=batches,
     )
-    return TrainingData(prompts=prompts, text=text, latents=latents, plan=plan, validation=validation)
+    return TrainingData(
+        prompts=prompts, text=text, latents=latents, plan=plan, validation=validation, buckets=inputs.buckets
+    )
 
 
 def _step_unet(models: Models, method: Method, world: int) -> torch.nn.Module:

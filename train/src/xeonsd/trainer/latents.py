@@ -4,8 +4,9 @@ The VAE encoder maps an image to a diagonal Gaussian (mean, std); training sampl
 inputs never change during a run (each image and its mirror), so encoding them once and sampling the cached
 distribution draws from exactly the same distribution as encoding every step, without the encoder's FLOPs.
 
-The cache is built in shards: each rank encodes every ``world``-th input and one all-reduce gives every rank all
-of them. With ``--latent_cache_dir`` it is also kept on disk between runs, one file per image keyed by the
+The cache is built in shards: each rank encodes every ``world``-th image (the image and its mirror, so each image
+is decoded on one rank, one at a time: no rank holds the decoded set) and one all-reduce gives every rank all of
+them; with aspect-ratio buckets, one shard and all-reduce per bucket size. With ``--latent_cache_dir`` it is also kept on disk between runs, one file per image keyed by the
 image's bytes, the VAE, the resolution and the crop, so a second run (or a rank on another node that has the
 files) encodes nothing. For SDXL each input also has its micro-conditioning (``time_ids``: original size, crop,
 target size; :func:`xeonsd.trainer.xl.time_ids_for`), which is part of the key and stored in the file.
@@ -25,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from xeonsd.cluster.distributed import all_reduce_sum_
 from xeonsd.fsutil import atomic_path
+from xeonsd.trainer.buckets import Buckets, Placement, image_size, placement
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +57,12 @@ def build_latent_cache(
     todo: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode the inputs ``todo`` (default: all ``count``; ``load(i)`` gives input i as [1, 3, H, W]) once: each
-    rank encodes every ``world_size``-th of them, ``ENCODE_BATCH`` to a VAE call, and the results are summed
-    across ranks, so the cache costs ``ceil(len(todo) / ranks)`` encodes per rank. Rows not in ``todo`` stay
+    rank encodes its share (:func:`my_share`), ``ENCODE_BATCH`` to a VAE call, and the results are summed
+    across ranks, so the cache costs about ``len(todo) / ranks`` encodes per rank. Rows not in ``todo`` stay
     zero."""
     todo = list(range(count)) if todo is None else list(todo)
     packed = torch.zeros((2, count, *latent_shape), dtype=torch.float32)
-    mine = todo[rank::world_size]
+    mine = my_share(todo, rank, world_size)
     for k in range(0, len(mine), ENCODE_BATCH):
         rows = mine[k : k + ENCODE_BATCH]
         m, s = encode_distribution(vae, torch.cat([load(i) for i in rows]), dtype)
@@ -69,17 +71,65 @@ def build_latent_cache(
     return packed[0], packed[1]
 
 
+def my_share(todo: Sequence[int], rank: int, world_size: int) -> list[int]:
+    """The inputs of ``todo`` this rank encodes: those of every ``world_size``-th image (input ``2*i`` is image i,
+    ``2*i+1`` its mirror), so that each image is decoded on one rank only."""
+    return [i for i in todo if (i // 2) % world_size == rank]
+
+
+def build_bucketed_cache(
+    vae: torch.nn.Module,
+    load: Callable[[int], torch.Tensor],
+    dtype: torch.dtype,
+    shapes: Sequence[tuple[int, int, int]],
+    rank: int,
+    world_size: int,
+    todo: Sequence[int] | None = None,
+) -> tuple[torch.Tensor | list[torch.Tensor], torch.Tensor | list[torch.Tensor], int]:
+    """:func:`build_latent_cache` for inputs of several latent shapes (``shapes``: one per input; aspect-ratio
+    buckets), one shape at a time, each shared out over the ranks. Returns (mean, std, encodes on this rank): one
+    tensor each when every input has the same shape, else a list with a tensor per input."""
+    count = len(shapes)
+    todo = list(range(count)) if todo is None else list(todo)
+    distinct = sorted(set(shapes))
+    if len(distinct) == 1:
+        mean, std = build_latent_cache(vae, count, load, dtype, distinct[0], rank, world_size, todo)
+        return mean, std, len(my_share(todo, rank, world_size))
+    wanted = set(todo)
+    means: list[torch.Tensor] = [torch.empty(0)] * count
+    stds: list[torch.Tensor] = [torch.empty(0)] * count
+    encoded = 0
+    for shape in distinct:
+        rows = [i for i, s in enumerate(shapes) if s == shape]  # an image's two inputs stay neighbours
+        sub = [j for j, i in enumerate(rows) if i in wanted]
+        m, sd = build_latent_cache(
+            vae, len(rows), lambda j, rows=rows: load(rows[j]), dtype, shape, rank, world_size, sub
+        )
+        encoded += len(my_share(sub, rank, world_size))
+        for j, i in enumerate(rows):
+            means[i], stds[i] = m[j], sd[j]
+    return means, stds, encoded
+
+
 def sample_latents(mean: torch.Tensor, std: torch.Tensor, eps: torch.Tensor, scaling_factor: float) -> torch.Tensor:
     """Scaled latents drawn from N(mean, std^2) with the given standard-normal ``eps``."""
     return (mean + std * eps) * scaling_factor
 
 
 def image_cache_key(
-    image: Path, vae_key: str, resolution: int, center_crop: bool, time_ids: torch.Tensor | None = None
+    image: Path,
+    vae_key: str,
+    resolution: int,
+    center_crop: bool,
+    time_ids: torch.Tensor | None = None,
+    bucket: tuple[int, int] | None = None,
 ) -> str:
-    """The disk cache's name for one image's (and its mirror's) latent distribution (and SDXL's time ids)."""
+    """The disk cache's name for one image's (and its mirror's) latent distribution (and SDXL's time ids); with
+    aspect-ratio buckets, the image's bucket (width, height) is part of it."""
     h = hashlib.sha256(Path(image).read_bytes())
     h.update(f"\0{vae_key}\0{resolution}\0{int(center_crop)}".encode())
+    if bucket is not None:
+        h.update(f"\0bucket:{bucket[0]}x{bucket[1]}".encode())
     if time_ids is not None:
         h.update(("\0time_ids:" + ",".join(f"{v:g}" for v in time_ids.flatten().tolist())).encode())
     return h.hexdigest()[:32]
@@ -93,12 +143,15 @@ class LatentTable:
     shape: tuple[int, int, int]
     count: int
     scaling: float
-    mean: torch.Tensor | None = None
-    std: torch.Tensor | None = None
+    # [count, ...] each; with buckets of several sizes, a list of one tensor per input row
+    mean: torch.Tensor | list[torch.Tensor] | None = None
+    std: torch.Tensor | list[torch.Tensor] | None = None
     vae: torch.nn.Module | None = None
-    pixels: torch.Tensor | None = None
+    pixels: torch.Tensor | list[torch.Tensor] | None = None
     dtype: torch.dtype = torch.float32
     time_ids: torch.Tensor | None = None  # SDXL: [count, 6] micro-conditioning per input row
+    encoded: int = 0  # inputs the VAE encoded for the cache (all ranks)
+    encoded_here: int = 0  # of those, on this rank
 
     def time_ids_of(self, examples) -> torch.Tensor:
         assert self.time_ids is not None, "time ids exist for SDXL models only"
@@ -106,15 +159,19 @@ class LatentTable:
 
     def sample(self, examples) -> torch.Tensor:
         rows = [e.input_id for e in examples]
-        if self.mean is not None:
-            mean, std = self.mean[rows], self.std[rows]
+        if self.mean is not None:  # a batch comes from one bucket: its rows have one shape
+            mean, std = torch.stack([self.mean[r] for r in rows]), torch.stack([self.std[r] for r in rows])
         else:
-            mean, std = encode_distribution(self.vae, self.pixels[rows], self.dtype)
+            mean, std = encode_distribution(self.vae, torch.stack([self.pixels[r] for r in rows]), self.dtype)
         eps = torch.stack([e.latent_eps for e in examples])
         return sample_latents(mean, std, eps, self.scaling)
 
     @classmethod
-    def build(cls, cfg, models, images: list[Path], rank: int, local_rank: int, world: int) -> LatentTable:
+    def build(
+        cls, cfg, models, images: list[Path], rank: int, local_rank: int, world: int, buckets: Buckets | None = None
+    ) -> LatentTable:
+        """The table of ``images`` at ``--resolution`` or, with ``buckets``, each in its bucket; from the disk
+        cache where every rank has an image's file."""
         from xeonsd.modelsource import model_fingerprint
         from xeonsd.trainer.data import load_all_pixels, load_pixels
 
@@ -122,27 +179,36 @@ class LatentTable:
         scale = 2 ** (len(vae.config.block_out_channels) - 1)
         shape = (vae.config.latent_channels, cfg.resolution // scale, cfg.resolution // scale)
         count = 2 * len(images)
+        places = bucket_placements(images, buckets, cfg.center_crop)
+        shapes = [shape] * count
+        if places is not None:
+            shapes = [(shape[0], p.bucket[1] // scale, p.bucket[0] // scale) for p in places for _ in (0, 1)]
         common = {"shape": shape, "count": count, "scaling": vae.config.scaling_factor, "dtype": models.weight_dtype}
         if models.is_xl:
             from xeonsd.trainer.xl import time_ids_for
 
-            common["time_ids"] = torch.cat([time_ids_for(p, cfg.resolution, cfg.center_crop) for p in images])
+            common["time_ids"] = torch.cat(
+                [
+                    time_ids_for(p, cfg.resolution, cfg.center_crop, places[k] if places else None)
+                    for k, p in enumerate(images)
+                ]
+            )
         time_ids = common.get("time_ids")
         if not cfg.latent_cache:
-            pixels = load_all_pixels(images, cfg.resolution, cfg.center_crop, cfg.dataloader_num_workers)
+            pixels = load_all_pixels(images, cfg.resolution, cfg.center_crop, cfg.dataloader_num_workers, places)
             return cls(**common, vae=vae, pixels=pixels)
 
         @functools.lru_cache(maxsize=1)  # an image and its mirror are consecutive inputs: one decode for both
         def pair(image: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return load_pixels(images[image], cfg.resolution, cfg.center_crop)
+            return load_pixels(images[image], cfg.resolution, cfg.center_crop, places[image] if places else None)
 
         def load(i: int) -> torch.Tensor:
             return pair(i // 2)[i % 2].unsqueeze(0)
 
         cache_dir = Path(cfg.latent_cache_dir).expanduser() if cfg.latent_cache_dir else None
         if cache_dir is None:
-            mean, std = build_latent_cache(vae, count, load, models.weight_dtype, shape, rank, world)
-            return cls(**common, mean=mean, std=std)
+            mean, std, here = build_bucketed_cache(vae, load, models.weight_dtype, shapes, rank, world)
+            return cls(**common, mean=mean, std=std, encoded=count, encoded_here=here)
 
         vae_key = model_fingerprint(cfg.pretrained_model_name_or_path, cfg.revision, subfolder="vae")
         vae_key += str(models.weight_dtype)
@@ -153,6 +219,7 @@ class LatentTable:
                 cfg.resolution,
                 cfg.center_crop,
                 time_ids[2 * k : 2 * k + 2] if time_ids is not None else None,
+                places[k].bucket if places else None,
             )
             for k, p in enumerate(images)
         ]
@@ -160,24 +227,42 @@ class LatentTable:
         have = torch.tensor([int(f.is_file()) for f in files], dtype=torch.int64)
         everywhere = all_reduce_sum_(have.clone(), world)  # an image is reused only where every rank has it
         todo = [i for i in range(count) if everywhere[i // 2] < world]
-        mean, std = build_latent_cache(vae, count, load, models.weight_dtype, shape, rank, world, todo)
-        for k, f in enumerate(files):
-            if everywhere[k] == world:
-                saved = load_file(str(f))
-                mean[2 * k : 2 * k + 2], std[2 * k : 2 * k + 2] = saved["mean"], saved["std"]
-                if time_ids is not None:
-                    time_ids[2 * k : 2 * k + 2] = saved["time_ids"]
-            elif local_rank == 0 and not have[k]:  # one rank per node writes its node's missing files
-                entry = {"mean": mean[2 * k : 2 * k + 2].contiguous(), "std": std[2 * k : 2 * k + 2].contiguous()}
-                if time_ids is not None:
-                    entry["time_ids"] = time_ids[2 * k : 2 * k + 2].contiguous()
-                with atomic_path(f) as tmp:
-                    save_file(entry, str(tmp))
+        mean, std, here = build_bucketed_cache(vae, load, models.weight_dtype, shapes, rank, world, todo)
+        sync_disk_cache(files, have, everywhere == world, mean, std, time_ids, local_rank == 0)
         log.info(
-            "latent cache %s: %d of %d image(s) reused, %d encoded",
+            "latent cache %s: %d of %d image(s) reused, %d encoded (%d input(s) on this rank)",
             cache_dir,
             len(images) - len(todo) // 2,
             len(images),
             len(todo) // 2,
+            here,
         )
-        return cls(**common, mean=mean, std=std)
+        return cls(**common, mean=mean, std=std, encoded=len(todo), encoded_here=here)
+
+
+def bucket_placements(images: list[Path], buckets: Buckets | None, center_crop: bool) -> list[Placement] | None:
+    """How each image goes into its bucket (None without buckets); the sizes come from the image headers."""
+    if buckets is None:
+        return None
+    return [placement(image_size(p), buckets.size_of(k), center_crop) for k, p in enumerate(images)]
+
+
+def sync_disk_cache(files, have, everywhere, mean, std, time_ids, writer: bool) -> None:
+    """Fill the rows of the images every rank has (``everywhere``) from their files; a ``writer`` (one rank per
+    node) writes the files its node lacks (``have``) from the freshly encoded rows (an image's two rows a file)."""
+    for k, f in enumerate(files):
+        if everywhere[k]:
+            saved = load_file(str(f))
+            mean[2 * k], mean[2 * k + 1] = saved["mean"]
+            std[2 * k], std[2 * k + 1] = saved["std"]
+            if time_ids is not None:
+                time_ids[2 * k : 2 * k + 2] = saved["time_ids"]
+        elif writer and not have[k]:
+            entry = {
+                "mean": torch.stack([mean[2 * k], mean[2 * k + 1]]),
+                "std": torch.stack([std[2 * k], std[2 * k + 1]]),
+            }
+            if time_ids is not None:
+                entry["time_ids"] = time_ids[2 * k : 2 * k + 2].contiguous()
+            with atomic_path(f) as tmp:
+                save_file(entry, str(tmp))

@@ -63,6 +63,7 @@ BAD_INPUT = (ConfigError, ModelSourceError, DataError, ConceptError, ckpt.Checkp
 def run(cfg: TrainConfig, status: RankStatusFile | None, signals: StopSignals | None = None) -> dict:
     """Train; returns a summary dict. Raises one of BAD_INPUT on bad input, Interrupted when ``signals`` got a
     stop signal. ``status`` is None only for a dry run (which trains nothing)."""
+    started = time.perf_counter()
     info = detect_ranks()
     setup_logging(info)
     inputs = validate(cfg, info)
@@ -79,7 +80,7 @@ def run(cfg: TrainConfig, status: RankStatusFile | None, signals: StopSignals | 
     backend = init_process_group(info, setup_timeout_s=timeouts.setup_s)
     try:
         job = setup(cfg, info, backend, placement, inputs, timeouts, status)
-        fitted = fit(job, signals or StopSignals())
+        fitted = fit(job, signals or StopSignals(), started)
         return save(job, fitted)
     finally:
         destroy_process_group()
@@ -91,12 +92,14 @@ class Fitted:
 
     step_times: list[float]
     metrics: MetricsLog | None
+    first_step_s: float | None = None  # from the trainer's start to the first step's
 
 
-def fit(job: Job, signals: StopSignals) -> Fitted:
+def fit(job: Job, signals: StopSignals, started: float | None = None) -> Fitted:
     """The optimizer steps from the job's start step on, each followed by the ranks' agreement on whether to stop
     (``signals``) and the observers of :mod:`.hooks` (status file, rank statistics, progress, metrics row,
-    checkpoint, validation images). Raises Interrupted after the step the ranks agreed to stop at."""
+    checkpoint, validation images). Raises Interrupted after the step the ranks agreed to stop at. ``started``:
+    the trainer's start (``time.perf_counter``), for the time to the first step."""
     cluster = job.cluster
     observers = StepObservers(job)
     step_times: list[float] = []
@@ -104,6 +107,9 @@ def fit(job: Job, signals: StopSignals) -> Fitted:
         barrier(job.world)  # every rank is set up: from here on a collective that waits past the step timeout fails
     signals.defer()  # from here on a signal stops the job at a step's end, with a checkpoint
     cluster.status.update(state="running", step=job.run.start_step)
+    first_step_s = None if started is None else time.perf_counter() - started
+    if first_step_s is not None and job.is_main:
+        log.info("time to first step: %.1f s (checks, models, latent and prompt caches)", first_step_s)
     with cluster.timeout.scope(cluster.timeouts.step_s):
         _log_step_timeout(job)
         for step in range(job.run.start_step, job.run.cfg.max_train_steps):
@@ -118,7 +124,7 @@ def fit(job: Job, signals: StopSignals) -> Fitted:
                 observers.stop(end, signum, signals.timeout_s)  # raises Interrupted
             observers.on_step_end(end)
     observers.close()
-    return Fitted(step_times=step_times, metrics=observers.metrics)
+    return Fitted(step_times=step_times, metrics=observers.metrics, first_step_s=first_step_s)
 
 
 def _log_step_timeout(job: Job) -> None:
@@ -262,7 +268,7 @@ def save(job: Job, fitted: Fitted) -> dict:
             what = cfg.placeholder_token if cfg.method == "textual_inversion" else cfg.method
             plot_loss(metrics.rows, out / "loss.png", title=f"{what}: {world} rank(s)")
         metrics.finish()
-        write_summary(out, train_summary(job))
+        write_summary(out, train_summary(job, fitted))
         log.info("saved the %s result to %s", cfg.method, out)
     with job.cluster.timeout.watch("barrier after saving"):
         barrier(world)
@@ -270,7 +276,7 @@ def save(job: Job, fitted: Fitted) -> dict:
     return summary
 
 
-def train_summary(job: Job) -> dict:
+def train_summary(job: Job, fitted: Fitted | None = None) -> dict:
     """What ``train_summary.json`` holds (the schema: :func:`xeonsd.cluster.run_files.train_summary`)."""
     cfg, method, prompts = job.run.cfg, job.training.method, job.data.prompts
     return run_files.train_summary(
@@ -295,6 +301,12 @@ def train_summary(job: Job) -> dict:
         family=family.name if (family := job.training.models.family) is not None else None,
         resolution=cfg.resolution,
         validation=validation_record(job),
+        buckets=job.data.buckets.record() if job.data.buckets is not None else None,
+        startup={
+            "time_to_first_step_s": fitted.first_step_s if fitted is not None else None,
+            "latent_inputs": job.data.latents.count,
+            "latent_inputs_encoded": job.data.latents.encoded,
+        },
     )
 
 

@@ -14,6 +14,7 @@ like the SD table (:class:`XLPromptConditioning`); a method that trains an encod
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from PIL import Image
@@ -23,15 +24,26 @@ from xeonsd.trainer.conditioning import PromptConditioning
 from xeonsd.trainer.data import Example
 from xeonsd.trainer.models import autocast
 
+if TYPE_CHECKING:
+    from xeonsd.trainer.buckets import Placement
+
 TIME_IDS = 6  # original (h, w), crop top-left (top, left), target (h, w)
 
 
-def time_ids_for(image: Path, resolution: int, center_crop: bool) -> torch.Tensor:
+def time_ids_for(image: Path, resolution: int, center_crop: bool, placement: Placement | None = None) -> torch.Tensor:
     """The micro-conditioning of an image and of its mirror, [2, 6] float32, for the way
     :func:`xeonsd.trainer.data.load_pixels` prepares them: with ``center_crop`` the centre square of the original,
     resized to ``resolution`` (the crop's top-left in the pixels of the image resized so that its shorter side is
     ``resolution``, as SDXL's training measured it; mirrored, the crop's left is counted from the mirrored side);
-    without, the whole image resized to the square (no crop: 0, 0)."""
+    without, the whole image resized to the square (no crop: 0, 0). With a bucket's ``placement``
+    (:func:`xeonsd.trainer.buckets.placement`): the crop of the bucket resize, and the bucket as the target."""
+    if placement is not None:
+        (width, height), (bw, bh) = placement.size, placement.bucket
+        rows = [
+            (height, width, placement.top, placement.left, bh, bw),
+            (height, width, placement.top, placement.left_mirrored, bh, bw),
+        ]
+        return torch.tensor(rows, dtype=torch.float32)
     with Image.open(image) as im:
         width, height = im.size
     top = left = left_mirrored = 0
