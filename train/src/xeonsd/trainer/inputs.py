@@ -21,6 +21,7 @@ from xeonsd.trainer.data import find_images
 from xeonsd.trainer.loss import local_num_train_timesteps, parse_timestep_range
 from xeonsd.trainer.methods import for_config, method_class
 from xeonsd.trainer.models import model_family
+from xeonsd.trainer.prior import check_prior_flags
 from xeonsd.trainer.validation import HeldOut, check_held_out, hold_out
 
 log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name
@@ -36,6 +37,7 @@ class Inputs:
     resume: Path | None
     family: Family | None = None
     held_out: HeldOut | None = None  # the validation loss's images
+    class_images: list[Path] = dataclasses.field(default_factory=list)  # prior preservation's, from set-up
 
 
 def default_resolution(family: Family | None) -> int:
@@ -96,6 +98,7 @@ def check_flags(cfg: TrainConfig, info: RankInfo) -> None:
         raise ConfigError(f"--noise_offset must be 0 (off) or positive, got {cfg.noise_offset}")
     # A local model's scheduler bounds it now; a Hub id's once its scheduler has loaded (job.py).
     parse_timestep_range(cfg.timestep_range, local_num_train_timesteps(cfg.pretrained_model_name_or_path))
+    check_prior_flags(cfg)
     if cfg.world_size is not None and cfg.world_size != info.world_size:
         raise ConfigError(
             f"--world_size {cfg.world_size} does not match the launcher ({info.launcher}), which reports "

@@ -4,6 +4,7 @@ the sampling plan. Also this rank's status file and its log prefix, which exist 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -38,6 +39,7 @@ from xeonsd.trainer.latents import LatentTable
 from xeonsd.trainer.loss import parse_timestep_range
 from xeonsd.trainer.methods import Method, for_config
 from xeonsd.trainer.models import Models, load_models
+from xeonsd.trainer.prior import PriorData, build_prior, ensure_class_images
 from xeonsd.trainer.prompts import PromptTable
 from xeonsd.trainer.validation import ValidationSet, build_validation
 from xeonsd.trainer.xl import XLPromptConditioning
@@ -81,6 +83,7 @@ class TrainingData:
     latents: LatentTable
     plan: SamplingPlan
     validation: ValidationSet | None = None  # the held-out images of the validation loss
+    prior: PriorData | None = None  # --with_prior_preservation's class images
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,8 @@ def setup(
     models = load_models(cfg, unet_fp32=method_cls.unet_fp32, family=inputs.family)
     load_s = time.perf_counter() - t0
     _log_placement(cfg, info, backend, placement, models)
+    if cfg.with_prior_preservation:  # from the base model, before the method or a checkpoint changes it
+        inputs = dataclasses.replace(inputs, class_images=ensure_class_images(cfg, models, info))
     base_model = model_fingerprint(cfg.pretrained_model_name_or_path, cfg.revision)
     resume_state = _shared_resume_state(inputs.resume, info.world_size)
     seed = _shared_seed(cfg, info, resume_state)
@@ -309,9 +314,6 @@ def _prepare_data(
         t1 - t0,
         "encoded once" if text.table is not None else "tokenized; encoded every step",
     )
-    if cfg.latent_cache and not cfg.validation_prompt:  # nothing decodes or encodes from here on
-        models.vae = None
-        gc.collect()
     plan = SamplingPlan(
         seed=seed,
         num_images=len(inputs.images),
@@ -321,7 +323,11 @@ def _prepare_data(
         timestep_range=timestep_range,
         noise_offset=cfg.noise_offset,
     )
-    return TrainingData(prompts=prompts, text=text, latents=latents, plan=plan, validation=validation)
+    prior = build_prior(cfg, info, models, inputs.class_images, seed, plan) if inputs.class_images else None
+    if cfg.latent_cache and not cfg.validation_prompt:  # nothing decodes or encodes from here on
+        models.vae = None
+        gc.collect()
+    return TrainingData(prompts=prompts, text=text, latents=latents, plan=plan, validation=validation, prior=prior)
 
 
 def _step_unet(models: Models, method: Method, world: int) -> torch.nn.Module:
