@@ -43,7 +43,8 @@ def check_prior_flags(cfg: TrainConfig) -> None:
     if not cfg.with_prior_preservation:
         given = [f for f in ("class_prompt", "class_data_dir") if getattr(cfg, f)]
         if given:
-            raise ConfigError(" and ".join(f"--{f}" for f in given) + " only work with --with_prior_preservation")
+            verb = "needs" if len(given) == 1 else "need"
+            raise ConfigError(" and ".join(f"--{f}" for f in given) + f" {verb} --with_prior_preservation")
         return
     if cfg.method == METHODS[0]:
         raise ConfigError(textual_inversion_reason())
