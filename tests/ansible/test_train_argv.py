@@ -215,7 +215,7 @@ def test_prior_preservation_reaches_the_trainer_only_when_on() -> None:
     argv = _inventory_argv(
         "finetune_method=lora",
         "finetune_with_prior_preservation=true",
-        "finetune_class_prompt=a photo of a toy",
+        '{"finetune_class_prompt": "a photo of a toy"}',  # key=value would split at the spaces
         "finetune_class_data_dir=/srv/class",
         "finetune_num_class_images=20",
         "finetune_prior_loss_weight=0.5",
