@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_runs import method_args, refused, train
+from PIL import Image
 from safetensors.torch import load_file
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -47,11 +48,15 @@ def test_missing_class_images_are_generated_once_and_kept(generated, tiny_model,
     proc = train(prior_args(tiny_model, dataset, tmp_path / "again", class_dir), cli_env)
     assert "class images: 3 reused, 0 generated" in proc.stderr and "generating" not in proc.stderr
     assert {p.name: p.read_bytes() for p in sorted(class_dir.iterdir())} == images
-    # one more image asked for: only that one is generated, and it is the one a fresh run makes for its index
+    # one image gone: only that one is generated again, under its own name, and the others stay as they were
     (class_dir / "class-00001.png").unlink()
     proc = train(prior_args(tiny_model, dataset, tmp_path / "third", class_dir), cli_env)
     assert "class images: 2 reused, 1 generated" in proc.stderr
-    assert (class_dir / "class-00001.png").read_bytes() == images["class-00001.png"]
+    for name in ("class-00000.png", "class-00002.png"):
+        assert (class_dir / name).read_bytes() == images[name]
+    with Image.open(class_dir / "class-00001.png") as im:
+        assert im.size == (64, 64)
+    assert sorted(p.name for p in class_dir.iterdir()) == list(images), "a temporary file was left behind"
 
 
 def test_prior_two_ranks_learn_what_one_rank_with_double_batch_learns(
