@@ -5,8 +5,9 @@ dog") so the model keeps what the class looked like before: loss = instance loss
 loss. The class images live in ``--class_data_dir``: the images already there are used (sorted by name, the first
 ``--num_class_images``), the missing ones are generated from the base model before training and kept for the next
 run. Generation is spread over the ranks by index (image ``i``'s seed is a function of ``i`` only, so the same image
-comes out whichever rank draws it); one all-reduce gives every rank all of them, and one rank per node writes the
-files its node lacks, each atomically. The class prompt is encoded once with the frozen text encoder; each
+comes out whichever rank draws it, up to float rounding); one all-reduce gives every rank all of them, and one rank
+per node writes each of them, atomically (an image some node lacked is rewritten on the others too, so every node
+trains on the same bytes). The class prompt is encoded once with the frozen text encoder; each
 instance example ``k`` is paired with class example ``k`` of a second sampling plan, so the pairing is a function
 of (seed, global index) like everything else.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +33,7 @@ from xeonsd.trainer.prompts import PromptTable
 
 log = logging.getLogger("xeonsd.train")
 
+GENERATED = re.compile(r"class-\d{5}\.png")  # the names of generated class images
 CLASS_STEPS = 25  # denoising steps per generated class image (as the validation images)
 GENERATE_CHUNK = 8  # class images per all-reduce while they are generated
 CLASS_SEED = 0xC1A55  # image i's generator seed is mix(CLASS_SEED, i): the same in every run and on every rank
@@ -110,6 +113,12 @@ def ensure_class_images(cfg: TrainConfig, models, info: RankInfo) -> list[Path]:
     have = torch.tensor([int(p.is_file()) for p in paths], dtype=torch.int64)
     everywhere = all_reduce_sum_(have.clone(), info.world_size)
     todo = [i for i in range(len(paths)) if everywhere[i] < info.world_size]
+    staged = [names[i] for i in todo if not GENERATED.fullmatch(names[i])]
+    if staged:  # a user's own image cannot be made again: it must be on every node
+        raise ConfigError(
+            f"--class_data_dir {class_dir} holds {', '.join(staged[:5])} on rank 0's node but not on every node: "
+            "copy the class images to every node, or remove them there and let the trainer generate them"
+        )
     if todo:
         log.info(
             "generating %d of %d class image(s) for %r into %s", len(todo), len(paths), cfg.class_prompt, class_dir
@@ -121,11 +130,10 @@ def ensure_class_images(cfg: TrainConfig, models, info: RankInfo) -> list[Path]:
             for j in range(info.rank, len(chunk), info.world_size):
                 pixels[j] = _generate(pipe, cfg, models, chunk[j])
             all_reduce_sum_(pixels, info.world_size)
-            if info.local_rank == 0:
+            if info.local_rank == 0:  # also where a node had it: every node then trains on the same bytes
                 for j, i in enumerate(chunk):
-                    if not have[i]:
-                        with atomic_path(paths[i]) as tmp:
-                            Image.fromarray(pixels[j].round().clamp(0, 255).to(torch.uint8).numpy()).save(tmp, "PNG")
+                    with atomic_path(paths[i]) as tmp:
+                        Image.fromarray(pixels[j].round().clamp(0, 255).to(torch.uint8).numpy()).save(tmp, "PNG")
         barrier(info.world_size)  # the node's writer is done before any rank reads the files
     log.info("class images: %d reused, %d generated", len(paths) - len(todo), len(todo))
     return paths
