@@ -225,3 +225,21 @@ def test_ansible_renders_the_method_filters() -> None:
         "needs": ["peft"],
     }
     assert args == ["--embeds", "/r/e.safetensors"]
+
+
+def test_prior_preservation_reaches_the_trainer_only_when_on() -> None:
+    from xeonsd.trainer.config import given_flags, parse_config
+
+    prior_flags = {"with_prior_preservation", "class_prompt", "class_data_dir", "num_class_images", "prior_loss_weight"}
+    assert not prior_flags & given_flags(_inventory_argv("finetune_method=full"))  # the default: off
+    argv = _inventory_argv(
+        "finetune_method=lora",
+        "finetune_with_prior_preservation=true",
+        '{"finetune_class_prompt": "a photo of a toy"}',  # key=value would split at the spaces
+        "finetune_class_data_dir=/srv/class",
+        "finetune_num_class_images=20",
+        "finetune_prior_loss_weight=0.5",
+    )
+    cfg = parse_config(argv)
+    assert cfg.with_prior_preservation and cfg.class_prompt == "a photo of a toy", argv
+    assert (cfg.class_data_dir, cfg.num_class_images, cfg.prior_loss_weight) == ("/srv/class", 20, 0.5), argv

@@ -89,6 +89,33 @@ class TrainConfig:
         methods=(LORA, FULL),
         default=None,
     )
+    with_prior_preservation: bool = _flag(
+        "DreamBooth prior preservation: every step also trains on as many class images (--class_prompt), the "
+        "loss weighted by --prior_loss_weight, so the model keeps what the class looked like",
+        methods=(LORA, FULL),
+        default=False,
+    )
+    class_prompt: str | None = _flag(
+        "with --with_prior_preservation: the class's prompt, e.g. 'a photo of a dog'",
+        methods=(LORA, FULL),
+        default=None,
+    )
+    class_data_dir: str | None = _flag(
+        "with --with_prior_preservation: the class images; missing ones are generated there from the base model "
+        "and kept for the next run",
+        methods=(LORA, FULL),
+        default=None,
+    )
+    num_class_images: int = _flag(
+        "with --with_prior_preservation: class images the run uses (generated when --class_data_dir has fewer)",
+        methods=(LORA, FULL),
+        default=100,
+    )
+    prior_loss_weight: float = _flag(
+        "with --with_prior_preservation: the class loss's weight (loss = instance + W x class)",
+        methods=(LORA, FULL),
+        default=1.0,
+    )
     rank: int = _flag("LoRA rank (the adapters' inner dimension)", methods=(LORA,), default=4)
     lora_alpha: float | None = _flag("LoRA alpha (scale alpha/rank; default: --rank)", methods=(LORA,), default=None)
     lora_target_modules: str = _flag(
@@ -306,6 +333,10 @@ def parse_config(argv: list[str]) -> TrainConfig:
     args = build_parser().parse_args(argv)
     cfg = TrainConfig(**vars(args))
     foreign = sorted(n for n in given_flags(argv) if flag_methods(n) and cfg.method not in flag_methods(n))
+    if "with_prior_preservation" in foreign:  # refused with its reason, not only as another method's flag
+        from xeonsd.trainer.prior import textual_inversion_reason
+
+        raise ConfigError(textual_inversion_reason())
     if foreign:
         owners = {n: "/".join(flag_methods(n)) for n in foreign}
         raise ConfigError(

@@ -22,6 +22,7 @@ from xeonsd.trainer.data import find_images
 from xeonsd.trainer.loss import local_num_train_timesteps, parse_timestep_range
 from xeonsd.trainer.methods import for_config, method_class
 from xeonsd.trainer.models import model_family
+from xeonsd.trainer.prior import check_prior_flags
 from xeonsd.trainer.validation import HeldOut, check_held_out, hold_out
 
 log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name
@@ -38,6 +39,7 @@ class Inputs:
     family: Family | None = None
     held_out: HeldOut | None = None  # the validation loss's images
     buckets: Buckets | None = None  # --buckets: each training image's aspect-ratio bucket
+    class_images: list[Path] = dataclasses.field(default_factory=list)  # prior preservation's, from set-up
 
 
 def default_resolution(family: Family | None) -> int:
@@ -106,6 +108,7 @@ def check_flags(cfg: TrainConfig, info: RankInfo) -> None:
     bucket_flags += ["--bucket_reso_steps"] if cfg.bucket_reso_steps != 64 else []
     if bucket_flags and not cfg.buckets:
         raise ConfigError(f"{' and '.join(bucket_flags)} shape the aspect-ratio buckets: add --buckets")
+    check_prior_flags(cfg)
     if cfg.world_size is not None and cfg.world_size != info.world_size:
         raise ConfigError(
             f"--world_size {cfg.world_size} does not match the launcher ({info.launcher}), which reports "

@@ -4,6 +4,7 @@ the sampling plan. Also this rank's status file and its log prefix, which exist 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -39,6 +40,8 @@ from xeonsd.trainer.latents import LatentTable
 from xeonsd.trainer.loss import parse_timestep_range
 from xeonsd.trainer.methods import Method, for_config
 from xeonsd.trainer.models import Models, load_models
+from xeonsd.trainer.optim import make_optimizer
+from xeonsd.trainer.prior import PriorData, build_prior, ensure_class_images
 from xeonsd.trainer.prompts import PromptTable
 from xeonsd.trainer.validation import ValidationSet, build_validation
 from xeonsd.trainer.xl import XLPromptConditioning
@@ -83,6 +86,7 @@ class TrainingData:
     plan: SamplingPlan
     validation: ValidationSet | None = None  # the held-out images of the validation loss
     buckets: Buckets | None = None  # --buckets: the aspect-ratio buckets and their images
+    prior: PriorData | None = None  # --with_prior_preservation's class images
 
 
 @dataclass(frozen=True)
@@ -143,13 +147,15 @@ def setup(
     models = load_models(cfg, unet_fp32=method_cls.unet_fp32, family=inputs.family)
     load_s = time.perf_counter() - t0
     _log_placement(cfg, info, backend, placement, models)
+    if cfg.with_prior_preservation:  # from the base model, before the method or a checkpoint changes it
+        inputs = dataclasses.replace(inputs, class_images=ensure_class_images(cfg, models, info))
     base_model = model_fingerprint(cfg.pretrained_model_name_or_path, cfg.revision)
     resume_state = _shared_resume_state(inputs.resume, info.world_size)
     seed = _shared_seed(cfg, info, resume_state)
     with torch.random.fork_rng():  # new weights (LoRA's) start the same on every rank and in every run of a seed
         torch.manual_seed(mix(seed, 3))
         method = method_cls(cfg, models)
-    optimizer, lr_scheduler = _optimizer(cfg, method, info.world_size)
+    optimizer, lr_scheduler = make_optimizer(cfg, method, info.world_size)
     start_step = 0
     if resume_state is not None:
         start_step = _resume(cfg, info, inputs.resume, resume_state, base_model, method, optimizer, lr_scheduler)
@@ -223,29 +229,6 @@ def _shared_seed(cfg: TrainConfig, info: RankInfo, resume_state: dict | None) ->
     return int(chosen.item())
 
 
-def _optimizer(cfg: TrainConfig, method: Method, world: int) -> tuple[torch.optim.Optimizer, object]:
-    """AdamW over the method's parameters (``--scale_lr`` scales the rate by the global batch), and its schedule."""
-    lr = cfg.learning_rate
-    if cfg.scale_lr:
-        lr = lr * cfg.gradient_accumulation_steps * cfg.train_batch_size * world
-    optimizer = torch.optim.AdamW(
-        method.parameters(),
-        lr=lr,
-        betas=(cfg.adam_beta1, cfg.adam_beta2),
-        weight_decay=cfg.adam_weight_decay,
-        eps=cfg.adam_epsilon,
-    )
-    from diffusers.optimization import get_scheduler
-
-    lr_scheduler = get_scheduler(
-        cfg.lr_scheduler,
-        optimizer=optimizer,
-        num_warmup_steps=cfg.lr_warmup_steps,
-        num_training_steps=cfg.max_train_steps,
-    )
-    return optimizer, lr_scheduler
-
-
 def _resume(
     cfg: TrainConfig,
     info: RankInfo,
@@ -312,9 +295,6 @@ def _prepare_data(
         t1 - t0,
         "encoded once" if text.table is not None else "tokenized; encoded every step",
     )
-    if cfg.latent_cache and not cfg.validation_prompt:  # nothing decodes or encodes from here on
-        models.vae = None
-        gc.collect()
     plan = SamplingPlan(
         seed=seed,
         num_images=len(inputs.images),
@@ -325,8 +305,18 @@ def _prepare_data(
         noise_offset=cfg.noise_offset,
         buckets=batches,
     )
+    prior = build_prior(cfg, info, models, inputs.class_images, seed, plan) if inputs.class_images else None
+    if cfg.latent_cache and not cfg.validation_prompt:  # nothing decodes or encodes from here on
+        models.vae = None
+        gc.collect()
     return TrainingData(
-        prompts=prompts, text=text, latents=latents, plan=plan, validation=validation, buckets=inputs.buckets
+        prompts=prompts,
+        text=text,
+        latents=latents,
+        plan=plan,
+        validation=validation,
+        buckets=inputs.buckets,
+        prior=prior,
     )
 
 

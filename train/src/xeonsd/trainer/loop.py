@@ -51,9 +51,9 @@ from xeonsd.trainer.job import ABORT_GRACE_S, Job, Training, setup, setup_loggin
 from xeonsd.trainer.loss import denoising_loss
 from xeonsd.trainer.metrics import MetricsLog, plot_loss, result_bytes, write_summary
 from xeonsd.trainer.models import autocast, render_validation
+from xeonsd.trainer.prior import model_inputs
 from xeonsd.trainer.stopping import Interrupted, StopSignals
 from xeonsd.trainer.validation import write_image_grid
-from xeonsd.trainer.xl import unet_conditioning
 
 log = logging.getLogger("xeonsd.train")
 
@@ -187,14 +187,16 @@ def _bucket_allreduce(job: Job, last: bool, margin_s: float):
 
 
 def step_loss(job: Job, examples: list[Example], clock: RankClock | None = None) -> torch.Tensor:
-    """The denoising loss of this rank's examples (mean over them); ``clock`` times the latent lookup as data."""
+    """The denoising loss of this rank's examples (mean over them); ``clock`` times the latent lookup as data. With
+    prior preservation each example is paired with a class example in the same UNet call (:mod:`.prior`): the
+    loss is the instance mean plus ``--prior_loss_weight`` times the class mean."""
     models, data = job.training.models, job.data
     with clock.phase("data") if clock else contextlib.nullcontext():
-        latents = data.latents.sample(examples)
-        noise = torch.stack([e.noise for e in examples])
-    timesteps = torch.tensor([e.timestep for e in examples], dtype=torch.long)
+        inputs = model_inputs(data.text, data.latents, examples)
+        if data.prior is not None:  # the class examples join this rank's examples in the one UNet call
+            inputs = data.prior.join(inputs, examples)
+        latents, noise, timesteps, hidden, added = inputs
     noisy = models.noise_scheduler.add_noise(latents, noise, timesteps)
-    hidden, added = unet_conditioning(data.text, data.latents, examples)
     dtype = models.unet_dtype
     model_in = noisy.to(dtype)
     if added is not None:  # SDXL: the pooled text embedding and the micro-conditioning
@@ -210,14 +212,21 @@ def step_loss(job: Job, examples: list[Example], clock: RankClock | None = None)
         target = models.noise_scheduler.get_velocity(latents, noise, timesteps)
     else:
         raise ConfigError(f"unsupported prediction type {prediction_type!r} in the model's scheduler")
-    return denoising_loss(
-        pred,
-        target,
-        timesteps,
-        snr_gamma=job.run.cfg.snr_gamma,
-        alphas_cumprod=models.noise_scheduler.alphas_cumprod,
-        prediction_type=prediction_type,
-    )
+
+    def loss(rows: slice) -> torch.Tensor:
+        return denoising_loss(
+            pred[rows],
+            target[rows],
+            timesteps[rows],
+            snr_gamma=job.run.cfg.snr_gamma,
+            alphas_cumprod=models.noise_scheduler.alphas_cumprod,
+            prediction_type=prediction_type,
+        )
+
+    if data.prior is None:
+        return loss(slice(None))
+    n = len(examples)
+    return loss(slice(0, n)) + data.prior.weight * loss(slice(n, None))
 
 
 def sync_gradients(job: Job, loss_sum: float) -> float:

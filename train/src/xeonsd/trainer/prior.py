@@ -1,0 +1,234 @@
+"""DreamBooth prior preservation (``--with_prior_preservation``, LoRA and full fine-tuning).
+
+Besides the instance images, each step trains on as many *class* images (``--class_prompt``, e.g. "a photo of a
+dog") so the model keeps what the class looked like before: loss = instance loss + ``--prior_loss_weight`` × class
+loss. The class images live in ``--class_data_dir``: the images already there are used (sorted by name, the first
+``--num_class_images``), the missing ones are generated from the base model before training and kept for the next
+run. Generation is spread over the ranks by index (image ``i``'s seed is a function of ``i`` only, so the same image
+comes out whichever rank draws it, up to float rounding); one all-reduce gives every rank all of them, and one rank
+per node writes each of them, atomically (an image some node lacked is rewritten on the others too, so every node
+trains on the same bytes). The class prompt is encoded once with the frozen text encoder; each
+instance example ``k`` is paired with class example ``k`` of a second sampling plan, so the pairing is a function
+of (seed, global index) like everything else.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from xeonsd.cluster.distributed import RankInfo, all_reduce_sum_, barrier, collective
+from xeonsd.fsutil import atomic_path
+from xeonsd.method_names import METHODS
+from xeonsd.trainer.config import ConfigError, TrainConfig
+from xeonsd.trainer.data import IMAGE_SUFFIXES, Example, SamplingPlan, mix
+from xeonsd.trainer.prompts import PromptTable
+
+log = logging.getLogger("xeonsd.train")
+
+GENERATED = re.compile(r"class-\d{5}\.png")  # the names of generated class images
+CLASS_STEPS = 25  # denoising steps per generated class image (as the validation images)
+GENERATE_CHUNK = 8  # class images per all-reduce while they are generated
+CLASS_SEED = 0xC1A55  # image i's generator seed is mix(CLASS_SEED, i): the same in every run and on every rank
+PLAN_STREAM = 11  # the class sampling plan's seed: mix(run seed, PLAN_STREAM)
+
+
+def check_prior_flags(cfg: TrainConfig) -> None:
+    """The prior-preservation flags on their own, and the class data dir: it must be writable when images are
+    missing. Called before any model loads."""
+    if not cfg.with_prior_preservation:
+        given = [f for f in ("class_prompt", "class_data_dir") if getattr(cfg, f)]
+        if given:
+            verb = "needs" if len(given) == 1 else "need"
+            raise ConfigError(" and ".join(f"--{f}" for f in given) + f" {verb} --with_prior_preservation")
+        return
+    if cfg.method == METHODS[0]:
+        raise ConfigError(textual_inversion_reason())
+    for name in ("class_prompt", "class_data_dir"):
+        if not getattr(cfg, name):
+            raise ConfigError(f"--with_prior_preservation needs --{name}")
+    if cfg.num_class_images < 1:
+        raise ConfigError(f"--num_class_images must be at least 1, got {cfg.num_class_images}")
+    if not cfg.prior_loss_weight > 0:
+        raise ConfigError(f"--prior_loss_weight must be positive, got {cfg.prior_loss_weight}")
+    class_dir = Path(cfg.class_data_dir).expanduser()
+    if len(_existing(class_dir)) >= cfg.num_class_images:
+        return
+    try:
+        class_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--class_data_dir {class_dir} cannot be created for the class images: {exc}") from exc
+    if not os.access(class_dir, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"--class_data_dir {class_dir} is not writable, and it lacks class images "
+            f"({len(_existing(class_dir))} of --num_class_images {cfg.num_class_images}): make it writable or "
+            "put the images there"
+        )
+
+
+def textual_inversion_reason() -> str:
+    return (
+        "--with_prior_preservation works with --method lora or full: textual inversion trains only the concept's "
+        "new token vectors and leaves every weight of the model as it was, so the class keeps its prior anyway"
+    )
+
+
+def _existing(class_dir: Path) -> list[Path]:
+    if not class_dir.is_dir():
+        return []
+    return sorted(p for p in class_dir.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."))
+
+
+def class_image_names(class_dir: Path, count: int) -> list[str]:
+    """The class images of a run: the first ``count`` images already in ``class_dir`` (sorted by name), then
+    ``class-NNNNN.png`` for the missing ones (numbered from the first free number)."""
+    names = [p.name for p in _existing(class_dir)][:count]
+    taken, i = set(names), 0
+    while len(names) < count:
+        name = f"class-{i:05d}.png"
+        if name not in taken:
+            names.append(name)
+        i += 1
+    return names
+
+
+def ensure_class_images(cfg: TrainConfig, models, info: RankInfo) -> list[Path]:
+    """The run's class images in ``--class_data_dir`` on every rank: the missing ones generated from the base
+    model (before the method changes it), shared out over the ranks, written by one rank per node."""
+    class_dir = Path(cfg.class_data_dir).expanduser()
+    names = class_image_names(class_dir, cfg.num_class_images)
+    if info.world_size > 1:  # rank 0's listing decides the names
+        box = [names]
+        with collective("broadcast of the class image names"):
+            torch.distributed.broadcast_object_list(box, src=0)
+        names = box[0]
+    paths = [class_dir / n for n in names]
+    have = torch.tensor([int(p.is_file()) for p in paths], dtype=torch.int64)
+    everywhere = all_reduce_sum_(have.clone(), info.world_size)
+    todo = [i for i in range(len(paths)) if everywhere[i] < info.world_size]
+    staged = [names[i] for i in todo if not GENERATED.fullmatch(names[i])]
+    if staged:  # a user's own image cannot be made again: it must be on every node
+        raise ConfigError(
+            f"--class_data_dir {class_dir} holds {', '.join(staged[:5])} on rank 0's node but not on every node: "
+            "copy the class images to every node, or remove them there and let the trainer generate them"
+        )
+    if todo:
+        log.info(
+            "generating %d of %d class image(s) for %r into %s", len(todo), len(paths), cfg.class_prompt, class_dir
+        )
+        pipe = _pipeline(models)
+        for k in range(0, len(todo), GENERATE_CHUNK):
+            chunk = todo[k : k + GENERATE_CHUNK]
+            pixels = torch.zeros((len(chunk), cfg.resolution, cfg.resolution, 3), dtype=torch.float32)
+            for j in range(info.rank, len(chunk), info.world_size):
+                pixels[j] = _generate(pipe, cfg, models, chunk[j])
+            all_reduce_sum_(pixels, info.world_size)
+            if info.local_rank == 0:  # also where a node had it: every node then trains on the same bytes
+                for j, i in enumerate(chunk):
+                    with atomic_path(paths[i]) as tmp:
+                        Image.fromarray(pixels[j].round().clamp(0, 255).to(torch.uint8).numpy()).save(tmp, "PNG")
+        barrier(info.world_size)  # the node's writer is done before any rank reads the files
+    log.info("class images: %d reused, %d generated", len(paths) - len(todo), len(todo))
+    return paths
+
+
+def _pipeline(models):
+    from diffusers import DPMSolverMultistepScheduler
+
+    from xeonsd.trainer.models import pipeline_class
+
+    parts = {
+        "vae": models.vae,
+        "text_encoder": models.text_encoder,
+        "tokenizer": models.tokenizer,
+        "unet": models.unet,
+        "scheduler": DPMSolverMultistepScheduler.from_config(models.noise_scheduler.config),
+    }
+    if models.is_xl:
+        parts.update(text_encoder_2=models.text_encoder_2, tokenizer_2=models.tokenizer_2)
+    else:
+        parts.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe = pipeline_class(models.family)(**parts)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@torch.no_grad()
+def _generate(pipe, cfg: TrainConfig, models, index: int) -> torch.Tensor:
+    """Class image ``index`` as [H, W, 3] float pixel values in 0..255."""
+    from xeonsd.trainer.models import autocast
+
+    generator = torch.Generator().manual_seed(mix(CLASS_SEED, index))
+    with autocast(models.weight_dtype):
+        image = pipe(
+            cfg.class_prompt,
+            num_inference_steps=CLASS_STEPS,
+            generator=generator,
+            height=cfg.resolution,
+            width=cfg.resolution,
+        ).images[0]
+    return torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.float32))
+
+
+@dataclass(frozen=True)
+class PriorData:
+    """The class images' latents, the class prompt's conditioning, their sampling plan and the loss weight."""
+
+    text: object  # PromptConditioning / XLPromptConditioning of the one class prompt
+    latents: object  # LatentTable of the class images
+    plan: SamplingPlan
+    weight: float
+    count: int
+
+    def examples(self, instance: list[Example]) -> list[Example]:
+        """The class examples paired with these instance examples: the same global indices, in the class plan."""
+        return [self.plan.example(e.index) for e in instance]
+
+    def join(self, inputs: tuple, instance: list[Example]) -> tuple:
+        """``model_inputs`` of the instance examples with those of their class examples appended (rows n..2n)."""
+        paired = model_inputs(self.text, self.latents, self.examples(instance))
+        joined = [torch.cat([a, b]) for a, b in zip(inputs[:4], paired[:4], strict=True)]
+        added = inputs[4]
+        if added is not None:  # SDXL: the pooled embedding and the time ids, per example
+            added = {k: torch.cat([v, paired[4][k]]) for k, v in added.items()}
+        return (*joined, added)
+
+
+def model_inputs(text, latents, examples: list[Example]) -> tuple:
+    """(sampled latents, noise, timesteps, text hidden states, SDXL's added conditioning or None) of these examples."""
+    from xeonsd.trainer.xl import unet_conditioning
+
+    hidden, added = unet_conditioning(text, latents, examples)
+    noise = torch.stack([e.noise for e in examples])
+    timesteps = torch.tensor([e.timestep for e in examples], dtype=torch.long)
+    return latents.sample(examples), noise, timesteps, hidden, added
+
+
+def build_prior(cfg: TrainConfig, info: RankInfo, models, class_images: list[Path], seed: int, like: SamplingPlan):
+    """The class side of the steps: latents (built like the instance ones), the class prompt encoded once with the
+    frozen encoder, and a sampling plan of its own with the instance plan's timesteps and noise options."""
+    from xeonsd.trainer.conditioning import PromptConditioning
+    from xeonsd.trainer.latents import LatentTable
+    from xeonsd.trainer.xl import XLPromptConditioning
+
+    conditioning = XLPromptConditioning if models.is_xl else PromptConditioning
+    table = PromptTable((cfg.class_prompt,), per_image=False, source="--class_prompt")
+    text = conditioning(models, table, trainable=False, rank=info.rank, world=info.world_size)
+    latents = LatentTable.build(cfg, models, class_images, info.rank, info.local_rank, info.world_size)
+    plan = SamplingPlan(
+        seed=mix(seed, PLAN_STREAM),
+        num_images=len(class_images),
+        num_templates=1,
+        num_timesteps=like.num_timesteps,
+        latent_shape=latents.shape,
+        timestep_range=like.timestep_range,
+        noise_offset=like.noise_offset,
+    )
+    return PriorData(text=text, latents=latents, plan=plan, weight=cfg.prior_loss_weight, count=len(class_images))
