@@ -17,9 +17,10 @@ $(VENV)/.installed: requirements.txt requirements-nodeps.txt requirements-dev.tx
 	$(PIP) install --quiet --no-deps -e train
 	touch $@
 
-# Every test; the 25 slowest are listed at the end, so each run shows where its time went.
+# Every test; the 25 slowest are listed at the end, so each run shows where its time went. Two workers: one runs
+# the test cluster's tests (they wait on SSH and Ansible most of the time), the other the rest beside it.
 test: install
-	$(VENV)/bin/pytest -q --durations=25 tests
+	$(VENV)/bin/pytest -q --durations=25 -n 2 --dist loadgroup tests
 
 # The edit loop: everything but the 4-node test cluster (tests/cluster).
 test-quick: install

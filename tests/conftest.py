@@ -10,6 +10,37 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
+CLUSTER_TESTS = REPO / "tests" / "cluster"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`make test`: -n 2 --dist loadgroup) every test of the 4-node test cluster runs in one
+    worker, in file order: they share one provisioned cluster (a session fixture, one cluster per machine), and
+    they spend most of their time waiting on SSH and Ansible, while the other worker runs the rest of the suite."""
+    for item in items:
+        if CLUSTER_TESTS in item.path.parents:
+            item.add_marker(pytest.mark.xdist_group("test-cluster"))
+
+
+def _timings():  # noqa: ANN202 - tests/cluster/timings.py, a module of that directory
+    sys.path.insert(0, str(CLUSTER_TESTS))
+    import timings
+
+    return timings
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist), not a worker
+        _timings().load_and_clear()  # figures an interrupted session left
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The wall time of every playbook run of the cluster tests (tests/cluster/timings.py): figures, not assertions."""
+    rows = _timings().load_and_clear()
+    if rows:
+        terminalreporter.section("playbook wall times (test cluster)")
+        for name, seconds in rows:
+            terminalreporter.write_line(f"{seconds:8.1f} s  {name}")
 
 
 @pytest.fixture(scope="session")

@@ -19,8 +19,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import timings  # noqa: E402
 from harness import NODES, REPO, Cluster  # noqa: E402
-from runner import TIMINGS, PlaybookRun, run_playbook  # noqa: E402
+from runner import PlaybookRun, run_playbook  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -65,9 +66,5 @@ def provisioned(cluster: Cluster, fresh_provision: PlaybookRun) -> Cluster:
     return cluster
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The wall time of every playbook run (fresh provision, second run, ...): figures, not assertions."""
-    if TIMINGS:
-        terminalreporter.section(f"playbook wall times ({NODES}-node test cluster)")
-        for name, seconds in TIMINGS:
-            terminalreporter.write_line(f"{seconds:8.1f} s  {name}")
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    timings.save()

@@ -16,12 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ansible_runner
+from timings import TIMINGS
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 
-# (log name, wall seconds) of every playbook run in this session, for the summary at the end.
-TIMINGS: list[tuple[str, float]] = []
 
 # ansible-runner's names for the PLAY RECAP columns.
 _STATS = {

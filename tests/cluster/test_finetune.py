@@ -436,69 +436,6 @@ def test_a_node_given_a_quarter_core_is_named_a_straggler_and_the_job_ends_norma
     )
 
 
-def test_killing_a_worker_node_fails_the_play_within_60_s_and_resume_finishes(provisioned: Cluster) -> None:
-    runs = _controller_runs(provisioned)
-    common = (
-        "-e",
-        f"controller_runs_dir={runs}",
-        "-e",
-        "finetune_max_train_steps=400",
-        "-e",
-        "finetune_checkpointing_steps=5",
-    )
-    with _background_playbook(
-        provisioned, "finetune-killed", "finetune.yml", *common, "-e", "finetune_run_id=kill"
-    ) as (job, log, _):
-        _wait(lambda: _latest_step(provisioned) >= 6, 900, "step 6 (a checkpoint exists)", job, log)
-        victims = _job_processes(provisioned, "node3")
-        assert victims, "no training processes on node3"
-        for pid in victims:
-            os.kill(pid, signal.SIGKILL)
-        killed = time.monotonic()
-        _wait(lambda: not _all_job_processes(provisioned), 120, "every rank on every node to end")
-        job_ended = time.monotonic() - killed
-        rc = _finish(job, timeout=300)
-        play_ended = time.monotonic() - killed
-    output = log.read_text()
-    print(
-        f"\nnode3's processes killed: the job ended on every node {job_ended:.1f} s later, "
-        f"the play failed {play_ended:.1f} s later (poll every 5 s)"
-    )
-    assert rc != 0
-    assert job_ended < 60, f"the job took {job_ended:.0f} s to end"
-    failure = output[output.index("Training failed:") :]
-    assert failure.startswith("Training failed: node3 (ranks 8-11)"), failure[:2000]
-    assert "[rank " in failure and "resume=latest" in failure
-    # Who failed came from the ranks' status files, each on its own node: node3's killed ranks still say running.
-    killed_rank = json.loads(provisioned.ssh("node3", f"cat {RUNS}/kill/status/rank-8.json").stdout)
-    assert (killed_rank["node"], killed_rank["state"], killed_rank["attempt"]) == ("node3", "running", 1), killed_rank
-    assert provisioned.ssh("node1", f"test -e {RUNS}/kill/status/rank-8.json", check=False).returncode != 0
-    step_at_failure = _latest_step(provisioned)
-
-    resumed = run_playbook(
-        "finetune.yml",
-        provisioned.inventory,
-        *common,
-        "-e",
-        "resume=latest",
-        "-e",
-        "finetune_max_train_steps=20",
-        state_dir=provisioned.state_dir,
-        name="finetune-resumed",
-        timeout=1800,
-    )
-    assert resumed.rc == 0, resumed.tail(80)
-    rows = [json.loads(x) for x in (runs / "kill" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["step"] for r in rows]
-    assert steps == list(range(1, 21)), steps
-    assert "resumed from" in (runs / "kill" / "train.log").read_text()
-    assert json.loads((runs / "kill" / "exit.json").read_text())["attempt"] == 2
-    resumed_rank = json.loads(provisioned.ssh("node3", f"cat {RUNS}/kill/status/rank-8.json").stdout)
-    assert (resumed_rank["state"], resumed_rank["step"], resumed_rank["attempt"]) == ("done", 20, 2), resumed_rank
-    assert (runs / "kill" / "report.html").exists()
-    print(f"resumed at a checkpoint <= step {step_at_failure}, finished 20 steps in {resumed.seconds:.1f} s")
-
-
 def _launcher(cluster: Cluster) -> int:
     """The job's mpiexec.hydra on the primary (run.sh's "mpirun")."""
     pids = subprocess.run(["ip", "netns", "pids", f"{cluster.prefix}-node1"], capture_output=True, text=True)
@@ -509,20 +446,17 @@ def _launcher(cluster: Cluster) -> int:
     pytest.fail("no mpiexec.hydra in node1's namespace")
 
 
-def test_sigterm_to_the_running_job_leaves_a_checkpoint_and_resume_continues_from_it(provisioned: Cluster) -> None:
-    """SIGTERM to the job's launcher on node1 (what an operator's kill or mpirun on abort sends): every one of the
-    16 ranks on the 4 nodes stops after the same step, rank 0 writes a checkpoint there, the play fails saying so,
-    with the report; -e resume=latest continues from that checkpoint."""
-    runs = _controller_runs(provisioned)
-    common = ("-e", f"controller_runs_dir={runs}", "-e", "finetune_checkpointing_steps=0")
+def _stopped_by_sigterm(cluster: Cluster, runs: Path, common: tuple[str, ...]) -> int:
+    """Attempt 1 of the "stops" run, SIGTERM to its launcher on node1 (what an operator's kill or mpirun on abort
+    sends): every one of the 16 ranks on the 4 nodes stops after the same step, rank 0 writes a checkpoint there,
+    the play fails saying so, with the report. Returns that step."""
     with _background_playbook(
-        provisioned, "finetune-sigterm", "finetune.yml", *common, "-e", "finetune_run_id=sigterm", "-e",
-        "finetune_max_train_steps=400",
-    ) as (job, log, _):  # fmt: skip
-        _wait(lambda: _latest_step(provisioned) >= 2, 900, "step 2", job, log)
-        os.kill(_launcher(provisioned), signal.SIGTERM)
+        cluster, "finetune-sigterm", "finetune.yml", *common, "-e", "finetune_max_train_steps=400"
+    ) as (job, log, _):
+        _wait(lambda: _latest_step(cluster) >= 2, 900, "step 2", job, log)
+        os.kill(_launcher(cluster), signal.SIGTERM)
         signalled = time.monotonic()
-        _wait(lambda: not _all_job_processes(provisioned), 300, "every rank to stop")
+        _wait(lambda: not _all_job_processes(cluster), 300, "every rank to stop")
         stopped_after = time.monotonic() - signalled
         rc = _finish(job, timeout=300)
     output = log.read_text()
@@ -534,16 +468,65 @@ def test_sigterm_to_the_running_job_leaves_a_checkpoint_and_resume_continues_fro
     step = int(said[1])
     print(f"\nSIGTERM to mpiexec.hydra: 16 ranks stopped at step {step}, all gone {stopped_after:.1f} s later")
     for node, rank in (("node1", 0), ("node3", 9), ("node4", 15)):
-        status = json.loads(provisioned.ssh(node, f"cat {RUNS}/sigterm/status/rank-{rank}.json").stdout)
+        status = json.loads(cluster.ssh(node, f"cat {RUNS}/stops/status/rank-{rank}.json").stdout)
         assert (status["state"], status["step"], status["stop"]["signal"]) == ("interrupted", step, "SIGTERM"), status
-    provisioned.ssh("node1", f"test -f {RUNS}/sigterm/checkpoint-{step}/trainer_state.pt")
-    ended = json.loads((runs / "sigterm" / "exit.json").read_text())
+    cluster.ssh("node1", f"test -f {RUNS}/stops/checkpoint-{step}/trainer_state.pt")
+    ended = json.loads((runs / "stops" / "exit.json").read_text())
     # Every rank exits 143; mpiexec.hydra across 4 nodes returned 143 in one run and 255 in another (both seen
     # here): the play tells a stop from the ranks' status files, exit.json's `stopped`, not from the code.
     assert ended["rc"] in (143, 255) and ended["stopped"]["step"] == step, ended
-    page = (runs / "sigterm" / "report.html").read_text()
+    page = (runs / "stops" / "report.html").read_text()
     assert f"<h2>Stopped</h2><p>Attempt 1 stopped by SIGTERM at step {step} (checkpoint-{step} written)" in page
+    return step
 
+
+def _killed_node(cluster: Cluster, common: tuple[str, ...], checkpoint: int) -> None:
+    """Attempt 2 resumes from the SIGTERM's checkpoint; node3's processes are SIGKILLed two steps later: the job ends
+    on every node within 60 s and the play fails naming node3 and its ranks."""
+    with _background_playbook(
+        cluster, "finetune-killed", "finetune.yml", *common, "-e", "resume=latest", "-e", "finetune_max_train_steps=400"
+    ) as (job, log, _):
+        _wait(lambda: _latest_step(cluster) >= checkpoint + 2, 900, f"step {checkpoint + 2}", job, log)
+        victims = _job_processes(cluster, "node3")
+        assert victims, "no training processes on node3"
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _wait(lambda: not _all_job_processes(cluster), 120, "every rank on every node to end")
+        job_ended = time.monotonic() - killed
+        rc = _finish(job, timeout=300)
+        play_ended = time.monotonic() - killed
+    output = log.read_text()
+    print(
+        f"node3's processes killed: the job ended on every node {job_ended:.1f} s later, "
+        f"the play failed {play_ended:.1f} s later (poll every 5 s)"
+    )
+    assert rc != 0
+    assert job_ended < 60, f"the job took {job_ended:.0f} s to end"
+    failure = output[output.index("Training failed:") :]
+    assert failure.startswith("Training failed: node3 (ranks 8-11)"), failure[:2000]
+    assert "[rank " in failure and "resume=latest" in failure
+    # Who failed came from the ranks' status files, each on its own node: node3's killed ranks still say running.
+    killed_rank = json.loads(cluster.ssh("node3", f"cat {RUNS}/stops/status/rank-8.json").stdout)
+    assert (killed_rank["node"], killed_rank["state"], killed_rank["attempt"]) == ("node3", "running", 2), killed_rank
+    assert cluster.ssh("node1", f"test -e {RUNS}/stops/status/rank-8.json", check=False).returncode != 0
+
+
+def test_sigterm_stops_at_a_checkpoint_a_killed_node_fails_the_play_and_resume_finishes(provisioned: Cluster) -> None:
+    """One run, three attempts (each a job start that the next one shares): a SIGTERM leaves a checkpoint at the step
+    the ranks agreed on; resume=latest continues from it until a node is killed; resume=latest again finishes from
+    the same checkpoint (nothing was saved after it: checkpoints only on a stop)."""
+    runs = _controller_runs(provisioned)
+    common = (
+        "-e",
+        f"controller_runs_dir={runs}",
+        "-e",
+        "finetune_checkpointing_steps=0",
+        "-e",
+        "finetune_run_id=stops",
+    )
+    step = _stopped_by_sigterm(provisioned, runs, common)
+    _killed_node(provisioned, common, step)
     resumed = run_playbook(
         "finetune.yml",
         provisioned.inventory,
@@ -555,15 +538,20 @@ def test_sigterm_to_the_running_job_leaves_a_checkpoint_and_resume_continues_fro
         "--tags",
         "finetune",  # the training alone: the export is another test's
         state_dir=provisioned.state_dir,
-        name="finetune-sigterm-resumed",
+        name="finetune-resumed",
         timeout=1800,
     )
     assert resumed.rc == 0, resumed.tail(80)
-    rows = [json.loads(x) for x in (runs / "sigterm" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (runs / "stops" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, step + 3))
-    assert (
-        f"resumed from {RUNS}/sigterm/checkpoint-{step} at step {step}" in (runs / "sigterm" / "train.log").read_text()
-    )
+    log = (runs / "stops" / "train.log").read_text()
+    resumed_lines = [x for x in log.splitlines() if "[rank 0/16]" in x and f"resumed from {RUNS}/stops/" in x]
+    assert len(resumed_lines) == 2, log[-3000:]  # attempts 2 and 3, both from the SIGTERM's checkpoint
+    assert all(x.endswith(f"checkpoint-{step} at step {step}") for x in resumed_lines), resumed_lines
+    assert json.loads((runs / "stops" / "exit.json").read_text())["attempt"] == 3
+    resumed_rank = json.loads(provisioned.ssh("node3", f"cat {RUNS}/stops/status/rank-8.json").stdout)
+    assert (resumed_rank["state"], resumed_rank["step"], resumed_rank["attempt"]) == ("done", step + 2, 3), resumed_rank
+    assert (runs / "stops" / "report.html").exists()
 
 
 def test_sdxl_lora_trains_at_the_familys_resolution_exports_the_sdxl_base_and_generates_with_it(
