@@ -41,7 +41,7 @@ def switch_home(pids: dict[str, int], source: Path, *, shared: bool) -> bool:
         if shared and not mounted:
             _in_node(pid, ["mount", "--bind", str(make_shared_home(source, cluster_user())), home])
         elif not shared and mounted:
-            _in_node(pid, ["umount", home])
+            _in_node(pid, ["umount", "--lazy", home])  # a job's process left in the home keeps it busy
     return shared
 
 
