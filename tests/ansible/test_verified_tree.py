@@ -76,6 +76,34 @@ def test_the_tree_is_copied_once_left_alone_repaired_and_a_wrong_copy_is_named(t
     ) in result.stdout
 
 
+def test_a_shared_tree_is_written_by_the_primary_only_and_checked_by_every_node(
+    tree: dict[str, Path], tmp_path: Path
+) -> None:
+    # Two "nodes" on this machine, both seeing the same directory: a shared home. node1 is the primary.
+    (tmp_path / "hosts.ini").write_text(
+        "[primary]\nnode1 ansible_connection=local\n[workers]\nnode2 ansible_connection=local\n"
+        "[cluster:children]\nprimary\nworkers\n"
+    )
+    tree["play"].write_text(tree["play"].read_text().replace("hosts: localhost", "hosts: cluster"))
+    shared = ("-i", str(tmp_path / "hosts.ini"), "-e", "verified_tree_write_once=true")
+
+    def recap(result: subprocess.CompletedProcess) -> dict[str, str]:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        lines = [line.split(None, 2) for line in result.stdout.splitlines() if " : ok=" in line]
+        return {host: rest.split("changed=")[1].split()[0] for host, _, rest in lines}
+
+    first = play(tree, *shared)
+    assert recap(first) == {"node1": "3", "node2": "0"}  # packed, directory made, unpacked: by node1 alone
+    assert "skipping: [node2]" in first.stdout and (tree["dest"] / "unet" / "config.json").read_text() == '{"a": 1}'
+    assert recap(play(tree, *shared)) == {"node1": "0", "node2": "0"}
+    # node2 alone (--limit) never writes the shared copy: a damaged file fails there, naming the node that writes it.
+    (tree["dest"] / "unet" / "config.json").write_text("damaged")
+    result = play(tree, *shared, "--limit", "node2")
+    assert result.returncode != 0 and (tree["dest"] / "unet" / "config.json").read_text() == "damaged"
+    assert "re-run with --limit node1,node2 (the shared copy is written by node1)" in result.stdout
+    assert recap(play(tree, *shared)) == {"node1": "1", "node2": "0"}  # the primary repairs it, node2 checks it
+
+
 SHA256_PLAY = """
 - hosts: localhost
   gather_facts: false

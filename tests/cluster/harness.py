@@ -1,17 +1,17 @@
 """A real multi-node test cluster on one machine.
 
-Each node is a network namespace with its own address on a private bridge and its own ``sshd``, started
-inside a private mount namespace in which the node's directories (the env, the cluster user's home, the
-cluster configuration, /etc/ssh with the node's own host key) are bind mounts of per-node directories under
-the state directory: nodes do not see each other's files, like separate servers. They share the host's
-/usr and Debian package database, as the issue describes; the OS packages the roles install are installed
-on the host first (the nodes' "base image"), because the nodes have no route to a package mirror.
+Each node is a network namespace with its own address on a private bridge and its own ``sshd``, started inside a
+private mount namespace in which the node's directories (the env, the cluster user's home, the cluster
+configuration, /etc/ssh with the node's own host key) are bind mounts of per-node directories under the state
+directory: nodes do not see each other's files, like separate servers (unless they share the home: shared_home.py).
+They share the host's /usr and Debian package database, as the issue describes; the OS packages the roles install
+are installed on the host first (the nodes' "base image"), because the nodes have no route to a package mirror.
 
     python tests/cluster/harness.py up --nodes 4      # writes .cluster/inventory.yml
     python tests/cluster/harness.py down              # removes every namespace, process, link and node dir
 
-The controller (ansible-playbook on the host) reaches the nodes over real SSH through the bridge, which has
-the first address of the subnet. Only addresses of this private subnet are ever used.
+The controller (ansible-playbook on the host) reaches the nodes over real SSH through the bridge, which has the
+first address of the subnet. Only addresses of this private subnet are ever used.
 
 This file holds the CLI and `Cluster`, which puts the pieces together and records what it made (state.json);
 the pieces are, by concern:
@@ -54,8 +54,10 @@ from namespaces import (
     namespaces_named,
     remove_link,
     remove_namespace,
+    tree_stats,
     unmount_disk,
 )
+from shared_home import switch_home
 from slurm import SLURM_PACKAGES, SlurmCluster, bind_into, stopped_munged
 from sshd import close_control_masters, make_ed25519_key, prepare_etc_ssh, ssh_argv, start_sshd, wait_for_port
 
@@ -78,6 +80,7 @@ class State:
     pids: dict[str, int] = field(default_factory=dict)
     created_dirs: list[str] = field(default_factory=list)
     links: list[str] = field(default_factory=list)
+    shared_home: bool = False  # one home for every node (share_home)
 
 
 class Cluster:
@@ -88,6 +91,7 @@ class Cluster:
         self.prefix = prefix
         self.subnet = subnet
         self.bridge = f"{prefix}-br"
+        self.shared_home_dir = self.state_dir / "nodes" / "shared-home"  # the home of every node (share_home)
 
     # --- addresses and paths -------------------------------------------------------------------------------
     def address(self, index: int) -> str:
@@ -132,7 +136,9 @@ class Cluster:
         return self.state_dir / "nodes" / node
 
     def private_dir(self, node: str, path: str) -> Path:
-        """The host-side directory that is `path` inside `node`."""
+        """The host-side directory that is `path` inside `node` (the shared home's, in shared-home mode)."""
+        if path == cluster_user_home() and (state := self.load_state()) and state.shared_home:
+            return self.shared_home_dir
         return self.node_dir(node) / "private" / path.lstrip("/")
 
     def load_state(self) -> State | None:
@@ -290,15 +296,14 @@ class Cluster:
 
     def snapshot(self) -> dict[str, tuple[int, int]]:
         """Every file and directory in every node's private directories, with its size and mtime."""
-        seen: dict[str, tuple[int, int]] = {}
-        for node in self.nodes:
-            for d in self.private_dirs:
-                root = self.private_dir(node, d)
-                for dirpath, dirnames, filenames in os.walk(root):
-                    for name in dirnames + filenames:
-                        st = Path(dirpath, name).lstat()
-                        seen[f"{node}:{d}/{Path(dirpath, name).relative_to(root)}"] = (st.st_size, st.st_mtime_ns)
-        return seen
+        return tree_stats({f"{node}:{d}": self.private_dir(node, d) for node in self.nodes for d in self.private_dirs})
+
+    def share_home(self, shared: bool = True) -> None:
+        """Switch the running cluster to one (empty) shared home, or back to each node's own (shared_home.py)."""
+        state = self.load_state()
+        assert state is not None, "cluster is not up"
+        state.shared_home = switch_home({n: state.pids[n] for n in state.nodes}, self.shared_home_dir, shared=shared)
+        self._save(state)
 
     # --- Slurm (finetune_launcher=slurm) ----------------------------------------------------------------------
     @property
@@ -364,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start N nodes and write <state>/inventory.yml")
     up.add_argument("--nodes", type=int, default=4)
+    up.add_argument("--shared-home", action="store_true", help="one host directory as every node's home")
     up.add_argument("--slurm", action="store_true", help="also start Slurm (slurmctld, slurmdbd, a slurmd per node)")
     up.add_argument("--slurm-cpus", type=int, default=4, help="each node's CPUs in slurm.conf (default 4)")
     sub.add_parser("down", help="remove every namespace, process, link and node directory")
@@ -376,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cluster.make_assets()
             cluster.up(args.nodes)
+            cluster.share_home(args.shared_home)
             if args.slurm:
                 cluster.start_slurm(args.slurm_cpus)
         except Exception:

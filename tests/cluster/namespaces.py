@@ -129,3 +129,14 @@ def unmount_disk(image: Path, mountpoint: Path) -> None:
     if mountpoint.exists() and not os.path.ismount(mountpoint):
         shutil.rmtree(mountpoint)
     image.unlink(missing_ok=True)
+
+
+def tree_stats(roots: dict[str, Path]) -> dict[str, tuple[int, int]]:
+    """Every file and directory under each root, named "<root's name>/<relative path>", with its size and mtime."""
+    seen: dict[str, tuple[int, int]] = {}
+    for label, root in roots.items():
+        for dirpath, dirnames, filenames in os.walk(root):
+            for name in dirnames + filenames:
+                st = Path(dirpath, name).lstat()
+                seen[f"{label}/{Path(dirpath, name).relative_to(root)}"] = (st.st_size, st.st_mtime_ns)
+    return seen
