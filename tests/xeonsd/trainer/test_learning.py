@@ -20,19 +20,17 @@ import torch
 from cli_runs import method_args, train
 from PIL import Image
 
-MARGIN = 0.85  # the trained distance is at most this fraction of the base's (measured: LoRA 8.82 -> 6.74, 0.76)
+MARGIN = 0.85  # the trained distance is at most this fraction of the base's (measured: full 0.20 and 0.39)
 SEEDS = range(4)
 PROMPT = "a photo of sks toy"
 TI_PROMPT = "a photo of <sks>"
 STEPS = {"textual_inversion": 100, "lora": 100, "full": 60}
 LR = {"textual_inversion": "5e-2", "lora": "2e-2", "full": "1e-3"}
-# (model, method, --snr_gamma): every method on ε and v prediction, each once with min-SNR and once without.
+# (model, method, --snr_gamma): full fine-tuning on ε and v prediction, once with min-SNR and once without.
+# Textual inversion and LoRA are not here yet: on these random tiny models their steps and rates are not calibrated
+# (LoRA measured once at 0.76, TI not at all), and a margin fixed on one run would be a guess.
 CASES = [
-    ("tiny", "textual_inversion", None),
-    ("tiny", "lora", None),
     ("tiny", "full", "5"),
-    ("tiny-v", "textual_inversion", "5"),
-    ("tiny-v", "lora", "5"),
     ("tiny-v", "full", None),
 ]
 
@@ -120,10 +118,10 @@ def test_the_trained_model_generates_the_concept(arch, method, snr, models, conc
     assert after <= MARGIN * before, (before, after)
 
 
-@pytest.mark.parametrize("method", ["lora", "full"])
-def test_the_concept_is_learned_with_prior_preservation(method, models, concept, tmp_path, cli_env):
+def test_the_concept_is_learned_with_prior_preservation(models, concept, tmp_path, cli_env):
     out = tmp_path / "out"
     flags = ["--with_prior_preservation", "--class_prompt=a photo of toy", f"--class_data_dir={tmp_path / 'class'}"]
+    method = "full"
     train_concept(
         models["tiny"], concept, out, method, cli_env, *flags, "--num_class_images=4", "--prior_loss_weight=0.5"
     )
