@@ -202,6 +202,8 @@ def _report(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace, rest: list[str]) -> int:
     if args.what == "train":
         from xeonsd.bench.train import main as bench_main
+    elif args.what == "layout":
+        from xeonsd.bench.layout import main as bench_main
     else:
         from xeonsd.bench.generate import main as bench_main
     return bench_main(rest)
@@ -269,8 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_slurmjob_parser(sub)
 
-    p = sub.add_parser("bench", help="benchmarks (`xeonsd bench train --help`)", add_help=False)
-    p.add_argument("what", choices=["train", "generate"])
+    p = sub.add_parser("bench", help="benchmarks (`xeonsd bench train|generate|layout --help`)", add_help=False)
+    p.add_argument("what", choices=["train", "generate", "layout"])
     return parser
 
 
@@ -289,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         from xeonsd.cluster.hello import main as hello_main
 
         return hello_main(argv[1:])
-    if argv and argv[0] == "bench" and len(argv) > 1 and argv[1] in ("train", "generate"):
+    if argv and argv[0] == "bench" and len(argv) > 1 and argv[1] in ("train", "generate", "layout"):
         return _bench(argparse.Namespace(what=argv[1]), argv[2:])
     args = parser.parse_args(argv)
     try:
