@@ -112,9 +112,12 @@ def read(path: str | Path) -> dict:
     return check(result, str(path))
 
 
-def resolve_ranks_per_node(value: object, path: str | Path) -> int:
-    """``ranks_per_node`` as a number: itself, or with ``auto`` the best layout in the tuning result at ``path``."""
+def resolve_ranks_per_node(value: object, path: str | Path, missing: int | None = None) -> int:
+    """``ranks_per_node`` as a number: itself, or with ``auto`` the best layout in the tuning result at ``path``
+    (``missing``: what ``auto`` means while there is no result at all; None: an error that says to tune)."""
     if str(value).strip().lower() == AUTO:
+        if missing is not None and not Path(path).exists():
+            return int(missing)
         return int(read(path)["best"]["ranks_per_node"])
     try:
         ranks = int(str(value))
