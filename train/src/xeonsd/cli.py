@@ -30,10 +30,43 @@ def _make_dataset(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(args: argparse.Namespace, rest: list[str]) -> int:
-    from xeonsd.trainer.loop import main as train_main
+def _console_flags(argv: list[str]) -> tuple[bool, str | None, list[str]]:
+    """``xeonsd train``'s console flags (-v/--verbose, --log FILE), and the trainer's own arguments without them."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--log")
+    known, rest = p.parse_known_args(argv)
+    return known.verbose, known.log, rest
 
-    return train_main(rest)
+
+def _train_log(argv: list[str]) -> Path:
+    """Where ``xeonsd train`` keeps the libraries' output: libraries.log in the output directory (one rank), or
+    libraries-rank<r>.log (each rank of a job, in the output directory on its own node)."""
+    from xeonsd.cluster.distributed import detect_ranks
+    from xeonsd.trainer.config import TrainConfig
+
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--output_dir", default=TrainConfig.output_dir)
+    out = Path(p.parse_known_args(argv)[0].output_dir)
+    info = detect_ranks()
+    return out / ("libraries.log" if info.world_size == 1 else f"libraries-rank{info.rank}.log")
+
+
+def _train(args: argparse.Namespace, rest: list[str]) -> int:
+    """The trainer with a quiet console: its own lines (progress, result, errors) on the console, the libraries'
+    chatter in the log (``-v``: on the console too). ``--help`` and ``--dry_run`` print as they are."""
+    from xeonsd.console import quiet_console
+
+    verbose, log, rest = _console_flags(rest)
+    if any(a in ("-h", "--help") for a in rest):
+        from xeonsd.trainer.loop import main as train_main
+
+        return train_main(rest)
+    log_path = Path(log) if log else _train_log(rest)
+    with quiet_console(log_path, verbose=verbose, both=True) as console:
+        from xeonsd.trainer.loop import main as train_main
+
+        return train_main(rest, console)
 
 
 # The errors a command reports itself, in one line (everything else is a traceback).
