@@ -96,6 +96,7 @@ def test_a_trial_takes_the_steps_after_the_warmup_and_leaves_the_jobs_flags_out(
     assert cmd[:5] == ["mpirun", "-n", "2", "-ppn", "2"]
     assert "--resolution=64" in cmd and "--max_train_steps=3" in cmd and f"--output_dir={tmp_path}" in cmd
     assert not [c for c in cmd if c in ("--output_dir=/job", "--validation_prompt=x", "--max_train_steps=500")]
-    env = bench_layout.trial_env({"PMI_RANK": "1", "OMP_NUM_THREADS": "8", "MASTER_ADDR": "10.0.0.1", "PATH": "/x"})
-    assert env["MASTER_ADDR"] == "127.0.0.1" and env["PATH"] == "/x"
+    # MASTER_ADDR of another node (192.0.2.1: TEST-NET, on no interface here): a rendezvous on this node instead.
+    env = bench_layout.trial_env({"PMI_RANK": "1", "OMP_NUM_THREADS": "8", "MASTER_ADDR": "192.0.2.1", "PATH": "/x"})
+    assert env["MASTER_ADDR"] == "127.0.0.1" and env["PATH"] == "/x" and int(env["MASTER_PORT"]) > 0
     assert "PMI_RANK" not in env and "OMP_NUM_THREADS" not in env

@@ -40,18 +40,31 @@ def physical_cores() -> int:
     return len(_physical_cores(set(os.sched_getaffinity(0))))
 
 
-def _free_port() -> int:
+def _local_address(addr: str | None) -> str:
+    """``addr`` when this node can listen on it (the job's MASTER_ADDR on the primary), else 127.0.0.1."""
+    if addr:
+        try:
+            with socket.socket() as s:
+                s.bind((addr, 0))
+            return addr
+        except OSError:
+            pass
+    return "127.0.0.1"
+
+
+def _free_port(addr: str) -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((addr, 0))
         return s.getsockname()[1]
 
 
 def trial_env(env: dict[str, str]) -> dict[str, str]:
-    """The job's environment for one trial on this node: no outer launcher, a rendezvous of its own on this
-    node, and no fixed thread count (the layout sets it)."""
+    """The job's environment for one trial on this node: no outer launcher, a rendezvous of its own on this node
+    (on a free port, so a running job is not disturbed), and no fixed thread count (the layout sets it)."""
     out = {k: v for k, v in env.items() if not k.startswith(_LAUNCHER_VARS)}
     out.pop("OMP_NUM_THREADS", None)
-    out.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    addr = _local_address(env.get("MASTER_ADDR"))
+    out.update(MASTER_ADDR=addr, MASTER_PORT=str(_free_port(addr)))
     return out
 
 
