@@ -58,7 +58,7 @@ def _train(args: argparse.Namespace, rest: list[str]) -> int:
     from xeonsd.console import quiet_console
 
     verbose, log, rest = _console_flags(rest)
-    if any(a in ("-h", "--help") for a in rest):
+    if any(a in ("-h", "--help") or a.startswith(("--dry_run", "--dry-run")) for a in rest):  # they only print
         from xeonsd.trainer.loop import main as train_main
 
         return train_main(rest)
