@@ -119,8 +119,6 @@ def test_two_ranks_learn_what_one_rank_with_double_batch_learns(tiny_model, data
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "rank 1/2" in proc.stderr and "backend=gloo" in proc.stderr
-    # Each rank keeps the libraries' output in a log of its own (xeonsd train's quiet console).
-    assert (two / "libraries-rank0.log").is_file() and (two / "libraries-rank1.log").is_file()
     rows = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
     assert all(r["ranks"] == 2 and r["backend"] == "gloo" for r in rows)
     # Every 3 steps and at the last one, rank 0 gathered both ranks' CPU use and time split, with the node's name.
