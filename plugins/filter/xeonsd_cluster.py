@@ -3,6 +3,8 @@
 mpirun starts ``-n mpi_ranks`` ranks, ``-ppn ranks_per_node`` on each node of the nodefile; any other total leaves
 nodes idle or piles ranks onto the first ones. Preflight refuses such an inventory, the finetune role checks it
 again for -e overrides, and doctor's nodefile row reports it: all three with this filter and its message.
+``auto`` in either (ranks_per_node: the tuned layout, plugins/filter/xeonsd_layout.py) fits here: the finetune role
+checks the numbers it resolves to.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ def ranks_mismatch(mpi_ranks: int | str, nodes: Sequence[str], ranks_per_node: i
     """Empty when ``mpi_ranks`` equals ``len(nodes)`` x ``ranks_per_node``; else what is wrong, with the fix."""
     if isinstance(nodes, str) or not isinstance(nodes, Sequence):
         raise TypeError(f"xeonsd_ranks_mismatch: nodes must be a list of hosts, got {nodes!r}")
+    if "auto" in (str(mpi_ranks).strip().lower(), str(ranks_per_node).strip().lower()):
+        return ""
     try:
         ranks, per_node = int(mpi_ranks), int(ranks_per_node)
     except (TypeError, ValueError):

@@ -29,3 +29,8 @@ def test_bad_input_is_refused_clearly() -> None:
         xeonsd_cluster.ranks_mismatch("sixteen", NODES, 4)
     with pytest.raises(TypeError, match="list of hosts"):
         xeonsd_cluster.ranks_mismatch(16, "node1", 4)
+
+
+def test_auto_fits_until_the_finetune_role_resolves_it() -> None:
+    assert xeonsd_cluster.ranks_mismatch("auto", NODES, "auto") == ""
+    assert xeonsd_cluster.ranks_mismatch(16, NODES, "auto") == ""

@@ -38,6 +38,8 @@ def _render_facts(tmp_path: Path, play_vars: dict) -> dict:
                 "run_report_currency": "EUR",
                 "run_report_gpu_hour_price": "",
                 "run_report_gpu_s_per_step": "",
+                # Outside a role, paths.yml's default (under role_path) has nothing to derive from.
+                "layout_result_file": str(tmp_path / "layout.json"),
                 **play_vars,
             },
             "tasks": [
@@ -99,3 +101,12 @@ def test_the_role_s_facts_are_what_runjson_reads(tmp_path: Path, exported: bool)
         assert info["export"] == {"dir": "/b/x", "of": "the base model (shared by its runs)", "reused": False}
     else:
         assert info["phases"] == {"training job, wall (s)": 90} and "export" not in info
+
+
+def test_a_tuned_layout_is_what_the_report_records_for_ranks_per_node_auto(tmp_path: Path) -> None:
+    from xeonsd import layout_result
+
+    best = {"ranks_per_node": 2, "threads_per_rank": 28, "images_per_s": 0.5}
+    (tmp_path / "layout.json").write_text(json.dumps({"schema": layout_result.SCHEMA, "best": best}))
+    facts = _render_facts(tmp_path, {"ranks_per_node": "auto", "mpi_ranks": "auto"})
+    assert (int(facts["ranks_per_node"]), int(facts["mpi_ranks"])) == (2, 8)

@@ -8,9 +8,10 @@ import json
 import os
 import re
 import shutil
+import subprocess
 
 from harness import NODES, Cluster
-from runner import PlaybookRun, run_playbook
+from runner import REPO, VENV_BIN, PlaybookRun, run_playbook
 
 NODE_CHECKS = ("packages", "tcmalloc", "method", "images", "captions", "model", "train 1 step", "ssh from primary")
 RANKS = 4 * NODES  # the test cluster runs 4 ranks per node (group_vars/cluster.yml)
@@ -160,3 +161,48 @@ def test_doctor_reports_an_unreachable_node_and_checks_the_others(provisioned: C
     assert "  node4 reach: make node4 reachable over SSH from the controller" in lines[-1]
     # The controller's own view, as data: node4 could not be reached on port 2.
     assert any(f.host == "node4" and "port 2" in f.msg for f in result.failures()), result.failures()
+
+
+def test_doctor_tunes_the_rank_layout_and_ranks_per_node_auto_uses_its_best(provisioned: Cluster, tmp_path) -> None:
+    """-e tune_layout=true: every split of the primary's cores trains the job's arguments (one round of one step
+    after a warm-up here); the result on the controller is what ranks_per_node: auto (and mpi_ranks: auto) become."""
+    from xeonsd import layout_result
+
+    layout_file = tmp_path / "layout.json"
+    result = run_playbook(
+        "doctor.yml",
+        provisioned.inventory,
+        *("-e", "tune_layout=true", "-e", f"layout_result_file={layout_file}"),
+        *("-e", "doctor_tune_rounds=1", "-e", "doctor_tune_steps=1", "-e", "doctor_tune_warmup=1"),
+        state_dir=provisioned.state_dir,
+        name="doctor-tune-layout",
+    )
+    print(f"\ndoctor.yml -e tune_layout=true: {result.seconds:.1f} s wall (log: {result.log})")
+    assert result.rc == 0, result.tail()
+    measured = layout_result.read(layout_file)
+    shapes = [(m["ranks_per_node"], m["threads_per_rank"]) for m in measured["layouts"]]
+    assert shapes == layout_result.layouts(measured["cores"]) and len(shapes) >= 2
+    assert all(m["status"] == "measured" and m["median_images_per_s"] > 0 for m in measured["layouts"])
+    best = measured["best"]["ranks_per_node"]
+    assert f"best: {best} ranks per node x {measured['best']['threads_per_rank']} threads" in result.output
+    # Only the result file on the controller changed (counted for node1, the primary the task ran for).
+    assert result.changed() == {node: int(node == "node1") for node in provisioned.nodes}, result.recap
+
+    # The inventory's ranks_per_node: auto and mpi_ranks: auto, through the play's own filters and variables.
+    shown = subprocess.run(
+        [str(VENV_BIN / "ansible"), "-i", str(provisioned.inventory), "node1", "-m", "ansible.builtin.debug",
+         "-a", "msg={{ [ranks_per_node | xeonsd_ranks_per_node(layout_result_file),"
+               " mpi_ranks | xeonsd_mpi_ranks(groups['cluster'], ranks_per_node | xeonsd_ranks_per_node(layout_result_file))] }}",
+         "-e", "ranks_per_node=auto", "-e", "mpi_ranks=auto", "-e", f"layout_result_file={layout_file}"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert re.search(rf'"msg": \[\s*{best},\s*{best * NODES}\s*\]', shown.stdout), shown.stdout
+    layout_file.unlink()
+    missing = subprocess.run(
+        [str(VENV_BIN / "ansible"), "-i", str(provisioned.inventory), "node1", "-m", "ansible.builtin.debug",
+         "-a", "msg={{ ranks_per_node | xeonsd_ranks_per_node(layout_result_file) }}",
+         "-e", "ranks_per_node=auto", "-e", f"layout_result_file={layout_file}"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert missing.returncode != 0 and "doctor.yml -e tune_layout=true" in missing.stdout + missing.stderr

@@ -155,5 +155,7 @@ def test_sigint_before_the_first_step_exits_130_and_leaves_nothing_that_looks_do
     assert (written["state"], written["step"]) == ("interrupted", 0), written
     assert written["stop"] == {"signal": "SIGINT", "reason": "signal", "step": 0, "checkpoint": None}
     assert "stopped by SIGINT before the first training step" in output and "Traceback" not in output
-    # the status files, and the memory estimate the input checks wrote: no result, checkpoint or partial file
-    assert set(p.name for p in out.iterdir()) <= {"status", "memory_estimate.json"} and _left_behind(out) == []
+    # the status files, the memory estimate the input checks wrote and the libraries' log: no result, checkpoint or
+    # partial file
+    names = set(p.name for p in out.iterdir())
+    assert names <= {"status", "memory_estimate.json", "libraries.log"} and _left_behind(out) == []

@@ -17,7 +17,8 @@ fingerprint), :mod:`~xeonsd.families` (SD 1.x/2.x or SDXL, told from the pipelin
 side), :mod:`~xeonsd.flops` (FLOP counts and the matmul peak) and :mod:`~xeonsd.assets` (the offline tiny models and
 image set that the demo and the tests build); and the two rules that the playbooks' filter plugins load from this
 tree on the controller, so they import nothing but the standard library: :mod:`~xeonsd.method_names` (the methods
-and what each leaves in the run directory) and :mod:`~xeonsd.straggler_rule` (the straggler ratio and its causes).
+and what each leaves in the run directory), :mod:`~xeonsd.straggler_rule` (the straggler ratio and its causes) and
+:mod:`~xeonsd.layout_result` (a node's rank layouts and the tuning result ``ranks_per_node: auto`` reads).
 Also at the top: :mod:`~xeonsd.lora_layout` (LoRA files in the diffusers and the kohya layout and the converter
 between them: the trainer writes either, the OpenVINO side reads both).
 """

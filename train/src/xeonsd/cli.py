@@ -36,10 +36,43 @@ def _make_dataset(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(args: argparse.Namespace, rest: list[str]) -> int:
-    from xeonsd.trainer.loop import main as train_main
+def _console_flags(argv: list[str]) -> tuple[bool, str | None, list[str]]:
+    """``xeonsd train``'s console flags (-v/--verbose, --log FILE), and the trainer's own arguments without them."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--log")
+    known, rest = p.parse_known_args(argv)
+    return known.verbose, known.log, rest
 
-    return train_main(rest)
+
+def _train_log(argv: list[str]) -> Path:
+    """Where ``xeonsd train`` keeps the libraries' output: libraries.log in the output directory (one rank), or
+    libraries-rank<r>.log (each rank of a job, in the output directory on its own node)."""
+    from xeonsd.cluster.distributed import detect_ranks
+    from xeonsd.trainer.config import TrainConfig
+
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--output_dir", default=TrainConfig.output_dir)
+    out = Path(p.parse_known_args(argv)[0].output_dir)
+    info = detect_ranks()
+    return out / ("libraries.log" if info.world_size == 1 else f"libraries-rank{info.rank}.log")
+
+
+def _train(args: argparse.Namespace, rest: list[str]) -> int:
+    """The trainer with a quiet console: its own lines (progress, result, errors) on the console, the libraries'
+    chatter in the log (``-v``: on the console too). ``--help`` and ``--dry_run`` print as they are."""
+    from xeonsd.console import quiet_console
+
+    verbose, log, rest = _console_flags(rest)
+    if any(a in ("-h", "--help") or a.startswith(("--dry_run", "--dry-run")) for a in rest):  # they only print
+        from xeonsd.trainer.loop import main as train_main
+
+        return train_main(rest)
+    log_path = Path(log) if log else _train_log(rest)
+    with quiet_console(log_path, verbose=verbose, both=True) as console:
+        from xeonsd.trainer.loop import main as train_main
+
+        return train_main(rest, console)
 
 
 # The errors a command reports itself, in one line (everything else is a traceback).
@@ -208,6 +241,8 @@ def _report(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace, rest: list[str]) -> int:
     if args.what == "train":
         from xeonsd.bench.train import main as bench_main
+    elif args.what == "layout":
+        from xeonsd.bench.layout import main as bench_main
     else:
         from xeonsd.bench.generate import main as bench_main
     return bench_main(rest)
@@ -282,8 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_slurmjob_parser(sub)
 
-    p = sub.add_parser("bench", help="benchmarks (`xeonsd bench train --help`)", add_help=False)
-    p.add_argument("what", choices=["train", "generate"])
+    p = sub.add_parser("bench", help="benchmarks (`xeonsd bench train|generate|layout --help`)", add_help=False)
+    p.add_argument("what", choices=["train", "generate", "layout"])
     return parser
 
 
@@ -302,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         from xeonsd.cluster.hello import main as hello_main
 
         return hello_main(argv[1:])
-    if argv and argv[0] == "bench" and len(argv) > 1 and argv[1] in ("train", "generate"):
+    if argv and argv[0] == "bench" and len(argv) > 1 and argv[1] in ("train", "generate", "layout"):
         return _bench(argparse.Namespace(what=argv[1]), argv[2:])
     args = parser.parse_args(argv)
     try:

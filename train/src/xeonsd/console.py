@@ -62,21 +62,35 @@ def _put_log_in_place(tmp_log: Path, log_path: Path, refused: bool, show_tail: b
     if refused:  # the command refused its input: nothing ran, an earlier run's log stays as it was
         tmp_log.unlink(missing_ok=True)
         return
-    os.chmod(tmp_log, 0o644)
-    os.replace(tmp_log, log_path)
-    lines = _tail(log_path, TAIL_LINES) if show_tail else []
+    kept = log_path.parent.is_dir()  # a command that never made its output directory leaves no log behind
+    lines = _tail(tmp_log, TAIL_LINES) if show_tail else []
+    if kept:
+        os.chmod(tmp_log, 0o644)
+        os.replace(tmp_log, log_path)
+    else:
+        tmp_log.unlink(missing_ok=True)
     if lines:
-        print(f"the libraries' output is in {log_path}; its last lines:", file=console)
+        where = f"is in {log_path}" if kept else "was"
+        print(f"the libraries' output {where}; its last lines:", file=console)
         for line in lines:
             print(f"  {line}", file=console)
 
 
+def _existing_dir(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists (the log's temporary file goes there until the command has
+    made its output directory)."""
+    while not path.is_dir() and path != path.parent:
+        path = path.parent
+    return path
+
+
 @contextlib.contextmanager
 def quiet_console(
-    log_path: Path, verbose: bool = False, expected: tuple[type[BaseException], ...] = ()
-) -> Iterator[TextIO]:
+    log_path: Path, verbose: bool = False, expected: tuple[type[BaseException], ...] = (), both: bool = False
+) -> Iterator:
     """Send stdout and stderr to ``log_path`` (and, ``verbose``, to the console too) while the block runs; yields
-    the console's stdout for the command's own output. The log is written under a temporary name and renamed into
+    the console's stdout for the command's own output (``both``: its stdout and stderr). The log's directory may
+    not exist yet (a trainer makes its output directory): the log is placed there if it exists at the end. The log is written under a temporary name and renamed into
     place when the block ends. An exception out of the block shows the log's last lines, unless it is one of
     ``expected`` (the command's own errors, which say what is wrong: then no log is left, and an earlier one stays). Where the log cannot be
     opened (the command's output directory is not writable: the command reports that itself) nothing is
@@ -85,12 +99,12 @@ def quiet_console(
     sys.stderr.flush()
     try:
         log_path = Path(log_path)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{log_path.name}.tmp-", dir=log_path.parent)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{log_path.name}.tmp-", dir=_existing_dir(log_path.parent))
         os.close(fd)
         tmp_log = Path(tmp_name)
         log_fd = os.open(tmp_log, os.O_WRONLY | os.O_TRUNC)
     except OSError:
-        yield sys.stdout
+        yield (sys.stdout, sys.stderr) if both else sys.stdout
         return
     saved_out, saved_err = os.dup(1), os.dup(2)
     console_out = os.fdopen(os.dup(saved_out), "w", buffering=1)
@@ -120,7 +134,7 @@ def quiet_console(
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     failed = refused = False
     try:
-        yield console_out
+        yield (console_out, console_err) if both else console_out
     except BaseException as exc:
         refused = isinstance(exc, expected)
         failed = not refused

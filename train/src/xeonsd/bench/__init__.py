@@ -1,5 +1,8 @@
-"""The benchmarks (``xeonsd bench train`` and ``xeonsd bench generate``): variants of one job measured in one run,
-each figure printed beside its baseline.
+"""The benchmarks (``xeonsd bench train``, ``xeonsd bench generate``, ``xeonsd bench layout``): variants of one job
+measured in one run, each figure printed beside its baseline.
+
+``bench layout`` is :mod:`.layout`: every ranks-per-node × threads-per-rank layout of a node with the job's
+arguments, the result that ``ranks_per_node: auto`` reads (doctor.yml -e tune_layout=true runs it).
 
 ``bench train`` is :mod:`.train`. ``bench generate`` is :mod:`.generate` (the command line and the variants in
 order), :mod:`.generate_pipelines` (the model, the cached exports, each pipeline loaded and timed) and

@@ -9,7 +9,6 @@ import gc
 import logging
 import os
 import secrets
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -339,7 +338,7 @@ def _lost_peer_exit(info: RankInfo, status: RankStatusFile):
     def expire(message: str) -> None:
         status.fail("timeout", message)
         where = f"rank {info.rank}/{info.world_size} on {node_address()}"
-        print(f"xeonsd train: error: {where}: {message}", file=sys.stderr, flush=True)
+        log.error("xeonsd train: error: %s: %s", where, message)  # a record: the quiet console shows it too
         take_the_job_down(info, 2, grace_s=ABORT_GRACE_S)
         os._exit(2)
 

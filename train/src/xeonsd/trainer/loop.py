@@ -19,6 +19,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+from typing import TextIO
 
 import torch
 
@@ -334,7 +335,10 @@ def loss_options(job: Job) -> dict:
     return {"snr_gamma": cfg.snr_gamma, "noise_offset": cfg.noise_offset, "timestep_range": [lo, hi]}
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], console: tuple[TextIO, TextIO] | None = None) -> int:
+    """``xeonsd train ARGV``; ``console``: the (stdout, stderr) for the run's own result and error lines while the
+    process's own streams go to a log (``xeonsd train``'s quiet console); None: sys.stdout and sys.stderr."""
+    out, err = console or (sys.stdout, sys.stderr)
     info = detect_ranks()
     status: RankStatusFile | None = None
     signals = StopSignals()
@@ -344,7 +348,7 @@ def main(argv: list[str]) -> int:
         status = None if cfg.dry_run else start_status(cfg, info)
         summary = run(cfg, status, signals)
     except Interrupted as stop:
-        return stopped(info, status, stop)
+        return stopped(info, status, stop, err)
     except BAD_INPUT as exc:
         signals.defer()  # a signal from here on (mpirun ending the job) must not cut the report short
         if status is not None:  # the status file first: the play reads it, the log line is for people
@@ -353,7 +357,7 @@ def main(argv: list[str]) -> int:
             else:
                 status.fail("input", str(exc))
         where = f"rank {info.rank}/{info.world_size} on {node_address()}: " if info.world_size > 1 else ""
-        print(f"xeonsd train: error: {where}{exc}", file=sys.stderr)
+        print(f"xeonsd train: error: {where}{exc}", file=err, flush=True)
         take_the_job_down(info, 2, grace_s=ABORT_GRACE_S if isinstance(exc, PeerLostError) else 0.0)
         return 2
     except Exception as exc:
@@ -362,8 +366,8 @@ def main(argv: list[str]) -> int:
             status.fail("exception", f"{type(exc).__name__}: {exc}")
         if info.world_size > 1:
             where = f"rank {info.rank}/{info.world_size} on {node_address()}"
-            print(f"xeonsd train: error: {where} failed:", file=sys.stderr)
-            traceback.print_exc()
+            print(f"xeonsd train: error: {where} failed:", file=err)
+            traceback.print_exc(file=err)
             take_the_job_down(info, 1)
         raise
     finally:
@@ -373,17 +377,17 @@ def main(argv: list[str]) -> int:
     assert status is not None
     status.update(state="done")
     if info.is_main:
-        print(_done_line(summary))
+        print(_done_line(summary), file=out, flush=True)
     return 0
 
 
-def stopped(info: RankInfo, status: RankStatusFile | None, stop: Interrupted) -> int:
+def stopped(info: RankInfo, status: RankStatusFile | None, stop: Interrupted, err: TextIO | None = None) -> int:
     """A job told to stop: its status file says so, and it exits with 128 + the signal. Before the steps a rank
     may be alone in that (its peers blocked in a collective): it asks the launcher to end the job."""
     if status is not None:
         status.interrupt(stop.stop)
     if info.is_main or stop.stop.step == 0:
-        print(f"xeonsd train: {stop}", file=sys.stderr, flush=True)
+        print(f"xeonsd train: {stop}", file=err or sys.stderr, flush=True)
     if stop.stop.step == 0:
         take_the_job_down(info, stop.exit_code, grace_s=ABORT_GRACE_S)
     return stop.exit_code

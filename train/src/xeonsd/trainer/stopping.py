@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import threading
 from collections.abc import Callable, Mapping
 
@@ -158,11 +157,11 @@ class StopDeadline:
 
     @staticmethod
     def _expire(seconds: float, code: int, on_expiry: Callable[[], None]) -> None:
-        print(
-            f"xeonsd train: error: the stop did not finish within {seconds:g} s ({STOP_TIMEOUT_ENV}); exiting "
-            f"{code} without it",
-            file=sys.stderr,
-            flush=True,
+        log.error(  # a record, not a print: the quiet console shows it too
+            "xeonsd train: error: the stop did not finish within %gs (%s); exiting %d without it",
+            seconds,
+            STOP_TIMEOUT_ENV,
+            code,
         )
         try:
             on_expiry()

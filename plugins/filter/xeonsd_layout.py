@@ -1,0 +1,66 @@
+"""ranks_per_node and mpi_ranks as numbers, with ``auto`` read from the tuning result on the controller.
+
+``ranks_per_node: auto`` (cluster.yml) is the best layout that ``ansible-playbook doctor.yml -e tune_layout=true``
+measured on one node and stored on the controller (``runs/layout.json``); ``mpi_ranks: auto`` is the nodes × the
+ranks per node. The result's schema, its checks and the messages ("Fix: run … doctor.yml -e tune_layout=true") are
+xeonsd's: train/src/xeonsd/layout_result.py (standard library only), which this plugin loads from the repository.
+
+    finetune_ranks_per_node: "{{ ranks_per_node | xeonsd_ranks_per_node(layout_file) }}"
+    finetune_ranks: "{{ mpi_ranks | xeonsd_mpi_ranks(groups['cluster'], finetune_ranks_per_node) }}"
+    "{{ doctor_layout | xeonsd_layout_lines }}": the lines the play prints (one per layout, then the best)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+_RESULT = Path(__file__).resolve().parents[2] / "train" / "src" / "xeonsd" / "layout_result.py"
+
+
+def _layout_result():
+    spec = importlib.util.spec_from_file_location("xeonsd_layout_result", _RESULT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_lr = _layout_result()
+LayoutError = _lr.LayoutError
+
+
+def ranks_per_node(value: object, layout_file: str, missing: int | None = None) -> int:
+    """``value`` as a number; ``auto``: the best layout of the tuning result at ``layout_file`` (``missing``: the
+    number while there is no result; None: fail with the fix)."""
+    return _lr.resolve_ranks_per_node(value, layout_file, missing)
+
+
+def mpi_ranks(value: object, nodes: Sequence[str], per_node: object) -> int:
+    """``value`` as a number; ``auto``: len(``nodes``) × ``per_node``."""
+    if isinstance(nodes, str) or not isinstance(nodes, Sequence):
+        raise TypeError(f"xeonsd_mpi_ranks: nodes must be a list of hosts, got {nodes!r}")
+    return _lr.resolve_mpi_ranks(value, len(nodes), int(per_node))
+
+
+def layout_result(stdout_lines: Sequence[str]) -> dict:
+    """The tuning result that ``xeonsd bench layout --json`` printed as its last JSON line, checked."""
+    found = [line for line in stdout_lines or [] if line.startswith("{")]
+    if not found:
+        raise LayoutError("xeonsd bench layout printed no result")
+    return _lr.check(json.loads(found[-1]), "xeonsd bench layout's output")
+
+
+def layout_lines(result: Mapping) -> list[str]:
+    return _lr.result_lines(_lr.check(dict(result)))
+
+
+class FilterModule:
+    def filters(self) -> dict:
+        return {
+            "xeonsd_ranks_per_node": ranks_per_node,
+            "xeonsd_mpi_ranks": mpi_ranks,
+            "xeonsd_layout_result": layout_result,
+            "xeonsd_layout_lines": layout_lines,
+        }
