@@ -23,7 +23,6 @@ from typing import TextIO
 
 import torch
 
-from xeonsd.cluster import run_files
 from xeonsd.cluster.distributed import (
     DistributedError,
     PeerLostError,
@@ -50,10 +49,11 @@ from xeonsd.trainer.hooks import StepEnd, StepObservers
 from xeonsd.trainer.inputs import check_memory, validate, with_resolution
 from xeonsd.trainer.job import ABORT_GRACE_S, Job, Training, setup, setup_logging, start_status
 from xeonsd.trainer.loss import denoising_loss
-from xeonsd.trainer.metrics import MetricsLog, plot_loss, result_bytes, write_summary
+from xeonsd.trainer.metrics import MetricsLog, plot_loss, write_summary
 from xeonsd.trainer.models import autocast, render_validation
 from xeonsd.trainer.prior import model_inputs
 from xeonsd.trainer.stopping import Interrupted, StopSignals
+from xeonsd.trainer.summary import train_summary
 from xeonsd.trainer.validation import write_image_grid
 
 log = logging.getLogger("xeonsd.train")
@@ -278,61 +278,12 @@ def save(job: Job, fitted: Fitted) -> dict:
             what = cfg.placeholder_token if cfg.method == "textual_inversion" else cfg.method
             plot_loss(metrics.rows, out / "loss.png", title=f"{what}: {world} rank(s)")
         metrics.finish()
-        write_summary(out, train_summary(job, fitted))
+        write_summary(out, train_summary(job, fitted.first_step_s))
         log.info("saved the %s result to %s", cfg.method, out)
     with job.cluster.timeout.watch("barrier after saving"):
         barrier(world)
     job.cluster.timeout.close()
     return summary
-
-
-def train_summary(job: Job, fitted: Fitted | None = None) -> dict:
-    """What ``train_summary.json`` holds (the schema: :func:`xeonsd.cluster.run_files.train_summary`)."""
-    cfg, method, prompts = job.run.cfg, job.training.method, job.data.prompts
-    return run_files.train_summary(
-        method.summary(),
-        base_model=cfg.pretrained_model_name_or_path,
-        base_model_fingerprint=job.run.base_model,
-        steps=cfg.max_train_steps,
-        ranks=job.world,
-        allreduce_bytes_per_step=job.allreduce_bytes(),
-        prompts={
-            "source": prompts.source,
-            "count": len(prompts.texts),
-            "per_image": prompts.per_image,
-            "caption_dropout": cfg.caption_dropout,
-            "shuffle_tags": cfg.shuffle_tags,
-            "keep_tokens": cfg.keep_tokens,
-            "caption_prefix": cfg.caption_prefix,
-        },
-        result_path=method.outputs[0],
-        result_bytes=result_bytes(cfg.output_path, method.outputs[0]),
-        loss=loss_options(job),
-        family=family.name if (family := job.training.models.family) is not None else None,
-        resolution=cfg.resolution,
-        validation=validation_record(job),
-        buckets=job.data.buckets.record() if job.data.buckets is not None else None,
-        startup={
-            "time_to_first_step_s": fitted.first_step_s if fitted is not None else None,
-            "latent_inputs": job.data.latents.count,
-            "latent_inputs_encoded": job.data.latents.encoded,
-        },
-    )
-
-
-def validation_record(job: Job) -> dict | None:
-    """The validation loss's held-out images (train_summary.json's ``validation``), or None without one."""
-    vs = job.data.validation
-    if vs is None:
-        return None
-    return {"source": vs.held.source, "images": [p.name for p in vs.held.images], "timesteps": list(vs.timesteps)}
-
-
-def loss_options(job: Job) -> dict:
-    """The loss and noise options the run trained with (train_summary.json's ``loss``)."""
-    cfg, plan = job.run.cfg, job.data.plan
-    lo, hi = plan.timestep_range or (0, plan.num_timesteps)
-    return {"snr_gamma": cfg.snr_gamma, "noise_offset": cfg.noise_offset, "timestep_range": [lo, hi]}
 
 
 def main(argv: list[str], console: tuple[TextIO, TextIO] | None = None) -> int:
