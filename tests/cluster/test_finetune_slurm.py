@@ -5,12 +5,22 @@ fetch, the export and the report with the Slurm job id and sacct's elapsed and C
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import time
+from pathlib import Path
 
 import pytest
 from harness import Cluster
 from runner import TIMINGS, PlaybookRun, run_playbook
+from test_finetune import RUNS
+from test_finetune import _all_job_processes as all_job_processes
+from test_finetune import _background_playbook as background_playbook
+from test_finetune import _finish as finish
+from test_finetune import _job_processes as job_processes
+from test_finetune import _latest_step as latest_step
+from test_finetune import _wait as wait_for
 
 # Each node's CPUs in slurm.conf: ranks_per_node (the nodes share the host's cores, oversubscribed on purpose).
 SLURM_CPUS = 4
@@ -89,3 +99,93 @@ def test_preflight_refuses_a_partition_slurm_does_not_have(slurm_cluster: Cluste
     said = " ".join(f.msg for f in failures)
     assert "Slurm has no partition gpu (its partitions: xeonsd). Fix: set slurm_partition to one of them." in said
     assert all(n == 0 for n in result.changed().values()), result.recap
+
+
+# ---- the failure paths under Slurm: one run, killed, stopped by its time limit, resumed to its end -------------
+# A node's ranks killed mid-job end the job and the play names the node; the same run resumed with a time limit
+# Slurm's warning signal lands in (finetune_timeout_s, the --signal seconds before it) stops at a step with a
+# checkpoint and says so; resumed once more, it finishes. Three job runs of one run directory: the fewest that
+# show all three, each starting from what the one before left.
+LIMITED = "slurm-limits"
+LIMITED_STEPS = 400  # never reached: the kill and the time limit end the first two attempts
+FINAL_STEPS_AFTER_STOP = 2  # the last attempt trains these steps past the stop
+# The limited attempt's time limit (Slurm counts whole minutes) and its warning: slurmctld checks the limits every
+# 30 s and sends the warning up to 30 s early, so it lands 30-60 s into the job: past the start-up and the first
+# steps, with a minute left for the step in progress and the checkpoint.
+TIME_LIMIT_S = 120
+WARNING_S = 60
+
+
+def _limited_args(runs: Path, *extra: str) -> tuple[str, ...]:
+    return (
+        "-e", "finetune_launcher=slurm", "-e", "slurm_partition=xeonsd", "-e", f"controller_runs_dir={runs}",
+        "-e", f"finetune_run_id={LIMITED}", "-e", "finetune_checkpointing_steps=2", "--tags", "finetune", *extra,
+    )  # fmt: skip
+
+
+def _slurm_jobs(cluster: Cluster) -> str:
+    return cluster.ssh("node1", "squeue -h -o %i", user="devcloud", check=False).stdout.strip()
+
+
+def test_a_node_killed_under_slurm_ends_the_job_and_the_play_names_it(slurm_cluster: Cluster) -> None:
+    runs = slurm_cluster.state_dir / "runs"
+    args = _limited_args(runs, "-e", f"finetune_max_train_steps={LIMITED_STEPS}")
+    with background_playbook(slurm_cluster, "finetune-slurm-killed", "finetune.yml", *args) as (job, log, _):
+        wait_for(lambda: latest_step(slurm_cluster) >= 3, 900, "step 3 (checkpoint-2 exists)", job, log)
+        victims = job_processes(slurm_cluster, "node3")
+        assert victims, "no training processes on node3"
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        wait_for(lambda: not all_job_processes(slurm_cluster) and not _slurm_jobs(slurm_cluster), 120, "the job's end")
+        job_ended = time.monotonic() - killed
+        rc = finish(job, timeout=300)
+    output = log.read_text()
+    print(f"\nnode3's ranks killed under Slurm: the Slurm job ended {job_ended:.1f} s later")
+    assert rc != 0
+    failure = output[output.index("Training failed:") :]
+    assert failure.startswith("Training failed: node3 (ranks 8-11)"), failure[:2000]
+    assert "resume=latest" in failure
+    job_info = json.loads(slurm_cluster.ssh("node1", f"cat {RUNS}/{LIMITED}/slurm.json").stdout)
+    assert job_info["state"] == "FAILED" and not job_info["stopped_by_time_limit"], job_info
+
+
+def test_the_time_limit_under_slurm_stops_with_a_checkpoint_and_resume_finishes(slurm_cluster: Cluster) -> None:
+    runs = slurm_cluster.state_dir / "runs"
+    limit = _limited_args(
+        runs, "-e", "resume=latest", "-e", f"finetune_max_train_steps={LIMITED_STEPS}",
+        "-e", f"finetune_timeout_s={TIME_LIMIT_S}", "-e", f"finetune_slurm_signal_s={WARNING_S}",
+    )  # fmt: skip
+    stopped = run_playbook(
+        "finetune.yml", slurm_cluster.inventory, *limit, state_dir=slurm_cluster.state_dir,
+        name="finetune-slurm-time-limit", timeout=900,
+    )  # fmt: skip
+    TIMINGS.append(("finetune.yml under Slurm stopped by its time limit", stopped.seconds))
+    assert stopped.rc != 0
+    said = re.search(
+        r"Training stopped by the time limit at step (\d+) \(checkpoint-(\d+) written\); resume with -e "
+        r"resume=latest \(Slurm job (\d+)\)",
+        stopped.output,
+    )
+    assert said and said[1] == said[2], stopped.tail(60)
+    step = int(said[1])
+    batch = (runs / LIMITED / "job.sbatch").read_text()
+    assert f"#SBATCH --time=0:0{TIME_LIMIT_S // 60}:00" in batch and f"#SBATCH --signal=USR1@{WARNING_S}" in batch
+    slurm_cluster.ssh("node1", f"test -f {RUNS}/{LIMITED}/checkpoint-{step}/trainer_state.pt")
+    job_info = json.loads((runs / LIMITED / "slurm.json").read_text())
+    assert job_info["job_id"] == said[3] and job_info["stopped_by_time_limit"], job_info
+    page = (runs / LIMITED / "report.html").read_text()
+    assert f"stopped by the time limit at step {step}" in page
+
+    resumed = run_playbook(
+        "finetune.yml", slurm_cluster.inventory, *_limited_args(runs, "-e", "resume=latest",
+        "-e", f"finetune_max_train_steps={step + FINAL_STEPS_AFTER_STOP}"), state_dir=slurm_cluster.state_dir,
+        name="finetune-slurm-resumed", timeout=900,
+    )  # fmt: skip
+    TIMINGS.append(("finetune.yml under Slurm resumed to its end", resumed.seconds))
+    assert resumed.rc == 0, resumed.tail(80)
+    rows = [json.loads(x) for x in (runs / LIMITED / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, step + FINAL_STEPS_AFTER_STOP + 1))
+    assert f"at step {step}" in (runs / LIMITED / "train.log").read_text()
+    assert json.loads((runs / LIMITED / "exit.json").read_text())["attempt"] == 3
+    assert json.loads((runs / LIMITED / "slurm.json").read_text())["state"] == "COMPLETED"

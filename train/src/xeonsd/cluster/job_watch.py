@@ -301,7 +301,12 @@ def _failure(params: dict, rc: int, exit_info: dict, log_text: str) -> dict:
     if (rc == ASYNC_TIMEOUT_RC or exit_info.get("timed_out")) and not failure.get("stopped"):
         failure["summary"] = f"the job ran past its time limit; {failure['summary']}"
     slurm = read_slurm_job(params["run_dir"])
-    if slurm is not None and slurm.stopped_by_time_limit:
+    stopped = failure.get("stopped")
+    if slurm is not None and stopped is not None and stopped["reason"] == "time_limit":
+        # The ranks stopped on the batch job's warning signal: their stop already says the time limit, the step
+        # and its checkpoint; the job id is what Slurm adds.
+        failure["summary"] += f" (Slurm job {slurm.job_id})"
+    elif slurm is not None and slurm.stopped_by_time_limit:
         step = read_progress(params["run_dir"], params["total_steps"])["step"]
         failure["summary"] = (
             f"stopped by the time limit at step {step} (Slurm job {slurm.job_id}, {slurm.state}); resume with "
