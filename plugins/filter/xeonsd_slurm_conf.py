@@ -88,7 +88,8 @@ def _setting(key: object, value: object) -> str:
 
 
 def slurm_conf(conf: Mapping) -> str:
-    """The whole slurm.conf of ``conf``: cluster_name, controller ({name, address}: the primary's node), nodes
+    """The whole slurm.conf of ``conf``: cluster_name, controller ({name, address}: the primary's host name, which
+    slurmctld compares with its own, and its address), nodes
     (xeonsd_slurm_nodes), partition, settings (key → value, in order) and extra_lines (the site's own, last)."""
     missing = [k for k in CONF_REQUIRED if k not in conf]
     if missing:
@@ -100,8 +101,7 @@ def slurm_conf(conf: Mapping) -> str:
     if len(set(names)) != len(names):
         _fail(f"two hosts have the same Slurm name in {names}. Fix: give each host its own slurm_node_name.")
     controller = conf["controller"]
-    if controller["name"] not in names:
-        _fail(f"the controller {controller['name']!r} is not one of the nodes {names}")
+    _name(controller["name"], "controller host name")
     cluster = _name(conf["cluster_name"], "cluster name")
     if cluster != cluster.lower():
         _fail(f"cluster name {cluster!r} must be lower case (slurmdbd compares it so). Fix: set slurm_cluster_name.")

@@ -76,7 +76,7 @@ def test_the_file_has_the_controller_the_nodes_one_default_partition_and_the_sit
     [
         ({"partition": "my cpus"}, "partition 'my cpus' is not a Slurm name"),
         ({"cluster_name": "Xeonsd"}, "cluster name 'Xeonsd' must be lower case"),
-        ({"controller": {"name": "head", "address": "10.0.0.1"}}, "the controller 'head' is not one of the nodes"),
+        ({"controller": {"name": "head node", "address": "10.0.0.1"}}, "controller host name 'head node' is not a"),
         ({"settings": {"TaskPlugin": "task/affinity task/cgroup"}}, "a slurm.conf value has no spaces"),
         ({"nodes": []}, "nodes must be a non-empty list"),
         ({"extra_lines": "AccountingStorageType=x"}, "extra_lines must be a list of lines"),

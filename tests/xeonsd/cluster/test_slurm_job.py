@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 
 import pytest
 
@@ -72,8 +73,10 @@ def test_query_waits_for_the_final_line_and_names_sacct_when_it_never_comes():
     def disabled(argv, **_):
         return subprocess.CompletedProcess(argv, 1, "", "Slurm accounting storage is disabled")
 
+    began = time.monotonic()  # a cluster without accounting: said at once, not after waiting wait_s for nothing
     with pytest.raises(StatusFileError, match="accounting storage is disabled.*Fix: check that Slurm's accounting"):
-        slurm_job.query("12", wait_s=0, poll_s=0, run=disabled)
+        slurm_job.query("12", wait_s=60, poll_s=0, run=disabled)
+    assert time.monotonic() - began < 30
 
 
 def test_run_json_shows_the_slurm_job(tmp_path):

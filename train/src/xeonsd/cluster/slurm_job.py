@@ -28,6 +28,8 @@ WARNING_SIGNAL = signal.SIGUSR1
 # sacct's fields, in this order (-P: separated by |).
 SACCT_FIELDS = ("JobID", "State", "ExitCode", "ElapsedRaw", "TotalCPU", "CPUTimeRAW", "NodeList", "TimelimitRaw")
 # States of a job that has not ended yet (sacct shows these for a moment after sbatch --wait returns).
+# What sacct says on a cluster without an accounting database.
+ACCOUNTING_DISABLED = "accounting storage is disabled"
 _UNFINISHED = ("PENDING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED")
 _CPU_TIME = re.compile(r"^(?:(?:(?P<d>\d+)-)?(?P<h>\d+):)?(?P<m>\d+):(?P<s>\d+(?:\.\d+)?)$")
 
@@ -98,7 +100,8 @@ def query(job_id: str, wait_s: float = 60, poll_s: float = 2, run=subprocess.run
             job = parse_sacct(proc.stdout, job_id)
             if job is not None:
                 return job
-        if time.monotonic() > deadline:
+        # Without slurmdbd (AccountingStorageType none, as the slurm role sets it up) no line will ever come.
+        if time.monotonic() > deadline or ACCOUNTING_DISABLED in proc.stderr:
             said = (proc.stderr or proc.stdout).strip() or "no line for the job"
             raise StatusFileError(
                 f"sacct has no final accounting of Slurm job {job_id} after {wait_s:g} s (rc {proc.returncode}: "
