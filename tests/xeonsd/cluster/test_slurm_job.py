@@ -122,3 +122,28 @@ def test_a_job_stopped_by_the_slurm_time_limit_is_named_with_its_step(tmp_path):
     ), summary
     (run / slurm_job.SLURM_FILE).unlink()  # the same failure of an mpirun job: no Slurm words
     assert "Slurm" not in job_watch.job_state(params)["failure"]["summary"]
+
+
+def test_a_node_whose_tasks_srun_reports_first_is_named_when_no_rank_could_say(tmp_path):
+    """Under Slurm, srun --kill-on-bad-exit ends every rank as soon as one node's tasks die: no status file names
+    a lost peer, and srun's first line names the node (its later lines, for the ranks it ended, do not count)."""
+    from xeonsd.cluster import job_status, job_watch
+
+    nodes = [{"name": f"node{i}", "address": f"10.0.0.1{i}"} for i in range(1, 5)]
+    for r in range(16):
+        node = nodes[r // 4]
+        status = job_status.RankStatus(r, 16, node["name"], node["address"], 100 + r, "starting", 0, 1.0, 1)
+        job_status.RankStatusFile(tmp_path, status).update(state="running", step=3)
+    log = "\n".join(
+        [
+            "[0] step 3 loss 0.1",
+            "srun: error: node3: tasks 8-11: Killed",
+            "srun: Job step aborted: Waiting up to 32 seconds for job step to finish.",
+            "srun: error: node1: tasks 0-3: Killed",
+            "srun: error: node2: tasks 4-7: Killed",
+        ]
+    )
+    statuses = job_watch.read_status_dir(str(tmp_path / job_status.STATUS_DIR))
+    got = job_watch.diagnose(statuses, nodes, 4, attempt=1, log_text=log)
+    assert got["nodes"] == ["node3"] and got["ranks"] == [8, 9, 10, 11], got
+    assert "srun: error: node3: tasks 8-11: Killed" in got["excerpt"]
