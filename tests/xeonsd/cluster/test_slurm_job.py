@@ -147,3 +147,26 @@ def test_a_node_whose_tasks_srun_reports_first_is_named_when_no_rank_could_say(t
     got = job_watch.diagnose(statuses, nodes, 4, attempt=1, log_text=log)
     assert got["nodes"] == ["node3"] and got["ranks"] == [8, 9, 10, 11], got
     assert "srun: error: node3: tasks 8-11: Killed" in got["excerpt"]
+
+
+def test_the_ranks_time_limit_stop_makes_the_job_stopped_by_the_time_limit_whatever_srun_returned(tmp_path):
+    """Seen on the test cluster: the ranks stopped on the warning (exit 138), srun returned 15 (its
+    --kill-on-bad-exit sent the last ranks SIGTERM), sacct says FAILED 15: slurm.json still says the time limit."""
+    from xeonsd.cluster import job_status
+    from xeonsd.trainer.stopping import make_stop
+
+    job_status.begin_attempt(tmp_path, now=1, time_limit_s=360)
+    status = job_status.RankStatus(0, 1, "node1", "10.0.0.11", 100, "starting", 0, 1.0, 1)
+    job_status.RankStatusFile(tmp_path, status).interrupt(make_stop(10, 60, "checkpoint-60"))
+    job_status.write_exit(tmp_path, 15, now=331)
+    line = "2|FAILED|15:0|331|02:44.838|5296|node[1-4]|6\n"
+
+    def sacct(argv, **_):
+        return subprocess.CompletedProcess(argv, 0, line, "")
+
+    job = slurm_job.record(tmp_path, "2", wait_s=0, run=sacct)
+    assert job.stopped_by_time_limit and job.exit_code == 15
+    assert json.loads((tmp_path / slurm_job.SLURM_FILE).read_text())["stopped_by_time_limit"] is True
+    job_status.begin_attempt(tmp_path, now=400)  # an attempt that failed on its own: no time limit
+    job_status.write_exit(tmp_path, 15, now=431)
+    assert not slurm_job.record(tmp_path, "2", wait_s=0, run=sacct).stopped_by_time_limit

@@ -16,10 +16,10 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from xeonsd.cluster.job_status import StatusFileError, write_json
+from xeonsd.cluster.job_status import StatusFileError, read_exit, write_json
 
 SLURM_FILE = "slurm.json"
 SCHEMA_VERSION = 1
@@ -110,8 +110,14 @@ def query(job_id: str, wait_s: float = 60, poll_s: float = 2, run=subprocess.run
         time.sleep(poll_s)
 
 
-def record(run_dir: Path, job_id: str, wait_s: float = 60) -> SlurmJob:
-    job = query(job_id, wait_s=wait_s)
+def record(run_dir: Path, job_id: str, wait_s: float = 60, run=subprocess.run) -> SlurmJob:
+    """slurm.json of the ended job. Stopped by the time limit also when the ranks said so (exit.json's stop, which
+    run.sh wrote just before): srun's own exit code after the ranks' 138 is not always 138 (seen: 15, once its
+    --kill-on-bad-exit had sent the last ranks SIGTERM)."""
+    job = query(job_id, wait_s=wait_s, run=run)
+    ended = read_exit(Path(run_dir))
+    if ended is not None and ended.stopped is not None and ended.stopped.reason == "time_limit":
+        job = replace(job, stopped_by_time_limit=True)
     write_json(Path(run_dir) / SLURM_FILE, asdict(job), fsync=True)
     return job
 
