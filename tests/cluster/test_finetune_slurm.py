@@ -5,12 +5,23 @@ fetch, the export and the report with the Slurm job id and sacct's elapsed and C
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from harness import Cluster
 from runner import TIMINGS, PlaybookRun, run_playbook
+from test_finetune import RUNS
+from test_finetune import _all_job_processes as all_job_processes
+from test_finetune import _background_playbook as background_playbook
+from test_finetune import _finish as finish
+from test_finetune import _job_processes as job_processes
+from test_finetune import _latest_step as latest_step
+from test_finetune import _wait as wait_for
 
 # Each node's CPUs in slurm.conf: ranks_per_node (the nodes share the host's cores, oversubscribed on purpose).
 SLURM_CPUS = 4
@@ -89,3 +100,118 @@ def test_preflight_refuses_a_partition_slurm_does_not_have(slurm_cluster: Cluste
     said = " ".join(f.msg for f in failures)
     assert "Slurm has no partition gpu (its partitions: xeonsd). Fix: set slurm_partition to one of them." in said
     assert all(n == 0 for n in result.changed().values()), result.recap
+
+
+# ---- the failure paths under Slurm: one run, killed, stopped by its time limit, resumed to its end -------------
+# A node's ranks killed mid-job end the job and the play names the node; the same run resumed, its time limit
+# reached, stops on the batch job's warning signal at a step with a checkpoint and says so; resumed once more, it
+# finishes. Three job runs of one run directory: the fewest that show all three, each from what the one before left.
+LIMITED = "slurm-limits"
+LIMITED_STEPS = 400  # never reached: the kill and the time limit end the first two attempts
+FINAL_STEPS_AFTER_STOP = 2  # the last attempt trains these steps past the stop
+# The time-limited attempt: --time and --signal=USR1@WARNING_S from the inventory's variables. Once it trains,
+# the test brings the job's end to WARNING_S + 10..70 s from now (scontrol update TimeLimit, in Slurm's whole
+# minutes): slurmctld, which checks the limits about every 30 s, then sends the warning within about a minute, and
+# the ranks have WARNING_S for the step in progress and the checkpoint. (A limit given at the start would have to
+# outlast a start-up that takes 30 s on a quiet machine and minutes on a busy one.)
+TIME_LIMIT_S = 1200
+WARNING_S = 60
+
+
+def _limited_args(runs: Path, *extra: str) -> tuple[str, ...]:
+    return (
+        "-e", "finetune_launcher=slurm", "-e", "slurm_partition=xeonsd", "-e", f"controller_runs_dir={runs}",
+        "-e", f"finetune_run_id={LIMITED}", "-e", "finetune_checkpointing_steps=2", "--tags", "finetune", *extra,
+    )  # fmt: skip
+
+
+def _slurm_jobs(cluster: Cluster) -> str:
+    return cluster.ssh("node1", "squeue -h -o %i", user="devcloud", check=False).stdout.strip()
+
+
+def test_a_node_killed_under_slurm_ends_the_job_and_the_play_names_it(slurm_cluster: Cluster) -> None:
+    runs = slurm_cluster.state_dir / "runs"
+    args = _limited_args(runs, "-e", f"finetune_max_train_steps={LIMITED_STEPS}")
+    with background_playbook(slurm_cluster, "finetune-slurm-killed", "finetune.yml", *args) as (job, log, _):
+        wait_for(lambda: latest_step(slurm_cluster) >= 3, 900, "step 3 (checkpoint-2 exists)", job, log)
+        victims = job_processes(slurm_cluster, "node3")
+        assert victims, "no training processes on node3"
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        wait_for(lambda: not all_job_processes(slurm_cluster) and not _slurm_jobs(slurm_cluster), 120, "the job's end")
+        job_ended = time.monotonic() - killed
+        rc = finish(job, timeout=300)
+    output = log.read_text()
+    print(f"\nnode3's ranks killed under Slurm: the Slurm job ended {job_ended:.1f} s later")
+    assert rc != 0
+    failure = output[output.index("Training failed:") :]
+    assert failure.startswith("Training failed: node3 (ranks 8-11)"), failure[:2000]
+    assert "resume=latest" in failure
+    job_info = json.loads(slurm_cluster.ssh("node1", f"cat {RUNS}/{LIMITED}/slurm.json").stdout)
+    assert job_info["state"] == "FAILED" and not job_info["stopped_by_time_limit"], job_info
+
+
+def _bring_the_end_near(cluster: Cluster, job_id: str) -> None:
+    """The running job's time limit cut to end WARNING_S + 10..70 s from now (root is Slurm's admin here)."""
+    env = cluster.slurm.env()
+    used = subprocess.run(
+        ["squeue", "-h", "-j", job_id, "-o", "%M"], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    parts = [int(x) for x in re.split(r"[-:]", used)]
+    elapsed = sum(p * m for p, m in zip(reversed(parts), (1, 60, 3600, 86400), strict=False))
+    minutes = -(-(elapsed + WARNING_S + 10) // 60)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={minutes}"], env=env, check=True)
+
+
+def _stop_at_the_time_limit(cluster: Cluster, runs: Path) -> tuple[int, str]:
+    """The resumed attempt, its time limit brought near once it trains: the step it stopped at and its job id."""
+    args = _limited_args(
+        runs, "-e", "resume=latest", "-e", f"finetune_max_train_steps={LIMITED_STEPS}",
+        "-e", f"finetune_timeout_s={TIME_LIMIT_S}", "-e", f"finetune_slurm_signal_s={WARNING_S}",
+    )  # fmt: skip
+    before = latest_step(cluster)
+    with background_playbook(cluster, "finetune-slurm-time-limit", "finetune.yml", *args) as (job, log, began):
+        wait_for(lambda: latest_step(cluster) > before, 900, f"a step past {before}", job, log)
+        job_id = cluster.ssh("node1", f"cat {RUNS}/{LIMITED}/slurm-job-id").stdout.strip()
+        _bring_the_end_near(cluster, job_id)
+        rc = finish(job, timeout=600)
+        TIMINGS.append(("finetune.yml under Slurm stopped by its time limit", time.monotonic() - began))
+    output = log.read_text()
+    assert rc != 0
+    said = re.search(
+        r"Training stopped by the time limit at step (\d+) \(checkpoint-(\d+) written\); resume with -e "
+        r"resume=latest \(Slurm job (\d+)\)",
+        output,
+    )
+    assert said and said[1] == said[2] and said[3] == job_id, output[-6000:]
+    return int(said[1]), job_id
+
+
+def test_the_time_limit_under_slurm_stops_with_a_checkpoint_and_resume_finishes(slurm_cluster: Cluster) -> None:
+    runs = slurm_cluster.state_dir / "runs"
+    step, job_id = _stop_at_the_time_limit(slurm_cluster, runs)
+    print(f"\nSlurm job {job_id} stopped by its time limit at step {step}")
+    batch = (runs / LIMITED / "job.sbatch").read_text()
+    assert "#SBATCH --time=0:20:00" in batch and f"#SBATCH --signal=USR1@{WARNING_S}" in batch
+    slurm_cluster.ssh("node1", f"test -f {RUNS}/{LIMITED}/checkpoint-{step}/trainer_state.pt")
+    job_info = json.loads((runs / LIMITED / "slurm.json").read_text())
+    assert job_info["job_id"] == job_id and job_info["stopped_by_time_limit"], job_info
+    assert job_info["state"] != "TIMEOUT", "the ranks stopped on the warning, before Slurm had to end them"
+    page = (runs / LIMITED / "report.html").read_text()
+    assert f"stopped by the time limit at step {step}" in page
+
+    resumed = run_playbook(
+        "finetune.yml", slurm_cluster.inventory, *_limited_args(runs, "-e", "resume=latest",
+        "-e", f"finetune_max_train_steps={step + FINAL_STEPS_AFTER_STOP}"), state_dir=slurm_cluster.state_dir,
+        name="finetune-slurm-resumed", timeout=900,
+    )  # fmt: skip
+    TIMINGS.append(("finetune.yml under Slurm resumed to its end", resumed.seconds))
+    assert resumed.rc == 0, resumed.tail(80)
+    rows = [json.loads(x) for x in (runs / LIMITED / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, step + FINAL_STEPS_AFTER_STOP + 1))
+    assert (
+        f"resumed from {RUNS}/{LIMITED}/checkpoint-{step} at step {step}" in (runs / LIMITED / "train.log").read_text()
+    )
+    assert json.loads((runs / LIMITED / "exit.json").read_text())["attempt"] == 3
+    assert json.loads((runs / LIMITED / "slurm.json").read_text())["state"] == "COMPLETED"

@@ -112,6 +112,34 @@ def test_exit_json_takes_rank_0_s_stop_of_this_attempt_and_the_poll_reports_it(t
     assert jobstatus.write_exit(run, 0, now=230).stopped is None
 
 
+def test_under_slurm_the_time_limit_stop_is_said_once_with_the_job_id(tmp_path: Path) -> None:
+    """The ranks stopped on the batch job's warning (--signal=USR1@…) and srun exited 138: the poll says the stop
+    the ranks recorded, once, with the Slurm job's id (not "stopped by the time limit" twice)."""
+    from xeonsd.cluster import slurm_job
+
+    run = tmp_path / "run"
+    run.mkdir()
+    jobstatus.begin_attempt(run, now=100, time_limit_s=120)
+    for f in _rank_files(run):
+        f.interrupt(make_stop(10, 40, "checkpoint-40"))
+    jobstatus.write_exit(run, 138, now=161)
+    job = slurm_job.parse_sacct("9|FAILED|138:0|61|1:00|244|node[1-2]|2\n", "9")
+    jobstatus.write_json(run / slurm_job.SLURM_FILE, job.__dict__)
+    (tmp_path / "async").write_text(json.dumps({"rc": 138}))
+    params = {
+        "run_dir": str(run),
+        "results_file": str(tmp_path / "async"),
+        "nodes": NODES,
+        "ranks_per_node": 2,
+        "total_steps": 100,
+        "excerpt_lines": 12,
+        "rank_status": _statuses(run),
+    }
+    assert job_watch.job_state(params)["failure"]["summary"] == (
+        "stopped by the time limit at step 40 (checkpoint-40 written); resume with -e resume=latest (Slurm job 9)"
+    )
+
+
 def test_report_html_says_first_that_the_run_was_stopped(tmp_path: Path) -> None:
     jobstatus.begin_attempt(tmp_path, now=100)
     for f in _rank_files(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 
 import pytest
 
@@ -72,8 +73,10 @@ def test_query_waits_for_the_final_line_and_names_sacct_when_it_never_comes():
     def disabled(argv, **_):
         return subprocess.CompletedProcess(argv, 1, "", "Slurm accounting storage is disabled")
 
+    began = time.monotonic()  # a cluster without accounting: said at once, not after waiting wait_s for nothing
     with pytest.raises(StatusFileError, match="accounting storage is disabled.*Fix: check that Slurm's accounting"):
-        slurm_job.query("12", wait_s=0, poll_s=0, run=disabled)
+        slurm_job.query("12", wait_s=60, poll_s=0, run=disabled)
+    assert time.monotonic() - began < 30
 
 
 def test_run_json_shows_the_slurm_job(tmp_path):
@@ -119,3 +122,51 @@ def test_a_job_stopped_by_the_slurm_time_limit_is_named_with_its_step(tmp_path):
     ), summary
     (run / slurm_job.SLURM_FILE).unlink()  # the same failure of an mpirun job: no Slurm words
     assert "Slurm" not in job_watch.job_state(params)["failure"]["summary"]
+
+
+def test_a_node_whose_tasks_srun_reports_first_is_named_when_no_rank_could_say(tmp_path):
+    """Under Slurm, srun --kill-on-bad-exit ends every rank as soon as one node's tasks die: no status file names
+    a lost peer, and srun's first line names the node (its later lines, for the ranks it ended, do not count)."""
+    from xeonsd.cluster import job_status, job_watch
+
+    nodes = [{"name": f"node{i}", "address": f"10.0.0.1{i}"} for i in range(1, 5)]
+    for r in range(16):
+        node = nodes[r // 4]
+        status = job_status.RankStatus(r, 16, node["name"], node["address"], 100 + r, "starting", 0, 1.0, 1)
+        job_status.RankStatusFile(tmp_path, status).update(state="running", step=3)
+    log = "\n".join(
+        [
+            "[0] step 3 loss 0.1",
+            "srun: error: node3: tasks 8-11: Killed",
+            "srun: Job step aborted: Waiting up to 32 seconds for job step to finish.",
+            "srun: error: node1: tasks 0-3: Killed",
+            "srun: error: node2: tasks 4-7: Killed",
+        ]
+    )
+    statuses = job_watch.read_status_dir(str(tmp_path / job_status.STATUS_DIR))
+    got = job_watch.diagnose(statuses, nodes, 4, attempt=1, log_text=log)
+    assert got["nodes"] == ["node3"] and got["ranks"] == [8, 9, 10, 11], got
+    assert "srun: error: node3: tasks 8-11: Killed" in got["excerpt"]
+
+
+def test_the_ranks_time_limit_stop_makes_the_job_stopped_by_the_time_limit_whatever_srun_returned(tmp_path):
+    """Seen on the test cluster: the ranks stopped on the warning (exit 138), srun returned 15 (its
+    --kill-on-bad-exit sent the last ranks SIGTERM), sacct says FAILED 15: slurm.json still says the time limit."""
+    from xeonsd.cluster import job_status
+    from xeonsd.trainer.stopping import make_stop
+
+    job_status.begin_attempt(tmp_path, now=1, time_limit_s=360)
+    status = job_status.RankStatus(0, 1, "node1", "10.0.0.11", 100, "starting", 0, 1.0, 1)
+    job_status.RankStatusFile(tmp_path, status).interrupt(make_stop(10, 60, "checkpoint-60"))
+    job_status.write_exit(tmp_path, 15, now=331)
+    line = "2|FAILED|15:0|331|02:44.838|5296|node[1-4]|6\n"
+
+    def sacct(argv, **_):
+        return subprocess.CompletedProcess(argv, 0, line, "")
+
+    job = slurm_job.record(tmp_path, "2", wait_s=0, run=sacct)
+    assert job.stopped_by_time_limit and job.exit_code == 15
+    assert json.loads((tmp_path / slurm_job.SLURM_FILE).read_text())["stopped_by_time_limit"] is True
+    job_status.begin_attempt(tmp_path, now=400)  # an attempt that failed on its own: no time limit
+    job_status.write_exit(tmp_path, 15, now=431)
+    assert not slurm_job.record(tmp_path, "2", wait_s=0, run=sacct).stopped_by_time_limit

@@ -42,6 +42,9 @@ _LINE = re.compile(r"^\[(?P<rank>\d+)\] (?P<text>.*)$")
 _GLUED = re.compile(r"(?<=\S)(?=\[\d+\] )")
 # Hydra's word for a node whose MPI proxy went away: in the excerpt, and the lost node when no rank could say.
 _DOWNSTREAM = re.compile(r"Downstream from host (?P<addr>\S+) exited abnormally")
+# srun's word for the tasks that ended first (under Slurm; --kill-on-bad-exit then ends the others, whose lines
+# follow): the lost node when no rank could say.
+_SRUN_ENDED = re.compile(r"^srun: error: (?P<node>[^:\s]+): tasks? [\d,\-]+: .*$", re.MULTILINE)
 # The trainer's start-up line (one per rank once its model is loaded, trainer/loop.py's setup): the "N/M ranks up"
 # of the progress line. The primary sees only its own node's status files while the job runs; train.log has every
 # rank's lines.
@@ -150,6 +153,8 @@ def _verdict(current: dict[int, dict], world: int, by_addr: dict[str, str], node
     named = {by_addr.get(e["peer"], e["peer"]) for e in witnesses.values() if e.get("peer")}
     if not named:  # mpirun ended every rank before one could report: Hydra's own word for the node it lost
         named = {by_addr.get(m["addr"], m["addr"]) for m in _DOWNSTREAM.finditer(text)}
+    if not named and (first := _SRUN_ENDED.search(text)):  # srun's, under Slurm: the first node it reports
+        named = {first["node"]}
     culprits = [r for r in silent if node_of(r) in named] or silent
     kind = "stopped without an error of their own (killed, crashed hard or stalled; or their node went away)"
     return _Verdict(culprits, kind, own, witnesses)
@@ -178,6 +183,7 @@ def _excerpt(verdict: _Verdict, any_status: bool, text: str, excerpt_lines: int)
         ]
         excerpt += [f"[rank {r}] {verdict.witnesses[r]['message'][:600]}" for r in sorted(verdict.witnesses)[:2]]
         excerpt += [m.group(0) for m in _DOWNSTREAM.finditer(text)][:2]
+        excerpt += [m.group(0) for m in _SRUN_ENDED.finditer(text)][:1]
     else:
         excerpt = [ln[:400] for ln in text.splitlines()[-excerpt_lines:]]
     return excerpt
@@ -301,7 +307,12 @@ def _failure(params: dict, rc: int, exit_info: dict, log_text: str) -> dict:
     if (rc == ASYNC_TIMEOUT_RC or exit_info.get("timed_out")) and not failure.get("stopped"):
         failure["summary"] = f"the job ran past its time limit; {failure['summary']}"
     slurm = read_slurm_job(params["run_dir"])
-    if slurm is not None and slurm.stopped_by_time_limit:
+    stopped = failure.get("stopped")
+    if slurm is not None and stopped is not None and stopped["reason"] == "time_limit":
+        # The ranks stopped on the batch job's warning signal: their stop already says the time limit, the step
+        # and its checkpoint; the job id is what Slurm adds.
+        failure["summary"] += f" (Slurm job {slurm.job_id})"
+    elif slurm is not None and slurm.stopped_by_time_limit:
         step = read_progress(params["run_dir"], params["total_steps"])["step"]
         failure["summary"] = (
             f"stopped by the time limit at step {step} (Slurm job {slurm.job_id}, {slurm.state}); resume with "

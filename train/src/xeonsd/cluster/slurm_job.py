@@ -16,10 +16,10 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from xeonsd.cluster.job_status import StatusFileError, write_json
+from xeonsd.cluster.job_status import StatusFileError, read_exit, write_json
 
 SLURM_FILE = "slurm.json"
 SCHEMA_VERSION = 1
@@ -28,6 +28,8 @@ WARNING_SIGNAL = signal.SIGUSR1
 # sacct's fields, in this order (-P: separated by |).
 SACCT_FIELDS = ("JobID", "State", "ExitCode", "ElapsedRaw", "TotalCPU", "CPUTimeRAW", "NodeList", "TimelimitRaw")
 # States of a job that has not ended yet (sacct shows these for a moment after sbatch --wait returns).
+# What sacct says on a cluster without an accounting database.
+ACCOUNTING_DISABLED = "accounting storage is disabled"
 _UNFINISHED = ("PENDING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED")
 _CPU_TIME = re.compile(r"^(?:(?:(?P<d>\d+)-)?(?P<h>\d+):)?(?P<m>\d+):(?P<s>\d+(?:\.\d+)?)$")
 
@@ -98,7 +100,8 @@ def query(job_id: str, wait_s: float = 60, poll_s: float = 2, run=subprocess.run
             job = parse_sacct(proc.stdout, job_id)
             if job is not None:
                 return job
-        if time.monotonic() > deadline:
+        # Without slurmdbd (AccountingStorageType none, as the slurm role sets it up) no line will ever come.
+        if time.monotonic() > deadline or ACCOUNTING_DISABLED in proc.stderr:
             said = (proc.stderr or proc.stdout).strip() or "no line for the job"
             raise StatusFileError(
                 f"sacct has no final accounting of Slurm job {job_id} after {wait_s:g} s (rc {proc.returncode}: "
@@ -107,8 +110,14 @@ def query(job_id: str, wait_s: float = 60, poll_s: float = 2, run=subprocess.run
         time.sleep(poll_s)
 
 
-def record(run_dir: Path, job_id: str, wait_s: float = 60) -> SlurmJob:
-    job = query(job_id, wait_s=wait_s)
+def record(run_dir: Path, job_id: str, wait_s: float = 60, run=subprocess.run) -> SlurmJob:
+    """slurm.json of the ended job. Stopped by the time limit also when the ranks said so (exit.json's stop, which
+    run.sh wrote just before): srun's own exit code after the ranks' 138 is not always 138 (seen: 15, once its
+    --kill-on-bad-exit had sent the last ranks SIGTERM)."""
+    job = query(job_id, wait_s=wait_s, run=run)
+    ended = read_exit(Path(run_dir))
+    if ended is not None and ended.stopped is not None and ended.stopped.reason == "time_limit":
+        job = replace(job, stopped_by_time_limit=True)
     write_json(Path(run_dir) / SLURM_FILE, asdict(job), fsync=True)
     return job
 
