@@ -181,7 +181,9 @@ def save_full_pipeline(
             encoder.set_input_embeddings(emb)
 
 
-def render_validation(cfg: TrainConfig, models: Models, target: Path, seed: int) -> None:
+def inference_pipeline(models: Models):
+    """The family's diffusers pipeline over the loaded models (DPM-Solver, no safety checker, quiet): what the
+    validation images and the class images of prior preservation are generated with."""
     from diffusers import DPMSolverMultistepScheduler
 
     parts = {
@@ -197,6 +199,11 @@ def render_validation(cfg: TrainConfig, models: Models, target: Path, seed: int)
         parts.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     pipe = pipeline_class(models.family)(**parts)
     pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def render_validation(cfg: TrainConfig, models: Models, target: Path, seed: int) -> None:
+    pipe = inference_pipeline(models)
     generator = torch.Generator().manual_seed(seed)
     with atomic_dir(target, overwrite=True) as tmp, torch.no_grad(), autocast(models.weight_dtype):
         for i in range(cfg.num_validation_images):

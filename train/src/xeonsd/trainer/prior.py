@@ -123,7 +123,9 @@ def ensure_class_images(cfg: TrainConfig, models, info: RankInfo) -> list[Path]:
         log.info(
             "generating %d of %d class image(s) for %r into %s", len(todo), len(paths), cfg.class_prompt, class_dir
         )
-        pipe = _pipeline(models)
+        from xeonsd.trainer.models import inference_pipeline
+
+        pipe = inference_pipeline(models)
         for k in range(0, len(todo), GENERATE_CHUNK):
             chunk = todo[k : k + GENERATE_CHUNK]
             pixels = torch.zeros((len(chunk), cfg.resolution, cfg.resolution, 3), dtype=torch.float32)
@@ -137,27 +139,6 @@ def ensure_class_images(cfg: TrainConfig, models, info: RankInfo) -> list[Path]:
         barrier(info.world_size)  # the node's writer is done before any rank reads the files
     log.info("class images: %d reused, %d generated", len(paths) - len(todo), len(todo))
     return paths
-
-
-def _pipeline(models):
-    from diffusers import DPMSolverMultistepScheduler
-
-    from xeonsd.trainer.models import pipeline_class
-
-    parts = {
-        "vae": models.vae,
-        "text_encoder": models.text_encoder,
-        "tokenizer": models.tokenizer,
-        "unet": models.unet,
-        "scheduler": DPMSolverMultistepScheduler.from_config(models.noise_scheduler.config),
-    }
-    if models.is_xl:
-        parts.update(text_encoder_2=models.text_encoder_2, tokenizer_2=models.tokenizer_2)
-    else:
-        parts.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    pipe = pipeline_class(models.family)(**parts)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 @torch.no_grad()
