@@ -13,6 +13,7 @@ VENV_BIN = Path(sys.executable).parent
 CLUSTER_TESTS = REPO / "tests" / "cluster"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the group into each test's id
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`make test`: -n 2 --dist loadgroup) every test of the 4-node test cluster runs in one
     worker, in file order: they share one provisioned cluster (a session fixture, one cluster per machine), and
