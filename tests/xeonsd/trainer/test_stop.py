@@ -28,7 +28,7 @@ from xeonsd.trainer.checkpoint import list_checkpoints
 # then two more signals while "stopping" (ignored); each rank prints where it stopped.
 AGREE = """
 import json, os, signal, sys, time
-from xeonsd.cluster.distributed import detect_ranks, init_process_group
+from xeonsd.cluster.distributed import barrier, destroy_process_group, detect_ranks, init_process_group
 from xeonsd.trainer.stopping import StopSignals
 info = detect_ranks()
 init_process_group(info, backend="gloo")
@@ -46,6 +46,10 @@ for step in range(1, 50):
             os.kill(os.getpid(), signal.SIGTERM)
         print(json.dumps({"rank": info.rank, "step": step, "agreed": agreed, "own": own, "after": signals.signum}))
         break
+# As the trainer ends (loop.run): both ranks done with the group before either exits; a rank whose peer's gloo
+# connection closes under its own background thread aborts ("terminate called without an active exception").
+barrier(info.world_size)
+destroy_process_group()
 """
 
 
