@@ -37,6 +37,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """The wall time of every playbook run of the cluster tests (tests/cluster/timings.py): figures, not assertions."""
+    if hasattr(terminalreporter.config, "workerinput"):  # a worker: its summary is not shown; the controller's is
+        return
     rows = _timings().load_and_clear()
     if rows:
         terminalreporter.section("playbook wall times (test cluster)")
