@@ -178,6 +178,17 @@ def _trainable(cfg, method: str, unet, encoders: list[tuple[object, torch.nn.Mod
     return _numel(unet)
 
 
+def _resident_bytes() -> int:
+    """This process's resident memory now (the interpreter, torch and the libraries: the estimate's runtime). Not
+    ru_maxrss: Linux carries a launcher's high-water mark across fork and exec, so a rank started by a large process
+    (a benchmark holding a model) would count that process's memory as its own."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstimate:
     """Peak bytes of one rank for this configuration (the model's configs must be readable). Without
     --resolution, at the family's default (:func:`xeonsd.trainer.inputs.with_resolution`)."""
@@ -219,7 +230,7 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstim
     if not cfg.latent_cache:
         latents = 2 * num_images * 3 * cfg.resolution**2 * 4
     prompts = num_prompts * (77 * cross_dim + pooled_dim) * 4 if method != "textual_inversion" else 0
-    runtime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    runtime = _resident_bytes()
     frozen = runtime + text_bytes + _numel(vae) * wbytes
     loading = frozen + _unet_loading(cfg, _numel(unet), torch.finfo(unet_dtype).bits // 8)
     return MemoryEstimate(weights, gradients, optimizer, activations, latents + prompts, runtime, loading)
