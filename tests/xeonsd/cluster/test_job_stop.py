@@ -34,6 +34,20 @@ def _statuses(run: Path) -> list[dict]:
     return job_watch.read_status_dir(str(run / jobstatus.STATUS_DIR))
 
 
+def _poll_params(run: Path, tmp_path: Path, rc: int) -> dict:
+    """job_watch's parameters for one poll of ``run``, whose launcher's async result says ``rc``."""
+    (tmp_path / "async").write_text(json.dumps({"rc": rc}))
+    return {
+        "run_dir": str(run),
+        "results_file": str(tmp_path / "async"),
+        "nodes": NODES,
+        "ranks_per_node": 2,
+        "total_steps": 100,
+        "excerpt_lines": 12,
+        "rank_status": _statuses(run),
+    }
+
+
 def test_every_rank_interrupted_is_reported_as_the_stop_with_its_step_and_what_to_do(tmp_path: Path) -> None:
     for f in _rank_files(tmp_path):
         f.interrupt(make_stop(15, 12, "checkpoint-12"))
@@ -93,17 +107,7 @@ def test_exit_json_takes_rank_0_s_stop_of_this_attempt_and_the_poll_reports_it(t
     ended = jobstatus.write_exit(run, 255, now=161)  # Hydra's code when its time limit ended the job
     assert ended.timed_out and ended.stopped == Stop("SIGUSR1", "time_limit", 40, "checkpoint-40")
     assert jobstatus.read_exit(run) == ended
-    (tmp_path / "async").write_text(json.dumps({"rc": 255}))
-    params = {
-        "run_dir": str(run),
-        "results_file": str(tmp_path / "async"),
-        "nodes": NODES,
-        "ranks_per_node": 2,
-        "total_steps": 100,
-        "excerpt_lines": 12,
-        "rank_status": _statuses(run),
-    }
-    state = job_watch.job_state(params)
+    state = job_watch.job_state(_poll_params(run, tmp_path, rc=255))
     assert state["exit_code"] == 255 and state["failure"]["stopped"]["step"] == 40
     # Not "the job ran past its time limit; …": the stop says it.
     assert state["failure"]["summary"].startswith("stopped by the time limit at step 40"), state["failure"]
@@ -125,17 +129,7 @@ def test_under_slurm_the_time_limit_stop_is_said_once_with_the_job_id(tmp_path: 
     jobstatus.write_exit(run, 138, now=161)
     job = slurm_job.parse_sacct("9|FAILED|138:0|61|1:00|244|node[1-2]|2\n", "9")
     jobstatus.write_json(run / slurm_job.SLURM_FILE, job.__dict__)
-    (tmp_path / "async").write_text(json.dumps({"rc": 138}))
-    params = {
-        "run_dir": str(run),
-        "results_file": str(tmp_path / "async"),
-        "nodes": NODES,
-        "ranks_per_node": 2,
-        "total_steps": 100,
-        "excerpt_lines": 12,
-        "rank_status": _statuses(run),
-    }
-    assert job_watch.job_state(params)["failure"]["summary"] == (
+    assert job_watch.job_state(_poll_params(run, tmp_path, rc=138))["failure"]["summary"] == (
         "stopped by the time limit at step 40 (checkpoint-40 written); resume with -e resume=latest (Slurm job 9)"
     )
 
