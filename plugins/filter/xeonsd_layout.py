@@ -8,6 +8,8 @@ xeonsd's: train/src/xeonsd/layout_result.py (standard library only), which this 
     finetune_ranks_per_node: "{{ ranks_per_node | xeonsd_ranks_per_node(layout_file) }}"
     finetune_ranks: "{{ mpi_ranks | xeonsd_mpi_ranks(groups['cluster'], finetune_ranks_per_node) }}"
     "{{ doctor_layout | xeonsd_layout_lines }}": the lines the play prints (one per layout, then the best)
+    "{{ layout_file | xeonsd_layout_stale(finetune_train_argv) }}": a warning when the result was measured for
+        other training arguments (method, resolution, batch, model), else ""
 """
 
 from __future__ import annotations
@@ -56,6 +58,13 @@ def layout_lines(result: Mapping) -> list[str]:
     return _lr.result_lines(_lr.check(dict(result)))
 
 
+def layout_stale(layout_file: str, train_argv: Sequence[str]) -> str:
+    """The warning for a job whose ``ranks_per_node: auto`` reads a result measured with other arguments, or ""."""
+    if isinstance(train_argv, str) or not isinstance(train_argv, Sequence):
+        raise TypeError(f"xeonsd_layout_stale: train_argv must be a list of arguments, got {train_argv!r}")
+    return _lr.stale_warning(layout_file, list(train_argv))
+
+
 class FilterModule:
     def filters(self) -> dict:
         return {
@@ -63,4 +72,5 @@ class FilterModule:
             "xeonsd_mpi_ranks": mpi_ranks,
             "xeonsd_layout_result": layout_result,
             "xeonsd_layout_lines": layout_lines,
+            "xeonsd_layout_stale": layout_stale,
         }

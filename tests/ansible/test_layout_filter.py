@@ -51,3 +51,13 @@ def test_auto_is_the_best_layout_for_the_finetune_role_and_a_missing_result_says
     assert xeonsd_layout.ranks_per_node("auto", str(tmp_path / "none.json"), 1) == 1  # doctor's checks until tuned
     with pytest.raises(TypeError, match="list of hosts"):
         xeonsd_layout.mpi_ranks("auto", "node1", 2)
+
+
+def test_the_finetune_role_warns_when_the_result_was_tuned_for_another_method(tmp_path: Path) -> None:
+    path = tmp_path / "layout.json"
+    path.write_text(json.dumps({**RESULT, "train_args": ["--method=textual_inversion", "--resolution=512"]}))
+    assert xeonsd_layout.layout_stale(str(path), ["--method=textual_inversion", "--resolution=512"]) == ""
+    warning = xeonsd_layout.layout_stale(str(path), ["--method=lora", "--resolution=512"])
+    assert "measured with --method=textual_inversion, the job now has --method=lora" in warning
+    with pytest.raises(TypeError, match="list of arguments"):
+        xeonsd_layout.layout_stale(str(path), "--method=lora")

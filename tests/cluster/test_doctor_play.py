@@ -15,6 +15,7 @@ from runner import REPO, VENV_BIN, PlaybookRun, run_playbook
 
 NODE_CHECKS = ("packages", "tcmalloc", "method", "images", "captions", "model", "train 1 step", "ssh from primary")
 RANKS = 4 * NODES  # the test cluster runs 4 ranks per node (group_vars/cluster.yml)
+OTHER_METHOD = {"textual_inversion": "lora", "lora": "textual_inversion", "full": "lora"}
 
 
 def report(result: PlaybookRun) -> list[str]:
@@ -184,6 +185,7 @@ def test_doctor_tunes_the_rank_layout_and_ranks_per_node_auto_uses_its_best(prov
     assert shapes == layout_result.layouts(measured["cores"]) and len(shapes) >= 2
     assert all(m["status"] == "measured" and m["median_images_per_s"] > 0 for m in measured["layouts"])
     best = measured["best"]["ranks_per_node"]
+    measured_method = next(a.split("=", 1)[1] for a in measured["train_args"] if a.startswith("--method="))
     assert f"best: {best} ranks per node x {measured['best']['threads_per_rank']} threads" in result.output
     # Only the result file on the controller changed (counted for node1, the primary the task ran for).
     assert result.changed() == {node: int(node == "node1") for node in provisioned.nodes}, result.recap
@@ -198,6 +200,15 @@ def test_doctor_tunes_the_rank_layout_and_ranks_per_node_auto_uses_its_best(prov
     )  # fmt: skip
     assert shown.returncode == 0, shown.stdout + shown.stderr
     assert re.search(rf'"msg": \[\s*{best},\s*{best * NODES}\s*\]', shown.stdout), shown.stdout
+    # The finetune role's warning for a result measured with other training arguments (here another method).
+    stale = subprocess.run(
+        [str(VENV_BIN / "ansible"), "-i", str(provisioned.inventory), "node1", "-m", "ansible.builtin.debug",
+         "-a", "msg=[{{ layout_result_file | xeonsd_layout_stale(finetune_train_argv) }}]",
+         "-e", f"layout_result_file={layout_file}", "-e", f"finetune_method={OTHER_METHOD[measured_method]}"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert stale.returncode == 0, stale.stdout + stale.stderr
+    assert f"the job now has --method={OTHER_METHOD[measured_method]}" in stale.stdout, stale.stdout
     layout_file.unlink()
     missing = subprocess.run(
         [str(VENV_BIN / "ansible"), "-i", str(provisioned.inventory), "node1", "-m", "ansible.builtin.debug",

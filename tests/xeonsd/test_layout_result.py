@@ -100,3 +100,30 @@ def test_a_trial_takes_the_steps_after_the_warmup_and_leaves_the_jobs_flags_out(
     env = bench_layout.trial_env({"PMI_RANK": "1", "OMP_NUM_THREADS": "8", "MASTER_ADDR": "192.0.2.1", "PATH": "/x"})
     assert env["MASTER_ADDR"] == "127.0.0.1" and env["PATH"] == "/x" and int(env["MASTER_PORT"]) > 0
     assert "PMI_RANK" not in env and "OMP_NUM_THREADS" not in env
+
+
+def _tuned(tmp_path: Path, train_args: list[str]) -> Path:
+    path = tmp_path / "layout.json"
+    result = bench_layout.build_result(
+        2, {"1x2": [0.2], "2x1": [0.3]}, {"1x2": (1, 2), "2x1": (2, 1)}, {}, train_args,
+        argparse.Namespace(rounds=1, steps=2),
+    )  # fmt: skip
+    path.write_text(json.dumps(result))
+    return path
+
+
+def test_a_result_tuned_for_other_training_arguments_is_named_stale_with_what_changed(tmp_path: Path) -> None:
+    path = _tuned(tmp_path, ["--method=lora", "--resolution=512", "--output_dir=/runs/a", "--max_train_steps=200"])
+    # The run's own flags (output dir, steps) and the order do not make it stale.
+    same = ["--max_train_steps=30", "--resolution=512", "--method=lora", "--output_dir=/runs/b"]
+    assert lr.stale_reasons(lr.read(path), same) == []
+    assert lr.stale_warning(path, same) == ""
+    other = ["--method=lora", "--resolution=1024", "--train_batch_size=2"]
+    assert lr.stale_reasons(lr.read(path), other) == [
+        "it was measured with --resolution=512, the job now has --resolution=1024 --train_batch_size=2"
+    ]
+    warning = lr.stale_warning(path, other)
+    assert warning.startswith(f"WARNING: ranks_per_node is auto and uses the tuning result {path}")
+    assert "its best layout (2 ranks per node)" in warning and "doctor.yml -e tune_layout=true" in warning
+    # No result: nothing to warn about here (ranks_per_node auto itself fails, saying to tune).
+    assert lr.stale_warning(tmp_path / "none.json", other) == ""

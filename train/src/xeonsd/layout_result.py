@@ -30,6 +30,9 @@ SCHEMA = "xeonsd-layout/1"
 FILE_NAME = "layout.json"
 AUTO = "auto"
 FIX = "Fix: run ansible-playbook doctor.yml -e tune_layout=true (or set ranks_per_node to a number)"
+# Training flags that differ from run to run and do not change a step's cost: a trial drops them, and a result
+# measured with other values of them is not stale.
+RUN_FLAGS = ("--validation_prompt", "--resume_from_checkpoint", "--world_size", "--output_dir", "--max_train_steps")
 
 
 class LayoutError(ValueError):
@@ -110,6 +113,43 @@ def read(path: str | Path) -> dict:
     except json.JSONDecodeError as exc:
         raise LayoutError(f"the tuning result {path} is not JSON ({exc}). {FIX}") from None
     return check(result, str(path))
+
+
+def job_args(train_args: Iterable[str]) -> list[str]:
+    """The training arguments that decide a step's cost: ``train_args`` without the :data:`RUN_FLAGS`."""
+    return [str(a) for a in train_args if not str(a).startswith(RUN_FLAGS)]
+
+
+def stale_reasons(result: Mapping, train_args: Sequence[str]) -> list[str]:
+    """Why the tuning ``result`` may no longer hold for a job with ``train_args`` (empty: it holds): the method,
+    resolution, batch or model it was measured with differ."""
+    tuned, now = job_args(result.get("train_args") or []), job_args(train_args)
+    then_only = [a for a in tuned if a not in now]
+    now_only = [a for a in now if a not in tuned]
+    if not then_only and not now_only:  # the same arguments, in any order
+        return []
+    return [
+        f"it was measured with {' '.join(then_only) or 'no other arguments'}, "
+        f"the job now has {' '.join(now_only) or 'none of them'}"
+    ]
+
+
+def stale_warning(path: str | Path, train_args: Sequence[str]) -> str:
+    """The warning the play prints when ``ranks_per_node: auto`` reads a result measured for another job; "" when
+    there is none to give (the result fits the job, or there is no result: :func:`read` fails for that)."""
+    path = Path(path)
+    if not path.exists():
+        return ""
+    result = read(path)
+    reasons = stale_reasons(result, train_args)
+    if not reasons:
+        return ""
+    return (
+        f"WARNING: ranks_per_node is auto and uses the tuning result {path} (measured {result.get('measured', '?')}"
+        f" on {result.get('node', '?')}), but {'; '.join(reasons)}: its best layout "
+        f"({result['best']['ranks_per_node']} ranks per node) may not be the best for this job. "
+        "Fix: run ansible-playbook doctor.yml -e tune_layout=true with the job's settings"
+    )
 
 
 def resolve_ranks_per_node(value: object, path: str | Path, missing: int | None = None) -> int:

@@ -30,8 +30,7 @@ from xeonsd.fsutil import atomic_file
 
 # Launcher variables of an outer job: each trial is a job of its own on this node.
 _LAUNCHER_VARS = ("PMI_", "MPI_LOCAL", "OMPI_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "HYDRA_")
-# Flags of the job that a trial must not take: it trains a few steps into a scratch directory.
-_DROPPED = ("--validation_prompt", "--resume_from_checkpoint", "--world_size", "--output_dir", "--max_train_steps")
+# A trial trains a few steps into a scratch directory: it drops the job's run flags (layout_result.RUN_FLAGS).
 
 
 def physical_cores() -> int:
@@ -69,7 +68,7 @@ def trial_env(env: dict[str, str]) -> dict[str, str]:
 
 
 def trial_command(mpirun: str, ranks: int, train_args: list[str], steps: int, out: Path) -> list[str]:
-    args = [a for a in train_args if not a.startswith(_DROPPED)]
+    args = layout_result.job_args(train_args)
     return [
         mpirun,
         "-n",
