@@ -205,6 +205,32 @@ def hello_row(
     return _row("cluster", "mpirun hello", "FAIL", f"mpirun -n {mpi_ranks} -ppn {ranks_per_node} (rc {rc}): {why}")
 
 
+def home_row(home: Mapping[str, Any] | None, primary: str) -> dict[str, str]:
+    """Whether the nodes share the account's home (roles/doctor/tasks/home.yml: the primary's probe file, looked
+    for from every other node), against the inventory's shared_home (auto, true or false)."""
+    if not home or not home.get("probed"):
+        why = (home or {}).get("why") or "the primary could not write its probe file"
+        return _row("cluster", "home", "WARN", f"not probed: {why}")
+    where, seen, others = f"{primary}'s {home['dir']}", list(home["seen"]), list(home["others"])
+    setting = str(home.get("setting", "auto")).lower()
+    shared = bool(others) and seen == others
+    if seen and not shared:
+        apart = ", ".join(h for h in others if h not in seen)
+        return _row(
+            "cluster", "home", "FAIL", f"shared by some nodes only: {', '.join(seen)} see {where}, {apart} do not"
+        )
+    if setting != "auto" and (setting in ("true", "yes", "1")) != shared:
+        found = "shared" if shared else "each node's own"
+        return _row("cluster", "home", "FAIL", f"shared_home is {setting} but the home is {found} ({where})")
+    if shared:
+        detail = (
+            f"shared: every node sees {where} (written once, by {primary}: the images, the model, ~/.ssh; the env "
+            "and the caches on each node's own disk)"
+        )
+        return _row("cluster", "home", "PASS", detail)
+    return _row("cluster", "home", "PASS", f"each node has its own {home['dir']}" if others else "one node")
+
+
 def doctor_rows(
     hosts: Sequence[str],
     results: Sequence[Mapping[str, Any] | None],
@@ -223,6 +249,7 @@ def doctor_rows(
     check_limit_s: int | str,
     hello_limit_s: int | str,
     straggler_ratio: float | str | None = None,
+    home: Mapping[str, Any] | None = None,
 ) -> list[dict[str, str]]:
     """Every row of the table.
 
@@ -230,7 +257,7 @@ def doctor_rows(
     ({} where the node left the play) and MPI address; ssh: the results of cluster.yml's SSH loop (each with
     "item": the host); nodefile: the slurp of the nodefile; hello: the mpirun hello; expected: the inventory's
     MPI addresses in nodefile order (cluster_nodes); ranks_mismatch: the xeonsd_ranks_mismatch filter's verdict on
-    mpi_ranks and ranks_per_node (empty when they fit).
+    mpi_ranks and ranks_per_node (empty when they fit); home: the shared-home probe (home_row).
     """
     mpi_ranks, ranks_per_node = int(mpi_ranks), int(ranks_per_node)
     by_host = {res.get("item"): res for res in ssh}
@@ -245,6 +272,7 @@ def doctor_rows(
     where = f"{nodefile_path} on {primary}"
     rows.append(nodefile_row(nodefile, listed, expected, where, mpi_ranks, ranks_per_node, ranks_mismatch))
     rows.append(hello_row(hello, primary, mpi_ranks, ranks_per_node, int(hello_limit_s)))
+    rows.append(home_row(home, primary))
     return rows
 
 

@@ -34,7 +34,13 @@ def healthy() -> dict:
         "nodefile": {"content": base64.b64encode(nodefile.encode()).decode()},
         "hello": {"rc": 0, "stdout_lines": ["hello: 16 ranks on 4 nodes, all-reduce ok"], "stderr_lines": []},
         "mpi_ranks": 16,
+        "home": home(seen=[]),
     }
+
+
+def home(seen: list[str], setting: str = "auto", probed: bool = True) -> dict:
+    """roles/doctor/tasks/home.yml's doctor_home: which other nodes saw the primary's probe file."""
+    return {"dir": "/home/devcloud", "setting": setting, "probed": probed, "why": "", "others": HOSTS[1:], "seen": seen}
 
 
 def rows(case: dict) -> list[dict[str, str]]:
@@ -54,6 +60,7 @@ def rows(case: dict) -> list[dict[str, str]]:
         check_limit_s=1200,
         hello_limit_s="600",
         ranks_mismatch=xeonsd_cluster.ranks_mismatch(case["mpi_ranks"], HOSTS, "4"),  # as roles/doctor/tasks/report.yml
+        home=case["home"],
     )
 
 
@@ -67,6 +74,7 @@ def test_a_healthy_cluster_passes_every_row_in_inventory_order() -> None:
         *((h, c) for h in HOSTS for c in ("packages", "images", "train 1 step", "ssh from primary")),
         ("cluster", "nodefile"),
         ("cluster", "mpirun hello"),
+        ("cluster", "home"),
     ]
     assert {r["status"] for r in result} == {"PASS"}
     t = table(healthy())
@@ -187,6 +195,27 @@ def test_mpirun_hello_timeouts_missing_env_and_no_result() -> None:
     assert hello({"rc": 7, "stderr_lines": []})[1].endswith("(rc 7): no output")
     assert hello({"unreachable": True, "msg": "primary down "}) == ("FAIL", "not run on node1: primary down")
     assert hello({"skipped": True}) == ("FAIL", "not run on node1: no result")
+
+
+def test_the_home_row_says_shared_or_own_and_fails_a_home_shared_by_some_or_against_shared_home() -> None:
+    def row(h: dict) -> tuple[str, str]:
+        return table({**healthy(), "home": h})["cluster", "home"]
+
+    assert row(home(seen=[])) == ("PASS", "each node has its own /home/devcloud")
+    status, detail = row(home(seen=HOSTS[1:]))
+    assert status == "PASS" and detail.startswith("shared: every node sees node1's /home/devcloud (written once, by")
+    assert row(home(seen=HOSTS[1:], setting="True"))[0] == "PASS"  # shared_home: true, as Jinja stringifies it
+    assert row(home(seen=["node2"])) == ("FAIL", "shared by some nodes only: node2 see node1's /home/devcloud, "
+                                                 "node3, node4 do not")  # fmt: skip
+    assert row(home(seen=HOSTS[1:], setting="False")) == (
+        "FAIL",
+        "shared_home is false but the home is shared (node1's /home/devcloud)",
+    )
+    assert row(home(seen=[], setting="true")) == (
+        "FAIL",
+        "shared_home is true but the home is each node's own (node1's /home/devcloud)",
+    )
+    assert row({**home(seen=[], probed=False), "why": "Permission denied"}) == ("WARN", "not probed: Permission denied")
 
 
 # The table itself (xeonsd_doctor_table): what roles/doctor/tasks/report.yml prints and fails with.

@@ -22,6 +22,11 @@ SETTINGS_FILE = Path(__file__).resolve().parent / "group_vars" / "cluster.yml"
 # The node directories that are private to each node (bind mounts in its mount namespace), by the inventory
 # variable that names them; /etc/ssh is private too (the node's own host key).
 PRIVATE_DIR_VARS = ("diffuser_env_prefix", "cluster_user_home", "xeonsd_etc_dir", "xeonsd_cache_dir")
+# The slurm role's node directories (its defaults: slurm.conf, slurmctld's state, slurmd's spool, the logs, the munge
+# key's directory), private to each node too, so the role runs on the test cluster with its defaults, as on separate
+# servers. Apart from the others: the running daemons write there (the snapshot of the nodes' files leaves them out).
+SLURM_ROLE_DEFAULTS = REPO / "roles" / "slurm" / "defaults" / "main.yml"
+SLURM_DIR_VARS = ("slurm_conf_dir", "slurm_state_dir", "slurm_spool_dir", "slurm_log_dir", "slurm_munge_key")
 
 
 def load_mapping(path: Path) -> dict[str, Any]:
@@ -90,6 +95,15 @@ def node_private_dirs() -> tuple[str, ...]:
         if not d.startswith("/"):
             raise ValueError(f"{name} is {d!r}: a node directory of the test cluster must be an absolute path")
     return dirs
+
+
+def slurm_node_dirs() -> tuple[str, ...]:
+    """The slurm role's node directories, from its defaults (the munge key's: the directory that holds it)."""
+    defaults = load_mapping(SLURM_ROLE_DEFAULTS)
+    dirs = tuple(str(defaults[name]) for name in SLURM_DIR_VARS)
+    if any("{{" in d or not d.startswith("/") for d in dirs):
+        raise ValueError(f"{SLURM_ROLE_DEFAULTS}: {SLURM_DIR_VARS} must be absolute paths without templates: {dirs}")
+    return (*dirs[:-1], str(Path(dirs[-1]).parent))
 
 
 def write_inventory_dir(

@@ -43,6 +43,7 @@ from cluster_inventory import (
     cluster_user_home,
     load_settings,
     node_private_dirs,
+    slurm_node_dirs,
     write_inventory_dir,
 )
 from host import ensure_base_image, ensure_packages
@@ -92,6 +93,10 @@ class Cluster:
         self.subnet = subnet
         self.bridge = f"{prefix}-br"
         self.shared_home_dir = self.state_dir / "nodes" / "shared-home"  # the home of every node (share_home)
+        self.admin_key = self.state_dir / "id_ed25519"  # the controller's SSH key
+        self.known_hosts = self.state_dir / "known_hosts"
+        self.state_file = self.state_dir / "state.json"
+        self.disk_image = self.state_dir / "disk.img"  # every node's private directories
 
     # --- addresses and paths -------------------------------------------------------------------------------
     def address(self, index: int) -> str:
@@ -106,22 +111,6 @@ class Cluster:
         return self.state_dir / "inventory.yml"
 
     @property
-    def admin_key(self) -> Path:
-        return self.state_dir / "id_ed25519"
-
-    @property
-    def known_hosts(self) -> Path:
-        return self.state_dir / "known_hosts"
-
-    @property
-    def state_file(self) -> Path:
-        return self.state_dir / "state.json"
-
-    @property
-    def disk_image(self) -> Path:
-        return self.state_dir / "disk.img"
-
-    @property
     def control_path_dir(self) -> Path:
         """Ansible's SSH connection sharing per cluster, so `down` can close exactly these connections."""
         return self.state_dir / "cp"
@@ -131,6 +120,11 @@ class Cluster:
         """The directories each node keeps to itself (/opt/diffuser, /home/devcloud, ...): read from the
         repository's inventory (paths.yml, cluster.yml) and the test cluster's settings."""
         return node_private_dirs()
+
+    @cached_property
+    def node_dirs(self) -> tuple[str, ...]:
+        """Every directory a node keeps to itself: private_dirs, and the slurm role's (its daemons write there)."""
+        return (*self.private_dirs, *slurm_node_dirs())
 
     def node_dir(self, node: str) -> Path:
         return self.state_dir / "nodes" / node
@@ -181,7 +175,7 @@ class Cluster:
         add_bridge(self.bridge, f"{self.bridge_address}/24")
 
         # The private directories' mount points on the host: made (empty) where missing; `down` removes those.
-        for d in self.private_dirs:
+        for d in self.node_dirs:
             if not Path(d).exists():
                 Path(d).mkdir(parents=True)
                 state.created_dirs.append(d)
@@ -196,7 +190,7 @@ class Cluster:
             self._save(state)
             add_namespace(ns, veth=f"{self.prefix}-v{i}", bridge=self.bridge, cidr=f"{self.address(i)}/24")
             host_key = self._prepare_node_dir(node, self.address(i))
-            mounts = [(self.private_dir(node, d), d) for d in (*self.private_dirs, "/etc/ssh")]
+            mounts = [(self.private_dir(node, d), d) for d in (*self.node_dirs, "/etc/ssh")]
             state.pids[node] = start_sshd(ns, mounts, self.node_dir(node) / "sshd.log")
             self._save(state)
             known.append(f"{self.address(i)} {' '.join(host_key.split()[:2])}")
@@ -211,7 +205,7 @@ class Cluster:
         nd = self.node_dir(node)
         if nd.exists():
             shutil.rmtree(nd)
-        for d in self.private_dirs:
+        for d in self.node_dirs:
             self.private_dir(node, d).mkdir(parents=True)
         return prepare_etc_ssh(
             self.private_dir(node, "/etc/ssh"),
@@ -317,15 +311,9 @@ class Cluster:
         each node's `cpus` CPUs taken from slurm.conf. Recorded in the state, so `down` stops them."""
         state = self.load_state()
         assert state is not None, "cluster is not up"
-        ensure_packages(SLURM_PACKAGES)
-        for d in ("/etc/slurm", "/var/spool/slurmd"):  # the mount points in the nodes
-            if not Path(d).exists():
-                Path(d).mkdir(parents=True)
-                state.created_dirs.append(d)
-        self._save(state)
+        ensure_packages(SLURM_PACKAGES)  # /etc/slurm and /var/spool/slurmd are node_dirs: up made them
         slurm = self.slurm
-        nodes = {node: self.address(i) for i, node in enumerate(state.nodes, start=1)}
-        slurm.write_config(nodes, cpus)
+        slurm.write_config({node: self.address(i) for i, node in enumerate(state.nodes, start=1)}, cpus)
         try:
             slurm.start_host_daemons()
             for node in state.nodes:
@@ -334,9 +322,15 @@ class Cluster:
                 slurm.start_slurmd(f"{self.prefix}-{node}", node, mounts)
             slurm.wait_for_nodes(state.nodes)
         finally:
-            state.pids.update({f"slurm-{name}": pid for name, pid in slurm.pids.items()})
-            self._save(state)
+            self.record({f"slurm-{name}": pid for name, pid in slurm.pids.items()})
         return slurm
+
+    def record(self, pids: dict[str, int]) -> None:
+        """Processes started on the nodes by a playbook (the slurm role's daemons), stopped by `down` too."""
+        state = self.load_state()
+        assert state is not None, "cluster is not up"
+        state.pids.update(pids)
+        self._save(state)
 
     # --- down --------------------------------------------------------------------------------------------------
     def down(self) -> None:

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from host import run
@@ -75,9 +77,9 @@ AuthType=auth/munge
 DbdHost={host}
 DbdAddr={address}
 DbdPort={dbd_port}
-SlurmUser=root
-PidFile={state}/slurmdbd.pid
-LogFile={state}/slurmdbd.log
+SlurmUser={user}
+PidFile={run}/slurmdbd.pid
+LogFile={run}/slurmdbd.log
 StorageType=accounting_storage/mysql
 StorageHost=127.0.0.1
 StorageLoc={db}
@@ -165,7 +167,8 @@ class SlurmCluster:
                 host=short_hostname(),
                 address=self.address,
                 dbd_port=BASE_PORT + 10 * self.slot + 2,
-                state=self.state,
+                user="root",
+                run=self.state,
                 db=DB_NAME,
                 db_port=self.db_port,
             )
@@ -186,6 +189,37 @@ class SlurmCluster:
                 env=self.env(),
             )
         self.pids[name] = proc.pid
+
+    def start_accounting(self, slurm_user: str) -> list[str]:
+        """The site's accounting for a Slurm that the slurm role built: MariaDB and slurmdbd on the host, slurmdbd
+        as `slurm_user` (the role's SlurmUser: slurmdbd takes the controller's registration from that account).
+        munged is the role's (munge's default socket: the nodes share /run), asked once a daemon connects.
+        Returns the lines that point the role's slurm.conf at it (slurm_conf_extra_lines)."""
+        if self.state.exists():
+            shutil.rmtree(self.state)
+        run_dir = self.state / "dbd"  # slurmdbd's pid file and log, written as slurm_user
+        for d in (self.etc, self.state / "db", run_dir):
+            d.mkdir(parents=True)
+        account = pwd.getpwnam(slurm_user)
+        os.chown(run_dir, account.pw_uid, account.pw_gid)
+        dbd_port = BASE_PORT + 10 * self.slot + 2
+        dbd = self.etc / "slurmdbd.conf"
+        dbd.write_text(
+            SLURMDBD_CONF.format(
+                host=short_hostname(), address=self.address, dbd_port=dbd_port, user=slurm_user, run=run_dir,
+                db=DB_NAME, db_port=self.db_port,
+            )
+        )  # fmt: skip
+        os.chown(dbd, account.pw_uid, account.pw_gid)
+        os.chmod(dbd, 0o600)  # slurmdbd refuses a config that others can read (it holds the database password)
+        self._start_database()
+        self._daemon("slurmdbd", ["/usr/sbin/slurmdbd", "-D"])
+        self._wait(lambda: _port_open(self.address, dbd_port), "slurmdbd", "dbd/slurmdbd.log")
+        return [
+            "AccountingStorageType=accounting_storage/slurmdbd",
+            f"AccountingStorageHost={self.address}",
+            f"AccountingStoragePort={dbd_port}",
+        ]
 
     def start_host_daemons(self) -> None:
         """munged, MariaDB, slurmdbd and slurmctld on the host, each waited for."""
@@ -301,6 +335,14 @@ def bind_into(pid: int, source: Path, target: str) -> None:
     """Bind-mount `source` at `target` in the mount namespace of process `pid` (a node's sshd: its SSH sessions,
     and so the jobs' sbatch and sacct, see the cluster's /etc/slurm)."""
     run(["nsenter", "--target", str(pid), "--mount", "--", "mount", "--bind", str(source), target])
+
+
+def role_daemon_pids(nodes: list[str], spool: Callable[[str], Path]) -> dict[str, int]:
+    """The pids of the daemons the slurm role started on the test cluster (its direct mode, its default paths; the
+    nodes share /run, `spool(node)` is the host-side directory of a node's slurmd spool), as `down` records them."""
+    files = {"munged": MUNGE_SOCKET.with_name("munged.pid"), "slurmctld": Path("/run/slurmctld.pid")}
+    files.update({f"slurmd-{node}": spool(node) / "slurmd.pid" for node in nodes})
+    return {f"slurm-{name}": int(f.read_text()) for name, f in files.items() if f.exists()}
 
 
 def stopped_munged() -> None:

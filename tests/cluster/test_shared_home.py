@@ -2,7 +2,7 @@
 its shared-home mode (tests/cluster/shared_home.py: one host directory as every node's home, the env and the caches
 still each node's own).
 
-One test, to keep within the CI budget: the nodes keep the env and caches they were provisioned with (node-local
+Then doctor.yml on the shared home (it says so, and every check passes). One test, to keep within the CI budget: the nodes keep the env and caches they were provisioned with (node-local
 disk, untouched by the switch), so the provision in shared-home mode only has the home to fill; it runs with the
 tags of the concerns that write there, and so does the second run (changed=0, nothing under the home touched); a
 whole provision's second run is test_provision's."""
@@ -15,6 +15,8 @@ from pathlib import Path
 from harness import NODES, Cluster
 from namespaces import tree_stats
 from runner import PlaybookRun, run_playbook
+from test_doctor_play import report as doctor_report
+from test_doctor_play import rows as doctor_rows
 
 # The tasks that write under the home: on a shared home, they run on the primary only.
 HOME_WRITES = (
@@ -79,7 +81,17 @@ def test_shared_home_is_written_once_by_the_primary_and_the_job_trains(provision
         in_home = {p.relative_to(home).parts[0] for p in home.rglob("*")}
         assert not in_home & {"wheels", "wheelhouse", "pip-cache", "diffuser"}, in_home
 
+        # doctor.yml on the shared home: every check passes, it says the home is shared, and it writes nothing there
+        # (the second run below finds the shared files as doctor left them).
         before = tree_stats({"home": home / "dicoo", "model": home / "models", "ssh": home / ".ssh"})
+        doctor = run_playbook("doctor.yml", inventory, state_dir=provisioned.state_dir, name="doctor-shared-home",
+                              timeout=1500)  # fmt: skip
+        table = doctor_rows(doctor_report(doctor))
+        assert doctor.rc == 0, doctor.tail(80)
+        assert {status for status, _ in table.values()} <= {"PASS", "WARN"}, table
+        status, detail = table[("cluster", "home")]
+        assert status == "PASS" and detail.startswith("shared: every node sees node1's /home/devcloud"), detail
+        assert doctor.changed() == {node: 0 for node in provisioned.nodes}, doctor.recap
         second = run_playbook("provision.yml", inventory, "--tags", "cluster_user,dataset,base_model,mpi",
                               state_dir=provisioned.state_dir, name="shared-home-second-run")  # fmt: skip
         assert second.rc == 0, second.tail()

@@ -79,6 +79,41 @@ def test_query_waits_for_the_final_line_and_names_sacct_when_it_never_comes():
     assert time.monotonic() - began < 30
 
 
+SCONTROL = (
+    "JobId=12 JobName=xeonsd-r1 UserId=devcloud(1000) JobState=TIMEOUT Reason=TimeLimit ExitCode=0:15 "
+    "RunTime=00:04:05 TimeLimit=00:04:00 NodeList=node[1-4] NumNodes=4 NumCPUs=16 Command=/home/devcloud/run.sh\n"
+)
+
+
+def test_without_accounting_the_job_comes_from_scontrol_and_its_cpu_time_is_said_to_be_unknown(tmp_path):
+    asked = []
+
+    def no_accounting(argv, **_):
+        asked.append(argv[0])
+        if argv[0] == "sacct":
+            return subprocess.CompletedProcess(argv, 1, "", "sacct: error: Slurm accounting storage is disabled")
+        assert argv == ["scontrol", "show", "job", "-o", "12"]
+        return subprocess.CompletedProcess(argv, 0, SCONTROL, "")
+
+    job = slurm_job.query("12", wait_s=60, poll_s=0, run=no_accounting)
+    assert asked == ["sacct", "scontrol"]
+    assert (job.state, job.exit_code, job.elapsed_s, job.time_limit_s, job.nodes) == (
+        "TIMEOUT",
+        0,
+        245,
+        240,
+        "node[1-4]",
+    )
+    assert job.cpu_time_s is None and job.allocated_cpu_s == 16 * 245 and job.source == "scontrol"
+    assert job.stopped_by_time_limit
+    assert "CPU time not recorded (no Slurm accounting) of 3920 s allocated" in slurm_job.summary(job)
+    run_files.write_json(tmp_path / slurm_job.SLURM_FILE, job.__dict__)
+    facts = {"run": "r1", "nodes": ["node1"], "mpi_ranks": 4, "ranks_per_node": 4, "primary": "node1"}
+    assert run_files.run_json(tmp_path, facts)["cluster"]["Slurm CPU time (s)"] == "not recorded (no Slurm accounting)"
+    assert slurm_job.parse_scontrol(SCONTROL.replace("TIMEOUT", "RUNNING"), "12") is None  # not ended yet
+    assert slurm_job.parse_scontrol(SCONTROL, "13") is None  # another job
+
+
 def test_run_json_shows_the_slurm_job(tmp_path):
     facts = {"run": "r1", "nodes": ["node1"], "mpi_ranks": 4, "ranks_per_node": 4, "primary": "node1"}
     assert "launcher" not in run_files.run_json(tmp_path, facts)["cluster"]  # an mpirun run: no Slurm rows

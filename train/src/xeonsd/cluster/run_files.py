@@ -138,7 +138,9 @@ def run_json(run_dir: Path, facts: dict) -> dict:
                 "launcher": "Slurm (sbatch, srun)",
                 "Slurm job": f"{job.job_id} ({job.state}, exit {job.exit_code})",
                 "Slurm elapsed (s)": job.elapsed_s,
-                "Slurm CPU time (s)": job.cpu_time_s,
+                "Slurm CPU time (s)": "not recorded (no Slurm accounting)"
+                if job.cpu_time_s is None
+                else job.cpu_time_s,
             }
         )
         if job.stopped_by_time_limit:

@@ -40,12 +40,14 @@ class SlurmJob:
     state: str  # sacct's State of the job (COMPLETED, FAILED, TIMEOUT, CANCELLED, ...; "CANCELLED by N" → CANCELLED)
     exit_code: int  # the batch script's exit code (sacct's ExitCode before the colon)
     elapsed_s: int  # wall time of the allocation (ElapsedRaw)
-    cpu_time_s: float  # CPU time the job's processes used (TotalCPU: user + system, every step)
+    cpu_time_s: float | None  # CPU time the job's processes used (TotalCPU: user + system); None without sacct
     allocated_cpu_s: int  # CPUs allocated x elapsed (CPUTimeRAW)
     nodes: str  # NodeList, Slurm's compressed form
     time_limit_s: int | None  # TimelimitRaw (minutes) in seconds; None when unlimited
     stopped_by_time_limit: bool
     schema: int = SCHEMA_VERSION
+    # Where it came from: "sacct" (the accounting database), or "scontrol" on a cluster without one (no CPU time).
+    source: str = "sacct"
 
 
 def cpu_seconds(text: str) -> float:
@@ -90,6 +92,42 @@ def sacct_argv(job_id: str) -> list[str]:
     return ["sacct", "-n", "-P", "-j", job_id, "-o", ",".join(SACCT_FIELDS)]
 
 
+def _duration_s(text: str) -> int:
+    """scontrol's [DD-]HH:MM:SS (or MM:SS) in seconds."""
+    days, _, clock = text.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    return int(days or 0) * 86400 + sum(p * m for p, m in zip(reversed(parts), (1, 60, 3600), strict=False))
+
+
+def parse_scontrol(text: str, job_id: str) -> SlurmJob | None:
+    """The ended job from ``scontrol show job -o ID`` (slurmctld keeps an ended job for MinJobAge, 300 s by
+    default): what a cluster without accounting can tell, its CPU time unknown; None while it has not ended."""
+    fields = dict(token.partition("=")[::2] for token in text.split() if "=" in token)
+    if fields.get("JobId") != job_id:
+        return None
+    state = fields.get("JobState", "")
+    if not state or state in _UNFINISHED:
+        return None
+    try:
+        exit_code = int(fields["ExitCode"].split(":")[0])
+        elapsed = _duration_s(fields["RunTime"])
+        limit = fields.get("TimeLimit", "UNLIMITED")
+        return SlurmJob(
+            job_id=job_id,
+            state=state,
+            exit_code=exit_code,
+            elapsed_s=elapsed,
+            cpu_time_s=None,
+            allocated_cpu_s=int(fields.get("NumCPUs", "0")) * elapsed,
+            nodes=fields.get("NodeList", ""),
+            time_limit_s=None if limit in ("UNLIMITED", "Partition_Limit") else _duration_s(limit),
+            stopped_by_time_limit=state == "TIMEOUT" or exit_code == 128 + WARNING_SIGNAL,
+            source="scontrol",
+        )
+    except (KeyError, ValueError) as exc:
+        raise StatusFileError(f"scontrol show job {job_id} {text.strip()!r}: {exc}") from exc
+
+
 def query(job_id: str, wait_s: float = 60, poll_s: float = 2, run=subprocess.run) -> SlurmJob:
     """The ended job's accounting, asked of sacct until it has the final line (slurmctld hands it to slurmdbd a
     moment after the job ends); StatusFileError naming sacct's answer when it never comes."""
@@ -100,7 +138,13 @@ def query(job_id: str, wait_s: float = 60, poll_s: float = 2, run=subprocess.run
             job = parse_sacct(proc.stdout, job_id)
             if job is not None:
                 return job
-        # Without slurmdbd (AccountingStorageType none, as the slurm role sets it up) no line will ever come.
+        # Without slurmdbd (AccountingStorageType none: the slurm role's default) sacct never has a line; slurmctld
+        # still knows the ended job for a while.
+        if ACCOUNTING_DISABLED in proc.stderr:
+            shown = run(["scontrol", "show", "job", "-o", job_id], text=True, capture_output=True, check=False)
+            job = parse_scontrol(shown.stdout, job_id) if shown.returncode == 0 else None
+            if job is not None:
+                return job
         if time.monotonic() > deadline or ACCOUNTING_DISABLED in proc.stderr:
             said = (proc.stderr or proc.stdout).strip() or "no line for the job"
             raise StatusFileError(
@@ -141,9 +185,10 @@ def read_slurm_job(run_dir: Path) -> SlurmJob | None:
 
 def summary(job: SlurmJob) -> str:
     """One line for people: the job, how it ended, its elapsed and CPU time."""
+    cpu = "not recorded (no Slurm accounting)" if job.cpu_time_s is None else f"{job.cpu_time_s:.0f} s"
     line = (
         f"Slurm job {job.job_id}: {job.state} (exit {job.exit_code}), elapsed {job.elapsed_s} s, "
-        f"CPU time {job.cpu_time_s:.0f} s of {job.allocated_cpu_s} s allocated"
+        f"CPU time {cpu} of {job.allocated_cpu_s} s allocated"
     )
     if job.stopped_by_time_limit:
         line += "; stopped by the time limit: resume with -e resume=latest"
