@@ -120,7 +120,7 @@ def test_nodefile_lists_the_primary_first(provisioned: Cluster) -> None:
     assert nodefile == [provisioned.address(i) for i in range(1, NODES + 1)]
     env = provisioned.ssh("node1", ". /etc/xeonsd/env.sh && env").stdout
     for line in (
-        "MASTER_ADDR=10.231.1.11",
+        f"MASTER_ADDR={provisioned.address(1)}",  # the slot's subnet (XEONSD_TEST_CLUSTER_SLOT)
         "MASTER_PORT=29500",
         "CCL_ATL_TRANSPORT=ofi",
         "CCL_WORKER_COUNT=1",
