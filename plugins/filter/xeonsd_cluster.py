@@ -5,11 +5,13 @@ nodes idle or piles ranks onto the first ones. Preflight refuses such an invento
 again for -e overrides, and doctor's nodefile row reports it: all three with this filter and its message.
 ``auto`` in either (ranks_per_node: the tuned layout, plugins/filter/xeonsd_layout.py) fits here: the finetune role
 checks the numbers it resolves to.
+
+xeonsd_probe_targets: the hosts' addresses and ports as preflight's xeonsd_tcp_probe module takes them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 def ranks_mismatch(mpi_ranks: int | str, nodes: Sequence[str], ranks_per_node: int | str) -> str:
@@ -33,6 +35,25 @@ def ranks_mismatch(mpi_ranks: int | str, nodes: Sequence[str], ranks_per_node: i
     )
 
 
+def probe_targets(
+    hosts: Sequence[str], hostvars: Mapping, address: str, port: str | None, default_port: int | str
+) -> list[dict]:
+    """``[{name, host, port}]`` for ``hosts``: the host at its ``hostvars`` variable ``address`` (default: its
+    inventory name, as Ansible connects) and port ``port`` (default ``default_port``; None: always it)."""
+    if isinstance(hosts, str) or not isinstance(hosts, Sequence):
+        raise TypeError(f"xeonsd_probe_targets: hosts must be a list of hosts, got {hosts!r}")
+    out = []
+    for name in hosts:
+        hv = hostvars[name]
+        value = hv.get(port, default_port) if port else default_port
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"xeonsd_probe_targets: {name}'s port {value!r} is not a number") from None
+        out.append({"name": name, "host": str(hv.get(address, name)), "port": number})
+    return out
+
+
 class FilterModule:
     def filters(self) -> dict:
-        return {"xeonsd_ranks_mismatch": ranks_mismatch}
+        return {"xeonsd_ranks_mismatch": ranks_mismatch, "xeonsd_probe_targets": probe_targets}

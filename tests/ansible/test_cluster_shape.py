@@ -34,3 +34,19 @@ def test_bad_input_is_refused_clearly() -> None:
 def test_auto_fits_until_the_finetune_role_resolves_it() -> None:
     assert xeonsd_cluster.ranks_mismatch("auto", NODES, "auto") == ""
     assert xeonsd_cluster.ranks_mismatch(16, NODES, "auto") == ""
+
+
+def test_probe_targets_are_the_hosts_addresses_and_ports_with_their_defaults() -> None:
+    hostvars = {"node1": {"ansible_host": "10.0.0.1", "ansible_port": "2222", "mpi_address": "10.1.0.1"},
+                "node2": {"mpi_address": "10.1.0.2"}}  # fmt: skip
+    assert xeonsd_cluster.probe_targets(["node1", "node2"], hostvars, "ansible_host", "ansible_port", 22) == [
+        {"name": "node1", "host": "10.0.0.1", "port": 2222},
+        {"name": "node2", "host": "node2", "port": 22},  # as Ansible connects: the inventory name, port 22
+    ]
+    assert xeonsd_cluster.probe_targets(["node2"], hostvars, "mpi_address", None, "22") == [
+        {"name": "node2", "host": "10.1.0.2", "port": 22}
+    ]
+    with pytest.raises(ValueError, match="node1's port 'ssh' is not a number"):
+        xeonsd_cluster.probe_targets(["node1"], {"node1": {"ansible_port": "ssh"}}, "ansible_host", "ansible_port", 22)
+    with pytest.raises(TypeError, match="list of hosts"):
+        xeonsd_cluster.probe_targets("node1", hostvars, "ansible_host", "ansible_port", 22)
