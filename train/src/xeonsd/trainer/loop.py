@@ -48,6 +48,7 @@ from xeonsd.trainer.embeddings import ConceptError
 from xeonsd.trainer.hooks import StepEnd, StepObservers
 from xeonsd.trainer.inputs import check_memory, validate, with_resolution
 from xeonsd.trainer.job import ABORT_GRACE_S, Job, Training, setup, setup_logging, start_status
+from xeonsd.trainer.libraries import skip_unused_packages
 from xeonsd.trainer.loss import denoising_loss
 from xeonsd.trainer.metrics import MetricsLog, plot_loss, write_summary
 from xeonsd.trainer.models import autocast, render_validation
@@ -68,6 +69,7 @@ def run(cfg: TrainConfig, status: RankStatusFile | None, signals: StopSignals | 
     info = detect_ranks()
     setup_logging(info)
     inputs = validate(cfg, info)
+    skip_unused_packages()  # before the first model import (the memory estimate's): this process only
     cfg = with_resolution(cfg, inputs.family)
     timeouts = Timeouts.from_env()
     if cfg.mixed_precision == "auto":
