@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -54,13 +55,17 @@ def test_recipe_command_line_parses_verbatim():
 
 
 def test_recipe_run_writes_every_output(tiny_model, dataset, tmp_path, cli_env):
-    """The recipe's flags (bf16, full pipeline) end to end, with only the step count and resolution shortened."""
+    """The recipe's flags (bf16, full pipeline) end to end, with only the step count and resolution shortened; and
+    the run imports neither scikit-learn nor SciPy (xeonsd.trainer.libraries: every rank would pay for them)."""
     out = tmp_path / "out"
     flags = [f for f in RECIPE_FLAGS if not f.startswith(("--max_train_steps", "--resolution", "--output_dir"))]
     args = ["train", f"--pretrained_model_name_or_path={tiny_model}", f"--train_data_dir={dataset}", *flags]
     args += ["--max_train_steps=3", "--resolution=64", f"--output_dir={out}"]
-    proc = run_cli(args, cli_env)
+    proc = run_cli(args, {**cli_env, "PYTHONPROFILEIMPORTTIME": "1"})  # each import, on stderr (or the log)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    imported = proc.stderr + (out / "libraries.log").read_text()
+    assert "| xeonsd.trainer.loop" in imported  # the import lines are there: the check below can see them
+    assert not re.findall(r"\| +(?:sklearn|scipy)(?:\.[\w.]+)?$", imported, re.MULTILINE)
     assert vectors(out).shape == (1, 32)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]

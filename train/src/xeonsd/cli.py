@@ -325,8 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = build_parser()
-    # Subcommands with many flags of their own parse them themselves.
+    # Subcommands with many flags of their own parse them themselves, before the parser of the others is built
+    # (which imports modules of the OpenVINO side: a training rank has no use for them).
     if argv and argv[0] == "train":
         return _train(argparse.Namespace(), argv[1:])
     if argv and argv[0] == "doctor":
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         return hello_main(argv[1:])
     if argv and argv[0] == "bench" and len(argv) > 1 and argv[1] in ("train", "generate", "layout"):
         return _bench(argparse.Namespace(what=argv[1]), argv[2:])
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except COMMAND_ERRORS as exc:

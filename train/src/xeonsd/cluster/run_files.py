@@ -61,8 +61,9 @@ def train_summary(
     ``sdxl``, :mod:`xeonsd.families`), the ``resolution`` trained at and the validation loss's held-out images
     (``validation``: ``source``, ``images``, ``timesteps``), the aspect-ratio buckets (``buckets``: ``step``,
     ``min_reso``, ``max_reso``, and ``buckets``: each one's ``width``, ``height`` and ``images``) and the start-up
-    (``startup``: ``time_to_first_step_s`` from the trainer's start, and the latent cache's ``latent_inputs``,
-    ``latent_inputs_encoded`` by the VAE, the rest read from the disk cache)."""
+    (``startup``: ``time_to_first_step_s`` from the trainer's start, ``cpu_s_to_first_step`` of rank 0's process
+    from its own start, and the latent cache's ``latent_inputs``, ``latent_inputs_encoded`` by the VAE, the rest
+    read from the disk cache)."""
     return {
         **method_summary,
         "base_model": base_model,

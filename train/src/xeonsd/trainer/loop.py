@@ -48,6 +48,7 @@ from xeonsd.trainer.embeddings import ConceptError
 from xeonsd.trainer.hooks import StepEnd, StepObservers
 from xeonsd.trainer.inputs import check_memory, validate, with_resolution
 from xeonsd.trainer.job import ABORT_GRACE_S, Job, Training, setup, setup_logging, start_status
+from xeonsd.trainer.libraries import skip_unused_packages
 from xeonsd.trainer.loss import denoising_loss
 from xeonsd.trainer.metrics import MetricsLog, plot_loss, write_summary
 from xeonsd.trainer.models import autocast, render_validation
@@ -68,6 +69,7 @@ def run(cfg: TrainConfig, status: RankStatusFile | None, signals: StopSignals | 
     info = detect_ranks()
     setup_logging(info)
     inputs = validate(cfg, info)
+    skip_unused_packages()  # before the first model import (the memory estimate's): this process only
     cfg = with_resolution(cfg, inputs.family)
     timeouts = Timeouts.from_env()
     if cfg.mixed_precision == "auto":
@@ -94,6 +96,7 @@ class Fitted:
     step_times: list[float]
     metrics: MetricsLog | None
     first_step_s: float | None = None  # from the trainer's start to the first step's
+    first_step_cpu_s: float | None = None  # this process's CPU seconds (all threads, imports included) until then
 
 
 def fit(job: Job, signals: StopSignals, started: float | None = None) -> Fitted:
@@ -109,8 +112,14 @@ def fit(job: Job, signals: StopSignals, started: float | None = None) -> Fitted:
     signals.defer()  # from here on a signal stops the job at a step's end, with a checkpoint
     cluster.status.update(state="running", step=job.run.start_step)
     first_step_s = None if started is None else time.perf_counter() - started
+    first_step_cpu_s = time.process_time()
     if first_step_s is not None and job.is_main:
-        log.info("time to first step: %.1f s (checks, models, latent and prompt caches)", first_step_s)
+        log.info(
+            "time to first step: %.1f s (checks, models, latent and prompt caches); %.1f CPU s since the process "
+            "started (imports included)",
+            first_step_s,
+            first_step_cpu_s,
+        )
     with cluster.timeout.scope(cluster.timeouts.step_s):
         _log_step_timeout(job)
         for step in range(job.run.start_step, job.run.cfg.max_train_steps):
@@ -125,7 +134,7 @@ def fit(job: Job, signals: StopSignals, started: float | None = None) -> Fitted:
                 observers.stop(end, signum, signals.timeout_s)  # raises Interrupted
             observers.on_step_end(end)
     observers.close()
-    return Fitted(step_times=step_times, metrics=observers.metrics, first_step_s=first_step_s)
+    return Fitted(step_times, observers.metrics, first_step_s, first_step_cpu_s)
 
 
 def _log_step_timeout(job: Job) -> None:
@@ -278,7 +287,7 @@ def save(job: Job, fitted: Fitted) -> dict:
             what = cfg.placeholder_token if cfg.method == "textual_inversion" else cfg.method
             plot_loss(metrics.rows, out / "loss.png", title=f"{what}: {world} rank(s)")
         metrics.finish()
-        write_summary(out, train_summary(job, fitted.first_step_s))
+        write_summary(out, train_summary(job, fitted.first_step_s, fitted.first_step_cpu_s))
         log.info("saved the %s result to %s", cfg.method, out)
     with job.cluster.timeout.watch("barrier after saving"):
         barrier(world)

@@ -7,7 +7,7 @@ from xeonsd.trainer.job import Job
 from xeonsd.trainer.metrics import result_bytes
 
 
-def train_summary(job: Job, first_step_s: float | None = None) -> dict:
+def train_summary(job: Job, first_step_s: float | None = None, first_step_cpu_s: float | None = None) -> dict:
     """What ``train_summary.json`` holds (the schema: :func:`xeonsd.cluster.run_files.train_summary`)."""
     cfg, method, prompts = job.run.cfg, job.training.method, job.data.prompts
     return run_files.train_summary(
@@ -35,6 +35,7 @@ def train_summary(job: Job, first_step_s: float | None = None) -> dict:
         buckets=job.data.buckets.record() if job.data.buckets is not None else None,
         startup={
             "time_to_first_step_s": first_step_s,
+            "cpu_s_to_first_step": first_step_cpu_s,
             "latent_inputs": job.data.latents.count,
             "latent_inputs_encoded": job.data.latents.encoded,
         },
