@@ -231,6 +231,7 @@ def test_prior_preservation_reaches_the_trainer_only_when_on() -> None:
     from xeonsd.trainer.config import given_flags, parse_config
 
     prior_flags = {"with_prior_preservation", "class_prompt", "class_data_dir", "num_class_images", "prior_loss_weight"}
+    prior_flags.add("class_export")
     assert not prior_flags & given_flags(_inventory_argv("finetune_method=full"))  # the default: off
     argv = _inventory_argv(
         "finetune_method=lora",
@@ -243,3 +244,4 @@ def test_prior_preservation_reaches_the_trainer_only_when_on() -> None:
     cfg = parse_config(argv)
     assert cfg.with_prior_preservation and cfg.class_prompt == "a photo of a toy", argv
     assert (cfg.class_data_dir, cfg.num_class_images, cfg.prior_loss_weight) == ("/srv/class", 20, 0.5), argv
+    assert cfg.class_export.endswith("/openvino-base"), argv  # export.yml's cache of the base models' exports

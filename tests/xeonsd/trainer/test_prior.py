@@ -3,6 +3,7 @@ equal over ranks, and its bad input refused before anything loads."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -23,11 +24,13 @@ def prior_args(model: Path, data: Path, out: Path, class_dir: Path, *extra: str,
 
 @pytest.fixture(scope="module")
 def generated(tiny_model: Path, dataset: Path, tmp_path_factory: pytest.TempPathFactory, cli_env_module):
-    """One run that generated the class images: (its class dir, its stderr, each image's bytes)."""
+    """One run that generated the class images: (its class dir, its stderr, each image's bytes, its summary)."""
     root = tmp_path_factory.mktemp("prior")
     class_dir = root / "class"
-    proc = train(prior_args(tiny_model, dataset, root / "out", class_dir), cli_env_module)
-    return class_dir, proc.stderr, {p.name: p.read_bytes() for p in sorted(class_dir.iterdir())}
+    no_export = f"--class_export={root / 'no-exports'}"  # no OpenVINO export of the base model there: PyTorch
+    proc = train(prior_args(tiny_model, dataset, root / "out", class_dir, no_export), cli_env_module)
+    summary = json.loads((root / "out" / "train_summary.json").read_text())
+    return class_dir, proc.stderr, {p.name: p.read_bytes() for p in sorted(class_dir.iterdir())}, summary
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +44,10 @@ def cli_env_module() -> dict[str, str]:
 
 
 def test_missing_class_images_are_generated_once_and_kept(generated, tiny_model, dataset, tmp_path, cli_env):
-    class_dir, stderr, images = generated
+    class_dir, stderr, images, _ = generated
     assert list(images) == ["class-00000.png", "class-00001.png", "class-00002.png"]
     assert "generating 3 of 3 class image(s)" in stderr and "class images: 0 reused, 3 generated" in stderr
+    assert "holds no export of the base model on any node: PyTorch" in stderr and "(PyTorch)" in stderr
     assert len(set(images.values())) == 3, "each class image has its own seed"
     proc = train(prior_args(tiny_model, dataset, tmp_path / "again", class_dir), cli_env)
     assert "class images: 3 reused, 0 generated" in proc.stderr and "generating" not in proc.stderr
@@ -59,13 +63,40 @@ def test_missing_class_images_are_generated_once_and_kept(generated, tiny_model,
     assert sorted(p.name for p in class_dir.iterdir()) == list(images), "a temporary file was left behind"
 
 
+def test_the_summary_records_the_prior_settings(generated):
+    class_dir, _, _, summary = generated
+    assert summary["prior"] == {
+        "class_prompt": "a photo of toy",
+        "class_data_dir": str(class_dir),
+        "num_class_images": 3,
+        "prior_loss_weight": 0.5,
+    }
+
+
+def test_the_memory_estimate_counts_the_class_examples_in_each_step(tiny_model):
+    """Each step runs instance + class examples through the UNet: the activations of batch 2 with prior
+    preservation are those of batch 4 without; the caches hold the class images' latents and the class prompt."""
+    from xeonsd.trainer.config import parse_config
+    from xeonsd.trainer.memory import estimate
+
+    def est(*extra: str, batch: int):
+        args = method_args("lora", tiny_model, Path("d"), Path("o"), "--instance_prompt=x", *extra, batch=batch)
+        return estimate(parse_config(args), "lora", 5, 1)
+
+    flags = ["--with_prior_preservation", CLASS, "--class_data_dir=c", "--num_class_images=7"]
+    prior, plain = est(*flags, batch=2), est(batch=2)
+    assert prior.activations == est(batch=4).activations > plain.activations
+    side = 64 // 8
+    assert prior.caches - plain.caches == 2 * 7 * 2 * 4 * side * side * 4 + 77 * 32 * 4  # 7 latents x2, 1 prompt
+
+
 def test_prior_two_ranks_learn_what_one_rank_with_double_batch_learns(
     generated, tiny_model, dataset, tmp_path, cli_env
 ):
     """2 ranks x batch 1 under mpirun == 1 rank x batch 2 with prior preservation on (each rank pairs its own
     examples with their class examples). Tolerance as in test_methods: the mean absolute difference of the LoRA
     up-weights (zero before training) below 1e-4 of their mean, the largest below 5 % of the largest."""
-    class_dir, _, _ = generated
+    class_dir, _, _, _ = generated
     one, two = tmp_path / "one", tmp_path / "two"
     train(prior_args(tiny_model, dataset, one, class_dir, batch=2), cli_env)
     proc = train(prior_args(tiny_model, dataset, two, class_dir), cli_env, ranks=2)
@@ -81,7 +112,7 @@ def test_prior_two_ranks_learn_what_one_rank_with_double_batch_learns(
 
 def test_the_class_loss_changes_the_training(generated, tiny_model, dataset, tmp_path, cli_env):
     """The class examples are in the step: the same run without prior preservation learns other weights."""
-    class_dir, _, _ = generated
+    class_dir, _, _, _ = generated
     with_prior = tmp_path / "with"
     train(prior_args(tiny_model, dataset, with_prior, class_dir), cli_env)
     without = tmp_path / "without"

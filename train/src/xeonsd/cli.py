@@ -72,7 +72,15 @@ def _train(args: argparse.Namespace, rest: list[str]) -> int:
     with quiet_console(log_path, verbose=verbose, both=True) as console:
         from xeonsd.trainer.loop import main as train_main
 
-        return train_main(rest, console)
+        return train_main(rest, console, _open_class_renderer)
+
+
+def _open_class_renderer(*args):  # noqa: ANN002, ANN202 - xeonsd.trainer.prior.ClassRendererOpener
+    """--class_export's OpenVINO side, imported only when class images are to be made (the trainer may not import
+    xeonsd.openvino)."""
+    from xeonsd.openvino.class_images import open_class_renderer
+
+    return open_class_renderer(*args)
 
 
 # The errors a command reports itself, in one line (everything else is a traceback).

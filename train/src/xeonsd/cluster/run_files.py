@@ -52,6 +52,7 @@ def train_summary(
     validation: dict | None = None,
     buckets: dict | None = None,
     startup: dict | None = None,
+    prior: dict | None = None,
 ) -> dict:
     """train_summary.json: the method's own figures (``method``, ``trainable_params``, …), the base model and its
     fingerprint, the steps and ranks, the bytes all-reduced per step, the prompts (source, count, per_image, and when
@@ -63,7 +64,8 @@ def train_summary(
     ``min_reso``, ``max_reso``, and ``buckets``: each one's ``width``, ``height`` and ``images``) and the start-up
     (``startup``: ``time_to_first_step_s`` from the trainer's start, ``cpu_s_to_first_step`` of rank 0's process
     from its own start, and the latent cache's ``latent_inputs``, ``latent_inputs_encoded`` by the VAE, the rest
-    read from the disk cache)."""
+    read from the disk cache) and DreamBooth prior preservation's settings (``prior``: ``class_prompt``,
+    ``class_data_dir``, ``num_class_images``, ``prior_loss_weight``)."""
     return {
         **method_summary,
         "base_model": base_model,
@@ -79,6 +81,7 @@ def train_summary(
         **({"validation": dict(validation)} if validation is not None else {}),
         **({"buckets": dict(buckets)} if buckets is not None else {}),
         **({"startup": dict(startup)} if startup is not None else {}),
+        **({"prior": dict(prior)} if prior is not None else {}),
     }
 
 

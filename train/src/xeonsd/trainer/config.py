@@ -116,6 +116,13 @@ class TrainConfig:
         methods=(LORA, FULL),
         default=1.0,
     )
+    class_export: str | None = _flag(
+        "with --with_prior_preservation: an OpenVINO export of the base model (xeonsd export), or a directory of "
+        "exports (export.yml's base-model cache); the missing class images are rendered through it on the ranks "
+        "whose node holds it, else with PyTorch",
+        methods=(LORA, FULL),
+        default=None,
+    )
     rank: int = _flag("LoRA rank (the adapters' inner dimension)", methods=(LORA,), default=4)
     lora_alpha: float | None = _flag("LoRA alpha (scale alpha/rank; default: --rank)", methods=(LORA,), default=None)
     lora_target_modules: str = _flag(

@@ -40,7 +40,7 @@ from xeonsd.trainer.loss import parse_timestep_range
 from xeonsd.trainer.methods import Method, for_config
 from xeonsd.trainer.models import Models, load_models
 from xeonsd.trainer.optim import make_optimizer
-from xeonsd.trainer.prior import PriorData, build_prior, ensure_class_images
+from xeonsd.trainer.prior import ClassRendererOpener, PriorData, build_prior, ensure_class_images
 from xeonsd.trainer.prompts import PromptTable
 from xeonsd.trainer.validation import ValidationSet, build_validation
 from xeonsd.trainer.xl import XLPromptConditioning
@@ -139,6 +139,7 @@ def setup(
     inputs: Inputs,
     timeouts: Timeouts,
     status: RankStatusFile,
+    open_class_renderer: ClassRendererOpener | None = None,  # --class_export's OpenVINO side, from the CLI
 ) -> Job:
     """Load the models, make the method and its optimizer, resume, build the caches: the job, on every rank."""
     method_cls = for_config(cfg)
@@ -147,7 +148,7 @@ def setup(
     load_s = time.perf_counter() - t0
     _log_placement(cfg, info, backend, placement, models)
     if cfg.with_prior_preservation:  # from the base model, before the method or a checkpoint changes it
-        inputs = dataclasses.replace(inputs, class_images=ensure_class_images(cfg, models, info))
+        inputs = dataclasses.replace(inputs, class_images=ensure_class_images(cfg, models, info, open_class_renderer))
     base_model = model_fingerprint(cfg.pretrained_model_name_or_path, cfg.revision)
     resume_state = _shared_resume_state(inputs.resume, info.world_size)
     seed = _shared_seed(cfg, info, resume_state)

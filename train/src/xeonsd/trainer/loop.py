@@ -62,7 +62,9 @@ log = logging.getLogger("xeonsd.train")
 BAD_INPUT = (ConfigError, ModelSourceError, DataError, ConceptError, ckpt.CheckpointError, DistributedError)
 
 
-def run(cfg: TrainConfig, status: RankStatusFile | None, signals: StopSignals | None = None) -> dict:
+def run(
+    cfg: TrainConfig, status: RankStatusFile | None, signals: StopSignals | None = None, open_renderer=None
+) -> dict:
     """Train; returns a summary dict. Raises one of BAD_INPUT on bad input, Interrupted when ``signals`` got a
     stop signal. ``status`` is None only for a dry run (which trains nothing)."""
     started = time.perf_counter()
@@ -82,7 +84,7 @@ def run(cfg: TrainConfig, status: RankStatusFile | None, signals: StopSignals | 
     placement = place_rank(info)
     backend = init_process_group(info, setup_timeout_s=timeouts.setup_s)
     try:
-        job = setup(cfg, info, backend, placement, inputs, timeouts, status)
+        job = setup(cfg, info, backend, placement, inputs, timeouts, status, open_renderer)
         fitted = fit(job, signals or StopSignals(), started)
         return save(job, fitted)
     finally:
@@ -295,9 +297,10 @@ def save(job: Job, fitted: Fitted) -> dict:
     return summary
 
 
-def main(argv: list[str], console: tuple[TextIO, TextIO] | None = None) -> int:
+def main(argv: list[str], console: tuple[TextIO, TextIO] | None = None, open_renderer=None) -> int:
     """``xeonsd train ARGV``; ``console``: the (stdout, stderr) for the run's own result and error lines while the
-    process's own streams go to a log (``xeonsd train``'s quiet console); None: sys.stdout and sys.stderr."""
+    process's own streams go to a log (``xeonsd train``'s quiet console); None: sys.stdout and sys.stderr.
+    ``open_renderer``: --class_export's OpenVINO side (:data:`xeonsd.trainer.prior.ClassRendererOpener`)."""
     out, err = console or (sys.stdout, sys.stderr)
     info = detect_ranks()
     status: RankStatusFile | None = None
@@ -306,7 +309,7 @@ def main(argv: list[str], console: tuple[TextIO, TextIO] | None = None) -> int:
         signals.install()
         cfg = parse_config(argv)
         status = None if cfg.dry_run else start_status(cfg, info)
-        summary = run(cfg, status, signals)
+        summary = run(cfg, status, signals, open_renderer)
     except Interrupted as stop:
         return stopped(info, status, stop, err)
     except BAD_INPUT as exc:

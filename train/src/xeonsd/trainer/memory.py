@@ -2,7 +2,7 @@
 
 The models are built from their configs on PyTorch's ``meta`` device (shapes and dtypes, no data), so weights,
 gradients and optimizer state are counted exactly. Activations are measured, not guessed: one forward pass of the
-meta UNet at the run's resolution and batch, with the method's trainable parts, records every tensor autograd
+meta UNet at the run's resolution and batch (twice ``--train_batch_size`` with prior preservation), with the method's trainable parts, records every tensor autograd
 keeps for the backward pass (``saved_tensors_hooks``), plus the largest block's again for the gradients the backward
 holds while it passes through that block. With ``--gradient_checkpointing`` only each block's input is kept, plus
 the largest block's activations (and their gradients) while it is recomputed. The process's own footprint (Python, the
@@ -113,23 +113,30 @@ def _cpu_attention():
         yield
 
 
+def step_batch(cfg) -> int:
+    """The examples one step of a rank runs through the UNet: ``--train_batch_size``, twice that with prior
+    preservation (each instance example is paired with a class example in the same forward pass)."""
+    return cfg.train_batch_size * (2 if cfg.with_prior_preservation else 1)
+
+
 def _activations(
     unet, cfg, cross_dim: int, weight_dtype: torch.dtype, hidden_grad: bool, autocast: bool, pooled_dim: int = 0
 ) -> int:
+    batch = step_batch(cfg)
     saved = _SavedBytes(list(unet.parameters()))
     for block in [*unet.down_blocks, unet.mid_block, *unet.up_blocks]:
         if block is not None:
             saved.watch(block)
     side = cfg.resolution // 8
     dtype = next(unet.parameters()).dtype
-    x = torch.zeros(cfg.train_batch_size, unet.config.in_channels, side, side, device="meta", dtype=dtype)
-    h = torch.zeros(cfg.train_batch_size, 77, cross_dim, device="meta", dtype=dtype, requires_grad=hidden_grad)
-    t = torch.zeros(cfg.train_batch_size, dtype=torch.long, device="meta")
+    x = torch.zeros(batch, unet.config.in_channels, side, side, device="meta", dtype=dtype)
+    h = torch.zeros(batch, 77, cross_dim, device="meta", dtype=dtype, requires_grad=hidden_grad)
+    t = torch.zeros(batch, dtype=torch.long, device="meta")
     added = None
     if pooled_dim:  # SDXL: the pooled text embedding and the six micro-conditioning numbers
         added = {
-            "text_embeds": torch.zeros(cfg.train_batch_size, pooled_dim, device="meta", dtype=dtype),
-            "time_ids": torch.zeros(cfg.train_batch_size, 6, device="meta", dtype=dtype),
+            "text_embeds": torch.zeros(batch, pooled_dim, device="meta", dtype=dtype),
+            "time_ids": torch.zeros(batch, 6, device="meta", dtype=dtype),
         }
     amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), amp, _cpu_attention():
@@ -226,6 +233,8 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstim
         unet, cfg, cross_dim, weight_dtype, method == "textual_inversion", autocast, pooled_dim=pooled_dim
     )
     side = cfg.resolution // 8
+    if cfg.with_prior_preservation:  # the class images' latents beside the instance ones, and the class prompt
+        num_images, num_prompts = num_images + cfg.num_class_images, num_prompts + 1
     latents = 2 * num_images * 2 * 4 * side * side * 4
     if not cfg.latent_cache:
         latents = 2 * num_images * 3 * cfg.resolution**2 * 4

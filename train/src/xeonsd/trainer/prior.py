@@ -17,8 +17,10 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,7 +46,7 @@ def check_prior_flags(cfg: TrainConfig) -> None:
     """The prior-preservation flags on their own, and the class data dir: it must be writable when images are
     missing. Called before any model loads."""
     if not cfg.with_prior_preservation:
-        given = [f for f in ("class_prompt", "class_data_dir") if getattr(cfg, f)]
+        given = [f for f in ("class_prompt", "class_data_dir", "class_export") if getattr(cfg, f)]
         if given:
             verb = "needs" if len(given) == 1 else "need"
             raise ConfigError(" and ".join(f"--{f}" for f in given) + f" {verb} --with_prior_preservation")
@@ -99,9 +101,19 @@ def class_image_names(class_dir: Path, count: int) -> list[str]:
     return names
 
 
-def ensure_class_images(cfg: TrainConfig, models, info: RankInfo) -> list[Path]:
+# --class_export's opener, handed in by the CLI (the trainer may not import xeonsd.openvino):
+# (export or directory of exports, base model fingerprint, resolution, steps) -> ((prompt, seed) -> PIL image,
+# the export used), or None where no export of this base model is there.
+ClassRendererOpener = Callable[[Path, str, int, int], "tuple[Callable[[str, int], Any], Path] | None"]
+
+
+def ensure_class_images(
+    cfg: TrainConfig, models, info: RankInfo, open_renderer: ClassRendererOpener | None = None
+) -> list[Path]:
     """The run's class images in ``--class_data_dir`` on every rank: the missing ones generated from the base
-    model (before the method changes it), shared out over the ranks, written by one rank per node."""
+    model (before the method changes it), shared out over the ranks, written by one rank per node. With
+    ``--class_export``, the ranks whose node holds an OpenVINO export of the base model render them all through it;
+    where no node does, every rank renders its share with PyTorch."""
     class_dir = Path(cfg.class_data_dir).expanduser()
     names = class_image_names(class_dir, cfg.num_class_images)
     if info.world_size > 1:  # rank 0's listing decides the names
@@ -120,17 +132,30 @@ def ensure_class_images(cfg: TrainConfig, models, info: RankInfo) -> list[Path]:
             "copy the class images to every node, or remove them there and let the trainer generate them"
         )
     if todo:
+        render, renderers = _renderer(cfg, models, info, open_renderer)  # renderers: the ranks with an export
         log.info(
-            "generating %d of %d class image(s) for %r into %s", len(todo), len(paths), cfg.class_prompt, class_dir
+            "generating %d of %d class image(s) for %r into %s (%s)",
+            len(todo),
+            len(paths),
+            cfg.class_prompt,
+            class_dir,
+            f"OpenVINO on {len(renderers)} rank(s)" if renderers else "PyTorch",
         )
-        from xeonsd.trainer.models import inference_pipeline
+        pipe = None
+        if not renderers:  # no node holds an export: every rank renders its share with PyTorch
+            from xeonsd.trainer.models import inference_pipeline
 
-        pipe = inference_pipeline(models)
+            pipe, renderers = inference_pipeline(models), list(range(info.world_size))
         for k in range(0, len(todo), GENERATE_CHUNK):
             chunk = todo[k : k + GENERATE_CHUNK]
             pixels = torch.zeros((len(chunk), cfg.resolution, cfg.resolution, 3), dtype=torch.float32)
-            for j in range(info.rank, len(chunk), info.world_size):
-                pixels[j] = _generate(pipe, cfg, models, chunk[j])
+            for j in range(len(chunk)):
+                if renderers[j % len(renderers)] != info.rank:
+                    continue
+                if pipe is not None:
+                    pixels[j] = _generate(pipe, cfg, models, chunk[j])
+                else:
+                    pixels[j] = _pixels(render(cfg.class_prompt, mix(CLASS_SEED, chunk[j])))
             all_reduce_sum_(pixels, info.world_size)
             if info.local_rank == 0:  # also where a node had it: every node then trains on the same bytes
                 for j, i in enumerate(chunk):
@@ -139,6 +164,29 @@ def ensure_class_images(cfg: TrainConfig, models, info: RankInfo) -> list[Path]:
         barrier(info.world_size)  # the node's writer is done before any rank reads the files
     log.info("class images: %d reused, %d generated", len(paths) - len(todo), len(todo))
     return paths
+
+
+def _renderer(cfg: TrainConfig, models, info: RankInfo, open_renderer: ClassRendererOpener | None):
+    """(this rank's OpenVINO renderer or None, the ranks that have one): None, [] when no rank has one."""
+    from xeonsd.modelsource import model_fingerprint
+
+    render = None
+    if cfg.class_export and open_renderer is not None:
+        fingerprint = model_fingerprint(cfg.pretrained_model_name_or_path, cfg.revision)
+        opened = open_renderer(Path(cfg.class_export), fingerprint, cfg.resolution, CLASS_STEPS)
+        if opened is not None:
+            render = opened[0]
+            log.info("class images: this rank renders through the OpenVINO export %s", opened[1])
+    flags = torch.zeros(info.world_size, dtype=torch.int64)
+    flags[info.rank] = int(render is not None)
+    holders = [r for r, f in enumerate(all_reduce_sum_(flags, info.world_size).tolist()) if f]
+    if cfg.class_export and not holders:
+        log.warning("--class_export %s holds no export of the base model on any node: PyTorch", cfg.class_export)
+    return (render, holders) if holders else (None, [])
+
+
+def _pixels(image) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.float32))
 
 
 @torch.no_grad()
@@ -155,7 +203,7 @@ def _generate(pipe, cfg: TrainConfig, models, index: int) -> torch.Tensor:
             height=cfg.resolution,
             width=cfg.resolution,
         ).images[0]
-    return torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.float32))
+    return _pixels(image)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ def train_summary(job: Job, first_step_s: float | None = None, first_step_cpu_s:
             "latent_inputs": job.data.latents.count,
             "latent_inputs_encoded": job.data.latents.encoded,
         },
+        prior=prior_record(job),
     )
 
 
@@ -48,6 +49,19 @@ def validation_record(job: Job) -> dict | None:
     if vs is None:
         return None
     return {"source": vs.held.source, "images": [p.name for p in vs.held.images], "timesteps": list(vs.timesteps)}
+
+
+def prior_record(job: Job) -> dict | None:
+    """Prior preservation's settings (train_summary.json's ``prior``), or None without it."""
+    cfg = job.run.cfg
+    if job.data.prior is None:
+        return None
+    return {
+        "class_prompt": cfg.class_prompt,
+        "class_data_dir": cfg.class_data_dir,
+        "num_class_images": job.data.prior.count,
+        "prior_loss_weight": cfg.prior_loss_weight,
+    }
 
 
 def loss_options(job: Job) -> dict:
