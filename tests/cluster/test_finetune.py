@@ -1,6 +1,9 @@
 """finetune.yml on the real 4-node test cluster: 16 ranks across 4 nodes end to end (train, fetch, export, 5 images,
-report), a second finetune refused while one runs, a killed worker node failing the play quickly and by name, and
-resume=latest finishing that run. The tests run in file order and share one cluster."""
+report), a second finetune refused while one runs, LoRA reusing the base export with a slowed node named a
+straggler, full fine-tuning, a SIGTERM, a killed worker node failing the play quickly and by name, and
+resume=latest finishing that run (on 1,000 images with the latent cache kept on each node), SDXL LoRA. The tests
+run in file order and share one cluster; where two checks can share a job start, they do (each start of 16 ranks
+costs about a minute on the 2-core test machine)."""
 
 from __future__ import annotations
 
@@ -279,15 +282,17 @@ def test_lora_on_16_ranks_reuses_the_base_export_generates_with_the_adapter_and_
     """finetune_method=lora on the same base as the end-to-end run: 16 ranks train the adapter on the captions, the
     adapter is fetched and loads into the base pipeline, and the base model's OpenVINO export made by the
     textual-inversion run is reused (its manifest unchanged, no export command run) for 5 images with the adapter.
-    The same job is the straggler check (one job start instead of two): node3's four ranks get a quarter of a CPU
+    The same job is the straggler check (one job start instead of two): node3's four ranks get a tenth of a CPU
     between them (a cgroup quota) from step 1 on, the play warns once naming node3 and its ranks, the report names
-    it, and the job ends normally. The utilisation rule is off (finetune_cpu_util_warn=0): on 2 shared cores every
-    rank of the test cluster is far under 80 %."""
+    it, and the job ends normally. A tenth, not a quarter: at a load average of 47 on the 2 cores every rank got
+    less than a quarter's share (2/47 CPU) anyway and node3 computed only 1.12x the median (the rule's 1.3x was not
+    reached). The utilisation rule is off (finetune_cpu_util_warn=0): on 2 shared cores every rank of the test
+    cluster is far under 80 %."""
     runs = _controller_runs(provisioned)
     first_manifest = (runs / "e2e" / "openvino" / "xeonsd_export.json").read_bytes()
     base_dir = json.loads((runs / "e2e" / "run.json").read_text())["export"]["dir"]
     before = provisioned.ssh("node1", f"stat -c %Y {base_dir}/xeonsd_export.json").stdout.strip()
-    quota = CpuQuota.or_none(f"xeonsd-test-{provisioned.prefix}-node3", cpus=0.25)
+    quota = CpuQuota.or_none(f"xeonsd-test-{provisioned.prefix}-node3", cpus=0.1)
     with (
         quota or contextlib.nullcontext(),
         _background_playbook(
@@ -362,7 +367,7 @@ def test_lora_on_16_ranks_reuses_the_base_export_generates_with_the_adapter_and_
     figures = info["cluster_figures"]
     assert [s["node"] for s in figures["stragglers"]] == ["node3"]
     print(
-        "node3 with a quarter CPU: time split per node (s/step):",
+        "node3 with a tenth of a CPU: time split per node (s/step):",
         figures["time_split_s_per_step"],
         "\nverdict:",
         figures["stragglers"][0]["why"],
