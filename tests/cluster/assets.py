@@ -48,3 +48,20 @@ def make_tiny_xl(assets_dir: Path) -> Path:
         run([xeonsd, "make-tiny-model", str(assets_dir / "tiny-xl.partial"), "--arch", "tiny-xl"])
         (assets_dir / "tiny-xl.partial").rename(out)
     return out
+
+
+MANY_IMAGES = 1000
+
+
+def make_many_images(assets_dir: Path) -> Path:
+    """A real data set's size (issue 18): MANY_IMAGES tiny captioned images of mixed sizes and aspect ratios at
+    <assets_dir>/many (made once), `xeonsd make-dataset --count 1000 --sizes mixed` as a user would."""
+    out = assets_dir / "many"
+    if not (out / "metadata.jsonl").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(assets_dir / "many.partial", ignore_errors=True)
+        xeonsd = str(VENV_BIN / "xeonsd")
+        argv = [xeonsd, "make-dataset", str(assets_dir / "many.partial"), "--count", str(MANY_IMAGES)]
+        run([*argv, "--sizes", "mixed", "--captions", "metadata"], env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        (assets_dir / "many.partial").rename(out)
+    return out

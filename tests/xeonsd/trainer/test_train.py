@@ -265,6 +265,15 @@ def test_unreadable_image_is_named(tiny_model, dataset, tmp_path, cli_env):
     assert "broken.png" in refused(train_args(tiny_model, data, tmp_path / "o"), cli_env)
 
 
+def test_a_latent_cache_dir_that_cannot_be_created_is_refused_before_loading(tiny_model, dataset, tmp_path, cli_env):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    out = tmp_path / "o"
+    err = refused(train_args(tiny_model, dataset, out, f"--latent_cache_dir={blocker / 'latents'}"), cli_env)
+    assert f"--latent_cache_dir {blocker / 'latents'} cannot be created" in err
+    assert err.count("error") == 1 and not out.exists()
+
+
 def test_placeholder_already_in_vocabulary(tiny_model, dataset, tmp_path, cli_env):
     args = train_args(tiny_model, dataset, tmp_path / "o")
     args[args.index(TOKEN)] = "photo"

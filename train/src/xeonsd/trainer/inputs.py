@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,11 +110,26 @@ def check_flags(cfg: TrainConfig, info: RankInfo) -> None:
     if bucket_flags and not cfg.buckets:
         raise ConfigError(f"{' and '.join(bucket_flags)} shape the aspect-ratio buckets: add --buckets")
     check_prior_flags(cfg)
+    check_latent_cache_dir(cfg)
     if cfg.world_size is not None and cfg.world_size != info.world_size:
         raise ConfigError(
             f"--world_size {cfg.world_size} does not match the launcher ({info.launcher}), which reports "
             f"{info.world_size} rank(s) for rank {info.rank}; check mpirun -n / the nodefile"
         )
+
+
+def check_latent_cache_dir(cfg: TrainConfig) -> None:
+    """--latent_cache_dir: created if missing and writable (one rank per node writes the files its node lacks, after
+    the encode), so that a wrong path fails here and not once the cache is built."""
+    if not cfg.latent_cache_dir:
+        return
+    cache_dir = Path(cfg.latent_cache_dir).expanduser()
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--latent_cache_dir {cache_dir} cannot be created: {exc}") from exc
+    if not os.access(cache_dir, os.W_OK | os.X_OK):
+        raise ConfigError(f"--latent_cache_dir {cache_dir} is not writable: make it writable or choose another")
 
 
 def check_caption_options(
