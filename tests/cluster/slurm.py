@@ -347,5 +347,10 @@ def role_daemon_pids(nodes: list[str], spool: Callable[[str], Path]) -> dict[str
 
 def stopped_munged() -> None:
     """Remove the socket our munged leaves when it is killed (the next cluster's munged starts only without it)."""
-    for path in (MUNGE_SOCKET, MUNGE_SOCKET.with_name(MUNGE_SOCKET.name + ".lock")):
+    # ... and the lock of the slurm role's munged restart (its handler, direct mode), next to munged's pid file.
+    for path in (
+        MUNGE_SOCKET,
+        MUNGE_SOCKET.with_name(MUNGE_SOCKET.name + ".lock"),
+        MUNGE_SOCKET.with_name("munged.pid.restart-lock"),
+    ):
         path.unlink(missing_ok=True)
