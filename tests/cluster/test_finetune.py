@@ -123,7 +123,10 @@ def _ranks(cluster: Cluster, node: str) -> list[int]:
     ranks = []
     for pid in _job_processes(cluster, node):
         with contextlib.suppress(OSError):  # it ended
-            if b"xeonsd train" in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" "):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            # `python …/xeonsd train …` (or `xeonsd train …`), not a launcher that carries those words as its
+            # arguments (mpiexec.hydra on the primary).
+            if any(a.endswith(b"xeonsd") and argv[i + 1 : i + 2] == [b"train"] for i, a in enumerate(argv[:2])):
                 ranks.append(pid)
     return ranks
 
