@@ -149,10 +149,12 @@ def test_preflight_refuses_a_partition_slurm_does_not_have(slurm_cluster: Cluste
     assert all(n == 0 for n in result.changed().values()), result.recap
 
 
-# ---- the failure paths under Slurm: one run, killed, stopped by its time limit, resumed to its end -------------
+# ---- the failure paths under Slurm: one run, killed, stopped by its time limit, by a Ctrl-C, resumed to its end --
 # A node's rank killed mid-job ends the job and the play names the node; the same run resumed, its time limit
-# reached, stops on the batch job's warning signal at a step with a checkpoint and says so; resumed once more, it
-# finishes. Three job runs of one run directory: the fewest that show all three, each from what the one before left.
+# reached, stops on the batch job's warning signal at a step with a checkpoint and says so; resumed again, a Ctrl-C
+# on the play stops it at a step with a checkpoint (SIGTERM through run.sh and scancel) and the play says so;
+# resumed once more, it finishes. Four job runs of one run directory: the fewest that show all four, each from what
+# the one before left.
 # One rank per node (4 ranks on the 4 nodes): what these prove is about nodes and the batch job, not the rank count
 # (the 16-rank job is the test above), and on 2 cores four ranks start several times faster than sixteen.
 LIMITED = "slurm-limits"
@@ -235,7 +237,41 @@ def _stop_at_the_time_limit(cluster: Cluster, runs: Path) -> tuple[int, str]:
     return int(said[1]), job_id
 
 
-def test_the_time_limit_under_slurm_stops_with_a_checkpoint_and_resume_finishes(slurm_cluster: Cluster) -> None:
+def _stopped_by_ctrl_c(cluster: Cluster, runs: Path, checkpoint: int) -> int:
+    """Attempt 3 resumes from the time limit's checkpoint; once it trains a step past it, a Ctrl-C on the play
+    (SIGINT to its process group, as a terminal sends it). The play goes on: its next poll sends run.sh SIGTERM,
+    which passes it to the job's step (scancel --signal=TERM), every rank stops after the same step, rank 0 writes a
+    checkpoint, and the play fails saying so, with the report. Returns that step."""
+    args = _limited_args(runs, "-e", "resume=latest", "-e", f"finetune_max_train_steps={LIMITED_STEPS}")
+    with background_playbook(cluster, "finetune-slurm-ctrl-c", "finetune.yml", *args) as (job, log, began):
+        wait_for(lambda: latest_step(cluster) > checkpoint, 900, f"a step past {checkpoint}", job, log)
+        job_id = cluster.ssh("node1", f"cat {RUNS}/{LIMITED}/slurm-job-id").stdout.strip()
+        os.killpg(job.pid, signal.SIGINT)
+        rc = finish(job, timeout=300)
+        TIMINGS.append(("finetune.yml under Slurm stopped by a Ctrl-C on the play", time.monotonic() - began))
+    output = log.read_text()
+    assert rc != 0
+    assert "[xeonsd] Ctrl-C: stopping the training job cleanly" in output, output[-6000:]
+    assert "node1: SIGTERM sent to the job (run.sh, pid " in output, output[-6000:]
+    said = re.search(
+        r"Training stopped by SIGTERM at step (\d+) \(checkpoint-(\d+) written\); resume with -e resume=latest", output
+    )
+    assert said and said[1] == said[2] and int(said[1]) > checkpoint, output[-6000:]
+    step = int(said[1])
+    assert not _slurm_jobs(cluster), "the Slurm job outlived its ranks"
+    for node, rank in (("node1", 0), ("node4", 3)):
+        status = json.loads(cluster.ssh(node, f"cat {RUNS}/{LIMITED}/status/rank-{rank}.json").stdout)
+        assert (status["state"], status["step"], status["stop"]["signal"]) == ("interrupted", step, "SIGTERM"), status
+    cluster.ssh("node1", f"test -f {RUNS}/{LIMITED}/checkpoint-{step}/trainer_state.pt")
+    job_info = json.loads((runs / LIMITED / "slurm.json").read_text())
+    assert job_info["job_id"] == job_id and not job_info["stopped_by_time_limit"], job_info
+    assert f"stopped by SIGTERM at step {step}" in (runs / LIMITED / "report.html").read_text()
+    return step
+
+
+def test_the_time_limit_and_a_ctrl_c_under_slurm_stop_with_a_checkpoint_and_resume_finishes(
+    slurm_cluster: Cluster,
+) -> None:
     runs = slurm_cluster.state_dir / "runs"
     step, job_id = _stop_at_the_time_limit(slurm_cluster, runs)
     print(f"\nSlurm job {job_id} stopped by its time limit at step {step}")
@@ -248,6 +284,8 @@ def test_the_time_limit_under_slurm_stops_with_a_checkpoint_and_resume_finishes(
     page = (runs / LIMITED / "report.html").read_text()
     assert f"stopped by the time limit at step {step}" in page
 
+    step = _stopped_by_ctrl_c(slurm_cluster, runs, step)
+    print(f"Ctrl-C on the play: the Slurm job's ranks stopped at step {step}")
     resumed = run_playbook(
         "finetune.yml", slurm_cluster.inventory, *_limited_args(runs, "-e", "resume=latest",
         "-e", f"finetune_max_train_steps={step + FINAL_STEPS_AFTER_STOP}"), state_dir=slurm_cluster.state_dir,
@@ -260,5 +298,5 @@ def test_the_time_limit_under_slurm_stops_with_a_checkpoint_and_resume_finishes(
     assert (
         f"resumed from {RUNS}/{LIMITED}/checkpoint-{step} at step {step}" in (runs / LIMITED / "train.log").read_text()
     )
-    assert json.loads((runs / LIMITED / "exit.json").read_text())["attempt"] == 3
+    assert json.loads((runs / LIMITED / "exit.json").read_text())["attempt"] == 4
     assert json.loads((runs / LIMITED / "slurm.json").read_text())["state"] == "COMPLETED"

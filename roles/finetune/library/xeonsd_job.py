@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.xeonsd_joblog import answer, poll_argv, poll_stdin
+from ansible.module_utils.xeonsd_joblog import answer, poll_argv, poll_stdin, stop_argv
 
 DOCUMENTATION = r"""
 module: xeonsd_job
@@ -61,6 +61,19 @@ options:
       - Omitted, a failed job is diagnosed from this node's own status directory only.
     type: list
     elements: dict
+  wait_s:
+    description:
+      - A long poll. The module answers as soon as the job ends, or after this many seconds with its progress. So
+        the role polls every C(finetune_poll_s) and still sees the end at once.
+    type: float
+    default: 0
+  stop:
+    description:
+      - Stop the job cleanly before reading its state (SIGTERM to its run.sh, C(xeonsd jobstatus stop)); the result
+        then has C(stop) (C(signalled), C(pid), C(message)). The job's end comes in a later poll.
+      - The role's action plugin sets it when the play was interrupted (Ctrl-C: the xeonsd_progress callback).
+    type: bool
+    default: false
 """
 
 
@@ -76,6 +89,8 @@ def main() -> None:
             "total_steps": {"type": "int", "required": True},
             "excerpt_lines": {"type": "int", "default": 12},
             "rank_status": {"type": "list", "elements": "dict"},
+            "stop": {"type": "bool", "default": False},
+            "wait_s": {"type": "float", "default": 0.0},
         },
         supports_check_mode=True,
     )
@@ -84,12 +99,22 @@ def main() -> None:
         module.fail_json(msg="node_names and node_addresses must have the same length")
     if not os.path.isdir(params["run_dir"]):
         module.fail_json(msg=f"run directory {params['run_dir']} does not exist on this node")
+    stopped = None
+    if params["stop"] and not module.check_mode:
+        argv = stop_argv(params["env_wrapper"], params["run_dir"])
+        rc, out, err = module.run_command(argv)
+        try:
+            stopped = answer(argv, rc, out, err)
+        except ValueError as exc:
+            module.fail_json(msg=f"cannot stop the job: {exc}")
     argv = poll_argv(params)
     rc, out, err = module.run_command(argv, data=poll_stdin(params))
     try:
         state = answer(argv, rc, out, err)
     except ValueError as exc:  # an exit.json of another schema, or no xeonsd in the env
         module.fail_json(msg=f"cannot read the job's state: {exc}")
+    if stopped is not None:
+        state["stop"] = stopped
     module.exit_json(**state)
 
 

@@ -28,6 +28,8 @@ def poll_argv(params: dict) -> list[str]:
         str(params["ranks_per_node"]),
         "--excerpt-lines",
         str(params["excerpt_lines"]),
+        "--wait-s",
+        str(params.get("wait_s") or 0),
     ]
     for i, name in enumerate(params["node_names"]):  # the module checked that the two lists match
         argv += ["--node", f"{name}={params['node_addresses'][i]}"]
@@ -38,6 +40,11 @@ def poll_argv(params: dict) -> list[str]:
 
 def poll_stdin(params: dict) -> str | None:
     return None if params.get("rank_status") is None else json.dumps(params["rank_status"])
+
+
+def stop_argv(env_wrapper: str, run_dir: str) -> list[str]:
+    """``xeonsd jobstatus stop``: SIGTERM to the job's run.sh, which stops the job cleanly (xeonsd_job ``stop``)."""
+    return [env_wrapper, "xeonsd", "jobstatus", "stop", run_dir]
 
 
 def ranks_argv(env_wrapper: str, run_dir: str) -> list[str]:

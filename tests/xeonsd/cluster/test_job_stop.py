@@ -5,6 +5,8 @@ as a stop, not as a failure of some node (job_watch), and report.html says so fi
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -172,3 +174,50 @@ def test_the_stop_s_exit_codes_are_the_ones_the_trainer_exits_with() -> None:
     """`xeonsd jobstatus codes` names them for the playbooks: 128 + the signal, as the trainer exits."""
     for sig in STOP_SIGNALS:
         assert jobstatus.EXIT_CODES[sig.name.lower()] == exit_code(sig) == 128 + sig
+
+
+# ---- `xeonsd jobstatus stop` (the play's Ctrl-C): SIGTERM to the run's own run.sh, never to another process ----
+
+
+def _start_run_sh(run: Path) -> subprocess.Popen:
+    """A run.sh that writes its pid like the role's and exits 42 on SIGTERM."""
+    (run / jobstatus.RUN_SCRIPT).write_text("echo $$ > run.pid\ntrap 'exit 42' TERM\nwhile :; do sleep 0.05; done\n")
+    proc = subprocess.Popen(["/bin/bash", str(run / jobstatus.RUN_SCRIPT)], cwd=run)
+    deadline = time.monotonic() + 30
+    while not (run / jobstatus.RUN_PID_FILE).is_file() or not (run / jobstatus.RUN_PID_FILE).read_text().strip():
+        assert time.monotonic() < deadline, "run.sh wrote no run.pid"
+        time.sleep(0.02)
+    return proc
+
+
+def test_stop_sends_sigterm_to_the_run_s_own_run_sh(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    proc = _start_run_sh(run)
+    try:
+        answer = jobstatus.stop_job(run)
+        assert answer["signalled"] and answer["pid"] == proc.pid, answer
+        assert proc.wait(timeout=30) == 42
+    finally:
+        proc.kill()
+    again = jobstatus.stop_job(run)
+    assert not again["signalled"] and f"run.sh, pid {proc.pid}, is gone" in again["message"], again
+
+
+def test_stop_signals_nothing_that_is_not_the_run_s_run_sh(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    assert "run.pid does not exist: the job never started" in jobstatus.stop_job(run)["message"]
+    other = tmp_path / "other"
+    other.mkdir()
+    proc = _start_run_sh(other)  # another run's run.sh: a pid reused, or a run.pid copied
+    try:
+        (run / jobstatus.RUN_PID_FILE).write_text((other / jobstatus.RUN_PID_FILE).read_text())
+        answer = jobstatus.stop_job(run)
+        assert not answer["signalled"] and "is now another process" in answer["message"], answer
+        assert proc.poll() is None, "another run's run.sh was signalled"
+    finally:
+        proc.kill()
+        proc.wait()
+    (run / jobstatus.RUN_PID_FILE).write_text("garbage\n")
+    assert "holds no pid" in jobstatus.stop_job(run)["message"]

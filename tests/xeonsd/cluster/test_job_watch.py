@@ -11,6 +11,8 @@ import dataclasses
 import json
 import re
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -414,3 +416,23 @@ def test_the_real_trainer_s_status_files_name_the_failing_rank(tiny_model, datas
     assert (status["state"], status["step"], status["attempt"], status["error"]) == ("done", 2, 2, None)
     assert len({m["rank"] for m in job_watch.STARTUP.finditer(job_watch.attempt_log(run))}) == 1
     assert not [p.name for p in (run / "status").iterdir() if not re.fullmatch(r"rank-\d+\.json", p.name)]
+
+
+def test_a_long_poll_answers_when_the_job_ends_not_at_the_end_of_its_wait(tmp_path: Path) -> None:
+    """wait_s (the role's long poll): the answer comes once Ansible's async results say the job ended; a job still
+    running gets its progress after wait_s."""
+    run = tmp_path / "run"
+    run.mkdir()
+    results = tmp_path / "async"
+    results.write_text(json.dumps({"started": 1, "finished": 0}))
+    params = {"run_dir": str(run), "results_file": str(results), "nodes": [], "ranks_per_node": 1,
+              "total_steps": 10, "excerpt_lines": 5, "rank_status": None}  # fmt: skip
+    began = time.monotonic()
+    running = job_watch.job_state({**params, "wait_s": 0.6})
+    assert not running["finished"] and time.monotonic() - began >= 0.6
+    ender = threading.Timer(0.3, lambda: results.write_text(json.dumps({"rc": 0, "changed": True})))
+    ender.start()
+    began = time.monotonic()
+    ended = job_watch.job_state({**params, "wait_s": 60})
+    ender.join()
+    assert ended["finished"] and ended["exit_code"] == 0 and time.monotonic() - began < 30, ended

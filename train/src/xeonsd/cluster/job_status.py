@@ -29,6 +29,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -56,6 +57,10 @@ EXIT_CODES = {"lock_conflict": LOCK_CONFLICT_RC, "sigint": 130, "sigusr1": 138, 
 # The job's human log in the run directory (every rank's lines, mpirun -l): attempt.json says where each attempt's
 # part of it starts.
 LOG_FILE = "train.log"
+# run.sh writes its own pid here; a SIGTERM to it stops the job cleanly (mpirun: passed on to mpiexec.hydra and the
+# ranks; Slurm: scancel --signal=TERM of the batch job's steps). `xeonsd jobstatus stop` sends it.
+RUN_PID_FILE = "run.pid"
+RUN_SCRIPT = "run.sh"
 
 
 class StatusFileError(ValueError):
@@ -326,3 +331,44 @@ def write_exit(run_dir: Path, rc: int, now: float | None = None) -> ExitStatus:
     )
     write_json(Path(run_dir) / EXIT_FILE, asdict(status), fsync=True)
     return status
+
+
+# ---- the play's side of a stop: `xeonsd jobstatus stop RUN_DIR` (Ctrl-C on the controller, xeonsd_job stop) ----
+
+
+def _job_pid(run_dir: Path) -> tuple[int | None, str]:
+    """The pid of the run's running run.sh, or None and why there is none."""
+    pid_file = Path(run_dir) / RUN_PID_FILE
+    try:
+        pid = int(pid_file.read_text().strip())
+    except FileNotFoundError:
+        return None, f"{pid_file} does not exist: the job never started"
+    except ValueError:
+        return None, f"{pid_file} holds no pid"
+    script = Path(run_dir).resolve() / RUN_SCRIPT
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None, f"the job has ended (run.sh, pid {pid}, is gone)"
+    if not any(arg.endswith(RUN_SCRIPT) and Path(arg).resolve() == script for arg in argv):
+        return None, f"the job has ended (pid {pid} is now another process, not {script})"
+    return pid, ""
+
+
+def stop_job(run_dir: Path) -> dict:
+    """SIGTERM to the run's run.sh when it is running: every rank stops after the same step, rank 0 writes a
+    checkpoint there and the attempt exits 143 (the poll then reports the stop). Returns ``signalled``, ``pid``
+    and ``message``."""
+    pid, why = _job_pid(run_dir)
+    if pid is None:
+        return {"signalled": False, "pid": None, "message": f"nothing to stop: {why}"}
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return {"signalled": False, "pid": pid, "message": f"nothing to stop: the job ended (pid {pid})"}
+    return {
+        "signalled": True,
+        "pid": pid,
+        "message": f"SIGTERM sent to the job (run.sh, pid {pid}): the ranks stop after their current step and "
+        "rank 0 writes a checkpoint there",
+    }

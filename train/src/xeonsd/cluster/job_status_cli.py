@@ -1,5 +1,5 @@
-"""``xeonsd jobstatus begin|exit|poll|ranks|codes``: the command line of :mod:`.job_status` (run.sh's begin and
-exit, the finetune role's poll, ranks and codes), JSON on stdout. Standard library only: cheap to import."""
+"""``xeonsd jobstatus begin|exit|poll|stop|ranks|codes``: the command line of :mod:`.job_status` (run.sh's begin
+and exit, the finetune role's poll, stop, ranks and codes), JSON on stdout. Standard library only: cheap to import."""
 
 from __future__ import annotations
 
@@ -8,18 +8,19 @@ import json
 import sys
 from pathlib import Path
 
-from xeonsd.cluster.job_status import EXIT_CODES, STATUS_DIR, StatusFileError, begin_attempt, write_exit
+from xeonsd.cluster.job_status import EXIT_CODES, STATUS_DIR, StatusFileError, begin_attempt, stop_job, write_exit
 
 DESCRIPTION = (
     "begin RUN_DIR: start the run's next attempt (attempt.json) and print its number; "
     "exit RUN_DIR --rc RC: record how it ended (exit.json); "
     "poll RUN_DIR: the job's progress, and who ended it once it failed (JSON, the finetune role's xeonsd_job); "
+    "stop RUN_DIR: SIGTERM to the running job's run.sh, which stops it cleanly at a checkpoint (JSON); "
     "ranks RUN_DIR: this node's rank status files (JSON); codes: the exit codes the playbooks tell apart (JSON)."
 )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    """``xeonsd jobstatus begin|exit|poll|ranks|codes …``"""
+    """``xeonsd jobstatus begin|exit|poll|stop|ranks|codes …``"""
     p = sub.add_parser(
         "jobstatus",
         help="record a training job's attempts and exit code, and read its state (the finetune role)",
@@ -44,6 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="the cluster's nodes in nodefile order (primary first), one flag each",
     )
     poll.add_argument("--ranks-per-node", type=int, default=1)
+    poll.add_argument(
+        "--wait-s", type=float, default=0.0, help="wait up to this long for the job's end before answering"
+    )
     poll.add_argument("--excerpt-lines", type=int, default=12)
     poll.add_argument(
         "--rank-status",
@@ -51,6 +55,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="-: read the rank status files gathered from every node as a JSON list on stdin "
         "(default: this node's own)",
     )
+    stop = what.add_parser("stop", help="stop the running job cleanly (SIGTERM to its run.sh), as JSON")
+    stop.add_argument("run_dir", type=Path)
     ranks = what.add_parser("ranks", help="this node's rank status files of the run, as JSON")
     ranks.add_argument("run_dir", type=Path)
     what.add_parser("codes", help="the exit codes the playbooks tell apart, as JSON")
@@ -71,6 +77,7 @@ def _poll_params(args: argparse.Namespace) -> dict:
         "ranks_per_node": args.ranks_per_node,
         "total_steps": args.total_steps,
         "excerpt_lines": args.excerpt_lines,
+        "wait_s": args.wait_s,
         "rank_status": json.load(sys.stdin) if args.rank_status == "-" else None,
     }
 
@@ -81,6 +88,8 @@ def _answer(args: argparse.Namespace) -> object:
     if args.action == "exit":
         write_exit(args.run_dir, args.rc)
         return None
+    if args.action == "stop":
+        return stop_job(args.run_dir)
     from xeonsd.cluster import job_watch  # the reading (run.sh's begin and exit need none of it)
 
     if args.action == "poll":
