@@ -49,9 +49,10 @@ lint-ansible: install
 # root), provisioned by provision.yml, then finetune.yml: 16 MPI ranks (-n 16 -ppn 4) train the concept on the
 # offline tiny model and 5 synthetic captioned images, export to OpenVINO, generate 5 images, write report.html.
 # METHOD=lora (an adapter, generated with on the base model's export) or METHOD=full (the whole UNet; its pipeline
-# stays on the primary and gets its own export) instead of the recipe's textual inversion. LAUNCHER=slurm: the test
-# cluster also runs Slurm (slurmctld and slurmdbd on this machine, a slurmd per node) and the job is one batch job
-# (sbatch from node1, the ranks srun's tasks) instead of mpirun over SSH.
+# stays on the primary and gets its own export) instead of the recipe's textual inversion. LAUNCHER=slurm:
+# provision.yml also installs Slurm on the test cluster (the slurm role: munged and slurmctld on node1, a slurmd
+# per node; tests/cluster/slurm_role_vars.yml) and the job is one batch job (sbatch from node1, the ranks srun's
+# tasks) instead of mpirun over SSH.
 ANSIBLE_PLAYBOOK := ANSIBLE_CONFIG=$(CURDIR)/ansible.cfg ANSIBLE_CACHE_PLUGIN_CONNECTION=$(CURDIR)/.cluster/facts $(VENV)/bin/ansible-playbook \
 	-i .cluster/inventory.yml
 DEMO_STEPS ?= 30
@@ -59,8 +60,8 @@ METHOD     ?= textual_inversion
 LAUNCHER   ?= mpirun
 demo: install
 	$(PY) tests/cluster/harness.py down
-	$(PY) tests/cluster/harness.py up --nodes 4 $(if $(filter slurm,$(LAUNCHER)),--slurm)
-	$(ANSIBLE_PLAYBOOK) provision.yml
+	$(PY) tests/cluster/harness.py up --nodes 4
+	$(ANSIBLE_PLAYBOOK) provision.yml $(if $(filter slurm,$(LAUNCHER)),-e @tests/cluster/slurm_role_vars.yml)
 	$(ANSIBLE_PLAYBOOK) finetune.yml -e finetune_max_train_steps=$(DEMO_STEPS) -e finetune_method=$(METHOD) \
 		-e finetune_launcher=$(LAUNCHER)
 	@echo

@@ -106,6 +106,11 @@ def slurm_node_dirs() -> tuple[str, ...]:
     return (*dirs[:-1], str(Path(dirs[-1]).parent))
 
 
+def slurm_spool_dir() -> str:
+    """slurmd's spool on each node (the slurm role's slurm_spool_dir): its pid file, slurmd.pid, is there."""
+    return dict(zip(SLURM_DIR_VARS, slurm_node_dirs(), strict=True))["slurm_spool_dir"]
+
+
 def write_inventory_dir(
     path: Path, *, primaries: dict[str, dict], workers: dict[str, dict], cluster_vars: dict[str, Any]
 ) -> Path:

@@ -44,9 +44,10 @@ from cluster_inventory import (
     load_settings,
     node_private_dirs,
     slurm_node_dirs,
+    slurm_spool_dir,
     write_inventory_dir,
 )
-from host import ensure_base_image, ensure_packages
+from host import ensure_base_image
 from namespaces import (
     add_bridge,
     add_namespace,
@@ -59,7 +60,7 @@ from namespaces import (
     unmount_disk,
 )
 from shared_home import switch_home
-from slurm import SLURM_PACKAGES, SlurmCluster, bind_into, stopped_munged
+from slurm import SlurmCluster, role_daemon_pids, stopped_munged
 from sshd import close_control_masters, make_ed25519_key, prepare_etc_ssh, ssh_argv, start_sshd, wait_for_port
 
 __all__ = ["NODES", "REPO", "Cluster", "State", "main"]
@@ -306,25 +307,6 @@ class Cluster:
             self.state_dir / "slurm", cluster=self.prefix, address=self.bridge_address, slot=self.subnet
         )
 
-    def start_slurm(self, cpus: int) -> SlurmCluster:
-        """Make the running cluster a Slurm cluster (slurm.py): the daemons on the host and one slurmd per node,
-        each node's `cpus` CPUs taken from slurm.conf. Recorded in the state, so `down` stops them."""
-        state = self.load_state()
-        assert state is not None, "cluster is not up"
-        ensure_packages(SLURM_PACKAGES)  # /etc/slurm and /var/spool/slurmd are node_dirs: up made them
-        slurm = self.slurm
-        slurm.write_config({node: self.address(i) for i, node in enumerate(state.nodes, start=1)}, cpus)
-        try:
-            slurm.start_host_daemons()
-            for node in state.nodes:
-                bind_into(state.pids[node], slurm.etc, "/etc/slurm")
-                mounts = [(self.private_dir(node, d), d) for d in self.private_dirs]
-                slurm.start_slurmd(f"{self.prefix}-{node}", node, mounts)
-            slurm.wait_for_nodes(state.nodes)
-        finally:
-            self.record({f"slurm-{name}": pid for name, pid in slurm.pids.items()})
-        return slurm
-
     def record(self, pids: dict[str, int]) -> None:
         """Processes started on the nodes by a playbook (the slurm role's daemons), stopped by `down` too."""
         state = self.load_state()
@@ -339,11 +321,14 @@ class Cluster:
         # The recorded namespaces, and those of ours that a crashed run did not get to record.
         namespaces = set(state.namespaces) | namespaces_named(f"{self.prefix}-node")
         close_control_masters(self.control_path_dir)
+        # The slurm role's daemons (provision.yml with slurm_install: true), from their pid files on the nodes.
+        spool = slurm_spool_dir()
+        pids = {**role_daemon_pids(state.nodes, lambda node: self.private_dir(node, spool)), **state.pids}
         for ns in sorted(namespaces):
             remove_namespace(ns)
-        for pid in state.pids.values():
+        for pid in pids.values():
             kill_group(pid)
-        if "slurm-munged" in state.pids:
+        if "slurm-munged" in pids:
             stopped_munged()
         for link in {*state.links, self.bridge}:
             remove_link(link)
@@ -364,8 +349,6 @@ def main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("up", help="start N nodes and write <state>/inventory.yml")
     up.add_argument("--nodes", type=int, default=4)
     up.add_argument("--shared-home", action="store_true", help="one host directory as every node's home")
-    up.add_argument("--slurm", action="store_true", help="also start Slurm (slurmctld, slurmdbd, a slurmd per node)")
-    up.add_argument("--slurm-cpus", type=int, default=4, help="each node's CPUs in slurm.conf (default 4)")
     sub.add_parser("down", help="remove every namespace, process, link and node directory")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
@@ -377,8 +360,6 @@ def main(argv: list[str] | None = None) -> int:
             cluster.make_assets()
             cluster.up(args.nodes)
             cluster.share_home(args.shared_home)
-            if args.slurm:
-                cluster.start_slurm(args.slurm_cpus)
         except Exception:
             cluster.down()
             raise

@@ -14,10 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster_inventory import SLURM_DIR_VARS, slurm_node_dirs
 from harness import Cluster
 from runner import TIMINGS, PlaybookRun, run_playbook
-from slurm import role_daemon_pids
 from test_finetune import RUNS
 from test_finetune import _all_job_processes as all_job_processes
 from test_finetune import _background_playbook as background_playbook
@@ -35,7 +33,8 @@ ROLE_VARS = Path(__file__).resolve().parent / "slurm_role_vars.yml"
 def slurm_role(cluster: Cluster, fresh_provision: PlaybookRun) -> tuple[PlaybookRun, tuple[str, ...]]:
     """The slurm role's first run on the session's provisioned cluster (provision.yml --tags slurm with
     slurm_role_vars.yml), pointed at the site's accounting that the harness starts first (MariaDB and slurmdbd on
-    the host). Returns the run and its arguments. The daemons stay until the session ends (`down` stops them)."""
+    the host). Returns the run and its arguments. The daemons stay until the session ends (`down` stops them: the
+    accounting's recorded here, the role's found from their pid files)."""
     if fresh_provision.rc != 0:
         pytest.fail(f"the fresh provision failed (rc={fresh_provision.rc}):\n{fresh_provision.tail()}")
     began = time.monotonic()
@@ -47,8 +46,6 @@ def slurm_role(cluster: Cluster, fresh_provision: PlaybookRun) -> tuple[Playbook
     TIMINGS.append(("Slurm's accounting up on the host (MariaDB, slurmdbd)", time.monotonic() - began))
     args = ("--tags", "slurm", "-e", f"@{ROLE_VARS}", "-e", json.dumps({"slurm_conf_extra_lines": lines}))
     first = run_playbook("provision.yml", cluster.inventory, *args, state_dir=cluster.state_dir, name="slurm-role")
-    spool = dict(zip(SLURM_DIR_VARS, slurm_node_dirs(), strict=True))["slurm_spool_dir"]
-    cluster.record(role_daemon_pids(cluster.nodes, lambda node: cluster.private_dir(node, spool)))
     if first.rc != 0:
         pytest.fail(f"provision.yml with slurm_install: true failed (rc={first.rc}):\n{first.tail()}")
     return first, args
