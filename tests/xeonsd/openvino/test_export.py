@@ -74,6 +74,24 @@ def test_export_from_full_pipeline_finds_its_concept_and_stays_dynamic(ov_full_d
     assert OVStableDiffusionPipeline.from_pretrained(ov_full_dynamic, compile=False).height == -1
 
 
+def test_an_fp32_export_keeps_fp32_weights_in_a_network_of_any_size(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unasked, optimum compresses the weights of every network of 1 B parameters or more to int8 (SDXL's UNet has
+    2.6 B): an fp32 export must not. Its threshold at one parameter makes every network of the tiny model that big."""
+    import optimum.exporters.openvino.__main__ as optimum_export
+
+    from xeonsd.openvino.export import ExportOptions, export
+
+    monkeypatch.setattr(optimum_export, "_MAX_UNCOMPRESSED_SIZE", 1)
+    out = export(str(tiny_model), tmp_path / "fp32", ExportOptions(static=None))
+    assert json.loads((out / MANIFEST).read_text())["weight_format"] == "fp32"
+    for net in ("unet", "text_encoder", "vae_decoder"):
+        model = ov.Core().read_model(out / net / "openvino_model.xml")
+        types = {op.get_element_type().get_type_name() for op in model.get_ops() if op.get_type_name() == "Constant"}
+        assert "f32" in types and not types & {"i8", "u8", "i4", "u4"}, (net, types)
+
+
 def test_int8_export_and_generate_through_the_cli(
     tiny_model: Path, embeds: Path, tmp_path: Path, cli_env: dict[str, str]
 ) -> None:

@@ -220,7 +220,9 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
             source = str(path)
         if opts.lora is not None:
             source = str(_with_lora(source, Path(opts.lora), opts.lora_scale, Path(work), family))
-        kwargs: dict[str, Any] = {"export": True, "compile": False}
+        # load_in_8bit=False: unasked, optimum compresses every submodel of 1 B parameters or more to int8 weights
+        # (SDXL's 2.6 B UNet: an "fp32" export would be an int8 one, and hybrid would quantize it twice).
+        kwargs: dict[str, Any] = {"export": True, "compile": False, "load_in_8bit": False}
         if opts.weight_format == "int8" and opts.quantize is None:  # hybrid compresses the weights itself
             kwargs["quantization_config"] = OVWeightQuantizationConfig(bits=8)  # data-free: no dataset
         log.info("exporting %s (%s) to OpenVINO (%s weights)", src, family.label, opts.weight_format)
