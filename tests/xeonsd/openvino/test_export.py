@@ -205,3 +205,26 @@ def test_export_refuses_a_non_empty_output(tiny_model: Path, tmp_path: Path, cap
     err = _cli_error(["export", str(tiny_model), str(out)], capsys)
     assert "already exists and is not empty" in err
     assert _leftovers(out) == ["keep.txt"]
+
+
+class _FullDisk:
+    def save_pretrained(self, path: Path) -> None:
+        raise RuntimeError("basic_ios::clear: iostream error")  # what OpenVINO says on ENOSPC
+
+
+def test_a_full_disk_while_saving_names_the_free_space_not_an_iostream_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from xeonsd.openvino import export as export_module
+
+    full = shutil.disk_usage(tmp_path)._replace(free=300 * 1024**2)
+    monkeypatch.setattr(export_module.shutil, "disk_usage", lambda path: full)
+    with pytest.raises(export_module.ExportError) as err:
+        export_module.save_networks(_FullDisk(), tmp_path / "tmp", tmp_path / "out")
+    said = str(err.value)
+    assert f"cannot write the OpenVINO model to {tmp_path / 'out'}: the disk is full (0.3 GB free in" in said
+    assert "iostream error" in said and "TMPDIR" in said
+    # With room on both file systems, the failure is not the disk's: OpenVINO's own error goes through.
+    monkeypatch.setattr(export_module.shutil, "disk_usage", lambda path: full._replace(free=50 * 1024**3))
+    with pytest.raises(RuntimeError, match="iostream error"):
+        export_module.save_networks(_FullDisk(), tmp_path / "tmp", tmp_path / "out")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -246,7 +247,7 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
 
             quantization = quantize_pipeline(pipe, opts.quantize, tokens, opts.static)
         with atomic_dir(out, overwrite=opts.overwrite) as tmp:
-            pipe.save_pretrained(tmp)
+            save_networks(pipe, Path(tmp), out)
             for _, tokenizer in pipelines.text_side(family.name):
                 ovtokenizer.save(getattr(pipe, tokenizer), tmp, tokenizer)
             manifest = {
@@ -266,6 +267,30 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
             write_manifest(tmp, manifest)
     log.info("wrote %s in %.1f s", out, time.perf_counter() - t0)
     return out
+
+
+# Below this much free space, a failed save is taken for a full disk (OpenVINO then says only "iostream error").
+DISK_FULL_BYTES = 2 * 1024**3
+
+
+def save_networks(pipe: Any, tmp: Path, out: Path) -> None:
+    """``pipe.save_pretrained(tmp)``; a failure on a (nearly) full disk becomes an ExportError naming the free
+    space where the export is written and where optimum keeps the converted networks until then (the temporary
+    directory): an export needs room for its networks twice."""
+    try:
+        pipe.save_pretrained(tmp)
+    except (RuntimeError, OSError) as exc:
+        places = {str(out.parent.resolve()): tmp, tempfile.gettempdir(): Path(tempfile.gettempdir())}
+        free = {where: shutil.disk_usage(path).free for where, path in places.items()}
+        if min(free.values()) >= DISK_FULL_BYTES:
+            raise
+        said = ", ".join(f"{b / 1024**3:.1f} GB free in {where}" for where, b in free.items())
+        raise ExportError(
+            f"cannot write the OpenVINO model to {out}: the disk is full ({said}; OpenVINO said: {exc}). The "
+            "export holds its converted networks in the temporary directory while it writes them to the output, "
+            "so it needs their size free twice (an fp32 SDXL: about 14 GB each). Free some space, or point TMPDIR "
+            "at a file system with room."
+        ) from exc
 
 
 def _check_vocab(pipe: Any, family: Family) -> int:
