@@ -288,8 +288,8 @@ def save_networks(pipe: Any, tmp: Path, out: Path) -> None:
         raise ExportError(
             f"cannot write the OpenVINO model to {out}: the disk is full ({said}; OpenVINO said: {exc}). The "
             "export holds its converted networks in the temporary directory while it writes them to the output, "
-            "so it needs their size free twice (an fp32 SDXL: about 14 GB each). Free some space, or point TMPDIR "
-            "at a file system with room."
+            "so it needs their size free twice (an fp32 SDXL: about 14 GB each), and with --embeds or --lora a "
+            "copy of the source pipeline too. Free some space, or point TMPDIR at a file system with room."
         ) from exc
 
 
