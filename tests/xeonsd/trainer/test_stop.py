@@ -9,6 +9,7 @@ finetune role's run.sh starts mpiexec.hydra for that reason)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -69,9 +70,9 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path, 
     cmd = [_hydra(cli_env), "-n", "2", sys.executable, str(script)]
     proc = subprocess.run(cmd, env=mpi_env(cli_env), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    rows = sorted(
-        (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"]
-    )
+    # mpiexec.hydra merges the ranks' stdout as it comes: one rank's line can arrive before the other's newline
+    # (seen: '{"rank": 1, ...}{"rank": 0, ...}'), so the rows are the JSON objects, not the lines.
+    rows = sorted((json.loads(obj) for obj in re.findall(r"\{[^{}]*\}", proc.stdout)), key=lambda r: r["rank"])
     assert rows == [
         {"rank": 0, "step": 3, "agreed": 15, "own": 0, "after": 15},  # told through the all-reduce
         {"rank": 1, "step": 3, "agreed": 15, "own": 15, "after": 15},  # the later SIGINT and SIGTERM changed nothing
