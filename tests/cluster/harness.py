@@ -303,9 +303,7 @@ class Cluster:
     # --- Slurm (finetune_launcher=slurm) ----------------------------------------------------------------------
     @property
     def slurm(self) -> SlurmCluster:
-        return SlurmCluster(
-            self.state_dir / "slurm", cluster=self.prefix, address=self.bridge_address, slot=self.subnet
-        )
+        return SlurmCluster(self.state_dir / "slurm", address=self.bridge_address, slot=self.subnet)
 
     def record(self, pids: dict[str, int]) -> None:
         """Processes started on the nodes by a playbook (the slurm role's daemons), stopped by `down` too."""

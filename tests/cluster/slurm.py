@@ -61,9 +61,8 @@ def short_hostname() -> str:
 class SlurmCluster:
     """The site's accounting daemons of one test cluster; every process it starts is in `pids` (name → pid)."""
 
-    def __init__(self, state: Path, *, cluster: str, address: str, slot: int) -> None:
+    def __init__(self, state: Path, *, address: str, slot: int) -> None:
         self.state = Path(state)
-        self.cluster = cluster
         self.address = address
         self.slot = slot
         self.pids: dict[str, int] = {}

@@ -16,7 +16,8 @@ import os
 
 from ansible.plugins.action import ActionBase
 
-# The name is the callback's (xeonsd_progress.INTERRUPT_FILE_ENV); tests/ansible/test_interrupt.py holds both to it.
+# The name is the callback's (xeonsd_progress.INTERRUPT_FILE_ENV); tests/ansible/test_run_sh.py's Ctrl-C play fails
+# when the two differ (the stop is then never asked for).
 INTERRUPT_FILE_ENV = "XEONSD_INTERRUPT_FILE"
 
 
