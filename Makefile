@@ -18,7 +18,8 @@ $(VENV)/.installed: requirements.txt requirements-nodeps.txt requirements-dev.tx
 	touch $@
 
 # Every test; the 25 slowest are listed at the end, so each run shows where its time went. Two workers: one runs
-# the test cluster's tests (they wait on SSH and Ansible most of the time), the other the rest beside it.
+# the test cluster's tests (they wait on SSH and Ansible most of the time), the other the rest beside it, at a
+# lower CPU priority (tests/conftest.py: the cluster chain is the critical path).
 test: install
 	$(VENV)/bin/pytest -q --durations=25 -n 2 --dist loadgroup tests
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -21,6 +22,25 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if CLUSTER_TESTS in item.path.parents:
             item.add_marker(pytest.mark.xdist_group("test-cluster"))
+
+
+# CFS weight 335 against nice 0's 1024: the cluster chain gets 3/4 of a core both want. Not more: against the 16
+# ranks of a cluster job, a nice-5 test process still gets 1/25 of a core, so the local multi-rank tests' ranks
+# stay well inside their wall-clock collective timeouts (at nice 10 it would be 1/75).
+BACKGROUND_NICE = 5
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under pytest-xdist the cluster tests are the suite's critical path (one worker runs them one after another,
+    the other worker's tests fit beside them): every other test runs at nice BACKGROUND_NICE, and what it starts
+    inherits that, so on 2 cores it takes the CPU the cluster's ranks and Ansible leave idle instead of slowing
+    them. A cluster test (and the nodes' processes it starts) runs at nice 0. Without xdist nothing changes."""
+    if not hasattr(item.config, "workerinput"):
+        return
+    nice = 0 if CLUSTER_TESTS in item.path.parents else BACKGROUND_NICE
+    with contextlib.suppress(PermissionError):  # lowering it back needs root; the cluster tests need root anyway
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
 
 
 def _timings():  # noqa: ANN202 - tests/cluster/timings.py, a module of that directory

@@ -13,8 +13,14 @@ from pathlib import Path
 
 import yaml
 
-# The roles' OS packages for Debian/Ubuntu (what the system_packages role would install on a real node).
-ROLE_PACKAGES_FILE = Path(__file__).resolve().parents[2] / "roles" / "system_packages" / "vars" / "Debian.yml"
+ROLES = Path(__file__).resolve().parents[2] / "roles"
+# The roles' OS packages for Debian/Ubuntu, as (vars file, its list variable): what the system_packages role, and
+# the slurm role with slurm_install: true, would install on a real node. The slurm role's too, whether or not a
+# test turns it on: a node here cannot download them, and the packages start no daemon (the role starts them).
+ROLE_PACKAGE_LISTS = (
+    (ROLES / "system_packages" / "vars" / "Debian.yml", "system_packages_os"),
+    (ROLES / "slurm" / "vars" / "Debian.yml", "slurm_packages"),
+)
 # What every node needs before Ansible can reach it (besides the roles' own OS packages).
 BASE_PACKAGES = ("openssh-server", "sudo", "python3", "python3-apt", "iproute2", "util-linux")
 
@@ -25,10 +31,13 @@ def run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
 
 
 def debian_packages_of_roles() -> list[str]:
-    data = yaml.safe_load(ROLE_PACKAGES_FILE.read_text())
-    if not isinstance(data, dict) or not isinstance(data.get("system_packages_os"), list):
-        raise ValueError(f"{ROLE_PACKAGES_FILE}: expected a list under system_packages_os")
-    return list(data["system_packages_os"])
+    packages = []
+    for path, key in ROLE_PACKAGE_LISTS:
+        data = yaml.safe_load(path.read_text())
+        if not isinstance(data, dict) or not isinstance(data.get(key), list):
+            raise ValueError(f"{path}: expected a list under {key}")
+        packages += data[key]
+    return packages
 
 
 def ensure_packages(wanted: list[str] | tuple[str, ...]) -> None:

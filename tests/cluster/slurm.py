@@ -22,8 +22,8 @@ from pathlib import Path
 
 from host import ensure_packages, run
 
-# What the site's accounting needs on the host (the nodes share its /usr; the slurm role installs slurm-wlm and
-# munge itself).
+# What the site's accounting needs on the host (the nodes share its /usr; the slurm role's own packages, slurm-wlm
+# and munge, are in the nodes' base image: tests/cluster/host.py).
 ACCOUNTING_PACKAGES = ("slurmdbd", "mariadb-server")
 # Ports on the bridge address: one set per cluster slot (the daemons of two slots never collide).
 BASE_PORT = 6817

@@ -146,17 +146,17 @@ def test_preflight_refuses_a_partition_slurm_does_not_have(slurm_cluster: Cluste
     assert all(n == 0 for n in result.changed().values()), result.recap
 
 
-# ---- the failure paths under Slurm: one run, killed, stopped by its time limit, by a Ctrl-C, resumed to its end --
+# ---- the failure paths under Slurm: one run, killed, stopped by its time limit, then by a Ctrl-C ----------------
 # A node's rank killed mid-job ends the job and the play names the node; the same run resumed, its time limit
 # reached, stops on the batch job's warning signal at a step with a checkpoint and says so; resumed again, a Ctrl-C
-# on the play stops it at a step with a checkpoint (SIGTERM through run.sh and scancel) and the play says so;
-# resumed once more, it finishes. Four job runs of one run directory: the fewest that show all four, each from what
-# the one before left.
+# on the play stops it at a step with a checkpoint (SIGTERM through run.sh and scancel) and the play says so. Three
+# job runs of one run directory, each from what the one before left. That a run resumed from such a checkpoint
+# trains to its end is the mpirun chain's last attempt (test_finetune.py): resuming is the trainer's, whatever
+# launched it, and the Ctrl-C's checkpoint is a SIGTERM's.
 # One rank per node (4 ranks on the 4 nodes): what these prove is about nodes and the batch job, not the rank count
 # (the 16-rank job is the test above), and on 2 cores four ranks start several times faster than sixteen.
 LIMITED = "slurm-limits"
-LIMITED_STEPS = 400  # never reached: the kill and the time limit end the first two attempts
-FINAL_STEPS_AFTER_STOP = 2  # the last attempt trains these steps past the stop
+LIMITED_STEPS = 400  # never reached: the kill, the time limit and the Ctrl-C end the three attempts
 # The time-limited attempt: --time and --signal=USR1@WARNING_S from the inventory's variables. Once it trains,
 # the test brings the job's end to WARNING_S + 3..63 s from now (scontrol update TimeLimit, in Slurm's whole
 # minutes): slurmctld, which checks the limits about every 30 s, then sends the warning within about a minute, and
@@ -266,7 +266,7 @@ def _stopped_by_ctrl_c(cluster: Cluster, runs: Path, checkpoint: int) -> int:
     return step
 
 
-def test_the_time_limit_and_a_ctrl_c_under_slurm_stop_with_a_checkpoint_and_resume_finishes(
+def test_the_time_limit_and_a_ctrl_c_under_slurm_stop_at_a_step_with_a_checkpoint(
     slurm_cluster: Cluster,
 ) -> None:
     runs = slurm_cluster.state_dir / "runs"
@@ -283,17 +283,8 @@ def test_the_time_limit_and_a_ctrl_c_under_slurm_stop_with_a_checkpoint_and_resu
 
     step = _stopped_by_ctrl_c(slurm_cluster, runs, step)
     print(f"Ctrl-C on the play: the Slurm job's ranks stopped at step {step}")
-    resumed = run_playbook(
-        "finetune.yml", slurm_cluster.inventory, *_limited_args(runs, "-e", "resume=latest",
-        "-e", f"finetune_max_train_steps={step + FINAL_STEPS_AFTER_STOP}"), state_dir=slurm_cluster.state_dir,
-        name="finetune-slurm-resumed", timeout=900,
-    )  # fmt: skip
-    TIMINGS.append(("finetune.yml under Slurm resumed to its end", resumed.seconds))
-    assert resumed.rc == 0, resumed.tail(80)
-    rows = [json.loads(x) for x in (runs / LIMITED / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, step + FINAL_STEPS_AFTER_STOP + 1))
-    assert (
-        f"resumed from {RUNS}/{LIMITED}/checkpoint-{step} at step {step}" in (runs / LIMITED / "train.log").read_text()
-    )
-    assert json.loads((runs / LIMITED / "exit.json").read_text())["attempt"] == 4
-    assert json.loads((runs / LIMITED / "slurm.json").read_text())["state"] == "COMPLETED"
+    # Three attempts of one run directory, each from the checkpoint the one before left; the steps logged so far
+    # are one sequence (nothing trained twice, nothing skipped), as a resumed run's must be.
+    rows = [json.loads(x) for x in (runs / LIMITED / "metrics.partial.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, step + 1)), [r["step"] for r in rows]
+    assert json.loads((runs / LIMITED / "exit.json").read_text())["attempt"] == 3

@@ -20,6 +20,7 @@ from test_doctor_play import rows as doctor_rows
 
 # The tasks that write under the home: on a shared home, they run on the primary only.
 HOME = "/home/devcloud"  # the cluster account's home (group_vars/cluster.yml)
+RANKS = 2 * NODES  # the job on the shared home: two ranks per node
 HOME_WRITES = (
     "Create the tree's directory - ",
     "Unpack the tree where the node's files differ from the controller's - ",
@@ -71,15 +72,17 @@ def test_shared_home_is_written_once_by_the_primary_and_the_job_trains(provision
             assert provisioned.address(NODES) in out.split()
 
         runs = provisioned.state_dir / "runs"
+        # Two ranks per node: ranks of one node and of different nodes write into the one run directory.
         job = run_playbook("playbooks/finetune.yml", inventory, "-e", "finetune_max_train_steps=2",
                            "-e", "finetune_checkpointing_steps=2", "-e", "finetune_run_id=shared-home",
+                           "-e", f"mpi_ranks={RANKS}", "-e", f"ranks_per_node={RANKS // NODES}",
                            "-e", f"controller_runs_dir={runs}", state_dir=provisioned.state_dir,
                            name="finetune-shared-home", timeout=1200)  # fmt: skip
         assert job.rc == 0, job.tail(60)
-        assert f"{NODES * 4} ranks (gloo)" in job.output and (runs / "shared-home" / "train_summary.json").exists()
-        # Each rank wrote its own status file into the one run directory: 16 paths, 4 nodes, no two ranks on one.
+        assert f"{RANKS} ranks (gloo)" in job.output and (runs / "shared-home" / "train_summary.json").exists()
+        # Each rank wrote its own status file into the one run directory: 8 paths, 4 nodes, no two ranks on one.
         status = [json.loads(p.read_text()) for p in (home / "runs" / "shared-home" / "status").glob("rank-*.json")]
-        assert sorted(s["rank"] for s in status) == list(range(NODES * 4)), status
+        assert sorted(s["rank"] for s in status) == list(range(RANKS)), status
         assert len({s["address"] for s in status}) == NODES and {s["state"] for s in status} == {"done"}, status
         # Node-local: the env, pip's cache and the wheels are on each node's own disk, nothing of them in the home.
         for node in provisioned.nodes:
