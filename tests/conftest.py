@@ -14,13 +14,18 @@ VENV_BIN = Path(sys.executable).parent
 CLUSTER_TESTS = REPO / "tests" / "cluster"
 
 
+def _is_cluster_test(item: pytest.Item) -> bool:
+    """A test of the 4-node test cluster (tests/cluster): the xdist group, and the tests that run at nice 0."""
+    return CLUSTER_TESTS in item.path.parents
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the group into each test's id
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`make test`: -n 2 --dist loadgroup) every test of the 4-node test cluster runs in one
     worker, in file order: they share one provisioned cluster (a session fixture, one cluster per machine), and
     they spend most of their time waiting on SSH and Ansible, while the other worker runs the rest of the suite."""
     for item in items:
-        if CLUSTER_TESTS in item.path.parents:
+        if _is_cluster_test(item):
             item.add_marker(pytest.mark.xdist_group("test-cluster"))
 
 
@@ -38,7 +43,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     them. A cluster test (and the nodes' processes it starts) runs at nice 0. Without xdist nothing changes."""
     if not hasattr(item.config, "workerinput"):
         return
-    nice = 0 if CLUSTER_TESTS in item.path.parents else BACKGROUND_NICE
+    nice = 0 if _is_cluster_test(item) else BACKGROUND_NICE
     with contextlib.suppress(PermissionError):  # lowering it back needs root; the cluster tests need root anyway
         os.setpriority(os.PRIO_PROCESS, 0, nice)
 

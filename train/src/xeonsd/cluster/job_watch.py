@@ -324,9 +324,8 @@ def _failure(params: dict, rc: int, exit_info: dict, log_text: str) -> dict:
 def job_state(params: dict) -> dict:
     """The poll's answer. ``params``: run_dir, results_file, nodes ([{name, address}] in nodefile order),
     ranks_per_node, total_steps, excerpt_lines, wait_s (wait up to this long for the job's end first), and
-    rank_status: the status files gathered from every node (None:
-    this node's own ``status/`` directory, all of them on a one-node cluster). Raises StatusFileError for an
-    exit.json or attempt.json of another schema."""
+    rank_status: the status files gathered from every node (None: this node's own ``status/`` directory, all of
+    them on a one-node cluster). Raises StatusFileError for an exit.json or attempt.json of another schema."""
     run_dir = params["run_dir"]
     launch = async_state(params["results_file"])
     # wait_s: a long poll. The answer comes as soon as the job ends, or after wait_s with its progress, so the play
