@@ -11,10 +11,13 @@ install: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt requirements-nodeps.txt requirements-dev.txt train/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -r requirements.txt
-	$(PIP) install --quiet --no-deps -r requirements-nodeps.txt
-	$(PIP) install --quiet -r requirements-dev.txt
-	$(PIP) install --quiet --no-deps -e train
+	$(PIP) install --quiet --no-compile -r requirements.txt
+	$(PIP) install --quiet --no-compile --no-deps -r requirements-nodeps.txt
+	$(PIP) install --quiet --no-compile -r requirements-dev.txt
+	$(PIP) install --quiet --no-compile --no-deps -e train
+	# The byte-code, on every core at once (pip compiles one file after the other: most of the install's time).
+	# Best effort, as pip's own: a few test files of the packages are newer Python (torch's py312_intrinsics.py).
+	$(PY) -m compileall -qq -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || true
 	touch $@
 
 # Every test; the 25 slowest are listed at the end, so each run shows where its time went. Two workers: one runs

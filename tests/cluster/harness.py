@@ -61,7 +61,17 @@ from namespaces import (
 )
 from shared_home import switch_home
 from slurm import SlurmCluster, role_daemon_pids, stopped_munged
-from sshd import close_control_masters, make_ed25519_key, prepare_etc_ssh, ssh_argv, start_sshd, wait_for_port
+from sshd import (
+    ADMIN_HOME,
+    NODE_SYSTEM_DIRS,
+    close_control_masters,
+    make_ed25519_key,
+    prepare_admin_home,
+    prepare_etc_ssh,
+    ssh_argv,
+    start_sshd,
+    wait_for_port,
+)
 
 __all__ = ["NODES", "REPO", "Cluster", "State", "main"]
 
@@ -191,7 +201,7 @@ class Cluster:
             self._save(state)
             add_namespace(ns, veth=f"{self.prefix}-v{i}", bridge=self.bridge, cidr=f"{self.address(i)}/24")
             host_key = self._prepare_node_dir(node, self.address(i))
-            mounts = [(self.private_dir(node, d), d) for d in (*self.node_dirs, "/etc/ssh")]
+            mounts = [(self.private_dir(node, d), d) for d in (*self.node_dirs, *NODE_SYSTEM_DIRS)]
             state.pids[node] = start_sshd(ns, mounts, self.node_dir(node) / "sshd.log")
             self._save(state)
             known.append(f"{self.address(i)} {' '.join(host_key.split()[:2])}")
@@ -208,6 +218,7 @@ class Cluster:
             shutil.rmtree(nd)
         for d in self.node_dirs:
             self.private_dir(node, d).mkdir(parents=True)
+        prepare_admin_home(self.private_dir(node, ADMIN_HOME))
         return prepare_etc_ssh(
             self.private_dir(node, "/etc/ssh"),
             node=node,

@@ -38,6 +38,24 @@ def make_ed25519_key(path: Path, comment: str) -> None:
     run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)])
 
 
+# The admin's (Ansible's) home and the SSH configuration: private to each node too, beside the inventory's node
+# directories. A node's root home is a fresh server's, not this machine's: its shell starts clean (here root's
+# ~/.bashrc runs `pyenv init`, 0.1 CPU s on every SSH command, that is on every module run of every playbook), and
+# Ansible's remote temporary files stay on the node.
+ADMIN_HOME = "/root"
+NODE_SYSTEM_DIRS = ("/etc/ssh", ADMIN_HOME)
+SKELETON = Path("/etc/skel")
+
+
+def prepare_admin_home(home: Path) -> None:
+    """The node's root home (made at `home` on the host): the distribution's skeleton dotfiles, as on a new server."""
+    home.mkdir(parents=True)
+    os.chmod(home, 0o700)
+    for name in (".bashrc", ".profile"):
+        if (SKELETON / name).is_file():
+            shutil.copy2(SKELETON / name, home / name)
+
+
 def prepare_etc_ssh(etc_ssh: Path, *, node: str, address: str, admin_authorized_keys: Path) -> str:
     """The node's own /etc/ssh (made at `etc_ssh` on the host): the host's client configuration, a host key of
     its own, the controller's key and an sshd_config listening on `address`. Returns the public host key."""
