@@ -25,6 +25,7 @@ Everything is written to a temporary directory beside OUT and renamed into place
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import shutil
@@ -212,6 +213,8 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
     # The OpenVINO stack is imported only once the inputs are known to be good: a bad one fails at once.
     from optimum.intel import OVWeightQuantizationConfig
 
+    _freeze_long_lived_objects()
+
     t0 = time.perf_counter()
     tokens: list[str] = []
     with tempfile.TemporaryDirectory(prefix="xeonsd-export-") as work:
@@ -267,6 +270,22 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
             write_manifest(tmp, manifest)
     log.info("wrote %s in %.1f s", out, time.perf_counter() - t0)
     return out
+
+
+def _freeze_long_lived_objects() -> None:
+    """Keep what the imports made out of the garbage collector's sight for the rest of the process.
+
+    optimum's exporter calls ``gc.collect()`` after every network it converts (13 times for an SD 1.5 pipeline),
+    and each full collection walks every object of torch, transformers, diffusers and OpenVINO: 0.27 s each, a
+    third of the tiny model's export (9.1 s -> 5.8-6.2 s measured, interleaved). ``gc.freeze()`` moves the
+    objects that exist now, the imported libraries' modules, classes and functions that live as long as the
+    process anyway, to a permanent generation; what the export itself makes is collected as before.
+    """
+    import optimum.exporters.openvino.convert  # noqa: F401 - the exporter's own imports, before the freeze
+    import optimum.intel.openvino.modeling_diffusion  # noqa: F401
+
+    gc.collect()  # garbage from the imports is freed, not frozen
+    gc.freeze()
 
 
 # Below this much free space, a failed save is taken for a full disk (OpenVINO then says only "iostream error").
