@@ -8,6 +8,9 @@ PIP    := $(PY) -m pip
 
 install: $(VENV)/.installed
 
+# pip installs without byte-compiling, then compileall compiles on every core at once (pip compiles one file after
+# the other: most of the install's time). Best effort, as pip's own: a few test files in the packages are newer
+# Python (torch's py312_intrinsics.py).
 $(VENV)/.installed: requirements.txt requirements-nodeps.txt requirements-dev.txt train/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
@@ -15,8 +18,6 @@ $(VENV)/.installed: requirements.txt requirements-nodeps.txt requirements-dev.tx
 	$(PIP) install --quiet --no-compile --no-deps -r requirements-nodeps.txt
 	$(PIP) install --quiet --no-compile -r requirements-dev.txt
 	$(PIP) install --quiet --no-compile --no-deps -e train
-	# The byte-code, on every core at once (pip compiles one file after the other: most of the install's time).
-	# Best effort, as pip's own: a few test files of the packages are newer Python (torch's py312_intrinsics.py).
 	$(PY) -m compileall -qq -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || true
 	touch $@
 
