@@ -31,6 +31,7 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -213,11 +214,9 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
     # The OpenVINO stack is imported only once the inputs are known to be good: a bad one fails at once.
     from optimum.intel import OVWeightQuantizationConfig
 
-    _freeze_long_lived_objects()
-
     t0 = time.perf_counter()
     tokens: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="xeonsd-export-") as work:
+    with _libraries_frozen(), tempfile.TemporaryDirectory(prefix="xeonsd-export-") as work:
         source: str = str(local) if local is not None else src
         if opts.embeds is not None:
             path, tokens = _with_concept(source, Path(opts.embeds), opts.token, Path(work), family)
@@ -272,20 +271,26 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
     return out
 
 
-def _freeze_long_lived_objects() -> None:
-    """Keep what the imports made out of the garbage collector's sight for the rest of the process.
+@contextlib.contextmanager
+def _libraries_frozen() -> Iterator[None]:
+    """While the export runs, keep what the imports made out of the garbage collector's sight.
 
     optimum's exporter calls ``gc.collect()`` after every network it converts (13 times for an SD 1.5 pipeline),
     and each full collection walks every object of torch, transformers, diffusers and OpenVINO: 0.27 s each, a
     third of the tiny model's export (9.1 s -> 5.8-6.2 s measured, interleaved). ``gc.freeze()`` moves the
-    objects that exist now, the imported libraries' modules, classes and functions that live as long as the
-    process anyway, to a permanent generation; what the export itself makes is collected as before.
+    objects that exist now (the libraries' modules, classes and functions) to a permanent generation, so those
+    collections walk only what the export makes; ``gc.unfreeze()`` at the end gives them back, so a process that
+    exports several times (``bench generate``) keeps no object out of the collector's reach for good.
     """
     import optimum.exporters.openvino.convert  # noqa: F401 - the exporter's own imports, before the freeze
     import optimum.intel.openvino.modeling_diffusion  # noqa: F401
 
     gc.collect()  # garbage from the imports is freed, not frozen
     gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 # Below this much free space, a failed save is taken for a full disk (OpenVINO then says only "iostream error").
