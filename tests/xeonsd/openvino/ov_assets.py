@@ -75,3 +75,28 @@ def ov_full_dynamic(full_pipeline: Path, tmp_path_factory: pytest.TempPathFactor
 def as_array(images: list) -> np.ndarray:
     """PIL images -> float array [n, h, w, 3] in 0..255."""
     return np.stack([np.asarray(img, dtype=np.float64) for img in images])
+
+
+def linear_weight_types(ov_dir: Path) -> set[str]:
+    """The element types of the constants behind the weights of the UNet's attention and feed-forward linear layers
+    in the export ``ov_dir``: only float types when they are stored as exported, i8/u8 when compressed to int8."""
+    import openvino as ov
+
+    model = ov.Core().read_model(ov_dir / "unet" / "openvino_model.xml")
+    linears = [
+        op
+        for op in model.get_ops()
+        if op.get_type_name() == "MatMul" and any(k in op.get_friendly_name() for k in (".to_q/", ".ff.net."))
+    ]
+    assert linears, "no attention or feed-forward linear layer found in the UNet"
+    types: set[str] = set()
+    for op in linears:
+        stack = [op.input_value(1).get_node()]
+        while stack:
+            node = stack.pop()
+            kind = node.get_type_name()
+            if kind == "Constant":
+                types.add(node.get_element_type().get_type_name())
+            elif kind in ("Convert", "Subtract", "Multiply", "Reshape", "Transpose"):
+                stack.extend(value.get_node() for value in node.input_values())
+    return types

@@ -14,7 +14,7 @@ import numpy as np
 import openvino as ov
 import pytest
 import torch
-from ov_assets import BATCH, PROMPT, SIZE, STEPS, as_array
+from ov_assets import BATCH, PROMPT, SIZE, STEPS, as_array, linear_weight_types
 
 from xeonsd import cli
 from xeonsd.openvino import tome
@@ -158,12 +158,14 @@ def test_tome_0_is_exactly_todays_export(tiny_model: Path, ov_base: Path, tmp_pa
     assert np.array_equal(_images(out, "optimum"), _images(ov_base, "optimum"))
 
 
-def test_tome_combines_with_hybrid_int8(tiny_model: Path, ov_base: Path, tmp_path: Path) -> None:
-    out = _export_cli(
-        tiny_model, tmp_path / "ov", "--tome", str(RATIO), "--quantize", "hybrid", "--calibration-samples", "4"
-    )
+def test_tome_combines_with_hybrid_compact_int8(tiny_model: Path, ov_base: Path, tmp_path: Path) -> None:
+    # hybrid itself (with the UNet's linear layers as exported) is tested in test_quantize.py: here the compact one.
+    argv = ["--tome", str(RATIO), "--quantize", "hybrid-compact", "--calibration-samples", "4"]
+    out = _export_cli(tiny_model, tmp_path / "ov", *argv)
     manifest = json.loads((out / MANIFEST).read_text())
-    assert manifest["tome"]["ratio"] == RATIO and manifest["quantization"]["method"] == "hybrid"
+    assert manifest["tome"]["ratio"] == RATIO and manifest["quantization"]["method"] == "hybrid-compact"
+    assert manifest["quantization"]["weights"] == "int8 (every network)"
+    assert linear_weight_types(out) & {"i8", "u8"}  # the linear layers' weights compressed too
     assert (MERGED, MERGED) in _attention_shapes(out)
     optimum, genai = _images(out, "optimum"), _images(out, "genai")
     assert np.abs(genai - optimum).mean() < 3.0 and optimum.std() > 5.0

@@ -55,7 +55,7 @@ class Bench:
     pixels: dict[str, dict] = field(default_factory=dict)  # variant -> its image's difference to (d)'s
 
     def export(self, kind: str, shape: Any, fmt: str, quantize: Any = None, tome: float = 0.0) -> Path:
-        name = f"{kind}-{'hybrid' if quantize else fmt}" + (f"-tome{tome:g}" if tome else "")
+        name = f"{kind}-{quantize.method if quantize else fmt}" + (f"-tome{tome:g}" if tome else "")
         out = self.workdir / f"ov-{name}"
         path, seconds = export_cached(self.model, self.embeds, out, shape, fmt, quantize, tome)
         self.exports[name] = seconds
@@ -149,7 +149,9 @@ def export_cached(
         same_shape = manifest["static_shape"] == (None if static is None else asdict(static))
         q = manifest.get("quantization")
         same_q = (
-            (q is None) if quantize is None else (q is not None and q["calibration"]["samples"] == quantize.samples)
+            (q is None)
+            if quantize is None
+            else (q is not None and (q["method"], q["calibration"]["samples"]) == (quantize.method, quantize.samples))
         )
         same_tome = (manifest.get("tome") or {}).get("ratio", 0.0) == tome
         same = same_shape and same_q and same_tome and manifest["weight_format"] == weight_format

@@ -14,7 +14,7 @@ The recipe's steps, ``OVStableDiffusionPipeline.from_pretrained(model_id, export
 * ``--lora FILE --lora-scale S``: a LoRA adapter fused into the weights before the export (diffusers'
   ``load_lora_weights`` + ``fuse_lora``), for ``--engine optimum`` (no runtime LoRA) or one self-contained directory;
 * ``--weight-format int8``: NNCF data-free 8-bit weight compression; ``fp16``: weights stored in half precision;
-* ``--quantize hybrid``: NNCF hybrid int8, calibrated offline on our prompts (see :mod:`xeonsd.openvino.quantize`);
+* ``--quantize hybrid|hybrid-compact``: NNCF int8, calibrated offline on our prompts (see :mod:`xeonsd.openvino.quantize`);
 * the OpenVINO tokenizer model ``openvino_genai.Text2ImagePipeline`` needs (optimum-intel does not write one for
   diffusers pipelines), converted with ``openvino_tokenizers.convert_tokenizer``;
 * the manifest ``xeonsd_export.json`` (see :mod:`xeonsd.openvino.manifest`).
@@ -340,7 +340,9 @@ def quantize_options(args: Any) -> QuantizeOptions | None:
     """``--quantize`` and its calibration flags; the calibration flags alone are refused."""
     if args.quantize is None:
         if args.calibration_prompts is not None or args.calibration_samples is not None:
-            raise ExportError("--calibration-prompts and --calibration-samples need --quantize hybrid")
+            raise ExportError(
+                "--calibration-prompts and --calibration-samples need --quantize (hybrid or hybrid-compact)"
+            )
         return None
     return QuantizeOptions(
         method=args.quantize,
