@@ -122,10 +122,10 @@ def bipartite_matching(metric: Any, dst: Any, src: Any, removed: int) -> tuple[C
     n_kept = n_src - removed
     normed = metric / metric.norm(dim=-1, keepdim=True)
     scores = normed.index_select(1, src) @ normed.index_select(1, dst).transpose(-1, -2)  # [B, Na, Nb]
-    best = scores.amax(dim=-1)
-    # The destination of the best score (an argmax as a compare and a max: a k=1 TopK over [B, Na, Nb] costs more).
-    columns = torch.arange(n_dst, dtype=scores.dtype)
-    best_dst = torch.where(scores == best.unsqueeze(-1), columns, -1.0).amax(dim=-1).long()
+    # max with its index (a k=1 TopK): among equal scores, which int8 similarities make common, the first
+    # destination; an argmax written as compare-and-max (the last one) was 0.7 ms a block faster and made the hybrid
+    # int8 UNet's output 11 % further from the plain one's (mean relative error 0.055 against 0.049).
+    best, best_dst = scores.max(dim=-1)
     order = best.argsort(dim=-1, descending=True)  # sources, most similar first: the first `removed` are merged
     moved, kept = order[:, :removed], order[:, removed:]
     target = best_dst.gather(1, moved)  # [B, removed]: the destination each merged source joins
