@@ -42,7 +42,7 @@ from xeonsd.modelsource import check_model_source
 from xeonsd.openvino import pipelines
 from xeonsd.openvino import tokenizer as ovtokenizer
 from xeonsd.openvino.manifest import ExportDirError, StaticShape, check_writable_output, write_manifest
-from xeonsd.openvino.quantize import DEFAULT_SAMPLES, QuantizeError, QuantizeOptions, check_options
+from xeonsd.openvino.quantize import DEFAULT_SAMPLES, METHODS, QuantizeError, QuantizeOptions, check_options
 from xeonsd.openvino.tome import TomeError, TomeReport, check_ratio, export_patch
 
 log = logging.getLogger(__name__)
@@ -340,9 +340,8 @@ def quantize_options(args: Any) -> QuantizeOptions | None:
     """``--quantize`` and its calibration flags; the calibration flags alone are refused."""
     if args.quantize is None:
         if args.calibration_prompts is not None or args.calibration_samples is not None:
-            raise ExportError(
-                "--calibration-prompts and --calibration-samples need --quantize (hybrid or hybrid-compact)"
-            )
+            methods = " or ".join(METHODS)
+            raise ExportError(f"--calibration-prompts and --calibration-samples need --quantize ({methods})")
         return None
     return QuantizeOptions(
         method=args.quantize,

@@ -17,9 +17,8 @@ static-shape graph:
 
 The matching is a matmul, a max, an argsort and row gathers/scatters on tensors, so it is part of the exported
 graph; the grid, ``r`` and the destination pattern are constants of the export's static shape (``--tome`` needs a
-static export). Only the
-``forward`` of the patched modules changes, never the module tree, so the IR's weight names (which GenAI's LoRA
-adapters match) stay those of a plain export. Ratio 0 patches nothing: the export is exactly the plain one.
+static export). Only the ``forward`` of the patched modules changes, never the module tree, so the IR's weight names
+(which GenAI's LoRA adapters match) stay those of a plain export. Ratio 0 patches nothing: the export is exactly the plain one.
 """
 
 from __future__ import annotations
@@ -133,7 +132,8 @@ def bipartite_matching(metric: Any, dst: Any, src: Any, removed: int) -> tuple[C
     source_rows = (src[order] + batch_index * tokens).flatten()  # rows of the flattened [B x N, C] input
     dst_rows = (dst + batch_index * tokens).flatten()
     target_rows = (target + batch_index * n_dst).flatten()  # rows of the flattened [B x Nb, C] destinations
-    # unmerge: for each of the N tokens, the row of the flattened merged [B x (n_kept + Nb), C] tensor it reads.
+    # unmerge: for each of the N tokens, the row of the flattened merged [B x (n_kept + Nb), C] tensor it reads
+    # (``+ 0 * batch_index`` broadcasts a constant row to [B, ·] without reading B).
     positions = torch.cat([src[kept], src[moved], dst + 0 * batch_index], dim=1) + batch_index * tokens
     reads = torch.cat(
         [torch.arange(n_kept) + 0 * batch_index, n_kept + target, n_kept + torch.arange(n_dst) + 0 * batch_index],
@@ -141,6 +141,10 @@ def bipartite_matching(metric: Any, dst: Any, src: Any, removed: int) -> tuple[C
     )
     read = torch.zeros_like(positions.flatten())
     read.index_put_((positions.flatten(),), (reads + batch_index * (n_kept + n_dst)).flatten())
+    # How many tokens each destination holds after the merge (itself and the sources merged into it): a function of
+    # the matching only, so computed once for every tensor merged with it (the attention's and, with mlp, the FF's).
+    count = torch.ones_like(metric[:, :n_dst, :1]).reshape(-1, 1)
+    count.index_put_((target_rows,), torch.ones_like(target_rows, dtype=metric.dtype).unsqueeze(1), accumulate=True)
 
     def merge(x: Any) -> Any:
         ch = x.shape[-1]
@@ -148,8 +152,6 @@ def bipartite_matching(metric: Any, dst: Any, src: Any, removed: int) -> tuple[C
         a = flat.index_select(0, source_rows).reshape(-1, n_src, ch)  # the sources in `order`
         summed = flat.index_select(0, dst_rows)  # a fresh tensor: the merged sources are added into it in place
         summed.index_put_((target_rows,), a[:, :removed].reshape(-1, ch), accumulate=True)
-        count = torch.ones_like(summed[:, :1])
-        count.index_put_((target_rows,), torch.ones_like(target_rows, dtype=x.dtype).unsqueeze(1), accumulate=True)
         return torch.cat([a[:, removed:], (summed / count).reshape(-1, n_dst, ch)], dim=1)
 
     def unmerge(y: Any) -> Any:
