@@ -13,28 +13,24 @@ under `timeout`, of `timeout`, and of `xeonsd doctor`.
 from __future__ import annotations
 
 import base64
-import importlib.util
 import json
 import re
 import statistics
+import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+# xeonsd's contracts (train/src/xeonsd/contracts: standard library only) from this repository's source tree.
+_SRC = str(Path(__file__).resolve().parents[2] / "train" / "src")
+if _SRC not in sys.path:
+    sys.path.insert(0, _SRC)
+from xeonsd.contracts import straggler_rule  # noqa: E402
+
 # The straggler rule (its ratio and likely causes) is the trainer's: the package's stdlib-only
-# train/src/xeonsd/straggler_rule.py, loaded from the repository on the controller.
-_RULE_FILE = Path(__file__).resolve().parents[2] / "train" / "src" / "xeonsd" / "straggler_rule.py"
-
-
-def _straggler_rule():
-    spec = importlib.util.spec_from_file_location("xeonsd_straggler_rule", _RULE_FILE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_rule = _straggler_rule()
+# train/src/xeonsd/contracts/straggler_rule.py, loaded from the repository on the controller.
+_rule = straggler_rule
 STRAGGLER_RATIO: float = _rule.STRAGGLER_RATIO
 STRAGGLER_CAUSES: tuple[str, ...] = _rule.CAUSES
 

@@ -3,7 +3,7 @@
 ``ranks_per_node: auto`` (cluster.yml) is the best layout that ``ansible-playbook doctor.yml -e tune_layout=true``
 measured on one node and stored on the controller (``runs/layout.json``); ``mpi_ranks: auto`` is the nodes × the
 ranks per node. The result's schema, its checks and the messages ("Fix: run … doctor.yml -e tune_layout=true") are
-xeonsd's: train/src/xeonsd/layout_result.py (standard library only), which this plugin loads from the repository.
+xeonsd's: train/src/xeonsd/contracts/layout_result.py (standard library only), which this plugin loads from the repository.
 
     finetune_ranks_per_node: "{{ ranks_per_node | xeonsd_ranks_per_node(layout_file) }}"
     finetune_ranks: "{{ mpi_ranks | xeonsd_mpi_ranks(groups['cluster'], finetune_ranks_per_node) }}"
@@ -14,22 +14,18 @@ xeonsd's: train/src/xeonsd/layout_result.py (standard library only), which this 
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-_RESULT = Path(__file__).resolve().parents[2] / "train" / "src" / "xeonsd" / "layout_result.py"
+# xeonsd's contracts (train/src/xeonsd/contracts: standard library only) from this repository's source tree.
+_SRC = str(Path(__file__).resolve().parents[2] / "train" / "src")
+if _SRC not in sys.path:
+    sys.path.insert(0, _SRC)
+from xeonsd.contracts import layout_result  # noqa: E402
 
-
-def _layout_result():
-    spec = importlib.util.spec_from_file_location("xeonsd_layout_result", _RESULT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_lr = _layout_result()
+_lr = layout_result
 LayoutError = _lr.LayoutError
 
 

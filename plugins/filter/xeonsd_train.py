@@ -11,28 +11,24 @@ A value of true is the bare flag, false/None/"" leaves the flag out (the trainer
 xeonsd_method: what a method leaves in the run directory (its result file, what people call it, whether it is a
 whole pipeline, its `xeonsd generate` flag); xeonsd_generate_result_args: those generate arguments for a run.
 
-The methods and their files are defined once, in the package's ``train/src/xeonsd/method_names.py``
+The methods and their files are defined once, in the package's ``train/src/xeonsd/contracts/method_names.py``
 (standard library only), which this plugin loads from the repository on the controller.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-_NAMES = Path(__file__).resolve().parents[2] / "train" / "src" / "xeonsd" / "method_names.py"
+# xeonsd's contracts (train/src/xeonsd/contracts: standard library only) from this repository's source tree.
+_SRC = str(Path(__file__).resolve().parents[2] / "train" / "src")
+if _SRC not in sys.path:
+    sys.path.insert(0, _SRC)
+from xeonsd.contracts import method_names  # noqa: E402
 
-
-def _method_names():
-    spec = importlib.util.spec_from_file_location("xeonsd_method_names", _NAMES)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_names = _method_names()
+_names = method_names
 METHODS: tuple[str, ...] = _names.METHODS
 METHOD_FILES: dict[str, dict] = _names.METHOD_FILES
 

@@ -55,14 +55,14 @@ def test_same_cpus_and_even_trials_pass_and_a_node_without_a_result_gets_no_comp
 
 
 def test_doctor_s_straggler_rule_is_the_trainer_s() -> None:
-    """One ratio and one list of causes (xeonsd.straggler_rule): the doctor's comparison, the trainer's watch and
+    """One ratio and one list of causes (xeonsd.contracts.straggler_rule): the doctor's comparison, the trainer's watch and
     the inventory's (empty) defaults all mean it; no other file writes the number."""
     import re
 
     from repo_code import REPO
 
     from xeonsd.cluster.rank_stats import CAUSES, StragglerWatch
-    from xeonsd.straggler_rule import STRAGGLER_RATIO
+    from xeonsd.contracts.straggler_rule import STRAGGLER_RATIO
     from xeonsd.trainer.config import TrainConfig
 
     assert xeonsd_doctor.STRAGGLER_RATIO == STRAGGLER_RATIO == StragglerWatch().ratio

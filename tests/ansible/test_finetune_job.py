@@ -1,6 +1,6 @@
 """The finetune role's side of the job's files: its modules ask the node's xeonsd (`xeonsd jobstatus poll|ranks`,
 through the mpi role's wrapper) and its tasks take the exit codes from `xeonsd jobstatus codes`, so the files'
-schema and the codes are defined once, in xeonsd.cluster.job_status. The command lines run here for real, through
+schema and the codes are defined once, in xeonsd.contracts.job_status. The command lines run here for real, through
 the rendered wrapper, against the package's CLI."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from repo_code import REPO, VENV_BIN, ansible_code, write_wrapper
 
-from xeonsd.cluster import job_status as jobstatus
-from xeonsd.cluster.job_status import RankStatus, RankStatusFile
+from xeonsd.contracts import job_status as jobstatus
+from xeonsd.contracts.job_status import RankStatus, RankStatusFile
 
 # The modules' command lines and how they read the answer, not the Ansible modules (see repo_code.ansible_code).
 joblog = ansible_code("xeonsd_joblog")

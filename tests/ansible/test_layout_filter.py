@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from repo_code import ansible_code
 
-from xeonsd import layout_result
+from xeonsd.contracts import layout_result
 
 xeonsd_layout = ansible_code("xeonsd_layout")
 NODES = ["node1", "node2", "node3", "node4"]

@@ -1,5 +1,5 @@
 """The run_report role hands `xeonsd runjson` the play's facts: that task's vars, rendered by Ansible as the play
-would (with and without an export in the play), are what xeonsd.cluster.run_files reads."""
+would (with and without an export in the play), are what xeonsd.contracts.run_files reads."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import yaml
 from repo_code import REPO, VENV_BIN
 
-from xeonsd.cluster import job_status, run_files
+from xeonsd.contracts import job_status, run_files
 
 TASKS = REPO / "roles" / "run_report" / "tasks" / "main.yml"
 
@@ -104,7 +104,7 @@ def test_the_role_s_facts_are_what_runjson_reads(tmp_path: Path, exported: bool)
 
 
 def test_a_tuned_layout_is_what_the_report_records_for_ranks_per_node_auto(tmp_path: Path) -> None:
-    from xeonsd import layout_result
+    from xeonsd.contracts import layout_result
 
     best = {"ranks_per_node": 2, "threads_per_rank": 28, "images_per_s": 0.5}
     (tmp_path / "layout.json").write_text(json.dumps({"schema": layout_result.SCHEMA, "best": best}))

@@ -22,7 +22,7 @@ import yaml
 from cli_runs import mpi_env, train_args
 from repo_code import REPO, VENV_BIN, write_wrapper
 
-from xeonsd.cluster import job_status
+from xeonsd.contracts import job_status
 
 
 def _render_run_sh(run_dir: Path, wrapper: Path, nodefile: Path, args: list[str]) -> Path:

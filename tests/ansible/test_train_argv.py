@@ -155,7 +155,7 @@ def test_a_method_the_trainer_does_not_know_is_refused() -> None:
 
 
 def test_the_plugin_s_methods_and_results_are_the_package_s() -> None:
-    from xeonsd import method_names
+    from xeonsd.contracts import method_names
     from xeonsd.trainer.methods import method_class
 
     assert xeonsd_train.METHODS == method_names.METHODS
@@ -177,7 +177,7 @@ def test_the_plugin_s_methods_and_results_are_the_package_s() -> None:
 def test_no_role_or_plugin_names_a_result_file_again() -> None:
     """The result files are method_names' alone: the roles read them from the xeonsd_method filter or from
     train_summary.json. (A whole pipeline's model_index.json is every diffusers pipeline's, not only a result.)"""
-    from xeonsd.method_names import METHOD_FILES
+    from xeonsd.contracts.method_names import METHOD_FILES
 
     names = [m["result"] for m in METHOD_FILES.values() if not m["pipeline"]]
     for path in [

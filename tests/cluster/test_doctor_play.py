@@ -152,7 +152,7 @@ def test_doctor_reports_an_unreachable_node_and_checks_the_others(provisioned: C
 def test_doctor_tunes_the_rank_layout_and_ranks_per_node_auto_uses_its_best(provisioned: Cluster, tmp_path) -> None:
     """-e tune_layout=true: every split of the primary's cores trains the job's arguments (one round of one step
     after a warm-up here); the result on the controller is what ranks_per_node: auto (and mpi_ranks: auto) become."""
-    from xeonsd import layout_result
+    from xeonsd.contracts import layout_result
 
     layout_file = tmp_path / "layout.json"
     result = run_playbook(

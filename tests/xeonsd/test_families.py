@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from xeonsd.families import FamilyError, detect_family
+from xeonsd.modelfiles.families import FamilyError, detect_family
 
 
 def _pipeline(tmp_path: Path, index: dict, unet: dict | None = None, vae: dict | None = None) -> Path:

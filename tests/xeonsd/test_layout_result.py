@@ -1,4 +1,4 @@
-"""The rank layouts of a node and the tuning result that ``ranks_per_node: auto`` reads (xeonsd.layout_result),
+"""The rank layouts of a node and the tuning result that ``ranks_per_node: auto`` reads (xeonsd.contracts.layout_result),
 and how ``xeonsd bench layout`` turns its trials into that result."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from xeonsd import layout_result as lr
 from xeonsd.bench import layout as bench_layout
+from xeonsd.contracts import layout_result as lr
 
 
 def test_layouts_split_the_physical_cores_every_way() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from xeonsd.modelsource import ModelSourceError, check_model_source, looks_like_hub_id
+from xeonsd.modelfiles.modelsource import ModelSourceError, check_model_source, looks_like_hub_id
 
 UNREACHABLE = "https://hub.invalid"
 FIXES = ("give the path of a local diffusers pipeline directory", "base_model role")

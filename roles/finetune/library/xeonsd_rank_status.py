@@ -1,7 +1,7 @@
 #!/usr/bin/python
 """Ansible module: this node's rank status files of a finetune run (``<run_dir>/status/rank-<r>.json``).
 
-Each rank writes its own on its own node (xeonsd.cluster.job_status); the finetune role runs this on every node after a
+Each rank writes its own on its own node (xeonsd.contracts.job_status); the finetune role runs this on every node after a
 failed job and hands what it found to xeonsd_job on the primary, which decides who ended the job. The reading is the
 node's ``xeonsd jobstatus ranks``, run in the diffuser env through the mpi role's wrapper.
 """

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from cli_runs import train_args
 
-from xeonsd.cluster import job_watch
+from xeonsd.contracts import job_watch
 
 STEP_TIMEOUT_S = 5
 

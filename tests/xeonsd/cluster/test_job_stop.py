@@ -1,5 +1,5 @@
 """A job that was told to stop, as the files say it and the playbooks read it: the ranks' status files say
-``interrupted`` with their Stop (xeonsd.cluster.job_status), exit.json takes rank 0's, the role's poll reports it
+``interrupted`` with their Stop (xeonsd.contracts.job_status), exit.json takes rank 0's, the role's poll reports it
 as a stop, not as a failure of some node (job_watch), and report.html says so first (xeonsd.ops.report)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from xeonsd.cluster import job_status as jobstatus
-from xeonsd.cluster import job_watch
-from xeonsd.cluster.job_status import RankStatus, RankStatusFile, StatusFileError, Stop
+from xeonsd.contracts import job_status as jobstatus
+from xeonsd.contracts import job_watch
+from xeonsd.contracts.job_status import RankStatus, RankStatusFile, StatusFileError, Stop
 from xeonsd.ops.report import build_report
 from xeonsd.trainer.stopping import STOP_SIGNALS, exit_code, make_stop
 
@@ -121,7 +121,7 @@ def test_exit_json_takes_rank_0_s_stop_of_this_attempt_and_the_poll_reports_it(t
 def test_under_slurm_the_time_limit_stop_is_said_once_with_the_job_id(tmp_path: Path) -> None:
     """The ranks stopped on the batch job's warning (--signal=USR1@…) and srun exited 138: the poll says the stop
     the ranks recorded, once, with the Slurm job's id (not "stopped by the time limit" twice)."""
-    from xeonsd.cluster import slurm_job
+    from xeonsd.contracts import slurm_job
 
     run = tmp_path / "run"
     run.mkdir()

@@ -1,7 +1,7 @@
-"""What the finetune role's job module answers (xeonsd.cluster.job_watch, `xeonsd jobstatus poll`): progress from the
+"""What the finetune role's job module answers (xeonsd.contracts.job_watch, `xeonsd jobstatus poll`): progress from the
 trainer's metrics, and which node a failed job blames.
 
-Who failed comes from the ranks' status files, written here with the package's own writers (xeonsd.cluster.job_status)
+Who failed comes from the ranks' status files, written here with the package's own writers (xeonsd.contracts.job_status)
 into one directory per node, and read back as the role gathers them (read_status_dir on each node); the excerpt
 comes from train.log, in the shape `mpirun -l` gives the trainer's output (every line prefixed with its rank)."""
 
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from xeonsd.cluster import job_status as jobstatus
-from xeonsd.cluster import job_watch
-from xeonsd.cluster.job_status import LastError, RankStatus, RankStatusFile
+from xeonsd.contracts import job_status as jobstatus
+from xeonsd.contracts import job_watch
+from xeonsd.contracts.job_status import LastError, RankStatus, RankStatusFile
 
 NODES = [{"name": f"node{i}", "address": f"10.0.0.{10 + i}"} for i in range(1, 5)]
 LOST = "the all-reduce failed: a peer rank died, its node went away or it stalled past the collective timeout"

@@ -1,4 +1,4 @@
-"""train_summary.json and run.json (xeonsd.cluster.run_files): their schemas, the phase times from the play's
+"""train_summary.json and run.json (xeonsd.contracts.run_files): their schemas, the phase times from the play's
 H:M:S deltas and exit.json, and `xeonsd runjson` as the run_report role runs it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from xeonsd.cluster import job_status, run_files
+from xeonsd.contracts import job_status, run_files
 
 FACTS = {
     "run": "r1",

@@ -1,4 +1,4 @@
-"""slurm.json (xeonsd.cluster.slurm_job): sacct's lines as the Slurm test cluster printed them, the time-limit
+"""slurm.json (xeonsd.contracts.slurm_job): sacct's lines as the Slurm test cluster printed them, the time-limit
 stop, the wait for the final line, and run.json's cluster table with the job id and its accounting."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from xeonsd.cluster import run_files, slurm_job
-from xeonsd.cluster.job_status import StatusFileError
+from xeonsd.contracts import run_files, slurm_job
+from xeonsd.contracts.job_status import StatusFileError
 
 # sacct -n -P -j 12 -o JobID,State,ExitCode,ElapsedRaw,TotalCPU,CPUTimeRAW,NodeList,TimelimitRaw: the job's line,
 # then its batch and srun steps (their CPU time is already in the job's TotalCPU).
@@ -131,7 +131,7 @@ def test_run_json_shows_the_slurm_job(tmp_path):
 
 def test_a_job_stopped_by_the_slurm_time_limit_is_named_with_its_step(tmp_path):
     """The poll's failure for a job Slurm stopped at its limit says so, with the step reached and the resume hint."""
-    from xeonsd.cluster import job_status, job_watch
+    from xeonsd.contracts import job_status, job_watch
 
     run = tmp_path / "run"
     run.mkdir()
@@ -162,7 +162,7 @@ def test_a_job_stopped_by_the_slurm_time_limit_is_named_with_its_step(tmp_path):
 def test_a_node_whose_tasks_srun_reports_first_is_named_when_no_rank_could_say(tmp_path):
     """Under Slurm, srun --kill-on-bad-exit ends every rank as soon as one node's tasks die: no status file names
     a lost peer, and srun's first line names the node (its later lines, for the ranks it ended, do not count)."""
-    from xeonsd.cluster import job_status, job_watch
+    from xeonsd.contracts import job_status, job_watch
 
     nodes = [{"name": f"node{i}", "address": f"10.0.0.1{i}"} for i in range(1, 5)]
     for r in range(16):
@@ -187,7 +187,7 @@ def test_a_node_whose_tasks_srun_reports_first_is_named_when_no_rank_could_say(t
 def test_the_ranks_time_limit_stop_makes_the_job_stopped_by_the_time_limit_whatever_srun_returned(tmp_path):
     """Seen on the test cluster: the ranks stopped on the warning (exit 138), srun returned 15 (its
     --kill-on-bad-exit sent the last ranks SIGTERM), sacct says FAILED 15: slurm.json still says the time limit."""
-    from xeonsd.cluster import job_status
+    from xeonsd.contracts import job_status
     from xeonsd.trainer.stopping import make_stop
 
     job_status.begin_attempt(tmp_path, now=1, time_limit_s=360)

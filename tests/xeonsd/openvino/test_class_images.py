@@ -8,10 +8,10 @@ import numpy as np
 from cli_runs import method_args, train
 from PIL import Image
 
-from xeonsd.modelsource import model_fingerprint
+from xeonsd.modelfiles.modelsource import model_fingerprint
 from xeonsd.openvino.class_images import base_export, open_class_renderer
-from xeonsd.trainer.data import mix
-from xeonsd.trainer.prior import CLASS_SEED, CLASS_STEPS
+from xeonsd.trainer.prior import CLASS_STEPS
+from xeonsd.trainer.rng import CLASS_IMAGE_SEED, mix
 
 CLASS_PROMPT = "a photo of toy"
 
@@ -29,7 +29,7 @@ def test_missing_class_images_are_rendered_through_the_base_models_export(
     render, used = open_class_renderer(ov_base.parent, model_fingerprint(str(tiny_model)), 64, CLASS_STEPS)
     assert used == ov_base
     for i in range(2):
-        want = np.asarray(render(CLASS_PROMPT, mix(CLASS_SEED, i)).convert("RGB"))
+        want = np.asarray(render(CLASS_PROMPT, mix(CLASS_IMAGE_SEED, i)).convert("RGB"))
         with Image.open(class_dir / f"class-{i:05d}.png") as im:
             assert im.size == (64, 64)
             assert np.array_equal(np.asarray(im.convert("RGB")), want), f"class-{i:05d}.png"

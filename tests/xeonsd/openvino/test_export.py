@@ -17,7 +17,7 @@ from ov_assets import BATCH, PROMPT, SIZE, STEPS, TOKEN, as_array
 from safetensors.torch import save_file
 
 from xeonsd import cli
-from xeonsd.concept_file import ov_vocab_rows
+from xeonsd.modelfiles.concept_file import ov_vocab_rows
 from xeonsd.openvino.manifest import MANIFEST
 
 TOKENS = [TOKEN, f"{TOKEN}_1"]

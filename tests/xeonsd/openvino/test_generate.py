@@ -16,7 +16,7 @@ import torch
 from ov_assets import BATCH, PROMPT, SIZE, STEPS, TOKEN, as_array
 
 from xeonsd import cli
-from xeonsd.concept_file import expand_prompt
+from xeonsd.modelfiles.concept_file import expand_prompt
 from xeonsd.openvino.generate import GenerateError, GenerateOptions, generate
 from xeonsd.openvino.manifest import ExportDirError
 

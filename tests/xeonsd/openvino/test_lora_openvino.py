@@ -213,7 +213,7 @@ def test_kohya_and_diffusers_layouts_convert_both_ways(
     kohya module the model lacks is named, by write_diffusers and by ``export --lora`` alike."""
     from diffusers import StableDiffusionPipeline
 
-    from xeonsd import lora_layout
+    from xeonsd.modelfiles import lora_layout
 
     pipe = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None, requires_safety_checker=False)
     names = lora_layout.module_names(pipe.unet, pipe.text_encoder)

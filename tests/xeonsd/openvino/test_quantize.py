@@ -15,7 +15,7 @@ from ov_assets import SIZE, TOKEN, as_array, linear_weight_types
 from xeonsd import cli
 from xeonsd.openvino.manifest import MANIFEST
 from xeonsd.openvino.quantize import CALIBRATION_STEPS, default_prompts
-from xeonsd.trainer.prompts import OBJECT_TEMPLATES
+from xeonsd.templates import OBJECT_TEMPLATES
 
 CALIB_PROMPTS = ["a green <dicoo> toy on a table", "a <dicoo> in the snow"]
 # More UNet calls than three pipeline calls' worth of steps less one (a scheduler may add a UNet call or two per

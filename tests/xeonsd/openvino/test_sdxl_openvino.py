@@ -18,7 +18,7 @@ import torch
 from ov_assets import as_array
 
 from xeonsd import cli
-from xeonsd.concept_file import ConceptError, load_xl_concept, save_xl_concept
+from xeonsd.modelfiles.concept_file import ConceptError, load_xl_concept, save_xl_concept
 from xeonsd.openvino.generate import GenerateOptions, generate
 from xeonsd.openvino.manifest import MANIFEST
 

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from cli_runs import method_args, refused, train
 
-from xeonsd.trainer.data import SamplingPlan, generator
+from xeonsd.trainer.data import SamplingPlan
 from xeonsd.trainer.loss import denoising_loss, min_snr_weights, parse_timestep_range, snr
+from xeonsd.trainer.rng import Stream, generator
 
 SHAPE = (4, 8, 8)
 
@@ -83,7 +84,7 @@ def test_a_zero_terminal_snr_is_weight_one_not_nan() -> None:
 
 def todays_example(p: SamplingPlan, k: int):
     """The plan's per-example draws as they were before the loss options (the order every run relies on)."""
-    g = generator(p.seed, 2, k)
+    g = generator(p.seed, Stream.EXAMPLE, k)
     flip = bool(torch.rand((), generator=g) < p.flip_p)
     template = int(torch.randint(p.num_templates, (), generator=g))
     timestep = int(torch.randint(p.num_timesteps, (), generator=g))
@@ -128,7 +129,9 @@ def test_noise_offset_adds_a_per_channel_constant_drawn_after_the_others() -> No
         delta = b.noise - a.noise
         assert torch.allclose(delta, delta[:, :1, :1].expand_as(delta), atol=1e-6)  # constant over h, w
         assert delta[:, 0, 0].abs().min() > 0 and delta[:, 0, 0].unique().numel() == SHAPE[0]
-        g = generator(7, 2, k)  # the plan's draws in their order (flip, template, timestep, noise, latent eps) ...
+        g = generator(
+            7, Stream.EXAMPLE, k
+        )  # the plan's draws in their order (flip, template, timestep, noise, latent eps) ...
         torch.rand((), generator=g), torch.randint(3, (), generator=g), torch.randint(1000, (), generator=g)
         torch.randn(SHAPE, generator=g), torch.randn(SHAPE, generator=g)
         # ... then the offset, [C, 1, 1]

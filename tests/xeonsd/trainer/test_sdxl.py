@@ -136,7 +136,7 @@ def test_kohya_sdxl_lora_names_both_text_encoders_and_round_trips_to_diffusers(x
     tensor (alpha/rank folded into up, as documented)."""
     from diffusers import StableDiffusionXLPipeline
 
-    from xeonsd.lora_layout import convert, module_names, read_adapter
+    from xeonsd.modelfiles.lora_layout import convert, module_names, read_adapter
 
     kohya = xl_runs("lora", 1, "--save_format=kohya") / LORA_FILE
     keys = list(load_file(str(kohya)))
@@ -166,7 +166,7 @@ def test_kohya_sdxl_lora_names_both_text_encoders_and_round_trips_to_diffusers(x
 def test_embedding_loads_with_the_two_documented_calls_and_changes_the_image(xl_runs, tiny_xl_model):
     from diffusers import StableDiffusionXLPipeline
 
-    from xeonsd.concept_file import ConceptError, load_concept, load_xl_concept
+    from xeonsd.modelfiles.concept_file import ConceptError, load_concept, load_xl_concept
 
     path = xl_runs("textual_inversion", 1) / EMBEDS
     with safe_open(str(path), framework="pt") as f:
@@ -256,7 +256,7 @@ def sdxl_configs(tiny_xl_model, tmp_path_factory) -> Path:
 
 
 def test_sdxl_defaults_to_1024_and_full_fine_tuning_does_not_fit_a_24_gb_node(sdxl_configs, tiny_xl_model, tiny_model):
-    from xeonsd.families import detect_family
+    from xeonsd.modelfiles.families import detect_family
     from xeonsd.trainer.config import parse_config
     from xeonsd.trainer.inputs import with_resolution
     from xeonsd.trainer.memory import GB, check_fits, estimate

@@ -22,7 +22,7 @@ import torch
 from cli_runs import TOKEN, mpi_env, train, train_args
 from safetensors.torch import load_file
 
-from xeonsd.cluster import job_watch
+from xeonsd.contracts import job_watch
 from xeonsd.trainer.checkpoint import list_checkpoints
 
 # Every rank runs this: rank 1 alone sends itself SIGTERM before the all-reduce of step 3 (rank 0 gets no signal),

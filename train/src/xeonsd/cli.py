@@ -317,13 +317,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="directory with run.json, metrics.jsonl, loss.png, images/ …")
     p.set_defaults(func=_report)
 
-    from xeonsd.cluster.job_status_cli import add_parser as add_jobstatus_parser  # stdlib only: cheap to import
+    from xeonsd.contracts.job_status_cli import add_parser as add_jobstatus_parser  # stdlib only: cheap to import
 
     add_jobstatus_parser(sub)
-    from xeonsd.cluster.run_files import add_parser as add_runjson_parser  # stdlib only: cheap to import
+    from xeonsd.contracts.run_files import add_parser as add_runjson_parser  # stdlib only: cheap to import
 
     add_runjson_parser(sub)
-    from xeonsd.cluster.slurm_job import add_parser as add_slurmjob_parser  # stdlib only: cheap to import
+    from xeonsd.contracts.slurm_job import add_parser as add_slurmjob_parser  # stdlib only: cheap to import
 
     add_slurmjob_parser(sub)
 

@@ -208,7 +208,7 @@ ARCH_RESOLUTION = {"sd15": 512, "sdxl": 1024, "tiny": 64, "tiny-xl": 64}  # the 
 
 
 def _family_resolution(model: str) -> int:
-    from xeonsd.families import detect_family
+    from xeonsd.modelfiles.families import detect_family
 
     return detect_family(model).default_resolution
 
@@ -232,7 +232,7 @@ def main(argv: list[str]) -> int:
     if args.tome == 0 and only & set("hi"):
         raise SystemExit("xeonsd bench generate: error: (h) and (i) need --tome above 0")
     if args.model:
-        from xeonsd.modelsource import ModelSourceError, check_model_source
+        from xeonsd.modelfiles.modelsource import ModelSourceError, check_model_source
 
         try:  # the bench reads the directory itself (configs, FLOP count): a Hub id will not do
             check_model_source(args.model, flag="--model", hub=False)

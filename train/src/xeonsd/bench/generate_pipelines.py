@@ -101,7 +101,7 @@ def model_and_concept(args: argparse.Namespace, workdir: Path) -> tuple[Path, Pa
     hidden = json.loads((model / "text_encoder" / "config.json").read_text())["hidden_size"]
     gen = torch.Generator().manual_seed(0)
     if (model / "text_encoder_2").is_dir():  # SDXL: one vector set per text encoder (clip_l, clip_g)
-        from xeonsd.concept_file import save_xl_concept
+        from xeonsd.modelfiles.concept_file import save_xl_concept
 
         hidden_g = json.loads((model / "text_encoder_2" / "config.json").read_text())["hidden_size"]
         embeds = workdir / f"concept-{hidden}-{hidden_g}.safetensors"
@@ -119,7 +119,7 @@ def torch_pipeline(model: Path, embeds: Path) -> Any:
     """The diffusers pipeline of ``model``'s family with the concept loaded (SDXL: into both text encoders)."""
     from safetensors.torch import load_file
 
-    from xeonsd.families import detect_family
+    from xeonsd.modelfiles.families import detect_family
     from xeonsd.openvino.pipelines import load_torch_pipeline
 
     family = detect_family(model).name

@@ -1,13 +1,13 @@
 """``xeonsd bench layout -- TRAIN_ARGS``: ranks per node × threads per rank, measured on this node.
 
-Each layout (:func:`xeonsd.layout_result.layouts`: every split of the node's physical cores) trains a few steps
+Each layout (:func:`xeonsd.contracts.layout_result.layouts`: every split of the node's physical cores) trains a few steps
 with the job's own arguments under ``mpirun -n R -ppn R`` on this node alone, pinned as the job pins its ranks
 (Intel MPI's default pinning; the trainer's placement, :func:`xeonsd.cluster.distributed.place_rank`, gives each
 rank the cores of its domain). The layouts run in rounds (A B A B …: a shared machine drifts, so only layouts
 compared within a round give ratios that hold); each trial's figure is the median images/s per node over its steps
 after the warm-up. A layout whose ranks do not fit in the node's memory (the trainer's estimate, as ``xeonsd
 doctor`` checks it) is skipped. Prints a line per layout and the best; ``--json`` prints the result
-(:mod:`xeonsd.layout_result`'s schema) as the last line, ``--out`` writes it (temporary name, then renamed).
+(:mod:`xeonsd.contracts.layout_result`'s schema) as the last line, ``--out`` writes it (temporary name, then renamed).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from xeonsd import layout_result
 from xeonsd.bench import rounds as rounds_mod
+from xeonsd.contracts import layout_result
 from xeonsd.fsutil import atomic_file
 
 # Launcher variables of an outer job: each trial is a job of its own on this node.

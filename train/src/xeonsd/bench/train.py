@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from xeonsd.bench import rounds as rnd
+from xeonsd.contracts.method_names import METHODS
 from xeonsd.flops import matmul_probes
-from xeonsd.method_names import METHODS
 from xeonsd.trainer.memory import ESTIMATE_FILE
 
 log = logging.getLogger(__name__)
@@ -311,7 +311,7 @@ def _measure(args: argparse.Namespace, model: str | Path, dtype: str, variants: 
 def _model(args: argparse.Namespace) -> str | Path | None:
     """``--model`` once checked (None after printing why it will not do), else the ``--arch`` model, built once."""
     from xeonsd.assets import make_tiny_model
-    from xeonsd.modelsource import ModelSourceError, check_model_source
+    from xeonsd.modelfiles.modelsource import ModelSourceError, check_model_source
 
     if args.model is not None:
         try:  # the variants run with HF_HUB_OFFLINE=1: a Hub id must be in the Hub cache

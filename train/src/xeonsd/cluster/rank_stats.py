@@ -20,9 +20,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from xeonsd.straggler_rule import CAUSES, STRAGGLER_RATIO
+from xeonsd.contracts.straggler_rule import CAUSES, STRAGGLER_RATIO
 
-# The ratio and the likely causes of a straggler are the straggler rule's (xeonsd.straggler_rule), doctor's too.
+# The ratio and the likely causes of a straggler are the straggler rule's (xeonsd.contracts.straggler_rule), doctor's too.
 NODE_NAMES_ENV = "XEONSD_NODE_NAMES"  # "address=name,address=name": the inventory's names for the MPI addresses
 FIELDS = ("steps", "wall_s", "cpu_s", "threads", "data_s", "allreduce_s")
 

@@ -67,7 +67,7 @@ class OptimumEngine(Engine):
             str(self.ov_dir), dynamic_shapes=not self.plan.static, compile=False
         )
         if self.opts.embeds is not None:
-            from xeonsd.concept_file import add_to_openvino, load_concepts
+            from xeonsd.modelfiles.concept_file import add_to_openvino, load_concepts
 
             concepts = load_concepts(self.opts.embeds, self.opts.token, self.family)
             for encoder, tokenizer in pipelines.text_side(self.family):
@@ -109,7 +109,7 @@ class GenaiEngine(Engine):
         SDXL, the text-encoder part of the ``--lora`` adapters."""
         import openvino as ov
 
-        from xeonsd.concept_file import load_concepts
+        from xeonsd.modelfiles.concept_file import load_concepts
 
         if self._workdir is None:
             self._workdir = tempfile.TemporaryDirectory(prefix="xeonsd-genai-")
@@ -139,7 +139,7 @@ class GenaiEngine(Engine):
     def _add_concept(self, root: Path, tokenizer_dir: str, model: Any, concept: Any) -> None:
         from transformers import CLIPTokenizer
 
-        from xeonsd.concept_file import add_to_openvino
+        from xeonsd.modelfiles.concept_file import add_to_openvino
         from xeonsd.openvino import tokenizer as ovtokenizer
 
         tokenizer = CLIPTokenizer.from_pretrained(self.ov_dir / tokenizer_dir)
@@ -200,7 +200,7 @@ class GenaiEngine(Engine):
         import openvino_genai
         from PIL import Image
 
-        from xeonsd.concept_file import expand_prompt
+        from xeonsd.modelfiles.concept_file import expand_prompt
 
         kwargs: dict[str, Any] = {}
         if self.opts.negative_prompt is not None:

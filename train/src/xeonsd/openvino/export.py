@@ -3,7 +3,7 @@
 The recipe's steps, ``OVStableDiffusionPipeline.from_pretrained(model_id, export=True)``,
 ``reshape(batch_size=5, height=512, width=512, num_images_per_prompt=1)`` and ``save_pretrained``, plus:
 
-* the family, read from SRC's config files (:func:`xeonsd.families.detect_family`): SD 1.x/2.x through
+* the family, read from SRC's config files (:func:`xeonsd.modelfiles.families.detect_family`): SD 1.x/2.x through
   ``OVStableDiffusionPipeline``, SDXL through ``OVStableDiffusionXLPipeline`` (both text encoders, both tokenizers;
   see :mod:`xeonsd.openvino.pipelines`); the CLI's default size is the family's resolution (SDXL 1024);
 * the concept: SRC is a full pipeline with the token(s) baked in (``--save_as_full_pipeline``), or a base model
@@ -36,9 +36,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from xeonsd.families import Family, detect_family
 from xeonsd.fsutil import atomic_dir
-from xeonsd.modelsource import check_model_source
+from xeonsd.modelfiles.families import Family, detect_family
+from xeonsd.modelfiles.modelsource import check_model_source
 from xeonsd.openvino import pipelines
 from xeonsd.openvino import tokenizer as ovtokenizer
 from xeonsd.openvino.manifest import ExportDirError, StaticShape, check_writable_output, write_manifest
@@ -106,7 +106,7 @@ def check_source(src: str) -> Path | None:
 def _with_concept(src: str, embeds: Path, token: str | None, workdir: Path, family: Family) -> tuple[Path, list[str]]:
     """Write SRC with the concept added to its tokenizer(s) and text encoder(s) into ``workdir``; return it and the
     tokens."""
-    from xeonsd.concept_file import load_concepts
+    from xeonsd.modelfiles.concept_file import load_concepts
 
     concepts = load_concepts(embeds, token, family.name)
     pipe = pipelines.load_torch_pipeline(src, family.name)
@@ -118,7 +118,7 @@ def _with_concept(src: str, embeds: Path, token: str | None, workdir: Path, fami
 
 def _with_lora(src: str, lora: Path, scale: float, workdir: Path, family: Family) -> Path:
     """Write SRC with the LoRA adapter fused into its UNet (and text encoders) into ``workdir``; return it."""
-    from xeonsd import lora_layout
+    from xeonsd.modelfiles import lora_layout
 
     modules = lora_layout.read_adapter(lora)
     lora_layout.check_family(lora, modules, family.name, f"the source {src}")
@@ -141,7 +141,7 @@ def _with_lora(src: str, lora: Path, scale: float, workdir: Path, family: Family
 
 def _lora_manifest(src: str, opts: ExportOptions) -> dict[str, Any]:
     """The manifest's record of the base model and of a fused adapter."""
-    from xeonsd.modelsource import model_fingerprint
+    from xeonsd.modelfiles.modelsource import model_fingerprint
     from xeonsd.openvino.manifest import _sha256
 
     lora = None
@@ -319,7 +319,7 @@ def save_networks(pipe: Any, tmp: Path, out: Path) -> None:
 
 def _check_vocab(pipe: Any, family: Family) -> int:
     """Every exported text encoder has one embedding row per token of its tokenizer; returns the first's rows."""
-    from xeonsd.concept_file import ov_vocab_rows
+    from xeonsd.modelfiles.concept_file import ov_vocab_rows
 
     counts = []
     for encoder, tokenizer in pipelines.text_side(family.name):

@@ -1,13 +1,13 @@
 """LoRA files for OpenVINO GenAI: the checks that an adapter fits an exported model and that GenAI can apply it,
 and the file GenAI gets.
 
-The layouts and the converter between them are :mod:`xeonsd.lora_layout` (shared with the trainer's
+The layouts and the converter between them are :mod:`xeonsd.modelfiles.lora_layout` (shared with the trainer's
 ``--save_format``). ``openvino_genai.Adapter`` ignores the diffusers layout ("Unused LoRA tensor" for every tensor,
 the image does not change) and applies the kohya/A1111 one, so :func:`convert_for_genai` writes every adapter, in
 either layout, to a kohya file of its own; the user's file is only read.
 
 * GenAI cannot apply LoRA to non-pointwise convolutions (kernel larger than 1x1): :func:`check_genai_limits`
-  refuses such an adapter naming the modules. :func:`~xeonsd.lora_layout.check_fits` refuses an adapter made for
+  refuses such an adapter naming the modules. :func:`~xeonsd.modelfiles.lora_layout.check_fits` refuses an adapter made for
   another base model (a module the model does not have, or another shape) naming the adapter file and the model;
   :func:`ir_weight_shapes` gives it an export's weights.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from xeonsd.lora_layout import (
+from xeonsd.modelfiles.lora_layout import (
     FAMILY_LABELS,
     PREFIXES,
     LoraFormatError,

@@ -3,7 +3,7 @@
 * the classes: diffusers' ``StableDiffusionPipeline`` / ``StableDiffusionXLPipeline`` before the export,
   optimum-intel's ``OVStableDiffusionPipeline`` / ``OVStableDiffusionXLPipeline`` for the export and its engine;
 * the text side, as (text encoder, tokenizer) pairs: a concept goes into every pair (SDXL: ``clip_l`` into
-  ``text_encoder``, ``clip_g`` into ``text_encoder_2``, see :mod:`xeonsd.concept_file`), the OpenVINO tokenizer
+  ``text_encoder``, ``clip_g`` into ``text_encoder_2``, see :mod:`xeonsd.modelfiles.concept_file`), the OpenVINO tokenizer
   model is written for every tokenizer;
 * a LoRA's text-encoder part for GenAI on SDXL: OpenVINO GenAI 2026.4.1 applies an adapter's ``lora_te_`` tensors
   to *both* SDXL text encoders alike and ignores kohya's ``lora_te1_``/``lora_te2_`` ("Unused LoRA tensor", the
@@ -52,8 +52,8 @@ def load_torch_pipeline(src: str, family: str) -> Any:
 
 
 def add_concepts_to_torch(pipe: Any, family: str, concepts: dict[str, Any]) -> list[str]:
-    """Each text encoder's concept (from :func:`xeonsd.concept_file.load_concepts`) into it and its tokenizer."""
-    from xeonsd.concept_file import add_to_torch
+    """Each text encoder's concept (from :func:`xeonsd.modelfiles.concept_file.load_concepts`) into it and its tokenizer."""
+    from xeonsd.modelfiles.concept_file import add_to_torch
 
     for encoder, tokenizer in text_side(family):
         add_to_torch(getattr(pipe, tokenizer), getattr(pipe, encoder), concepts[encoder])

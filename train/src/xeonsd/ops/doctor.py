@@ -20,9 +20,9 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from xeonsd.contracts.method_names import METHOD_FILES
 from xeonsd.cpu import cpu_info
-from xeonsd.method_names import METHOD_FILES
-from xeonsd.modelsource import ModelSourceError, check_model_source
+from xeonsd.modelfiles.modelsource import ModelSourceError, check_model_source
 
 PACKAGES = ("torch", "diffusers", "transformers", "safetensors", "xeonsd")
 # Variables of a launcher: the one-step trial must run as a single process, not join a job.

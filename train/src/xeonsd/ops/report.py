@@ -16,10 +16,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from xeonsd.cluster.job_status import StatusFileError, read_exit
-from xeonsd.cluster.job_watch import stop_summary
+from xeonsd.contracts.job_status import StatusFileError, read_exit
+from xeonsd.contracts.job_watch import stop_summary
+from xeonsd.contracts.method_names import METHOD_FILES
 from xeonsd.fsutil import atomic_file
-from xeonsd.method_names import METHOD_FILES
 from xeonsd.ops import run_view as clusterview
 from xeonsd.ops.report_cluster import cluster_sections, html_table
 from xeonsd.trainer.metrics import GRID, VALIDATION_LABEL, loss_curve, read_summary, validation_points

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from xeonsd.trainer.config import ConfigError
-from xeonsd.trainer.data import generator
+from xeonsd.trainer.rng import Stream, generator
 
 log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name
 
@@ -214,10 +214,10 @@ def _pass_order(batches: BucketBatches, seed: int, epoch: int) -> tuple[tuple[in
     cut: list[tuple[int, ...]] = []
     for b in range(len(batches.latent_shapes)):
         members = [i for i, of in enumerate(batches.of_image) if of == b]
-        perm = torch.randperm(len(members), generator=generator(seed, 4, epoch, b)).tolist()
+        perm = torch.randperm(len(members), generator=generator(seed, Stream.BUCKET_MEMBERS, epoch, b)).tolist()
         order = [members[p] for p in perm]
         full = -(-len(order) // g) * g
         order = [order[j % len(order)] for j in range(full)]
         cut += [tuple(order[j : j + g]) for j in range(0, full, g)]
-    shuffled = torch.randperm(len(cut), generator=generator(seed, 5, epoch)).tolist()
+    shuffled = torch.randperm(len(cut), generator=generator(seed, Stream.BUCKET_BATCHES, epoch)).tolist()
     return tuple(cut[s] for s in shuffled)

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from xeonsd.trainer.data import DataError, generator
+from xeonsd.trainer.data import DataError
+from xeonsd.trainer.rng import Stream, generator
 
 METADATA = "metadata.jsonl"
 CAPTIONS_TXT = "captions.txt"
@@ -121,11 +122,6 @@ def _from_lines(path: Path, images: list[Path]) -> Captions:
     return Captions(texts, CAPTIONS_TXT, where)
 
 
-# The caption draws' stream of the plan's generator (xeonsd.trainer.data: 1 the image order, 2 the example's draws,
-# 3 new weights): its own, so turning them on changes no other draw.
-CAPTION_STREAM = 5
-
-
 def split_tags(caption: str) -> list[str]:
     """The comma-separated tags of a caption, stripped, empty ones left out."""
     return [t.strip() for t in caption.split(",") if t.strip()]
@@ -159,14 +155,14 @@ class CaptionDraws:
     def dropped(self, k: int) -> bool:
         """Whether example ``k`` trains on the empty caption (the first draw of its stream)."""
         return self.dropout > 0 and bool(
-            torch.rand((), generator=generator(self.seed, CAPTION_STREAM, k)) < self.dropout
+            torch.rand((), generator=generator(self.seed, Stream.CAPTIONS, k)) < self.dropout
         )
 
     def text(self, caption: str, k: int) -> str:
         """The caption example ``k`` trains on."""
         if not self.varies:
             return self.fixed(caption)
-        g = generator(self.seed, CAPTION_STREAM, k)
+        g = generator(self.seed, Stream.CAPTIONS, k)
         if self.dropout > 0 and bool(torch.rand((), generator=g) < self.dropout):
             return ""
         if self.shuffle_tags:

@@ -14,8 +14,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from xeonsd.method_names import METHODS
-from xeonsd.straggler_rule import STRAGGLER_RATIO
+from xeonsd.contracts.method_names import METHODS
+from xeonsd.contracts.straggler_rule import STRAGGLER_RATIO
 
 TI, LORA, FULL = METHODS
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")

@@ -1,7 +1,8 @@
 """Training data: the concept's images and a rank-independent sampling plan.
 
 Every random choice of an example (which image, flip, template, timestep, noise and its offset, latent sample) is
-a function of the seed and the example's *global* index, never of the rank that processes it. So N ranks x batch B
+a function of the seed and the example's *global* index, never of the rank that processes it (its streams:
+:mod:`xeonsd.trainer.rng`). So N ranks x batch B
 and one rank x batch N*B draw the same examples, and a resumed run continues exactly where it stopped.
 """
 
@@ -16,6 +17,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
+
+from xeonsd.trainer.rng import Stream, generator
 
 if TYPE_CHECKING:
     from xeonsd.trainer.buckets import BucketBatches, Placement
@@ -101,21 +104,6 @@ def load_all_pixels(
     return inputs if placements else torch.stack(inputs)
 
 
-def mix(*parts: int) -> int:
-    """A 63-bit seed from integers (splitmix64-style), so nearby indices give unrelated streams."""
-    x = 0x9E3779B97F4A7C15
-    for p in parts:
-        x = (x ^ (p & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        x ^= x >> 31
-    return x & 0x7FFFFFFFFFFFFFFF
-
-
-def generator(*parts: int) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed(mix(*parts))
-    return g
-
-
 @dataclass(frozen=True)
 class Example:
     """All random choices for one training example."""
@@ -145,11 +133,11 @@ class SamplingPlan:
         if self.buckets is not None:
             return self.buckets.image_for(self.seed, k)
         epoch, pos = divmod(k, self.num_images)
-        perm = torch.randperm(self.num_images, generator=generator(self.seed, 1, epoch))
+        perm = torch.randperm(self.num_images, generator=generator(self.seed, Stream.IMAGE_ORDER, epoch))
         return int(perm[pos])
 
     def example(self, k: int) -> Example:
-        g = generator(self.seed, 2, k)
+        g = generator(self.seed, Stream.EXAMPLE, k)
         image = self.image_for(k)
         shape = self.latent_shape if self.buckets is None else self.buckets.latent_shape(image)
         flip = bool(torch.rand((), generator=g) < self.flip_p)

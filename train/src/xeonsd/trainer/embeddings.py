@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from xeonsd.concept_file import expand_tokens, token_taken, write_concept_file
+from xeonsd.modelfiles.concept_file import expand_tokens, token_taken, write_concept_file
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,6 @@ class PlaceholderEmbedding(torch.nn.Module):
 def save_learned_embeds(path: Path, placeholder: str, vectors: torch.Tensor | list[torch.Tensor]) -> Path:
     """Write ``{placeholder: [num_vectors, hidden]}`` (float32) in the format ``load_textual_inversion`` reads; for
     SDXL (a list of the two text encoders' vectors) one file with ``clip_l`` and ``clip_g``
-    (:func:`xeonsd.concept_file.write_concept_file`)."""
+    (:func:`xeonsd.modelfiles.concept_file.write_concept_file`)."""
     sets = vectors if isinstance(vectors, list) else [vectors]
     return write_concept_file(path, placeholder, [v.detach().to(torch.float32).numpy() for v in sets])

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from xeonsd.cluster.distributed import RankInfo
-from xeonsd.families import Family
+from xeonsd.contracts.method_names import METHODS
 from xeonsd.fsutil import atomic_path
-from xeonsd.method_names import METHODS
-from xeonsd.modelsource import check_model_source
+from xeonsd.modelfiles.families import Family
+from xeonsd.modelfiles.modelsource import check_model_source
 from xeonsd.trainer import checkpoint as ckpt
 from xeonsd.trainer.buckets import Buckets, assign
 from xeonsd.trainer.captions import Captions, read_captions, short_tag_captions

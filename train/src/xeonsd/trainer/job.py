@@ -24,16 +24,16 @@ from xeonsd.cluster.distributed import (
     node_address,
     take_the_job_down,
 )
-from xeonsd.cluster.job_status import RankStatus, RankStatusFile, StatusFileError, attempt_from_env
 from xeonsd.cluster.rank_stats import node_names
+from xeonsd.contracts.job_status import RankStatus, RankStatusFile, StatusFileError, attempt_from_env
 from xeonsd.cpu import cpu_info
-from xeonsd.modelsource import model_fingerprint
+from xeonsd.modelfiles.modelsource import model_fingerprint
 from xeonsd.trainer import checkpoint as ckpt
 from xeonsd.trainer.buckets import BUCKET_OPTIONS, BucketBatches, Buckets
 from xeonsd.trainer.captions import CaptionDraws
 from xeonsd.trainer.conditioning import PromptConditioning
 from xeonsd.trainer.config import ConfigError, TrainConfig
-from xeonsd.trainer.data import SamplingPlan, mix
+from xeonsd.trainer.data import SamplingPlan
 from xeonsd.trainer.inputs import Inputs
 from xeonsd.trainer.latents import LatentTable
 from xeonsd.trainer.loss import parse_timestep_range
@@ -42,6 +42,7 @@ from xeonsd.trainer.models import Models, load_models
 from xeonsd.trainer.optim import make_optimizer
 from xeonsd.trainer.prior import ClassRendererOpener, PriorData, build_prior, ensure_class_images
 from xeonsd.trainer.prompts import PromptTable
+from xeonsd.trainer.rng import Stream, stream_seed
 from xeonsd.trainer.validation import ValidationSet, build_validation
 from xeonsd.trainer.xl import XLPromptConditioning
 
@@ -97,7 +98,7 @@ class Cluster:
     backend: str | None
     timeouts: Timeouts  # read from the environment once, in run()
     timeout: CollectiveTimeout
-    status: RankStatusFile  # this rank's status/rank-<r>.json (xeonsd.cluster.job_status)
+    status: RankStatusFile  # this rank's status/rank-<r>.json (xeonsd.contracts.job_status)
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ def setup(
     resume_state = _shared_resume_state(inputs.resume, info.world_size)
     seed = _shared_seed(cfg, info, resume_state)
     with torch.random.fork_rng():  # new weights (LoRA's) start the same on every rank and in every run of a seed
-        torch.manual_seed(mix(seed, 3))
+        torch.manual_seed(stream_seed(seed, Stream.METHOD_INIT))
         method = method_cls(cfg, models)
     optimizer, lr_scheduler = make_optimizer(cfg, method, info.world_size)
     start_step = 0

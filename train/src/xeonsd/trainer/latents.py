@@ -172,7 +172,7 @@ class LatentTable:
     ) -> LatentTable:
         """The table of ``images`` at ``--resolution`` or, with ``buckets``, each in its bucket; from the disk
         cache where every rank has an image's file."""
-        from xeonsd.modelsource import model_fingerprint
+        from xeonsd.modelfiles.modelsource import model_fingerprint
         from xeonsd.trainer.data import load_all_pixels, load_pixels
 
         vae = models.vae

@@ -5,7 +5,7 @@ model loads) → ``setup`` (:mod:`.job`: ranks, models, the method's trainable p
 optimizer, resume) → ``fit`` (per step: each rank's share of the global batch, loss, backward, gradient all-reduce,
 optimizer; then the observers of :mod:`.hooks`: status, statistics, progress, metrics, checkpoint, validation) →
 ``save`` (the method's result, metrics, loss plot). Rank 0 writes every file; every rank logs with its rank in the
-prefix and keeps its own status file on its node (``status/rank-<r>.json``, :mod:`xeonsd.cluster.job_status`:
+prefix and keeps its own status file on its node (``status/rank-<r>.json``, :mod:`xeonsd.contracts.job_status`:
 state, step, and the kind of error that ended it). A job told to stop (SIGTERM, SIGINT, SIGUSR1) stops at the
 same step on every rank with a checkpoint there and exits with 128 + the signal (:mod:`.stopping`).
 """
@@ -37,10 +37,10 @@ from xeonsd.cluster.distributed import (
     place_rank,
     take_the_job_down,
 )
-from xeonsd.cluster.job_status import RankStatusFile
 from xeonsd.cluster.rank_stats import RankClock
+from xeonsd.contracts.job_status import RankStatusFile
 from xeonsd.cpu import cpu_info
-from xeonsd.modelsource import ModelSourceError
+from xeonsd.modelfiles.modelsource import ModelSourceError
 from xeonsd.trainer import checkpoint as ckpt
 from xeonsd.trainer.config import ConfigError, TrainConfig, parse_config
 from xeonsd.trainer.data import DataError, Example

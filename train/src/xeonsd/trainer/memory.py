@@ -201,7 +201,7 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstim
     --resolution, at the family's default (:func:`xeonsd.trainer.inputs.with_resolution`)."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
 
-    from xeonsd.families import detect_family
+    from xeonsd.modelfiles.families import detect_family
     from xeonsd.trainer.inputs import with_resolution
 
     src, kw = cfg.pretrained_model_name_or_path, {"revision": cfg.revision}

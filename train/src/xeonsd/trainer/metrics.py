@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xeonsd.cluster.run_files import TRAIN_SUMMARY_FILE
+from xeonsd.contracts.run_files import TRAIN_SUMMARY_FILE
 from xeonsd.fsutil import atomic_path
 
 PARTIAL = "metrics.partial.jsonl"

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from xeonsd.families import Family, FamilyError, detect_family
 from xeonsd.fsutil import atomic_dir
+from xeonsd.modelfiles.families import Family, FamilyError, detect_family
 from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.embeddings import PlaceholderEmbedding
 from xeonsd.trainer.weights import load_frozen

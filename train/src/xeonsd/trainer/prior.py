@@ -27,19 +27,18 @@ import torch
 from PIL import Image
 
 from xeonsd.cluster.distributed import RankInfo, all_reduce_sum_, barrier, collective
+from xeonsd.contracts.method_names import METHODS
 from xeonsd.fsutil import atomic_path
-from xeonsd.method_names import METHODS
 from xeonsd.trainer.config import ConfigError, TrainConfig
-from xeonsd.trainer.data import IMAGE_SUFFIXES, Example, SamplingPlan, mix
+from xeonsd.trainer.data import IMAGE_SUFFIXES, Example, SamplingPlan
 from xeonsd.trainer.prompts import PromptTable
+from xeonsd.trainer.rng import CLASS_IMAGE_SEED, Stream, mix, stream_seed
 
 log = logging.getLogger("xeonsd.train")
 
 GENERATED = re.compile(r"class-\d{5}\.png")  # the names of generated class images
 CLASS_STEPS = 25  # denoising steps per generated class image (as the validation images)
 GENERATE_CHUNK = 8  # class images per all-reduce while they are generated
-CLASS_SEED = 0xC1A55  # image i's generator seed is mix(CLASS_SEED, i): the same in every run and on every rank
-PLAN_STREAM = 11  # the class sampling plan's seed: mix(run seed, PLAN_STREAM)
 
 
 def check_prior_flags(cfg: TrainConfig) -> None:
@@ -155,7 +154,7 @@ def ensure_class_images(
                 if pipe is not None:
                     pixels[j] = _generate(pipe, cfg, models, chunk[j])
                 else:
-                    pixels[j] = _pixels(render(cfg.class_prompt, mix(CLASS_SEED, chunk[j])))
+                    pixels[j] = _pixels(render(cfg.class_prompt, mix(CLASS_IMAGE_SEED, chunk[j])))
             all_reduce_sum_(pixels, info.world_size)
             if info.local_rank == 0:  # also where a node had it: every node then trains on the same bytes
                 for j, i in enumerate(chunk):
@@ -168,7 +167,7 @@ def ensure_class_images(
 
 def _renderer(cfg: TrainConfig, models, info: RankInfo, open_renderer: ClassRendererOpener | None):
     """(this rank's OpenVINO renderer or None, the ranks that have one): None, [] when no rank has one."""
-    from xeonsd.modelsource import model_fingerprint
+    from xeonsd.modelfiles.modelsource import model_fingerprint
 
     render = None
     if cfg.class_export and open_renderer is not None:
@@ -194,7 +193,7 @@ def _generate(pipe, cfg: TrainConfig, models, index: int) -> torch.Tensor:
     """Class image ``index`` as [H, W, 3] float pixel values in 0..255."""
     from xeonsd.trainer.models import autocast
 
-    generator = torch.Generator().manual_seed(mix(CLASS_SEED, index))
+    generator = torch.Generator().manual_seed(mix(CLASS_IMAGE_SEED, index))
     with autocast(models.weight_dtype):
         image = pipe(
             cfg.class_prompt,
@@ -252,7 +251,7 @@ def build_prior(cfg: TrainConfig, info: RankInfo, models, class_images: list[Pat
     text = conditioning(models, table, trainable=False, rank=info.rank, world=info.world_size)
     latents = LatentTable.build(cfg, models, class_images, info.rank, info.local_rank, info.world_size)
     plan = SamplingPlan(
-        seed=mix(seed, PLAN_STREAM),
+        seed=stream_seed(seed, Stream.PRIOR_PLAN),
         num_images=len(class_images),
         num_templates=1,
         num_timesteps=like.num_timesteps,

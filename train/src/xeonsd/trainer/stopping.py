@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from xeonsd.cluster.distributed import collective
-from xeonsd.cluster.job_status import Stop
+from xeonsd.contracts.job_status import Stop
 from xeonsd.trainer.config import ConfigError
 
 log = logging.getLogger("xeonsd.train")

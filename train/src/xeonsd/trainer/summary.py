@@ -1,14 +1,14 @@
-"""What a finished run records about itself: ``train_summary.json`` (its schema: :func:`xeonsd.cluster.run_files.train_summary`)."""
+"""What a finished run records about itself: ``train_summary.json`` (its schema: :func:`xeonsd.contracts.run_files.train_summary`)."""
 
 from __future__ import annotations
 
-from xeonsd.cluster import run_files
+from xeonsd.contracts import run_files
 from xeonsd.trainer.job import Job
 from xeonsd.trainer.metrics import result_bytes
 
 
 def train_summary(job: Job, first_step_s: float | None = None, first_step_cpu_s: float | None = None) -> dict:
-    """What ``train_summary.json`` holds (the schema: :func:`xeonsd.cluster.run_files.train_summary`)."""
+    """What ``train_summary.json`` holds (the schema: :func:`xeonsd.contracts.run_files.train_summary`)."""
     cfg, method, prompts = job.run.cfg, job.training.method, job.data.prompts
     return run_files.train_summary(
         method.summary(),

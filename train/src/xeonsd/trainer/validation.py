@@ -32,8 +32,9 @@ from xeonsd.cluster.distributed import all_reduce_sum_
 from xeonsd.fsutil import atomic_path
 from xeonsd.trainer.captions import CaptionDraws, Captions, read_captions
 from xeonsd.trainer.config import ConfigError, TrainConfig
-from xeonsd.trainer.data import DataError, Example, find_images, generator
+from xeonsd.trainer.data import DataError, Example, find_images
 from xeonsd.trainer.metrics import GRID
+from xeonsd.trainer.rng import Stream, generator
 
 if TYPE_CHECKING:
     from xeonsd.trainer.conditioning import PromptConditioning
@@ -43,8 +44,6 @@ if TYPE_CHECKING:
     from xeonsd.trainer.xl import XLPromptConditioning
 
 TIMESTEPS = 4  # evaluated timesteps per held-out image
-# The validation draws' stream of the plan's generator (see xeonsd.trainer.captions.CAPTION_STREAM).
-VALIDATION_STREAM = 6
 
 
 @dataclass(frozen=True)
@@ -137,7 +136,7 @@ class ValidationSet:
     def example(self, k: int) -> Example:
         """Example ``k``: image ``k // TIMESTEPS`` (not mirrored) at its ``k % TIMESTEPS``-th timestep."""
         image, j = divmod(k, len(self.timesteps))
-        g = generator(self.seed, VALIDATION_STREAM, k)
+        g = generator(self.seed, Stream.VALIDATION, k)
         noise = torch.randn(self.latents.shape, generator=g)
         eps = torch.randn(self.latents.shape, generator=g)
         return Example(k, 2 * image, image % self.prompts.num_templates, self.timesteps[j], noise, eps)

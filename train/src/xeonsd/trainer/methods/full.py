@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from xeonsd.method_names import result_file
+from xeonsd.contracts.method_names import result_file
 from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError
 from xeonsd.trainer.methods.base import Method

@@ -4,7 +4,7 @@ The base UNet stays frozen in the training dtype (bf16 on AMX); the adapters, th
 are fp32 (peft casts each adapter's input to the adapter's dtype). The result is
 ``pytorch_lora_weights.safetensors`` in the diffusers layout: ``pipe.load_lora_weights(dir)`` loads it; with
 ``--save_format kohya`` the same file in the kohya layout AUTOMATIC1111, Forge and ComfyUI load (diffusers reads it
-too), through :mod:`xeonsd.lora_layout`. On SDXL ``--train_text_encoder`` puts adapters on both text encoders, saved
+too), through :mod:`xeonsd.modelfiles.lora_layout`. On SDXL ``--train_text_encoder`` puts adapters on both text encoders, saved
 as ``text_encoder.*`` and ``text_encoder_2.*`` (the layout ``StableDiffusionXLPipeline.load_lora_weights`` reads).
 """
 
@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from xeonsd.lora_layout import convert
-from xeonsd.method_names import result_file
+from xeonsd.contracts.method_names import result_file
+from xeonsd.modelfiles.lora_layout import convert
 from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError
 from xeonsd.trainer.methods.base import Method

@@ -4,7 +4,7 @@ The vectors are their own small parameter in front of the frozen embedding table
 :mod:`xeonsd.trainer.embeddings`), so the all-reduced gradient is a few KB. ``--train_full_embedding_matrix`` is the
 recipe's way, kept as the benchmark's baseline: the whole table trains and every row but the concept's is reset
 after each step. SDXL has two text encoders: the concept gets its tokens and vectors in each (768 and 1280 wide),
-saved in one file as ``clip_l`` and ``clip_g`` (:mod:`xeonsd.concept_file`).
+saved in one file as ``clip_l`` and ``clip_g`` (:mod:`xeonsd.modelfiles.concept_file`).
 """
 
 from __future__ import annotations
@@ -14,14 +14,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from xeonsd.method_names import result_file
+from xeonsd.contracts.method_names import result_file
+from xeonsd.templates import templates_for
 from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError
 from xeonsd.trainer.data import DataError
 from xeonsd.trainer.embeddings import PlaceholderEmbedding, add_concept, save_learned_embeds
 from xeonsd.trainer.methods.base import Method
 from xeonsd.trainer.models import save_full_pipeline
-from xeonsd.trainer.prompts import PromptTable, templates_for
+from xeonsd.trainer.prompts import PromptTable
 
 if TYPE_CHECKING:
     from xeonsd.trainer.captions import Captions

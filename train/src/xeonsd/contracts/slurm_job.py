@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from xeonsd.cluster.job_status import StatusFileError, read_exit, write_json
+from xeonsd.contracts.job_status import StatusFileError, read_exit, write_json
 
 SLURM_FILE = "slurm.json"
 SCHEMA_VERSION = 1

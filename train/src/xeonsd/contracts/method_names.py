@@ -1,7 +1,7 @@
 """The training methods by name, and what each leaves in the run directory: defined here once.
 
 The trainer (``--method``'s choices, each method's result file), the benchmark, the report, run.json
-(:mod:`xeonsd.cluster.run_files`) and the playbooks read this: the filter plugin ``plugins/filter/xeonsd_train.py``
+(:mod:`xeonsd.contracts.run_files`) and the playbooks read this: the filter plugin ``plugins/filter/xeonsd_train.py``
 loads this file on the controller (the finetune role's
 ``finetune_method_info``, the train argv's groups, and the openvino_export role's generate flags), so it imports
 nothing but the standard library.

@@ -19,9 +19,9 @@ import json
 import sys
 from pathlib import Path
 
-from xeonsd.cluster.job_status import read_exit, write_json
-from xeonsd.cluster.slurm_job import read_slurm_job
-from xeonsd.method_names import METHOD_FILES
+from xeonsd.contracts.job_status import read_exit, write_json
+from xeonsd.contracts.method_names import METHOD_FILES
+from xeonsd.contracts.slurm_job import read_slurm_job
 
 TRAIN_SUMMARY_FILE = "train_summary.json"
 RUN_JSON_FILE = "run.json"
@@ -59,7 +59,7 @@ def train_summary(
     given the caption draws: ``caption_dropout``, ``shuffle_tags``, ``keep_tokens``, ``caption_prefix``), the
     result (its path in the run directory and its size) and, when given, the loss options (``snr_gamma``: None when
     off, ``noise_offset``, ``timestep_range``: the [lo, hi) drawn from), the base model's ``family`` (``sd`` or
-    ``sdxl``, :mod:`xeonsd.families`), the ``resolution`` trained at and the validation loss's held-out images
+    ``sdxl``, :mod:`xeonsd.modelfiles.families`), the ``resolution`` trained at and the validation loss's held-out images
     (``validation``: ``source``, ``images``, ``timesteps``), the aspect-ratio buckets (``buckets``: ``step``,
     ``min_reso``, ``max_reso``, and ``buckets``: each one's ``width``, ``height`` and ``images``) and the start-up
     (``startup``: ``time_to_first_step_s`` from the trainer's start, ``cpu_s_to_first_step`` of rank 0's process

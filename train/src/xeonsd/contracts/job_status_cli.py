@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from xeonsd.cluster.job_status import EXIT_CODES, STATUS_DIR, StatusFileError, begin_attempt, stop_job, write_exit
+from xeonsd.contracts.job_status import EXIT_CODES, STATUS_DIR, StatusFileError, begin_attempt, stop_job, write_exit
 
 DESCRIPTION = (
     "begin RUN_DIR: start the run's next attempt (attempt.json) and print its number; "
@@ -90,7 +90,7 @@ def _answer(args: argparse.Namespace) -> object:
         return None
     if args.action == "stop":
         return stop_job(args.run_dir)
-    from xeonsd.cluster import job_watch  # the reading (run.sh's begin and exit need none of it)
+    from xeonsd.contracts import job_watch  # the reading (run.sh's begin and exit need none of it)
 
     if args.action == "poll":
         return job_watch.job_state(_poll_params(args))

@@ -21,8 +21,8 @@ import re
 import time
 from pathlib import Path
 
-from xeonsd.cluster.job_progress import compress_ranks, progress_line, read_progress, straggler_warning
-from xeonsd.cluster.job_status import (
+from xeonsd.contracts.job_progress import compress_ranks, progress_line, read_progress, straggler_warning
+from xeonsd.contracts.job_status import (
     ERROR_KINDS,
     LOCK_CONFLICT_RC,
     OWN_ERROR_KINDS,
@@ -32,7 +32,7 @@ from xeonsd.cluster.job_status import (
     read_attempt,
     read_exit,
 )
-from xeonsd.cluster.slurm_job import read_slurm_job
+from xeonsd.contracts.slurm_job import read_slurm_job
 
 LOG_FILE = "train.log"
 # Ansible's async results when the launch itself ran past its async limit.
