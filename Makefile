@@ -21,15 +21,17 @@ $(VENV)/.installed: requirements.txt requirements-nodeps.txt requirements-dev.tx
 	$(PY) -m compileall -qq -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || true
 	touch $@
 
-# Every test; the 25 slowest are listed at the end, so each run shows where its time went. Two workers: one runs
-# the test cluster's tests (they wait on SSH and Ansible most of the time), the other the rest beside it, at a
-# lower CPU priority (tests/conftest.py: the cluster chain is the critical path).
+# Every test; the 25 slowest are listed at the end, so each run shows where its time went, and every skipped test
+# with its reason (-rs: off CI the test cluster's tests skip when not root; with CI=true that fails instead,
+# tests/cluster/ci_skips.py). Two workers: one runs the test cluster's tests (they wait on SSH and Ansible most of
+# the time), the other the rest beside it, at a lower CPU priority (tests/conftest.py: the cluster chain is the
+# critical path).
 test: install
-	$(VENV)/bin/pytest -q --durations=25 -n 2 --dist loadgroup tests
+	$(VENV)/bin/pytest -q -rs --durations=25 -n 2 --dist loadgroup tests
 
 # The edit loop: everything but the 4-node test cluster (tests/cluster).
 test-quick: install
-	$(VENV)/bin/pytest -q --durations=10 tests --ignore=tests/cluster
+	$(VENV)/bin/pytest -q -rs --durations=10 tests --ignore=tests/cluster
 
 lint: install
 	$(VENV)/bin/ruff check train tests plugins roles

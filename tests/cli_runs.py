@@ -8,6 +8,10 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where a test uses it (the role tests import this module too)
+    import torch
 
 TOKEN = "<dicoo>"
 
@@ -31,6 +35,24 @@ def train_args(model: Path, data: Path, out: Path, *extra: str, steps: int = 4, 
         f"--output_dir={out}",
         *extra,
     ]
+
+
+def initial_vector(model: Path) -> torch.Tensor:
+    """What the placeholder's vector starts as: the initializer token's ("toy") row of the text encoder's
+    embedding table, the point a run that learned nothing ends at."""
+    from safetensors.torch import load_file
+    from transformers import CLIPTokenizer
+
+    (token_id,) = CLIPTokenizer.from_pretrained(model, subfolder="tokenizer").encode("toy", add_special_tokens=False)
+    table = load_file(str(model / "text_encoder" / "model.safetensors"))["text_model.embeddings.token_embedding.weight"]
+    return table[token_id]
+
+
+def assert_learned(vectors: torch.Tensor, model: Path) -> None:
+    """Every learned vector moved away from the initializer's row: the run trained (two runs that learned nothing
+    would agree with each other too)."""
+    moved = (vectors - initial_vector(model)).abs().amax(dim=-1)
+    assert (moved > 1e-4).all(), f"the placeholder vector did not learn: largest change per vector {moved.tolist()}"
 
 
 def run_cli(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:

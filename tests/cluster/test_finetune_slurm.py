@@ -15,14 +15,8 @@ from pathlib import Path
 
 import pytest
 from harness import Cluster
+from jobs import RUNS, all_job_processes, background_playbook, finish, job_processes, latest_step, wait_for
 from runner import TIMINGS, PlaybookRun, run_playbook
-from test_finetune import RUNS
-from test_finetune import _all_job_processes as all_job_processes
-from test_finetune import _background_playbook as background_playbook
-from test_finetune import _finish as finish
-from test_finetune import _job_processes as job_processes
-from test_finetune import _latest_step as latest_step
-from test_finetune import _wait as wait_for
 
 # The slurm role's settings on the test cluster (each node's CPUs in slurm.conf: ranks_per_node, the nodes share
 # the host's cores, oversubscribed on purpose).
@@ -151,7 +145,7 @@ def test_preflight_refuses_a_partition_slurm_does_not_have(slurm_cluster: Cluste
 # reached, stops on the batch job's warning signal at a step with a checkpoint and says so; resumed again, a Ctrl-C
 # on the play stops it at a step with a checkpoint (SIGTERM through run.sh and scancel) and the play says so. Three
 # job runs of one run directory, each from what the one before left. That a run resumed from such a checkpoint
-# trains to its end is the mpirun chain's last attempt (test_finetune.py): resuming is the trainer's, whatever
+# trains to its end is the mpirun chain's last attempt (test_finetune_recovery.py): resuming is the trainer's, whatever
 # launched it, and the Ctrl-C's checkpoint is a SIGTERM's.
 # One rank per node (4 ranks on the 4 nodes): what these prove is about nodes and the batch job, not the rank count
 # (the 16-rank job is the test above), and on 2 cores four ranks start several times faster than sixteen.

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ci_skips import not_applicable
 from harness import Cluster
 from runner import PlaybookRun, run_playbook
 
@@ -76,7 +77,7 @@ def refused_by_preflight(result: PlaybookRun, expected: list[str]) -> None:
 @pytest.mark.parametrize("case", list(BAD_INVENTORIES))
 def test_bad_inventory_fails_in_preflight_and_changes_nothing(cluster: Cluster, tmp_path: Path, case: str) -> None:
     if case == "amx-required-but-missing" and has_amx():
-        pytest.skip("this machine has AMX")
+        not_applicable("this machine has AMX")
     kwargs, expected = BAD_INVENTORIES[case]
     inventory = cluster.write_inventory(tmp_path / "inventory.yml", **kwargs)
     before = cluster.snapshot()

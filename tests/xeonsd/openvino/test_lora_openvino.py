@@ -1,6 +1,7 @@
 """LoRA with OpenVINO on the tiny model: the trainer's adapter through GenAI at generation time (no re-export), fused
 into an export, and in diffusers PyTorch give the same images; adapters blend; what GenAI cannot apply or what was
-made for another base model is refused before any model is compiled. (A full fine-tune's pipeline exporting: tests/cluster/test_finetune.py.)
+made for another base model is refused before any model is compiled. (A full fine-tune's pipeline exporting:
+tests/cluster/test_finetune_methods.py.)
 
 Images are compared as uint8 pixels (0..255): "mean" is the mean absolute difference over all pixels.
 """

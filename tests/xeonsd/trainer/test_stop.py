@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runs import TOKEN, mpi_env, train, train_args
+from cli_runs import TOKEN, assert_learned, mpi_env, train, train_args
 from safetensors.torch import load_file
 
 from xeonsd.contracts import job_watch
@@ -134,6 +134,7 @@ def test_sigterm_stops_both_ranks_at_one_step_with_a_checkpoint_and_resume_equal
     assert f"resumed from {out / f'checkpoint-{step}'} at step {step}" in resumed.stderr
     full = tmp_path / "full"
     train(train_args(tiny_model, dataset, full, steps=step + 2), cli_env, 2)
+    assert_learned(vectors(full), tiny_model)
     torch.testing.assert_close(vectors(out), vectors(full), atol=1e-6, rtol=0)
     assert {s["state"] for s in job_watch.read_status_dir(str(out / "status"))} == {"done"}
 

@@ -58,7 +58,7 @@ def _train_log(argv: list[str]) -> Path:
     return out / ("libraries.log" if info.world_size == 1 else f"libraries-rank{info.rank}.log")
 
 
-def _train(args: argparse.Namespace, rest: list[str]) -> int:
+def _train(rest: list[str]) -> int:
     """The trainer with a quiet console: its own lines (progress, result, errors) on the console, the libraries'
     chatter in the log (``-v``: on the console too). ``--help`` and ``--dry_run`` print as they are."""
     from xeonsd.console import quiet_console
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     # Subcommands with many flags of their own parse them themselves, before the parser of the others is built
     # (which imports modules of the OpenVINO side: a training rank has no use for them).
     if argv and argv[0] == "train":
-        return _train(argparse.Namespace(), argv[1:])
+        return _train(argv[1:])
     if argv and argv[0] == "doctor":
         from xeonsd.ops.doctor import main as doctor_main
 

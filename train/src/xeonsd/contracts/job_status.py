@@ -211,12 +211,6 @@ def read_rank_status(path: Path) -> RankStatus:
     return rank_status_from_dict(_read(path), str(path))
 
 
-def read_rank_statuses(output_dir: Path) -> list[RankStatus]:
-    """This node's rank status files of a run, by rank."""
-    found = sorted(Path(output_dir, STATUS_DIR).glob("rank-*.json"), key=lambda p: p.name)
-    return sorted((read_rank_status(p) for p in found), key=lambda s: s.rank)
-
-
 def read_attempt(run_dir: Path) -> Attempt | None:
     path = Path(run_dir) / ATTEMPT_FILE
     return _typed(Attempt, _read(path), str(path)) if path.exists() else None

@@ -1,7 +1,7 @@
 """The rank layouts of one node and the tuning result that ``ranks_per_node: auto`` reads: defined here once.
 
 A layout is ranks per node × threads per rank that together use the node's physical cores (on 2 cores 1×2 and
-2×1; on 56 cores 1×56, 2×28, 4×14, 7×8, 8×7, 14×4, 28×2, 56×1). ``xeonsd layout`` (:mod:`xeonsd.ops.layout`)
+2×1; on 56 cores 1×56, 2×28, 4×14, 7×8, 8×7, 14×4, 28×2, 56×1). ``xeonsd bench layout`` (:mod:`xeonsd.bench.layout`)
 measures each with the job's own training arguments and writes the result below; doctor.yml -e tune_layout=true
 stores it on the controller (``runs/layout.json``), and the playbooks' filter (``plugins/filter/xeonsd_layout.py``,
 which loads this file on the controller) turns ``ranks_per_node: auto`` into its best layout. Standard library only.

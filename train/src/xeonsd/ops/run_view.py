@@ -19,15 +19,6 @@ def stats_rows(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r.get("rank_stats")]
 
 
-def node_order(rows: list[dict]) -> list[str]:
-    order: list[str] = []
-    for r in stats_rows(rows):
-        for n in r["rank_stats"]["nodes"]:
-            if n["node"] not in order:
-                order.append(n["node"])
-    return order
-
-
 def utilisation(rows: list[dict]) -> dict[str, dict[str, Any]]:
     """Per node: its CPU utilisation at each gathered step, and the run's mean, lowest and ranks."""
     out: dict[str, dict[str, Any]] = {}
