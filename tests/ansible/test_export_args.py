@@ -3,7 +3,7 @@ which the real `xeonsd export` parser accepts and reads back as the settings, an
 kept export, which changes with every setting that changes the exported model (and stays as it was for the
 defaults, so exports kept before a setting existed are still reused). Then the role itself, run on this machine
 with a stand-in for xeonsd: the inventory's quantization reaches the command, the export lands under its key, and
-a second run changes nothing."""
+a second run changes nothing; the generation's guidance and negative prompt reach xeonsd generate."""
 
 from __future__ import annotations
 
@@ -149,6 +149,7 @@ def test_the_role_exports_with_the_inventorys_quantization_under_its_key_once(tm
         "finetune_seed": 7,
         "openvino_export_quantize": "hybrid",
         "openvino_export_calibration_samples": 8,
+        "openvino_export_negative_prompt": "blurry, low quality",
     }
     assert changed(local_playbook(tmp_path / "play.yml", extra)) > 0
     export, generate = [json.loads(line) for line in (tmp_path / "calls").read_text().splitlines()]
@@ -156,6 +157,11 @@ def test_the_role_exports_with_the_inventorys_quantization_under_its_key_once(tm
     assert export[:3] == ["export", "/m/tiny", str(out)], export
     assert export[3:] == export_args({**DEFAULTS, "resolution": 64, "quantize": "hybrid", "calibration_samples": 8})
     assert generate[:2] == ["generate", str(out)] and (run / "openvino").resolve() == out
+    from xeonsd.cli import build_parser
+
+    gen = build_parser().parse_args(generate)  # the generate flags, as xeonsd generate reads them
+    assert (gen.guidance_scale, gen.negative_prompt, gen.seed) == (7.5, "blurry, low quality", 7), generate
+    assert gen.lora == [f"{run}/pytorch_lora_weights.safetensors:1.0"], generate
     assert (tmp_path / "controller" / "r1" / "openvino" / "xeonsd_export.json").exists()
     assert changed(local_playbook(tmp_path / "play.yml", extra)) == 0
     assert len((tmp_path / "calls").read_text().splitlines()) == 2  # both kept: nothing ran again
