@@ -8,6 +8,10 @@ before it (``--signal=USR1@…``: the ranks checkpoint and stop), the partition 
 srun's tasks (``--mpi=none``: the trainer reads SLURM_PROCID and friends; its process group is torch's, not MPI's),
 and a rank that exits with an error ends the whole step (``--kill-on-bad-exit``). Their lines are labelled the way
 ``mpirun -l`` labels them (``[rank] line``), so train.log reads the same under both launchers.
+
+xeonsd_sinfo_problem: the preflight's verdict on a site's Slurm (finetune_launcher: slurm, slurm_install false)
+from ``sinfo --noheader --node --format "%P %N"`` on the primary: what is wrong and its fix, or "" when the
+partition exists and Slurm knows every node of the inventory.
 """
 
 from __future__ import annotations
@@ -110,6 +114,53 @@ def sbatch_script(job: Mapping) -> str:
     return "\n".join(lines) + "\n"
 
 
+def parse_sinfo(lines: Sequence[str]) -> tuple[list[str], str, dict[str, list[str]]]:
+    """``sinfo --noheader --node --format "%P %N"``'s lines (one a node and partition; the default partition
+    marked ``*``): the partitions in Slurm's order, the default one ("" when none), the nodes of each partition."""
+    partitions: list[str] = []
+    default = ""
+    nodes: dict[str, list[str]] = {}
+    for line in lines:
+        fields = line.split()
+        if not fields:
+            continue
+        name = fields[0].rstrip("*")
+        if fields[0].endswith("*") and not default:
+            default = name
+        if name not in nodes:
+            partitions.append(name)
+            nodes[name] = []
+        nodes[name].append(fields[-1])
+    return partitions, default, nodes
+
+
+def sinfo_problem(sinfo: Mapping, partition: str, node_names: Sequence[str], primary: str) -> str:
+    """What is wrong with the site's Slurm for the job, with the fix, or "" when nothing is.
+
+    sinfo: the registered result of sinfo on ``primary`` (rc, stdout_lines, stderr); partition: the job's
+    (slurm_partition; "" is Slurm's default); node_names: every inventory node's slurm_node_name."""
+    if sinfo.get("rc") != 0:
+        why = str(sinfo.get("stderr") or "").strip()
+        return (
+            f"sinfo failed on {primary}: {why}. Fix: check that slurmctld runs and that this node has its "
+            "slurm.conf and munge key."
+        )
+    partitions, default, nodes = parse_sinfo(sinfo.get("stdout_lines") or [])
+    chosen = str(partition or "") or default or "(none: set slurm_partition)"
+    if chosen not in partitions:
+        return (
+            f"Slurm has no partition {chosen} (its partitions: {', '.join(partitions)}). Fix: set slurm_partition "
+            "to one of them."
+        )
+    unknown = list(dict.fromkeys(str(n) for n in node_names if str(n) not in nodes[chosen]))
+    if unknown:
+        return (
+            f"Slurm does not know {', '.join(unknown)} in partition {chosen}. Fix: set slurm_node_name of these "
+            "hosts to their Slurm names (sinfo -N)."
+        )
+    return ""
+
+
 class FilterModule:
     def filters(self) -> dict:
-        return {"xeonsd_sbatch_script": sbatch_script}
+        return {"xeonsd_sbatch_script": sbatch_script, "xeonsd_sinfo_problem": sinfo_problem}

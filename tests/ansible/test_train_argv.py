@@ -8,6 +8,7 @@ import os
 import subprocess
 
 import pytest
+import yaml
 from repo_code import REPO, VENV_BIN, ansible_code
 
 xeonsd_train = ansible_code("xeonsd_train")
@@ -245,3 +246,40 @@ def test_prior_preservation_reaches_the_trainer_only_when_on() -> None:
     assert cfg.with_prior_preservation and cfg.class_prompt == "a photo of a toy", argv
     assert (cfg.class_data_dir, cfg.num_class_images, cfg.prior_loss_weight) == ("/srv/class", 20, 0.5), argv
     assert cfg.class_export.endswith("/openvino-base"), argv  # export.yml's cache of the base models' exports
+
+
+# ---- one definition each: a flag in one group of the inventory's file, the method in one place -------------------
+
+
+def _own_keys(node: yaml.MappingNode) -> list[str]:
+    """The keys written in this mapping itself (not those it merges in with ``<<: *anchor``)."""
+    return [k.value for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge" and k.value != "<<"]
+
+
+def test_no_training_flag_is_written_twice_and_finetune_method_once() -> None:
+    """finetune_train_flags names each flag once in the file: lora and full share theirs through one anchored
+    mapping (merged into both), not by restating them; and finetune_method is the inventory's, not also a role
+    default that could disagree with it."""
+    path = REPO / "inventory" / "group_vars" / "all" / "finetune.yml"
+    top = yaml.compose(path.read_text())
+    (flags,) = [v for k, v in top.value if k.value == "finetune_train_flags"]
+    written: list[str] = []
+    merged: dict[int, yaml.MappingNode] = {}
+    for _, group in flags.value:
+        written += _own_keys(group)
+        for key, value in group.value:
+            if key.value == "<<":
+                for shared in value.value if isinstance(value, yaml.SequenceNode) else [value]:
+                    merged[id(shared)] = shared
+    for shared in merged.values():  # an anchored mapping counts once, however many groups merge it
+        written += _own_keys(shared)
+    twice = sorted({k for k in written if written.count(k) > 1})
+    assert not twice, f"{path}: written in more than one group of finetune_train_flags: {twice}"
+    assert merged, "lora and full no longer share their flags through an anchor: this test checks nothing"
+
+    definitions = [
+        p.relative_to(REPO)
+        for p in [*REPO.glob("inventory/group_vars/all/*.yml"), *REPO.glob("roles/*/defaults/main.yml")]
+        if "finetune_method" in (yaml.safe_load(p.read_text()) or {})
+    ]
+    assert [str(p) for p in definitions] == ["inventory/group_vars/all/finetune.yml"], definitions
