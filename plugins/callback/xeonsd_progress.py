@@ -1,7 +1,8 @@
 """Job progress: while finetune.yml waits for the training job, one line per poll with its step, loss and s/step.
 
-Ansible prints only "FAILED - RETRYING" while a task repeats with `until`; this callback prints the message of
-each poll of the finetune role's xeonsd_job module instead (step/total, loss, s/step, time left, CPU use), and one
+Ansible's default output prints only "FAILED - RETRYING" while a task repeats with `until`; the repository's
+stdout callback (xeonsd_console) prints nothing for a poll that only waits, and this callback prints the message of
+each such poll of the finetune role's xeonsd_job module (step/total, loss, s/step, time left, CPU use), and one
 warning for each node the trainer flagged as a straggler.
 
 It also makes Ctrl-C stop the job, not just the play. While the wait runs, the first Ctrl-C (SIGINT to
@@ -109,7 +110,8 @@ class CallbackModule(CallbackBase):
         if stop:
             self._display.display(f"  {result._host.get_name()}: {stop.get('message')}", color=C.COLOR_WARN)
         msg = result._result.get("msg")
-        if msg:
+        # A poll that answered has "finished"; a failed one's message is in xeonsd_console's FAILED line.
+        if msg and "finished" in result._result:
             self._display.display(f"  {result._host.get_name()}: {msg}")
         self._warn_stragglers(result)
 
