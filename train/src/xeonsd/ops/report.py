@@ -3,8 +3,13 @@
 It reads what is there and says what is missing: ``run.json`` (the exact command, versions, phase times, written
 by whoever launched the run), ``metrics.jsonl``, ``loss.png`` and ``validation_grid.png`` (the trainer), ``images/`` with ``timings.json``
 (``xeonsd generate``) and an export manifest (``xeonsd export``). Images are linked relatively, so the
-directory can be moved or copied as a whole. A run whose last attempt was told to stop (``exit.json``'s
-``stopped``) says so first: by what, at which step, and how to resume.
+directory can be moved or copied as a whole.
+
+The order is what a reader asks first: did it work, what did it make, what did it cost. A status line (done,
+stopped or failed; steps; wall time; images/s; cost), then a run told to stop says by what, at which step and how
+to resume; the generated images and the validation images over the steps; the loss plot with the training figures;
+the method; the cluster (its table, CPU use, the time split, stragglers, cost); the phase times and the export;
+what the directory lacks; and last, folded, the command, the versions and the job script.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 
 from xeonsd.cluster.job_status import StatusFileError, read_exit
 from xeonsd.cluster.job_watch import stop_summary
+from xeonsd.cluster.run_files import TRAINING_WALL
 from xeonsd.fsutil import atomic_file
 from xeonsd.method_names import METHOD_FILES
 from xeonsd.ops import run_view as clusterview
@@ -115,14 +121,6 @@ def stack_versions() -> dict[str, str]:
     return found
 
 
-def _command(run: Path, info: dict) -> str | None:
-    """run.json's command, else the job script the finetune playbook left (run.sh), else nothing."""
-    if info.get("command"):
-        return str(info["command"])
-    script = run / "run.sh"
-    return script.read_text() if script.is_file() else None
-
-
 def _find_export_manifest(run: Path) -> dict | None:
     # openvino/ is a link to the base model's export for textual inversion and LoRA (glob does not follow it).
     for candidate in [run / "openvino" / "xeonsd_export.json", *sorted(run.glob("**/xeonsd_export.json"))]:
@@ -180,7 +178,7 @@ def method_section(summary: dict, rows: list[dict]) -> str:
 
 def _figures(run: Path, info: dict, rows: list[dict], timings: dict) -> dict:
     """The cluster figures, also written into run.json (when there is one) for scripts."""
-    wall = (info.get("phases") or {}).get("training job, wall (s)")
+    wall = (info.get("phases") or {}).get(TRAINING_WALL)
     ips = timings.get("images_per_s")
     figs = clusterview.figures(rows, info.get("cost") or {}, wall, 1 / ips if ips else None)
     if (run / "run.json").is_file() and info and info.get("cluster_figures") != figs:
@@ -197,25 +195,78 @@ def build_report(run: Path) -> str:
     rows = _metrics(run)
     images_dir = run / "images"
     timings = _load_json(images_dir / "timings.json") or {}
+    figs = _figures(run, info, rows, timings)
+    ended = _ended(run)
+    how = _how_it_ran(run, info, missing)  # last, but what it lacks goes into the list before it
     sections = [
-        *_stopped_section(run),
-        *_how_it_ran(run, info, missing),
-        *_what_trained(run, rows, missing),
-        *cluster_sections(rows, _figures(run, info, rows, timings)),
+        status_line(run, ended, info, rows, figs),
+        *_stopped_section(ended),
+        *_images_section(images_dir, timings, missing),
+        *_validation_section(run),
+        *_loss_section(run, rows, missing),
+        *_method_section(run, rows, missing),
+        *(["<h2>Cluster</h2>" + html_table(info["cluster"])] if info.get("cluster") else []),
+        *cluster_sections(rows, figs),
         *_phases_section(info, timings),
         *_export_section(run, info),
-        *_images_section(images_dir, timings, missing),
         *_missing_section(missing),
+        *how,
     ]
     return _page(html.escape(info.get("title") or f"xeonsd run {run.name}"), sections)
 
 
-def _stopped_section(run: Path) -> list[str]:
-    """The last attempt stopped as it was told to (SIGTERM, the time limit, …): by what, where, how to resume."""
+def _ended(run: Path):  # noqa: ANN202 - job_status.Exit or None
     try:
-        ended = read_exit(run)
+        return read_exit(run)
     except (OSError, StatusFileError):
-        return []
+        return None
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+    return f"{seconds // 60} min {seconds % 60:02d} s" if seconds >= 60 else f"{seconds} s"
+
+
+def outcome(run: Path, ended, rows: list[dict]) -> str:  # noqa: ANN001
+    """done, stopped, failed (exit code N), not finished (a run with partial metrics only) or not trained."""
+    if ended is not None:
+        if ended.stopped is not None:
+            return "stopped"
+        return "done" if ended.rc == 0 else f"failed (exit code {ended.rc})"
+    if (run / "metrics.jsonl").is_file():
+        return "done"
+    return "not finished" if rows else "not trained"
+
+
+def status_line(run: Path, ended, info: dict, rows: list[dict], figs: dict) -> str:  # noqa: ANN001
+    """The outcome, the steps, the training job's wall time, images/s and the cost, in one line."""
+    state = outcome(run, ended, rows)
+    parts = [f"<b class=state>{html.escape(state.capitalize())}</b>"]
+    if rows:
+        parts.append(f"{rows[-1]['step']} steps")
+        wall = (info.get("phases") or {}).get(TRAINING_WALL)
+        parts.append(
+            f"{_duration(float(wall))} training wall time"
+            if wall
+            else f"{_duration(sum(r['s_per_step'] for r in rows))} in the steps"
+        )
+        ips = statistics.median(r["images_per_s"] for r in rows[1:] or rows)
+        parts.append(f"{ips:.3g} images/s in training")
+    cost = figs.get("cost") or {}
+    if cost:
+        parts.append(
+            f"cost {cost['training_cost']:.4g} {html.escape(cost['currency'])} ({cost['node_hours']:.3g} node-hours)"
+        )
+    else:
+        parts.append("cost: no node_hour_price set")
+    css = "done" if state == "done" else "stopped" if state == "stopped" else "failed"
+    return f"<p class='status {css}'>{' · '.join(parts)}</p>"
+
+
+def _stopped_section(ended) -> list[str]:  # noqa: ANN001
+    """The last attempt stopped as it was told to (SIGTERM, the time limit, …): by what, where, how to resume."""
     if ended is None or ended.stopped is None:
         return []
     text = stop_summary(dataclasses.asdict(ended.stopped))
@@ -223,31 +274,34 @@ def _stopped_section(run: Path) -> list[str]:
 
 
 def _how_it_ran(run: Path, info: dict, missing: list[str]) -> list[str]:
-    """The command, the versions of the stack and the cluster."""
-    sections = []
-    command = _command(run, info)
-    if command:
-        sections.append(f"<h2>Command</h2><pre>{html.escape(command)}</pre>")
-    else:
+    """Last and folded: the command, the versions of the stack and the job script (run.sh)."""
+    command = info.get("command")
+    script = run / "run.sh"
+    if not command and not script.is_file():
         missing.append("run.json or run.sh (the command)")
-    sections.append("<h2>Versions</h2>" + html_table(info.get("versions") or stack_versions()))
-    if info.get("cluster"):
-        sections.append("<h2>Cluster</h2>" + html_table(info["cluster"]))
-    return sections
+    folds = [
+        ("Command", f"<pre>{html.escape(str(command))}</pre>" if command else ""),
+        ("Versions", html_table(info.get("versions") or stack_versions())),
+        ("Job script (run.sh)", f"<pre>{html.escape(script.read_text())}</pre>" if script.is_file() else ""),
+    ]
+    body = "".join(f"<details><summary>{name}</summary>{text}</details>" for name, text in folds if text)
+    return ["<h2>How it ran</h2>" + body]
 
 
-def _what_trained(run: Path, rows: list[dict], missing: list[str]) -> list[str]:
-    """The method and its result, the training figures and the loss plot."""
-    sections = []
+def _method_section(run: Path, rows: list[dict], missing: list[str]) -> list[str]:
+    """The method and its result."""
     trained = read_summary(run)
-    if trained:
-        sections.append(method_section(trained, rows))
-    else:
+    if not trained:
         missing.append("train_summary.json (the method and its result)")
+        return []
+    return [method_section(trained, rows)]
+
+
+def _loss_section(run: Path, rows: list[dict], missing: list[str]) -> list[str]:
+    """The loss plot (training and validation) and the training figures under it."""
+    sections = []
     summary = training_summary(rows)
-    if summary:
-        sections.append("<h2>Training</h2>" + html_table(summary))
-    else:
+    if not summary:
         missing.append("metrics.jsonl")
     if (run / "loss.png").is_file():
         caption = (
@@ -268,13 +322,22 @@ def _what_trained(run: Path, rows: list[dict], missing: list[str]) -> list[str]:
         )
     else:
         missing.append("loss.png")
-    if (run / GRID).is_file():
-        sections.append(
-            f'<h2>Validation images</h2><figure><img src="{GRID}" alt="validation images over the steps">'
-            "<figcaption>The validation prompt's images (one row per image, the same seed in every column) at "
-            "every --validation_steps evaluation and at the end.</figcaption></figure>"
-        )
+        if summary:
+            sections.append("<h2>Loss</h2>")
+    if summary:
+        sections.append(html_table(summary))
     return sections
+
+
+def _validation_section(run: Path) -> list[str]:
+    """The validation prompt's images over the steps (the trainer's grid), when the run rendered them."""
+    if not (run / GRID).is_file():
+        return []
+    return [
+        f'<h2>Validation images</h2><figure><img src="{GRID}" alt="validation images over the steps">'
+        "<figcaption>The validation prompt's images (one row per image, the same seed in every column) at "
+        "every --validation_steps evaluation and at the end.</figcaption></figure>"
+    ]
 
 
 def _phases_section(info: dict, timings: dict) -> list[str]:
@@ -325,13 +388,22 @@ def _missing_section(missing: list[str]) -> list[str]:
 
 def _page(title: str, sections: list[str]) -> str:
     style = (
-        "body{font-family:sans-serif;max-width:70em;margin:2em auto;padding:0 1em}"
-        "table{border-collapse:collapse}th,td{border:1px solid #ccc;padding:.2em .6em;text-align:left}"
-        "pre{background:#f4f4f4;padding:.8em;white-space:pre-wrap}.images{display:flex;flex-wrap:wrap;gap:1em}"
-        "figure{margin:0}.images img{width:256px;image-rendering:pixelated}"
+        "body{font-family:sans-serif;max-width:70em;margin:2em auto;padding:0 1em;line-height:1.4}"
+        "h1{font-size:1.6em;overflow-wrap:anywhere}"
+        ".status{font-size:1.15em;padding:.6em .9em;border-radius:.4em;background:#eef6ee;border-left:.4em solid #3a3}"
+        ".status.stopped{background:#fff6e5;border-color:#e90}.status.failed{background:#fdeeee;border-color:#c33}"
+        "table{border-collapse:collapse;display:block;overflow-x:auto;max-width:100%}"
+        "th,td{border:1px solid #ccc;padding:.2em .6em;text-align:left;vertical-align:top}"
+        "pre{background:#f4f4f4;padding:.8em;white-space:pre-wrap;overflow-wrap:anywhere}"
+        "figure{margin:0}img{max-width:100%;height:auto}figcaption{color:#555;font-size:.9em}"
+        ".images{display:grid;grid-template-columns:repeat(auto-fill,minmax(min(180px,45%),1fr));gap:1em}"
+        ".images img{width:100%;image-rendering:pixelated}"
+        "details{margin:.4em 0}summary{cursor:pointer;font-weight:bold}"
     )
     return (
-        f"<!doctype html><html><head><meta charset=utf-8><title>{title}</title><style>{style}</style></head>"
+        "<!doctype html><html><head><meta charset=utf-8>"
+        '<meta name=viewport content="width=device-width,initial-scale=1">'
+        f"<title>{title}</title><style>{style}</style></head>"
         f"<body><h1>{title}</h1>{''.join(sections)}</body></html>\n"
     )
 
