@@ -14,20 +14,18 @@ what the directory lacks; and last, folded, the command, the versions and the jo
 
 from __future__ import annotations
 
-import dataclasses
 import html
 import json
 import statistics
 from pathlib import Path
 from typing import Any
 
-from xeonsd.cluster.job_status import StatusFileError, read_exit
-from xeonsd.cluster.job_watch import stop_summary
 from xeonsd.cluster.run_files import TRAINING_WALL
 from xeonsd.fsutil import atomic_file
 from xeonsd.method_names import METHOD_FILES
 from xeonsd.ops import run_view as clusterview
 from xeonsd.ops.report_cluster import cluster_sections, html_table
+from xeonsd.ops.report_status import ended_attempt, status_line, stopped_section
 from xeonsd.trainer.metrics import GRID, VALIDATION_LABEL, loss_curve, read_summary, validation_points
 
 REPORT = "report.html"
@@ -196,11 +194,11 @@ def build_report(run: Path) -> str:
     images_dir = run / "images"
     timings = _load_json(images_dir / "timings.json") or {}
     figs = _figures(run, info, rows, timings)
-    ended = _ended(run)
+    ended = ended_attempt(run)
     how = _how_it_ran(run, info, missing)  # last, but what it lacks goes into the list before it
     sections = [
         status_line(run, ended, info, rows, figs),
-        *_stopped_section(ended),
+        *stopped_section(ended),
         *_images_section(images_dir, timings, missing),
         *_validation_section(run),
         *_loss_section(run, rows, missing),
@@ -213,64 +211,6 @@ def build_report(run: Path) -> str:
         *how,
     ]
     return _page(html.escape(info.get("title") or f"xeonsd run {run.name}"), sections)
-
-
-def _ended(run: Path):  # noqa: ANN202 - job_status.Exit or None
-    try:
-        return read_exit(run)
-    except (OSError, StatusFileError):
-        return None
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    if seconds >= 3600:
-        return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
-    return f"{seconds // 60} min {seconds % 60:02d} s" if seconds >= 60 else f"{seconds} s"
-
-
-def outcome(run: Path, ended, rows: list[dict]) -> str:  # noqa: ANN001
-    """done, stopped, failed (exit code N), not finished (a run with partial metrics only) or not trained."""
-    if ended is not None:
-        if ended.stopped is not None:
-            return "stopped"
-        return "done" if ended.rc == 0 else f"failed (exit code {ended.rc})"
-    if (run / "metrics.jsonl").is_file():
-        return "done"
-    return "not finished" if rows else "not trained"
-
-
-def status_line(run: Path, ended, info: dict, rows: list[dict], figs: dict) -> str:  # noqa: ANN001
-    """The outcome, the steps, the training job's wall time, images/s and the cost, in one line."""
-    state = outcome(run, ended, rows)
-    parts = [f"<b class=state>{html.escape(state.capitalize())}</b>"]
-    if rows:
-        parts.append(f"{rows[-1]['step']} steps")
-        wall = (info.get("phases") or {}).get(TRAINING_WALL)
-        parts.append(
-            f"{_duration(float(wall))} training wall time"
-            if wall
-            else f"{_duration(sum(r['s_per_step'] for r in rows))} in the steps"
-        )
-        ips = statistics.median(r["images_per_s"] for r in rows[1:] or rows)
-        parts.append(f"{ips:.3g} images/s in training")
-    cost = figs.get("cost") or {}
-    if cost:
-        parts.append(
-            f"cost {cost['training_cost']:.4g} {html.escape(cost['currency'])} ({cost['node_hours']:.3g} node-hours)"
-        )
-    else:
-        parts.append("cost: no node_hour_price set")
-    css = "done" if state == "done" else "stopped" if state == "stopped" else "failed"
-    return f"<p class='status {css}'>{' · '.join(parts)}</p>"
-
-
-def _stopped_section(ended) -> list[str]:  # noqa: ANN001
-    """The last attempt stopped as it was told to (SIGTERM, the time limit, …): by what, where, how to resume."""
-    if ended is None or ended.stopped is None:
-        return []
-    text = stop_summary(dataclasses.asdict(ended.stopped))
-    return [f"<h2>Stopped</h2><p>Attempt {ended.attempt or '?'} {html.escape(text)} (exit code {ended.rc}).</p>"]
 
 
 def _how_it_ran(run: Path, info: dict, missing: list[str]) -> list[str]:
