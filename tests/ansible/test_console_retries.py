@@ -2,7 +2,8 @@
 real ansible-playbook run on this machine with the repository's ansible.cfg: the training job's poll that only
 waits prints its progress line and no FAILED line; an attempt that fails still prints FAILED with its message; any
 other task's wait prints WAITING. The poll is a stand-in module with the finetune role's module name (xeonsd_job),
-which answers from a counter file: step n/3 on the n-th call, finished on the third."""
+which answers from a counter file: step n/3 on the n-th call, finished on the third, and from the second on the
+trainer's verdict that every node is low on CPU, which the play prints once."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ FAKE_JOB = textwrap.dedent(
     open(path, "w").write(str(n))
     if n == module.params["fail_at"]:
         module.fail_json(msg=f"cannot read the job's state: poll {n} broke")
-    module.exit_json(finished=n >= 3, msg=f"step {n}/3 (fake progress)")
+    layout = "all 4 nodes equally low on CPU (fake)" if n >= 2 else None
+    module.exit_json(finished=n >= 3, msg=f"step {n}/3 (fake progress)", layout_warning=layout)
     """
 )
 
@@ -93,6 +95,8 @@ def test_a_poll_that_only_waits_prints_its_progress_line_and_no_failed_line(tmp_
     assert "RETRYING" not in said, said
     assert "  localhost: step 1/3 (fake progress)" in said, said
     assert "  localhost: step 2/3 (fake progress)" in said, said
+    # The verdict that every node is low on CPU comes with every poll from the second on: printed once.
+    assert said.count("[WARNING]: Low CPU on every node: all 4 nodes equally low on CPU (fake)") == 1, said
     # Another task's wait says that it waits, once per repeat.
     assert len(re.findall(r"^WAITING: \[localhost\]: Wait for a file \(\d+ retries left\)\.$", said, re.M)) == 1, said
 
