@@ -273,6 +273,8 @@ def test_report_opens_with_the_status_and_the_images_and_folds_how_it_ran_last(t
     prices = {"node_hour_price": 2.0, "currency": "EUR"}
     run = _stats_run(tmp_path, prices)
     Image.new("RGB", (8, 8)).save(run / "validation_grid.png")
+    timings = {"images_per_s": 0.7, "prompts": ["a yellow <dicoo> robot at the beach"] * 5}
+    (run / "images" / "timings.json").write_text(json.dumps(timings))
     (run / "run.sh").write_text("mpiexec.hydra -n 16 -ppn 4 xeonsd train --placeholder_token='<dicoo>'\n")
     info = json.loads((run / "run.json").read_text())
     (run / "run.json").write_text(json.dumps({**info, "cluster": {"nodes": "node1, node2, node3, node4"}}))
@@ -292,7 +294,11 @@ def test_report_opens_with_the_status_and_the_images_and_folds_how_it_ran_last(t
         "How it ran",
     ], headings
     status = page[page.index("<p class='status") : page.index("<h2>Generated images</h2>")]
-    assert "<b class=state>Done</b> · 20 steps · 1 min 30 s training wall time · 4.4 images/s in training · cost 0.2 EUR" in status
+    assert (
+        "<b class=state>Done</b> · 20 steps · 1 min 30 s training wall time · 4.4 images/s in training · cost 0.2 EUR"
+        in status
+    )
+    assert "<p>Prompt: <q>a yellow &lt;dicoo&gt; robot at the beach</q></p>" in page  # not a Python list
     folded = page[page.index("<h2>How it ran</h2>") :]
     summaries = re.findall(r"<details><summary>(.*?)</summary>", folded)
     assert summaries == ["Command", "Versions", "Job script (run.sh)"]

@@ -315,7 +315,9 @@ def _images_section(images_dir: Path, timings: dict, missing: list[str]) -> list
         for p in pictures
     )
     prompt = timings.get("prompts") or timings.get("prompt")
-    caption = f"<p>Prompt: <q>{html.escape(str(prompt))}</q></p>" if prompt else ""
+    prompts = [str(p) for p in prompt] if isinstance(prompt, list) else [str(prompt)] if prompt else []
+    quoted = ", ".join(f"<q>{html.escape(p)}</q>" for p in dict.fromkeys(prompts))  # each distinct prompt once
+    caption = f"<p>Prompt{'s' if len(set(prompts)) > 1 else ''}: {quoted}</p>" if prompts else ""
     return [f"<h2>Generated images</h2>{caption}<div class=images>{figs}</div>"]
 
 
