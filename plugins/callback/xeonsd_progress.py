@@ -1,8 +1,10 @@
 """Job progress: while finetune.yml waits for the training job, one line per poll with its step, loss and s/step.
 
-Ansible prints only "FAILED - RETRYING" while a task repeats with `until`; this callback prints the message of
-each poll of the finetune role's xeonsd_job module instead (step/total, loss, s/step, time left, CPU use), and one
-warning for each node the trainer flagged as a straggler.
+Ansible's default output prints only "FAILED - RETRYING" while a task repeats with `until`; the repository's
+stdout callback (xeonsd_console) prints nothing for a poll that only waits, and this callback prints the message of
+each such poll of the finetune role's xeonsd_job module (step/total, loss, s/step, time left, CPU use), one
+warning for each node the trainer flagged as a straggler, and one when every node is low on CPU (the layout or the
+shared load: the trainer's layout verdict).
 
 It also makes Ctrl-C stop the job, not just the play. While the wait runs, the first Ctrl-C (SIGINT to
 ansible-playbook) creates the file named by INTERRUPT_FILE_ENV, and the play goes on. The next poll (the role's
@@ -95,6 +97,11 @@ class CallbackModule(CallbackBase):
         self._restore_sigint()
 
     def _warn_stragglers(self, result) -> None:  # noqa: ANN001
+        layout = result._result.get("layout_warning")
+        key = (result._host.get_name(), "")
+        if layout and key not in self._warned:  # every node low on CPU: said once, not per node nor per poll
+            self._warned.add(key)
+            self._display.display(f"[WARNING]: Low CPU on every node: {layout}", color=C.COLOR_WARN, stderr=True)
         for node, text in (result._result.get("straggler_warnings") or {}).items():
             key = (result._host.get_name(), node)
             if key not in self._warned:  # one warning per straggler node, not one per poll
@@ -109,7 +116,8 @@ class CallbackModule(CallbackBase):
         if stop:
             self._display.display(f"  {result._host.get_name()}: {stop.get('message')}", color=C.COLOR_WARN)
         msg = result._result.get("msg")
-        if msg:
+        # A poll that answered has "finished"; a failed one's message is in xeonsd_console's FAILED line.
+        if msg and "finished" in result._result:
             self._display.display(f"  {result._host.get_name()}: {msg}")
         self._warn_stragglers(result)
 

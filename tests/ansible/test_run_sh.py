@@ -41,6 +41,7 @@ def _render_run_sh(run_dir: Path, wrapper: Path, nodefile: Path, args: list[str]
             finetune_setup_timeout_s=300,
             finetune_step_timeout_s=60,
             finetune_node_names_env="127.0.0.1=node1",
+            finetune_shared_cores=0,
             finetune_timeout_s=3600,
             finetune_stop_timeout_s=60,
             finetune_env_wrapper=str(wrapper),

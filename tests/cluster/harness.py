@@ -81,6 +81,18 @@ NODES = 4
 DISK_GB = 40
 
 
+def physical_cores() -> int:
+    """This machine's physical cores (one per core: hyper-threads not counted), which every node shares."""
+    seen = set()
+    for cpu in os.sched_getaffinity(0):
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            seen.add((int((topo / "physical_package_id").read_text()), int((topo / "core_id").read_text())))
+        except (OSError, ValueError):
+            seen.add((0, cpu))
+    return len(seen)
+
+
 @dataclass
 class State:
     """What `up` made, so that `down` removes exactly that (also after a crash half-way)."""
@@ -265,6 +277,8 @@ class Cluster:
             "ml_stack_xeonsd_source": str(self.xeonsd_source),
             "controller_cache_dir": str(REPO / ".cache"),
             "mpi_ranks": settings["ranks_per_node"] * len(nodes),
+            # Every node is a namespace of this machine: they share its physical cores (the trainer's CPU verdict).
+            "cluster_shared_cores": physical_cores(),
             **(overrides or {}),
         }
         return write_inventory_dir(

@@ -50,8 +50,15 @@ def test_finetune_trains_on_16_ranks_then_exports_generates_and_reports(provisio
     TIMINGS.append(("finetune.yml end to end (train 16 ranks, export, 5 images, report)", wall))
 
     run = runs / "e2e"
-    # Progress was printed on the polls: step/total, loss, s/step.
+    # Progress was printed on the polls: step/total, loss, s/step; no FAILED line for a poll that only waited.
     assert "node1: step " in output and " s/step" in output and "16 ranks (gloo)" in output
+    assert "FAILED - RETRYING" not in output
+    # The 4 nodes share this machine's cores: when they are all low on CPU, the play says so once, naming the shared
+    # cores, and calls no node a straggler for its CPU use alone.
+    if "Low CPU on every node: " in output:
+        assert output.count("Low CPU on every node: ") == 1 and "share one machine's" in output
+        stragglers = [line for line in output.splitlines() if "Straggler: " in line]
+        assert all("× the median" in line and "CPU utilisation" not in line for line in stragglers), stragglers
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 30 and {r["ranks"] for r in rows} == {16} and {r["backend"] for r in rows} == {"gloo"}
     train_log = (run / "train.log").read_text()

@@ -223,11 +223,12 @@ def test_progress_line_and_job_state(tmp_path: Path) -> None:
         job_watch.job_state(params)
 
 
-def _stats_rows(slow_node: int | None) -> list[dict]:
-    """Metrics rows as the trainer writes them (xeonsd.cluster.rank_stats), 16 ranks on 4 nodes, stats every 5 steps."""
+def _stats_rows(slow_node: int | None, all_low: bool = False) -> list[dict]:
+    """Metrics rows as the trainer writes them (xeonsd.cluster.rank_stats), 16 ranks on 4 nodes, stats every 5 steps;
+    ``all_low``: every node at 11 % CPU on one 2-core machine (the demo on the test cluster)."""
     from xeonsd.cluster.rank_stats import Interval, StragglerWatch, summarize
 
-    watch = StragglerWatch()
+    watch = StragglerWatch(shared_cores=2 if all_low else 0)
     rows = []
     for step in range(1, 21):
         row = {"step": step, "loss": 0.1, "s_per_step": 3.2, "ranks": 16, "backend": "gloo"}
@@ -235,11 +236,12 @@ def _stats_rows(slow_node: int | None) -> list[dict]:
             ivs = []
             for r in range(16):
                 slow = r // 4 + 1 == slow_node
-                compute, allreduce, util = (3.0, 0.1, 0.56) if slow else (2.0, 1.1, 0.96)
+                compute, allreduce, util = (3.0, 0.1, 0.56) if slow else (2.0, 1.1, 0.11 if all_low else 0.96)
                 wall = 5 * (compute + allreduce + 0.1)
-                ivs.append(Interval(5, wall, util * wall * 4, 4, 0.5, 5 * allreduce))
+                threads, cores = (1, 2) if all_low else (4, 0)
+                ivs.append(Interval(5, wall, util * wall * threads, threads, 0.5, 5 * allreduce, cores))
             summary = summarize(ivs, [f"node{r // 4 + 1}" for r in range(16)])
-            row |= {"rank_stats": summary, "stragglers": watch.judge(summary)}
+            row |= {"rank_stats": summary, **watch.verdict(summary)}
         rows.append(row)
     return rows
 
@@ -277,6 +279,21 @@ def test_progress_line_has_the_cpu_use_and_a_straggler_gets_one_warning(tmp_path
     where = [warning.index(c) for c in causes]
     assert where == sorted(where), "the likely causes, in order"
     assert list(state["straggler_warnings"]) == ["node3"]
+    assert state["layout_warning"] is None
+
+
+def test_every_node_low_on_cpu_is_one_layout_warning_not_a_straggler_each(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    results = tmp_path / "async"
+    results.write_text(json.dumps({"started": 1, "finished": 0}))
+    params = {"run_dir": str(run), "results_file": str(results), "nodes": NODES, "ranks_per_node": 4}
+    (run / "metrics.partial.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _stats_rows(None, all_low=True)))
+    state = job_watch.job_state({**params, "total_steps": 200, "excerpt_lines": 5})
+    assert state["straggler_warnings"] == {}
+    warning = state["layout_warning"]
+    assert warning.startswith("all 4 nodes equally low on CPU (11%, under 80% for 4 intervals), so no node is a ")
+    assert "4 nodes × 4 ranks × 1 thread = 16 threads on 2 cores" in warning
 
 
 def test_a_job_past_its_time_limit_says_so(tmp_path: Path) -> None:

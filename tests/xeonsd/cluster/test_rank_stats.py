@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from xeonsd.cluster.rank_stats import CAUSES, Interval, RankClock, StragglerWatch, node_names, summarize
+from xeonsd.cluster.rank_stats import (
+    CAUSES,
+    Interval,
+    RankClock,
+    StragglerWatch,
+    node_names,
+    shared_cores,
+    summarize,
+)
 
 
 class FakeClock:
@@ -87,3 +95,63 @@ def test_node_names_map_addresses_to_inventory_names() -> None:
     env = {"XEONSD_NODE_NAMES": "10.0.0.1=node1, 10.0.0.2=node2"}
     assert node_names(env) == {"10.0.0.1": "node1", "10.0.0.2": "node2"}
     assert node_names({}) == {}
+
+
+# The demo on the test cluster: 4 nodes × 4 ranks × 1 thread, every node a namespace of one 2-core machine; each
+# rank gets 10-12 % of a core and every node computes as fast as the others.
+DEMO_NODES = [f"node{r // 4 + 1}" for r in range(16)]
+DEMO = [
+    Interval(5, 10.0, util * 10.0, 1, 0.5, 2.0, cores=2)
+    for util in (0.11, 0.12, 0.10, 0.11, 0.12, 0.11, 0.11, 0.12, 0.10, 0.11, 0.12, 0.11, 0.11, 0.10, 0.12, 0.11)
+]
+
+
+def _three_intervals(watch: StragglerWatch, seq: list[Interval], nodes: list[str]) -> list[dict]:
+    return [watch.verdict(summarize(seq, nodes)) for _ in range(3)]
+
+
+def test_every_node_equally_low_is_the_shared_cores_said_once_not_four_stragglers() -> None:
+    verdicts = _three_intervals(StragglerWatch(shared_cores=2), DEMO, DEMO_NODES)
+    assert [v["stragglers"] for v in verdicts] == [[], [], []]
+    assert "layout_verdict" not in verdicts[0] and "layout_verdict" not in verdicts[1]  # after 3 intervals, as before
+    v = verdicts[2]["layout_verdict"]
+    assert (v["nodes"], v["ranks_per_node"], v["threads_per_rank"], v["cores"], v["shared_cores"]) == (4, 4, 1, 2, 2)
+    text = v["text"]
+    assert text.startswith("all 4 nodes equally low on CPU (11-12%, under 80% for 3 intervals), so no node is a ")
+    assert (
+        "share one machine's 2 physical cores (the test cluster): 4 nodes × 4 ranks × 1 thread = 16 threads on "
+        "2 cores, at most 12% of a core each" in text
+    )
+    assert "holds every rank back" not in text and "slower CPU" not in text
+
+
+def test_every_node_equally_low_on_its_own_cores_names_the_oversubscribed_layout() -> None:
+    v = _three_intervals(StragglerWatch(), DEMO, DEMO_NODES)[-1]
+    assert v["stragglers"] == []
+    assert (
+        "Each node runs 4 ranks × 1 thread = 4 threads on its 2 physical cores (2.0× oversubscribed). Fix: "
+        in (v["layout_verdict"]["text"])
+    )
+    fits = [Interval(5, 10.0, 0.4 * 10.0 * 14, 14, 0.5, 2.0, cores=56) for _ in range(8)]
+    text = _three_intervals(StragglerWatch(), fits, NODES)[-1]["layout_verdict"]["text"]
+    assert "Each node runs 2 ranks × 14 threads = 28 threads on its 56 physical cores, which fits: another load" in text
+
+
+def test_a_node_that_lags_the_median_is_still_a_straggler_when_every_node_is_low() -> None:
+    lagging = DEMO[:8] + [Interval(5, 13.0, 0.11 * 13.0, 1, 0.5, 0.5, cores=2) for _ in range(4)] + DEMO[12:]
+    v = _three_intervals(StragglerWatch(), lagging, DEMO_NODES)[-1]
+    assert [s["node"] for s in v["stragglers"]] == ["node3"]
+    assert len(v["stragglers"][0]["why"]) == 1 and "× the median" in v["stragglers"][0]["why"][0]  # not its CPU
+    assert "layout_verdict" in v  # and the cluster-wide low CPU, once
+
+
+def test_one_low_node_among_busy_ones_is_still_a_straggler_and_no_layout_verdict() -> None:
+    low = [_iv(0.5, 2.0, 0.5), _iv(0.5, 2.0, 0.5)]
+    v = _three_intervals(StragglerWatch(), low + FAST * 3, NODES)[-1]
+    assert [s["node"] for s in v["stragglers"]] == ["node1"] and "layout_verdict" not in v
+
+
+def test_the_shared_cores_come_from_the_environment() -> None:
+    assert shared_cores({"XEONSD_SHARED_CORES": "2"}) == 2
+    assert shared_cores({"XEONSD_SHARED_CORES": "0"}) == 0 and shared_cores({}) == 0
+    assert Interval.from_floats(DEMO[0].as_floats()) == DEMO[0]

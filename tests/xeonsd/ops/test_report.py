@@ -255,3 +255,89 @@ def test_report_without_a_price_or_a_straggler_says_so_and_shows_no_cost(tmp_pat
     assert "No straggler (every node at or above 80 % CPU and within 1.3× the median compute time)." in page
     assert "<h2>Cost</h2>" not in page
     assert json.loads((run / "run.json").read_text())["cluster_figures"]["cost"] == {}
+
+
+def _rendered(run: Path, cli_env) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "xeonsd.cli", "report", str(run)], env=cli_env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    return (run / "report.html").read_text()
+
+
+def test_report_opens_with_the_status_and_the_images_and_folds_how_it_ran_last(tmp_path, cli_env):
+    """The order a reader asks in: did it work (status), what it made (images, the validation grid), the loss, the
+    cluster; the command, the versions and the job script last, folded. Every image it links is in the directory."""
+    import re
+
+    prices = {"node_hour_price": 2.0, "currency": "EUR"}
+    run = _stats_run(tmp_path, prices)
+    Image.new("RGB", (8, 8)).save(run / "validation_grid.png")
+    timings = {"images_per_s": 0.7, "prompts": ["a yellow <dicoo> robot at the beach"] * 5}
+    (run / "images" / "timings.json").write_text(json.dumps(timings))
+    (run / "run.sh").write_text("mpiexec.hydra -n 16 -ppn 4 xeonsd train --placeholder_token='<dicoo>'\n")
+    info = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**info, "cluster": {"nodes": "node1, node2, node3, node4"}}))
+    page = _rendered(run, cli_env)
+    headings = re.findall(r"<h2>(.*?)</h2>", page)
+    assert headings == [
+        "Generated images",
+        "Validation images",
+        "Loss",
+        "Method",
+        "Cluster",
+        "CPU use per node",
+        "Where the step time goes",
+        "Stragglers",
+        "Cost",
+        "Throughput per phase",
+        "How it ran",
+    ], headings
+    status = page[page.index("<p class='status") : page.index("<h2>Generated images</h2>")]
+    assert (
+        "<b class=state>Done</b> · 20 steps · 1 min 30 s training wall time · 4.4 images/s in training · cost 0.2 EUR"
+        in status
+    )
+    assert "<p>Prompt: <q>a yellow &lt;dicoo&gt; robot at the beach</q></p>" in page  # not a Python list
+    folded = page[page.index("<h2>How it ran</h2>") :]
+    summaries = re.findall(r"<details><summary>(.*?)</summary>", folded)
+    assert summaries == ["Command", "Versions", "Job script (run.sh)"]
+    assert "mpiexec.hydra -n 16 -ppn 4" in folded and "2.13.0" in folded and "mpiexec.hydra" not in page[: -len(folded)]
+    sources = [s for s in re.findall(r'src="([^"]+)"', page) if not s.startswith("data:")]
+    assert sources[:5] == [f"images/image_{i:03d}.png" for i in range(5)]
+    assert sources[5:] == ["validation_grid.png", "loss.png"]
+    assert all((run / s).is_file() for s in sources), [s for s in sources if not (run / s).is_file()]
+    assert 'name=viewport content="width=device-width' in page  # readable on a phone
+
+
+def test_the_status_line_says_a_failed_run_with_its_exit_code(tmp_path, cli_env):
+    from xeonsd.cluster import job_status
+
+    run = _run_dir(tmp_path)
+    job_status.begin_attempt(run, now=1, time_limit_s=60)
+    job_status.write_exit(run, rc=1, now=80)
+    page = _rendered(run, cli_env)
+    assert "<p class='status failed'><b class=state>Failed (exit code 1)</b> · 5 steps · " in page
+    assert "cost: no node_hour_price set" in page
+
+
+def test_the_report_says_once_that_every_node_is_low_on_cpu_and_names_no_straggler(tmp_path, cli_env):
+    from xeonsd.cluster.rank_stats import Interval, StragglerWatch, summarize
+
+    run = _run_dir(tmp_path)
+    watch, rows = StragglerWatch(shared_cores=2), []
+    for step in range(1, 21):
+        row = {"step": step, "loss": 1.0 / step, "s_per_step": 3.6, "images_per_s": 4.4, "ranks": 16, "backend": "gloo"}
+        if step % 5 == 0:
+            ivs = [Interval(5, 18.0, 0.11 * 18.0, 1, 2.5, 5.0, cores=2) for _ in range(16)]
+            summary = summarize(ivs, [f"node{r // 4 + 1}" for r in range(16)])
+            row |= {"rank_stats": {**summary, "thresholds": {}}, **watch.verdict(summary)}
+        rows.append(row)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    page = _rendered(run, cli_env)
+    stragglers = page[page.index("<h2>Stragglers</h2>") :]
+    assert "<b>Low CPU on every node</b> (from step 15): all 4 nodes equally low on CPU (11%" in stragglers
+    assert "16 threads on 2 cores" in stragglers and "No node lags the others." in stragglers
+    assert "<ul class=stragglers>" not in page
+    verdict = json.loads((run / "run.json").read_text())["cluster_figures"]["layout_verdict"]
+    assert verdict["shared_cores"] == 2 and verdict["first_step"] == 15

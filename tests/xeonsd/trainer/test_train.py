@@ -132,6 +132,7 @@ def test_two_ranks_learn_what_one_rank_with_double_batch_learns(tiny_model, data
     for r in stats["ranks"]:
         assert 0 < r["cpu_util"] < 2 and r["compute_s"] > 0 and r["allreduce_s"] >= 0 and r["data_s"] > 0
     assert rows[-1]["stragglers"] == []
+    assert stats["nodes"][0]["cores"] >= 1 and stats["nodes"][0]["threads"] >= 1  # the layout verdict's figures
     print(f"2 ranks, one node: cpu_util {stats['cpu_util']}, per rank {stats['ranks']}")
     v1, v2 = vectors(one), vectors(two)
     assert_learned(v1, tiny_model)

@@ -10,30 +10,36 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TextIO
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
-    from xeonsd.assets import make_tiny_model
+    def run(console: TextIO) -> int:
+        from xeonsd.assets import make_tiny_model
 
-    out = make_tiny_model(Path(args.out), arch=args.arch, seed=args.seed)
-    print(out)
-    return 0
+        print(make_tiny_model(Path(args.out), arch=args.arch, seed=args.seed), file=console)
+        return 0
+
+    return _quietly(args, args.out, run)
 
 
 def _make_dataset(args: argparse.Namespace) -> int:
-    from xeonsd.assets import make_dataset
+    def run(console: TextIO) -> int:
+        from xeonsd.assets import make_dataset
 
-    for p in make_dataset(
-        Path(args.out),
-        count=args.count,
-        size=args.size,
-        seed=args.seed,
-        captions=args.captions,
-        token=args.token,
-        sizes=args.sizes,
-    ):
-        print(p)
-    return 0
+        for p in make_dataset(
+            Path(args.out),
+            count=args.count,
+            size=args.size,
+            seed=args.seed,
+            captions=args.captions,
+            token=args.token,
+            sizes=args.sizes,
+        ):
+            print(p, file=console)
+        return 0
+
+    return _quietly(args, args.out, run)
 
 
 def _console_flags(argv: list[str]) -> tuple[bool, str | None, list[str]]:
@@ -280,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
         "sd15/sd21/sdxl: full size",
     )
     p.add_argument("--seed", type=int, default=0)
+    _add_console_flags(p)
     p.set_defaults(func=_make_tiny_model)
 
     p = sub.add_parser("make-dataset", help="write synthetic training images (stand-in for the dicoo images)")
@@ -300,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write captions: metadata.jsonl, a .txt beside each image, or captions.txt",
     )
     p.add_argument("--token", default="<dicoo>", help="the concept's placeholder in the captions")
+    _add_console_flags(p)
     p.set_defaults(func=_make_dataset)
 
     _add_export_parser(sub)

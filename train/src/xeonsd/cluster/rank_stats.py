@@ -6,9 +6,15 @@ all-reduce, which includes waiting for the slowest rank); ``compute`` is the res
 Its CPU utilisation is ``cpu_s / (wall_s × threads)``. Every ``stats_every`` steps the ranks exchange their sums in
 one all-gather of a few floats, and rank 0 puts the per-rank and per-node summary into that step's metrics row.
 
-A node is a straggler when its ranks stay under ``min_util`` CPU utilisation for ``intervals`` intervals in a row,
-or when their compute time per step is more than ``ratio`` × the median node's. The verdict is rank 0's and goes
-into the metrics row (``stragglers``), so the play and the report read it from there rather than judge again.
+A node is a straggler when its ranks stay under ``min_util`` CPU utilisation for ``intervals`` intervals in a row
+while other nodes do not, or when their compute time per step is more than ``ratio`` × the median node's. When
+every node stays that low, no node is slower than the others: the cause is the job's layout (ranks per node ×
+threads per rank against the node's physical cores) or a load the nodes share, and the verdict says so once, with
+those figures (``layout_verdict``), instead of calling every node a straggler. Each rank reports its node's
+physical cores; ``XEONSD_SHARED_CORES`` (the finetune role's ``cluster_shared_cores``) says that every node runs on
+one machine's cores (the test cluster: network namespaces on one host). The verdict is rank 0's and goes into the
+metrics row (``stragglers``, ``layout_verdict``), so the play and the report read it from there rather than judge
+again.
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ from xeonsd.contracts.straggler_rule import CAUSES, STRAGGLER_RATIO
 
 # The ratio and the likely causes of a straggler are the straggler rule's (xeonsd.contracts.straggler_rule), doctor's too.
 NODE_NAMES_ENV = "XEONSD_NODE_NAMES"  # "address=name,address=name": the inventory's names for the MPI addresses
-FIELDS = ("steps", "wall_s", "cpu_s", "threads", "data_s", "allreduce_s")
+# The physical cores that every node of the job shares (they are one machine's: the test cluster); unset or 0: each
+# node has its own.
+SHARED_CORES_ENV = "XEONSD_SHARED_CORES"
+FIELDS = ("steps", "wall_s", "cpu_s", "threads", "data_s", "allreduce_s", "cores")
 
 
 @dataclass
@@ -37,6 +46,7 @@ class Interval:
     threads: int = 1
     data_s: float = 0.0
     allreduce_s: float = 0.0
+    cores: int = 0  # the physical cores of the rank's node (0: unknown)
 
     @property
     def compute_s(self) -> float:
@@ -53,16 +63,19 @@ class Interval:
     @classmethod
     def from_floats(cls, values: list[float]) -> Interval:
         d = dict(zip(FIELDS, values, strict=True))
-        return cls(int(d["steps"]), d["wall_s"], d["cpu_s"], int(d["threads"]), d["data_s"], d["allreduce_s"])
+        return cls(
+            int(d["steps"]), d["wall_s"], d["cpu_s"], int(d["threads"]), d["data_s"], d["allreduce_s"], int(d["cores"])
+        )
 
 
 class RankClock:
     """Measures this rank's steps: ``start_step``, ``phase("data"|"allreduce")`` blocks, ``end_step``; ``take``."""
 
-    def __init__(self, threads: int, wall=time.perf_counter, cpu=time.process_time) -> None:
+    def __init__(self, threads: int, wall=time.perf_counter, cpu=time.process_time, cores: int | None = None) -> None:
         self._wall, self._cpu = wall, cpu
         self.threads = threads
-        self.current = Interval(threads=threads)
+        self.cores = node_physical_cores() if cores is None else cores
+        self.current = Interval(threads=threads, cores=self.cores)
         self._t0 = self._c0 = 0.0
 
     def start_step(self) -> None:
@@ -82,8 +95,26 @@ class RankClock:
         self.current.cpu_s += self._cpu() - self._c0
 
     def take(self) -> Interval:
-        done, self.current = self.current, Interval(threads=self.threads)
+        done, self.current = self.current, Interval(threads=self.threads, cores=self.cores)
         return done
+
+
+def node_physical_cores() -> int:
+    """The physical cores of this rank's node that the job may use: those its launcher's process may run on (the
+    rank itself is pinned to its share by now), one per core (hyper-threads not counted); 0 when unknown."""
+    from xeonsd.cluster.distributed import _physical_cores
+
+    try:
+        allowed = os.sched_getaffinity(os.getppid())
+    except OSError:
+        allowed = set(range(os.cpu_count() or 0))
+    return len(_physical_cores(set(allowed)))
+
+
+def shared_cores(env: dict[str, str] | None = None) -> int:
+    """``XEONSD_SHARED_CORES``: the physical cores that every node shares (0: each node has its own)."""
+    text = (os.environ if env is None else env).get(SHARED_CORES_ENV, "").strip()
+    return int(text) if text.isdigit() else 0
 
 
 def node_names(env: dict[str, str] | None = None) -> dict[str, str]:
@@ -113,6 +144,7 @@ def summarize(intervals: list[Interval], nodes: list[str]) -> dict:
                 "data_s": round(iv.data_s / n, 4),
             }
         )
+    cores = {r: iv.cores for r, iv in enumerate(intervals)}
     per_node: dict[str, list[dict]] = {}
     for row in ranks:
         per_node.setdefault(row["node"], []).append(row)
@@ -121,6 +153,8 @@ def summarize(intervals: list[Interval], nodes: list[str]) -> dict:
             "node": node,
             "ranks": [r["rank"] for r in rows],
             **{k: round(_mean([r[k] for r in rows]), 4) for k in ("cpu_util", "compute_s", "allreduce_s", "data_s")},
+            "threads": max(r["threads"] for r in rows),
+            "cores": max(cores.get(r["rank"], 0) for r in rows),
         }
         for node, rows in per_node.items()
     ]
@@ -147,16 +181,30 @@ class StragglerWatch:
     ratio: float = STRAGGLER_RATIO
     intervals: int = 3
     low_streak: dict[str, int] = field(default_factory=dict)
+    shared_cores: int = field(default_factory=shared_cores)
+
+    def verdict(self, summary: dict) -> dict:
+        """This interval's ``stragglers`` and, when every node is low on CPU, the ``layout_verdict`` (else no key)."""
+        stragglers = self.judge(summary)
+        layout = self.layout_verdict(summary)
+        return {"stragglers": stragglers, **({"layout_verdict": layout} if layout else {})}
+
+    def _everyone_low(self, summary: dict) -> bool:
+        return all(self.low_streak.get(n["node"], 0) >= self.intervals for n in summary["nodes"])
 
     def judge(self, summary: dict) -> list[dict]:
-        """The stragglers of this interval: node, ranks, why (the figures) and the likely causes in order."""
+        """The stragglers of this interval: node, ranks, why (the figures) and the likely causes in order. Low CPU
+        use makes a node a straggler only while some other node is not low too (see ``layout_verdict``)."""
         found = []
         median = summary["median_compute_s"]
         for node in summary["nodes"]:
             name = node["node"]
             self.low_streak[name] = self.low_streak.get(name, 0) + 1 if node["cpu_util"] < self.min_util else 0
+        everyone_low = self._everyone_low(summary)
+        for node in summary["nodes"]:
+            name = node["node"]
             why = []
-            if self.low_streak[name] >= self.intervals:
+            if self.low_streak[name] >= self.intervals and not everyone_low:
                 why.append(
                     f"CPU utilisation {node['cpu_util']:.0%} under {self.min_util:.0%} for "
                     f"{self.low_streak[name]} intervals"
@@ -169,3 +217,57 @@ class StragglerWatch:
             if why:
                 found.append({"node": name, "ranks": node["ranks"], "why": why, "causes": list(CAUSES)})
         return found
+
+    def layout_verdict(self, summary: dict) -> dict | None:
+        """When every node has been under ``min_util`` for ``intervals`` intervals (``judge`` counted them): the
+        figures of the layout against the cores, and one sentence that names the cause; else None."""
+        nodes = summary["nodes"]
+        if not nodes or not self._everyone_low(summary):
+            return None
+        ranks = max(len(n["ranks"]) for n in nodes)
+        threads = max(n.get("threads", 1) for n in nodes)
+        cores = min(n.get("cores", 0) for n in nodes)
+        figures = {
+            "nodes": len(nodes),
+            "cpu_util_low": min(n["cpu_util"] for n in nodes),
+            "cpu_util_high": max(n["cpu_util"] for n in nodes),
+            "ranks_per_node": ranks,
+            "threads_per_rank": threads,
+            "cores": cores,
+            "shared_cores": self.shared_cores,
+            "intervals": min(self.low_streak[n["node"]] for n in nodes),
+        }
+        return {**figures, "text": layout_text(figures, self.min_util)}
+
+
+def layout_text(v: dict, min_util: float) -> str:
+    """The layout verdict in one sentence, with its figures (what the play prints once and the report shows)."""
+    per_node = v["ranks_per_node"] * v["threads_per_rank"]
+    shape = f"{v['ranks_per_node']} ranks × {v['threads_per_rank']} thread{'s' if v['threads_per_rank'] > 1 else ''}"
+    lo, hi = round(100 * v["cpu_util_low"]), round(100 * v["cpu_util_high"])
+    low = f"{lo}-{hi}%" if hi != lo else f"{lo}%"
+    nodes = f"all {v['nodes']} nodes" if v["nodes"] > 1 else "the node"
+    head = (
+        f"{nodes} equally low on CPU ({low}, under {min_util:.0%} for {v['intervals']} intervals), so no node is a "
+        "straggler: the cause is the job's layout or the cluster's shared load. "
+    )
+    if v["shared_cores"]:
+        total = v["nodes"] * per_node
+        return head + (
+            f"The {v['nodes']} nodes share one machine's {v['shared_cores']} physical cores (the test cluster): "
+            f"{v['nodes']} nodes × {shape} = {total} threads on {v['shared_cores']} cores, at most "
+            f"{min(1.0, v['shared_cores'] / total):.0%} of a core each. Expected there; on real nodes give each "
+            "node its own cores."
+        )
+    if v["cores"] and per_node > v["cores"]:
+        return head + (
+            f"Each node runs {shape} = {per_node} threads on its {v['cores']} physical cores "
+            f"({per_node / v['cores']:.1f}× oversubscribed). Fix: ranks per node × threads per rank = the node's "
+            "physical cores (ansible-playbook doctor.yml -e tune_layout=true measures the best split)."
+        )
+    cores = f"its {v['cores']} physical cores" if v["cores"] else "its physical cores"
+    return head + (
+        f"Each node runs {shape} = {per_node} threads on {cores}, which fits: another load on every node (another "
+        "job, or nodes that are virtual machines on one host) takes the cores, or the ranks wait outside the "
+        "compute (the all-reduce, the data)."
+    )

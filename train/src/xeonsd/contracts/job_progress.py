@@ -1,5 +1,6 @@
 """The progress line the finetune role prints on every poll, from the trainer's metrics files: step, loss, s/step,
-time left, the ranks' CPU use, and a straggler warning. Read on the node by :mod:`.job_watch`."""
+time left, the ranks' CPU use, a straggler warning, and the layout verdict when every node is low on CPU. Read on
+the node by :mod:`.job_watch`."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def read_progress(run_dir: str | Path, total: int) -> dict:
     for row in gathered:  # the newest verdict for each node the trainer flagged
         for s in row.get("stragglers") or []:
             stragglers[s["node"]] = s
+    layouts = [r["layout_verdict"] for r in gathered if r.get("layout_verdict")]
     return {
         "step": last["step"],
         "total": total,
@@ -42,6 +44,8 @@ def read_progress(run_dir: str | Path, total: int) -> dict:
         "backend": last.get("backend"),
         "rank_stats": gathered[-1]["rank_stats"] if gathered else None,
         "stragglers": list(stragglers.values()),
+        # Every node low on CPU: the layout or the shared load, said once (the newest figures), not per node.
+        "layout_verdict": layouts[-1] if layouts else None,
     }
 
 

@@ -346,6 +346,8 @@ def job_state(params: dict) -> dict:
         "msg": progress_line(progress, ranks_up(log_text), world),
         # One line per straggler node; the xeonsd_progress callback prints each node's once.
         "straggler_warnings": {s["node"]: straggler_warning(s) for s in progress.get("stragglers", [])},
+        # Every node low on CPU (the layout or the shared load, not a node): one line, printed once.
+        "layout_warning": (progress.get("layout_verdict") or {}).get("text"),
     }
     if launch["finished"]:
         ended = read_exit(run_dir)

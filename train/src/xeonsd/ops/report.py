@@ -3,25 +3,29 @@
 It reads what is there and says what is missing: ``run.json`` (the exact command, versions, phase times, written
 by whoever launched the run), ``metrics.jsonl``, ``loss.png`` and ``validation_grid.png`` (the trainer), ``images/`` with ``timings.json``
 (``xeonsd generate``) and an export manifest (``xeonsd export``). Images are linked relatively, so the
-directory can be moved or copied as a whole. A run whose last attempt was told to stop (``exit.json``'s
-``stopped``) says so first: by what, at which step, and how to resume.
+directory can be moved or copied as a whole.
+
+The order is what a reader asks first: did it work, what did it make, what did it cost. A status line (done,
+stopped or failed; steps; wall time; images/s; cost), then a run told to stop says by what, at which step and how
+to resume; the generated images and the validation images over the steps; the loss plot with the training figures;
+the method; the cluster (its table, CPU use, the time split, stragglers, cost); the phase times and the export;
+what the directory lacks; and last, folded, the command, the versions and the job script.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import html
 import json
 import statistics
 from pathlib import Path
 from typing import Any
 
-from xeonsd.contracts.job_status import StatusFileError, read_exit
-from xeonsd.contracts.job_watch import stop_summary
 from xeonsd.contracts.method_names import METHOD_FILES
+from xeonsd.contracts.run_files import TRAINING_WALL
 from xeonsd.fsutil import atomic_file
 from xeonsd.ops import run_view as clusterview
 from xeonsd.ops.report_cluster import cluster_sections, html_table
+from xeonsd.ops.report_status import ended_attempt, status_line, stopped_section
 from xeonsd.trainer.metrics import GRID, VALIDATION_LABEL, loss_curve, read_summary, validation_points
 
 REPORT = "report.html"
@@ -115,14 +119,6 @@ def stack_versions() -> dict[str, str]:
     return found
 
 
-def _command(run: Path, info: dict) -> str | None:
-    """run.json's command, else the job script the finetune playbook left (run.sh), else nothing."""
-    if info.get("command"):
-        return str(info["command"])
-    script = run / "run.sh"
-    return script.read_text() if script.is_file() else None
-
-
 def _find_export_manifest(run: Path) -> dict | None:
     # openvino/ is a link to the base model's export for textual inversion and LoRA (glob does not follow it).
     for candidate in [run / "openvino" / "xeonsd_export.json", *sorted(run.glob("**/xeonsd_export.json"))]:
@@ -180,7 +176,7 @@ def method_section(summary: dict, rows: list[dict]) -> str:
 
 def _figures(run: Path, info: dict, rows: list[dict], timings: dict) -> dict:
     """The cluster figures, also written into run.json (when there is one) for scripts."""
-    wall = (info.get("phases") or {}).get("training job, wall (s)")
+    wall = (info.get("phases") or {}).get(TRAINING_WALL)
     ips = timings.get("images_per_s")
     figs = clusterview.figures(rows, info.get("cost") or {}, wall, 1 / ips if ips else None)
     if (run / "run.json").is_file() and info and info.get("cluster_figures") != figs:
@@ -197,57 +193,55 @@ def build_report(run: Path) -> str:
     rows = _metrics(run)
     images_dir = run / "images"
     timings = _load_json(images_dir / "timings.json") or {}
+    figs = _figures(run, info, rows, timings)
+    ended = ended_attempt(run)
+    how = _how_it_ran(run, info, missing)  # last, but what it lacks goes into the list before it
     sections = [
-        *_stopped_section(run),
-        *_how_it_ran(run, info, missing),
-        *_what_trained(run, rows, missing),
-        *cluster_sections(rows, _figures(run, info, rows, timings)),
+        status_line(run, ended, info, rows, figs),
+        *stopped_section(ended),
+        *_images_section(images_dir, timings, missing),
+        *_validation_section(run),
+        *_loss_section(run, rows, missing),
+        *_method_section(run, rows, missing),
+        *(["<h2>Cluster</h2>" + html_table(info["cluster"])] if info.get("cluster") else []),
+        *cluster_sections(rows, figs),
         *_phases_section(info, timings),
         *_export_section(run, info),
-        *_images_section(images_dir, timings, missing),
         *_missing_section(missing),
+        *how,
     ]
     return _page(html.escape(info.get("title") or f"xeonsd run {run.name}"), sections)
 
 
-def _stopped_section(run: Path) -> list[str]:
-    """The last attempt stopped as it was told to (SIGTERM, the time limit, …): by what, where, how to resume."""
-    try:
-        ended = read_exit(run)
-    except (OSError, StatusFileError):
-        return []
-    if ended is None or ended.stopped is None:
-        return []
-    text = stop_summary(dataclasses.asdict(ended.stopped))
-    return [f"<h2>Stopped</h2><p>Attempt {ended.attempt or '?'} {html.escape(text)} (exit code {ended.rc}).</p>"]
-
-
 def _how_it_ran(run: Path, info: dict, missing: list[str]) -> list[str]:
-    """The command, the versions of the stack and the cluster."""
-    sections = []
-    command = _command(run, info)
-    if command:
-        sections.append(f"<h2>Command</h2><pre>{html.escape(command)}</pre>")
-    else:
+    """Last and folded: the command, the versions of the stack and the job script (run.sh)."""
+    command = info.get("command")
+    script = run / "run.sh"
+    if not command and not script.is_file():
         missing.append("run.json or run.sh (the command)")
-    sections.append("<h2>Versions</h2>" + html_table(info.get("versions") or stack_versions()))
-    if info.get("cluster"):
-        sections.append("<h2>Cluster</h2>" + html_table(info["cluster"]))
-    return sections
+    folds = [
+        ("Command", f"<pre>{html.escape(str(command))}</pre>" if command else ""),
+        ("Versions", html_table(info.get("versions") or stack_versions())),
+        ("Job script (run.sh)", f"<pre>{html.escape(script.read_text())}</pre>" if script.is_file() else ""),
+    ]
+    body = "".join(f"<details><summary>{name}</summary>{text}</details>" for name, text in folds if text)
+    return ["<h2>How it ran</h2>" + body]
 
 
-def _what_trained(run: Path, rows: list[dict], missing: list[str]) -> list[str]:
-    """The method and its result, the training figures and the loss plot."""
-    sections = []
+def _method_section(run: Path, rows: list[dict], missing: list[str]) -> list[str]:
+    """The method and its result."""
     trained = read_summary(run)
-    if trained:
-        sections.append(method_section(trained, rows))
-    else:
+    if not trained:
         missing.append("train_summary.json (the method and its result)")
+        return []
+    return [method_section(trained, rows)]
+
+
+def _loss_section(run: Path, rows: list[dict], missing: list[str]) -> list[str]:
+    """The loss plot (training and validation) and the training figures under it."""
+    sections = []
     summary = training_summary(rows)
-    if summary:
-        sections.append("<h2>Training</h2>" + html_table(summary))
-    else:
+    if not summary:
         missing.append("metrics.jsonl")
     if (run / "loss.png").is_file():
         caption = (
@@ -268,13 +262,22 @@ def _what_trained(run: Path, rows: list[dict], missing: list[str]) -> list[str]:
         )
     else:
         missing.append("loss.png")
-    if (run / GRID).is_file():
-        sections.append(
-            f'<h2>Validation images</h2><figure><img src="{GRID}" alt="validation images over the steps">'
-            "<figcaption>The validation prompt's images (one row per image, the same seed in every column) at "
-            "every --validation_steps evaluation and at the end.</figcaption></figure>"
-        )
+        if summary:
+            sections.append("<h2>Loss</h2>")
+    if summary:
+        sections.append(html_table(summary))
     return sections
+
+
+def _validation_section(run: Path) -> list[str]:
+    """The validation prompt's images over the steps (the trainer's grid), when the run rendered them."""
+    if not (run / GRID).is_file():
+        return []
+    return [
+        f'<h2>Validation images</h2><figure><img src="{GRID}" alt="validation images over the steps">'
+        "<figcaption>The validation prompt's images (one row per image, the same seed in every column) at "
+        "every --validation_steps evaluation and at the end.</figcaption></figure>"
+    ]
 
 
 def _phases_section(info: dict, timings: dict) -> list[str]:
@@ -312,7 +315,9 @@ def _images_section(images_dir: Path, timings: dict, missing: list[str]) -> list
         for p in pictures
     )
     prompt = timings.get("prompts") or timings.get("prompt")
-    caption = f"<p>Prompt: <q>{html.escape(str(prompt))}</q></p>" if prompt else ""
+    prompts = [str(p) for p in prompt] if isinstance(prompt, list) else [str(prompt)] if prompt else []
+    quoted = ", ".join(f"<q>{html.escape(p)}</q>" for p in dict.fromkeys(prompts))  # each distinct prompt once
+    caption = f"<p>Prompt{'s' if len(set(prompts)) > 1 else ''}: {quoted}</p>" if prompts else ""
     return [f"<h2>Generated images</h2>{caption}<div class=images>{figs}</div>"]
 
 
@@ -325,13 +330,22 @@ def _missing_section(missing: list[str]) -> list[str]:
 
 def _page(title: str, sections: list[str]) -> str:
     style = (
-        "body{font-family:sans-serif;max-width:70em;margin:2em auto;padding:0 1em}"
-        "table{border-collapse:collapse}th,td{border:1px solid #ccc;padding:.2em .6em;text-align:left}"
-        "pre{background:#f4f4f4;padding:.8em;white-space:pre-wrap}.images{display:flex;flex-wrap:wrap;gap:1em}"
-        "figure{margin:0}.images img{width:256px;image-rendering:pixelated}"
+        "body{font-family:sans-serif;max-width:70em;margin:2em auto;padding:0 1em;line-height:1.4}"
+        "h1{font-size:1.6em;overflow-wrap:anywhere}"
+        ".status{font-size:1.15em;padding:.6em .9em;border-radius:.4em;background:#eef6ee;border-left:.4em solid #3a3}"
+        ".status.stopped{background:#fff6e5;border-color:#e90}.status.failed{background:#fdeeee;border-color:#c33}"
+        "table{border-collapse:collapse;display:block;overflow-x:auto;max-width:100%}"
+        "th,td{border:1px solid #ccc;padding:.2em .6em;text-align:left;vertical-align:top}"
+        "pre{background:#f4f4f4;padding:.8em;white-space:pre-wrap;overflow-wrap:anywhere}"
+        "figure{margin:0}img{max-width:100%;height:auto}figcaption{color:#555;font-size:.9em}"
+        ".images{display:grid;grid-template-columns:repeat(auto-fill,minmax(min(180px,45%),1fr));gap:1em}"
+        ".images img{width:100%;image-rendering:pixelated}"
+        "details{margin:.4em 0}summary{cursor:pointer;font-weight:bold}"
     )
     return (
-        f"<!doctype html><html><head><meta charset=utf-8><title>{title}</title><style>{style}</style></head>"
+        "<!doctype html><html><head><meta charset=utf-8>"
+        '<meta name=viewport content="width=device-width,initial-scale=1">'
+        f"<title>{title}</title><style>{style}</style></head>"
         f"<body><h1>{title}</h1>{''.join(sections)}</body></html>\n"
     )
 

@@ -73,9 +73,17 @@ def _figure_section(title: str, png: str, alt: str, caption: str, table: dict) -
 
 
 def _stragglers_section(rows: list[dict], figs: dict) -> str:
-    """Each straggler with why it is one and its likely causes; else the rule every node met."""
+    """Every node low on CPU (the layout or the shared load) once; each straggler with why it is one and its likely
+    causes; else the rule every node met."""
     found = figs["stragglers"]
     thresholds = clusterview.stats_rows(rows)[-1]["rank_stats"].get("thresholds") or {}
+    layout = figs.get("layout_verdict")
+    verdict = (
+        f"<p class=verdict><b>Low CPU on every node</b> (from step {layout['first_step']}): "
+        f"{html.escape(layout['text'])}</p>"
+        if layout
+        else ""
+    )
     if found:
         items = "".join(
             f"<li><b>{html.escape(s['node'])}</b> (ranks {', '.join(map(str, s['ranks']))}), from step "
@@ -84,13 +92,15 @@ def _stragglers_section(rows: list[dict], figs: dict) -> str:
             + "</ol></li>"
             for s in found
         )
-        return f"<h2>Stragglers</h2><ul class=stragglers>{items}</ul>"
+        return f"<h2>Stragglers</h2>{verdict}<ul class=stragglers>{items}</ul>"
     rule = (
         f" (every node at or above {_pct(thresholds['cpu_util'])} CPU and within "
         f"{thresholds['compute_ratio']}× the median compute time)"
         if thresholds
         else ""
     )
+    if layout:
+        return f"<h2>Stragglers</h2>{verdict}<p>No node lags the others.</p>"
     return f"<h2>Stragglers</h2><p>No straggler{html.escape(rule)}.</p>"
 
 

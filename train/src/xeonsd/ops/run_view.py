@@ -52,6 +52,15 @@ def stragglers(rows: list[dict]) -> list[dict]:
     return list(found.values())
 
 
+def layout_verdict(rows: list[dict]) -> dict | None:
+    """The trainer's newest verdict that every node was low on CPU (the layout or the shared load), with the step
+    it was first made at; None when it never was."""
+    found = [r for r in rows if r.get("layout_verdict")]
+    if not found:
+        return None
+    return {**found[-1]["layout_verdict"], "first_step": found[0]["step"], "last_step": found[-1]["step"]}
+
+
 def _num(value: Any) -> float | None:
     if value in (None, ""):
         return None
@@ -105,6 +114,7 @@ def figures(rows: list[dict], prices: dict, train_wall_s: float | None, image_s:
         "cpu_util": {n: {"mean": d["mean"], "lowest": d["lowest"], "ranks": d["ranks"]} for n, d in util.items()},
         "time_split_s_per_step": time_split(rows),
         "stragglers": stragglers(rows),
+        "layout_verdict": layout_verdict(rows),
         "cost": cost(rows, prices, nodes, train_wall_s, image_s),
     }
 

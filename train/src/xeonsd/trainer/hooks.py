@@ -172,6 +172,7 @@ class RankStats:
         address = node_address()
         self.nodes = all_gather_strings(node_names().get(address, address), job.world)
         self.watch = StragglerWatch(job.run.cfg.straggler_cpu_util, job.run.cfg.straggler_ratio)
+        self.layout_logged = False
         self.pending: dict = {}
 
     def on_step_end(self, end: StepEnd) -> None:
@@ -184,12 +185,15 @@ class RankStats:
         intervals = [Interval.from_floats(v) for v in all_gather_floats(self.clock.take().as_floats(), self.world)]
         if self.is_main:
             summary = summarize(intervals, self.nodes)
-            stragglers = self.watch.judge(summary)
-            for s in stragglers:
+            verdict = self.watch.verdict(summary)
+            for s in verdict["stragglers"]:
                 log.warning("straggler: %s (ranks %s): %s", s["node"], s["ranks"], "; ".join(s["why"]))
+            if "layout_verdict" in verdict and not self.layout_logged:
+                self.layout_logged = True  # the same every interval: once
+                log.warning("low CPU on every node: %s", verdict["layout_verdict"]["text"])
             w = self.watch
             thresholds = {"cpu_util": w.min_util, "compute_ratio": w.ratio, "intervals": w.intervals}
-            self.pending = {"rank_stats": {**summary, "thresholds": thresholds}, "stragglers": stragglers}
+            self.pending = {"rank_stats": {**summary, "thresholds": thresholds}, **verdict}
 
     def take_row(self) -> dict:
         row, self.pending = self.pending, {}
