@@ -1,14 +1,14 @@
 """What ``fit`` does around the training step, apart from the step itself: the step observers.
 
-Before a step the rank clock starts and ``--count_flops``' counters wrap the first two steps. After it, in this
-order: the rank clock stops; this rank's status file gets the step; every ``--stats_every`` steps the ranks'
-statistics are all-gathered (:mod:`xeonsd.cluster.rank_stats`); rank 0 draws the progress bar (or, under a pipe,
-logs a progress line), appends a metrics row every ``--log_every`` steps, saves the method's snapshots and a
-checkpoint every ``--checkpointing_steps``; every ``--validation_steps`` every rank evaluates its share of the
-validation loss (before the metrics row, which carries it), and rank 0 renders the validation images while the
-others wait at a barrier. After the step the ranks agreed to stop at (:mod:`.stopping`), the same observers run
-once more within the stop's time bound: the statistics are gathered, a metrics row is written, rank 0 writes a
-checkpoint, the validation images are skipped; then every rank records the stop and raises Interrupted.
+Before a step the rank clock starts and ``--count_flops``' counters wrap the first two steps. After it the rank
+clock stops and the observers run in the order of :mod:`.step_end`: this rank's status file gets the step; every
+``--stats_every`` steps the ranks' statistics are all-gathered (:mod:`xeonsd.cluster.rank_stats`); every
+``--validation_steps`` every rank evaluates its share of the validation loss (before the metrics row, which carries
+it); rank 0 draws the progress bar (or, under a pipe, logs a progress line), appends a metrics row every
+``--log_every`` steps, saves the method's snapshots and a checkpoint every ``--checkpointing_steps``; rank 0
+renders the validation images while the others wait at a barrier. After the step the ranks agreed to stop at
+(:mod:`.stopping`) the observers run once more within the stop's time bound, rank 0's checkpoint first
+(:data:`.step_end.AFTER_STOP`); then every rank records the stop and raises Interrupted.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
-from typing import NoReturn, Protocol
+from dataclasses import asdict
+from typing import NoReturn
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -31,24 +31,11 @@ from xeonsd.trainer import checkpoint as ckpt
 from xeonsd.trainer.job import Job
 from xeonsd.trainer.metrics import MetricsLog
 from xeonsd.trainer.models import render_validation
+from xeonsd.trainer.step_end import StepEnd, StepEndSequence, StepObserver
 from xeonsd.trainer.stopping import Interrupted, StopDeadline, describe, exit_code, make_stop
 from xeonsd.trainer.validation import validation_loss
 
 log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name
-
-
-@dataclass(frozen=True)
-class StepEnd:
-    """A finished optimizer step, as the observers see it."""
-
-    step: int  # the steps done (1 after the first)
-    loss: float  # averaged over the ranks
-    seconds: float  # this rank's wall time for the step
-    stopping: bool = False  # the ranks agreed to stop after this step (a signal)
-
-
-class StepObserver(Protocol):
-    def on_step_end(self, end: StepEnd) -> None: ...
 
 
 class StepObservers:
@@ -62,17 +49,19 @@ class StepObservers:
         self.progress = Progress(job) if job.is_main else None
         self.stats = RankStats(job)  # every rank: an all-gather of the node names
         self.clock = self.stats.clock
-        self.after: list[StepObserver] = [StatusUpdates(job), self.stats]
+        observers: dict[str, StepObserver] = {"status": StatusUpdates(job), "stats": self.stats}
         extras = [self.counters.row, self.stats.take_row]
         self.validation = ValidationLoss(job) if job.data.validation is not None else None
         if self.validation is not None:  # every rank: each evaluates its share
-            self.after.append(self.validation)
+            observers["validation_loss"] = self.validation
             extras.append(self.validation.take_row)
         if self.progress is not None and self.metrics is not None:  # rank 0
-            rows = MetricsRows(job, self.metrics, extras=extras, force=self.validation)
-            self.after += [self.progress, rows, Checkpoints(job)]
+            observers["progress"] = self.progress
+            observers["metrics"] = MetricsRows(job, self.metrics, extras=extras, force=self.validation)
+            observers["checkpoint"] = Checkpoints(job)
         if cfg.validation_prompt and cfg.validation_steps:
-            self.after.append(ValidationImages(job))
+            observers["validation_images"] = ValidationImages(job)
+        self.sequence = StepEndSequence(observers)  # the order: xeonsd.trainer.step_end
 
     @contextlib.contextmanager
     def around_step(self, step: int) -> Iterator[None]:
@@ -83,8 +72,7 @@ class StepObservers:
 
     def on_step_end(self, end: StepEnd) -> None:
         self.clock.end_step()
-        for observer in self.after:
-            observer.on_step_end(end)
+        self.sequence.run(end)
 
     def close(self) -> None:
         if self.progress is not None:
@@ -305,7 +293,7 @@ class ValidationImages:
 
     def on_step_end(self, end: StepEnd) -> None:
         job, cfg = self.job, self.job.run.cfg
-        if end.step % cfg.validation_steps or end.stopping:  # minutes on a CPU: not while the job is stopping
+        if end.step % cfg.validation_steps:  # (not after a stop's step: the sequence leaves it out)
             return
         with job.cluster.timeout.scope(job.cluster.timeouts.setup_s):
             if job.is_main:

@@ -45,7 +45,7 @@ from xeonsd.trainer import checkpoint as ckpt
 from xeonsd.trainer.config import ConfigError, TrainConfig, parse_config
 from xeonsd.trainer.data import DataError, Example
 from xeonsd.trainer.embeddings import ConceptError
-from xeonsd.trainer.hooks import StepEnd, StepObservers
+from xeonsd.trainer.hooks import StepObservers
 from xeonsd.trainer.inputs import check_memory, validate, with_resolution
 from xeonsd.trainer.job import ABORT_GRACE_S, Job, Training, setup, setup_logging, start_status
 from xeonsd.trainer.libraries import skip_unused_packages
@@ -53,6 +53,7 @@ from xeonsd.trainer.loss import denoising_loss
 from xeonsd.trainer.metrics import MetricsLog, plot_loss, write_summary
 from xeonsd.trainer.models import autocast, render_validation
 from xeonsd.trainer.prior import model_inputs
+from xeonsd.trainer.step_end import StepEnd
 from xeonsd.trainer.stopping import Interrupted, StopSignals
 from xeonsd.trainer.summary import train_summary
 from xeonsd.trainer.validation import write_image_grid
