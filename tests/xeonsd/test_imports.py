@@ -1,7 +1,10 @@
-"""The package's layering, as each subpackage's ``__init__`` states it: what a part may import.
+"""The package's layering, as each subpackage's ``__init__`` states it: what a part may import; the trainer's own
+layers (``xeonsd/trainer/__init__.py``); and no import cycle anywhere in the package.
 
-Every ``xeonsd`` import is read from the source (module level and inside functions alike), so a shortcut from
-the trainer into the OpenVINO side, or from the cluster code into the trainer, fails here with the line."""
+Every ``xeonsd`` import is read from the source (module level and inside functions alike: a lazy import is an
+import), so a shortcut from the trainer into the OpenVINO side, from the cluster code into the trainer, or from a
+trainer layer into one above it fails here with the line. Imports under ``if TYPE_CHECKING:`` are left out: they
+never run, they name types."""
 
 from __future__ import annotations
 
@@ -42,9 +45,22 @@ def _module_of(path: Path) -> str:
     return ".".join(p for p in rel.parts if p != "__init__")
 
 
+def _type_only(tree: ast.AST) -> set[int]:
+    """The ids of the nodes under ``if TYPE_CHECKING:``."""
+    nodes: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            nodes |= {id(x) for stmt in node.body for x in ast.walk(stmt)}
+    return nodes
+
+
 def _imports(path: Path) -> list[tuple[int, str]]:
     out = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    type_only = _type_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             if node.module == "xeonsd" or (PKG.parent / node.module.replace(".", "/") / "__init__.py").is_file():
                 out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
@@ -91,3 +107,115 @@ def test_a_forbidden_import_is_caught(tmp_path: Path) -> None:
     bad = tmp_path / "m.py"
     bad.write_text("def f():\n    from xeonsd.openvino import export\n")
     assert _imports(bad) == [(2, "xeonsd.openvino.export")]
+
+
+# The trainer's layers, lowest first: a module imports only from its own layer and those below it (and, with no
+# cycle, never back). xeonsd/trainer/__init__.py says what each layer is.
+TRAINER_LAYERS: list[set[str]] = [
+    {"config", "rng", "checkpoint", "metrics", "weights", "libraries", "embeddings", "step_end", "loss", "stopping"},
+    {"data", "buckets", "captions", "prompts", "models", "conditioning", "xl", "latents", "prior", "methods", "optim"},
+    {"step"},
+    {"inputs", "memory", "validation", "job"},
+    {"hooks", "summary"},
+    {"loop"},
+]
+
+
+def _trainer_module(module: str) -> str | None:
+    """'xeonsd.trainer.methods.lora' -> 'methods'; None outside the trainer (or the package itself)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "trainer" else None
+
+
+def _layer(name: str) -> int:
+    return next(i for i, layer in enumerate(TRAINER_LAYERS) if name in layer)
+
+
+def _graph() -> dict[str, set[str]]:
+    """Every module of the package to the package modules it imports (a name imported from a package that is a
+    module of it counts as that module)."""
+    graph: dict[str, set[str]] = {}
+    modules = {_module_of(p) for p in PKG.rglob("*.py")}
+    for path in sorted(PKG.rglob("*.py")):
+        src = _module_of(path)
+        deps = set()
+        for _, dst in _imports(path):
+            while dst not in modules and "." in dst:
+                dst = dst.rsplit(".", 1)[0]
+            if dst in modules and dst != src:
+                deps.add(dst)
+        graph[src] = deps
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    cycles = _cycles(_graph())
+    assert not cycles, "import cycles (lazy imports included): " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_every_trainer_module_has_a_layer() -> None:
+    names = {n for m in _graph() if (n := _trainer_module(m))}
+    assert names == set().union(*TRAINER_LAYERS), "give each trainer module one layer (and drop gone ones)"
+
+
+def test_each_trainer_layer_imports_only_its_own_and_those_below() -> None:
+    bad = []
+    for path in sorted((PKG / "trainer").rglob("*.py")):
+        src = _trainer_module(_module_of(path))
+        if src is None:
+            continue
+        for line, dst in _imports(path):
+            name = _trainer_module(dst)
+            if name is not None and _layer(name) > _layer(src):
+                bad.append(
+                    f"{path.relative_to(REPO)}:{line}: {src} (layer {_layer(src) + 1}) imports {name} "
+                    f"(layer {_layer(name) + 1})"
+                )
+    assert not bad, "\n".join(bad)
+
+
+def test_the_checkers_catch_a_cycle_and_an_upward_import(tmp_path: Path) -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+    assert _layer("loop") > _layer("hooks") > _layer("step") > _layer("data") > _layer("config")
+    lazy = tmp_path / "m.py"
+    lazy.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from xeonsd.trainer import job\n"
+        "def f():\n    from xeonsd.trainer.loop import fit\n"
+    )
+    assert _imports(lazy) == [(5, "xeonsd.trainer.loop")]  # the lazy import counts, the type-only one does not

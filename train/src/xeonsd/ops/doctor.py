@@ -126,7 +126,7 @@ def check_inputs(train_args: list[str], ranks_per_node: int = 1) -> list[Check]:
     except ModelSourceError as exc:
         checks.append(Check("model", "FAIL", str(exc)))
         return checks
-    from xeonsd.trainer.inputs import with_resolution
+    from xeonsd.trainer.config import with_resolution
     from xeonsd.trainer.models import model_family
 
     try:  # a family we do not serve (SD3, Flux, an SDXL refiner, …) fails here, before the trial step loads it

@@ -1,13 +1,20 @@
-"""The trainer (``xeonsd train``): one data-parallel loop for every method.
+"""The trainer (``xeonsd train``): one data-parallel loop for every method, in six layers. A module imports only
+from its own layer and those below (``tests/xeonsd/test_imports.py`` holds the list and fails on an upward import
+or any cycle, lazy imports included):
 
-It owns the typed configuration (:mod:`.config`), the images and the rank-independent sampling plan
-(:mod:`.data`), captions and prompt tables (:mod:`.captions`, :mod:`.prompts`), their text-encoder conditioning
-(:mod:`.conditioning`), VAE latents (:mod:`.latents`), the models (:mod:`.models`), the concept's embedding
-(:mod:`.embeddings`), checkpoints, metrics and the memory estimate, the methods (:mod:`.methods`) and the run
-itself: the checks before a model loads (:mod:`.inputs`), the job and its set-up (:mod:`.job`), the loop with the
-training step, ``fit`` and ``save`` (:mod:`.loop`, also the CLI's ``main``), and what the loop does after each step
-besides training (:mod:`.hooks`: status, rank statistics, progress, metrics rows, checkpoints, validation images),
-and a clean stop when the job is told to (:mod:`.stopping`: SIGTERM, SIGINT, SIGUSR1).
-It may import the top-level modules and :mod:`xeonsd.cluster` (process group, rank statistics, status files);
+1. what everything else stands on: the typed configuration and the resolution a family trains at
+   (:mod:`.config`), every random stream (:mod:`.rng`), checkpoints, metrics files, the frozen weights' loading,
+   the loss function (:mod:`.loss`), the stop signals (:mod:`.stopping`) and the step-end order (:mod:`.step_end`);
+2. data and models: the images and the rank-independent sampling plan (:mod:`.data`, :mod:`.buckets`), captions and
+   prompt tables (:mod:`.captions`, :mod:`.prompts`), the models (:mod:`.models`), their text conditioning and
+   latents (:mod:`.conditioning`, SDXL's :mod:`.xl`, :mod:`.latents`), prior preservation's class data
+   (:mod:`.prior`), the methods (:mod:`.methods`) and their optimizer (:mod:`.optim`);
+3. the step (:mod:`.step`): the loss of some examples, the gradient all-reduce, the update, each on explicit inputs;
+4. the set-up: the checks before a model loads (:mod:`.inputs`), the memory estimate (:mod:`.memory`), the held-out
+   split and the validation loss (:mod:`.validation`), the job and ``setup`` (:mod:`.job`);
+5. what runs after each step besides training (:mod:`.hooks`) and the run's summary (:mod:`.summary`);
+6. the loop (:mod:`.loop`): ``run`` → ``fit`` → ``save``, and the CLI's ``main``.
+
+It may import the top-level modules, :mod:`xeonsd.contracts`, :mod:`xeonsd.modelfiles` and :mod:`xeonsd.cluster`;
 never :mod:`xeonsd.openvino`, :mod:`xeonsd.ops` or :mod:`xeonsd.bench`.
 """

@@ -13,9 +13,13 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from xeonsd.contracts.method_names import METHODS
 from xeonsd.contracts.straggler_rule import STRAGGLER_RATIO
+
+if TYPE_CHECKING:
+    from xeonsd.modelfiles.families import Family
 
 TI, LORA, FULL = METHODS
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
@@ -341,9 +345,7 @@ def parse_config(argv: list[str]) -> TrainConfig:
     cfg = TrainConfig(**vars(args))
     foreign = sorted(n for n in given_flags(argv) if flag_methods(n) and cfg.method not in flag_methods(n))
     if "with_prior_preservation" in foreign:  # refused with its reason, not only as another method's flag
-        from xeonsd.trainer.prior import textual_inversion_reason
-
-        raise ConfigError(textual_inversion_reason())
+        raise ConfigError(PRIOR_NEEDS_WEIGHTS)
     if foreign:
         owners = {n: "/".join(flag_methods(n)) for n in foreign}
         raise ConfigError(
@@ -352,3 +354,23 @@ def parse_config(argv: list[str]) -> TrainConfig:
             + "; remove it or choose that --method"
         )
     return cfg
+
+
+# Why --with_prior_preservation is refused with textual inversion (the config's check and the prior's say it alike).
+PRIOR_NEEDS_WEIGHTS = (
+    "--with_prior_preservation works with --method lora or full: textual inversion trains only the concept's "
+    "new token vectors and leaves every weight of the model as it was, so the class keeps its prior anyway"
+)
+
+
+def default_resolution(family: Family | None) -> int:
+    """The resolution a run trains at without --resolution: the family's, its UNet's sample size × the VAE's scale
+    (SD 1.5 and SD 2 base 512, SD 2.1 768-v 768, SDXL 1024); 512 when no model was read."""
+    return family.default_resolution if family is not None else 512
+
+
+def with_resolution(cfg: TrainConfig, family: Family | None) -> TrainConfig:
+    """``cfg`` with --resolution filled in from the family when it was not given."""
+    if cfg.resolution is not None:
+        return cfg
+    return dataclasses.replace(cfg, resolution=default_resolution(family))

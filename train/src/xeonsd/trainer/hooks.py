@@ -321,7 +321,7 @@ class ValidationLoss:
         t0 = time.perf_counter()
         timeout = job.cluster.timeout
         with timeout.scope(job.cluster.timeouts.setup_s), timeout.watch("all-reduce of the validation loss"):
-            self.value = validation_loss(job, vs)
+            self.value = validation_loss(vs, job.loss_inputs(), job.cluster.info.rank, job.world, cfg.train_batch_size)
         if job.is_main:
             log.info(
                 "validation loss at step %d: %.5f (%d held-out image(s) x %d timesteps, %.1f s)",

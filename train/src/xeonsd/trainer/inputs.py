@@ -18,7 +18,7 @@ from xeonsd.modelfiles.modelsource import check_model_source
 from xeonsd.trainer import checkpoint as ckpt
 from xeonsd.trainer.buckets import Buckets, assign
 from xeonsd.trainer.captions import Captions, read_captions, short_tag_captions
-from xeonsd.trainer.config import ConfigError, TrainConfig
+from xeonsd.trainer.config import ConfigError, TrainConfig, default_resolution
 from xeonsd.trainer.data import find_images
 from xeonsd.trainer.loss import local_num_train_timesteps, parse_timestep_range
 from xeonsd.trainer.methods import for_config, method_class
@@ -41,19 +41,6 @@ class Inputs:
     held_out: HeldOut | None = None  # the validation loss's images
     buckets: Buckets | None = None  # --buckets: each training image's aspect-ratio bucket
     class_images: list[Path] = dataclasses.field(default_factory=list)  # prior preservation's, from set-up
-
-
-def default_resolution(family: Family | None) -> int:
-    """The resolution a run trains at without --resolution: the family's, its UNet's sample size × the VAE's scale
-    (SD 1.5 and SD 2 base 512, SD 2.1 768-v 768, SDXL 1024); 512 when no model was read."""
-    return family.default_resolution if family is not None else 512
-
-
-def with_resolution(cfg: TrainConfig, family: Family | None) -> TrainConfig:
-    """``cfg`` with --resolution filled in from the family when it was not given."""
-    if cfg.resolution is not None:
-        return cfg
-    return dataclasses.replace(cfg, resolution=default_resolution(family))
 
 
 def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:

@@ -43,6 +43,7 @@ from xeonsd.trainer.optim import make_optimizer
 from xeonsd.trainer.prior import ClassRendererOpener, PriorData, build_prior, ensure_class_images
 from xeonsd.trainer.prompts import PromptTable
 from xeonsd.trainer.rng import Stream, stream_seed
+from xeonsd.trainer.step import LossInputs
 from xeonsd.trainer.validation import ValidationSet, build_validation
 from xeonsd.trainer.xl import XLPromptConditioning
 
@@ -126,6 +127,19 @@ class Job:
     @property
     def ddp(self) -> bool:
         return self.training.unet is not self.training.models.unet
+
+    def loss_inputs(self) -> LossInputs:
+        """What the training examples' loss reads (:func:`xeonsd.trainer.step.step_loss`)."""
+        cfg = self.run.cfg
+        return LossInputs(
+            models=self.training.models,
+            unet=self.training.unet,
+            text=self.data.text,
+            latents=self.data.latents,
+            prior=self.data.prior,
+            snr_gamma=cfg.snr_gamma,
+            channels_last=cfg.channels_last,
+        )
 
     def allreduce_bytes(self) -> int:
         """Bytes each rank all-reduces per optimizer step: the gradients, and the loss."""

@@ -21,14 +21,11 @@ import traceback
 from dataclasses import dataclass
 from typing import TextIO
 
-import torch
-
 from xeonsd.cluster.distributed import (
     DistributedError,
     PeerLostError,
     RankInfo,
     Timeouts,
-    all_reduce_mean_,
     barrier,
     destroy_process_group,
     detect_ranks,
@@ -42,17 +39,16 @@ from xeonsd.contracts.job_status import RankStatusFile
 from xeonsd.cpu import cpu_info
 from xeonsd.modelfiles.modelsource import ModelSourceError
 from xeonsd.trainer import checkpoint as ckpt
-from xeonsd.trainer.config import ConfigError, TrainConfig, parse_config
-from xeonsd.trainer.data import DataError, Example
+from xeonsd.trainer.config import ConfigError, TrainConfig, parse_config, with_resolution
+from xeonsd.trainer.data import DataError
 from xeonsd.trainer.embeddings import ConceptError
 from xeonsd.trainer.hooks import StepObservers
-from xeonsd.trainer.inputs import check_memory, validate, with_resolution
-from xeonsd.trainer.job import ABORT_GRACE_S, Job, Training, setup, setup_logging, start_status
+from xeonsd.trainer.inputs import check_memory, validate
+from xeonsd.trainer.job import ABORT_GRACE_S, Job, setup, setup_logging, start_status
 from xeonsd.trainer.libraries import skip_unused_packages
-from xeonsd.trainer.loss import denoising_loss
 from xeonsd.trainer.metrics import MetricsLog, plot_loss, write_summary
-from xeonsd.trainer.models import autocast, render_validation
-from xeonsd.trainer.prior import model_inputs
+from xeonsd.trainer.models import render_validation
+from xeonsd.trainer.step import step_loss, sync_gradients, update
 from xeonsd.trainer.step_end import StepEnd
 from xeonsd.trainer.stopping import Interrupted, StopSignals
 from xeonsd.trainer.summary import train_summary
@@ -154,9 +150,10 @@ def _bucket_margin_s(job: Job, step_times: list[float]) -> float:
 
 def train_step(job: Job, step: int, clock: RankClock, bucket_margin_s: float) -> float:
     """One optimizer step: this rank's micro-batches sampled, forward and backward, the gradient all-reduce, the
-    update; ``clock`` times the data and the all-reduce. Returns the loss averaged over all ranks."""
-    cfg = job.run.cfg
+    update (:mod:`.step`); ``clock`` times the data and the all-reduce. Returns the loss averaged over all ranks."""
+    cfg, training = job.run.cfg, job.training
     accumulation = cfg.gradient_accumulation_steps
+    inputs = job.loss_inputs()
     loss_sum = 0.0
     for micro in range(accumulation):
         with clock.phase("data"):
@@ -165,26 +162,14 @@ def train_step(job: Job, step: int, clock: RankClock, bucket_margin_s: float) ->
             )
         last = micro == accumulation - 1
         with _accumulating(job, last):
-            loss = step_loss(job, examples, clock) / accumulation
+            loss = step_loss(inputs, examples, clock) / accumulation
             with _bucket_allreduce(job, last, bucket_margin_s):
                 loss.backward()
         loss_sum += float(loss.detach())
     with job.cluster.timeout.watch("all-reduce"), clock.phase("allreduce"):
-        mean_loss = sync_gradients(job, loss_sum)
-    update(job.training, step + 1)
+        mean_loss = sync_gradients(training.method.parameters(), loss_sum, job.world, job.ddp)
+    update(training.method, training.optimizer, training.lr_scheduler, step + 1)
     return mean_loss
-
-
-def update(training: Training, done: int) -> None:
-    """The optimizer step (the gradients clipped first when the method asks), the schedule's, and the method's
-    own after-step work (e.g. an EMA update) for step ``done``."""
-    method = training.method
-    if method.max_grad_norm:
-        torch.nn.utils.clip_grad_norm_(method.parameters(), method.max_grad_norm)
-    training.optimizer.step()
-    training.lr_scheduler.step()
-    training.optimizer.zero_grad(set_to_none=True)
-    method.after_step(done)
 
 
 def _accumulating(job: Job, last: bool):
@@ -197,72 +182,6 @@ def _bucket_allreduce(job: Job, last: bool, margin_s: float):
     if job.ddp and last:
         return job.cluster.timeout.watch("all-reduce of the gradient buckets", extra_s=margin_s)
     return contextlib.nullcontext()
-
-
-def step_loss(job: Job, examples: list[Example], clock: RankClock | None = None) -> torch.Tensor:
-    """The denoising loss of this rank's examples (mean over them); ``clock`` times the latent lookup as data. With
-    prior preservation each example is paired with a class example in the same UNet call (:mod:`.prior`): the
-    loss is the instance mean plus ``--prior_loss_weight`` times the class mean."""
-    models, data = job.training.models, job.data
-    with clock.phase("data") if clock else contextlib.nullcontext():
-        inputs = model_inputs(data.text, data.latents, examples)
-        if data.prior is not None:  # the class examples join this rank's examples in the one UNet call
-            inputs = data.prior.join(inputs, examples)
-        latents, noise, timesteps, hidden, added = inputs
-    noisy = models.noise_scheduler.add_noise(latents, noise, timesteps)
-    dtype = models.unet_dtype
-    model_in = noisy.to(dtype)
-    if added is not None:  # SDXL: the pooled text embedding and the micro-conditioning
-        added = {k: v.to(dtype) for k, v in added.items()}
-    if job.run.cfg.channels_last:
-        model_in = model_in.contiguous(memory_format=torch.channels_last)
-    with autocast(models.weight_dtype) if models.unet_autocast else contextlib.nullcontext():
-        pred = job.training.unet(model_in, timesteps, hidden.to(dtype), added_cond_kwargs=added, return_dict=False)[0]
-    prediction_type = models.noise_scheduler.config.prediction_type
-    if prediction_type == "epsilon":
-        target = noise
-    elif prediction_type == "v_prediction":
-        target = models.noise_scheduler.get_velocity(latents, noise, timesteps)
-    else:
-        raise ConfigError(f"unsupported prediction type {prediction_type!r} in the model's scheduler")
-
-    def loss(rows: slice) -> torch.Tensor:
-        return denoising_loss(
-            pred[rows],
-            target[rows],
-            timesteps[rows],
-            snr_gamma=job.run.cfg.snr_gamma,
-            alphas_cumprod=models.noise_scheduler.alphas_cumprod,
-            prediction_type=prediction_type,
-        )
-
-    if data.prior is None:
-        return loss(slice(None))
-    n = len(examples)
-    return loss(slice(0, n)) + data.prior.weight * loss(slice(n, None))
-
-
-def sync_gradients(job: Job, loss_sum: float) -> float:
-    """Average the gradients (unless DistributedDataParallel already did) and the loss over the ranks, in one
-    all-reduce; returns the mean loss."""
-    if job.ddp:
-        packed = torch.tensor([loss_sum])
-        all_reduce_mean_(packed, job.world)
-        return float(packed[0])
-    params = job.training.method.parameters()
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    if job.world == 1:  # nothing to average; packing would briefly hold every gradient twice (+3.4 GB for a full UNet)
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-        return loss_sum
-    packed = torch.cat([*(g.reshape(-1).float() for g in grads), torch.tensor([loss_sum])])
-    all_reduce_mean_(packed, job.world)
-    offset = 0
-    for p, g in zip(params, grads, strict=True):
-        n = g.numel()
-        p.grad = packed[offset : offset + n].view_as(g).to(g.dtype)
-        offset += n
-    return float(packed[-1])
 
 
 def save(job: Job, fitted: Fitted) -> dict:

@@ -29,7 +29,7 @@ from PIL import Image
 from xeonsd.cluster.distributed import RankInfo, all_reduce_sum_, barrier, collective
 from xeonsd.contracts.method_names import METHODS
 from xeonsd.fsutil import atomic_path
-from xeonsd.trainer.config import ConfigError, TrainConfig
+from xeonsd.trainer.config import PRIOR_NEEDS_WEIGHTS, ConfigError, TrainConfig
 from xeonsd.trainer.data import IMAGE_SUFFIXES, Example, SamplingPlan
 from xeonsd.trainer.prompts import PromptTable
 from xeonsd.trainer.rng import CLASS_IMAGE_SEED, Stream, mix, stream_seed
@@ -51,7 +51,7 @@ def check_prior_flags(cfg: TrainConfig) -> None:
             raise ConfigError(" and ".join(f"--{f}" for f in given) + f" {verb} --with_prior_preservation")
         return
     if cfg.method == METHODS[0]:
-        raise ConfigError(textual_inversion_reason())
+        raise ConfigError(PRIOR_NEEDS_WEIGHTS)
     for name in ("class_prompt", "class_data_dir"):
         if not getattr(cfg, name):
             raise ConfigError(f"--with_prior_preservation needs --{name}")
@@ -72,13 +72,6 @@ def check_prior_flags(cfg: TrainConfig) -> None:
             f"({len(_existing(class_dir))} of --num_class_images {cfg.num_class_images}): make it writable or "
             "put the images there"
         )
-
-
-def textual_inversion_reason() -> str:
-    return (
-        "--with_prior_preservation works with --method lora or full: textual inversion trains only the concept's "
-        "new token vectors and leaves every weight of the model as it was, so the class keeps its prior anyway"
-    )
 
 
 def _existing(class_dir: Path) -> list[Path]:

@@ -35,10 +35,10 @@ from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.data import DataError, Example, find_images
 from xeonsd.trainer.metrics import GRID
 from xeonsd.trainer.rng import Stream, generator
+from xeonsd.trainer.step import LossInputs, step_loss
 
 if TYPE_CHECKING:
     from xeonsd.trainer.conditioning import PromptConditioning
-    from xeonsd.trainer.job import Job
     from xeonsd.trainer.latents import LatentTable
     from xeonsd.trainer.prompts import PromptTable
     from xeonsd.trainer.xl import XLPromptConditioning
@@ -166,23 +166,18 @@ def build_validation(
 
 
 @torch.no_grad()
-def validation_loss(job: Job, vs: ValidationSet) -> float:
-    """The mean loss over the validation examples: this rank's share in batches of --train_batch_size, summed
-    over the ranks in one all-reduce. Every rank calls it."""
-    from xeonsd.trainer.job import TrainingData
-    from xeonsd.trainer.loop import step_loss
-
-    training = job.training
-    unet = training.unet.module if job.ddp else training.unet  # no DDP hooks: nothing to synchronise here
-    data = TrainingData(prompts=vs.prompts, text=vs.text, latents=vs.latents, plan=job.data.plan)
-    view = dataclasses.replace(job, training=dataclasses.replace(training, unet=unet), data=data)
-    mine = list(range(job.cluster.info.rank, vs.size, job.world))
-    batch = job.run.cfg.train_batch_size
+def validation_loss(vs: ValidationSet, training: LossInputs, rank: int, world: int, batch: int) -> float:
+    """The mean loss over the validation examples: this rank's share in batches of ``batch``, summed over the
+    ranks in one all-reduce. Every rank calls it. ``training``: the training step's inputs, whose models and UNet
+    (unwrapped from DistributedDataParallel: nothing to synchronise here) score the held-out prompts and latents."""
+    unet = getattr(training.unet, "module", training.unet)
+    held = dataclasses.replace(training, unet=unet, text=vs.text, latents=vs.latents, prior=None)
+    mine = list(range(rank, vs.size, world))
     total = torch.zeros(1, dtype=torch.float64)
     for first in range(0, len(mine), batch):
         examples = [vs.example(k) for k in mine[first : first + batch]]
-        total += float(step_loss(view, examples)) * len(examples)
-    return float(all_reduce_sum_(total, job.world)[0]) / vs.size
+        total += float(step_loss(held, examples)) * len(examples)
+    return float(all_reduce_sum_(total, world)[0]) / vs.size
 
 
 def _step_dirs(validation_dir: Path) -> list[tuple[str, Path]]:

@@ -1,0 +1,111 @@
+"""The training step's parts, each taking its inputs explicitly: the denoising loss of some examples, the
+gradient all-reduce and the update. The loop (:mod:`.loop`) runs them for the training examples, the validation
+loss (:mod:`.validation`) runs :func:`step_loss` for the held-out ones; neither hands the other a job to fake."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from xeonsd.cluster.distributed import all_reduce_mean_
+from xeonsd.cluster.rank_stats import RankClock
+from xeonsd.trainer.config import ConfigError
+from xeonsd.trainer.data import Example
+from xeonsd.trainer.loss import denoising_loss
+from xeonsd.trainer.methods import Method
+from xeonsd.trainer.models import Models, autocast
+from xeonsd.trainer.prior import PriorData, model_inputs
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """What the denoising loss of a batch reads: the models (scheduler, dtypes), the UNet to call (the training
+    one, DistributedDataParallel-wrapped or not), the text conditioning and the latents the examples index, the
+    class side of prior preservation, and the loss flags."""
+
+    models: Models
+    unet: torch.nn.Module
+    text: Any  # a PromptConditioning (xeonsd.trainer.conditioning) of the family
+    latents: Any  # a LatentTable (xeonsd.trainer.latents)
+    prior: PriorData | None = None
+    snr_gamma: float | None = None
+    channels_last: bool = False
+
+
+def step_loss(inputs: LossInputs, examples: list[Example], clock: RankClock | None = None) -> torch.Tensor:
+    """The denoising loss of these examples (mean over them); ``clock`` times the latent lookup as data. With
+    prior preservation each example is paired with a class example in the same UNet call (:mod:`.prior`): the
+    loss is the instance mean plus ``--prior_loss_weight`` times the class mean."""
+    models = inputs.models
+    with clock.phase("data") if clock else contextlib.nullcontext():
+        batch = model_inputs(inputs.text, inputs.latents, examples)
+        if inputs.prior is not None:  # the class examples join this rank's examples in the one UNet call
+            batch = inputs.prior.join(batch, examples)
+        latents, noise, timesteps, hidden, added = batch
+    noisy = models.noise_scheduler.add_noise(latents, noise, timesteps)
+    dtype = models.unet_dtype
+    model_in = noisy.to(dtype)
+    if added is not None:  # SDXL: the pooled text embedding and the micro-conditioning
+        added = {k: v.to(dtype) for k, v in added.items()}
+    if inputs.channels_last:
+        model_in = model_in.contiguous(memory_format=torch.channels_last)
+    with autocast(models.weight_dtype) if models.unet_autocast else contextlib.nullcontext():
+        pred = inputs.unet(model_in, timesteps, hidden.to(dtype), added_cond_kwargs=added, return_dict=False)[0]
+    prediction_type = models.noise_scheduler.config.prediction_type
+    if prediction_type == "epsilon":
+        target = noise
+    elif prediction_type == "v_prediction":
+        target = models.noise_scheduler.get_velocity(latents, noise, timesteps)
+    else:
+        raise ConfigError(f"unsupported prediction type {prediction_type!r} in the model's scheduler")
+
+    def loss(rows: slice) -> torch.Tensor:
+        return denoising_loss(
+            pred[rows],
+            target[rows],
+            timesteps[rows],
+            snr_gamma=inputs.snr_gamma,
+            alphas_cumprod=models.noise_scheduler.alphas_cumprod,
+            prediction_type=prediction_type,
+        )
+
+    if inputs.prior is None:
+        return loss(slice(None))
+    n = len(examples)
+    return loss(slice(0, n)) + inputs.prior.weight * loss(slice(n, None))
+
+
+def sync_gradients(params: list[torch.nn.Parameter], loss_sum: float, world: int, ddp: bool) -> float:
+    """Average the gradients of ``params`` (unless DistributedDataParallel already did) and the loss over the
+    ranks, in one all-reduce; returns the mean loss."""
+    if ddp:
+        packed = torch.tensor([loss_sum])
+        all_reduce_mean_(packed, world)
+        return float(packed[0])
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    if world == 1:  # nothing to average; packing would briefly hold every gradient twice (+3.4 GB for a full UNet)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        return loss_sum
+    packed = torch.cat([*(g.reshape(-1).float() for g in grads), torch.tensor([loss_sum])])
+    all_reduce_mean_(packed, world)
+    offset = 0
+    for p, g in zip(params, grads, strict=True):
+        n = g.numel()
+        p.grad = packed[offset : offset + n].view_as(g).to(g.dtype)
+        offset += n
+    return float(packed[-1])
+
+
+def update(method: Method, optimizer: torch.optim.Optimizer, lr_scheduler: Any, done: int) -> None:
+    """The optimizer step (the gradients clipped first when the method asks), the schedule's, and the method's
+    own after-step work (e.g. an EMA update) for step ``done``."""
+    if method.max_grad_norm:
+        torch.nn.utils.clip_grad_norm_(method.parameters(), method.max_grad_norm)
+    optimizer.step()
+    lr_scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    method.after_step(done)
