@@ -132,7 +132,7 @@ def check_caption_options(
         raise ConfigError("--keep_tokens keeps tags in place when --shuffle_tags shuffles them: add --shuffle_tags")
     need = [f for f in ("shuffle_tags", "caption_prefix") if getattr(cfg, f)]
     if need and not uses_captions:
-        instead = "the prompt templates" if cfg.method == METHODS[0] else "--instance_prompt"
+        instead = method_class(cfg.method).prompt_source
         raise ConfigError(
             " and ".join(f"--{f}" for f in need) + f" work on captions, but this run trains on {instead} "
             f"(--captions {cfg.captions}; {cfg.train_data_dir} needs metadata.jsonl, a .txt beside each image or "

@@ -206,8 +206,7 @@ def save(job: Job, fitted: Fitted) -> dict:
         metrics = fitted.metrics
         assert metrics is not None
         if metrics.rows:
-            what = cfg.placeholder_token if cfg.method == "textual_inversion" else cfg.method
-            plot_loss(metrics.rows, out / "loss.png", title=f"{what}: {world} rank(s)")
+            plot_loss(metrics.rows, out / "loss.png", title=f"{method.label()}: {world} rank(s)")
         metrics.finish()
         write_summary(out, train_summary(job, fitted.first_step_s, fitted.first_step_cpu_s))
         log.info("saved the %s result to %s", cfg.method, out)

@@ -164,27 +164,6 @@ def _text_encoders(src: str, kw: dict, xl: bool) -> list[tuple[object, torch.nn.
     return out
 
 
-def _trainable(cfg, method: str, unet, encoders: list[tuple[object, torch.nn.Module]]) -> int:
-    """The trainable numbers of the method (LoRA's adapters are added to the meta UNet, which they change)."""
-    if method == "textual_inversion":  # one vector set per text encoder
-        return sum(
-            (c.vocab_size if cfg.train_full_embedding_matrix else cfg.num_vectors) * c.hidden_size for c, _ in encoders
-        )
-    if method == "lora":
-        from xeonsd.trainer.methods.lora import unet_lora_config
-
-        unet.add_adapter(unet_lora_config(cfg))
-        for p in unet.parameters():
-            if p.requires_grad:
-                p.data = p.data.float()
-        trainable = _numel(unet, trainable_only=True)
-        if cfg.train_text_encoder:  # about the same share of each text encoder's attention
-            trainable += sum(4 * c.num_hidden_layers * 2 * cfg.rank * c.hidden_size for c, _ in encoders)
-        return trainable
-    unet.requires_grad_(True)  # (measured without checkpointing: the block figures give its effect)
-    return _numel(unet)
-
-
 def _resident_bytes() -> int:
     """This process's resident memory now (the interpreter, torch and the libraries: the estimate's runtime). Not
     ru_maxrss: Linux carries a launcher's high-water mark across fork and exec, so a rank started by a large process
@@ -203,6 +182,7 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstim
 
     from xeonsd.modelfiles.families import detect_family
     from xeonsd.trainer.config import with_resolution
+    from xeonsd.trainer.methods import method_class
 
     src, kw = cfg.pretrained_model_name_or_path, {"revision": cfg.revision}
     family = detect_family(src, cfg.revision)
@@ -215,22 +195,23 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstim
     encoders = _text_encoders(src, kw, family.is_xl)
     text_bytes = sum(_numel(m) for _, m in encoders) * 4  # fp32
     unet.requires_grad_(False)
-    unet_dtype = torch.float32 if method == "full" else weight_dtype
+    terms = method_class(method)  # the method's own terms: what trains, where, and its optimizer state
+    unet_dtype = torch.float32 if terms.unet_fp32 else weight_dtype
     torch.nn.Module.to(unet, unet_dtype)  # (ModelMixin.to warns about keep-in-fp32 modules SD has none of)
-    trainable = _trainable(cfg, method, unet, encoders)
-    frozen_unet = _numel(unet) - (trainable if method != "textual_inversion" else 0)
+    trainable = terms.memory_trainable(cfg, unet, encoders)
+    frozen_unet = _numel(unet) - (trainable if terms.trains_unet else 0)
     weights = text_bytes + frozen_unet * torch.finfo(unet_dtype).bits // 8
-    if method in ("lora", "full"):
+    if terms.trains_unet:  # fp32 tensors of their own (textual inversion's vectors sit in the text encoders)
         weights += trainable * 4
     if cfg.validation_prompt or not cfg.latent_cache:
         weights += _numel(vae) * wbytes
     gradients = trainable * 4
-    optimizer = trainable * 8 + (trainable * 4 if method == "full" and cfg.use_ema else 0)
+    optimizer = terms.memory_optimizer_bytes(cfg, trainable)
     autocast = weight_dtype == torch.bfloat16 and unet_dtype == torch.float32
     cross_dim = sum(c.hidden_size for c, _ in encoders)  # SDXL: both encoders' hidden states side by side
     pooled_dim = encoders[-1][0].projection_dim if family.is_xl else 0
     activations = _activations(
-        unet, cfg, cross_dim, weight_dtype, method == "textual_inversion", autocast, pooled_dim=pooled_dim
+        unet, cfg, cross_dim, weight_dtype, not terms.trains_unet, autocast, pooled_dim=pooled_dim
     )
     side = cfg.resolution // 8
     if cfg.with_prior_preservation:  # the class images' latents beside the instance ones, and the class prompt
@@ -238,7 +219,7 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstim
     latents = 2 * num_images * 2 * 4 * side * side * 4
     if not cfg.latent_cache:
         latents = 2 * num_images * 3 * cfg.resolution**2 * 4
-    prompts = num_prompts * (77 * cross_dim + pooled_dim) * 4 if method != "textual_inversion" else 0
+    prompts = num_prompts * (77 * cross_dim + pooled_dim) * 4 if terms.trains_unet else 0  # the frozen encoder's cache
     runtime = _resident_bytes()
     frozen = runtime + text_bytes + _numel(vae) * wbytes
     loading = frozen + _unet_loading(cfg, _numel(unet), torch.finfo(unet_dtype).bits // 8)

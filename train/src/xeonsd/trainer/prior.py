@@ -27,10 +27,10 @@ import torch
 from PIL import Image
 
 from xeonsd.cluster.distributed import RankInfo, all_reduce_sum_, barrier, collective
-from xeonsd.contracts.method_names import METHODS
 from xeonsd.fsutil import atomic_path
 from xeonsd.trainer.config import PRIOR_NEEDS_WEIGHTS, ConfigError, TrainConfig
 from xeonsd.trainer.data import IMAGE_SUFFIXES, Example, SamplingPlan
+from xeonsd.trainer.methods import method_class
 from xeonsd.trainer.prompts import PromptTable
 from xeonsd.trainer.rng import CLASS_IMAGE_SEED, Stream, mix, stream_seed
 
@@ -50,7 +50,7 @@ def check_prior_flags(cfg: TrainConfig) -> None:
             verb = "needs" if len(given) == 1 else "need"
             raise ConfigError(" and ".join(f"--{f}" for f in given) + f" {verb} --with_prior_preservation")
         return
-    if cfg.method == METHODS[0]:
+    if not method_class(cfg.method).trains_unet:  # textual inversion: every weight stays as it was
         raise ConfigError(PRIOR_NEEDS_WEIGHTS)
     for name in ("class_prompt", "class_data_dir"):
         if not getattr(cfg, name):

@@ -33,6 +33,7 @@ from xeonsd.fsutil import atomic_path
 from xeonsd.trainer.captions import CaptionDraws, Captions, read_captions
 from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.data import DataError, Example, find_images
+from xeonsd.trainer.methods import method_class
 from xeonsd.trainer.metrics import GRID
 from xeonsd.trainer.rng import Stream, generator
 from xeonsd.trainer.step import LossInputs, step_loss
@@ -110,12 +111,7 @@ def check_held_out(cfg: TrainConfig, held: HeldOut, uses_captions: bool) -> None
             f"{held.source}: its images have no captions, but this run trains on captions; give them captions "
             "(metadata.jsonl, a .txt beside each image, or captions.txt) or train with --captions off"
         )
-    if cfg.method == "textual_inversion":
-        for text, where in zip(held.captions.texts, held.captions.where, strict=True):
-            if cfg.placeholder_token not in text:
-                raise DataError(
-                    f"{where}: the caption {text!r} does not contain the placeholder {cfg.placeholder_token}"
-                )
+    method_class(cfg.method).check_captions(cfg, held.captions, "")
 
 
 @dataclass(frozen=True)

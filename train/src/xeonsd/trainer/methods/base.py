@@ -26,6 +26,11 @@ class Method:
     outputs: ClassVar[tuple[str, ...]]
     #: the UNet's weights: trained in fp32 under bf16 autocast (full), or frozen in the training dtype
     unet_fp32: ClassVar[bool] = False
+    #: the trainable numbers are the UNet's or adapters on it (fp32 tensors of their own, their gradient flows
+    #: through the UNet's weights); False: they sit in the text encoders' embedding tables (textual inversion)
+    trains_unet: ClassVar[bool] = True
+    #: what the run trains on without captions (the refusal of caption-only flags names it)
+    prompt_source: ClassVar[str] = "--instance_prompt"
 
     def __init__(self, cfg: TrainConfig, models: Models) -> None:
         self.cfg = cfg
@@ -47,6 +52,22 @@ class Method:
                 "image, or captions.txt)"
             )
         return captions is not None
+
+    @classmethod
+    def check_captions(cls, cfg: TrainConfig, captions: Captions, where: str) -> None:
+        """Refuse captions this method cannot train on (the training images' and the held-out ones, alike)."""
+
+    # ---- the memory estimate (xeonsd.trainer.memory, on meta-device models) ----------------------------------------
+    @classmethod
+    def memory_trainable(cls, cfg: TrainConfig, unet: torch.nn.Module, encoders: list[tuple[object, object]]) -> int:
+        """The trainable numbers, from the meta UNet (which the method may change: LoRA's adapters) and the text
+        encoders' (config, meta model) pairs."""
+        raise NotImplementedError
+
+    @classmethod
+    def memory_optimizer_bytes(cls, cfg: TrainConfig, trainable: int) -> int:
+        """The optimizer's state: AdamW's two fp32 moments."""
+        return trainable * 8
 
     # ---- set-up ------------------------------------------------------------------------------------------------
     @property
@@ -88,6 +109,10 @@ class Method:
     def save(self, out: Path) -> None:
         """Rank 0: write the run's result into ``out`` (each file atomically)."""
         raise NotImplementedError
+
+    def label(self) -> str:
+        """What the run trains, in a title (the loss plot's)."""
+        return self.name
 
     def summary(self) -> dict:
         """Figures for metrics and the report (trainable parameters, …)."""

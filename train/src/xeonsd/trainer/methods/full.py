@@ -60,6 +60,17 @@ class FullFineTuning(Method):
             raise ConfigError(f"--ema_decay must be between 0 and 1, got {cfg.ema_decay}")
         check_prompt_source(cls.name, cfg, cls.uses_captions(cfg, captions))
 
+    @classmethod
+    def memory_trainable(cls, cfg, unet, encoders) -> int:
+        """The whole UNet (measured without gradient checkpointing: the block figures give its effect)."""
+        unet.requires_grad_(True)
+        return sum(p.numel() for p in unet.parameters())
+
+    @classmethod
+    def memory_optimizer_bytes(cls, cfg, trainable: int) -> int:
+        """AdamW's moments, and with --use_ema the EMA copy of the UNet (fp32)."""
+        return trainable * 8 + (trainable * 4 if cfg.use_ema else 0)
+
     def __init__(self, cfg, models) -> None:
         super().__init__(cfg, models)
         unet = models.unet

@@ -65,6 +65,20 @@ class LoRA(Method):
             raise ConfigError("--method lora needs the peft package (pip install -r requirements.txt)")
         check_prompt_source(cls.name, cfg, cls.uses_captions(cfg, captions))
 
+    @classmethod
+    def memory_trainable(cls, cfg, unet, encoders) -> int:
+        """The adapters, added to the meta UNet in fp32; with --train_text_encoder about the same share of each
+        text encoder's attention."""
+        unet.add_adapter(unet_lora_config(cfg))
+        trainable = 0
+        for p in unet.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+                trainable += p.numel()
+        if cfg.train_text_encoder:
+            trainable += sum(4 * c.num_hidden_layers * 2 * cfg.rank * c.hidden_size for c, _ in encoders)
+        return trainable
+
     def __init__(self, cfg, models) -> None:
         super().__init__(cfg, models)
         alpha = cfg.lora_alpha if cfg.lora_alpha is not None else cfg.rank

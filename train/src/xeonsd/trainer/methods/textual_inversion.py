@@ -33,6 +33,8 @@ EMBEDS_FILE = result_file("textual_inversion")
 class TextualInversion(Method):
     name = "textual_inversion"
     outputs = (EMBEDS_FILE,)
+    trains_unet = False
+    prompt_source = "the prompt templates"
 
     @classmethod
     def check(cls, cfg, captions: Captions | None) -> None:
@@ -43,12 +45,27 @@ class TextualInversion(Method):
             raise ConfigError(f"--num_vectors must be at least 1, got {cfg.num_vectors}")
         if cls.uses_captions(cfg, captions):
             assert captions is not None
-            for text, where in zip(captions.texts, captions.where, strict=True):
-                if cfg.placeholder_token not in text:
-                    raise DataError(
-                        f"{where}: the caption {text!r} does not contain the placeholder {cfg.placeholder_token}; "
-                        "every caption must name the concept (or train on the templates with --captions off)"
-                    )
+            cls.check_captions(cfg, captions, "or train on the templates with --captions off")
+
+    @classmethod
+    def check_captions(cls, cfg, captions: Captions, where: str = "") -> None:
+        """Every caption names the concept: the placeholder is what trains. ``where``: how to fix it, added."""
+        for text, file in zip(captions.texts, captions.where, strict=True):
+            if cfg.placeholder_token not in text:
+                fix = f"; every caption must name the concept ({where})" if where else ""
+                raise DataError(
+                    f"{file}: the caption {text!r} does not contain the placeholder {cfg.placeholder_token}{fix}"
+                )
+
+    @classmethod
+    def memory_trainable(cls, cfg, unet, encoders) -> int:
+        """One vector set per text encoder (the whole embedding table with --train_full_embedding_matrix)."""
+        return sum(
+            (c.vocab_size if cfg.train_full_embedding_matrix else cfg.num_vectors) * c.hidden_size for c, _ in encoders
+        )
+
+    def label(self) -> str:
+        return self.cfg.placeholder_token
 
     def __init__(self, cfg, models) -> None:
         super().__init__(cfg, models)
