@@ -210,8 +210,8 @@ def test_resume_continues_the_same_trajectory(xl_runs, tiny_xl_model, xl_data, t
 def test_time_ids_follow_the_crop_and_the_mirror(tmp_path):
     from PIL import Image
 
+    from xeonsd.trainer.families.sdxl import time_ids_for
     from xeonsd.trainer.latents import image_cache_key
-    from xeonsd.trainer.xl import time_ids_for
 
     Image.new("RGB", (120, 80)).save(tmp_path / "wide.png")  # width 120, height 80
     squashed = time_ids_for(tmp_path / "wide.png", 64, center_crop=False)

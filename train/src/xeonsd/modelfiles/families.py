@@ -26,17 +26,90 @@ class FamilyError(ValueError):
 
 
 @dataclass(frozen=True)
-class Family:
-    """``name`` is ``sd`` (SD 1.x/2.x) or ``sdxl``; ``text_encoders`` and ``tokenizers`` are the pipeline's
-    component names in the order their hidden states are concatenated."""
+class FamilySpec:
+    """What the files of a family's pipeline look like, and which classes load and export it: read by the trainer
+    (:mod:`xeonsd.trainer.families` holds each family's training side) and by the OpenVINO side alike.
+    ``text_encoders`` and ``tokenizers`` are the pipeline's component names in the order their hidden states are
+    concatenated; ``pooled`` says the last text encoder's pooled, projected output conditions the model too."""
 
     name: str
     label: str
-    pipeline_class: str
+    pipeline_class: str  # diffusers
+    ov_pipeline_class: str  # optimum.intel
     text_encoders: tuple[str, ...]
     tokenizers: tuple[str, ...]
+    pooled: bool = False
+    # extra keyword arguments of the diffusers pipeline's from_pretrained / constructor
+    pipeline_kwargs: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def text_side(self) -> tuple[tuple[str, str], ...]:
+        """(text encoder, tokenizer) component names, in order."""
+        return tuple(zip(self.text_encoders, self.tokenizers, strict=True))
+
+
+# Every family we serve, by name (the name is what train_summary.json and an export's manifest record). A new
+# family is one entry here (and its rule in family_of) plus its training side in xeonsd.trainer.families.
+SPECS: dict[str, FamilySpec] = {
+    spec.name: spec
+    for spec in (
+        FamilySpec(
+            "sd",
+            "SD 1.x/2.x",
+            "StableDiffusionPipeline",
+            "OVStableDiffusionPipeline",
+            ("text_encoder",),
+            ("tokenizer",),
+            pipeline_kwargs=(("safety_checker", None), ("requires_safety_checker", False)),
+        ),
+        FamilySpec(
+            "sdxl",
+            "SDXL",
+            "StableDiffusionXLPipeline",
+            "OVStableDiffusionXLPipeline",
+            ("text_encoder", "text_encoder_2"),
+            ("tokenizer", "tokenizer_2"),
+            pooled=True,
+        ),
+    )
+}
+
+
+def spec(name: str) -> FamilySpec:
+    """The family called ``name`` (``sd``, ``sdxl``); FamilyError naming the known ones for another name."""
+    try:
+        return SPECS[name]
+    except KeyError:
+        raise FamilyError(f"unknown model family {name!r}; known: {', '.join(SPECS)}") from None
+
+
+@dataclass(frozen=True)
+class Family:
+    """A pipeline's family (:class:`FamilySpec`) with the sizes read from its config files."""
+
+    spec: FamilySpec
     sample_size: int  # the UNet's latent size
     vae_scale: int  # pixels per latent
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
+
+    @property
+    def pipeline_class(self) -> str:
+        return self.spec.pipeline_class
+
+    @property
+    def text_encoders(self) -> tuple[str, ...]:
+        return self.spec.text_encoders
+
+    @property
+    def tokenizers(self) -> tuple[str, ...]:
+        return self.spec.tokenizers
 
     @property
     def default_resolution(self) -> int:
@@ -46,16 +119,6 @@ class Family:
     @property
     def is_xl(self) -> bool:
         return self.name == "sdxl"
-
-
-SD = ("sd", "SD 1.x/2.x", "StableDiffusionPipeline", ("text_encoder",), ("tokenizer",))
-SDXL = (
-    "sdxl",
-    "SDXL",
-    "StableDiffusionXLPipeline",
-    ("text_encoder", "text_encoder_2"),
-    ("tokenizer", "tokenizer_2"),
-)
 
 
 def components(index: dict[str, Any]) -> set[str]:
@@ -85,17 +148,17 @@ def family_of(index: dict[str, Any], unet: dict[str, Any] | None, vae: dict[str,
     missing = {"vae", "scheduler"} - have
     text_time = unet.get("addition_embed_type") == "text_time"
     if text_time:
-        spec = SDXL
+        found_spec = SPECS["sdxl"]
     elif unet.get("addition_embed_type") is None and "text_encoder_2" not in have:
-        spec = SD
+        found_spec = SPECS["sd"]
     else:
         raise refuse(f"a UNet with addition_embed_type {unet.get('addition_embed_type')!r}")
-    missing |= set(spec[3]) | set(spec[4])
+    missing |= set(found_spec.text_encoders) | set(found_spec.tokenizers)
     missing -= have
     if missing:
-        raise refuse(f"a {spec[1]} pipeline without {', '.join(sorted(missing))}")
+        raise refuse(f"a {found_spec.label} pipeline without {', '.join(sorted(missing))}")
     blocks = (vae or {}).get("block_out_channels") or [0, 0, 0, 0]
-    return Family(*spec, sample_size=int(unet.get("sample_size") or 64), vae_scale=2 ** (len(blocks) - 1))
+    return Family(found_spec, sample_size=int(unet.get("sample_size") or 64), vae_scale=2 ** (len(blocks) - 1))
 
 
 def detect_family(src: str | Path, revision: str | None = None) -> Family:

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-TEXT_SIDE: dict[str, tuple[tuple[str, str], ...]] = {
-    "sd": (("text_encoder", "tokenizer"),),
-    "sdxl": (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")),
-}
-LABELS = {"sd": "SD 1.x/2.x", "sdxl": "SDXL"}
+from xeonsd.modelfiles.families import SPECS, spec
+
+LABELS = {name: found.label for name, found in SPECS.items()}
 
 
 def manifest_family(manifest: dict[str, Any]) -> str:
@@ -31,24 +29,23 @@ def manifest_family(manifest: dict[str, Any]) -> str:
 
 
 def text_side(family: str) -> tuple[tuple[str, str], ...]:
-    return TEXT_SIDE[family]
+    """(text encoder, tokenizer) of each text encoder of ``family``, in order."""
+    return spec(family).text_side
 
 
 def ov_pipeline_class(family: str) -> Any:
-    from optimum.intel import OVStableDiffusionPipeline, OVStableDiffusionXLPipeline
+    """optimum-intel's pipeline class of ``family``."""
+    import optimum.intel
 
-    return OVStableDiffusionXLPipeline if family == "sdxl" else OVStableDiffusionPipeline
+    return getattr(optimum.intel, spec(family).ov_pipeline_class)
 
 
 def load_torch_pipeline(src: str, family: str) -> Any:
     """The diffusers pipeline of ``family`` at ``src`` (fp32, no safety checker)."""
-    if family == "sdxl":
-        from diffusers import StableDiffusionXLPipeline
+    import diffusers
 
-        return StableDiffusionXLPipeline.from_pretrained(src)
-    from diffusers import StableDiffusionPipeline
-
-    return StableDiffusionPipeline.from_pretrained(src, safety_checker=None, requires_safety_checker=False)
+    found = spec(family)
+    return getattr(diffusers, found.pipeline_class).from_pretrained(src, **dict(found.pipeline_kwargs))
 
 
 def add_concepts_to_torch(pipe: Any, family: str, concepts: dict[str, Any]) -> list[str]:

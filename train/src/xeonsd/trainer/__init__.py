@@ -3,11 +3,11 @@ from its own layer and those below (``tests/xeonsd/test_imports.py`` holds the l
 or any cycle, lazy imports included):
 
 1. what everything else stands on: the typed configuration and the resolution a family trains at
-   (:mod:`.config`), every random stream (:mod:`.rng`), checkpoints, metrics files, the frozen weights' loading,
+   (:mod:`.config`), every random stream (:mod:`.rng`), a rank's status file and log prefix (:mod:`.rank_io`), checkpoints, metrics files, the frozen weights' loading,
    the loss function (:mod:`.loss`), the stop signals (:mod:`.stopping`) and the step-end order (:mod:`.step_end`);
 2. data and models: the images and the rank-independent sampling plan (:mod:`.data`, :mod:`.buckets`), captions and
-   prompt tables (:mod:`.captions`, :mod:`.prompts`), the models (:mod:`.models`), their text conditioning and
-   latents (:mod:`.conditioning`, SDXL's :mod:`.xl`, :mod:`.latents`), prior preservation's class data
+   prompt tables (:mod:`.captions`, :mod:`.prompts`), the models (:mod:`.models`), each family's training side (:mod:`.families`), the text conditioning and
+   latents (:mod:`.conditioning`, :mod:`.latents`), prior preservation's class data
    (:mod:`.prior`), the methods (:mod:`.methods`) and their optimizer (:mod:`.optim`);
 3. the step (:mod:`.step`): the loss of some examples, the gradient all-reduce, the update, each on explicit inputs;
 4. the set-up: the checks before a model loads (:mod:`.inputs`), the memory estimate (:mod:`.memory`), the held-out

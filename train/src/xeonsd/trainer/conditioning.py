@@ -25,7 +25,7 @@ ENCODE_BATCH = 16  # prompts per text encoder call while the table is built
 
 class PromptConditioning:
     """The prompt table through the text encoder: ``encode(rows)`` gives the hidden states [n, 77, hidden].
-    :class:`~xeonsd.trainer.xl.XLPromptConditioning` overrides the four hooks (``_tokenize``, ``_select``,
+    :class:`~xeonsd.trainer.families.sdxl.XLPromptConditioning` overrides the four hooks (``_tokenize``, ``_select``,
     ``_forward``, ``_encode_all``) for SDXL's two encoders; the caption draws are the same code for both."""
 
     def __init__(
@@ -81,6 +81,11 @@ class PromptConditioning:
         if self.table is not None:
             return self.table[rows]
         return self._forward(self._select(rows))
+
+    def unet_inputs(self, latents, examples: list[Example]) -> tuple[torch.Tensor, dict | None]:
+        """What the UNet call takes for these examples besides the latents: the encoder hidden states (with the
+        caption draws) and the family's ``added_cond_kwargs`` (None here)."""
+        return self.for_examples(examples), None
 
     def for_examples(self, examples: list[Example]):
         """What these training examples condition on: their prompt rows, with the caption draws."""

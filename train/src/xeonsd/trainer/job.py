@@ -1,6 +1,6 @@
 """A training job, and ``setup``, which builds it from the configuration: this rank's place in the cluster, the
 models and the method, the optimizer and its schedule, the checkpoint resumed, the latent and prompt caches and
-the sampling plan. Also this rank's status file and its log prefix, which exist before the job does."""
+the sampling plan. (This rank's status file and its log prefix exist before the job does: :mod:`.rank_io`.)"""
 
 from __future__ import annotations
 
@@ -24,16 +24,16 @@ from xeonsd.cluster.distributed import (
     node_address,
     take_the_job_down,
 )
-from xeonsd.cluster.rank_stats import node_names
-from xeonsd.contracts.job_status import RankStatus, RankStatusFile, StatusFileError, attempt_from_env
+from xeonsd.contracts.job_status import RankStatusFile
 from xeonsd.cpu import cpu_info
 from xeonsd.modelfiles.modelsource import model_fingerprint
 from xeonsd.trainer import checkpoint as ckpt
 from xeonsd.trainer.buckets import BUCKET_OPTIONS, BucketBatches, Buckets
 from xeonsd.trainer.captions import CaptionDraws
 from xeonsd.trainer.conditioning import PromptConditioning
-from xeonsd.trainer.config import ConfigError, TrainConfig
+from xeonsd.trainer.config import TrainConfig
 from xeonsd.trainer.data import SamplingPlan
+from xeonsd.trainer.families import train_family
 from xeonsd.trainer.inputs import Inputs
 from xeonsd.trainer.latents import LatentTable
 from xeonsd.trainer.loss import parse_timestep_range
@@ -45,7 +45,6 @@ from xeonsd.trainer.prompts import PromptTable
 from xeonsd.trainer.rng import Stream, stream_seed
 from xeonsd.trainer.step import LossInputs
 from xeonsd.trainer.validation import ValidationSet, build_validation
-from xeonsd.trainer.xl import XLPromptConditioning
 
 log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name
 # A rank that lost a peer waits this long before ending the job, so that the other survivors report it too.
@@ -82,7 +81,7 @@ class TrainingData:
     validation loss's held-out images."""
 
     prompts: PromptTable
-    text: PromptConditioning | XLPromptConditioning
+    text: PromptConditioning  # the family's (xeonsd.trainer.families)
     latents: LatentTable
     plan: SamplingPlan
     validation: ValidationSet | None = None  # the held-out images of the validation loss
@@ -283,8 +282,7 @@ def _prepare_data(
         "%s: %d trainable parameters; prompts: %d from %s", cfg.method, trainable, len(prompts.texts), prompts.source
     )
     t0 = time.perf_counter()
-    conditioning = XLPromptConditioning if models.is_xl else PromptConditioning
-    text = conditioning(
+    text = train_family(models.family).conditioning(
         models,
         prompts,
         trainable=method.trains_text_encoder,
@@ -359,46 +357,3 @@ def _lost_peer_exit(info: RankInfo, status: RankStatusFile):
         os._exit(2)
 
     return expire
-
-
-def start_status(cfg: TrainConfig, info: RankInfo) -> RankStatusFile:
-    """This rank's status file (``<output_dir>/status/rank-<r>.json`` on its own node), in state ``starting``."""
-    try:
-        attempt = attempt_from_env()
-    except StatusFileError as exc:
-        raise ConfigError(str(exc)) from exc
-    address = node_address()
-    status = RankStatus(
-        rank=info.rank,
-        world=info.world_size,
-        node=node_names().get(address, address),
-        address=address,
-        pid=os.getpid(),
-        state="starting",
-        step=0,
-        updated=time.time(),
-        attempt=attempt,
-    )
-    return RankStatusFile(cfg.output_path, status)
-
-
-class _RankFilter(logging.Filter):
-    def __init__(self, rank: int, world: int) -> None:
-        super().__init__()
-        self.prefix = f"[rank {rank}/{world}]"
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.rankprefix = self.prefix
-        return True
-
-
-def setup_logging(info: RankInfo) -> None:
-    """Every log line with its rank in the prefix; library chatter only from rank 0."""
-    root = logging.getLogger()
-    for h in root.handlers:
-        h.addFilter(_RankFilter(info.rank, info.world_size))
-        h.setFormatter(logging.Formatter("%(asctime)s %(rankprefix)s %(levelname)s %(name)s: %(message)s"))
-    # Library chatter (loading bars, warnings about unused processors) only from rank 0.
-    if not info.is_main:
-        for name in ("diffusers", "transformers", "peft"):
-            logging.getLogger(name).setLevel(logging.ERROR)

@@ -9,7 +9,7 @@ is decoded on one rank, one at a time: no rank holds the decoded set) and one al
 them; with aspect-ratio buckets, one shard and all-reduce per bucket size. With ``--latent_cache_dir`` it is also kept on disk between runs, one file per image keyed by the
 image's bytes, the VAE, the resolution and the crop, so a second run (or a rank on another node that has the
 files) encodes nothing. For SDXL each input also has its micro-conditioning (``time_ids``: original size, crop,
-target size; :func:`xeonsd.trainer.xl.time_ids_for`), which is part of the key and stored in the file.
+target size; :func:`xeonsd.trainer.families.sdxl.time_ids_for`), which is part of the key and stored in the file.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from xeonsd.cluster.distributed import all_reduce_sum_
 from xeonsd.fsutil import atomic_path
 from xeonsd.trainer.buckets import Buckets, Placement, image_size, placement
+from xeonsd.trainer.families import train_family
 
 log = logging.getLogger(__name__)
 
@@ -184,15 +185,13 @@ class LatentTable:
         if places is not None:
             shapes = [(shape[0], p.bucket[1] // scale, p.bucket[0] // scale) for p in places for _ in (0, 1)]
         common = {"shape": shape, "count": count, "scaling": vae.config.scaling_factor, "dtype": models.weight_dtype}
-        if models.is_xl:
-            from xeonsd.trainer.xl import time_ids_for
-
-            common["time_ids"] = torch.cat(
-                [
-                    time_ids_for(p, cfg.resolution, cfg.center_crop, places[k] if places else None)
-                    for k, p in enumerate(images)
-                ]
-            )
+        family = train_family(models.family)  # SDXL: each image's micro-conditioning, kept with its latents
+        time_ids = [
+            family.time_ids(p, cfg.resolution, cfg.center_crop, places[k] if places else None)
+            for k, p in enumerate(images)
+        ]
+        if images and all(t is not None for t in time_ids):
+            common["time_ids"] = torch.cat(time_ids)
         time_ids = common.get("time_ids")
         if not cfg.latent_cache:
             pixels = load_all_pixels(images, cfg.resolution, cfg.center_crop, cfg.dataloader_num_workers, places)

@@ -44,10 +44,11 @@ from xeonsd.trainer.data import DataError
 from xeonsd.trainer.embeddings import ConceptError
 from xeonsd.trainer.hooks import StepObservers
 from xeonsd.trainer.inputs import check_memory, validate
-from xeonsd.trainer.job import ABORT_GRACE_S, Job, setup, setup_logging, start_status
+from xeonsd.trainer.job import ABORT_GRACE_S, Job, setup
 from xeonsd.trainer.libraries import skip_unused_packages
 from xeonsd.trainer.metrics import MetricsLog, plot_loss, write_summary
 from xeonsd.trainer.models import render_validation
+from xeonsd.trainer.rank_io import setup_logging, start_status
 from xeonsd.trainer.step import step_loss, sync_gradients, update
 from xeonsd.trainer.step_end import StepEnd
 from xeonsd.trainer.stopping import Interrupted, StopSignals

@@ -150,14 +150,16 @@ def _activations(
     return saved.total - inside + sum(i for _, i in saved.blocks) + 2 * largest
 
 
-def _text_encoders(src: str, kw: dict, xl: bool) -> list[tuple[object, torch.nn.Module]]:
-    """(config, meta-device model) of each text encoder: SDXL's second has the projection (pooled output)."""
+def _text_encoders(src: str, kw: dict, family) -> list[tuple[object, torch.nn.Module]]:
+    """(config, meta-device model) of each of the family's text encoders; the last with its projection when the
+    family conditions on its pooled output (SDXL)."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     out = []
-    for sub, cls in (("text_encoder", CLIPTextModel), ("text_encoder_2", CLIPTextModelWithProjection))[
-        : 2 if xl else 1
-    ]:
+    for i, sub in enumerate(family.text_encoders):
+        cls = (
+            CLIPTextModelWithProjection if family.spec.pooled and i == len(family.text_encoders) - 1 else CLIPTextModel
+        )
         config = CLIPTextConfig.from_pretrained(src, subfolder=sub, **kw)
         with torch.device("meta"):
             out.append((config, cls(config)))
@@ -192,7 +194,7 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstim
     with torch.device("meta"):
         unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(src, subfolder="unet", **kw))
         vae = AutoencoderKL.from_config(AutoencoderKL.load_config(src, subfolder="vae", **kw))
-    encoders = _text_encoders(src, kw, family.is_xl)
+    encoders = _text_encoders(src, kw, family)
     text_bytes = sum(_numel(m) for _, m in encoders) * 4  # fp32
     unet.requires_grad_(False)
     terms = method_class(method)  # the method's own terms: what trains, where, and its optimizer state
@@ -209,7 +211,7 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstim
     optimizer = terms.memory_optimizer_bytes(cfg, trainable)
     autocast = weight_dtype == torch.bfloat16 and unet_dtype == torch.float32
     cross_dim = sum(c.hidden_size for c, _ in encoders)  # SDXL: both encoders' hidden states side by side
-    pooled_dim = encoders[-1][0].projection_dim if family.is_xl else 0
+    pooled_dim = encoders[-1][0].projection_dim if family.spec.pooled else 0
     activations = _activations(
         unet, cfg, cross_dim, weight_dtype, not terms.trains_unet, autocast, pooled_dim=pooled_dim
     )

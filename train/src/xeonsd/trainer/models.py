@@ -8,6 +8,7 @@ through it (textual inversion, LoRA on the text encoder), and it is small.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import shutil
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 from xeonsd.fsutil import atomic_dir
-from xeonsd.modelfiles.families import Family, FamilyError, detect_family
+from xeonsd.modelfiles.families import SPECS, Family, FamilyError, detect_family
 from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.embeddings import PlaceholderEmbedding
 from xeonsd.trainer.weights import load_frozen
@@ -40,10 +41,6 @@ class Models:
     family: Family | None = None  # None: SD 1.x/2.x (models built by hand in the tests)
     tokenizer_2: object | None = None  # SDXL's second tokenizer and text encoder (OpenCLIP bigG, with projection)
     text_encoder_2: torch.nn.Module | None = None
-
-    @property
-    def is_xl(self) -> bool:
-        return self.family is not None and self.family.is_xl
 
     @property
     def text_pairs(self) -> list[tuple[object, torch.nn.Module]]:
@@ -74,33 +71,27 @@ def model_family(cfg: TrainConfig) -> Family:
 def load_models(cfg: TrainConfig, unet_fp32: bool = False, family: Family | None = None) -> Models:
     family = family or model_family(cfg)
     try:
-        models = _load_models(cfg, unet_fp32)
-        models.family = family
-        if family.is_xl:
-            models.tokenizer_2, models.text_encoder_2 = _load_second_text_encoder(cfg)
-        return models
+        return _load_models(cfg, unet_fp32, family)
     except OSError as exc:  # missing files, or a Hub id that cannot be fetched (offline, gated, wrong name)
         raise ConfigError(f"cannot load the model {cfg.pretrained_model_name_or_path!r}: {exc}") from exc
 
 
-def _load_models(cfg: TrainConfig, unet_fp32: bool) -> Models:
+def _load_models(cfg: TrainConfig, unet_fp32: bool, family: Family) -> Models:
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTokenizer
 
     src = cfg.pretrained_model_name_or_path
     kw = {"revision": cfg.revision}
-    tokenizer = CLIPTokenizer.from_pretrained(src, subfolder="tokenizer", **kw)
     noise_scheduler = DDPMScheduler.from_pretrained(src, subfolder="scheduler", **kw)
     weight_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
-    text_encoder = CLIPTextModel.from_pretrained(src, subfolder="text_encoder", variant=cfg.variant, **kw)
+    text = _load_text_encoders(cfg, family)
+    (tokenizer, text_encoder), second = text[0], (text[1] if len(text) > 1 else (None, None))
     # Read tensor by tensor into their dtype: no whole fp32 copy beside the cast one (that was the peak memory).
     vae = load_frozen(AutoencoderKL, src, "vae", weight_dtype, cfg.variant, cfg.revision)
     unet_dtype = torch.float32 if unet_fp32 else weight_dtype
     unet = load_frozen(UNet2DConditionModel, src, "unet", unet_dtype, cfg.variant, cfg.revision)
-    for m in (text_encoder, vae, unet):
+    for m in (vae, unet):
         m.requires_grad_(False)
         m.eval()
-    text_encoder.float()
     if cfg.channels_last:
         unet.to(memory_format=torch.channels_last)
     ipex = False
@@ -116,20 +107,25 @@ def _load_models(cfg: TrainConfig, unet_fp32: bool) -> Models:
             ipex = True
     if cfg.compile:
         unet = torch.compile(unet)
-    return Models(tokenizer, text_encoder, vae, unet, noise_scheduler, weight_dtype, ipex)
+    return Models(tokenizer, text_encoder, vae, unet, noise_scheduler, weight_dtype, ipex, family, second[0], second[1])
 
 
-def _load_second_text_encoder(cfg: TrainConfig) -> tuple[object, torch.nn.Module]:
-    """SDXL's ``tokenizer_2`` and ``text_encoder_2`` (with the projection that gives the pooled ``text_embeds``),
-    frozen and fp32 like the first."""
-    from transformers import CLIPTextModelWithProjection, CLIPTokenizer
+def _load_text_encoders(cfg: TrainConfig, family: Family) -> list[tuple[object, torch.nn.Module]]:
+    """(tokenizer, text encoder) of each of the family's text encoders, frozen and fp32; the last one with its
+    projection when the family conditions on its pooled output (SDXL's ``text_embeds``)."""
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
     src, kw = cfg.pretrained_model_name_or_path, {"revision": cfg.revision}
-    tokenizer = CLIPTokenizer.from_pretrained(src, subfolder="tokenizer_2", **kw)
-    encoder = CLIPTextModelWithProjection.from_pretrained(src, subfolder="text_encoder_2", variant=cfg.variant, **kw)
-    encoder.requires_grad_(False)
-    encoder.eval()
-    return tokenizer, encoder.float()
+    pairs = []
+    for i, (encoder_name, tokenizer_name) in enumerate(family.spec.text_side):
+        pooled = family.spec.pooled and i == len(family.text_encoders) - 1
+        cls = CLIPTextModelWithProjection if pooled else CLIPTextModel
+        tokenizer = CLIPTokenizer.from_pretrained(src, subfolder=tokenizer_name, **kw)
+        encoder = cls.from_pretrained(src, subfolder=encoder_name, variant=cfg.variant, **kw)
+        encoder.requires_grad_(False)
+        encoder.eval()
+        pairs.append((tokenizer, encoder.float()))
+    return pairs
 
 
 def pipeline_class(family: Family | None):
@@ -162,7 +158,7 @@ def save_full_pipeline(
         if isinstance(emb, PlaceholderEmbedding):
             encoder.set_input_embeddings(emb.merged())
             swapped.append((encoder, emb))
-    extra = {} if family is not None and family.is_xl else {"safety_checker": None, "requires_safety_checker": False}
+    extra = dict((family.spec if family is not None else SPECS["sd"]).pipeline_kwargs)
     try:
         pipe = pipeline_class(family).from_pretrained(
             cfg.pretrained_model_name_or_path, revision=cfg.revision, variant=cfg.variant, **extra, **components
@@ -186,18 +182,20 @@ def inference_pipeline(models: Models):
     validation images and the class images of prior preservation are generated with."""
     from diffusers import DPMSolverMultistepScheduler
 
+    spec = models.family.spec if models.family is not None else SPECS["sd"]
     parts = {
         "vae": models.vae,
-        "text_encoder": models.text_encoder,
-        "tokenizer": models.tokenizer,
         "unet": models.unet,
         "scheduler": DPMSolverMultistepScheduler.from_config(models.noise_scheduler.config),
+        **dict(spec.pipeline_kwargs),
     }
-    if models.is_xl:
-        parts.update(text_encoder_2=models.text_encoder_2, tokenizer_2=models.tokenizer_2)
-    else:
-        parts.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    pipe = pipeline_class(models.family)(**parts)
+    for (encoder_name, tokenizer_name), (tokenizer, encoder) in zip(spec.text_side, models.text_pairs, strict=True):
+        parts.update({encoder_name: encoder, tokenizer_name: tokenizer})
+    cls = pipeline_class(models.family)
+    for name, param in inspect.signature(cls.__init__).parameters.items():  # components training has none of
+        if name != "self" and param.default is inspect.Parameter.empty:
+            parts.setdefault(name, None)
+    pipe = cls(**parts)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

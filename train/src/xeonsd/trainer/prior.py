@@ -202,7 +202,7 @@ def _generate(pipe, cfg: TrainConfig, models, index: int) -> torch.Tensor:
 class PriorData:
     """The class images' latents, the class prompt's conditioning, their sampling plan and the loss weight."""
 
-    text: object  # PromptConditioning / XLPromptConditioning of the one class prompt
+    text: object  # the family's PromptConditioning of the one class prompt
     latents: object  # LatentTable of the class images
     plan: SamplingPlan
     weight: float
@@ -224,9 +224,7 @@ class PriorData:
 
 def model_inputs(text, latents, examples: list[Example]) -> tuple:
     """(sampled latents, noise, timesteps, text hidden states, SDXL's added conditioning or None) of these examples."""
-    from xeonsd.trainer.xl import unet_conditioning
-
-    hidden, added = unet_conditioning(text, latents, examples)
+    hidden, added = text.unet_inputs(latents, examples)
     noise = torch.stack([e.noise for e in examples])
     timesteps = torch.tensor([e.timestep for e in examples], dtype=torch.long)
     return latents.sample(examples), noise, timesteps, hidden, added
@@ -235,13 +233,13 @@ def model_inputs(text, latents, examples: list[Example]) -> tuple:
 def build_prior(cfg: TrainConfig, info: RankInfo, models, class_images: list[Path], seed: int, like: SamplingPlan):
     """The class side of the steps: latents (built like the instance ones), the class prompt encoded once with the
     frozen encoder, and a sampling plan of its own with the instance plan's timesteps and noise options."""
-    from xeonsd.trainer.conditioning import PromptConditioning
+    from xeonsd.trainer.families import train_family
     from xeonsd.trainer.latents import LatentTable
-    from xeonsd.trainer.xl import XLPromptConditioning
 
-    conditioning = XLPromptConditioning if models.is_xl else PromptConditioning
     table = PromptTable((cfg.class_prompt,), per_image=False, source="--class_prompt")
-    text = conditioning(models, table, trainable=False, rank=info.rank, world=info.world_size)
+    text = train_family(models.family).conditioning(
+        models, table, trainable=False, rank=info.rank, world=info.world_size
+    )
     latents = LatentTable.build(cfg, models, class_images, info.rank, info.local_rank, info.world_size)
     plan = SamplingPlan(
         seed=stream_seed(seed, Stream.PRIOR_PLAN),

@@ -42,7 +42,6 @@ if TYPE_CHECKING:
     from xeonsd.trainer.conditioning import PromptConditioning
     from xeonsd.trainer.latents import LatentTable
     from xeonsd.trainer.prompts import PromptTable
-    from xeonsd.trainer.xl import XLPromptConditioning
 
 TIMESTEPS = 4  # evaluated timesteps per held-out image
 
@@ -120,7 +119,7 @@ class ValidationSet:
 
     held: HeldOut
     prompts: PromptTable
-    text: PromptConditioning | XLPromptConditioning
+    text: PromptConditioning  # the family's (xeonsd.trainer.families)
     latents: LatentTable
     timesteps: tuple[int, ...]
     seed: int
@@ -149,14 +148,14 @@ def build_validation(
     """The validation set, on every rank (its prompt and latent tables are shared out like the training ones)."""
     if held is None:
         return None
-    from xeonsd.trainer.conditioning import PromptConditioning
+    from xeonsd.trainer.families import train_family
     from xeonsd.trainer.latents import LatentTable
-    from xeonsd.trainer.xl import XLPromptConditioning
 
     prompts = method.prompts(held.captions)
     draws = CaptionDraws(prefix=(cfg.caption_prefix or "").strip())  # the prefix; nothing drawn
-    conditioning = XLPromptConditioning if models.is_xl else PromptConditioning
-    text = conditioning(models, prompts, method.trains_text_encoder, info.rank, info.world_size, draws)
+    text = train_family(models.family).conditioning(
+        models, prompts, method.trains_text_encoder, info.rank, info.world_size, draws
+    )
     latents = LatentTable.build(cfg, models, held.images, info.rank, info.local_rank, info.world_size)
     return ValidationSet(held, prompts, text, latents, fixed_timesteps(*timestep_range), seed)
 

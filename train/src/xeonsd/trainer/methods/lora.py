@@ -167,7 +167,7 @@ class LoRA(Method):
                 tmp, safe_serialization=True, **self._layers(), **self._metadata()
             )
             if self.cfg.save_format == "kohya":  # the same adapter in the layout the UIs load (alpha per module)
-                family = "sdxl" if self.models.is_xl else "sd"  # SDXL's text encoders: lora_te1_, lora_te2_
+                family = self.models.family.name if self.models.family is not None else "sd"  # SDXL: lora_te1_/2_
                 convert(Path(tmp) / LORA_FILE, out / LORA_FILE, "kohya", family=family)
             else:
                 os.replace(Path(tmp) / LORA_FILE, out / LORA_FILE)

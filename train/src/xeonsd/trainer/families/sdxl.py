@@ -1,4 +1,4 @@
-"""SDXL's conditioning, as the model was trained (diffusers' ``StableDiffusionXLPipeline.encode_prompt`` and
+"""SDXL's training side (the family strategy :data:`SDXL`). Its conditioning, as the model was trained (diffusers' ``StableDiffusionXLPipeline.encode_prompt`` and
 ``train_text_to_image_lora_sdxl.py`` follow the same conventions):
 
 * the cross-attention input is the *penultimate* hidden states of both text encoders (CLIP-L, 768 wide, and
@@ -22,6 +22,7 @@ from PIL import Image
 from xeonsd.cluster.distributed import all_reduce_sum_
 from xeonsd.trainer.conditioning import PromptConditioning
 from xeonsd.trainer.data import Example
+from xeonsd.trainer.families.base import TrainFamily
 from xeonsd.trainer.models import autocast
 
 if TYPE_CHECKING:
@@ -108,11 +109,20 @@ class XLPromptConditioning(PromptConditioning):
             return self.table[0][rows], self.table[1][rows]
         return self._forward(self._select(rows))
 
+    def unet_inputs(self, latents, examples: list[Example]) -> tuple[torch.Tensor, dict]:
+        """The hidden states, and ``added_cond_kwargs``: the pooled ``text_embeds`` and each example's ``time_ids``."""
+        hidden, pooled = self.for_examples(examples)
+        return hidden, {"text_embeds": pooled, "time_ids": latents.time_ids_of(examples)}
 
-def unet_conditioning(text, latents, examples: list[Example]) -> tuple[torch.Tensor, dict | None]:
-    """The UNet's text conditioning for these examples (with the caption draws): the encoder hidden states, and for
-    SDXL the ``added_cond_kwargs`` (``text_embeds`` and each example's ``time_ids``)."""
-    if not isinstance(text, XLPromptConditioning):
-        return text.for_examples(examples), None
-    hidden, pooled = text.for_examples(examples)
-    return hidden, {"text_embeds": pooled, "time_ids": latents.time_ids_of(examples)}
+
+class SDXLFamily(TrainFamily):
+    """SDXL base: two text encoders (the second's pooled output too), micro-conditioning per image."""
+
+    name = "sdxl"
+    conditioning = XLPromptConditioning
+
+    def time_ids(self, image: Path, resolution: int, center_crop: bool, placement: Placement | None = None):
+        return time_ids_for(image, resolution, center_crop, placement)
+
+
+SDXL = SDXLFamily()

@@ -1,0 +1,23 @@
+"""The training side of each model family, one module each, registered in :data:`FAMILIES` by the name its
+:class:`xeonsd.modelfiles.families.FamilySpec` has. docs/trainer.md ("Adding a family") says what a new one needs."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from xeonsd.trainer.families.base import TrainFamily
+from xeonsd.trainer.families.sd import SD
+from xeonsd.trainer.families.sdxl import SDXL
+
+if TYPE_CHECKING:
+    from xeonsd.modelfiles.families import Family
+
+FAMILIES: dict[str, TrainFamily] = {family.name: family for family in (SD, SDXL)}
+
+
+def train_family(family: Family | None) -> TrainFamily:
+    """The training side of ``family`` (None: models built by hand, SD 1.x/2.x)."""
+    return FAMILIES[family.name if family is not None else "sd"]
+
+
+__all__ = ["FAMILIES", "TrainFamily", "train_family"]
