@@ -146,7 +146,7 @@ def test_report_html_says_first_that_the_run_was_stopped(tmp_path: Path) -> None
         "<h2>Stopped</h2><p>Attempt 1 stopped by SIGTERM at step 12 (checkpoint-12 written); resume with -e "
         "resume=latest (exit code 143).</p>"
     )
-    assert stopped in page and page.index(stopped) < page.index("<h2>Versions</h2>")
+    assert stopped in page and page.index(stopped) < page.index("<summary>Versions</summary>")
     jobstatus.begin_attempt(tmp_path, now=200)
     jobstatus.write_exit(tmp_path, 0, now=230)
     assert "<h2>Stopped</h2>" not in build_report(tmp_path), "a resumed run that finished is not reported stopped"
