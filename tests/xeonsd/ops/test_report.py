@@ -311,7 +311,7 @@ def test_report_opens_with_the_status_and_the_images_and_folds_how_it_ran_last(t
 
 
 def test_the_status_line_says_a_failed_run_with_its_exit_code(tmp_path, cli_env):
-    from xeonsd.cluster import job_status
+    from xeonsd.contracts import job_status
 
     run = _run_dir(tmp_path)
     job_status.begin_attempt(run, now=1, time_limit_s=60)
