@@ -147,13 +147,15 @@ def test_sdxl_fused_export_and_genai_adapter_agree_with_diffusers(
     ``load_textual_inversion`` calls, ``load_lora_weights``), the fused export (optimum engine), and the base export
     with ``generate --embeds --lora`` through GenAI (UNet adapter, the text encoders' part in their weights).
 
-    Tolerance: GenAI within 1.5 of the fused export (both OpenVINO). Against PyTorch: 1.0 where OpenVINO infers in
-    f32 (measured 0.0 for the fused export when forced to f32); where it infers in bf16 (AVX512-BF16, AMX) 4x the
-    gap the same export shows without concept and adapter, measured here, and under half of what the adapter does
-    (tiny-xl's random weights are sensitive to bf16: on the 2-core Emerald Rapids Xeon 3.2 without, 8.4 with this
-    adapter, whose effect is 22.6; GenAI to fused 0.98, and leaving out the adapter's text_encoder_2 part moves
-    GenAI 11.3 away from the fused export). The concept and the adapter each move the images by more than 8."""
-    import openvino as ov
+    Tolerance: GenAI within 1.5 of the fused export (both OpenVINO). Against PyTorch: 4x the gap the same export
+    shows without concept and adapter, measured here (at least 1.0), and under half of what the adapter does. That
+    floor is ~0 where OpenVINO's f32 matches PyTorch (measured 0.0 for the fused export forced to f32 on AVX-512
+    CPUs), so the bound is 1.0 there; it is not where OpenVINO infers in bf16 (tiny-xl's random weights are
+    sensitive to it: on the 2-core Emerald Rapids Xeon 3.2 without, 8.4 with this adapter, whose effect is 22.6;
+    GenAI to fused 0.98), nor on a 2-core AMD EPYC with AVX2 only, where OpenVINO reports f32 and still shows 2.78
+    without, 8.09 with (the adapter's effect 24.0; GenAI to fused 0.49). Leaving out the adapter's text_encoder_2
+    part moves GenAI 11.3 away from the fused export. The concept and the adapter each move the images by more
+    than 8."""
 
     reference = _diffusers(tiny_xl_model, xl_embeds, xl_lora)
     plain = _diffusers(tiny_xl_model, None, None)
@@ -168,9 +170,8 @@ def test_sdxl_fused_export_and_genai_adapter_agree_with_diffusers(
         "adapter (diffusers)": float(np.abs(_diffusers(tiny_xl_model, xl_embeds, None) - reference).mean()),
     }
     print("\nmean abs pixel difference to diffusers PyTorch:", {k: round(v, 3) for k, v in figures.items()})
-    f32 = ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT") == ov.Type.f32
-    bf16_noise = figures["base export, no concept or adapter (optimum)"]
-    bound = 1.0 if f32 else min(max(1.0, 4 * bf16_noise), figures["adapter (diffusers)"] / 2)
+    floor = figures["base export, no concept or adapter (optimum)"]
+    bound = min(max(1.0, 4 * floor), figures["adapter (diffusers)"] / 2)
     assert figures["fused export (optimum)"] < bound and figures["genai --embeds --lora"] < bound, (bound, figures)
     assert figures["genai to fused"] < 1.5
     assert figures["adapter (diffusers)"] > 8.0 and figures["concept and adapter (diffusers)"] > 8.0
