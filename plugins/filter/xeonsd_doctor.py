@@ -28,11 +28,9 @@ if _SRC not in sys.path:
     sys.path.insert(0, _SRC)
 from xeonsd.contracts import straggler_rule  # noqa: E402
 
-# The straggler rule (its ratio and likely causes) is the trainer's: the package's stdlib-only
-# train/src/xeonsd/contracts/straggler_rule.py, loaded from the repository on the controller.
-_rule = straggler_rule
-STRAGGLER_RATIO: float = _rule.STRAGGLER_RATIO
-STRAGGLER_CAUSES: tuple[str, ...] = _rule.CAUSES
+# The straggler rule (its ratio and likely causes) is the trainer's, from the contracts imported above.
+STRAGGLER_RATIO: float = straggler_rule.STRAGGLER_RATIO
+STRAGGLER_CAUSES: tuple[str, ...] = straggler_rule.CAUSES
 
 # The wrapper /etc/xeonsd/run: no readable env.sh (90), the command (xeonsd, mpirun) not on the PATH env.sh sets (91).
 # Defined here once: the mpi role's template (roles/mpi/templates/run.j2) exits with `'no_env_file' | xeonsd_wrapper_rc`.

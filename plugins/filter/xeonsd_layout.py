@@ -23,23 +23,22 @@ from pathlib import Path
 _SRC = str(Path(__file__).resolve().parents[2] / "train" / "src")
 if _SRC not in sys.path:
     sys.path.insert(0, _SRC)
-from xeonsd.contracts import layout_result  # noqa: E402
+from xeonsd.contracts import layout_result as result_rules  # noqa: E402
 
-_lr = layout_result
-LayoutError = _lr.LayoutError
+LayoutError = result_rules.LayoutError
 
 
 def ranks_per_node(value: object, layout_file: str, missing: int | None = None) -> int:
     """``value`` as a number; ``auto``: the best layout of the tuning result at ``layout_file`` (``missing``: the
     number while there is no result; None: fail with the fix)."""
-    return _lr.resolve_ranks_per_node(value, layout_file, missing)
+    return result_rules.resolve_ranks_per_node(value, layout_file, missing)
 
 
 def mpi_ranks(value: object, nodes: Sequence[str], per_node: object) -> int:
     """``value`` as a number; ``auto``: len(``nodes``) × ``per_node``."""
     if isinstance(nodes, str) or not isinstance(nodes, Sequence):
         raise TypeError(f"xeonsd_mpi_ranks: nodes must be a list of hosts, got {nodes!r}")
-    return _lr.resolve_mpi_ranks(value, len(nodes), int(per_node))
+    return result_rules.resolve_mpi_ranks(value, len(nodes), int(per_node))
 
 
 def layout_result(stdout_lines: Sequence[str]) -> dict:
@@ -47,18 +46,18 @@ def layout_result(stdout_lines: Sequence[str]) -> dict:
     found = [line for line in stdout_lines or [] if line.startswith("{")]
     if not found:
         raise LayoutError("xeonsd bench layout printed no result")
-    return _lr.check(json.loads(found[-1]), "xeonsd bench layout's output")
+    return result_rules.check(json.loads(found[-1]), "xeonsd bench layout's output")
 
 
 def layout_lines(result: Mapping) -> list[str]:
-    return _lr.result_lines(_lr.check(dict(result)))
+    return result_rules.result_lines(result_rules.check(dict(result)))
 
 
 def layout_stale(layout_file: str, train_argv: Sequence[str]) -> str:
     """The warning for a job whose ``ranks_per_node: auto`` reads a result measured with other arguments, or ""."""
     if isinstance(train_argv, str) or not isinstance(train_argv, Sequence):
         raise TypeError(f"xeonsd_layout_stale: train_argv must be a list of arguments, got {train_argv!r}")
-    return _lr.stale_warning(layout_file, list(train_argv))
+    return result_rules.stale_warning(layout_file, list(train_argv))
 
 
 class FilterModule:

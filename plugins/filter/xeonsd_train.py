@@ -28,9 +28,8 @@ if _SRC not in sys.path:
     sys.path.insert(0, _SRC)
 from xeonsd.contracts import method_names  # noqa: E402
 
-_names = method_names
-METHODS: tuple[str, ...] = _names.METHODS
-METHOD_FILES: dict[str, dict] = _names.METHOD_FILES
+METHODS: tuple[str, ...] = method_names.METHODS
+METHOD_FILES: dict[str, dict] = method_names.METHOD_FILES
 
 
 class TrainArgvError(ValueError):

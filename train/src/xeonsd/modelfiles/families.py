@@ -47,6 +47,12 @@ class FamilySpec:
         """(text encoder, tokenizer) component names, in order."""
         return tuple(zip(self.text_encoders, self.tokenizers, strict=True))
 
+    def text_encoder_class(self, index: int) -> str:
+        """The transformers class of text encoder ``index``: the last one with its projection when the family
+        conditions on its pooled output."""
+        last = index == len(self.text_encoders) - 1
+        return "CLIPTextModelWithProjection" if self.pooled and last else "CLIPTextModel"
+
 
 # Every family we serve, by name (the name is what train_summary.json and an export's manifest record). A new
 # family is one entry here (and its rule in family_of) plus its training side in xeonsd.trainer.families.
@@ -81,6 +87,11 @@ def spec(name: str) -> FamilySpec:
         return SPECS[name]
     except KeyError:
         raise FamilyError(f"unknown model family {name!r}; known: {', '.join(SPECS)}") from None
+
+
+def family_spec(family: Family | None) -> FamilySpec:
+    """The spec of a detected family; SD 1.x/2.x's for models that were not read from a pipeline (built by hand)."""
+    return family.spec if family is not None else SPECS["sd"]
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from xeonsd.modelfiles.families import SPECS
+
 LAYOUTS = ("diffusers", "kohya")
 # SDXL's second text encoder: kohya's ``lora_te2_`` (its first is ``lora_te1_`` there, read as ``lora_te_``).
 PREFIXES = {"unet": "lora_unet_", "text_encoder": "lora_te_", "text_encoder_2": "lora_te2_"}
@@ -209,7 +211,7 @@ def module_names(unet, text_encoder, text_encoder_2=None) -> dict[str, str]:
     return out
 
 
-FAMILY_LABELS = {"sd": "SD 1.x/2.x", "sdxl": "SDXL"}
+FAMILY_LABELS = {name: spec.label for name, spec in SPECS.items()}
 
 
 def lora_family(modules: dict[str, LoraModule]) -> tuple[str, str] | None:

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from xeonsd.modelfiles.families import SPECS, spec
-
-LABELS = {name: found.label for name, found in SPECS.items()}
+from xeonsd.modelfiles.families import spec
 
 
 def manifest_family(manifest: dict[str, Any]) -> str:

@@ -23,6 +23,7 @@ from typing import Any
 from xeonsd.contracts.method_names import METHOD_FILES
 from xeonsd.contracts.run_files import TRAINING_WALL
 from xeonsd.fsutil import atomic_file
+from xeonsd.modelfiles.families import SPECS
 from xeonsd.ops import run_view as clusterview
 from xeonsd.ops.report_cluster import cluster_sections, html_table
 from xeonsd.ops.report_status import ended_attempt, status_line, stopped_section
@@ -162,9 +163,9 @@ def method_section(summary: dict, rows: list[dict]) -> str:
     if summary.get("base_model"):
         data["base model"] = f"{summary['base_model']} (fingerprint {summary.get('base_model_fingerprint')})"
     if summary.get("family"):
-        labels = {"sd": "SD 1.x/2.x", "sdxl": "SDXL"}
         at = f", {summary['resolution']} px" if summary.get("resolution") else ""
-        data["model family, resolution"] = f"{labels.get(summary['family'], summary['family'])}{at}"
+        known = SPECS.get(summary["family"])
+        data["model family, resolution"] = f"{known.label if known else summary['family']}{at}"
     counted = summary.get("allreduce_bytes_per_step")
     measured = next((r["allreduce_bytes_measured"] for r in rows if "allreduce_bytes_measured" in r), None)
     if counted is not None:

@@ -186,12 +186,12 @@ class LatentTable:
             shapes = [(shape[0], p.bucket[1] // scale, p.bucket[0] // scale) for p in places for _ in (0, 1)]
         common = {"shape": shape, "count": count, "scaling": vae.config.scaling_factor, "dtype": models.weight_dtype}
         family = train_family(models.family)  # SDXL: each image's micro-conditioning, kept with its latents
-        time_ids = [
+        per_image = [
             family.time_ids(p, cfg.resolution, cfg.center_crop, places[k] if places else None)
             for k, p in enumerate(images)
         ]
-        if images and all(t is not None for t in time_ids):
-            common["time_ids"] = torch.cat(time_ids)
+        if images and all(t is not None for t in per_image):
+            common["time_ids"] = torch.cat(per_image)
         time_ids = common.get("time_ids")
         if not cfg.latent_cache:
             pixels = load_all_pixels(images, cfg.resolution, cfg.center_crop, cfg.dataloader_num_workers, places)

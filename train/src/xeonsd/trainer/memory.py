@@ -153,13 +153,12 @@ def _activations(
 def _text_encoders(src: str, kw: dict, family) -> list[tuple[object, torch.nn.Module]]:
     """(config, meta-device model) of each of the family's text encoders; the last with its projection when the
     family conditions on its pooled output (SDXL)."""
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+    import transformers
+    from transformers import CLIPTextConfig
 
     out = []
     for i, sub in enumerate(family.text_encoders):
-        cls = (
-            CLIPTextModelWithProjection if family.spec.pooled and i == len(family.text_encoders) - 1 else CLIPTextModel
-        )
+        cls = getattr(transformers, family.spec.text_encoder_class(i))
         config = CLIPTextConfig.from_pretrained(src, subfolder=sub, **kw)
         with torch.device("meta"):
             out.append((config, cls(config)))

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from xeonsd.fsutil import atomic_dir
-from xeonsd.modelfiles.families import SPECS, Family, FamilyError, detect_family
+from xeonsd.modelfiles.families import Family, FamilyError, detect_family, family_spec
 from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.embeddings import PlaceholderEmbedding
 from xeonsd.trainer.weights import load_frozen
@@ -113,13 +113,13 @@ def _load_models(cfg: TrainConfig, unet_fp32: bool, family: Family) -> Models:
 def _load_text_encoders(cfg: TrainConfig, family: Family) -> list[tuple[object, torch.nn.Module]]:
     """(tokenizer, text encoder) of each of the family's text encoders, frozen and fp32; the last one with its
     projection when the family conditions on its pooled output (SDXL's ``text_embeds``)."""
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+    import transformers
+    from transformers import CLIPTokenizer
 
     src, kw = cfg.pretrained_model_name_or_path, {"revision": cfg.revision}
     pairs = []
     for i, (encoder_name, tokenizer_name) in enumerate(family.spec.text_side):
-        pooled = family.spec.pooled and i == len(family.text_encoders) - 1
-        cls = CLIPTextModelWithProjection if pooled else CLIPTextModel
+        cls = getattr(transformers, family.spec.text_encoder_class(i))
         tokenizer = CLIPTokenizer.from_pretrained(src, subfolder=tokenizer_name, **kw)
         encoder = cls.from_pretrained(src, subfolder=encoder_name, variant=cfg.variant, **kw)
         encoder.requires_grad_(False)
@@ -132,7 +132,7 @@ def pipeline_class(family: Family | None):
     """The diffusers pipeline class of the family (SD 1.x/2.x when unknown)."""
     import diffusers
 
-    return getattr(diffusers, family.pipeline_class if family is not None else "StableDiffusionPipeline")
+    return getattr(diffusers, family_spec(family).pipeline_class)
 
 
 def autocast(dtype: torch.dtype) -> contextlib.AbstractContextManager:
@@ -158,7 +158,7 @@ def save_full_pipeline(
         if isinstance(emb, PlaceholderEmbedding):
             encoder.set_input_embeddings(emb.merged())
             swapped.append((encoder, emb))
-    extra = dict((family.spec if family is not None else SPECS["sd"]).pipeline_kwargs)
+    extra = dict(family_spec(family).pipeline_kwargs)
     try:
         pipe = pipeline_class(family).from_pretrained(
             cfg.pretrained_model_name_or_path, revision=cfg.revision, variant=cfg.variant, **extra, **components
@@ -182,7 +182,7 @@ def inference_pipeline(models: Models):
     validation images and the class images of prior preservation are generated with."""
     from diffusers import DPMSolverMultistepScheduler
 
-    spec = models.family.spec if models.family is not None else SPECS["sd"]
+    spec = family_spec(models.family)
     parts = {
         "vae": models.vae,
         "unet": models.unet,

@@ -163,10 +163,10 @@ def build_validation(
 @torch.no_grad()
 def validation_loss(vs: ValidationSet, training: LossInputs, rank: int, world: int, batch: int) -> float:
     """The mean loss over the validation examples: this rank's share in batches of ``batch``, summed over the
-    ranks in one all-reduce. Every rank calls it. ``training``: the training step's inputs, whose models and UNet
-    (unwrapped from DistributedDataParallel: nothing to synchronise here) score the held-out prompts and latents."""
-    unet = getattr(training.unet, "module", training.unet)
-    held = dataclasses.replace(training, unet=unet, text=vs.text, latents=vs.latents, prior=None)
+    ranks in one all-reduce. Every rank calls it. ``training``: the training step's inputs, whose models score the
+    held-out prompts and latents; their own UNet, not the DistributedDataParallel wrapper the steps may call
+    (nothing to synchronise here)."""
+    held = dataclasses.replace(training, unet=training.models.unet, text=vs.text, latents=vs.latents, prior=None)
     mine = list(range(rank, vs.size, world))
     total = torch.zeros(1, dtype=torch.float64)
     for first in range(0, len(mine), batch):

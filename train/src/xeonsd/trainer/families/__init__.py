@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from xeonsd.modelfiles.families import family_spec
 from xeonsd.trainer.families.base import TrainFamily
 from xeonsd.trainer.families.sd import SD
 from xeonsd.trainer.families.sdxl import SDXL
@@ -17,7 +18,7 @@ FAMILIES: dict[str, TrainFamily] = {family.name: family for family in (SD, SDXL)
 
 def train_family(family: Family | None) -> TrainFamily:
     """The training side of ``family`` (None: models built by hand, SD 1.x/2.x)."""
-    return FAMILIES[family.name if family is not None else "sd"]
+    return FAMILIES[family_spec(family).name]
 
 
 __all__ = ["FAMILIES", "TrainFamily", "train_family"]

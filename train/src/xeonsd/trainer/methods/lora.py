@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from xeonsd.contracts.method_names import result_file
+from xeonsd.modelfiles.families import family_spec
 from xeonsd.modelfiles.lora_layout import convert
 from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError
@@ -167,7 +168,7 @@ class LoRA(Method):
                 tmp, safe_serialization=True, **self._layers(), **self._metadata()
             )
             if self.cfg.save_format == "kohya":  # the same adapter in the layout the UIs load (alpha per module)
-                family = self.models.family.name if self.models.family is not None else "sd"  # SDXL: lora_te1_/2_
+                family = family_spec(self.models.family).name  # SDXL's text encoders: lora_te1_, lora_te2_
                 convert(Path(tmp) / LORA_FILE, out / LORA_FILE, "kohya", family=family)
             else:
                 os.replace(Path(tmp) / LORA_FILE, out / LORA_FILE)
