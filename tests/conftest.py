@@ -87,6 +87,22 @@ def tiny_xl_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_flux_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny FLUX.1-dev pipeline (CLIP-L + T5, a packed-token transformer with guidance embedding; 64 px)."""
+    from xeonsd.assets import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("assets") / "tiny-flux", arch="tiny-flux")
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny SD3.5-style pipeline (CLIP-L, CLIP-G, T5, an MMDiT transformer; 64 px)."""
+    from xeonsd.assets import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("assets") / "tiny-sd3", arch="tiny-sd3")
+
+
+@pytest.fixture(scope="session")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from xeonsd.assets import make_dataset
 

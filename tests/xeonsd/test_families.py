@@ -1,4 +1,5 @@
-"""Model families told apart from their config files: SD 1.x/2.x and SDXL served, the others refused in one line."""
+"""Model families told apart from their config files: SD 1.x/2.x, SDXL, FLUX.1 and SD3 served, the others refused in
+one line."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import pytest
 from xeonsd.modelfiles.families import FamilyError, detect_family
 
 
-def _pipeline(tmp_path: Path, index: dict, unet: dict | None = None, vae: dict | None = None) -> Path:
+def _pipeline(
+    tmp_path: Path, index: dict, unet: dict | None = None, vae: dict | None = None, transformer: dict | None = None
+) -> Path:
     """A pipeline directory with only its config files (detection must not need any weights)."""
     d = tmp_path / "model"
     d.mkdir()
     (d / "model_index.json").write_text(json.dumps(index))
-    for sub, cfg in (("unet", unet), ("vae", vae)):
+    for sub, cfg in (("unet", unet), ("vae", vae), ("transformer", transformer)):
         if cfg is not None:
             (d / sub).mkdir()
             (d / sub / "config.json").write_text(json.dumps(cfg))
@@ -57,11 +60,49 @@ def test_sdxl_at_its_real_size_defaults_to_1024(tmp_path: Path) -> None:
     assert detect_family(d).default_resolution == 1024
 
 
+def test_the_flow_pipelines_are_told_apart(tiny_flux_model: Path, tiny_sd3_model: Path) -> None:
+    flux = detect_family(tiny_flux_model)
+    assert (flux.name, flux.is_flow, flux.guidance_embeds) == ("flux", True, True)
+    assert flux.spec.denoiser == "transformer" and flux.spec.ov_pipeline_class == "OVFluxPipeline"
+    assert [flux.spec.text_encoder_class(i) for i in range(2)] == ["CLIPTextModel", "T5EncoderModel"]
+    assert (flux.default_resolution, flux.pixel_multiple) == (64, 16)  # tiny: 8 latents x 8; packed 2x2
+    sd3 = detect_family(tiny_sd3_model)
+    assert (sd3.name, sd3.is_flow, sd3.guidance_embeds) == ("sd3", True, False)
+    assert sd3.text_encoders == ("text_encoder", "text_encoder_2", "text_encoder_3")
+    assert sd3.spec.text_encoder_class(2) == "T5EncoderModel"
+
+
+FLUX_INDEX = {
+    "_class_name": "FluxPipeline",
+    **{k: C for k in ("vae", "scheduler", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")},
+    "transformer": ["diffusers", "FluxTransformer2DModel"],
+}
+
+
+def test_flux_schnell_and_the_real_sizes(tmp_path: Path) -> None:
+    d = _pipeline(tmp_path, FLUX_INDEX, None, VAE, {"_class_name": "FluxTransformer2DModel", "guidance_embeds": False})
+    family = detect_family(d)
+    assert (family.name, family.guidance_embeds, family.default_resolution) == ("flux", False, 1024)
+
+
 @pytest.mark.parametrize(
     ("index", "unet", "expected"),
     [
-        ({"_class_name": "StableDiffusion3Pipeline", "transformer": C, "vae": C}, None, "not a UNet pipeline"),
-        ({"_class_name": "FluxPipeline", "transformer": C, "vae": C}, None, "FluxPipeline"),
+        (
+            {"_class_name": "PixArtSigmaPipeline", "transformer": ["diffusers", "PixArtTransformer2DModel"]},
+            None,
+            "PixArt",
+        ),
+        (
+            {
+                **FLUX_INDEX,
+                "_class_name": "Flux2KleinPipeline",
+                "transformer": ["diffusers", "Flux2Transformer2DModel"],
+            },
+            None,
+            "FLUX.2",
+        ),
+        ({**FLUX_INDEX, "text_encoder_2": [None, None]}, None, "a FLUX.1 pipeline without text_encoder_2"),
         (
             {
                 "_class_name": "StableDiffusionXLImg2ImgPipeline",
@@ -84,7 +125,8 @@ def test_sdxl_at_its_real_size_defaults_to_1024(tmp_path: Path) -> None:
 def test_other_families_are_refused_naming_what_was_found(
     tmp_path: Path, index: dict, unet: dict | None, expected: str
 ) -> None:
-    d = _pipeline(tmp_path, index, unet, VAE)
+    transformer = {"_class_name": index["transformer"][1]} if "transformer" in index else None
+    d = _pipeline(tmp_path, index, unet, VAE, transformer)
     with pytest.raises(FamilyError) as err:
         detect_family(d)
     msg = str(err.value)

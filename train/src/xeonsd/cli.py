@@ -17,7 +17,7 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     def run(console: TextIO) -> int:
         from xeonsd.assets import make_tiny_model
 
-        print(make_tiny_model(Path(args.out), arch=args.arch, seed=args.seed), file=console)
+        print(make_tiny_model(Path(args.out), arch=args.arch, seed=args.seed, depth=args.depth), file=console)
         return 0
 
     return _quietly(args, args.out, run)
@@ -280,10 +280,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="output directory (must not exist or be empty)")
     p.add_argument(
         "--arch",
-        choices=["tiny", "tiny-v", "tiny-xl", "sd15", "sd21", "sdxl"],
+        choices=["tiny", "tiny-v", "tiny-xl", "tiny-flux", "tiny-sd3", "sd15", "sd21", "sdxl", "sd35m", "flux"],
         default="tiny",
         help="tiny: for tests; tiny-v: SD 2.x-style (v-prediction) for tests; tiny-xl: SDXL-style for tests; "
-        "sd15/sd21/sdxl: full size",
+        "tiny-flux/tiny-sd3: FLUX.1/SD3.5-style (flow matching) for tests; sd15/sd21/sdxl/sd35m/flux: full size "
+        "(sd35m and flux are written in bf16)",
+    )
+    p.add_argument(
+        "--depth",
+        type=int,
+        default=None,
+        help="--arch flux only: D double-stream and 2D single-stream blocks at FLUX.1's widths (the real model: 19)",
     )
     p.add_argument("--seed", type=int, default=0)
     _add_console_flags(p)

@@ -11,11 +11,14 @@ Nothing can be downloaded in tests, so these stand in for the Hub model and the 
   encoder) with random weights: the same FLOPs and memory as the real model, for realistic benchmarks.
 * ``sd21``: the full SD 2.1 (768-v) architecture (UNet ~865M parameters, OpenCLIP-H-sized text encoder,
   v-prediction) with random weights, for benchmarks.
+* ``tiny-flux`` / ``tiny-sd3``: FLUX.1-dev and SD3.5-medium in miniature (flow matching, a transformer denoiser,
+  16-channel VAE, CLIP + T5 text encoders), for the tests; ``flux`` (with ``--depth``) and ``sd35m``: their full
+  widths in bf16, for benchmarks (:mod:`.flow_models`).
 
 The image set can come with captions in each layout the trainer reads (see :mod:`xeonsd.trainer.captions`).
 
 Modules: :mod:`.vocab` (the CLIP-style vocabulary and tokenizer files), :mod:`.models` (the pipelines, one
-:class:`~xeonsd.assets.models.Arch` per ``--arch``), :mod:`.datasets` (the image sets).
+:class:`~xeonsd.assets.models.Arch` per ``--arch``), :mod:`.flow_models` (the FLUX.1 and SD3 pipelines), :mod:`.datasets` (the image sets).
 """
 
 from xeonsd.assets.datasets import CAPTION_LAYOUTS, make_dataset

@@ -144,14 +144,28 @@ ARCHS["tiny-xl"] = dataclasses.replace(
 )
 
 
-def make_tiny_model(out: Path, arch: str = "tiny", seed: int = 0) -> Path:
+def arch_names() -> list[str]:
+    """Every ``make-tiny-model --arch``: the UNet pipelines here and the flow-matching ones."""
+    from xeonsd.assets.flow_models import FLOW_ARCHS
+
+    return [*ARCHS, *FLOW_ARCHS]
+
+
+def make_tiny_model(out: Path, arch: str = "tiny", seed: int = 0, depth: int | None = None) -> Path:
     """Write a random-weight pipeline directory of the given architecture to ``out``: a
-    ``StableDiffusionPipeline``, or a ``StableDiffusionXLPipeline`` for the SDXL architectures."""
+    ``StableDiffusionPipeline``, a ``StableDiffusionXLPipeline`` for the SDXL architectures, or a FLUX.1 / SD3
+    pipeline for the flow-matching ones (:mod:`xeonsd.assets.flow_models`; ``depth``: FLUX's block count)."""
     import torch
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
+    from xeonsd.assets.flow_models import FLOW_ARCHS, make_flow_model
+
+    if arch in FLOW_ARCHS:
+        return make_flow_model(out, arch, seed=seed, depth=depth)
     if arch not in ARCHS:
-        raise ValueError(f"unknown --arch {arch!r}; choose one of {sorted(ARCHS)}")
+        raise ValueError(f"unknown --arch {arch!r}; choose one of {arch_names()}")
+    if depth is not None:
+        raise ValueError("--depth applies to --arch flux only")
     a = ARCHS[arch]
     out = Path(out)
     torch.manual_seed(seed)

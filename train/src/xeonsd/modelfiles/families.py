@@ -3,12 +3,13 @@
 Every command that takes a model (``train``, ``export``, ``generate``, ``doctor``, ``bench``) asks
 :func:`detect_family` and gets a :class:`Family`: what the pipeline's text side looks like (one text encoder, or
 SDXL's two with the second's pooled output), its default resolution and its diffusers class. A family we do not
-serve (SD3, Flux, an SDXL refiner, an inpainting UNet, …) is refused in one line that names what was found and what
+serve (FLUX.2, PixArt, an SDXL refiner, an inpainting UNet, …) is refused in one line that names what was found and what
 is supported, instead of a traceback after minutes of loading.
 
 The rules read ``model_index.json`` (the pipeline's class and components), ``unet/config.json`` (``text_time``
-conditioning, input channels, sample size) and ``vae/config.json`` (its scale factor), from a local directory or,
-for a Hub id, from the Hub (its cache when offline): three small files.
+conditioning, input channels, sample size) or ``transformer/config.json`` (FLUX.1 or SD3 by its class, FLUX.1-dev's
+guidance embedding) and ``vae/config.json`` (its scale factor), from a local directory or, for a Hub id, from the
+Hub (its cache when offline): three small files.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED = "SD 1.x/2.x (StableDiffusionPipeline) and SDXL base (StableDiffusionXLPipeline)"
+SUPPORTED = (
+    "SD 1.x/2.x (StableDiffusionPipeline), SDXL base (StableDiffusionXLPipeline), FLUX.1 dev/schnell (FluxPipeline) "
+    "and SD3/SD3.5 (StableDiffusion3Pipeline)"
+)
 
 
 class FamilyError(ValueError):
@@ -41,6 +45,15 @@ class FamilySpec:
     pooled: bool = False
     # extra keyword arguments of the diffusers pipeline's from_pretrained / constructor
     pipeline_kwargs: tuple[tuple[str, Any], ...] = ()
+    # the denoiser's component name and diffusers class
+    denoiser: str = "unet"
+    denoiser_class: str = "UNet2DConditionModel"
+    # the transformers class of each text encoder, in ``text_encoders`` order; empty: CLIP (see text_encoder_class)
+    encoder_classes: tuple[str, ...] = ()
+    # the training objective: "noise" (epsilon/v-prediction on a DDPM schedule) or "flow" (rectified flow)
+    objective: str = "noise"
+    # latent side lengths must be a multiple of this (FLUX packs 2x2 latents into one token)
+    latent_multiple: int = 1
 
     @property
     def text_side(self) -> tuple[tuple[str, str], ...]:
@@ -50,6 +63,8 @@ class FamilySpec:
     def text_encoder_class(self, index: int) -> str:
         """The transformers class of text encoder ``index``: the last one with its projection when the family
         conditions on its pooled output."""
+        if self.encoder_classes:
+            return self.encoder_classes[index]
         last = index == len(self.text_encoders) - 1
         return "CLIPTextModelWithProjection" if self.pooled and last else "CLIPTextModel"
 
@@ -77,6 +92,36 @@ SPECS: dict[str, FamilySpec] = {
             ("tokenizer", "tokenizer_2"),
             pooled=True,
         ),
+        # FLUX.1 (dev: guidance embedding; schnell: none): CLIP-L's pooled output and T5's hidden states condition a
+        # 2x2-packed token transformer trained with rectified flow.
+        FamilySpec(
+            "flux",
+            "FLUX.1",
+            "FluxPipeline",
+            "OVFluxPipeline",
+            ("text_encoder", "text_encoder_2"),
+            ("tokenizer", "tokenizer_2"),
+            denoiser="transformer",
+            denoiser_class="FluxTransformer2DModel",
+            encoder_classes=("CLIPTextModel", "T5EncoderModel"),
+            objective="flow",
+            latent_multiple=2,
+        ),
+        # SD3/SD3.5: CLIP-L and CLIP-G (hidden and pooled) beside T5's hidden states, an MMDiT over 2x2 patches.
+        FamilySpec(
+            "sd3",
+            "SD3/SD3.5",
+            "StableDiffusion3Pipeline",
+            "OVStableDiffusion3Pipeline",
+            ("text_encoder", "text_encoder_2", "text_encoder_3"),
+            ("tokenizer", "tokenizer_2", "tokenizer_3"),
+            pooled=True,
+            denoiser="transformer",
+            denoiser_class="SD3Transformer2DModel",
+            encoder_classes=("CLIPTextModelWithProjection", "CLIPTextModelWithProjection", "T5EncoderModel"),
+            objective="flow",
+            latent_multiple=2,
+        ),
     )
 }
 
@@ -99,8 +144,9 @@ class Family:
     """A pipeline's family (:class:`FamilySpec`) with the sizes read from its config files."""
 
     spec: FamilySpec
-    sample_size: int  # the UNet's latent size
+    sample_size: int  # the denoiser's latent size at the model's resolution
     vae_scale: int  # pixels per latent
+    guidance_embeds: bool = False  # FLUX.1-dev's guidance input (schnell has none)
 
     @property
     def name(self) -> str:
@@ -131,6 +177,16 @@ class Family:
     def is_xl(self) -> bool:
         return self.name == "sdxl"
 
+    @property
+    def is_flow(self) -> bool:
+        """Trained with rectified flow on a transformer (FLUX.1, SD3)."""
+        return self.spec.objective == "flow"
+
+    @property
+    def pixel_multiple(self) -> int:
+        """Image sides must be a multiple of this: the VAE's scale times the latent packing (FLUX: 16)."""
+        return self.vae_scale * self.spec.latent_multiple
+
 
 def components(index: dict[str, Any]) -> set[str]:
     """The pipeline components that are present (``[library, class]`` entries that are not ``[null, null]``)."""
@@ -141,8 +197,24 @@ def components(index: dict[str, Any]) -> set[str]:
     }
 
 
-def family_of(index: dict[str, Any], unet: dict[str, Any] | None, vae: dict[str, Any] | None, where: str) -> Family:
-    """The family of a pipeline from its three config files (pure: the rules, without the reading)."""
+# The transformer classes we train, by family; every other transformer pipeline is refused by its class name.
+TRANSFORMER_FAMILIES = {"FluxTransformer2DModel": "flux", "SD3Transformer2DModel": "sd3"}
+# Transformer classes users ask about, with why they are refused.
+_NOT_SERVED = {
+    "Flux2Transformer2DModel": "FLUX.2 (its Qwen3 text encoder and 32-channel VAE are not supported yet)",
+    "PixArtTransformer2DModel": "PixArt",
+    "SanaTransformer2DModel": "Sana",
+}
+
+
+def family_of(
+    index: dict[str, Any],
+    unet: dict[str, Any] | None,
+    vae: dict[str, Any] | None,
+    where: str,
+    transformer: dict[str, Any] | None = None,
+) -> Family:
+    """The family of a pipeline from its config files (pure: the rules, without the reading)."""
     cls = str(index.get("_class_name", "an unnamed pipeline"))
     have = components(index)
     found = f"{cls} with {', '.join(sorted(have)) or 'no components'}"
@@ -150,8 +222,10 @@ def family_of(index: dict[str, Any], unet: dict[str, Any] | None, vae: dict[str,
     def refuse(what: str) -> FamilyError:
         return FamilyError(f"{where}: {what} ({found}); supported: {SUPPORTED}")
 
-    if "transformer" in have or unet is None:
-        raise refuse("not a UNet pipeline (SD3, Flux, PixArt and other transformer models are not supported)")
+    if "transformer" in have:
+        return _transformer_family(index, transformer or {}, vae, have, refuse)
+    if unet is None:
+        raise refuse("neither a UNet nor a transformer pipeline")
     if index.get("requires_aesthetics_score") or ("text_encoder_2" in have and "text_encoder" not in have):
         raise refuse("an SDXL refiner (it refines SDXL base images and is not fine-tuned on its own)")
     if unet.get("in_channels", 4) != 4:
@@ -172,6 +246,25 @@ def family_of(index: dict[str, Any], unet: dict[str, Any] | None, vae: dict[str,
     return Family(found_spec, sample_size=int(unet.get("sample_size") or 64), vae_scale=2 ** (len(blocks) - 1))
 
 
+def _transformer_family(index, transformer: dict[str, Any], vae, have: set[str], refuse) -> Family:
+    """FLUX.1 or SD3 from the transformer's class (and FLUX.1-dev from its guidance embedding)."""
+    cls = str(transformer.get("_class_name") or (index.get("transformer") or [None, "?"])[1])
+    name = TRANSFORMER_FAMILIES.get(cls)
+    if name is None:
+        what = _NOT_SERVED.get(cls, cls)
+        raise refuse(f"a transformer pipeline of {what} ({cls})")
+    found_spec = SPECS[name]
+    missing = ({"vae", "scheduler"} | set(found_spec.text_encoders) | set(found_spec.tokenizers)) - have
+    if missing:
+        raise refuse(f"a {found_spec.label} pipeline without {', '.join(sorted(missing))}")
+    blocks = (vae or {}).get("block_out_channels") or [0, 0, 0, 0]
+    vae_scale = 2 ** (len(blocks) - 1)
+    # SD3's transformer config gives its latent size (128: 1024 px); FLUX's has none, its VAE's gives the pixels
+    pixels = int((vae or {}).get("sample_size") or 1024)
+    sample = int(transformer.get("sample_size") or pixels // vae_scale)
+    return Family(found_spec, sample, vae_scale, guidance_embeds=bool(transformer.get("guidance_embeds")))
+
+
 def detect_family(src: str | Path, revision: str | None = None) -> Family:
     """The family of the pipeline at ``src`` (a local pipeline directory or a Hub id)."""
     where = str(src)
@@ -180,7 +273,8 @@ def detect_family(src: str | Path, revision: str | None = None) -> Family:
     have = components(index)
     unet = _read(src, "unet/config.json", revision, required="unet" in have)
     vae = _read(src, "vae/config.json", revision, required="vae" in have)
-    return family_of(index, unet, vae, where)
+    transformer = _read(src, "transformer/config.json", revision, required="transformer" in have)
+    return family_of(index, unet, vae, where, transformer)
 
 
 def _read(src: str | Path, name: str, revision: str | None, required: bool) -> dict[str, Any] | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from xeonsd.modelfiles.families import family_spec
+from xeonsd.modelfiles.families import FamilyError, family_spec
 from xeonsd.trainer.families.base import TrainFamily
 from xeonsd.trainer.families.sd import SD
 from xeonsd.trainer.families.sdxl import SDXL
@@ -17,8 +17,12 @@ FAMILIES: dict[str, TrainFamily] = {family.name: family for family in (SD, SDXL)
 
 
 def train_family(family: Family | None) -> TrainFamily:
-    """The training side of ``family`` (None: models built by hand, SD 1.x/2.x)."""
-    return FAMILIES[family_spec(family).name]
+    """The training side of ``family`` (None: models built by hand, SD 1.x/2.x); FamilyError for a family that is
+    detected but has no training side."""
+    name = family_spec(family).name
+    if name not in FAMILIES:
+        raise FamilyError(f"training {family_spec(family).label} is not supported; trainable: {', '.join(FAMILIES)}")
+    return FAMILIES[name]
 
 
 __all__ = ["FAMILIES", "TrainFamily", "train_family"]
