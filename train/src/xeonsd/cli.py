@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -264,16 +264,7 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> int:
     return bench_main(rest)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="xeonsd", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    sub.add_parser(
-        "train",
-        help="textual inversion, LoRA or full fine-tuning (`xeonsd train --help` for its flags)",
-        add_help=False,
-    )
-
+def _add_make_tiny_model(sub: Any) -> None:
     p = sub.add_parser(
         "make-tiny-model", help="write a random-weight Stable Diffusion (or SDXL) pipeline (offline test model)"
     )
@@ -295,6 +286,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     _add_console_flags(p)
     p.set_defaults(func=_make_tiny_model)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="xeonsd", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    sub.add_parser(
+        "train",
+        help="textual inversion, LoRA or full fine-tuning (`xeonsd train --help` for its flags)",
+        add_help=False,
+    )
+
+    _add_make_tiny_model(sub)
 
     p = sub.add_parser("make-dataset", help="write synthetic training images (stand-in for the dicoo images)")
     p.add_argument("out", help="output directory (must not exist or be empty)")
