@@ -6,9 +6,9 @@ Accepted (``POST /v3/images/generations``, ``/v1/images/generations``): ``prompt
 (``b64_json``, the only one: no image is stored to link to), and from OVMS ``num_inference_steps``
 (1..``--max-steps``, default 20), ``rng_seed`` (absent: a random seed, returned nowhere: give one to reproduce an
 image), ``guidance_scale`` (> 1: the static export runs classifier-free guidance at batch 2) and
-``negative_prompt``. The OpenAI fields that only choose among hosted models' options (``quality``, ``style``,
-``user``, ``background``, ``moderation``, ``output_format`` png, ``output_compression``) are accepted and ignored;
-any other field is refused, naming it.
+``negative_prompt``, ``num_images_per_prompt`` (OVMS's name for ``n``), ``height`` and ``width`` (the static
+shape's, like ``size``). The OpenAI ``user`` is accepted and ignored; any other field is refused, naming it, as OVMS
+refuses the OpenAI fields that choose among a hosted model's options (``quality``, ``style``, ``background``, …).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from xeonsd.openvino.manifest import StaticShape
 DEFAULT_STEPS = 20
 DEFAULT_GUIDANCE = 7.5
 MAX_PROMPT = 4000  # characters; CLIP reads 77 tokens of it anyway
-IGNORED = frozenset({"quality", "style", "user", "background", "moderation", "output_compression", "stream"})
+IGNORED = frozenset({"user"})
 KNOWN = frozenset(
     {
         "prompt",
@@ -32,7 +32,9 @@ KNOWN = frozenset(
         "n",
         "size",
         "response_format",
-        "output_format",
+        "num_images_per_prompt",
+        "height",
+        "width",
         "num_inference_steps",
         "rng_seed",
         "guidance_scale",
@@ -125,7 +127,11 @@ def validate(body: dict[str, Any], limits: Limits) -> ImageRequest:
             status=404,
             kind="model_not_found",
         )
-    n = _int(body, "n", 1, 1, limits.max_images, "--max-images")
+    n = _int(body, "n", None, 1, limits.max_images, "--max-images")
+    per_prompt = _int(body, "num_images_per_prompt", None, 1, limits.max_images, "--max-images")
+    if n is not None and per_prompt is not None and n != per_prompt:
+        raise RequestError(f"n {n} and num_images_per_prompt {per_prompt} disagree; give one", "num_images_per_prompt")
+    n = n or per_prompt or 1
     steps = _int(body, "num_inference_steps", min(DEFAULT_STEPS, limits.max_steps), 1, limits.max_steps, "--max-steps")
     seed = _int(body, "rng_seed", None, 0, 2**63 - 1, "a non-negative 64-bit integer")
     shape = limits.shape
@@ -136,6 +142,11 @@ def validate(body: dict[str, Any], limits: Limits) -> ImageRequest:
             f"ask for {shape.width}x{shape.height} (or re-export with that size)",
             "size",
         )
+    for key, have in (("width", shape.width), ("height", shape.height)):
+        if body.get(key) not in (None, have):
+            raise RequestError(
+                f"{key} {json.dumps(body[key])} does not fit this export: it has a {shape.describe()}", key
+            )
     if body.get("response_format") not in (None, "b64_json"):
         raise RequestError(
             f"response_format {json.dumps(body['response_format'])} is not served: only b64_json", "response_format"
