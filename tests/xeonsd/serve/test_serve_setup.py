@@ -66,3 +66,14 @@ def test_ovms_config_serves_the_same_export_and_adapters(ov_base: Path, toy_adap
     keys = safe_open(str(adapter), "np").keys()  # noqa: SIM118 - a safe_open handle, not a dict
     assert keys and all(k.startswith("lora_unet_") for k in keys)  # the kohya layout GenAI applies
     assert cli.main(["serve", str(ov_base), f"--write-ovms-config={out}"]) == 2  # never over an existing config
+
+
+def test_auto_workers_is_one_per_core_share_within_the_memory() -> None:
+    from xeonsd.serve.options import CORES_PER_WORKER, MEMORY_SHARE, PIPELINE_MEMORY, auto_workers
+
+    assert auto_workers(8) == 8 // CORES_PER_WORKER
+    assert auto_workers(1) == 1
+    gib = 1 << 30
+    fits = int(16 * gib * MEMORY_SHARE // (4 * gib * PIPELINE_MEMORY))
+    assert auto_workers(64, weights=4 * gib, available=16 * gib) == fits < 64 // CORES_PER_WORKER
+    assert auto_workers(64, weights=100 * gib, available=gib) == 1  # one worker, whatever the memory says

@@ -140,7 +140,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "--workers",
         default="auto",
         metavar="N|auto",
-        help="pipelines generating at once, each on its share of the cores (auto: one per 2 cores)",
+        help="pipelines generating at once, each on its share of the cores (auto: one per core, as many as "
+        "the memory holds; docs/serving.md)",
     )
     p.add_argument("--queue", type=int, default=8, help="requests that may wait for a worker; past it: 429")
     p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS", help="cancel a request past this (504)")
@@ -301,6 +302,8 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> int:
         from xeonsd.bench.train import main as bench_main
     elif args.what == "layout":
         from xeonsd.bench.layout import main as bench_main
+    elif args.what == "serve":
+        from xeonsd.bench.serve import main as bench_main
     else:
         from xeonsd.bench.generate import main as bench_main
     return bench_main(rest)
@@ -378,8 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_slurmjob_parser(sub)
 
-    p = sub.add_parser("bench", help="benchmarks (`xeonsd bench train|generate|layout --help`)", add_help=False)
-    p.add_argument("what", choices=["train", "generate", "layout"])
+    p = sub.add_parser("bench", help="benchmarks (`xeonsd bench train|generate|layout|serve --help`)", add_help=False)
+    p.add_argument("what", choices=["train", "generate", "layout", "serve"])
     return parser
 
 
@@ -398,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         from xeonsd.cluster.hello import main as hello_main
 
         return hello_main(argv[1:])
-    if argv and argv[0] == "bench" and len(argv) > 1 and argv[1] in ("train", "generate", "layout"):
+    if argv and argv[0] == "bench" and len(argv) > 1 and argv[1] in ("train", "generate", "layout", "serve"):
         return _bench(argparse.Namespace(what=argv[1]), argv[2:])
     args = build_parser().parse_args(argv)
     try:

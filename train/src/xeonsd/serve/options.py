@@ -7,8 +7,10 @@ converted to the kohya layout GenAI applies (:mod:`xeonsd.openvino.lora_files`).
 text-encoder part cannot be switched per request (GenAI applies ``lora_te_`` to both text encoders alike, see
 :mod:`xeonsd.openvino.pipelines`), so such an adapter is refused with the fused export as the way out.
 
-``--workers auto`` is :func:`auto_workers`: one worker per :data:`CORES_PER_WORKER` cores, the measured rule
-(docs/benchmarks.md, "Serving").
+``--workers auto`` is :func:`auto_workers`: one worker per :data:`CORES_PER_WORKER` core(s), the count that gave
+the most images/s in ``xeonsd bench serve`` here (docs/benchmarks.md, "Serving"), and no more workers than the
+memory holds: each is a compiled copy of the pipeline, estimated at :data:`PIPELINE_MEMORY` times the weights
+it compiles, within :data:`MEMORY_SHARE` of the memory available.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from xeonsd.openvino.manifest import StaticShape, read_manifest, static_shape
 from xeonsd.openvino.pipelines import manifest_family, text_side
 
 # Measured (docs/benchmarks.md, "Serving"): throughput is best with one worker per this many cores.
-CORES_PER_WORKER = 2
+CORES_PER_WORKER = 1
+PIPELINE_MEMORY = 1.5  # a compiled pipeline's memory over its weights' size (an estimate, not a measurement)
+MEMORY_SHARE = 0.8  # of MemAvailable, for the workers together
+COMPILED = ("unet", "text_encoder", "text_encoder_2", "vae_decoder")  # what a worker compiles
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -78,13 +83,35 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def auto_workers(cores: int) -> int:
-    return max(1, cores // CORES_PER_WORKER)
+def memory_available() -> int | None:
+    """MemAvailable in bytes (Linux), or None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
-def resolve_workers(workers: int | str, cores: int) -> int:
+def weights_bytes(export_dir: Path) -> int:
+    """The size of the weights a worker compiles."""
+    files = (Path(export_dir) / c / "openvino_model.bin" for c in COMPILED)
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
+def auto_workers(cores: int, weights: int = 0, available: int | None = None) -> int:
+    """One worker per CORES_PER_WORKER cores, as many as MEMORY_SHARE of ``available`` bytes holds."""
+    by_cores = max(1, cores // CORES_PER_WORKER)
+    if not weights or available is None:
+        return by_cores
+    return max(1, min(by_cores, int(available * MEMORY_SHARE // (weights * PIPELINE_MEMORY))))
+
+
+def resolve_workers(workers: int | str, cores: int, export_dir: Path | None = None) -> int:
     if workers == "auto":
-        return auto_workers(cores)
+        weights = weights_bytes(export_dir) if export_dir is not None else 0
+        return auto_workers(cores, weights, memory_available())
     try:
         count = int(workers)
     except (TypeError, ValueError):

@@ -93,7 +93,7 @@ def serve(opts: ServeOptions, console: TextIO | None = None) -> int:
     console = console or sys.stdout
     _access_logging()
     cores = cpu_count()
-    workers = resolve_workers(opts.workers, cores)
+    workers = resolve_workers(opts.workers, cores, Path(opts.export_dir))
     threads = max(1, cores // workers)
     with tempfile.TemporaryDirectory(prefix="xeonsd-serve-") as workdir:
         served = prepare(opts, Path(workdir))
