@@ -11,6 +11,8 @@ from safetensors.numpy import save_file
 
 from xeonsd import cli
 
+pytestmark = pytest.mark.xdist_group("xeonsd-serve")  # beside test_serve.py: the adapter is made once
+
 
 def _refusal(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     assert cli.main(["serve", *argv]) == 2
