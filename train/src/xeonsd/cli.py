@@ -259,6 +259,8 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> int:
         from xeonsd.bench.train import main as bench_main
     elif args.what == "layout":
         from xeonsd.bench.layout import main as bench_main
+    elif args.what == "serve":
+        from xeonsd.bench.serve import main as bench_main
     else:
         from xeonsd.bench.generate import main as bench_main
     return bench_main(rest)
@@ -323,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_export_parser(sub)
     _add_generate_parser(sub)
+    from xeonsd.serve.command import add_parser as add_serve_parser  # argparse only: cheap to import
+
+    add_serve_parser(sub)
 
     sub.add_parser(
         "doctor", help="check this node and train one step with the job's arguments (`-- TRAIN_ARGS`)", add_help=False
@@ -346,8 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_slurmjob_parser(sub)
 
-    p = sub.add_parser("bench", help="benchmarks (`xeonsd bench train|generate|layout --help`)", add_help=False)
-    p.add_argument("what", choices=["train", "generate", "layout"])
+    p = sub.add_parser("bench", help="benchmarks (`xeonsd bench train|generate|layout|serve --help`)", add_help=False)
+    p.add_argument("what", choices=["train", "generate", "layout", "serve"])
     return parser
 
 
@@ -366,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         from xeonsd.cluster.hello import main as hello_main
 
         return hello_main(argv[1:])
-    if argv and argv[0] == "bench" and len(argv) > 1 and argv[1] in ("train", "generate", "layout"):
+    if argv and argv[0] == "bench" and len(argv) > 1 and argv[1] in ("train", "generate", "layout", "serve"):
         return _bench(argparse.Namespace(what=argv[1]), argv[2:])
     args = build_parser().parse_args(argv)
     try:
