@@ -255,6 +255,12 @@ class TrainConfig:
     count_flops: bool = _flag(
         "count the executed FLOPs of the first step (torch.utils.flop_counter) into metrics", default=False
     )
+    profile_step: int = _flag(
+        "record step N (1-based; 0: none) with torch.profiler and write its seconds per class of work (attention, "
+        "convolutions, matmuls, norms + elementwise, optimizer) into its metrics row; with --count_flops the first "
+        "step's FLOPs are split the same way (xeonsd bench train --profile reads both)",
+        default=0,
+    )
     log_every: int = _flag("metrics line every N steps", default=1)
     stats_every: int = _flag(
         "every N steps the ranks exchange their CPU utilisation and time split (one small all-gather) and rank 0 "
