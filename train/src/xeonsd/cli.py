@@ -259,6 +259,8 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> int:
         from xeonsd.bench.train import main as bench_main
     elif args.what == "layout":
         from xeonsd.bench.layout import main as bench_main
+    elif args.what == "optimizer":
+        from xeonsd.bench.optimizer import main as bench_main
     else:
         from xeonsd.bench.generate import main as bench_main
     return bench_main(rest)
@@ -335,8 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_slurmjob_parser(sub)
 
-    p = sub.add_parser("bench", help="benchmarks (`xeonsd bench train|generate|layout --help`)", add_help=False)
-    p.add_argument("what", choices=["train", "generate", "layout"])
+    p = sub.add_parser(
+        "bench", help="benchmarks (`xeonsd bench train|generate|layout|optimizer --help`)", add_help=False
+    )
+    p.add_argument("what", choices=["train", "generate", "layout", "optimizer"])
     return parser
 
 
@@ -355,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         from xeonsd.cluster.hello import main as hello_main
 
         return hello_main(argv[1:])
-    if argv and argv[0] == "bench" and len(argv) > 1 and argv[1] in ("train", "generate", "layout"):
+    if argv and argv[0] == "bench" and len(argv) > 1 and argv[1] in ("train", "generate", "layout", "optimizer"):
         return _bench(argparse.Namespace(what=argv[1]), argv[2:])
     args = build_parser().parse_args(argv)
     try:

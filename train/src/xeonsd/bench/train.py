@@ -102,6 +102,7 @@ def measure_allreduce(base_args: list[str], out: Path, env: dict[str, str]) -> t
 
 EXTRA_VARIANTS = (
     Variant("channels_last", ("--channels_last",), "UNet in channels_last"),
+    Variant("per-tensor AdamW", ("--no-fused_adamw",), "torch.optim.AdamW's default loop instead of the fused kernel"),
     Variant("torch.compile", ("--compile",), "torch.compile(UNet)"),
 )
 
@@ -229,7 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="precision of the optimized run; auto: bf16 where the CPU has AMX or AVX512-BF16, else fp32",
     )
     p.add_argument("--only", nargs="*", default=None, help="variant names to run (default: the four standard ones)")
-    p.add_argument("--extra", action="store_true", help="also try channels_last and torch.compile")
+    p.add_argument(
+        "--extra", action="store_true", help="also try channels_last, the per-tensor AdamW and torch.compile"
+    )
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds: each variant runs once per round")
     p.add_argument("--peak-size", type=int, default=4096, help="largest matrix side of the matmul peak probes")
     p.add_argument("--probes", type=int, default=3, help="matmul peak probes per dtype, before and after the variants")
