@@ -13,7 +13,7 @@ def test_the_lora_set_has_the_sd15_rank4_adapters_the_trainer_trains():
 
 
 def test_bench_optimizer_prints_both_implementations_per_set(capsys):
-    assert main(["--rounds=2", "--updates=1", "--full-m=0.5"]) == 0
+    assert main(["--rounds=1", "--updates=1", "--full-m=0.2"]) == 0
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines()[2:]]
     assert [(r[0], r[-4]) for r in rows] == [("lora", "loop"), ("lora", "fused"), ("full", "loop"), ("full", "fused")]
     assert all(float(r[-3]) > 0 for r in rows) and [float(r[-2]) for r in rows][1::2] == [1.0, 1.0]
