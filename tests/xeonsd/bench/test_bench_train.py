@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bench_train_variants_differ_in_what_they_switch_off(tiny_model, tmp_path, cli_env):
     out = tmp_path / "bench.json"
@@ -60,8 +62,9 @@ def test_bench_train_refuses_a_model_it_cannot_find(tmp_path, capsys):
 def test_bench_train_lora_measures_the_allreduce_on_two_ranks(tiny_model, tmp_path, cli_env):
     """The 2-rank run's recorded collectives carry exactly the adapters' gradients and the loss."""
     out = tmp_path / "bench.json"
-    args = ["bench", "train", "--method=lora", f"--model={tiny_model}", "--resolution=64", "--steps=1", "--warmup=1",
-            "--peak-size=256", "--dtype=fp32", "--only", "optimized", f"--json={out}", "--rounds=1", "--probes=1"]  # fmt: skip
+    args = ["bench", "train", "--method=lora", f"--model={tiny_model}", "--resolution=64", "--steps=1", "--warmup=2",
+            "--peak-size=256", "--dtype=fp32", "--only", "optimized", f"--json={out}", "--rounds=1", "--probes=1",
+            "--profile"]  # fmt: skip
     env = dict(cli_env, I_MPI_FABRICS="shm")
     proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", *args], env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
@@ -71,6 +74,17 @@ def test_bench_train_lora_measures_the_allreduce_on_two_ranks(tiny_model, tmp_pa
     assert report["method"] == "lora" and computed > 1000
     assert report["allreduce_bytes_measured_2ranks"] == computed, report.get("allreduce_not_measured")
     assert "measured on a 2-rank mpirun run" in proc.stdout
+    # --profile: the last warm-up step per class of work, adding up to the profiled step, FLOPs matmul-like only.
+    prof = report["results"][0]["profile"]
+    classes = {r["class"]: r for r in prof["classes"]}
+    assert sum(r["seconds"] for r in classes.values()) == pytest.approx(prof["wall_s"], rel=0.05)
+    assert classes["convolutions"]["tflop"] > 0 and classes["matmuls"]["of_peak"] > 0
+    assert classes["optimizer"]["seconds"] > 0 and classes["optimizer"]["of_peak"] is None
+    assert "one profiled step" in proc.stdout and "attention backward" in proc.stdout
+    amx = next(t for t in report["targets"] if t["target"] == "amx_share_of_bf16_peak")
+    assert amx["line"] in proc.stdout and (amx["met"] is None) == (
+        "cannot be judged" in amx["line"] or "not judged" in amx["line"]
+    )
 
 
 def test_bench_train_runs_its_variants_interleaved_round_by_round(tmp_path, monkeypatch):

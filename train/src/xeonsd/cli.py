@@ -261,6 +261,8 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> int:
         from xeonsd.bench.layout import main as bench_main
     elif args.what == "serve":
         from xeonsd.bench.serve import main as bench_main
+    elif args.what == "optimizer":
+        from xeonsd.bench.optimizer import main as bench_main
     else:
         from xeonsd.bench.generate import main as bench_main
     return bench_main(rest)
@@ -351,8 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_slurmjob_parser(sub)
 
-    p = sub.add_parser("bench", help="benchmarks (`xeonsd bench train|generate|layout|serve --help`)", add_help=False)
-    p.add_argument("what", choices=["train", "generate", "layout", "serve"])
+    p = sub.add_parser(
+        "bench", help="benchmarks (`xeonsd bench train|generate|layout|serve|optimizer --help`)", add_help=False
+    )
+    p.add_argument("what", choices=["train", "generate", "layout", "serve", "optimizer"])
     return parser
 
 
@@ -371,7 +375,12 @@ def main(argv: list[str] | None = None) -> int:
         from xeonsd.cluster.hello import main as hello_main
 
         return hello_main(argv[1:])
-    if argv and argv[0] == "bench" and len(argv) > 1 and argv[1] in ("train", "generate", "layout", "serve"):
+    if (
+        argv
+        and argv[0] == "bench"
+        and len(argv) > 1
+        and argv[1] in ("train", "generate", "layout", "serve", "optimizer")
+    ):
         return _bench(argparse.Namespace(what=argv[1]), argv[2:])
     args = build_parser().parse_args(argv)
     try:

@@ -27,7 +27,9 @@ from pathlib import Path
 
 import torch
 
+from xeonsd import step_profile as sp
 from xeonsd.bench import rounds as rnd
+from xeonsd.bench.targets import bench_targets
 from xeonsd.contracts.method_names import METHODS
 from xeonsd.flops import matmul_probes
 from xeonsd.trainer.memory import ESTIMATE_FILE
@@ -100,6 +102,7 @@ def measure_allreduce(base_args: list[str], out: Path, env: dict[str, str]) -> t
 
 EXTRA_VARIANTS = (
     Variant("channels_last", ("--channels_last",), "UNet in channels_last"),
+    Variant("per-tensor AdamW", ("--no-fused_adamw",), "torch.optim.AdamW's default loop instead of the fused kernel"),
     Variant("torch.compile", ("--compile",), "torch.compile(UNet)"),
 )
 
@@ -163,6 +166,16 @@ def summarize(name: str, runs: list[dict], warmup: int, peak_tflops: float, stat
     }
 
 
+def profile_summary(runs: list[dict], peak_tflops: float) -> dict:
+    """One variant's profiled step over its rounds: each class's median seconds and the median wall time, its FLOPs
+    (the first step's count, the same every round), and the rows of ``xeonsd.step_profile.class_rows``."""
+    profiles = [next(r["step_profile"] for r in run["rows"] if "step_profile" in r) for run in runs]
+    tflop = next(r["tflop_by_class"] for r in runs[0]["rows"] if "tflop_by_class" in r)
+    seconds = {c: statistics.median(p["seconds_by_class"][c] for p in profiles) for c in sp.CLASSES}
+    wall = statistics.median(p["wall_s"] for p in profiles)
+    return {"wall_s": wall, "rounds": len(profiles), "classes": sp.class_rows(seconds, tflop, peak_tflops)}
+
+
 def format_table(results: list[dict], peaks: dict[str, float], dtype: str, cpu: str, method: str = "") -> str:
     rounds = results[0].get("rounds", 1)
     lines = [
@@ -217,11 +230,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="precision of the optimized run; auto: bf16 where the CPU has AMX or AVX512-BF16, else fp32",
     )
     p.add_argument("--only", nargs="*", default=None, help="variant names to run (default: the four standard ones)")
-    p.add_argument("--extra", action="store_true", help="also try channels_last and torch.compile")
+    p.add_argument(
+        "--extra", action="store_true", help="also try channels_last, the per-tensor AdamW and torch.compile"
+    )
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds: each variant runs once per round")
     p.add_argument("--peak-size", type=int, default=4096, help="largest matrix side of the matmul peak probes")
     p.add_argument("--probes", type=int, default=3, help="matmul peak probes per dtype, before and after the variants")
     p.add_argument("--probe-seconds", type=float, default=1.0, help="seconds of products per probe (all its sizes)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile each variant's last warm-up step (needs --warmup 2+): seconds, TFLOP/s and share of the "
+        "matmul peak per class of work (xeonsd.step_profile)",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     return p
 
@@ -230,6 +251,10 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.rounds < 1 or args.probes < 1:
         print("xeonsd bench train: error: --rounds and --probes must be at least 1", file=sys.stderr)
+        return 2
+    if args.profile and args.warmup < 2:
+        print("xeonsd bench train: error: --profile needs --warmup 2 or more (the first step counts the FLOPs, the "
+              "last warm-up step is profiled)", file=sys.stderr)  # fmt: skip
         return 2
     model = _model(args)
     if model is None:
@@ -263,6 +288,13 @@ def main(argv: list[str]) -> int:
         vdtype = v.name if v.name in ("bf16", "fp32") else dtype
         results.append(summarize(v.name, runs[v.name], args.warmup, peaks[vdtype], stats[v.name]))
     print(format_table(results, peaks, dtype, cpu.model, args.method), flush=True)
+    if args.profile:
+        for v, r in zip(variants, results, strict=True):
+            vdtype = v.name if v.name in ("bf16", "fp32") else dtype
+            r["profile"] = profile_summary(runs[v.name], peaks[vdtype])
+            print(sp.format_profile(v.name, r["profile"]["classes"], r["profile"]["wall_s"], peaks[vdtype], vdtype))
+    targets = bench_targets(cpu, dtype, results[0] if variants[0].name == "optimized" else None)
+    print("\n".join(t["line"] for t in targets), flush=True)
     computed = results[0]["allreduce_bytes"]
     if measured is not None:
         print(
@@ -286,8 +318,11 @@ def main(argv: list[str]) -> int:
             "schedule": [name for _, name in rnd.schedule([v.name for v in variants], args.rounds)],
             "matmul_probes_flops": {"before": before, "after": after},
             "machine": {k: stable[k] for k in ("difference", "tolerance", "unstable")},
+            "targets": targets,
         }
-        args.json.write_text(json.dumps(summary, indent=2))
+        tmp_json = args.json.with_name(args.json.name + ".tmp")
+        tmp_json.write_text(json.dumps(summary, indent=2))
+        tmp_json.replace(args.json)
     print("\n".join(rnd.verdict_lines(stable)), flush=True)
     return 0
 
@@ -337,6 +372,7 @@ def train_args(args: argparse.Namespace, model: str | Path, data: Path, dtype: s
         "--train_batch_size=1",
         "--seed=7",
         f"--max_train_steps={args.warmup + args.steps}",
+        *([f"--profile_step={args.warmup}"] if args.profile else []),
         "--learning_rate=2e-3",
         "--lr_warmup_steps=0",
         f"--mixed_precision={'bf16' if dtype == 'bf16' else 'no'}",

@@ -181,6 +181,12 @@ class TrainConfig:
     adam_beta2: float = _flag("AdamW beta2", default=0.999)
     adam_weight_decay: float = _flag("AdamW weight decay", default=1e-2)
     adam_epsilon: float = _flag("AdamW epsilon", default=1e-8)
+    fused_adamw: bool = _flag(
+        "AdamW's fused CPU kernel (torch.optim.AdamW(fused=True)); --no-fused_adamw: torch's default for CPU "
+        "tensors, a loop over the tensors (6-8x slower per update on a 2-core AMD EPYC, docs/benchmarks.md)",
+        default=True,
+        negatable=True,
+    )
     seed: int | None = _flag("random seed (the run is reproducible for a given seed)", default=None)
     snr_gamma: float | None = _flag(
         "min-SNR-gamma loss weighting (Hang et al. 2023; 5 is the paper's): each example's MSE weighted by "
@@ -254,6 +260,12 @@ class TrainConfig:
     use_ipex: str = _flag("apply ipex.optimize when IPEX imports", default="auto", choices=("auto", "on", "off"))
     count_flops: bool = _flag(
         "count the executed FLOPs of the first step (torch.utils.flop_counter) into metrics", default=False
+    )
+    profile_step: int = _flag(
+        "record step N (1-based; 0: none) with torch.profiler and write its seconds per class of work (attention, "
+        "convolutions, matmuls, norms + elementwise, optimizer) into its metrics row; with --count_flops the first "
+        "step's FLOPs are split the same way (xeonsd bench train --profile reads both)",
+        default=0,
     )
     log_every: int = _flag("metrics line every N steps", default=1)
     stats_every: int = _flag(

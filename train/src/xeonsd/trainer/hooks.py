@@ -27,6 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from xeonsd.cluster.distributed import all_gather_floats, all_gather_strings, barrier, node_address
 from xeonsd.cluster.rank_stats import Interval, RankClock, StragglerWatch, node_names, summarize
 from xeonsd.flops import allreduced_elements, count_attention
+from xeonsd.step_profile import flops_by_class, seconds_by_class
 from xeonsd.trainer import checkpoint as ckpt
 from xeonsd.trainer.job import Job
 from xeonsd.trainer.metrics import MetricsLog
@@ -101,14 +102,19 @@ class StepObservers:
 
 class StepCounters:
     """``--count_flops``: the first step's FLOPs are counted and, on 2+ ranks, the second step's collectives
-    recorded (the bytes all-reduced are measured, not computed)."""
+    recorded (the bytes all-reduced are measured, not computed). ``--profile_step N``: step N is recorded by
+    ``torch.profiler`` and its time split per class of work (:mod:`xeonsd.step_profile`), and the first step's
+    FLOPs are split the same way."""
 
     def __init__(self, job: Job) -> None:
         self.enabled = job.run.cfg.count_flops
+        self.profile_step = job.run.cfg.profile_step
         self.first = job.run.start_step
         self.world = job.world
         self.flops: FlopCounterMode | None = None
         self.comm = None
+        self.prof = None
+        self.prof_wall_s = 0.0
         if self.enabled:
             count_attention()
 
@@ -116,17 +122,37 @@ class StepCounters:
     def around(self, step: int) -> Iterator[None]:
         self.flops = FlopCounterMode(display=False) if self.enabled and step == self.first else None
         self.comm = _comm_profiler() if self.enabled and self.world > 1 and step == self.first + 1 else None
-        with self.flops or contextlib.nullcontext(), self.comm or contextlib.nullcontext():
+        self.prof = _step_profiler() if step + 1 == self.profile_step and self.comm is None else None
+        t0 = time.perf_counter()
+        with (
+            self.flops or contextlib.nullcontext(),
+            self.comm or contextlib.nullcontext(),
+            self.prof or contextlib.nullcontext(),
+        ):
             yield
+        self.prof_wall_s = time.perf_counter() - t0
 
     def row(self) -> dict:
         """The last step's counts, for its metrics row."""
         row = {}
         if self.flops:
             row["tflop_per_rank"] = self.flops.get_total_flops() / 1e12
+            if self.profile_step:
+                by_class = flops_by_class(self.flops.get_flop_counts().get("Global", {}))
+                row["tflop_by_class"] = {k: v / 1e12 for k, v in by_class.items()}
         if self.comm:
             row["allreduce_bytes_measured"] = allreduced_elements(self.comm) * 4
+        if self.prof:
+            seconds = seconds_by_class(self.prof.events(), self.prof_wall_s)
+            row["step_profile"] = {"wall_s": self.prof_wall_s, "seconds_by_class": seconds}
         return row
+
+
+def _step_profiler():
+    """A profiler of one step's CPU ops (no shapes, no stacks: as little overhead as it can have)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU])
 
 
 def _comm_profiler():

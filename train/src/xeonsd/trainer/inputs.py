@@ -84,6 +84,10 @@ def check_flags(cfg: TrainConfig, info: RankInfo) -> None:
     for name in ("train_batch_size", "gradient_accumulation_steps", "max_train_steps", "stats_every"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
+    if not 0 <= cfg.profile_step <= cfg.max_train_steps:
+        raise ConfigError(
+            f"--profile_step must be 0 (off) or a step of the run (1-{cfg.max_train_steps}), got {cfg.profile_step}"
+        )
     if cfg.learning_rate <= 0:
         raise ConfigError(f"--learning_rate must be positive, got {cfg.learning_rate}")
     if cfg.snr_gamma is not None and not cfg.snr_gamma > 0:
