@@ -123,6 +123,7 @@ TRAINER_LAYERS: list[set[str]] = [
         "embeddings",
         "step_end",
         "loss",
+        "flow",
         "stopping",
     },
     {

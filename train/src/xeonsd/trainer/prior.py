@@ -223,10 +223,14 @@ class PriorData:
 
 
 def model_inputs(text, latents, examples: list[Example]) -> tuple:
-    """(sampled latents, noise, timesteps, text hidden states, SDXL's added conditioning or None) of these examples."""
+    """(sampled latents, noise, timesteps (σ for flow models), text hidden states, the added conditioning or None)
+    of these examples."""
     hidden, added = text.unet_inputs(latents, examples)
     noise = torch.stack([e.noise for e in examples])
-    timesteps = torch.tensor([e.timestep for e in examples], dtype=torch.long)
+    if examples[0].sigma is not None:  # rectified flow: each example's σ
+        timesteps = torch.tensor([e.sigma for e in examples], dtype=torch.float32)
+    else:
+        timesteps = torch.tensor([e.timestep for e in examples], dtype=torch.long)
     return latents.sample(examples), noise, timesteps, hidden, added
 
 
@@ -249,5 +253,6 @@ def build_prior(cfg: TrainConfig, info: RankInfo, models, class_images: list[Pat
         latent_shape=latents.shape,
         timestep_range=like.timestep_range,
         noise_offset=like.noise_offset,
+        flow=like.flow,
     )
     return PriorData(text=text, latents=latents, plan=plan, weight=cfg.prior_loss_weight, count=len(class_images))
