@@ -61,7 +61,7 @@ class FullFineTuning(Method):
         check_prompt_source(cls.name, cfg, cls.uses_captions(cfg, captions))
 
     @classmethod
-    def memory_trainable(cls, cfg, unet, encoders) -> int:
+    def memory_trainable(cls, cfg, unet, encoders, family=None) -> int:
         """The whole UNet (measured without gradient checkpointing: the block figures give its effect)."""
         unet.requires_grad_(True)
         return sum(p.numel() for p in unet.parameters())
