@@ -332,7 +332,9 @@ def _prepare_data(
         buckets=batches,
         flow=models.flow,
     )
-    prior = build_prior(cfg, info, models, inputs.class_images, seed, plan) if inputs.class_images else None
+    prior = None
+    if inputs.class_images:
+        prior = build_prior(cfg, info, models, inputs.class_images, seed, plan, method.trains_text_encoder)
     family = train_family(models.family)
     if family.is_flow:  # every prompt table is built: the validation prompt's too, then T5 goes
         if cfg.validation_prompt:
