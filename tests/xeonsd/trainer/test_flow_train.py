@@ -24,7 +24,7 @@ import pytest
 import torch
 from cli_runs import method_args, train
 from safetensors.torch import load_file
-from test_learning import MARGIN, concept, concept_latent, distance  # noqa: F401 - concept: the fixture
+from test_learning import concept, concept_latent, distance  # noqa: F401 - concept: the fixture
 from test_methods import LORA_FILE, assert_same_training
 
 PROMPT = "a photo of sks toy"
@@ -33,8 +33,12 @@ COMMON = ("--train_text_encoder", "--rank=2", "--lora_alpha=4", "--learning_rate
 # attention alone a random tiny transformer moves too little to tell a bug from a weak adapter)
 LEARN_LAYERS = (
     "to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,ff.net.0.proj,ff.net.2,"
-    "ff_context.net.0.proj,ff_context.net.2,proj_mlp,proj_out,context_embedder"
+    "ff_context.net.0.proj,ff_context.net.2,proj_mlp,proj_out,x_embedder,context_embedder"
 )
+# The trained distance to the concept is at most this fraction of the base's. Measured on the tiny pipelines (30
+# steps): FLUX 0.81, SD3 0.85 (SD3 stays there with 60 steps or lr 3e-2: what a LoRA on the random tiny MMDiT can
+# move); the target flipped (x0 - eps) gives 1.03. Looser than test_learning's 0.85 for the UNets, by that measure.
+FLOW_MARGIN = 0.92
 LEARN = ("--rank=16", f"--lora_layers={LEARN_LAYERS}", "--learning_rate=1e-2", "--checkpointing_steps=0")
 
 
@@ -156,4 +160,4 @@ def test_the_lora_loads_in_stock_diffusers_and_generates_the_concept(family, flo
     after = generated_latents(pipe, family)
     a, b = distance(before, target), distance(after, target)
     print(f"{family} LoRA: latent RMS distance to the concept {a:.3f} -> {b:.3f} ({b / a:.2f})")
-    assert b <= MARGIN * a, (a, b)
+    assert b <= FLOW_MARGIN * a, (a, b)
