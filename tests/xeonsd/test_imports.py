@@ -124,6 +124,7 @@ TRAINER_LAYERS: list[set[str]] = [
         "embeddings",
         "step_end",
         "loss",
+        "flow",
         "stopping",
     },
     {

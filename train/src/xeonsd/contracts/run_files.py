@@ -58,8 +58,10 @@ def train_summary(
     fingerprint, the steps and ranks, the bytes all-reduced per step, the prompts (source, count, per_image, and when
     given the caption draws: ``caption_dropout``, ``shuffle_tags``, ``keep_tokens``, ``caption_prefix``), the
     result (its path in the run directory and its size) and, when given, the loss options (``snr_gamma``: None when
-    off, ``noise_offset``, ``timestep_range``: the [lo, hi) drawn from), the base model's ``family`` (``sd`` or
-    ``sdxl``, :mod:`xeonsd.modelfiles.families`), the ``resolution`` trained at and the validation loss's held-out images
+    off, ``noise_offset``, ``timestep_range``: the [lo, hi) drawn from; a flow model's: ``objective`` ``flow``,
+    ``weighting_scheme``, ``logit_mean``, ``logit_std``, ``mode_scale``, ``shift`` (a number, or "dynamic
+    (resolution-dependent)"), ``guidance_scale`` (FLUX.1-dev, else None)), the base model's ``family`` (``sd``,
+    ``sdxl``, ``flux``, ``sd3``: :mod:`xeonsd.modelfiles.families`), the ``resolution`` trained at and the validation loss's held-out images
     (``validation``: ``source``, ``images``, ``timesteps``), the aspect-ratio buckets (``buckets``: ``step``,
     ``min_reso``, ``max_reso``, and ``buckets``: each one's ``width``, ``height`` and ``images``) and the start-up
     (``startup``: ``time_to_first_step_s`` from the trainer's start, ``cpu_s_to_first_step`` of rank 0's process

@@ -129,8 +129,13 @@ class TrainConfig:
     )
     rank: int = _flag("LoRA rank (the adapters' inner dimension)", methods=(LORA,), default=4)
     lora_alpha: float | None = _flag("LoRA alpha (scale alpha/rank; default: --rank)", methods=(LORA,), default=None)
-    lora_target_modules: str = _flag(
-        "comma-separated module names that get adapters", methods=(LORA,), default="to_q,to_k,to_v,to_out.0"
+    lora_target_modules: str | None = _flag(
+        "comma-separated names of the linear layers that get adapters (default: the attention projections, "
+        "to_q,to_k,to_v,to_out.0; FLUX.1 and SD3 also their context stream's add_q_proj,add_k_proj,add_v_proj,"
+        "to_add_out, as diffusers' scripts)",
+        methods=(LORA,),
+        default=None,
+        aliases=("--lora_layers",),
     )
     save_format: str = _flag(
         "the LoRA file's layout: diffusers (load_lora_weights) or kohya (lora_unet_…/lora_te_… with .alpha, SDXL "
@@ -202,6 +207,19 @@ class TrainConfig:
         "lo,hi: draw the timesteps uniformly in [lo, hi), 0 <= lo < hi <= the scheduler's num_train_timesteps "
         "(default: the whole range)",
         default=None,
+    )
+    weighting_scheme: str | None = _flag(
+        "flow models (FLUX.1, SD3): how sigma is drawn and weighted, as diffusers' scripts: logit_normal, mode "
+        "(sigma's density), uniform or none (uniform sigma, no weight), sigma_sqrt or cosmap (uniform sigma, "
+        "those loss weights); default: the family's script's (FLUX.1 none, SD3 logit_normal)",
+        default=None,
+    )
+    logit_mean: float = _flag("flow models, --weighting_scheme logit_normal: the normal's mean", default=0.0)
+    logit_std: float = _flag("flow models, --weighting_scheme logit_normal: the normal's std", default=1.0)
+    mode_scale: float = _flag("flow models, --weighting_scheme mode: the mode scale", default=1.29)
+    guidance_scale: float = _flag(
+        "FLUX.1-dev (a guidance-embedding transformer): the guidance input during training (diffusers' 3.5)",
+        default=3.5,
     )
     mixed_precision: str = _flag(
         "bf16: frozen UNet/VAE in bf16 on AMX; auto: bf16 where the CPU has AMX or AVX512-BF16, else no",
@@ -340,12 +358,14 @@ def build_parser() -> argparse.ArgumentParser:
 def given_flags(argv: list[str]) -> set[str]:
     """The field names that ``argv`` sets explicitly (``--name``, ``--name=v``, ``--no-name``)."""
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    aliases = {a[2:]: f.name for f in dataclasses.fields(TrainConfig) for a in f.metadata.get("aliases", ())}
     given = set()
     for arg in argv:
         if not arg.startswith("--"):
             continue
         name = arg[2:].split("=", 1)[0]
         name = name[3:] if name.startswith("no-") and name[3:] in fields else name
+        name = aliases.get(name, name)
         if name in fields:
             given.add(name)
     return given

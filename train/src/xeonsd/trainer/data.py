@@ -1,6 +1,7 @@
 """Training data: the concept's images and a rank-independent sampling plan.
 
-Every random choice of an example (which image, flip, template, timestep, noise and its offset, latent sample) is
+Every random choice of an example (which image, flip, template, timestep or a flow model's σ, noise and its
+offset, latent sample) is
 a function of the seed and the example's *global* index, never of the rank that processes it (its streams:
 :mod:`xeonsd.trainer.rng`). So N ranks x batch B
 and one rank x batch N*B draw the same examples, and a resumed run continues exactly where it stopped.
@@ -22,6 +23,7 @@ from xeonsd.trainer.rng import Stream, generator
 
 if TYPE_CHECKING:
     from xeonsd.trainer.buckets import BucketBatches, Placement
+    from xeonsd.trainer.flow import FlowSchedule
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +116,7 @@ class Example:
     timestep: int
     noise: torch.Tensor  # [4, h, w], with --noise_offset's per-channel constant added
     latent_eps: torch.Tensor  # [4, h, w], the standard-normal draw that samples the latent distribution
+    sigma: float | None = None  # rectified flow (FLUX.1, SD3): the example's σ; None: a DDPM ``timestep``
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,7 @@ class SamplingPlan:
     timestep_range: tuple[int, int] | None = None  # [lo, hi); None: [0, num_timesteps)
     noise_offset: float = 0.0
     buckets: BucketBatches | None = None  # --buckets: a global batch from one bucket, latents of its shape
+    flow: FlowSchedule | None = None  # flow models: σ drawn per example from its own stream (:mod:`.flow`)
 
     def image_for(self, k: int) -> int:
         """Images are visited in a fresh shuffled order every pass over the data (sampling without replacement)."""
@@ -151,7 +155,10 @@ class SamplingPlan:
         if self.noise_offset:  # drawn after the others, and only when on: without it the draws are as before
             channels = shape[0]
             noise = noise + self.noise_offset * torch.randn((channels, 1, 1), generator=g)
-        return Example(k, 2 * image + int(flip), template, timestep, noise, eps)
+        sigma = None
+        if self.flow is not None:  # its own stream: the draws above stay as they were
+            sigma = self.flow.sigma(self.flow.draw_u(generator(self.seed, Stream.FLOW_SIGMA, k)), shape)
+        return Example(k, 2 * image + int(flip), template, timestep, noise, eps, sigma)
 
     def batch(
         self, step: int, micro: int, accumulation: int, world_size: int, rank: int, batch_size: int

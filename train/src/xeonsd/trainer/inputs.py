@@ -20,6 +20,7 @@ from xeonsd.trainer.buckets import Buckets, assign
 from xeonsd.trainer.captions import Captions, read_captions, short_tag_captions
 from xeonsd.trainer.config import ConfigError, TrainConfig, default_resolution
 from xeonsd.trainer.data import find_images
+from xeonsd.trainer.flow import resolve_scheme
 from xeonsd.trainer.loss import local_num_train_timesteps, parse_timestep_range
 from xeonsd.trainer.methods import for_config, method_class
 from xeonsd.trainer.models import model_family
@@ -57,6 +58,7 @@ def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
         check_held_out(cfg, held_out, uses_captions)
     check_model_source(cfg.pretrained_model_name_or_path, revision=cfg.revision)
     family = model_family(cfg)  # a family we do not serve is refused here, before any weight loads
+    check_family_flags(cfg, family)
     buckets = None
     if cfg.buckets:
         resolution = cfg.resolution or default_resolution(family)
@@ -68,6 +70,58 @@ def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
     if info.is_main and resume is None and not cfg.overwrite_output_dir:
         check_no_earlier_run(cfg)
     return Inputs(images, captions, resume, family, held_out, buckets)
+
+
+FLOW_FLAGS = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale")
+
+
+def check_family_flags(cfg: TrainConfig, family: Family) -> None:
+    """The flags against the model's family: a flow model (FLUX.1, SD3) trains with rectified flow, so the ε/v
+    tools and textual inversion are refused there, its flags anywhere else, and its image sides must pack."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    if not family.is_flow:
+        given = [f"--{n}" for n in FLOW_FLAGS if getattr(cfg, n) != defaults[n]]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)} apply to the rectified-flow models (FLUX.1, SD3); {family.label} trains with "
+                "noise prediction on a DDPM schedule"
+            )
+        return
+    what = f"{family.label} trains with rectified flow"
+    if cfg.method == "textual_inversion":
+        raise ConfigError(
+            f"--method textual_inversion is not supported on {family.label}: no trainer trains embeddings for its "
+            "CLIP + T5 text side; use --method lora or full"
+        )
+    tools = [f"--{n}" for n in ("snr_gamma", "timestep_range") if getattr(cfg, n) is not None]
+    tools += ["--noise_offset"] if cfg.noise_offset else []
+    if tools:
+        raise ConfigError(
+            f"{' and '.join(tools)} {'is an' if len(tools) == 1 else 'are'} ε/v-prediction option(s), but {what}: "
+            "choose how σ is drawn and weighted with --weighting_scheme (logit_normal, mode, uniform, sigma_sqrt, "
+            "cosmap)"
+        )
+    resolve_scheme(cfg.weighting_scheme, family.name)
+    if not cfg.logit_std > 0:
+        raise ConfigError(f"--logit_std must be positive, got {cfg.logit_std}")
+    step = family.pixel_multiple
+    if cfg.resolution is not None and cfg.resolution % step:
+        raise ConfigError(
+            f"--resolution must be a multiple of {step} for {family.label} (its VAE's {family.vae_scale} times the "
+            f"2x2 latent packing), got {cfg.resolution}"
+        )
+    if cfg.buckets and cfg.bucket_reso_steps % step:
+        raise ConfigError(
+            f"--bucket_reso_steps must be a multiple of {step} for {family.label} (bucket sides pack into 2x2 "
+            f"latent tokens), got {cfg.bucket_reso_steps}"
+        )
+    if cfg.channels_last:
+        raise ConfigError(f"--channels_last applies to UNets; {family.label}'s denoiser is a transformer")
+    if cfg.method == "lora" and cfg.save_format == "kohya":
+        raise ConfigError(
+            f"--save_format kohya is not available for {family.label} yet; save the diffusers layout (the default), "
+            "which FluxPipeline / StableDiffusion3Pipeline.load_lora_weights load"
+        )
 
 
 def check_flags(cfg: TrainConfig, info: RankInfo) -> None:

@@ -34,6 +34,7 @@ from xeonsd.trainer.conditioning import PromptConditioning
 from xeonsd.trainer.config import TrainConfig
 from xeonsd.trainer.data import SamplingPlan
 from xeonsd.trainer.families import train_family
+from xeonsd.trainer.families.transformer import release_t5
 from xeonsd.trainer.inputs import Inputs
 from xeonsd.trainer.latents import LatentTable
 from xeonsd.trainer.loss import parse_timestep_range
@@ -50,7 +51,19 @@ log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logg
 # A rank that lost a peer waits this long before ending the job, so that the other survivors report it too.
 ABORT_GRACE_S = 3.0
 # The loss, noise and caption options: a resumed run that changes one continues on another trajectory (a warning).
-LOSS_OPTIONS = ("snr_gamma", "noise_offset", "timestep_range", "caption_dropout", "shuffle_tags", "keep_tokens")
+LOSS_OPTIONS = (
+    "snr_gamma",
+    "noise_offset",
+    "timestep_range",
+    "caption_dropout",
+    "shuffle_tags",
+    "keep_tokens",
+    "weighting_scheme",
+    "logit_mean",
+    "logit_std",
+    "mode_scale",
+    "guidance_scale",
+)
 
 
 @dataclass(frozen=True)
@@ -317,8 +330,19 @@ def _prepare_data(
         timestep_range=timestep_range,
         noise_offset=cfg.noise_offset,
         buckets=batches,
+        flow=models.flow,
     )
-    prior = build_prior(cfg, info, models, inputs.class_images, seed, plan) if inputs.class_images else None
+    prior = None
+    if inputs.class_images:
+        prior = build_prior(cfg, info, models, inputs.class_images, seed, plan, method.trains_text_encoder)
+    family = train_family(models.family)
+    if family.is_flow:  # every prompt table is built: the validation prompt's too, then T5 goes
+        if cfg.validation_prompt:
+            table = PromptTable((cfg.validation_prompt, ""), per_image=False, source="--validation_prompt")
+            models.sample_conditioning = family.conditioning(
+                models, table, trainable=method.trains_text_encoder, rank=info.rank, world=world
+            )
+        release_t5(models, keep=cfg.shuffle_tags)
     if cfg.latent_cache and not cfg.validation_prompt:  # nothing decodes or encodes from here on
         models.vae = None
         gc.collect()

@@ -112,9 +112,12 @@ def build_bucketed_cache(
     return means, stds, encoded
 
 
-def sample_latents(mean: torch.Tensor, std: torch.Tensor, eps: torch.Tensor, scaling_factor: float) -> torch.Tensor:
-    """Scaled latents drawn from N(mean, std^2) with the given standard-normal ``eps``."""
-    return (mean + std * eps) * scaling_factor
+def sample_latents(
+    mean: torch.Tensor, std: torch.Tensor, eps: torch.Tensor, scaling_factor: float, shift_factor: float = 0.0
+) -> torch.Tensor:
+    """Scaled latents drawn from N(mean, std^2) with the given standard-normal ``eps``: (z - shift) * scale, the
+    shift of the flow models' VAEs (FLUX.1, SD3; 0 for SD's)."""
+    return (mean + std * eps - shift_factor) * scaling_factor
 
 
 def image_cache_key(
@@ -144,6 +147,7 @@ class LatentTable:
     shape: tuple[int, int, int]
     count: int
     scaling: float
+    shift: float = 0.0  # the VAE's shift_factor (FLUX.1, SD3): latents = (z - shift) * scaling
     # [count, ...] each; with buckets of several sizes, a list of one tensor per input row
     mean: torch.Tensor | list[torch.Tensor] | None = None
     std: torch.Tensor | list[torch.Tensor] | None = None
@@ -165,7 +169,7 @@ class LatentTable:
         else:
             mean, std = encode_distribution(self.vae, torch.stack([self.pixels[r] for r in rows]), self.dtype)
         eps = torch.stack([e.latent_eps for e in examples])
-        return sample_latents(mean, std, eps, self.scaling)
+        return sample_latents(mean, std, eps, self.scaling, self.shift)
 
     @classmethod
     def build(
@@ -184,7 +188,13 @@ class LatentTable:
         shapes = [shape] * count
         if places is not None:
             shapes = [(shape[0], p.bucket[1] // scale, p.bucket[0] // scale) for p in places for _ in (0, 1)]
-        common = {"shape": shape, "count": count, "scaling": vae.config.scaling_factor, "dtype": models.weight_dtype}
+        common = {
+            "shape": shape,
+            "count": count,
+            "scaling": vae.config.scaling_factor,
+            "shift": getattr(vae.config, "shift_factor", None) or 0.0,
+            "dtype": models.weight_dtype,
+        }
         family = train_family(models.family)  # SDXL: each image's micro-conditioning, kept with its latents
         per_image = [
             family.time_ids(p, cfg.resolution, cfg.center_crop, places[k] if places else None)

@@ -104,7 +104,11 @@ def _cpu_attention():
 
     plain = F.scaled_dot_product_attention
 
-    def flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+    def flash(q=None, k=None, v=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        # diffusers' attention dispatch (the transformers') passes them by name, with enable_gqa=False
+        q, k, v = kw.pop("query", q), kw.pop("key", k), kw.pop("value", v)
+        if not kw.get("enable_gqa", True):
+            kw.pop("enable_gqa")
         if attn_mask is not None or dropout_p or kw:
             return plain(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)[0]
@@ -152,14 +156,15 @@ def _activations(
 
 def _text_encoders(src: str, kw: dict, family) -> list[tuple[object, torch.nn.Module]]:
     """(config, meta-device model) of each of the family's text encoders; the last with its projection when the
-    family conditions on its pooled output (SDXL)."""
+    family conditions on its pooled output (SDXL); a flow family's T5 with its own config."""
     import transformers
     from transformers import CLIPTextConfig
 
     out = []
     for i, sub in enumerate(family.text_encoders):
         cls = getattr(transformers, family.spec.text_encoder_class(i))
-        config = CLIPTextConfig.from_pretrained(src, subfolder=sub, **kw)
+        config_cls = CLIPTextConfig if cls.config_class is None else cls.config_class
+        config = config_cls.from_pretrained(src, subfolder=sub, **kw)
         with torch.device("meta"):
             out.append((config, cls(config)))
     return out
@@ -188,6 +193,8 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstim
     src, kw = cfg.pretrained_model_name_or_path, {"revision": cfg.revision}
     family = detect_family(src, cfg.revision)
     cfg = with_resolution(cfg, family)
+    if family.is_flow:
+        return _flow_estimate(cfg, method, family, num_images, num_prompts)
     weight_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
     wbytes = torch.finfo(weight_dtype).bits // 8
     with torch.device("meta"):
@@ -199,7 +206,7 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstim
     terms = method_class(method)  # the method's own terms: what trains, where, and its optimizer state
     unet_dtype = torch.float32 if terms.unet_fp32 else weight_dtype
     torch.nn.Module.to(unet, unet_dtype)  # (ModelMixin.to warns about keep-in-fp32 modules SD has none of)
-    trainable = terms.memory_trainable(cfg, unet, encoders)
+    trainable = terms.memory_trainable(cfg, unet, encoders, family)
     frozen_unet = _numel(unet) - (trainable if terms.trains_unet else 0)
     weights = text_bytes + frozen_unet * torch.finfo(unet_dtype).bits // 8
     if terms.trains_unet:  # fp32 tensors of their own (textual inversion's vectors sit in the text encoders)
@@ -223,25 +230,131 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstim
     prompts = num_prompts * (77 * cross_dim + pooled_dim) * 4 if terms.trains_unet else 0  # the frozen encoder's cache
     runtime = _resident_bytes()
     frozen = runtime + text_bytes + _numel(vae) * wbytes
-    loading = frozen + _unet_loading(cfg, _numel(unet), torch.finfo(unet_dtype).bits // 8)
+    loading = frozen + _unet_loading(cfg, _numel(unet), torch.finfo(unet_dtype).bits // 8, "unet")
     return MemoryEstimate(weights, gradients, optimizer, activations, latents + prompts, runtime, loading)
 
 
-def _unet_loading(cfg, numel: int, nbytes: int) -> int:
+def _unet_loading(cfg, numel: int, nbytes: int, subfolder: str) -> int:
     """The UNet's bytes while it loads. Local safetensors weights are read tensor by tensor into their dtype
     (trainer.weights): the model plus its largest tensor as stored. Otherwise ``from_pretrained`` reads every
     weight as stored and then casts it: both copies exist until the load ends."""
     from xeonsd.trainer.weights import largest_tensor_bytes, local_weight_files
 
     src = cfg.pretrained_model_name_or_path
-    files = local_weight_files(src, "unet", cfg.variant, cfg.revision)
+    files = local_weight_files(src, subfolder, cfg.variant, cfg.revision)
     if files is not None:
         return numel * nbytes + largest_tensor_bytes(files)
     cast = numel * nbytes
-    unet_files = list((Path(src).expanduser() / "unet").glob("*.safetensors"))
+    unet_files = list((Path(src).expanduser() / subfolder).glob("*.safetensors"))
     stored = sum(f.stat().st_size for f in unet_files) if unet_files else numel * 4
     same_dtype = abs(stored - cast) < 0.01 * cast  # stored as it is used: no second copy
     return stored + (0 if same_dtype else cast)
+
+
+def _flow_estimate(cfg, method: str, family, num_images: int, num_prompts: int) -> MemoryEstimate:
+    """:func:`estimate` for a flow family (FLUX.1, SD3): the transformer's meta forward at the run's resolution;
+    T5 counts while the models load and the prompt tables are built, not in training (it is freed then, unless
+    --shuffle_tags keeps it); the CLIP encoders stay (fp32)."""
+    import diffusers
+    from diffusers import AutoencoderKL
+
+    from xeonsd.trainer.methods import method_class
+
+    src, kw, spec = cfg.pretrained_model_name_or_path, {"revision": cfg.revision}, family.spec
+    weight_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
+    wbytes = torch.finfo(weight_dtype).bits // 8
+    denoiser_cls = getattr(diffusers, spec.denoiser_class)
+    with torch.device("meta"):
+        denoiser = denoiser_cls.from_config(denoiser_cls.load_config(src, subfolder=spec.denoiser, **kw))
+        vae = AutoencoderKL.from_config(AutoencoderKL.load_config(src, subfolder="vae", **kw))
+    encoders = _text_encoders(src, kw, family)
+    t5, clips = encoders[-1][1], encoders[:-1]
+    clip_bytes = sum(_numel(m) for _, m in clips) * 4  # fp32
+    t5_bytes = _numel(t5) * wbytes  # loaded in the training dtype
+    denoiser.requires_grad_(False)
+    terms = method_class(method)
+    dtype = torch.float32 if terms.unet_fp32 else weight_dtype
+    torch.nn.Module.to(denoiser, dtype)
+    trainable = terms.memory_trainable(cfg, denoiser, clips, family)
+    weights = clip_bytes + (_numel(denoiser) - trainable) * torch.finfo(dtype).bits // 8 + trainable * 4
+    weights += t5_bytes if cfg.shuffle_tags else 0
+    if cfg.validation_prompt or not cfg.latent_cache:
+        weights += _numel(vae) * wbytes
+    autocast = weight_dtype == torch.bfloat16 and dtype == torch.float32
+    scale = 2 ** (len(vae.config.block_out_channels) - 1)
+    side, channels = cfg.resolution // scale, vae.config.latent_channels
+    text_len = min(512 if family.name == "flux" else 256, _t5_max_length(src, spec.tokenizers[-1]))
+    clip_len = 77 if family.name == "sd3" else 0  # SD3's CLIP hidden states join T5's along the tokens
+    pooled_dim = denoiser.config.pooled_projection_dim
+    joint_dim = denoiser.config.joint_attention_dim
+    activations = _flow_activations(
+        denoiser, family, cfg, (side, channels, clip_len + text_len, joint_dim, pooled_dim), autocast
+    )
+    if cfg.with_prior_preservation:
+        num_images, num_prompts = num_images + cfg.num_class_images, num_prompts + 1
+    latents = 2 * num_images * 2 * channels * side * side * 4
+    if not cfg.latent_cache:
+        latents = 2 * num_images * 3 * cfg.resolution**2 * 4
+    # the tables, in the training dtype: T5's hidden states, and the CLIP part (SD3: hidden states too)
+    prompts = num_prompts * (text_len * joint_dim + clip_len * 2048 + pooled_dim) * wbytes
+    runtime = _resident_bytes()
+    frozen = runtime + clip_bytes + t5_bytes + _numel(vae) * wbytes
+    loading = frozen + _unet_loading(cfg, _numel(denoiser), torch.finfo(dtype).bits // 8, spec.denoiser)
+    return MemoryEstimate(
+        weights,
+        trainable * 4,
+        terms.memory_optimizer_bytes(cfg, trainable),
+        activations,
+        latents + prompts,
+        runtime,
+        loading,
+    )
+
+
+def _t5_max_length(src: str, tokenizer: str) -> int:
+    """The T5 tokenizer's model_max_length from its config (512 where it does not say)."""
+    import json
+
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        value = json.loads((Path(src).expanduser() / tokenizer / "tokenizer_config.json").read_text())
+        return int(value.get("model_max_length") or 512)
+    return 512
+
+
+def _flow_activations(denoiser, family, cfg, dims: tuple[int, int, int, int, int], autocast: bool) -> int:
+    """What autograd keeps in one meta forward of the transformer (per block, as :func:`_activations`)."""
+    side, channels, text_len, joint_dim, pooled_dim = dims
+    batch = step_batch(cfg)
+    saved = _SavedBytes(list(denoiser.parameters()))
+    blocks = [*denoiser.transformer_blocks, *getattr(denoiser, "single_transformer_blocks", [])]
+    for block in blocks:
+        saved.watch(block)
+    dtype = next(denoiser.parameters()).dtype
+
+    def meta(*shape, dt=dtype):
+        return torch.zeros(*shape, device="meta", dtype=dt)
+
+    args = {
+        "encoder_hidden_states": meta(batch, text_len, joint_dim),
+        "pooled_projections": meta(batch, pooled_dim),
+        "timestep": meta(batch),
+        "return_dict": False,
+    }
+    if family.name == "flux":
+        tokens = (side // 2) * (side // 2)
+        args.update(hidden_states=meta(batch, tokens, channels * 4), img_ids=meta(tokens, 3), txt_ids=meta(text_len, 3))
+        if family.guidance_embeds:
+            args["guidance"] = meta(batch)
+    else:
+        args["hidden_states"] = meta(batch, channels, side, side)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), amp, _cpu_attention():
+        denoiser(**args)
+    largest = max((b for b, _ in saved.blocks), default=0)
+    if not getattr(cfg, "gradient_checkpointing", False):
+        return saved.total + largest
+    inside = sum(b for b, _ in saved.blocks)
+    return saved.total - inside + sum(i for _, i in saved.blocks) + 2 * largest
 
 
 def check_fits(est: MemoryEstimate, ranks_on_node: int, available: int | None) -> str | None:

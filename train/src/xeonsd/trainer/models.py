@@ -22,6 +22,7 @@ from xeonsd.fsutil import atomic_dir
 from xeonsd.modelfiles.families import Family, FamilyError, detect_family, family_spec
 from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.embeddings import PlaceholderEmbedding
+from xeonsd.trainer.flow import FlowSchedule, resolve_scheme
 from xeonsd.trainer.weights import load_frozen
 
 log = logging.getLogger("xeonsd.train")
@@ -31,6 +32,8 @@ __all__ = ["ConfigError", "Models", "autocast", "load_models", "save_full_pipeli
 
 @dataclass
 class Models:
+    """The loaded models. ``unet`` is the denoiser: the UNet, or a flow family's transformer (FLUX.1, SD3)."""
+
     tokenizer: object
     text_encoder: torch.nn.Module
     vae: torch.nn.Module | None  # released after the latent cache when nothing else needs it
@@ -40,15 +43,30 @@ class Models:
     ipex: bool
     family: Family | None = None  # None: SD 1.x/2.x (models built by hand in the tests)
     tokenizer_2: object | None = None  # SDXL's second tokenizer and text encoder (OpenCLIP bigG, with projection)
-    text_encoder_2: torch.nn.Module | None = None
+    text_encoder_2: torch.nn.Module | None = None  # (FLUX.1: T5)
+    tokenizer_3: object | None = None  # SD3: T5
+    text_encoder_3: torch.nn.Module | None = None
+    flow: FlowSchedule | None = None  # flow families: how σ is drawn and weighted (xeonsd.trainer.flow)
+    # flow families, once T5 is freed: the validation prompt's embeddings for the pipeline (the family's
+    # conditioning of (validation prompt, ""), with ``pipeline_kwargs()``)
+    sample_conditioning: object | None = None
 
     @property
-    def text_pairs(self) -> list[tuple[object, torch.nn.Module]]:
-        """(tokenizer, text encoder) of each text encoder, in the order their hidden states are concatenated."""
+    def text_pairs(self) -> list[tuple[object, torch.nn.Module | None]]:
+        """(tokenizer, text encoder) of each text encoder, in the order their hidden states are concatenated (a
+        flow family's T5 is None once freed)."""
         pairs = [(self.tokenizer, self.text_encoder)]
-        if self.text_encoder_2 is not None:
-            pairs.append((self.tokenizer_2, self.text_encoder_2))
+        for tok, enc in ((self.tokenizer_2, self.text_encoder_2), (self.tokenizer_3, self.text_encoder_3)):
+            if tok is not None:
+                pairs.append((tok, enc))
         return pairs
+
+    @property
+    def text_length(self) -> int:
+        """A flow family's T5 tokens per prompt: its pipeline's default ``max_sequence_length`` (FLUX.1 512, SD3
+        256), at most the tokenizer's own limit (the tiny test models' 32)."""
+        default = inspect.signature(pipeline_class(self.family).__call__).parameters["max_sequence_length"].default
+        return min(int(default), int(self.text_pairs[-1][0].model_max_length))
 
     @property
     def unet_dtype(self) -> torch.dtype:
@@ -77,25 +95,36 @@ def load_models(cfg: TrainConfig, unet_fp32: bool = False, family: Family | None
 
 
 def _load_models(cfg: TrainConfig, unet_fp32: bool, family: Family) -> Models:
-    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    import diffusers
+    from diffusers import AutoencoderKL, DDPMScheduler
 
     src = cfg.pretrained_model_name_or_path
     kw = {"revision": cfg.revision}
-    noise_scheduler = DDPMScheduler.from_pretrained(src, subfolder="scheduler", **kw)
+    spec = family.spec
+    flow = None
+    if family.is_flow:
+        noise_scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(src, subfolder="scheduler", **kw)
+        scheme = resolve_scheme(cfg.weighting_scheme, family.name)
+        flow = FlowSchedule.from_config(
+            noise_scheduler.config, scheme, cfg.logit_mean, cfg.logit_std, cfg.mode_scale, cfg.guidance_scale
+        )
+    else:
+        noise_scheduler = DDPMScheduler.from_pretrained(src, subfolder="scheduler", **kw)
     weight_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
-    text = _load_text_encoders(cfg, family)
-    (tokenizer, text_encoder), second = text[0], (text[1] if len(text) > 1 else (None, None))
+    text = _load_text_encoders(cfg, family, weight_dtype)
+    text += [(None, None)] * (3 - len(text))
     # Read tensor by tensor into their dtype: no whole fp32 copy beside the cast one (that was the peak memory).
     vae = load_frozen(AutoencoderKL, src, "vae", weight_dtype, cfg.variant, cfg.revision)
     unet_dtype = torch.float32 if unet_fp32 else weight_dtype
-    unet = load_frozen(UNet2DConditionModel, src, "unet", unet_dtype, cfg.variant, cfg.revision)
+    denoiser_cls = getattr(diffusers, spec.denoiser_class)
+    unet = load_frozen(denoiser_cls, src, spec.denoiser, unet_dtype, cfg.variant, cfg.revision)
     for m in (vae, unet):
         m.requires_grad_(False)
         m.eval()
-    if cfg.channels_last:
+    if cfg.channels_last and not family.is_flow:
         unet.to(memory_format=torch.channels_last)
     ipex = False
-    if cfg.use_ipex != "off" and not unet_fp32:
+    if cfg.use_ipex != "off" and not unet_fp32 and not family.is_flow:
         try:
             import intel_extension_for_pytorch as ipex_mod  # type: ignore[import-not-found]
         except ImportError:
@@ -107,24 +136,34 @@ def _load_models(cfg: TrainConfig, unet_fp32: bool, family: Family) -> Models:
             ipex = True
     if cfg.compile:
         unet = torch.compile(unet)
-    return Models(tokenizer, text_encoder, vae, unet, noise_scheduler, weight_dtype, ipex, family, second[0], second[1])
+    (tokenizer, text_encoder), (tok2, enc2), (tok3, enc3) = text
+    return Models(
+        tokenizer, text_encoder, vae, unet, noise_scheduler, weight_dtype, ipex, family, tok2, enc2, tok3, enc3, flow
+    )
 
 
-def _load_text_encoders(cfg: TrainConfig, family: Family) -> list[tuple[object, torch.nn.Module]]:
-    """(tokenizer, text encoder) of each of the family's text encoders, frozen and fp32; the last one with its
-    projection when the family conditions on its pooled output (SDXL's ``text_embeds``)."""
+def _load_text_encoders(
+    cfg: TrainConfig, family: Family, weight_dtype: torch.dtype
+) -> list[tuple[object, torch.nn.Module]]:
+    """(tokenizer, text encoder) of each of the family's text encoders, frozen; the CLIP ones in fp32 (gradients
+    may flow through them), the last with its projection when the family conditions on its pooled output
+    (SDXL's ``text_embeds``); a T5 encoder (FLUX.1, SD3) in the training dtype: it never trains, and in fp32
+    T5-XXL alone is 19 GB."""
     import transformers
-    from transformers import CLIPTokenizer
+    from transformers import AutoTokenizer, CLIPTokenizer
 
     src, kw = cfg.pretrained_model_name_or_path, {"revision": cfg.revision}
     pairs = []
     for i, (encoder_name, tokenizer_name) in enumerate(family.spec.text_side):
-        cls = getattr(transformers, family.spec.text_encoder_class(i))
-        tokenizer = CLIPTokenizer.from_pretrained(src, subfolder=tokenizer_name, **kw)
-        encoder = cls.from_pretrained(src, subfolder=encoder_name, variant=cfg.variant, **kw)
+        cls_name = family.spec.text_encoder_class(i)
+        cls = getattr(transformers, cls_name)
+        t5 = cls_name.startswith("T5")
+        tokenizer = (AutoTokenizer if t5 else CLIPTokenizer).from_pretrained(src, subfolder=tokenizer_name, **kw)
+        dtype = weight_dtype if t5 else torch.float32
+        encoder = cls.from_pretrained(src, subfolder=encoder_name, variant=cfg.variant, torch_dtype=dtype, **kw)
         encoder.requires_grad_(False)
         encoder.eval()
-        pairs.append((tokenizer, encoder.float()))
+        pairs.append((tokenizer, encoder if t5 else encoder.float()))
     return pairs
 
 
@@ -178,15 +217,17 @@ def save_full_pipeline(
 
 
 def inference_pipeline(models: Models):
-    """The family's diffusers pipeline over the loaded models (DPM-Solver, no safety checker, quiet): what the
-    validation images and the class images of prior preservation are generated with."""
-    from diffusers import DPMSolverMultistepScheduler
+    """The family's diffusers pipeline over the loaded models (DPM-Solver, or a flow family's own flow-matching
+    Euler scheduler; no safety checker, quiet): what the validation images and the class images of prior
+    preservation are generated with."""
+    from diffusers import DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler
 
     spec = family_spec(models.family)
+    sampler = FlowMatchEulerDiscreteScheduler if spec.objective == "flow" else DPMSolverMultistepScheduler
     parts = {
         "vae": models.vae,
-        "unet": models.unet,
-        "scheduler": DPMSolverMultistepScheduler.from_config(models.noise_scheduler.config),
+        spec.denoiser: models.unet,
+        "scheduler": sampler.from_config(models.noise_scheduler.config),
         **dict(spec.pipeline_kwargs),
     }
     for (encoder_name, tokenizer_name), (tokenizer, encoder) in zip(spec.text_side, models.text_pairs, strict=True):
@@ -200,13 +241,24 @@ def inference_pipeline(models: Models):
     return pipe
 
 
+def pipeline_call_kwargs(models: Models, prompt: str) -> dict:
+    """The prompt arguments of the pipeline call: the prompt itself, or a flow family's embeddings of it computed
+    before T5 was freed (``models.sample_conditioning``), with its text length."""
+    extra = {}
+    if models.family is not None and models.family.is_flow:
+        extra["max_sequence_length"] = models.text_length
+    if models.sample_conditioning is not None:
+        return {**models.sample_conditioning.pipeline_kwargs(prompt), **extra}
+    return {"prompt": prompt, **extra}
+
+
 def render_validation(cfg: TrainConfig, models: Models, target: Path, seed: int) -> None:
     pipe = inference_pipeline(models)
     generator = torch.Generator().manual_seed(seed)
     with atomic_dir(target, overwrite=True) as tmp, torch.no_grad(), autocast(models.weight_dtype):
         for i in range(cfg.num_validation_images):
             image = pipe(
-                cfg.validation_prompt,
+                **pipeline_call_kwargs(models, cfg.validation_prompt),
                 num_inference_steps=25,
                 generator=generator,
                 height=cfg.resolution,

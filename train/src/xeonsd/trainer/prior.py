@@ -7,7 +7,8 @@ loss. The class images live in ``--class_data_dir``: the images already there ar
 run. Generation is spread over the ranks by index (image ``i``'s seed is a function of ``i`` only, so the same image
 comes out whichever rank draws it, up to float rounding); one all-reduce gives every rank all of them, and one rank
 per node writes each of them, atomically (an image some node lacked is rewritten on the others too, so every node
-trains on the same bytes). The class prompt is encoded once with the frozen text encoder; each
+trains on the same bytes). The class prompt is encoded once with the frozen text encoder (every step when
+the method trains the text encoder, as the instance prompts); each
 instance example ``k`` is paired with class example ``k`` of a second sampling plan, so the pairing is a function
 of (seed, global index) like everything else.
 """
@@ -223,22 +224,36 @@ class PriorData:
 
 
 def model_inputs(text, latents, examples: list[Example]) -> tuple:
-    """(sampled latents, noise, timesteps, text hidden states, SDXL's added conditioning or None) of these examples."""
+    """(sampled latents, noise, timesteps (σ for flow models), text hidden states, the added conditioning or None)
+    of these examples."""
     hidden, added = text.unet_inputs(latents, examples)
     noise = torch.stack([e.noise for e in examples])
-    timesteps = torch.tensor([e.timestep for e in examples], dtype=torch.long)
+    if examples[0].sigma is not None:  # rectified flow: each example's σ
+        timesteps = torch.tensor([e.sigma for e in examples], dtype=torch.float32)
+    else:
+        timesteps = torch.tensor([e.timestep for e in examples], dtype=torch.long)
     return latents.sample(examples), noise, timesteps, hidden, added
 
 
-def build_prior(cfg: TrainConfig, info: RankInfo, models, class_images: list[Path], seed: int, like: SamplingPlan):
+def build_prior(
+    cfg: TrainConfig,
+    info: RankInfo,
+    models,
+    class_images: list[Path],
+    seed: int,
+    like: SamplingPlan,
+    trainable: bool = False,
+):
     """The class side of the steps: latents (built like the instance ones), the class prompt encoded once with the
-    frozen encoder, and a sampling plan of its own with the instance plan's timesteps and noise options."""
+    frozen encoder (``trainable``: the method trains the text encoder, so it is encoded every step, as the instance
+    prompts: a table made at set-up would hold the encoder of the step the run started or resumed at), and a
+    sampling plan of its own with the instance plan's timesteps and noise options."""
     from xeonsd.trainer.families import train_family
     from xeonsd.trainer.latents import LatentTable
 
     table = PromptTable((cfg.class_prompt,), per_image=False, source="--class_prompt")
     text = train_family(models.family).conditioning(
-        models, table, trainable=False, rank=info.rank, world=info.world_size
+        models, table, trainable=trainable, rank=info.rank, world=info.world_size
     )
     latents = LatentTable.build(cfg, models, class_images, info.rank, info.local_rank, info.world_size)
     plan = SamplingPlan(
@@ -249,5 +264,6 @@ def build_prior(cfg: TrainConfig, info: RankInfo, models, class_images: list[Pat
         latent_shape=latents.shape,
         timestep_range=like.timestep_range,
         noise_offset=like.noise_offset,
+        flow=like.flow,
     )
     return PriorData(text=text, latents=latents, plan=plan, weight=cfg.prior_loss_weight, count=len(class_images))

@@ -25,6 +25,7 @@ class Stream(enum.IntEnum):
     VALIDATION = 6  # a held-out example's noise and latent sample (keyed by index)
     CAPTIONS = 7  # an example's caption dropout and tag order (keyed by global index; until 2026-12 it shared 5)
     PRIOR_PLAN = 11  # the class images' own sampling plan
+    FLOW_SIGMA = 12  # a flow model's σ of an example (keyed by global index; --weighting_scheme's density)
 
 
 # The class images of prior preservation are rendered from seeds of their own, the same in every run and on every

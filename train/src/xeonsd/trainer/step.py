@@ -12,11 +12,10 @@ import torch
 
 from xeonsd.cluster.distributed import all_reduce_mean_
 from xeonsd.cluster.rank_stats import RankClock
-from xeonsd.trainer.config import ConfigError
 from xeonsd.trainer.data import Example
-from xeonsd.trainer.loss import denoising_loss
+from xeonsd.trainer.families import train_family
 from xeonsd.trainer.methods import Method
-from xeonsd.trainer.models import Models, autocast
+from xeonsd.trainer.models import Models
 from xeonsd.trainer.prior import PriorData, model_inputs
 
 
@@ -36,41 +35,21 @@ class LossInputs:
 
 
 def step_loss(inputs: LossInputs, examples: list[Example], clock: RankClock | None = None) -> torch.Tensor:
-    """The denoising loss of these examples (mean over them); ``clock`` times the latent lookup as data. With
-    prior preservation each example is paired with a class example in the same UNet call (:mod:`.prior`): the
-    loss is the instance mean plus ``--prior_loss_weight`` times the class mean."""
+    """The denoising loss of these examples (mean over them; the family's objective: :meth:`TrainFamily.predict`
+    and ``loss``); ``clock`` times the latent lookup as data. With prior preservation each example is paired with
+    a class example in the same denoiser call (:mod:`.prior`): the loss is the instance mean plus
+    ``--prior_loss_weight`` times the class mean."""
     models = inputs.models
     with clock.phase("data") if clock else contextlib.nullcontext():
         batch = model_inputs(inputs.text, inputs.latents, examples)
         if inputs.prior is not None:  # the class examples join this rank's examples in the one UNet call
             batch = inputs.prior.join(batch, examples)
         latents, noise, timesteps, hidden, added = batch
-    noisy = models.noise_scheduler.add_noise(latents, noise, timesteps)
-    dtype = models.unet_dtype
-    model_in = noisy.to(dtype)
-    if added is not None:  # SDXL: the pooled text embedding and the micro-conditioning
-        added = {k: v.to(dtype) for k, v in added.items()}
-    if inputs.channels_last:
-        model_in = model_in.contiguous(memory_format=torch.channels_last)
-    with autocast(models.weight_dtype) if models.unet_autocast else contextlib.nullcontext():
-        pred = inputs.unet(model_in, timesteps, hidden.to(dtype), added_cond_kwargs=added, return_dict=False)[0]
-    prediction_type = models.noise_scheduler.config.prediction_type
-    if prediction_type == "epsilon":
-        target = noise
-    elif prediction_type == "v_prediction":
-        target = models.noise_scheduler.get_velocity(latents, noise, timesteps)
-    else:
-        raise ConfigError(f"unsupported prediction type {prediction_type!r} in the model's scheduler")
+    family = train_family(models.family)
+    pred, target = family.predict(models, inputs.unet, latents, noise, timesteps, hidden, added, inputs.channels_last)
 
     def loss(rows: slice) -> torch.Tensor:
-        return denoising_loss(
-            pred[rows],
-            target[rows],
-            timesteps[rows],
-            snr_gamma=inputs.snr_gamma,
-            alphas_cumprod=models.noise_scheduler.alphas_cumprod,
-            prediction_type=prediction_type,
-        )
+        return family.loss(models, pred[rows], target[rows], timesteps[rows], inputs.snr_gamma)
 
     if inputs.prior is None:
         return loss(slice(None))

@@ -67,5 +67,16 @@ def prior_record(job: Job) -> dict | None:
 def loss_options(job: Job) -> dict:
     """The loss and noise options the run trained with (train_summary.json's ``loss``)."""
     cfg, plan = job.run.cfg, job.data.plan
+    flow = job.training.models.flow
+    if flow is not None:  # rectified flow: how σ was drawn and weighted (the report's "σ sampling")
+        return {
+            "objective": "flow",
+            "weighting_scheme": flow.scheme,
+            "logit_mean": flow.logit_mean,
+            "logit_std": flow.logit_std,
+            "mode_scale": flow.mode_scale,
+            "shift": "dynamic (resolution-dependent)" if flow.dynamic else flow.shift,
+            "guidance_scale": cfg.guidance_scale if (job.training.models.family.guidance_embeds) else None,
+        }
     lo, hi = plan.timestep_range or (0, plan.num_timesteps)
     return {"snr_gamma": cfg.snr_gamma, "noise_offset": cfg.noise_offset, "timestep_range": [lo, hi]}

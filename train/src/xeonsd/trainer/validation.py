@@ -6,7 +6,7 @@ and, every ``--validation_steps``, the denoising loss on them at fixed timesteps
   split that leaves no training image is refused. ``--validation_data_dir`` takes every image of that directory
   (and its captions, when the run trains on captions).
 * What is measured: each held-out image (never mirrored) at :data:`TIMESTEPS` timesteps spread evenly over the
-  trained range, with noise and the latent's sample drawn from (seed, image, timestep) only, so every evaluation
+  trained range (a flow model: at the σ of the middles of as many equal bands of u, through its schedule), with noise and the latent's sample drawn from (seed, image, timestep) only, so every evaluation
   sees exactly the same inputs and the curve moves only with the weights. The prompt is the image's caption with
   ``--caption_prefix`` and nothing drawn (no dropout, no shuffle), or the training prompt (an instance prompt; the
   templates taken in turn). The loss is the training loss's (min-SNR weights included), without gradient.
@@ -123,6 +123,7 @@ class ValidationSet:
     latents: LatentTable
     timesteps: tuple[int, ...]
     seed: int
+    sigmas: tuple[float, ...] | None = None  # flow models: the fixed σ of each of the TIMESTEPS evaluations
 
     @property
     def size(self) -> int:
@@ -134,7 +135,8 @@ class ValidationSet:
         g = generator(self.seed, Stream.VALIDATION, k)
         noise = torch.randn(self.latents.shape, generator=g)
         eps = torch.randn(self.latents.shape, generator=g)
-        return Example(k, 2 * image, image % self.prompts.num_templates, self.timesteps[j], noise, eps)
+        sigma = self.sigmas[j] if self.sigmas is not None else None
+        return Example(k, 2 * image, image % self.prompts.num_templates, self.timesteps[j], noise, eps, sigma)
 
 
 def fixed_timesteps(lo: int, hi: int, count: int = TIMESTEPS) -> tuple[int, ...]:
@@ -157,7 +159,10 @@ def build_validation(
         models, prompts, method.trains_text_encoder, info.rank, info.world_size, draws
     )
     latents = LatentTable.build(cfg, models, held.images, info.rank, info.local_rank, info.world_size)
-    return ValidationSet(held, prompts, text, latents, fixed_timesteps(*timestep_range), seed)
+    sigmas = None
+    if models.flow is not None:  # the middles of TIMESTEPS equal bands of u, through the model's own σ schedule
+        sigmas = tuple(models.flow.sigma((2 * j + 1) / (2 * TIMESTEPS), latents.shape) for j in range(TIMESTEPS))
+    return ValidationSet(held, prompts, text, latents, fixed_timesteps(*timestep_range), seed, sigmas)
 
 
 @torch.no_grad()

@@ -7,13 +7,15 @@ from typing import TYPE_CHECKING
 
 from xeonsd.modelfiles.families import FamilyError, family_spec
 from xeonsd.trainer.families.base import TrainFamily
+from xeonsd.trainer.families.flux import FLUX
 from xeonsd.trainer.families.sd import SD
+from xeonsd.trainer.families.sd3 import SD3
 from xeonsd.trainer.families.sdxl import SDXL
 
 if TYPE_CHECKING:
     from xeonsd.modelfiles.families import Family
 
-FAMILIES: dict[str, TrainFamily] = {family.name: family for family in (SD, SDXL)}
+FAMILIES: dict[str, TrainFamily] = {family.name: family for family in (SD, SDXL, FLUX, SD3)}
 
 
 def train_family(family: Family | None) -> TrainFamily:

@@ -2,25 +2,35 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from xeonsd.trainer.conditioning import PromptConditioning
+from xeonsd.trainer.config import ConfigError
+from xeonsd.trainer.loss import denoising_loss
+from xeonsd.trainer.models import autocast
 
 if TYPE_CHECKING:
     from xeonsd.trainer.buckets import Placement
+    from xeonsd.trainer.models import Models
 
 
 class TrainFamily:
     """A family's training side (its files, classes and export names: :class:`xeonsd.modelfiles.families.FamilySpec`
     of the same ``name``): how its prompts condition the model (``conditioning``: the prompt table through its
-    text encoders, and what the UNet call takes besides the latents), and what each training image adds
-    (``time_ids``). The memory estimate reads the text encoders from the spec."""
+    text encoders, and what the denoiser call takes besides the latents), what each training image adds
+    (``time_ids``), the training objective (``predict``: the noisy input, the denoiser's call and the target;
+    ``loss``) and where LoRA's adapters go by default (``lora_targets``). This base is the ε/v-prediction objective
+    of a UNet on a DDPM schedule (SD, SDXL); :mod:`.transformer` is rectified flow (FLUX.1, SD3). The memory
+    estimate reads the text encoders from the spec."""
 
     name: ClassVar[str]
     conditioning: ClassVar[type[PromptConditioning]] = PromptConditioning
+    lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
+    is_flow: ClassVar[bool] = False
 
     def time_ids(
         self, image: Path, resolution: int, center_crop: bool, placement: Placement | None = None
@@ -28,3 +38,47 @@ class TrainFamily:
         """The micro-conditioning of an image and of its mirror ([2, n]), kept with the cached latents; None: the
         family has none."""
         return None
+
+    def predict(
+        self,
+        models: Models,
+        denoiser: torch.nn.Module,
+        latents: torch.Tensor,
+        noise: torch.Tensor,
+        t: torch.Tensor,
+        hidden: torch.Tensor,
+        added: dict | None,
+        channels_last: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the denoiser's prediction, its target) for these examples: the latents noised to timesteps ``t`` by
+        the scheduler; the target ε or v as the scheduler's ``prediction_type`` says."""
+        scheduler = models.noise_scheduler
+        noisy = scheduler.add_noise(latents, noise, t)
+        dtype = models.unet_dtype
+        model_in = noisy.to(dtype)
+        if added is not None:  # SDXL: the pooled text embedding and the micro-conditioning
+            added = {k: v.to(dtype) for k, v in added.items()}
+        if channels_last:
+            model_in = model_in.contiguous(memory_format=torch.channels_last)
+        with autocast(models.weight_dtype) if models.unet_autocast else contextlib.nullcontext():
+            pred = denoiser(model_in, t, hidden.to(dtype), added_cond_kwargs=added, return_dict=False)[0]
+        prediction_type = scheduler.config.prediction_type
+        if prediction_type == "epsilon":
+            return pred, noise
+        if prediction_type == "v_prediction":
+            return pred, scheduler.get_velocity(latents, noise, t)
+        raise ConfigError(f"unsupported prediction type {prediction_type!r} in the model's scheduler")
+
+    def loss(
+        self, models: Models, pred: torch.Tensor, target: torch.Tensor, t: torch.Tensor, snr_gamma: float | None
+    ) -> torch.Tensor:
+        """The loss of these examples' predictions (min-SNR-γ weighted with ``snr_gamma``)."""
+        scheduler = models.noise_scheduler
+        return denoising_loss(
+            pred,
+            target,
+            t,
+            snr_gamma=snr_gamma,
+            alphas_cumprod=scheduler.alphas_cumprod,
+            prediction_type=scheduler.config.prediction_type,
+        )

@@ -59,9 +59,11 @@ class Method:
 
     # ---- the memory estimate (xeonsd.trainer.memory, on meta-device models) ----------------------------------------
     @classmethod
-    def memory_trainable(cls, cfg: TrainConfig, unet: torch.nn.Module, encoders: list[tuple[object, object]]) -> int:
-        """The trainable numbers, from the meta UNet (which the method may change: LoRA's adapters) and the text
-        encoders' (config, meta model) pairs."""
+    def memory_trainable(
+        cls, cfg: TrainConfig, unet: torch.nn.Module, encoders: list[tuple[object, object]], family=None
+    ) -> int:
+        """The trainable numbers, from the meta denoiser (which the method may change: LoRA's adapters), the text
+        encoders' (config, meta model) pairs (a flow family's CLIP ones) and the family."""
         raise NotImplementedError
 
     @classmethod

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from xeonsd.contracts.method_names import result_file
+from xeonsd.modelfiles.families import family_spec
 from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError
 from xeonsd.trainer.methods.base import Method
@@ -61,7 +62,7 @@ class FullFineTuning(Method):
         check_prompt_source(cls.name, cfg, cls.uses_captions(cfg, captions))
 
     @classmethod
-    def memory_trainable(cls, cfg, unet, encoders) -> int:
+    def memory_trainable(cls, cfg, unet, encoders, family=None) -> int:
         """The whole UNet (measured without gradient checkpointing: the block figures give its effect)."""
         unet.requires_grad_(True)
         return sum(p.numel() for p in unet.parameters())
@@ -117,4 +118,4 @@ class FullFineTuning(Method):
                 for p, s in zip(self.params, self.ema.shadow, strict=True):
                     p.copy_(s)
         unet.eval()
-        save_full_pipeline(self.cfg, out, self.models.family, unet=unet)
+        save_full_pipeline(self.cfg, out, self.models.family, **{family_spec(self.models.family).denoiser: unet})

@@ -28,6 +28,7 @@ from xeonsd.trainer.models import pipeline_class
 from xeonsd.trainer.prompts import check_prompt_source, plain_prompts
 
 if TYPE_CHECKING:
+    from xeonsd.modelfiles.families import Family
     from xeonsd.trainer.captions import Captions
     from xeonsd.trainer.prompts import PromptTable
 
@@ -35,8 +36,20 @@ LORA_FILE = result_file("lora")
 TEXT_ENCODER_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 
 
-def target_modules(cfg) -> list[str]:
+def target_modules(cfg, family: Family | None = None) -> list[str]:
+    """The denoiser's layers that get adapters: ``--lora_target_modules`` (``--lora_layers``), or the family's
+    default (the attention projections; FLUX.1 and SD3 with their text stream's)."""
+    if cfg.lora_target_modules is None:
+        from xeonsd.trainer.families import train_family
+
+        return list(train_family(family).lora_targets)
     return [m.strip() for m in cfg.lora_target_modules.split(",") if m.strip()]
+
+
+def _text_encoder_names(family: Family | None) -> tuple[str, ...]:
+    """The text encoders that may get adapters (--train_text_encoder): every CLIP one, never T5."""
+    spec = family_spec(family)
+    return tuple(n for i, n in enumerate(spec.text_encoders) if not spec.text_encoder_class(i).startswith("T5"))
 
 
 def _lora_config(rank: int, alpha: float, targets: list[str]):
@@ -45,9 +58,10 @@ def _lora_config(rank: int, alpha: float, targets: list[str]):
     return LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets)
 
 
-def unet_lora_config(cfg):
-    """The UNet adapters' peft config for this run (the trainer and the memory estimate use the same one)."""
-    return _lora_config(cfg.rank, cfg.lora_alpha if cfg.lora_alpha is not None else cfg.rank, target_modules(cfg))
+def unet_lora_config(cfg, family: Family | None = None):
+    """The denoiser adapters' peft config for this run (the trainer and the memory estimate use the same one)."""
+    alpha = cfg.lora_alpha if cfg.lora_alpha is not None else cfg.rank
+    return _lora_config(cfg.rank, alpha, target_modules(cfg, family))
 
 
 class LoRA(Method):
@@ -60,24 +74,25 @@ class LoRA(Method):
             raise ConfigError(f"--rank must be at least 1, got {cfg.rank}")
         if cfg.lora_alpha is not None and cfg.lora_alpha <= 0:
             raise ConfigError(f"--lora_alpha must be positive, got {cfg.lora_alpha}")
-        if not target_modules(cfg):
+        if cfg.lora_target_modules is not None and not target_modules(cfg):
             raise ConfigError("--lora_target_modules names no module")
         if importlib.util.find_spec("peft") is None:
             raise ConfigError("--method lora needs the peft package (pip install -r requirements.txt)")
         check_prompt_source(cls.name, cfg, cls.uses_captions(cfg, captions))
 
     @classmethod
-    def memory_trainable(cls, cfg, unet, encoders) -> int:
-        """The adapters, added to the meta UNet in fp32; with --train_text_encoder about the same share of each
-        text encoder's attention."""
-        unet.add_adapter(unet_lora_config(cfg))
+    def memory_trainable(cls, cfg, unet, encoders, family: Family | None = None) -> int:
+        """The adapters, added to the meta denoiser in fp32; with --train_text_encoder about the same share of each
+        CLIP text encoder's attention (never T5's)."""
+        unet.add_adapter(unet_lora_config(cfg, family))
         trainable = 0
         for p in unet.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
                 trainable += p.numel()
         if cfg.train_text_encoder:
-            trainable += sum(4 * c.num_hidden_layers * 2 * cfg.rank * c.hidden_size for c, _ in encoders)
+            clips = [c for c, _ in encoders if getattr(c, "model_type", "") != "t5"]
+            trainable += sum(4 * c.num_hidden_layers * 2 * cfg.rank * c.hidden_size for c in clips)
         return trainable
 
     def __init__(self, cfg, models) -> None:
@@ -85,10 +100,10 @@ class LoRA(Method):
         alpha = cfg.lora_alpha if cfg.lora_alpha is not None else cfg.rank
         self.alpha = alpha
         try:
-            models.unet.add_adapter(unet_lora_config(cfg))
+            models.unet.add_adapter(unet_lora_config(cfg, models.family))
         except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
             raise ConfigError(f"--lora_target_modules {cfg.lora_target_modules}: {exc}") from exc
-        encoders = [encoder for _, encoder in models.text_pairs]  # SDXL: both
+        encoders = list(self._encoders().values())  # SDXL, SD3: both CLIPs; never T5
         if cfg.train_text_encoder:
             for encoder in encoders:
                 encoder.add_adapter(_lora_config(cfg.rank, alpha, list(TEXT_ENCODER_TARGETS)))
@@ -115,34 +130,45 @@ class LoRA(Method):
         from diffusers.utils import convert_state_dict_to_diffusers
         from peft.utils import get_peft_model_state_dict
 
-        layers = {"unet_lora_layers": get_peft_model_state_dict(self.models.unet)}
+        layers = {f"{self._denoiser}_lora_layers": get_peft_model_state_dict(self.models.unet)}
         if self.cfg.train_text_encoder:
             for name, encoder in self._encoders().items():
                 layers[f"{name}_lora_layers"] = get_peft_model_state_dict(encoder)
+        # A UNet's file in the diffusers layout (lora.down/lora.up), as diffusers' UNet scripts save it; a
+        # transformer's in peft's (lora_A/lora_B), as train_dreambooth_lora_flux.py / _sd3.py save it.
+        keep = self._denoiser == "transformer"
         return {
-            k: {n: t.detach().clone() for n, t in convert_state_dict_to_diffusers(v).items()} for k, v in layers.items()
+            k: {n: t.detach().clone() for n, t in (v if keep else convert_state_dict_to_diffusers(v)).items()}
+            for k, v in layers.items()
         }
 
     def _metadata(self) -> dict[str, dict]:
         """The adapters' configs (rank, alpha, targets) stored in the file's metadata, where diffusers'
         ``load_lora_weights`` (and our GenAI conversion) read them: without them a reader takes alpha = rank."""
-        meta = {"unet_lora_adapter_metadata": self.models.unet.peft_config["default"].to_dict()}
+        meta = {f"{self._denoiser}_lora_adapter_metadata": self.models.unet.peft_config["default"].to_dict()}
         if self.cfg.train_text_encoder:
             for name, encoder in self._encoders().items():
                 meta[f"{name}_lora_adapter_metadata"] = encoder.peft_config["default"].to_dict()
         return meta
 
+    @property
+    def _denoiser(self) -> str:
+        """The denoiser's component name, the prefix of its keys in the file (``unet``, ``transformer``)."""
+        return family_spec(self.models.family).denoiser
+
     def _encoders(self) -> dict[str, torch.nn.Module]:
-        """The text encoders by their pipeline component name (``text_encoder``, SDXL's ``text_encoder_2``)."""
-        names = ("text_encoder", "text_encoder_2")
-        return {n: encoder for n, (_, encoder) in zip(names, self.models.text_pairs, strict=False)}
+        """The text encoders that may get adapters, by their pipeline component name (``text_encoder``, SDXL's and
+        SD3's ``text_encoder_2``; never T5)."""
+        names = family_spec(self.models.family).text_encoders
+        allowed = set(_text_encoder_names(self.models.family))
+        return {n: e for n, (_, e) in zip(names, self.models.text_pairs, strict=False) if n in allowed}
 
     def state(self) -> dict:
         return {
             "adapters": [p.detach().clone() for p in self.params],
             "rank": self.cfg.rank,
             "alpha": self.alpha,
-            "targets": target_modules(self.cfg),
+            "targets": target_modules(self.cfg, self.models.family),
             "text_encoder": self.cfg.train_text_encoder,
         }
 
@@ -150,7 +176,7 @@ class LoRA(Method):
         mine = {
             "rank": self.cfg.rank,
             "alpha": self.alpha,
-            "targets": target_modules(self.cfg),
+            "targets": target_modules(self.cfg, self.models.family),
             "text_encoder": self.cfg.train_text_encoder,
         }
         theirs = {k: state.get(k) for k in mine}

@@ -58,7 +58,7 @@ class TextualInversion(Method):
                 )
 
     @classmethod
-    def memory_trainable(cls, cfg, unet, encoders) -> int:
+    def memory_trainable(cls, cfg, unet, encoders, family=None) -> int:
         """One vector set per text encoder (the whole embedding table with --train_full_embedding_matrix)."""
         return sum(
             (c.vocab_size if cfg.train_full_embedding_matrix else cfg.num_vectors) * c.hidden_size for c, _ in encoders

@@ -1,0 +1,75 @@
+"""FLUX.1's training side (the family strategy :data:`FLUX`), as diffusers' ``FluxPipeline`` runs the model and
+``train_dreambooth_lora_flux.py`` trains it:
+
+* the text: CLIP-L's pooled output (``pooled_projections``) and T5's hidden states (``encoder_hidden_states``,
+  the pipeline's ``max_sequence_length`` tokens), with all-zero text position ids (``txt_ids``);
+* the latents packed 2x2 into tokens (16 channels -> 64 per token), with their (0, row, column) position ids
+  (``img_ids``), and the prediction unpacked again;
+* the timestep input is σ itself (the transformer scales it by 1000), and FLUX.1-dev's guidance embedding gets
+  ``--guidance_scale`` (3.5, diffusers' default); schnell has none.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xeonsd.trainer.families.transformer import FlowFamily, FlowPromptConditioning
+
+
+class FluxPromptConditioning(FlowPromptConditioning):
+    def _clip(self, ids: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return (self.models.text_encoder(ids[0], output_hidden_states=False).pooler_output,)
+
+    def _combine(self, clip, t5):
+        return t5, clip[0]
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """[b, c, h, w] -> [b, h/2 * w/2, 4c]: each 2x2 patch one token (FluxPipeline._pack_latents)."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """The inverse of :func:`pack` for a latent of h x w."""
+    b, _, channels = tokens.shape
+    x = tokens.view(b, h // 2, w // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, channels // 4, h, w)
+
+
+def image_ids(h: int, w: int, dtype: torch.dtype) -> torch.Tensor:
+    """Each token's (0, row, column) for a latent of h x w (FluxPipeline._prepare_latent_image_ids)."""
+    ids = torch.zeros(h // 2, w // 2, 3)
+    ids[..., 1] = torch.arange(h // 2)[:, None]
+    ids[..., 2] = torch.arange(w // 2)[None, :]
+    return ids.reshape(-1, 3).to(dtype)
+
+
+class FluxFamily(FlowFamily):
+    """FLUX.1 dev (guidance embedding) and schnell."""
+
+    name = "flux"
+    conditioning = FluxPromptConditioning
+
+    def _call(self, models, denoiser, noisy, sigmas, hidden, pooled):
+        b, _, h, w = noisy.shape
+        dtype = noisy.dtype
+        guidance = None
+        if models.family is not None and models.family.guidance_embeds:
+            assert models.flow is not None
+            guidance = torch.full((b,), models.flow.guidance, dtype=dtype)
+        pred = denoiser(
+            hidden_states=pack(noisy),
+            timestep=sigmas.to(dtype),
+            guidance=guidance,
+            pooled_projections=pooled,
+            encoder_hidden_states=hidden,
+            txt_ids=torch.zeros(hidden.shape[1], 3, dtype=dtype),
+            img_ids=image_ids(h, w, dtype),
+            return_dict=False,
+        )[0]
+        return unpack(pred, h, w)
+
+
+FLUX = FluxFamily()

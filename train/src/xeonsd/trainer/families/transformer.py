@@ -1,0 +1,193 @@
+"""What the flow-matching transformer families (FLUX.1: :mod:`.flux`, SD3/SD3.5: :mod:`.sd3`) share: the
+rectified-flow objective (:mod:`xeonsd.trainer.flow`) and a text side of CLIP encoders beside a T5 encoder.
+
+The text encoders are frozen (a method may put LoRA adapters on the CLIP ones, never on T5). Each prompt's T5
+hidden states are computed once at start-up, each rank encoding its share of the table and one all-reduce per
+chunk of rows giving every rank all of them, kept in the training dtype; the CLIP side is cached the same way,
+or run every step when its adapters train. Once every table the run needs is built, T5 (4.7 B parameters in
+FLUX.1 and SD3.5) is freed (:func:`release_t5`), unless ``--shuffle_tags`` makes captions that no table holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+
+import torch
+
+from xeonsd.cluster.distributed import all_reduce_sum_
+from xeonsd.trainer.captions import CaptionDraws
+from xeonsd.trainer.conditioning import PromptConditioning
+from xeonsd.trainer.data import Example
+from xeonsd.trainer.families.base import TrainFamily
+from xeonsd.trainer.flow import flow_loss, noisy_input
+from xeonsd.trainer.models import Models, autocast
+from xeonsd.trainer.prompts import PromptTable
+
+log = logging.getLogger("xeonsd.train")
+
+ENCODE_ROWS = 16  # prompts per all-reduce while the tables are built (bounds the fp32 transient)
+# LoRA's default targets on these transformers: the image stream's and the text stream's attention projections
+# (diffusers' train_dreambooth_lora_sd3.py's default; its FLUX.1 script adds the feed-forward layers too)
+ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+
+
+def _rss_gb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024**2
+    return 0.0
+
+
+class FlowPromptConditioning(PromptConditioning):
+    """The prompt table through CLIP and T5: ``encode(rows)`` gives (the denoiser's text hidden states, the pooled
+    CLIP embedding). A family defines ``_clip`` (what its CLIP encoders give) and ``_combine`` (with T5's hidden
+    states, what the transformer takes)."""
+
+    def __init__(
+        self,
+        models: Models,
+        prompts: PromptTable,
+        trainable: bool,
+        rank: int,
+        world: int,
+        draws: CaptionDraws | None = None,
+    ) -> None:
+        self.models = models
+        self.prompts = prompts
+        self.trainable = trainable
+        self.draws = draws or CaptionDraws()
+        texts = [self.draws.fixed(t) for t in prompts.texts]
+        if self.draws.dropout > 0:
+            texts.append("")  # the empty caption's row: len(prompts.texts)
+        self.ids = self._tokenize(texts)
+        self.long = self._encode_rows(rank, world, lambda ids: (self._t5(ids[-1]),))[0]
+        self.table = None if trainable else self._encode_rows(rank, world, lambda ids: self._clip(ids[:-1]))
+
+    # ---- the encoders ----------------------------------------------------------------------------------------
+    def _tokenize(self, texts: list[str]) -> list[torch.Tensor]:
+        out = []
+        pairs = self.models.text_pairs
+        for i, (tok, _) in enumerate(pairs):
+            length = self.models.text_length if i == len(pairs) - 1 else tok.model_max_length
+            out.append(
+                tok(texts, padding="max_length", truncation=True, max_length=length, return_tensors="pt").input_ids
+            )
+        return out
+
+    def _select(self, rows: list[int]) -> list[torch.Tensor]:
+        return [ids[rows] for ids in self.ids]
+
+    def _t5(self, ids: torch.Tensor) -> torch.Tensor:
+        encoder = self.models.text_pairs[-1][1]
+        if encoder is None:
+            raise RuntimeError("T5 was freed; a caption outside the prompt tables cannot be encoded")
+        with torch.no_grad():
+            return encoder(ids, output_hidden_states=False)[0]
+
+    def _clip(self, ids: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """What the family's CLIP encoders give for these token ids (each a [n, ...] tensor)."""
+        raise NotImplementedError
+
+    def _combine(self, clip: tuple[torch.Tensor, ...], t5: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(text hidden states, pooled embedding) for the transformer, from the CLIP part and T5's hidden states."""
+        raise NotImplementedError
+
+    def _forward(self, ids: list[torch.Tensor], long: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        with autocast(self.models.weight_dtype):
+            clip = self._clip(ids[:-1])
+        return self._combine(clip, self._t5(ids[-1]) if long is None else long)
+
+    @torch.no_grad()
+    def _encode_rows(self, rank: int, world: int, encode) -> tuple[torch.Tensor, ...]:
+        """``encode(ids)`` of every row of the table: each rank encodes its share, ENCODE_ROWS rows to an
+        all-reduce (fp32), kept in the training dtype."""
+        n = self.ids[0].shape[0]
+        store = self.models.weight_dtype
+        if n < world:  # fewer prompts than ranks (an instance prompt): every rank encodes them
+            with autocast(store):
+                return tuple(t.to(store) for t in encode(self.ids))
+        tables: list[torch.Tensor] | None = None
+        for first in range(0, n, ENCODE_ROWS):
+            rows = list(range(first, min(first + ENCODE_ROWS, n)))
+            parts: list[torch.Tensor] | None = None
+            for j, row in enumerate(rows):
+                if row % world != rank:
+                    continue
+                with autocast(store):
+                    out = encode(self._select([row]))
+                if parts is None:
+                    parts = [torch.zeros((len(rows), *t.shape[1:]), dtype=torch.float32) for t in out]
+                for p, t in zip(parts, out, strict=True):
+                    p[j] = t[0].float()
+            if parts is None:  # this rank has no row in this chunk: learn the shapes from one row, unreduced
+                with autocast(store):
+                    out = encode(self._select([rows[0]]))
+                parts = [torch.zeros((len(rows), *t.shape[1:]), dtype=torch.float32) for t in out]
+            if tables is None:
+                tables = [torch.zeros((n, *p.shape[1:]), dtype=store) for p in parts]
+            for table, p in zip(tables, parts, strict=True):
+                table[first : first + len(rows)] = all_reduce_sum_(p, world).to(store)
+        assert tables is not None
+        return tuple(tables)
+
+    def encode(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.table is not None:
+            return self._combine(tuple(t[rows] for t in self.table), self.long[rows])
+        return self._forward(self._select(rows), self.long[rows])
+
+    def unet_inputs(self, latents, examples: list[Example]) -> tuple[torch.Tensor, dict]:
+        """The text hidden states, and the pooled CLIP embedding (``pooled``)."""
+        hidden, pooled = self.for_examples(examples)
+        return hidden, {"pooled": pooled}
+
+    def pipeline_kwargs(self, prompt: str) -> dict:
+        """The pipeline's prompt arguments for row 0 of this table (``prompt``) and row 1 (the empty negative)."""
+        assert self.prompts.texts[0] == prompt, "the sample conditioning holds another prompt"
+        hidden, pooled = self.encode([0, 1])
+        kwargs = {"prompt_embeds": hidden[:1], "pooled_prompt_embeds": pooled[:1]}
+        return {**kwargs, **self._negative(hidden[1:], pooled[1:])}
+
+    def _negative(self, hidden: torch.Tensor, pooled: torch.Tensor) -> dict:
+        """The empty prompt's embeddings, for a pipeline with classifier-free guidance (SD3); none for FLUX.1."""
+        return {}
+
+
+class FlowFamily(TrainFamily):
+    """The rectified-flow objective on a transformer; a family defines how its transformer is called (``_call``)."""
+
+    is_flow = True
+    lora_targets = ATTENTION_TARGETS
+
+    def predict(self, models, denoiser, latents, noise, t, hidden, added, channels_last=False):
+        """(the velocity the transformer predicts, ε − x₀) for latents noised to σ = ``t``."""
+        noisy = noisy_input(latents, noise, t)
+        dtype = models.unet_dtype
+        pooled = added["pooled"].to(dtype)
+        with autocast(models.weight_dtype) if models.unet_autocast else contextlib.nullcontext():
+            pred = self._call(models, denoiser, noisy.to(dtype), t, hidden.to(dtype), pooled)
+        return pred, noise - latents
+
+    def _call(self, models, denoiser, noisy, sigmas, hidden, pooled) -> torch.Tensor:
+        raise NotImplementedError
+
+    def loss(self, models, pred, target, t, snr_gamma):
+        assert models.flow is not None
+        return flow_loss(pred, target, models.flow.weights(t))
+
+
+def release_t5(models: Models, keep: bool) -> None:
+    """Free a flow family's T5 once every prompt table is built (``keep``: --shuffle_tags still needs it), logging
+    this process's resident memory before and after."""
+    if keep:
+        log.info("T5 stays loaded: --shuffle_tags encodes each example's caption in the step")
+        return
+    before = _rss_gb()
+    if models.text_encoder_3 is not None:
+        models.text_encoder_3 = None
+    else:
+        models.text_encoder_2 = None
+    gc.collect()
+    log.info("T5 freed: every prompt is encoded; resident memory %.2f GB -> %.2f GB", before, _rss_gb())
