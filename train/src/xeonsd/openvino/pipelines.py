@@ -1,11 +1,14 @@
-"""What differs between the families on the OpenVINO side: SD 1.x/2.x (one text encoder) and SDXL (two).
+"""What differs between the families on the OpenVINO side: SD 1.x/2.x (one text encoder), SDXL (two), FLUX.1
+(CLIP-L and T5, a transformer) and SD3 (CLIP-L, CLIP-G and T5, a transformer), read from their specs
+(:data:`xeonsd.modelfiles.families.SPECS`).
 
 * the classes: diffusers' ``StableDiffusionPipeline`` / ``StableDiffusionXLPipeline`` before the export,
   optimum-intel's ``OVStableDiffusionPipeline`` / ``OVStableDiffusionXLPipeline`` for the export and its engine;
 * the text side, as (text encoder, tokenizer) pairs: a concept goes into every pair (SDXL: ``clip_l`` into
   ``text_encoder``, ``clip_g`` into ``text_encoder_2``, see :mod:`xeonsd.modelfiles.concept_file`), the OpenVINO tokenizer
   model is written for every tokenizer;
-* a LoRA's text-encoder part for GenAI on SDXL: OpenVINO GenAI 2026.4.1 applies an adapter's ``lora_te_`` tensors
+* the parts a LoRA adapts (:func:`lora_parts`): the denoiser and the CLIP text encoders, never T5;
+* a LoRA's text-encoder part for GenAI where a family has two CLIP text encoders (SDXL): OpenVINO GenAI 2026.4.1 applies an adapter's ``lora_te_`` tensors
   to *both* SDXL text encoders alike and ignores kohya's ``lora_te1_``/``lora_te2_`` ("Unused LoRA tensor", the
   image does not change; measured on tiny-xl), so one adapter cannot carry the two encoders' different weights.
   :func:`fuse_into_ir` adds them to the weights of a copy of each text encoder's graph instead
@@ -22,8 +25,30 @@ from xeonsd.modelfiles.families import spec
 
 
 def manifest_family(manifest: dict[str, Any]) -> str:
-    """``sd`` or ``sdxl``: what the export was made from (exports without the field are SD 1.x/2.x)."""
+    """``sd``, ``sdxl``, ``flux`` or ``sd3``: what the export was made from (exports without the field are SD
+    1.x/2.x)."""
     return str(manifest.get("family") or "sd")
+
+
+def clip_encoders(family: str) -> tuple[str, ...]:
+    """The CLIP text encoders of ``family`` (what a concept or a LoRA can touch; T5 takes neither)."""
+    found = spec(family)
+    return tuple(e for i, e in enumerate(found.text_encoders) if found.text_encoder_class(i).startswith("CLIP"))
+
+
+def denoiser(family: str) -> str:
+    """The component name of ``family``'s denoiser: ``unet`` or ``transformer``."""
+    return spec(family).denoiser
+
+
+def lora_parts(pipe: Any, family: str) -> dict[str, Any]:
+    """{component: model} of what a LoRA of ``family`` adapts in a diffusers pipeline, as
+    :func:`xeonsd.modelfiles.lora_layout.torch_weight_shapes` takes them (``unet`` is None for a transformer)."""
+    parts = {"unet": None, "text_encoder": None, "text_encoder_2": None}
+    parts[denoiser(family)] = getattr(pipe, denoiser(family))
+    for encoder in clip_encoders(family):
+        parts[encoder] = getattr(pipe, encoder)
+    return parts
 
 
 def text_side(family: str) -> tuple[tuple[str, str], ...]:
@@ -58,7 +83,7 @@ def add_concepts_to_torch(pipe: Any, family: str, concepts: dict[str, Any]) -> l
 def fresh_text_encoders(pipe: Any, family: str) -> None:
     """Replace each text encoder by a fresh model holding its weights. transformers 5 saves a text encoder that once
     held peft layers under other keys ("text_base_model.model.…"), which load as missing (random) weights."""
-    for encoder, _ in text_side(family):
+    for encoder in clip_encoders(family):  # T5 never holds peft layers (and is 4.7 B parameters in FLUX.1)
         te = getattr(pipe, encoder)
         clean = type(te)(te.config)
         clean.load_state_dict(te.state_dict())
