@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from xeonsd.fsutil import atomic_dir
+from xeonsd.modelfiles.families import spec
 from xeonsd.openvino.engines import Engine, GenaiEngine, OptimumEngine
 from xeonsd.openvino.manifest import StaticShape, check_writable_output, read_manifest, static_shape
-from xeonsd.modelfiles.families import spec
 from xeonsd.openvino.pipelines import manifest_family, text_side
 
 log = logging.getLogger(__name__)

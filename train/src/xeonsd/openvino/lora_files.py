@@ -31,12 +31,12 @@ from xeonsd.modelfiles.lora_layout import (
     PREFIXES,
     LoraFormatError,
     LoraModule,
-    save_tensors,
     check_family,
     check_fits,
     kohya_name,
     lora_family,
     read_adapter,
+    save_tensors,
     torch_weight_shapes,
     write_kohya,
 )
