@@ -262,6 +262,8 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
             from xeonsd.openvino.quantize import quantize_pipeline
 
             quantization = quantize_pipeline(pipe, opts.quantize, tokens, opts.static)
+        if family.spec.denoiser == "transformer":  # GenAI's LoRA pass needs it (see split_free_matmul_inputs)
+            pipelines.split_free_matmul_inputs(pipe.transformer.model)
         with atomic_dir(out, overwrite=opts.overwrite) as tmp:
             save_networks(pipe, Path(tmp), out)
             for _, tokenizer in pipelines.text_side(family.name):

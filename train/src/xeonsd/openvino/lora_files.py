@@ -9,10 +9,12 @@ either layout, to a kohya file of its own; the user's file is only read.
 * FLUX.1 (:func:`convert_for_genai_flux`): GenAI 2026.4 maps a FLUX adapter's names itself
   (``flux_adapter_normalization``): kohya's BFL names with FLUX.1's widths written into the split of a single
   block's ``linear1`` (3072, 3072, 3072, 12288: any other width fails), XLabs' names, and every other name as it
-  is, matched as a substring of the transformer's weight names once ``transformer`` is cut from its front. The
-  transformer part is therefore written under its own weight names, ``transformer`` + ``self.<module>`` (the
-  ``self.`` anchors it: ``transformer.proj_out`` alone would also match every single block's ``proj_out``), with
-  each module's alpha, which works at any width; CLIP-L's part stays kohya's ``lora_te_``.
+  is; a name is then applied to every layer whose graph node name (``__module.<module>/aten::linear/MatMul``)
+  contains it once ``transformer`` is cut from its front. diffusers' own ``transformer.<module>`` would also hit
+  look-alikes (``.proj_out`` is in every single block's ``proj_out``), so the transformer part is written as
+  ``transformer`` + ``__module.<module>/``, which names one layer, with each module's alpha, at any width
+  (measured: a name the graph does not have is reported "Unused LoRA tensor"). CLIP-L's part stays kohya's
+  ``lora_te_``.
 * GenAI cannot apply LoRA to non-pointwise convolutions (kernel larger than 1x1): :func:`check_genai_limits`
   refuses such an adapter naming the modules. :func:`~xeonsd.modelfiles.lora_layout.check_fits` refuses an adapter made for
   another base model (a module the model does not have, or another shape) naming the adapter file and the model;
@@ -114,14 +116,14 @@ def convert_for_genai(path: Path, out: Path, modules: dict[str, LoraModule] | No
 
 
 def convert_for_genai_flux(modules: dict[str, LoraModule], out: Path, source: str) -> Path:
-    """A FLUX.1 adapter in the names GenAI applies to FLUX (see the module doc): ``transformerself.<module>.lora_A
-    .weight``/``lora_B``/``alpha`` for the transformer, kohya's ``lora_te_`` for CLIP-L; fp32."""
+    """A FLUX.1 adapter in the names GenAI applies to FLUX (see the module doc): ``transformer__module.<module>/
+    .lora_A.weight``/``lora_B``/``alpha`` for the transformer, kohya's ``lora_te_`` for CLIP-L; fp32."""
     tensors: dict[str, np.ndarray] = {}
     prefix = PREFIXES["transformer"]
     for mod in modules.values():
         if mod.name.startswith(prefix):
             assert mod.module is not None  # read_adapter resolves every transformer module
-            key = "transformerself." + mod.module[len("transformer.") :]
+            key = "transformer__module." + mod.module[len("transformer.") :] + "/"
             down, up = f"{key}.lora_A.weight", f"{key}.lora_B.weight"
         else:
             key = mod.name

@@ -125,3 +125,23 @@ def fuse_into_ir(model: Any, modules: list[Any], alpha: float) -> int:
         op.output(0).replace(new.output(0))
         changed += 1
     return changed
+
+
+def split_free_matmul_inputs(model: Any) -> int:
+    """Give every MatMul whose input is one output of a multi-output node (FLUX.1's attention output projections
+    ``to_out.0`` and ``to_add_out`` read a VariadicSplit of the joint attention) an identity Reshape in between, in
+    place; returns how many. OpenVINO GenAI 2026.4.1's LoRA pass fails on such a MatMul ("Default output not
+    supported", measured on tiny-flux); the Reshape is an identity the compiler removes."""
+    import numpy as np
+    from openvino import opset13
+
+    changed = 0
+    for op in model.get_ops():
+        if op.get_type_name() != "MatMul" or op.input_value(0).get_node().get_output_size() < 2:
+            continue
+        keep = opset13.constant(np.array([0] * op.input_value(0).get_partial_shape().rank.get_length(), np.int64))
+        identity = opset13.reshape(op.input_value(0), keep, special_zero=True)
+        identity.set_friendly_name(op.get_friendly_name() + "/input")
+        op.input(0).replace_source_output(identity.output(0))
+        changed += 1
+    return changed
