@@ -31,10 +31,9 @@ DOUBLE = [
 ]
 
 
-def _peft_lora(model, targets: list[str], seed: int, rank: int = 2, alpha: int = 4) -> dict:
-    """A peft LoRA on ``model``'s ``targets`` with random up matrices, as its peft state dict."""
+def _peft_lora(model, targets: list[str], seed: int, rank: int = 2, alpha: int = 4) -> None:
+    """A peft LoRA on ``model``'s ``targets`` with random up matrices."""
     from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
 
     gen = torch.Generator().manual_seed(seed)
     model.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets))
@@ -42,7 +41,6 @@ def _peft_lora(model, targets: list[str], seed: int, rank: int = 2, alpha: int =
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen))
-    return get_peft_model_state_dict(model)
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +54,23 @@ def flux_parts(tiny_flux_model: Path):
     )
 
 
-def _save(out: Path, transformer_layers: dict, text_layers: dict | None = None) -> Path:
+def _save(out: Path, transformer, text_encoder=None) -> Path:
+    """The adapters on ``transformer`` (and ``text_encoder``) saved as diffusers saves them, with their alphas in
+    the metadata."""
     from diffusers import FluxPipeline
     from diffusers.utils import convert_state_dict_to_diffusers
+    from peft.utils import get_peft_model_state_dict
 
-    text = None if text_layers is None else convert_state_dict_to_diffusers(text_layers)
+    extra = {}
+    if text_encoder is not None:
+        extra["text_encoder_lora_layers"] = convert_state_dict_to_diffusers(get_peft_model_state_dict(text_encoder))
+        extra["text_encoder_lora_adapter_metadata"] = text_encoder.peft_config["default"].to_dict()
     FluxPipeline.save_lora_weights(
-        out, transformer_lora_layers=transformer_layers, text_encoder_lora_layers=text, safe_serialization=True
+        out,
+        transformer_lora_layers=get_peft_model_state_dict(transformer),
+        transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict(),
+        safe_serialization=True,
+        **extra,
     )
     return out / LORA_FILE
 
@@ -80,7 +88,10 @@ def test_flux_kohya_layout_loads_in_diffusers_with_the_same_deltas(flux_parts, t
     from safetensors import safe_open
 
     transformer, clip = flux_parts
-    src = _save(tmp_path / "d", _peft_lora(transformer, DOUBLE, 0), _peft_lora(clip, ["q_proj", "out_proj"], 1))
+    _peft_lora(transformer, DOUBLE, 0)
+    _peft_lora(clip, ["q_proj", "out_proj"], 1)
+    src = _save(tmp_path / "d", transformer, clip)
+    assert {m.scale for m in read_adapter(src).values()} == {2.0}  # alpha 4 over rank 2, from the metadata
     kohya = lora_layout.convert(src, tmp_path / "k" / LORA_FILE, "kohya", family="flux")
     with safe_open(str(kohya), framework="numpy") as fh:
         keys = set(fh.keys())
@@ -117,7 +128,8 @@ def test_flux_kohya_fuses_single_block_linear1_and_reads_back(flux_parts, tmp_pa
     from diffusers import FluxTransformer2DModel
 
     fresh = FluxTransformer2DModel.from_config(flux_parts[0].config)
-    src = _save(tmp_path / "d", _peft_lora(fresh, ["attn.to_q", "attn.to_k", "attn.to_v"], 2))
+    _peft_lora(fresh, ["attn.to_q", "attn.to_k", "attn.to_v"], 2)
+    src = _save(tmp_path / "d", fresh)
     kohya = lora_layout.convert(src, tmp_path / "k" / LORA_FILE, "kohya", family="flux")
     want, back = _deltas(read_adapter(src)), _deltas(read_adapter(kohya))
     inner = fresh.config.num_attention_heads * fresh.config.attention_head_dim
