@@ -146,6 +146,8 @@ def test_flow_refusals(
     assert said in err and f"the source {tiny_flux_model} is FLUX.1" in err
     err = _cli_error(["export", str(tiny_flux_model), str(tmp_path / "ov"), "--embeds", str(sdxl)], capsys)
     assert "is FLUX.1, and textual inversion is not served for it" in err
+    err = _cli_error(["export", str(tiny_flux_model), str(tmp_path / "ov"), "--quantize", "hybrid"], capsys)
+    assert "is FLUX.1, and hybrid int8 calibrates a UNet's calls" in err and "--weight-format int8" in err
     assert not (tmp_path / "o").exists() and not (tmp_path / "ov").exists()
 
 

@@ -215,6 +215,11 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
     family = detect_family(str(local) if local is not None else src)
     if opts.embeds is not None and not Path(opts.embeds).is_file():
         raise ExportError(f"embeddings file {opts.embeds} does not exist")
+    if opts.quantize is not None and family.is_flow:
+        raise ExportError(
+            f"--quantize {opts.quantize.method}: {src} is {family.label}, and hybrid int8 calibrates a UNet's calls "
+            "(not a transformer's yet); use --weight-format int8 (data-free int8 weights)"
+        )
     if opts.embeds is not None and family.is_flow:
         raise ExportError(
             f"--embeds: {src} is {family.label}, and textual inversion is not served for it (no trainer trains it "
