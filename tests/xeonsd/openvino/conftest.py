@@ -7,6 +7,7 @@ from ov_assets import (  # noqa: F401
     ov_baked,
     ov_base,
     ov_flux,
+    ov_flux_lora,
     ov_full_dynamic,
     ov_sd3_lora,
     sd3_lora,

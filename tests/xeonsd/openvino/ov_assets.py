@@ -7,8 +7,8 @@ Exports are the slow part (~20 s of CPU each on the tiny model), so each is made
 * ``ov_base``: the base model without the concept, same static shape (for ``generate --embeds``);
 * ``ov_full_dynamic``: the ``--save_as_full_pipeline`` kind of source, written by diffusers'
   ``load_textual_inversion`` + ``save_pretrained``, exported with ``--dynamic``;
-* the flow-matching families, one export each: ``ov_flux`` (tiny-flux through the CLI, its default size, for the
-  GenAI adapter) and ``ov_sd3_lora`` (tiny-sd3 with ``sd3_lora`` fused in); ``flux_lora``/``sd3_lora`` are
+* the flow-matching families: ``ov_flux`` (tiny-flux through the CLI, its default size, for the GenAI adapter),
+  ``ov_flux_lora`` (the same with ``flux_lora`` fused in) and ``ov_sd3_lora`` (tiny-sd3 with ``sd3_lora`` fused in); ``flux_lora``/``sd3_lora`` are
   adapters made the way diffusers' scripts make them (peft on the transformer and CLIP-L, ``save_lora_weights``).
 
 The conftest beside this file makes the fixtures visible to every test here; the constants are imported.
@@ -156,6 +156,16 @@ def ov_flux(tiny_flux_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
     out = tmp_path_factory.mktemp("ov-flux") / "base"
     assert cli.main(["export", str(tiny_flux_model), str(out), "--batch-size", "1"]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def ov_flux_lora(tiny_flux_model: Path, flux_lora: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-flux with ``flux_lora`` fused in (``export --lora``), batch 1, 64 px."""
+    from xeonsd import cli
+
+    out = tmp_path_factory.mktemp("ov-flux") / "lora"
+    assert cli.main(["export", str(tiny_flux_model), str(out), "--batch-size", "1", "--lora", str(flux_lora)]) == 0
     return out
 
 

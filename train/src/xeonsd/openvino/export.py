@@ -140,8 +140,9 @@ def _with_lora(src: str, lora: Path, scale: float, workdir: Path, family: Family
         names = lora_layout.module_names(**parts)
         lora = lora_layout.write_diffusers(modules, workdir / "lora" / lora.name, names, lora)
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)  # a file path alone needs the Hub when offline
-    pipe.fuse_lora(lora_scale=scale)
-    pipe.unload_lora_weights()  # the fused weights stay; the adapter layers go
+    # FluxPipeline.fuse_lora fuses only the transformer unless told (diffusers 0.39): name every adapted part
+    pipe.fuse_lora(lora_scale=scale, components=pipelines.lora_components(pipe, family.name))
+    pipelines.unload_fused_lora(pipe, family.name)  # the fused weights stay; the adapter layers go
     pipelines.fresh_text_encoders(pipe, family.name)
     out = workdir / "pipeline-lora"
     pipe.save_pretrained(out, safe_serialization=True)

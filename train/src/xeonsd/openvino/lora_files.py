@@ -13,8 +13,9 @@ either layout, to a kohya file of its own; the user's file is only read.
   contains it once ``transformer`` is cut from its front. diffusers' own ``transformer.<module>`` would also hit
   look-alikes (``.proj_out`` is in every single block's ``proj_out``), so the transformer part is written as
   ``transformer`` + ``__module.<module>/``, which names one layer, with each module's alpha, at any width
-  (measured: a name the graph does not have is reported "Unused LoRA tensor"). CLIP-L's part stays kohya's
-  ``lora_te_``.
+  (measured: a name the graph does not have is reported "Unused LoRA tensor"). GenAI ignores the ``.alpha`` of
+  such names (the images are the same with it, without it, or at 1; measured on tiny-flux), so each module's
+  alpha/rank is folded into its up matrix. CLIP-L's part stays kohya's ``lora_te_``.
 * GenAI cannot apply LoRA to non-pointwise convolutions (kernel larger than 1x1): :func:`check_genai_limits`
   refuses such an adapter naming the modules. :func:`~xeonsd.modelfiles.lora_layout.check_fits` refuses an adapter made for
   another base model (a module the model does not have, or another shape) naming the adapter file and the model;
@@ -117,7 +118,8 @@ def convert_for_genai(path: Path, out: Path, modules: dict[str, LoraModule] | No
 
 def convert_for_genai_flux(modules: dict[str, LoraModule], out: Path, source: str) -> Path:
     """A FLUX.1 adapter in the names GenAI applies to FLUX (see the module doc): ``transformer__module.<module>/
-    .lora_A.weight``/``lora_B``/``alpha`` for the transformer, kohya's ``lora_te_`` for CLIP-L; fp32."""
+    .lora_A.weight``/``lora_B`` for the transformer, kohya's ``lora_te_`` for CLIP-L, alpha/rank folded into the up
+    matrices (alpha = rank); fp32."""
     tensors: dict[str, np.ndarray] = {}
     prefix = PREFIXES["transformer"]
     for mod in modules.values():
@@ -129,6 +131,6 @@ def convert_for_genai_flux(modules: dict[str, LoraModule], out: Path, source: st
             key = mod.name
             down, up = f"{key}.lora_down.weight", f"{key}.lora_up.weight"
         tensors[down] = np.ascontiguousarray(mod.down, dtype=np.float32)
-        tensors[up] = np.ascontiguousarray(mod.up, dtype=np.float32)
-        tensors[f"{key}.alpha"] = np.array(mod.scale * mod.rank, dtype=np.float32)
+        tensors[up] = np.ascontiguousarray(np.asarray(mod.up) * mod.scale, dtype=np.float32)  # alpha/rank folded
+        tensors[f"{key}.alpha"] = np.array(mod.rank, dtype=np.float32)  # scale 1 whether GenAI divides or not
     return save_tensors(tensors, out, {"format": "pt", "source": source})

@@ -80,6 +80,30 @@ def add_concepts_to_torch(pipe: Any, family: str, concepts: dict[str, Any]) -> l
     return concepts["text_encoder"].tokens
 
 
+def lora_components(pipe: Any, family: str) -> list[str]:
+    """The parts of ``pipe`` that hold adapter layers (the denoiser, CLIP text encoders), for ``fuse_lora``."""
+    parts = [denoiser(family), *clip_encoders(family)]
+    return [p for p in parts if getattr(getattr(pipe, p), "peft_config", None)]
+
+
+def unload_fused_lora(pipe: Any, family: str) -> None:
+    """Remove the adapter layers after ``fuse_lora``, keeping the fused weights. FLUX.1's
+    ``FluxPipeline.unload_lora_weights`` also undoes the fusion (diffusers 0.39: its images after fuse + unload are
+    the base model's again, measured on tiny-flux), so the flow families unload each part on its own."""
+    if spec(family).objective != "flow":
+        pipe.unload_lora_weights()
+        return
+    from diffusers.utils.peft_utils import recurse_remove_peft_layers
+
+    getattr(pipe, denoiser(family)).unload_lora()
+    for encoder in clip_encoders(family):
+        te = getattr(pipe, encoder)
+        recurse_remove_peft_layers(te)
+        if hasattr(te, "peft_config"):
+            del te.peft_config
+            te._hf_peft_config_loaded = None
+
+
 def fresh_text_encoders(pipe: Any, family: str) -> None:
     """Replace each text encoder by a fresh model holding its weights. transformers 5 saves a text encoder that once
     held peft layers under other keys ("text_base_model.model.…"), which load as missing (random) weights."""
