@@ -285,7 +285,7 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
                 "quantization": quantization,
                 "tome": tome.manifest_entry() if tome.blocks else None,
                 "vocab_size": rows,
-                "max_sequence_length": t5_length(pipe, family),
+                "max_sequence_length": pipelines.t5_length(pipe, family.name),
                 "export_seconds": round(time.perf_counter() - t0, 1),
                 **_lora_manifest(src, opts),
             }
@@ -354,20 +354,6 @@ def _check_vocab(pipe: Any, family: Family) -> int:
             raise ExportError(f"{encoder} has {rows} embedding rows but {tokenizer} {tokens} tokens")
         counts.append(rows)
     return counts[0]
-
-
-# diffusers' default T5 prompt length of each family's pipeline (FluxPipeline 512, StableDiffusion3Pipeline 256)
-_T5_LENGTH = {"flux": 512, "sd3": 256}
-
-
-def t5_length(pipe: Any, family: Family) -> int | None:
-    """FLUX.1/SD3: T5's prompt length, the pipeline's default or the tokenizer's limit where that is shorter (the
-    tiny models' 32). A static export fixes it (optimum-intel reshapes FLUX's T5 to it), and every engine passes it
-    as ``max_sequence_length``; None for the CLIP-only families."""
-    if family.name not in _T5_LENGTH:
-        return None
-    tokenizer = getattr(pipe, family.spec.tokenizers[-1])
-    return min(_T5_LENGTH[family.name], int(getattr(tokenizer, "model_max_length", _T5_LENGTH[family.name])))
 
 
 def default_size(src: str) -> int:
