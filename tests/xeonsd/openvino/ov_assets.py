@@ -6,7 +6,10 @@ Exports are the slow part (~20 s of CPU each on the tiny model), so each is made
   (batch 5, 1 image per prompt) at 64 px;
 * ``ov_base``: the base model without the concept, same static shape (for ``generate --embeds``);
 * ``ov_full_dynamic``: the ``--save_as_full_pipeline`` kind of source, written by diffusers'
-  ``load_textual_inversion`` + ``save_pretrained``, exported with ``--dynamic``.
+  ``load_textual_inversion`` + ``save_pretrained``, exported with ``--dynamic``;
+* the flow-matching families: ``ov_flux`` (tiny-flux through the CLI, its default size, for the GenAI adapter),
+  ``ov_flux_lora`` (the same with ``flux_lora`` fused in) and ``ov_sd3_lora`` (tiny-sd3 with ``sd3_lora`` fused in); ``flux_lora``/``sd3_lora`` are
+  adapters made the way diffusers' scripts make them (peft on the transformer and CLIP-L, ``save_lora_weights``).
 
 The conftest beside this file makes the fixtures visible to every test here; the constants are imported.
 """
@@ -119,3 +122,77 @@ def linear_weight_types(ov_dir: Path) -> set[str]:
             elif kind in ("Convert", "Subtract", "Multiply", "Reshape", "Transpose"):
                 stack.extend(value.get_node() for value in node.input_values())
     return types
+
+
+FLOW_LORA = "pytorch_lora_weights.safetensors"
+# diffusers' default FLUX/SD3 LoRA targets (train_dreambooth_lora_flux.py / _sd3.py) and CLIP's attention
+FLOW_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]
+CLIP_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
+
+
+def flow_lora(model: Path, family: str, out: Path, scale: float = 2.0) -> Path:
+    """A LoRA (rank 2, alpha 4) on the transformer's attention and CLIP-L with random up matrices, saved by the
+    family's diffusers pipeline with its alphas: what a trainer following diffusers' scripts writes."""
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    from xeonsd.openvino.pipelines import load_torch_pipeline
+
+    pipe = load_torch_pipeline(str(model), family)
+    gen = torch.Generator().manual_seed(0)
+    for part, targets in ((pipe.transformer, FLOW_TARGETS), (pipe.text_encoder, CLIP_TARGETS)):
+        part.add_adapter(LoraConfig(r=2, lora_alpha=4, init_lora_weights="gaussian", target_modules=targets))
+        with torch.no_grad():
+            for name, p in part.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    type(pipe).save_lora_weights(
+        out,
+        transformer_lora_layers=get_peft_model_state_dict(pipe.transformer),
+        transformer_lora_adapter_metadata=pipe.transformer.peft_config["default"].to_dict(),
+        text_encoder_lora_layers=convert_state_dict_to_diffusers(get_peft_model_state_dict(pipe.text_encoder)),
+        text_encoder_lora_adapter_metadata=pipe.text_encoder.peft_config["default"].to_dict(),
+        safe_serialization=True,
+    )
+    return out / FLOW_LORA
+
+
+@pytest.fixture(scope="session")
+def flux_lora(tiny_flux_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return flow_lora(tiny_flux_model, "flux", tmp_path_factory.mktemp("flux-lora"))
+
+
+@pytest.fixture(scope="session")
+def sd3_lora(tiny_sd3_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return flow_lora(tiny_sd3_model, "sd3", tmp_path_factory.mktemp("sd3-lora"))
+
+
+@pytest.fixture(scope="session")
+def ov_flux(tiny_flux_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-flux through the CLI with no size: the static shape of its config (64 px), batch 1."""
+    from xeonsd import cli
+
+    out = tmp_path_factory.mktemp("ov-flux") / "base"
+    assert cli.main(["export", str(tiny_flux_model), str(out), "--batch-size", "1"]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def ov_flux_lora(tiny_flux_model: Path, flux_lora: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-flux with ``flux_lora`` fused in (``export --lora``), batch 1, 64 px."""
+    from xeonsd import cli
+
+    out = tmp_path_factory.mktemp("ov-flux") / "lora"
+    assert cli.main(["export", str(tiny_flux_model), str(out), "--batch-size", "1", "--lora", str(flux_lora)]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def ov_sd3_lora(tiny_sd3_model: Path, sd3_lora: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-sd3 with ``sd3_lora`` fused in (``export --lora``: SD3 has no GenAI adapters), batch 1, 64 px."""
+    from xeonsd import cli
+
+    out = tmp_path_factory.mktemp("ov-sd3") / "lora"
+    assert cli.main(["export", str(tiny_sd3_model), str(out), "--batch-size", "1", "--lora", str(sd3_lora)]) == 0
+    return out

@@ -158,7 +158,7 @@ def test_export_refuses_a_hub_id_the_hub_cannot_serve(tmp_path: Path, capsys, mo
 
 def test_export_refuses_a_partial_source(partial_source: Path, tmp_path: Path, capsys) -> None:
     err = _cli_error(["export", str(partial_source), str(tmp_path / "out")], capsys)
-    assert "not a complete Stable Diffusion pipeline" in err and "unet/" in err
+    assert "not a complete SD 1.x/2.x pipeline" in err and "unet/" in err
     (partial_source / "model_index.json").unlink()
     err = _cli_error(["export", str(partial_source), str(tmp_path / "out")], capsys)
     assert "model_index.json is missing" in err

@@ -60,7 +60,8 @@ def _run_dir(tmp_path: Path) -> Path:
 
 def test_report_shows_a_lora_runs_method_adapter_captions_all_reduce_and_the_reused_base_export(tmp_path):
     """A LoRA run: the method, trainable parameters, the adapter's size, the captions used, the bytes all-reduced
-    per step (counted and measured), and the base model's export, reused, found through the run's openvino link."""
+    per step (counted and measured), the family with its resolution and a flow model's σ sampling, and the base
+    model's export, reused, found through the run's openvino link."""
     from xeonsd.ops.report import build_report
 
     run = _run_dir(tmp_path)
@@ -76,6 +77,9 @@ def test_report_shows_a_lora_runs_method_adapter_captions_all_reduce_and_the_reu
                 "allreduce_bytes_per_step": 3188740,
                 "prompts": {"source": "metadata.jsonl", "count": 5, "per_image": True},
                 "result": {"path": "pytorch_lora_weights.safetensors", "bytes": 3228672},
+                "family": "flux",
+                "resolution": 1024,
+                "loss": {"weighting_scheme": "logit_normal", "logit_mean": 0.0, "logit_std": 1.0},
             }
         )
     )
@@ -102,6 +106,8 @@ def test_report_shows_a_lora_runs_method_adapter_captions_all_reduce_and_the_reu
         "<h2>OpenVINO export</h2>",
         "reused (made by an earlier run)",
         "xeonsd-openvino-export/1",
+        "<td>FLUX.1, 1024 px</td>",
+        "<th>σ sampling (flow matching)</th><td>logit_normal (mean 0.0, std 1.0)</td>",
     ):
         assert text in page, text
     assert "Not in this run directory" not in page

@@ -218,7 +218,11 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-images", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0, help="seed of the first call (call k uses seed + k)")
-    p.add_argument("--guidance-scale", type=float, default=7.5)
+    p.add_argument(
+        "--guidance-scale",
+        type=float,
+        help="default: the family's (SD/SDXL 7.5, FLUX.1-dev 3.5 as its embedded guidance, SD3 7.0)",
+    )
     p.add_argument(
         "--height",
         type=int,

@@ -29,20 +29,29 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from xeonsd.modelfiles import lora_flux
 from xeonsd.modelfiles.families import SPECS
 
 LAYOUTS = ("diffusers", "kohya")
-# SDXL's second text encoder: kohya's ``lora_te2_`` (its first is ``lora_te1_`` there, read as ``lora_te_``).
-PREFIXES = {"unet": "lora_unet_", "text_encoder": "lora_te_", "text_encoder_2": "lora_te2_"}
+# SDXL's and SD3's second text encoder: kohya's ``lora_te2_`` (its first is ``lora_te1_`` there, read as
+# ``lora_te_``). FLUX.1's and SD3's transformer is ``lora_transformer_<module>`` in memory; a FLUX.1 kohya file
+# names its modules BFL's way (``lora_unet_double_blocks_…``, see :mod:`xeonsd.modelfiles.lora_flux`).
+PREFIXES = {
+    "unet": "lora_unet_",
+    "transformer": "lora_transformer_",
+    "text_encoder": "lora_te_",
+    "text_encoder_2": "lora_te2_",
+}
 SDXL_TE1_PREFIX = "lora_te1_"  # the first text encoder's prefix in an SDXL kohya file
 # diffusers/peft key: <component>.<module>.<lora part>.weight -> (down|up)
 _DIFFUSERS = re.compile(
-    r"^(?P<comp>unet|text_encoder_2|text_encoder)\.(?P<module>.+?)\."
+    r"^(?P<comp>unet|transformer|text_encoder_2|text_encoder)\.(?P<module>.+?)\."
     r"(?P<part>lora\.down|lora\.up|lora_linear_layer\.down|lora_linear_layer\.up|lora_A|lora_B)\.weight$"
 )
 _KOHYA = re.compile(
@@ -150,7 +159,26 @@ def read_adapter(path: Path) -> dict[str, LoraModule]:
         raise LoraFormatError(f"LoRA file {path} holds no LoRA tensors")
     for mod in modules.values():
         _check_pair(path, mod)
+    if lora_flux.is_kohya_flux(list(modules)):
+        return _from_kohya_flux(path, modules)
     return modules
+
+
+def _from_kohya_flux(path: Path, modules: dict[str, LoraModule]) -> dict[str, LoraModule]:
+    """A FLUX.1 kohya file's BFL layers as the transformer's diffusers modules (fused layers split)."""
+    out: dict[str, LoraModule] = {}
+    unet = PREFIXES["unet"]
+    for mod in modules.values():
+        if not mod.name.startswith(unet):
+            out[mod.name] = mod
+            continue
+        parts = lora_flux.from_kohya(mod.name[len(unet) :], (mod.down, mod.up, mod.scale))  # type: ignore[arg-type]
+        if not parts:
+            raise LoraFormatError(f"LoRA file {path}: {mod.name} is not a module of FLUX.1's kohya layout")
+        for module, (down, up, scale) in parts.items():
+            name = kohya_name("transformer", module)
+            out[name] = LoraModule(name, f"transformer.{module}", down, up, alpha=scale * down.shape[0])
+    return out
 
 
 def _check_pair(path: Path, mod: LoraModule) -> None:
@@ -185,25 +213,28 @@ def check_fits(path: Path, modules: dict[str, LoraModule], weights: dict[str, tu
             )
 
 
-def _parts(unet, text_encoder, text_encoder_2) -> list[tuple[str, object]]:
-    parts = (("unet", unet), ("text_encoder", text_encoder), ("text_encoder_2", text_encoder_2))
+def _parts(unet, text_encoder, text_encoder_2, **more) -> list[tuple[str, object]]:
+    """(component, model) of a UNet and text encoder(s); ``transformer=``, the denoiser of FLUX.1 and SD3 (pass
+    ``unet=None``)."""
+    parts = (("unet", unet), ("text_encoder", text_encoder), ("text_encoder_2", text_encoder_2), *more.items())
     return [(c, m) for c, m in parts if m is not None]
 
 
-def torch_weight_shapes(unet, text_encoder, text_encoder_2=None) -> dict[str, tuple[int, ...]]:
-    """Kohya name -> weight shape of a diffusers pipeline's UNet and text encoder(s)."""
+def torch_weight_shapes(unet, text_encoder, text_encoder_2=None, **more) -> dict[str, tuple[int, ...]]:
+    """Kohya name -> weight shape of a diffusers pipeline's denoiser and text encoder(s)."""
     out: dict[str, tuple[int, ...]] = {}
-    for component, model in _parts(unet, text_encoder, text_encoder_2):
+    for component, model in _parts(unet, text_encoder, text_encoder_2, **more):
         for key, value in model.state_dict().items():
             if key.endswith(".weight"):
                 out[kohya_name(component, key[: -len(".weight")])] = tuple(value.shape)
     return out
 
 
-def module_names(unet, text_encoder, text_encoder_2=None) -> dict[str, str]:
-    """Kohya name -> dotted module name (``unet.down_blocks.0…``) of every weight of the UNet and text encoder(s)."""
+def module_names(unet, text_encoder, text_encoder_2=None, **more) -> dict[str, str]:
+    """Kohya name -> dotted module name (``unet.down_blocks.0…``) of every weight of the denoiser and text
+    encoder(s)."""
     out: dict[str, str] = {}
-    for component, model in _parts(unet, text_encoder, text_encoder_2):
+    for component, model in _parts(unet, text_encoder, text_encoder_2, **more):
         for key in model.state_dict():
             if key.endswith(".weight"):
                 module = key[: -len(".weight")]
@@ -216,10 +247,18 @@ FAMILY_LABELS = {name: spec.label for name, spec in SPECS.items()}
 
 def lora_family(modules: dict[str, LoraModule]) -> tuple[str, str] | None:
     """The family an adapter was made for, read from its module names and shapes, with the evidence; None when
-    they do not tell. SDXL: a second text encoder, attention in the UNet's first up block (SDXL's first down block
+    they do not tell. FLUX.1: single-stream transformer blocks; SD3: a transformer beside a second CLIP text encoder
+    (FLUX.1 has one); SDXL: a second text encoder, attention in the UNet's first up block (SDXL's first down block
     has none) or 2048-wide cross-attention; SD 1.x/2.x: attention in the first down block, 768/1024-wide
     cross-attention."""
     names = list(modules)
+    transformer = [n for n in names if n.startswith(PREFIXES["transformer"])]
+    if transformer:
+        if any(n.startswith(PREFIXES["transformer"] + "single_transformer_blocks_") for n in transformer):
+            return "flux", "it adapts FLUX.1's single-stream transformer blocks"
+        if any(n.startswith(PREFIXES["text_encoder_2"]) for n in names):
+            return "sd3", "it adapts a transformer and a second CLIP text encoder"
+        return None
     if any(n.startswith(PREFIXES["text_encoder_2"]) for n in names):
         return "sdxl", "it adapts a second text encoder (text_encoder_2)"
     for n in names:
@@ -236,16 +275,25 @@ def lora_family(modules: dict[str, LoraModule]) -> tuple[str, str] | None:
 
 
 def check_family(path: Path, modules: dict[str, LoraModule], family: str, model: str) -> None:
-    """Refuse an adapter made for the other family (SD 1.x/2.x vs SDXL), naming both."""
+    """Refuse an adapter made for another family (SD 1.x/2.x, SDXL, FLUX.1, SD3), naming both; an adapter of a
+    UNet given to a transformer model (or the reverse) is refused even where its exact family does not show."""
     found = lora_family(modules)
+    denoiser = SPECS[family].denoiser
+    other = next((c for c in ("unet", "transformer") if c != denoiser), "")
+    if found is None and any(n.startswith(PREFIXES[other]) for n in modules):
+        kind = "a UNet model (SD 1.x/2.x or SDXL)" if other == "unet" else "a transformer model (FLUX.1 or SD3)"
+        found = ("", f"it adapts the {other}")
+        label = kind
+    else:
+        label = "" if found is None else FAMILY_LABELS[found[0]]
     if found is not None and found[0] != family:
         raise LoraFormatError(
-            f"LoRA file {path} was made for {FAMILY_LABELS[found[0]]} ({found[1]}), and {model} is "
+            f"LoRA file {path} was made for {label} ({found[1]}), and {model} is "
             f"{FAMILY_LABELS[family]}; use an adapter trained on an {FAMILY_LABELS[family]} model"
         )
 
 
-def _save(tensors: dict[str, np.ndarray], out: Path, metadata: dict[str, str]) -> Path:
+def save_tensors(tensors: dict[str, np.ndarray], out: Path, metadata: dict[str, str]) -> Path:
     from safetensors.numpy import save_file
 
     out = Path(out)
@@ -263,6 +311,44 @@ def kohya_file_name(name: str, sdxl: bool) -> str:
 
 
 def write_kohya(modules: dict[str, LoraModule], out: Path, source: str = "", sdxl_names: bool | None = None) -> Path:
+    """The SD 1.x/2.x or SDXL adapter in the kohya layout (see :func:`_write_kohya`)."""
+    return _write_kohya(modules, out, source, sdxl_names)
+
+
+def write_kohya_flux(modules: dict[str, LoraModule], out: Path, source: str = "") -> Path:
+    """A FLUX.1 adapter in the kohya layout ComfyUI and Forge load: the transformer's modules under BFL's names
+    (``lora_unet_double_blocks_N_img_attn_qkv`` …, query/key/value fused, see :mod:`xeonsd.modelfiles.lora_flux`),
+    CLIP-L's as ``lora_te1_``."""
+    prefix = PREFIXES["transformer"]
+    transformer = {m.module[len("transformer.") :]: m for m in modules.values() if m.name.startswith(prefix)}  # type: ignore[index]
+    try:
+        layers = lora_flux.to_kohya({k: (m.down, m.up, m.scale) for k, m in transformer.items()})  # type: ignore[misc]
+    except KeyError as exc:
+        raise LoraFormatError(f"LoRA file {source}: {exc.args[0]} has no name in FLUX.1's kohya layout") from exc
+    out_modules = {m.name: m for m in modules.values() if not m.name.startswith(prefix)}
+    for name, (down, up, scale) in layers.items():
+        full = PREFIXES["unet"] + name
+        out_modules[full] = LoraModule(full, None, down, up, alpha=scale * down.shape[0])
+    return _write_kohya(out_modules, out, source, sdxl_names=True)
+
+
+def write_kohya_for(family: str | None) -> Callable[[dict[str, LoraModule], Path, str], Path]:
+    """The kohya writer of ``family`` (None: SD 1.x/2.x or SDXL, read from the adapter): one function per family,
+    what the trainer's ``--save_format kohya`` and the converters call. SD3 has none: ComfyUI and Forge load SD3
+    adapters in diffusers' layout."""
+    if family == "flux":
+        return write_kohya_flux
+    if family == "sd3":
+        raise LoraFormatError(
+            "--save_format kohya: SD3/SD3.5 has no kohya layout; ComfyUI and Forge load SD3 adapters in diffusers' "
+            "layout (the default)"
+        )
+    return lambda modules, out, source="": write_kohya(
+        modules, out, source, sdxl_names=None if family is None else family == "sdxl"
+    )
+
+
+def _write_kohya(modules: dict[str, LoraModule], out: Path, source: str = "", sdxl_names: bool | None = None) -> Path:
     """The adapter in the kohya layout (fp32, alpha = rank where it had none), with kohya's dim/alpha metadata
     when every module shares them. ``sdxl_names``: the text encoders as ``lora_te1_``/``lora_te2_`` (SDXL's); None:
     when :func:`lora_family` reads the adapter as SDXL's; False: ``lora_te_`` (SD 1.x/2.x, and what GenAI applies)."""
@@ -280,7 +366,7 @@ def write_kohya(modules: dict[str, LoraModule], out: Path, source: str = "", sdx
     if len(ranks) == 1 and len(alphas) == 1:
         metadata.update(ss_network_module="networks.lora", ss_network_dim=str(ranks.pop()))
         metadata["ss_network_alpha"] = f"{alphas.pop():g}"
-    return _save(tensors, out, metadata)
+    return save_tensors(tensors, out, metadata)
 
 
 def write_diffusers(modules: dict[str, LoraModule], out: Path, names: dict[str, str], path: Path) -> Path:
@@ -292,18 +378,21 @@ def write_diffusers(modules: dict[str, LoraModule], out: Path, names: dict[str, 
     tensors: dict[str, np.ndarray] = {}
     for mod in modules.values():
         module = mod.module or names[mod.name]
-        part = "lora_linear_layer" if module.startswith(("text_encoder.", "text_encoder_2.")) else "lora"
-        tensors[f"{module}.{part}.down.weight"] = np.ascontiguousarray(mod.down, dtype=np.float32)
-        tensors[f"{module}.{part}.up.weight"] = np.ascontiguousarray(np.asarray(mod.up) * mod.scale, dtype=np.float32)
-    return _save(tensors, out, {"format": "pt"})
+        down, up = f"{module}.lora_A.weight", f"{module}.lora_B.weight"  # peft's names: the transformers' loaders
+        if not module.startswith("transformer."):
+            part = "lora_linear_layer" if module.startswith(("text_encoder.", "text_encoder_2.")) else "lora"
+            down, up = f"{module}.{part}.down.weight", f"{module}.{part}.up.weight"
+        tensors[down] = np.ascontiguousarray(mod.down, dtype=np.float32)
+        tensors[up] = np.ascontiguousarray(np.asarray(mod.up) * mod.scale, dtype=np.float32)
+    return save_tensors(tensors, out, {"format": "pt"})
 
 
 def convert(path: Path, out: Path, layout: str, names: dict[str, str] | None = None, family: str | None = None) -> Path:
     """Write the adapter file ``path`` to ``out`` in ``layout`` (``kohya``, or ``diffusers`` with ``names``);
-    ``family`` (``sd``/``sdxl``, None: read from the adapter) chooses the kohya text encoders' names."""
-    modules = read_adapter(path)
+    ``family`` (``sd``/``sdxl``/``flux``, None: SD or SDXL read from the adapter) chooses the kohya writer."""
     if layout == "kohya":
-        return write_kohya(modules, out, str(path), sdxl_names=None if family is None else family == "sdxl")
+        return write_kohya_for(family)(read_adapter(path), out, str(path))
+    modules = read_adapter(path)
     if layout == "diffusers":
         return write_diffusers(modules, out, names or {}, path)
     raise LoraFormatError(f"unknown LoRA layout {layout!r}: choose one of {', '.join(LAYOUTS)}")

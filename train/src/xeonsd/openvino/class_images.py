@@ -61,9 +61,15 @@ def open_class_renderer(root: Path, fingerprint: str, resolution: int, steps: in
     pipe.set_progress_bar_config(disable=True)
     log.info("class images through the OpenVINO export %s at %d px", path, resolution)
 
+    # FLUX.1/SD3: T5's prompt length the export fixed (FluxPipeline's default, 512, would not fit a shorter one)
+    extra = (
+        {} if manifest.get("max_sequence_length") is None else {"max_sequence_length": manifest["max_sequence_length"]}
+    )
+
     def render(prompt: str, seed: int) -> Any:
         return pipe(
             prompt,
+            **extra,
             num_inference_steps=steps,
             generator=torch.Generator("cpu").manual_seed(seed),
             height=resolution,

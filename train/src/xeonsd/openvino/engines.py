@@ -5,8 +5,10 @@
 * ``genai`` (:class:`GenaiEngine`): ``openvino_genai.Text2ImagePipeline``, OpenVINO's own C++ pipeline; without
   ``--embeds`` it needs neither PyTorch nor diffusers nor transformers. ``--embeds`` is added to a copy of the text
   encoder and tokenizers, ``--lora`` adapters are converted to the layout GenAI applies and blended in at compile
-  time. On SDXL the adapters' text-encoder part is added to copies of the text encoders' weights instead (GenAI
-  cannot tell its two text encoders apart in an adapter; see :mod:`xeonsd.openvino.pipelines`).
+  time. Where a family has two CLIP text encoders (SDXL) the adapters' text-encoder part is added to copies of the
+  text encoders' weights instead (GenAI cannot tell them apart in an adapter; see :mod:`xeonsd.openvino.pipelines`).
+  FLUX.1's adapters are written in the names GenAI applies to FLUX (:func:`xeonsd.openvino.lora_files.
+  convert_for_genai_flux`); SD3 has no GenAI adapters (refused in :mod:`xeonsd.openvino.generate`).
 
 Which engine, for which request, is chosen in :mod:`xeonsd.openvino.generate`.
 """
@@ -39,7 +41,8 @@ class Engine(abc.ABC):
     opts: GenerateOptions
     concept_tokens: list[str]
     source: str = "?"  # what the export was made from (the manifest's source)
-    family: str = "sd"  # the manifest's family: sd or sdxl
+    max_sequence_length: int | None = None  # FLUX.1/SD3: T5's prompt length (the manifest's)
+    family: str = "sd"  # the manifest's family: sd, sdxl, flux or sd3
     load_s: float = 0.0
     compile_s: float = 0.0
     _pipe: Any = None
@@ -76,7 +79,8 @@ class OptimumEngine(Engine):
         self.load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         encoders = [getattr(pipe, encoder) for encoder, _ in pipelines.text_side(self.family)]
-        for part in (*encoders, pipe.unet, pipe.vae_decoder):  # the VAE encoder is not used here
+        denoiser = getattr(pipe, pipelines.denoiser(self.family))
+        for part in (*encoders, denoiser, pipe.vae_decoder):  # the VAE encoder is not used here
             part.compile()
         self.compile_s = time.perf_counter() - t0
         self._pipe = pipe
@@ -86,7 +90,9 @@ class OptimumEngine(Engine):
         import torch
 
         neg = None if self.opts.negative_prompt is None else [self.opts.negative_prompt] * len(call.prompts)
+        extra = {} if self.max_sequence_length is None else {"max_sequence_length": self.max_sequence_length}
         result = self._pipe(
+            **extra,
             prompt=call.prompts,
             negative_prompt=neg,
             num_images_per_prompt=call.per_prompt,
@@ -119,12 +125,14 @@ class GenaiEngine(Engine):
         if self.opts.embeds is not None:
             concepts = load_concepts(self.opts.embeds, self.opts.token, self.family)
             self.concept_tokens = [*self.concept_tokens, *concepts["text_encoder"].tokens]
-        edited = {enc for enc, _ in pipelines.text_side(self.family)}
-        edited |= {tok for _, tok in pipelines.text_side(self.family)} if concepts else set()
+        clip = pipelines.clip_encoders(self.family)
+        sides = [(enc, tok) for enc, tok in pipelines.text_side(self.family) if enc in clip]
+        edited = {enc for enc, _ in sides}
+        edited |= {tok for _, tok in sides} if concepts else set()
         for entry in self.ov_dir.iterdir():
             if entry.name not in edited:
                 (root / entry.name).symlink_to(entry.resolve())
-        for encoder, tokenizer in pipelines.text_side(self.family):
+        for encoder, tokenizer in sides:
             model = ov.Core().read_model(self.ov_dir / encoder / "openvino_model.xml")
             if concepts is not None:
                 self._add_concept(root, tokenizer, model, concepts[encoder])
@@ -157,6 +165,8 @@ class GenaiEngine(Engine):
             self._workdir = tempfile.TemporaryDirectory(prefix="xeonsd-genai-")
         weights = loraformat.ir_weight_shapes(self.ov_dir)
         model = f"{self.ov_dir} (exported from {self.source})"
+        denoiser = loraformat.PREFIXES[pipelines.denoiser(self.family)]
+        text_apart = len(pipelines.clip_encoders(self.family)) > 1  # GenAI cannot tell them apart (module doc)
         pairs = []
         for i, (path, alpha) in enumerate(self.opts.loras):
             modules = loraformat.read_adapter(path)
@@ -164,14 +174,17 @@ class GenaiEngine(Engine):
             loraformat.check_genai_limits(path, modules)
             loraformat.check_fits(path, modules, weights, model)
             log.info("LoRA %s (alpha %g): %d module(s)", path, alpha, len(modules))
-            if self.family == "sdxl":  # the text encoders' part goes into their weights (see the module doc)
-                text = [m for m in modules.values() if not m.name.startswith(loraformat.PREFIXES["unet"])]
+            if text_apart:  # the text encoders' part goes into their weights (see the module doc)
+                text = [m for m in modules.values() if not m.name.startswith(denoiser)]
                 self._text_loras.append((text, float(alpha)))
-                modules = {k: m for k, m in modules.items() if k.startswith(loraformat.PREFIXES["unet"])}
+                modules = {k: m for k, m in modules.items() if k.startswith(denoiser)}
                 if not modules:
                     continue
             converted = Path(self._workdir.name) / "lora" / f"{i}-{Path(path).stem}.safetensors"
-            loraformat.convert_for_genai(path, converted, modules)
+            if denoiser == loraformat.PREFIXES["transformer"]:
+                loraformat.convert_for_genai_flux(modules, converted, str(path))
+            else:
+                loraformat.convert_for_genai(path, converted, modules)
             pairs.append((openvino_genai.Adapter(str(converted)), float(alpha)))
         return openvino_genai.AdapterConfig(pairs) if pairs else None
 
@@ -183,6 +196,10 @@ class GenaiEngine(Engine):
         overlay = self.opts.embeds is not None or any(mods for mods, _ in self._text_loras)
         models = self._overlay() if overlay else self.ov_dir
         pipe = openvino_genai.Text2ImagePipeline(str(models))
+        if self.max_sequence_length is not None:  # before reshape: GenAI fixes T5's length to its config's
+            config = pipe.get_generation_config()
+            config.max_sequence_length = self.max_sequence_length
+            pipe.set_generation_config(config)
         if self.plan.static:
             shape = self.plan.shape
             pipe.reshape(shape.images_per_call, shape.height, shape.width, self.opts.guidance_scale)
@@ -203,6 +220,8 @@ class GenaiEngine(Engine):
         from xeonsd.modelfiles.concept_file import expand_prompt
 
         kwargs: dict[str, Any] = {}
+        if self.max_sequence_length is not None:
+            kwargs["max_sequence_length"] = self.max_sequence_length
         if self.opts.negative_prompt is not None:
             kwargs["negative_prompt"] = self.opts.negative_prompt
         tensor = self._pipe.generate(

@@ -48,15 +48,15 @@ from xeonsd.openvino.tome import TomeError, TomeReport, check_ratio, export_patc
 log = logging.getLogger(__name__)
 
 WEIGHT_FORMATS = ("fp32", "fp16", "int8")
-# What a diffusers Stable Diffusion directory must hold for an export: (sub)folder -> accepted file names.
+# What a diffusers pipeline directory must hold for an export, besides its denoiser and text side (from the family's
+# spec): (sub)folder -> accepted file names.
 _PIPELINE_FILES: dict[str, tuple[str, ...]] = {
     "": ("model_index.json",),
-    "unet": ("config.json",),
     "vae": ("config.json",),
-    "text_encoder": ("config.json",),
-    "tokenizer": ("tokenizer.json", "vocab.json"),
     "scheduler": ("scheduler_config.json",),
 }
+# A tokenizer folder holds one of these: CLIP's BPE files or a fast tokenizer (FLUX's and SD3's T5: tokenizer.json)
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "spiece.model")
 _WEIGHT_GLOBS = ("*.safetensors", "*.bin")
 
 
@@ -81,25 +81,32 @@ class ExportOptions:
 
 
 def check_source(src: str) -> Path | None:
-    """A local SRC must be a complete diffusers pipeline; a Hub id must be one the Hub (or its cache) can serve."""
+    """A local SRC must be a complete diffusers pipeline of a family we serve (its denoiser, VAE, every text encoder
+    and tokenizer present); a Hub id must be one the Hub (or its cache) can serve."""
     path = Path(src)
     if not path.exists():
         check_model_source(src, flag="source")  # a Hub id the Hub or its cache can serve, or ModelSourceError
         return None
     if not path.is_dir():
         raise ExportError(f"source {src} is not a directory")
-    if (path / "unet" / "openvino_model.xml").is_file():
+    if any((path / d / "openvino_model.xml").is_file() for d in ("unet", "transformer")):
         raise ExportError(f"source {src} is already an OpenVINO export; export needs the diffusers pipeline")
-    for sub, names in _PIPELINE_FILES.items():
+    if not (path / "model_index.json").is_file():
+        raise ExportError(f"source {src} is not a complete diffusers pipeline: model_index.json is missing")
+    found = detect_family(path).spec
+    files = {**_PIPELINE_FILES, found.denoiser: ("config.json",)}
+    files |= {encoder: ("config.json",) for encoder in found.text_encoders}
+    files |= {tokenizer: _TOKENIZER_FILES for tokenizer in found.tokenizers}
+    for sub, names in files.items():
         folder = path / sub
         if not any((folder / n).is_file() for n in names):
             where = f"{sub}/" if sub else ""
             raise ExportError(
-                f"source {src} is not a complete Stable Diffusion pipeline: {where}{' or '.join(names)} is missing"
+                f"source {src} is not a complete {found.label} pipeline: {where}{' or '.join(names)} is missing"
             )
-    for sub in ("unet", "vae", "text_encoder"):
+    for sub in (found.denoiser, "vae", *found.text_encoders):
         if not any(f.stat().st_size > 0 for g in _WEIGHT_GLOBS for f in (path / sub).glob(g)):
-            raise ExportError(f"source {src} is not a complete Stable Diffusion pipeline: {sub}/ has no weights file")
+            raise ExportError(f"source {src} is not a complete {found.label} pipeline: {sub}/ has no weights file")
     return path
 
 
@@ -117,22 +124,25 @@ def _with_concept(src: str, embeds: Path, token: str | None, workdir: Path, fami
 
 
 def _with_lora(src: str, lora: Path, scale: float, workdir: Path, family: Family) -> Path:
-    """Write SRC with the LoRA adapter fused into its UNet (and text encoders) into ``workdir``; return it."""
+    """Write SRC with the LoRA adapter fused into its denoiser (and CLIP text encoders) into ``workdir``; return it.
+    A kohya file, and every adapter of a transformer family, is handed to diffusers as our diffusers-layout copy
+    (exact; diffusers' own FLUX kohya reader assumes FLUX.1's widths)."""
     from xeonsd.modelfiles import lora_layout
 
     modules = lora_layout.read_adapter(lora)
     lora_layout.check_family(lora, modules, family.name, f"the source {src}")
     pipe = pipelines.load_torch_pipeline(src, family.name)
-    encoders = (pipe.unet, pipe.text_encoder, getattr(pipe, "text_encoder_2", None))
-    weights = lora_layout.torch_weight_shapes(*encoders)
+    parts = pipelines.lora_parts(pipe, family.name)
+    weights = lora_layout.torch_weight_shapes(**parts)
     lora_layout.check_fits(lora, modules, weights, f"the source {src}")
     log.info("fusing LoRA %s (scale %g, %d modules) into %s", lora, scale, len(modules), src)
-    if any(m.module is None for m in modules.values()):  # kohya layout: loaded as the diffusers layout it maps to
-        names = lora_layout.module_names(*encoders)
+    if family.is_flow or any(m.module is None for m in modules.values()):
+        names = lora_layout.module_names(**parts)
         lora = lora_layout.write_diffusers(modules, workdir / "lora" / lora.name, names, lora)
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)  # a file path alone needs the Hub when offline
-    pipe.fuse_lora(lora_scale=scale)
-    pipe.unload_lora_weights()  # the fused weights stay; the adapter layers go
+    # FluxPipeline.fuse_lora fuses only the transformer unless told (diffusers 0.39): name every adapted part
+    pipe.fuse_lora(lora_scale=scale, components=pipelines.lora_components(pipe, family.name))
+    pipelines.unload_fused_lora(pipe, family.name)  # the fused weights stay; the adapter layers go
     pipelines.fresh_text_encoders(pipe, family.name)
     out = workdir / "pipeline-lora"
     pipe.save_pretrained(out, safe_serialization=True)
@@ -206,6 +216,16 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
     family = detect_family(str(local) if local is not None else src)
     if opts.embeds is not None and not Path(opts.embeds).is_file():
         raise ExportError(f"embeddings file {opts.embeds} does not exist")
+    if opts.quantize is not None and family.is_flow:
+        raise ExportError(
+            f"--quantize {opts.quantize.method}: {src} is {family.label}, and hybrid int8 calibrates a UNet's calls "
+            "(not a transformer's yet); use --weight-format int8 (data-free int8 weights)"
+        )
+    if opts.embeds is not None and family.is_flow:
+        raise ExportError(
+            f"--embeds: {src} is {family.label}, and textual inversion is not served for it (no trainer trains it "
+            "for these models); fine-tune a LoRA and export it with --lora"
+        )
     if opts.lora is not None and not Path(opts.lora).is_file():
         raise ExportError(f"LoRA file {opts.lora} does not exist")
     check_writable_output(out)
@@ -248,6 +268,8 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
             from xeonsd.openvino.quantize import quantize_pipeline
 
             quantization = quantize_pipeline(pipe, opts.quantize, tokens, opts.static)
+        if family.spec.denoiser == "transformer":  # GenAI's LoRA pass needs it (see split_free_matmul_inputs)
+            pipelines.split_free_matmul_inputs(pipe.transformer.model)
         with atomic_dir(out, overwrite=opts.overwrite) as tmp:
             save_networks(pipe, Path(tmp), out)
             for _, tokenizer in pipelines.text_side(family.name):
@@ -263,6 +285,7 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
                 "quantization": quantization,
                 "tome": tome.manifest_entry() if tome.blocks else None,
                 "vocab_size": rows,
+                "max_sequence_length": pipelines.t5_length(pipe, family.name),
                 "export_seconds": round(time.perf_counter() - t0, 1),
                 **_lora_manifest(src, opts),
             }
@@ -318,11 +341,14 @@ def save_networks(pipe: Any, tmp: Path, out: Path) -> None:
 
 
 def _check_vocab(pipe: Any, family: Family) -> int:
-    """Every exported text encoder has one embedding row per token of its tokenizer; returns the first's rows."""
+    """Every exported CLIP text encoder has one embedding row per token of its tokenizer; returns the first's rows.
+    (T5's table is padded past its vocabulary, 32128 rows for 32100 tokens, and takes no concept.)"""
     from xeonsd.modelfiles.concept_file import ov_vocab_rows
 
     counts = []
-    for encoder, tokenizer in pipelines.text_side(family.name):
+    for i, (encoder, tokenizer) in enumerate(pipelines.text_side(family.name)):
+        if not family.spec.text_encoder_class(i).startswith("CLIP"):
+            continue
         rows, tokens = ov_vocab_rows(getattr(pipe, encoder).model), len(getattr(pipe, tokenizer))
         if rows != tokens:
             raise ExportError(f"{encoder} has {rows} embedding rows but {tokenizer} {tokens} tokens")

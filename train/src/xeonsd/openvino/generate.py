@@ -18,11 +18,12 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
 from xeonsd.fsutil import atomic_dir
+from xeonsd.modelfiles.families import spec
 from xeonsd.openvino.engines import Engine, GenaiEngine, OptimumEngine
 from xeonsd.openvino.manifest import StaticShape, check_writable_output, read_manifest, static_shape
 from xeonsd.openvino.pipelines import manifest_family, text_side
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 ENGINES = ("optimum", "genai")
 RECIPE_PROMPT = "a yellow <dicoo> robot at the beach, high quality"
 DEFAULT_SIZE = 512
+# The guidance scale of each family's diffusers pipeline (FLUX.1-dev: the value its guidance embedding was distilled
+# for, 3.5; FLUX.1-schnell ignores it); 7.5 for the others.
+DEFAULT_GUIDANCE = {"flux": 3.5, "sd3": 7.0}
 
 
 class GenerateError(ValueError):
@@ -44,7 +48,7 @@ class GenerateOptions:
     num_images: int = 5
     steps: int = 20
     seed: int = 0
-    guidance_scale: float = 7.5
+    guidance_scale: float | None = None  # None: the family's (DEFAULT_GUIDANCE)
     negative_prompt: str | None = None
     height: int | None = None
     width: int | None = None
@@ -119,10 +123,17 @@ def plan_calls(manifest: dict[str, Any], opts: GenerateOptions) -> Plan:
     return Plan(shape=shape, static=fixed is not None, calls=calls)
 
 
-def check_loras(opts: GenerateOptions) -> None:
-    """``--lora`` needs the genai engine and existing files; checked before any model is loaded."""
+def check_loras(opts: GenerateOptions, family: str = "sd") -> None:
+    """``--lora`` needs the genai engine, a family GenAI has adapters for (not SD3) and existing files; checked
+    before any model is loaded."""
     if not opts.loras:
         return
+    if family == "sd3":
+        first = opts.loras[0][0]
+        raise GenerateError(
+            f"--lora: OpenVINO GenAI has no LoRA adapters for SD3/SD3.5; fuse the adapter into an export instead: "
+            f"xeonsd export SRC OUT --lora {first} --lora-scale S"
+        )
     if opts.engine != "genai":
         first = opts.loras[0][0]
         raise GenerateError(
@@ -141,10 +152,15 @@ def open_engine(ov_dir: Path, opts: GenerateOptions) -> Engine:
     plan = plan_calls(manifest, opts)
     if opts.embeds is not None and not Path(opts.embeds).is_file():
         raise GenerateError(f"embeddings file {opts.embeds} does not exist")
-    check_loras(opts)
+    family = manifest_family(manifest)
+    if opts.embeds is not None and spec(family).objective == "flow":
+        raise GenerateError(f"--embeds: textual inversion is not served for {spec(family).label}; use a LoRA (--lora)")
+    check_loras(opts, family)
     for _, tokenizer in text_side(manifest_family(manifest)) if opts.engine == "genai" else ():
         if not (ov_dir / tokenizer / "openvino_tokenizer.xml").is_file():
             raise GenerateError(f"{ov_dir} has no {tokenizer}/openvino_tokenizer.xml, which --engine genai needs")
+    if opts.guidance_scale is None:
+        opts = replace(opts, guidance_scale=DEFAULT_GUIDANCE.get(family, 7.5))
     cls = OptimumEngine if opts.engine == "optimum" else GenaiEngine
     tokens = list(manifest.get("concept_tokens", []))
     engine = cls(
@@ -154,6 +170,7 @@ def open_engine(ov_dir: Path, opts: GenerateOptions) -> Engine:
         concept_tokens=tokens,
         source=str(manifest.get("source")),
         family=manifest_family(manifest),
+        max_sequence_length=manifest.get("max_sequence_length"),
     )
     try:
         return engine.open()

@@ -21,10 +21,12 @@ from typing import Any
 
 MANIFEST = "xeonsd_export.json"
 FORMAT = "xeonsd-openvino-export/1"
-COMPONENTS = ("unet", "vae_decoder", "vae_encoder", "text_encoder", "text_encoder_2")  # the last: SDXL
-REQUIRED = ("unet", "vae_decoder", "text_encoder")
+# the denoiser (a UNet, or FLUX's/SD3's transformer), the VAE and up to three text encoders (SD3's third: T5)
+COMPONENTS = ("unet", "transformer", "vae_decoder", "vae_encoder", "text_encoder", "text_encoder_2", "text_encoder_3")
+REQUIRED = ("vae_decoder", "text_encoder")  # and the family's denoiser
 OV_TOKENIZER = Path("tokenizer") / "openvino_tokenizer.xml"
-OV_TOKENIZER_2 = Path("tokenizer_2") / "openvino_tokenizer.xml"  # SDXL's second tokenizer
+OV_TOKENIZER_2 = Path("tokenizer_2") / "openvino_tokenizer.xml"  # SDXL's, FLUX's (T5) and SD3's second tokenizer
+OV_TOKENIZER_3 = Path("tokenizer_3") / "openvino_tokenizer.xml"  # SD3's T5
 VERSIONED = (
     "torch",
     "diffusers",
@@ -87,7 +89,8 @@ def fingerprint(ov_dir: Path) -> dict[str, dict[str, Any]]:
         xml = ov_dir / name / "openvino_model.xml"
         if xml.is_file():
             out[name] = {"xml_sha256": _sha256(xml), "bin_bytes": xml.with_suffix(".bin").stat().st_size}
-    for key, tok in (("openvino_tokenizer", ov_dir / OV_TOKENIZER), ("openvino_tokenizer_2", ov_dir / OV_TOKENIZER_2)):
+    tokenizers = (("", OV_TOKENIZER), ("_2", OV_TOKENIZER_2), ("_3", OV_TOKENIZER_3))
+    for key, tok in ((f"openvino_tokenizer{n}", ov_dir / path) for n, path in tokenizers):
         if tok.is_file():
             out[key] = {"xml_sha256": _sha256(tok), "bin_bytes": tok.with_suffix(".bin").stat().st_size}
     return out
@@ -107,7 +110,8 @@ def read_manifest(ov_dir: Path, verify: bool = True) -> dict[str, Any]:
         raise ExportDirError(f"{ov_dir} does not exist or is not a directory")
     path = ov_dir / MANIFEST
     if not path.is_file():
-        hint = " (it is a diffusers PyTorch pipeline: run `xeonsd export` first)" if (ov_dir / "unet").is_dir() else ""
+        torch_pipeline = (ov_dir / "model_index.json").is_file()
+        hint = " (it is a diffusers PyTorch pipeline: run `xeonsd export` first)" if torch_pipeline else ""
         raise ExportDirError(f"{ov_dir} is not an xeonsd OpenVINO export: {MANIFEST} is missing{hint}")
     try:
         manifest = json.loads(path.read_text())
@@ -115,7 +119,13 @@ def read_manifest(ov_dir: Path, verify: bool = True) -> dict[str, Any]:
         raise ExportDirError(f"{path} is not valid JSON: {exc}") from exc
     if manifest.get("format") != FORMAT:
         raise ExportDirError(f"{path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
-    for name in REQUIRED:
+    from xeonsd.modelfiles.families import FamilyError, spec
+
+    try:
+        denoiser = spec(str(manifest.get("family") or "sd")).denoiser
+    except FamilyError as exc:
+        raise ExportDirError(f"{path}: {exc}") from exc
+    for name in (denoiser, *REQUIRED):
         if not (ov_dir / name / "openvino_model.xml").is_file() or not (ov_dir / name / "openvino_model.bin").is_file():
             raise ExportDirError(f"{ov_dir} is incomplete: {name}/openvino_model.xml/.bin is missing")
     if verify:

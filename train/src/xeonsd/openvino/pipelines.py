@@ -1,11 +1,14 @@
-"""What differs between the families on the OpenVINO side: SD 1.x/2.x (one text encoder) and SDXL (two).
+"""What differs between the families on the OpenVINO side: SD 1.x/2.x (one text encoder), SDXL (two), FLUX.1
+(CLIP-L and T5, a transformer) and SD3 (CLIP-L, CLIP-G and T5, a transformer), read from their specs
+(:data:`xeonsd.modelfiles.families.SPECS`).
 
 * the classes: diffusers' ``StableDiffusionPipeline`` / ``StableDiffusionXLPipeline`` before the export,
   optimum-intel's ``OVStableDiffusionPipeline`` / ``OVStableDiffusionXLPipeline`` for the export and its engine;
 * the text side, as (text encoder, tokenizer) pairs: a concept goes into every pair (SDXL: ``clip_l`` into
   ``text_encoder``, ``clip_g`` into ``text_encoder_2``, see :mod:`xeonsd.modelfiles.concept_file`), the OpenVINO tokenizer
   model is written for every tokenizer;
-* a LoRA's text-encoder part for GenAI on SDXL: OpenVINO GenAI 2026.4.1 applies an adapter's ``lora_te_`` tensors
+* the parts a LoRA adapts (:func:`lora_parts`): the denoiser and the CLIP text encoders, never T5;
+* a LoRA's text-encoder part for GenAI where a family has two CLIP text encoders (SDXL): OpenVINO GenAI 2026.4.1 applies an adapter's ``lora_te_`` tensors
   to *both* SDXL text encoders alike and ignores kohya's ``lora_te1_``/``lora_te2_`` ("Unused LoRA tensor", the
   image does not change; measured on tiny-xl), so one adapter cannot carry the two encoders' different weights.
   :func:`fuse_into_ir` adds them to the weights of a copy of each text encoder's graph instead
@@ -22,8 +25,30 @@ from xeonsd.modelfiles.families import spec
 
 
 def manifest_family(manifest: dict[str, Any]) -> str:
-    """``sd`` or ``sdxl``: what the export was made from (exports without the field are SD 1.x/2.x)."""
+    """``sd``, ``sdxl``, ``flux`` or ``sd3``: what the export was made from (exports without the field are SD
+    1.x/2.x)."""
     return str(manifest.get("family") or "sd")
+
+
+def clip_encoders(family: str) -> tuple[str, ...]:
+    """The CLIP text encoders of ``family`` (what a concept or a LoRA can touch; T5 takes neither)."""
+    found = spec(family)
+    return tuple(e for i, e in enumerate(found.text_encoders) if found.text_encoder_class(i).startswith("CLIP"))
+
+
+def denoiser(family: str) -> str:
+    """The component name of ``family``'s denoiser: ``unet`` or ``transformer``."""
+    return spec(family).denoiser
+
+
+def lora_parts(pipe: Any, family: str) -> dict[str, Any]:
+    """{component: model} of what a LoRA of ``family`` adapts in a diffusers pipeline, as
+    :func:`xeonsd.modelfiles.lora_layout.torch_weight_shapes` takes them (``unet`` is None for a transformer)."""
+    parts = {"unet": None, "text_encoder": None, "text_encoder_2": None}
+    parts[denoiser(family)] = getattr(pipe, denoiser(family))
+    for encoder in clip_encoders(family):
+        parts[encoder] = getattr(pipe, encoder)
+    return parts
 
 
 def text_side(family: str) -> tuple[tuple[str, str], ...]:
@@ -36,6 +61,20 @@ def ov_pipeline_class(family: str) -> Any:
     import optimum.intel
 
     return getattr(optimum.intel, spec(family).ov_pipeline_class)
+
+
+# diffusers' default T5 prompt length of each family's pipeline (FluxPipeline 512, StableDiffusion3Pipeline 256)
+_T5_LENGTH = {"flux": 512, "sd3": 256}
+
+
+def t5_length(pipe: Any, family: str) -> int | None:
+    """FLUX.1/SD3: T5's prompt length, the pipeline's default or the tokenizer's limit where that is shorter (the
+    tiny models' 32). A static export fixes it (optimum-intel reshapes FLUX's T5 to it), and every engine passes it
+    as ``max_sequence_length``; None for the CLIP-only families."""
+    if family not in _T5_LENGTH:
+        return None
+    tokenizer = getattr(pipe, spec(family).tokenizers[-1])
+    return min(_T5_LENGTH[family], int(getattr(tokenizer, "model_max_length", _T5_LENGTH[family])))
 
 
 def load_torch_pipeline(src: str, family: str) -> Any:
@@ -55,10 +94,34 @@ def add_concepts_to_torch(pipe: Any, family: str, concepts: dict[str, Any]) -> l
     return concepts["text_encoder"].tokens
 
 
+def lora_components(pipe: Any, family: str) -> list[str]:
+    """The parts of ``pipe`` that hold adapter layers (the denoiser, CLIP text encoders), for ``fuse_lora``."""
+    parts = [denoiser(family), *clip_encoders(family)]
+    return [p for p in parts if getattr(getattr(pipe, p), "peft_config", None)]
+
+
+def unload_fused_lora(pipe: Any, family: str) -> None:
+    """Remove the adapter layers after ``fuse_lora``, keeping the fused weights. FLUX.1's
+    ``FluxPipeline.unload_lora_weights`` also undoes the fusion (diffusers 0.39: its images after fuse + unload are
+    the base model's again, measured on tiny-flux), so the flow families unload each part on its own."""
+    if spec(family).objective != "flow":
+        pipe.unload_lora_weights()
+        return
+    from diffusers.utils.peft_utils import recurse_remove_peft_layers
+
+    getattr(pipe, denoiser(family)).unload_lora()
+    for encoder in clip_encoders(family):
+        te = getattr(pipe, encoder)
+        recurse_remove_peft_layers(te)
+        if hasattr(te, "peft_config"):
+            del te.peft_config
+            te._hf_peft_config_loaded = None
+
+
 def fresh_text_encoders(pipe: Any, family: str) -> None:
     """Replace each text encoder by a fresh model holding its weights. transformers 5 saves a text encoder that once
     held peft layers under other keys ("text_base_model.model.…"), which load as missing (random) weights."""
-    for encoder, _ in text_side(family):
+    for encoder in clip_encoders(family):  # T5 never holds peft layers (and is 4.7 B parameters in FLUX.1)
         te = getattr(pipe, encoder)
         clean = type(te)(te.config)
         clean.load_state_dict(te.state_dict())
@@ -98,5 +161,25 @@ def fuse_into_ir(model: Any, modules: list[Any], alpha: float) -> int:
         new = opset13.constant(summed.astype(weight.dtype if op.get_element_type() == ov.Type.f32 else np.float16))
         new.set_friendly_name(name)
         op.output(0).replace(new.output(0))
+        changed += 1
+    return changed
+
+
+def split_free_matmul_inputs(model: Any) -> int:
+    """Give every MatMul whose input is one output of a multi-output node (FLUX.1's attention output projections
+    ``to_out.0`` and ``to_add_out`` read a VariadicSplit of the joint attention) an identity Reshape in between, in
+    place; returns how many. OpenVINO GenAI 2026.4.1's LoRA pass fails on such a MatMul ("Default output not
+    supported", measured on tiny-flux); the Reshape is an identity the compiler removes."""
+    import numpy as np
+    from openvino import opset13
+
+    changed = 0
+    for op in model.get_ops():
+        if op.get_type_name() != "MatMul" or op.input_value(0).get_node().get_output_size() < 2:
+            continue
+        keep = opset13.constant(np.array([0] * op.input_value(0).get_partial_shape().rank.get_length(), np.int64))
+        identity = opset13.reshape(op.input_value(0), keep, special_zero=True)
+        identity.set_friendly_name(op.get_friendly_name() + "/input")
+        op.input(0).replace_source_output(identity.output(0))
         changed += 1
     return changed

@@ -166,6 +166,8 @@ def method_section(summary: dict, rows: list[dict]) -> str:
         at = f", {summary['resolution']} px" if summary.get("resolution") else ""
         known = SPECS.get(summary["family"])
         data["model family, resolution"] = f"{known.label if known else summary['family']}{at}"
+    if sampling := flow_sampling(summary.get("loss") or {}):
+        data["σ sampling (flow matching)"] = sampling
     counted = summary.get("allreduce_bytes_per_step")
     measured = next((r["allreduce_bytes_measured"] for r in rows if "allreduce_bytes_measured" in r), None)
     if counted is not None:
@@ -173,6 +175,19 @@ def method_section(summary: dict, rows: list[dict]) -> str:
             f" (measured {_size(measured)})" if measured is not None else ""
         )
     return "<h2>Method</h2>" + html_table(data)
+
+
+def flow_sampling(loss: dict) -> str | None:
+    """How a flow model's run drew σ, from train_summary.json's ``loss`` (``weighting_scheme`` and its parameters, as
+    diffusers' scripts name them); None for a noise-prediction run."""
+    scheme = loss.get("weighting_scheme")
+    if not scheme:
+        return None
+    if scheme == "logit_normal":
+        return f"logit_normal (mean {loss.get('logit_mean')}, std {loss.get('logit_std')})"
+    if scheme == "mode":
+        return f"mode (scale {loss.get('mode_scale')})"
+    return str(scheme)
 
 
 def _figures(run: Path, info: dict, rows: list[dict], timings: dict) -> dict:

@@ -117,10 +117,10 @@ def check_family_flags(cfg: TrainConfig, family: Family) -> None:
         )
     if cfg.channels_last:
         raise ConfigError(f"--channels_last applies to UNets; {family.label}'s denoiser is a transformer")
-    if cfg.method == "lora" and cfg.save_format == "kohya":
+    if cfg.method == "lora" and cfg.save_format == "kohya" and family.name == "sd3":
         raise ConfigError(
-            f"--save_format kohya is not available for {family.label} yet; save the diffusers layout (the default), "
-            "which FluxPipeline / StableDiffusion3Pipeline.load_lora_weights load"
+            "--save_format kohya: SD3/SD3.5 has no kohya layout; ComfyUI and Forge load SD3 adapters in diffusers' "
+            "layout (the default), which StableDiffusion3Pipeline.load_lora_weights loads"
         )
 
 
