@@ -115,6 +115,7 @@ def test_a_forbidden_import_is_caught(tmp_path: Path) -> None:
 TRAINER_LAYERS: list[set[str]] = [
     {
         "config",
+        "resolution",
         "rng",
         "rank_io",
         "checkpoint",

@@ -193,8 +193,8 @@ def test_flux_and_sd35_medium_memory_on_a_24_gb_node(real_configs):
     weights, gradients and AdamW state) and for LoRA too (its bf16 weights alone are ~24 GB), each naming both
     figures; SD3.5-medium LoRA fits. T5 (4.7 B) counts in the loading peak, not in training (it is freed)."""
     from xeonsd.modelfiles.families import detect_family
-    from xeonsd.trainer.config import with_resolution
     from xeonsd.trainer.memory import GB, check_fits, estimate
+    from xeonsd.trainer.resolution import with_resolution
 
     def cfg(model: Path, method: str, *extra: str):
         args = [a for a in method_args(method, model, Path("d"), Path("o")) if not a.startswith("--resolution")]

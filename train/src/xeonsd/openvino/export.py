@@ -32,82 +32,20 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
 from xeonsd.fsutil import atomic_dir
 from xeonsd.modelfiles.families import Family, detect_family
-from xeonsd.modelfiles.modelsource import check_model_source
 from xeonsd.openvino import pipelines
 from xeonsd.openvino import tokenizer as ovtokenizer
-from xeonsd.openvino.manifest import ExportDirError, StaticShape, check_writable_output, write_manifest
-from xeonsd.openvino.quantize import DEFAULT_SAMPLES, METHODS, QuantizeError, QuantizeOptions, check_options
-from xeonsd.openvino.tome import TomeError, TomeReport, check_ratio, export_patch
+from xeonsd.openvino.export_inputs import ExportError, ExportOptions, check_inputs, check_source
+from xeonsd.openvino.manifest import ExportDirError, StaticShape, write_manifest
+from xeonsd.openvino.quantize import DEFAULT_SAMPLES, METHODS, QuantizeOptions
+from xeonsd.openvino.tome import TomeReport, check_ratio, export_patch
 
 log = logging.getLogger(__name__)
-
-WEIGHT_FORMATS = ("fp32", "fp16", "int8")
-# What a diffusers pipeline directory must hold for an export, besides its denoiser and text side (from the family's
-# spec): (sub)folder -> accepted file names.
-_PIPELINE_FILES: dict[str, tuple[str, ...]] = {
-    "": ("model_index.json",),
-    "vae": ("config.json",),
-    "scheduler": ("scheduler_config.json",),
-}
-# A tokenizer folder holds one of these: CLIP's BPE files or a fast tokenizer (FLUX's and SD3's T5: tokenizer.json)
-_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "spiece.model")
-_WEIGHT_GLOBS = ("*.safetensors", "*.bin")
-
-
-class ExportError(ValueError):
-    """The export cannot be done with these inputs."""
-
-
-@dataclass(frozen=True)
-class ExportOptions:
-    """How to export. ``static`` None means ``--dynamic``; the default is the recipe's shape."""
-
-    static: StaticShape | None = StaticShape(batch_size=5, height=512, width=512, num_images_per_prompt=1)
-    weight_format: str = "fp32"
-    embeds: Path | None = None
-    token: str | None = None
-    overwrite: bool = False
-    quantize: QuantizeOptions | None = None  # hybrid int8 (needs weight_format "int8")
-    lora: Path | None = None
-    lora_scale: float = 1.0
-    tome: float = 0.0  # token merging ratio (0: none; needs a static shape)
-    tome_mlp: bool = False  # merge before the feed-forward too
-
-
-def check_source(src: str) -> Path | None:
-    """A local SRC must be a complete diffusers pipeline of a family we serve (its denoiser, VAE, every text encoder
-    and tokenizer present); a Hub id must be one the Hub (or its cache) can serve."""
-    path = Path(src)
-    if not path.exists():
-        check_model_source(src, flag="source")  # a Hub id the Hub or its cache can serve, or ModelSourceError
-        return None
-    if not path.is_dir():
-        raise ExportError(f"source {src} is not a directory")
-    if any((path / d / "openvino_model.xml").is_file() for d in ("unet", "transformer")):
-        raise ExportError(f"source {src} is already an OpenVINO export; export needs the diffusers pipeline")
-    if not (path / "model_index.json").is_file():
-        raise ExportError(f"source {src} is not a complete diffusers pipeline: model_index.json is missing")
-    found = detect_family(path).spec
-    files = {**_PIPELINE_FILES, found.denoiser: ("config.json",)}
-    files |= {encoder: ("config.json",) for encoder in found.text_encoders}
-    files |= {tokenizer: _TOKENIZER_FILES for tokenizer in found.tokenizers}
-    for sub, names in files.items():
-        folder = path / sub
-        if not any((folder / n).is_file() for n in names):
-            where = f"{sub}/" if sub else ""
-            raise ExportError(
-                f"source {src} is not a complete {found.label} pipeline: {where}{' or '.join(names)} is missing"
-            )
-    for sub in (found.denoiser, "vae", *found.text_encoders):
-        if not any(f.stat().st_size > 0 for g in _WEIGHT_GLOBS for f in (path / sub).glob(g)):
-            raise ExportError(f"source {src} is not a complete {found.label} pipeline: {sub}/ has no weights file")
-    return path
 
 
 def _with_concept(src: str, embeds: Path, token: str | None, workdir: Path, family: Family) -> tuple[Path, list[str]]:
@@ -175,29 +113,6 @@ def reshape_static(pipe: Any, shape: StaticShape) -> None:
     pipe.clear_requests()
 
 
-def _check_options(opts: ExportOptions) -> None:
-    """Refuse bad options before anything is loaded."""
-    if opts.weight_format not in WEIGHT_FORMATS:
-        raise ExportError(f"unknown weight format {opts.weight_format!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
-    if opts.static is not None:
-        s = opts.static
-        if min(s.batch_size, s.num_images_per_prompt) < 1 or s.height % 8 or s.width % 8 or min(s.height, s.width) < 8:
-            raise ExportError(
-                f"invalid static shape {s.describe()}: sizes must be positive, height/width multiples of 8"
-            )
-    if opts.quantize is not None:
-        try:
-            check_options(opts.quantize, opts.weight_format)
-        except QuantizeError as exc:
-            raise ExportError(str(exc)) from exc
-    try:
-        ratio = check_ratio(opts.tome)
-    except TomeError as exc:
-        raise ExportError(str(exc)) from exc
-    if ratio > 0 and opts.static is None:
-        raise ExportError("--tome needs a static export (its merge is fixed to the export's shape); drop --dynamic")
-
-
 def _latent_size(source: str, shape: StaticShape) -> tuple[int, int]:
     """The UNet's sample size (h, w) for images of ``shape``: the VAE downsamples by 2 per block after the first."""
     from diffusers import AutoencoderKL
@@ -211,26 +126,7 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
     """Export SRC (a diffusers pipeline directory or Hub id) to the OpenVINO directory OUT; return OUT."""
     opts = options or ExportOptions()
     out = Path(out)
-    _check_options(opts)
-    local = check_source(src)
-    family = detect_family(str(local) if local is not None else src)
-    if opts.embeds is not None and not Path(opts.embeds).is_file():
-        raise ExportError(f"embeddings file {opts.embeds} does not exist")
-    if opts.quantize is not None and family.is_flow:
-        raise ExportError(
-            f"--quantize {opts.quantize.method}: {src} is {family.label}, and hybrid int8 calibrates a UNet's calls "
-            "(not a transformer's yet); use --weight-format int8 (data-free int8 weights)"
-        )
-    if opts.embeds is not None and family.is_flow:
-        raise ExportError(
-            f"--embeds: {src} is {family.label}, and textual inversion is not served for it (no trainer trains it "
-            "for these models); fine-tune a LoRA and export it with --lora"
-        )
-    if opts.lora is not None and not Path(opts.lora).is_file():
-        raise ExportError(f"LoRA file {opts.lora} does not exist")
-    check_writable_output(out)
-    if out.is_dir() and any(out.iterdir()) and not opts.overwrite:
-        raise ExportError(f"output {out} already exists and is not empty; remove it or pass --overwrite")
+    local, family = check_inputs(src, out, opts)
     # The OpenVINO stack is imported only once the inputs are known to be good: a bad one fails at once.
     from optimum.intel import OVWeightQuantizationConfig
 

@@ -126,8 +126,8 @@ def check_inputs(train_args: list[str], ranks_per_node: int = 1) -> list[Check]:
     except ModelSourceError as exc:
         checks.append(Check("model", "FAIL", str(exc)))
         return checks
-    from xeonsd.trainer.config import with_resolution
     from xeonsd.trainer.models import model_family
+    from xeonsd.trainer.resolution import with_resolution
 
     try:  # a family we do not serve (SD3, Flux, an SDXL refiner, …) fails here, before the trial step loads it
         family = model_family(cfg)

@@ -19,7 +19,7 @@ from xeonsd.contracts.method_names import METHODS
 from xeonsd.contracts.straggler_rule import STRAGGLER_RATIO
 
 if TYPE_CHECKING:
-    from xeonsd.modelfiles.families import Family
+    pass
 
 TI, LORA, FULL = METHODS
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
@@ -393,16 +393,3 @@ PRIOR_NEEDS_WEIGHTS = (
     "--with_prior_preservation works with --method lora or full: textual inversion trains only the concept's "
     "new token vectors and leaves every weight of the model as it was, so the class keeps its prior anyway"
 )
-
-
-def default_resolution(family: Family | None) -> int:
-    """The resolution a run trains at without --resolution: the family's, its UNet's sample size × the VAE's scale
-    (SD 1.5 and SD 2 base 512, SD 2.1 768-v 768, SDXL 1024); 512 when no model was read."""
-    return family.default_resolution if family is not None else 512
-
-
-def with_resolution(cfg: TrainConfig, family: Family | None) -> TrainConfig:
-    """``cfg`` with --resolution filled in from the family when it was not given."""
-    if cfg.resolution is not None:
-        return cfg
-    return dataclasses.replace(cfg, resolution=default_resolution(family))

@@ -18,13 +18,14 @@ from xeonsd.modelfiles.modelsource import check_model_source
 from xeonsd.trainer import checkpoint as ckpt
 from xeonsd.trainer.buckets import Buckets, assign
 from xeonsd.trainer.captions import Captions, read_captions, short_tag_captions
-from xeonsd.trainer.config import ConfigError, TrainConfig, default_resolution
+from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.data import find_images
 from xeonsd.trainer.flow import resolve_scheme
 from xeonsd.trainer.loss import local_num_train_timesteps, parse_timestep_range
 from xeonsd.trainer.methods import for_config, method_class
 from xeonsd.trainer.models import model_family
 from xeonsd.trainer.prior import check_prior_flags
+from xeonsd.trainer.resolution import default_resolution
 from xeonsd.trainer.validation import HeldOut, check_held_out, hold_out
 
 log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name

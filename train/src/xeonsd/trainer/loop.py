@@ -39,7 +39,7 @@ from xeonsd.contracts.job_status import RankStatusFile
 from xeonsd.cpu import cpu_info
 from xeonsd.modelfiles.modelsource import ModelSourceError
 from xeonsd.trainer import checkpoint as ckpt
-from xeonsd.trainer.config import ConfigError, TrainConfig, parse_config, with_resolution
+from xeonsd.trainer.config import ConfigError, TrainConfig, parse_config
 from xeonsd.trainer.data import DataError
 from xeonsd.trainer.embeddings import ConceptError
 from xeonsd.trainer.hooks import StepObservers
@@ -49,6 +49,7 @@ from xeonsd.trainer.libraries import skip_unused_packages
 from xeonsd.trainer.metrics import MetricsLog, plot_loss, write_summary
 from xeonsd.trainer.models import render_validation
 from xeonsd.trainer.rank_io import setup_logging, start_status
+from xeonsd.trainer.resolution import with_resolution
 from xeonsd.trainer.step import step_loss, sync_gradients, update
 from xeonsd.trainer.step_end import StepEnd
 from xeonsd.trainer.stopping import Interrupted, StopSignals

@@ -183,12 +183,12 @@ def _resident_bytes() -> int:
 
 def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstimate:
     """Peak bytes of one rank for this configuration (the model's configs must be readable). Without
-    --resolution, at the family's default (:func:`xeonsd.trainer.config.with_resolution`)."""
+    --resolution, at the family's default (:func:`xeonsd.trainer.resolution.with_resolution`)."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
 
     from xeonsd.modelfiles.families import detect_family
-    from xeonsd.trainer.config import with_resolution
     from xeonsd.trainer.methods import method_class
+    from xeonsd.trainer.resolution import with_resolution
 
     src, kw = cfg.pretrained_model_name_or_path, {"revision": cfg.revision}
     family = detect_family(src, cfg.revision)
