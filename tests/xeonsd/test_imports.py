@@ -26,6 +26,7 @@ ALLOWED: dict[str, set[str] | None] = {
     "trainer": {"cluster", "contracts", "modelfiles"},
     "openvino": {"contracts", "modelfiles"},
     "ops": {"trainer", "cluster", "contracts", "modelfiles"},
+    "serve": {"openvino", "contracts", "modelfiles"},
     "assets": set(),
     "bench": None,
     "cli": None,

@@ -72,6 +72,25 @@ def ov_full_dynamic(full_pipeline: Path, tmp_path_factory: pytest.TempPathFactor
     return _export(full_pipeline, tmp_path_factory.mktemp("ov") / "full-dynamic", static=None)
 
 
+def peft_adapter(unet, out: Path, targets: list[str], seed: int, scale: float) -> Path:
+    """An adapter written the way our trainer writes one (peft -> diffusers layout -> ``save_lora_weights``), with
+    random up matrices of std ``scale`` (peft starts them at zero), so it visibly changes the image."""
+    from diffusers import StableDiffusionPipeline
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    unet.add_adapter(LoraConfig(r=2, lora_alpha=2, init_lora_weights="gaussian", target_modules=targets))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in unet.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
+    StableDiffusionPipeline.save_lora_weights(out, unet_lora_layers=layers, safe_serialization=True)
+    return out / "pytorch_lora_weights.safetensors"
+
+
 def as_array(images: list) -> np.ndarray:
     """PIL images -> float array [n, h, w, 3] in 0..255."""
     return np.stack([np.asarray(img, dtype=np.float64) for img in images])

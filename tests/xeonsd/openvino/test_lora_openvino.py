@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from cli_runs import method_args, train
-from ov_assets import BATCH, SIZE, STEPS, as_array
+from ov_assets import BATCH, SIZE, STEPS, as_array, peft_adapter
 
 from xeonsd import cli
 from xeonsd.openvino import lora_files as loraformat
@@ -32,25 +32,6 @@ SEED = 5
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _peft_adapter(unet, out: Path, targets: list[str], seed: int, scale: float) -> Path:
-    """An adapter written the way our trainer writes one (peft -> diffusers layout -> ``save_lora_weights``), with
-    random up matrices of std ``scale`` (peft starts them at zero), so it visibly changes the image."""
-    from diffusers import StableDiffusionPipeline
-    from diffusers.utils import convert_state_dict_to_diffusers
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-
-    unet.add_adapter(LoraConfig(r=2, lora_alpha=2, init_lora_weights="gaussian", target_modules=targets))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in unet.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * scale)
-    layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
-    StableDiffusionPipeline.save_lora_weights(out, unet_lora_layers=layers, safe_serialization=True)
-    return out / LORA_FILE
 
 
 def _train_lora(tiny_model: Path, dataset: Path, out: Path, env: dict[str, str], *extra: str) -> Path:
@@ -97,7 +78,7 @@ def second_lora(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     from diffusers import UNet2DConditionModel
 
     unet = UNet2DConditionModel.from_pretrained(tiny_model / "unet")
-    return _peft_adapter(unet, tmp_path_factory.mktemp("lora") / "b", ["to_k", "to_v", "ff.net.2"], seed=1, scale=0.5)
+    return peft_adapter(unet, tmp_path_factory.mktemp("lora") / "b", ["to_k", "to_v", "ff.net.2"], seed=1, scale=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +277,7 @@ def test_adapter_for_another_base_model_is_refused(
     from diffusers import UNet2DConditionModel
 
     config = dict(UNet2DConditionModel.load_config(tiny_model / "unet"), cross_attention_dim=48)
-    other = _peft_adapter(UNet2DConditionModel.from_config(config), tmp_path / "other", ["to_k"], seed=2, scale=0.1)
+    other = peft_adapter(UNet2DConditionModel.from_config(config), tmp_path / "other", ["to_k"], seed=2, scale=0.1)
     err = _cli_error(["generate", str(ov_base), "--lora", str(other), "--out", str(tmp_path / "o")], capsys)
     assert f"LoRA file {other} was made for another base model than {ov_base} (exported from {tiny_model})" in err
     assert "attn2.to_k is 32x32 there, the adapter expects 32x48" in err
@@ -311,7 +292,7 @@ def test_adapter_on_3x3_convolutions_is_refused_for_genai(
     from diffusers import UNet2DConditionModel
 
     unet = UNet2DConditionModel.from_pretrained(tiny_model / "unet")
-    convs = _peft_adapter(unet, tmp_path / "convs", ["to_q", "conv1"], seed=3, scale=0.1)
+    convs = peft_adapter(unet, tmp_path / "convs", ["to_q", "conv1"], seed=3, scale=0.1)
     err = _cli_error(["generate", str(ov_base), "--lora", f"{convs}:0.5", "--out", str(tmp_path / "o")], capsys)
     assert "non-pointwise convolutions, which OpenVINO GenAI cannot apply" in err
     assert "unet.down_blocks.0.resnets.0.conv1 (3x3)" in err and f"xeonsd export SRC OUT --lora {convs}" in err

@@ -4,6 +4,9 @@ measured in one run, each figure printed beside its baseline.
 ``bench layout`` is :mod:`.layout`: every ranks-per-node × threads-per-rank layout of a node with the job's
 arguments, the result that ``ranks_per_node: auto`` reads (doctor.yml -e tune_layout=true runs it).
 
+``bench serve`` is :mod:`.serve`: ``xeonsd serve`` under 1…N concurrent clients against ``xeonsd generate``'s
+time per image, for each ``--workers`` count (what ``--workers auto`` reads), and the cost of an adapter switch.
+
 ``bench train`` is :mod:`.train`. ``bench generate`` is :mod:`.generate` (the command line and the variants in
 order), :mod:`.generate_pipelines` (the model, the cached exports, each pipeline loaded and timed) and
 :mod:`.generate_report` (FLOPs per image, matmul peaks, the table and its targets). They may import every other

@@ -1,0 +1,22 @@
+"""The served model: the OpenVINO tests' session export ``ov_base`` (tiny SD, static batch 5 at 64 px) and a LoRA
+adapter for it, made the way our trainer writes one (tests/xeonsd/openvino/ov_assets.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "openvino"))  # ov_assets: the shared exports
+
+from ov_assets import ov_base, peft_adapter  # noqa: E402, F401
+
+
+@pytest.fixture(scope="session")
+def toy_adapter(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A UNet LoRA in the diffusers layout with random up matrices: it visibly changes the image."""
+    from diffusers import UNet2DConditionModel
+
+    unet = UNet2DConditionModel.from_pretrained(tiny_model / "unet")
+    return peft_adapter(unet, tmp_path_factory.mktemp("serve-lora"), ["to_k", "to_v", "ff.net.2"], seed=1, scale=0.5)

@@ -1,0 +1,70 @@
+"""A real ``xeonsd serve`` process for the tests: started on a free port, its output read line by line, its health
+polled from the moment it listens until it is ready, stopped with SIGTERM."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+LISTENING = re.compile(r"listening on (http://\S+?);")
+START_S = 120  # the compile of the tiny export takes seconds; a loaded 2-core machine, more
+
+
+class ServeProcess:
+    def __init__(self, export_dir: Path, *flags: str, env: dict[str, str] | None = None):
+        cmd = [sys.executable, "-m", "xeonsd.cli", "serve", str(export_dir), "--port", "0", *flags]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.url = ""
+        self.ready_statuses: list[int] = []  # /v2/health/ready, polled from listening to ready
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def _wait_line(self, pattern: re.Pattern[str], deadline: float) -> re.Match[str]:
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if m := pattern.search(line):
+                    return m
+            if self.proc.poll() is not None:
+                raise AssertionError(f"xeonsd serve exited with {self.proc.returncode}:\n" + "\n".join(self.lines))
+            time.sleep(0.01)
+        raise AssertionError(f"xeonsd serve did not print {pattern.pattern!r}:\n" + "\n".join(self.lines))
+
+    def start(self) -> ServeProcess:
+        deadline = time.monotonic() + START_S
+        self.url = self._wait_line(LISTENING, deadline)[1]
+        with httpx.Client(base_url=self.url, timeout=10) as client:
+            while time.monotonic() < deadline:
+                status = client.get("/v2/health/ready").status_code
+                self.ready_statuses.append(status)
+                if status == 200:
+                    return self
+                time.sleep(0.05)
+        raise AssertionError("never ready:\n" + "\n".join(self.lines))
+
+    def stop(self, timeout: float = 60) -> int:
+        """SIGTERM, then the exit status (killed, and an error, if it does not stop in ``timeout``)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            with contextlib.suppress(RuntimeError):
+                self._reader.join(5)

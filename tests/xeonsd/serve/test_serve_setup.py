@@ -1,0 +1,79 @@
+"""What ``xeonsd serve`` checks before it compiles anything (a one-line error, exit 2), and the OVMS configuration
+it writes for the same export and adapters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.numpy import save_file
+
+from xeonsd import cli
+
+
+def _refusal(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    assert cli.main(["serve", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("xeonsd serve: error: "), err
+    return err[0]
+
+
+def test_bad_options_are_refused_before_anything_is_compiled(
+    ov_base: Path, toy_adapter: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert "does not exist" in _refusal(capsys, str(ov_base), f"--adapter=a={tmp_path / 'none.safetensors'}")
+    assert "NAME=PATH" in _refusal(capsys, str(ov_base), f"--adapter={toy_adapter}")
+    assert "given twice" in _refusal(capsys, str(ov_base), f"--adapter=a={toy_adapter}", f"--adapter=a={toy_adapter}")
+    assert "base model's name" in _refusal(capsys, str(ov_base), "--name=b", f"--adapter=b={toy_adapter}")
+    assert "--workers" in _refusal(capsys, str(ov_base), "--workers=0")
+    assert "--workers" in _refusal(capsys, str(ov_base), "--workers=many")
+    assert "--timeout" in _refusal(capsys, str(ov_base), "--timeout=0")
+    assert "not an xeonsd OpenVINO export" in _refusal(capsys, str(tmp_path))
+    other = tmp_path / "other.safetensors"  # an adapter of a module the export does not have
+    save_file(
+        {"lora_unet_nowhere.lora_down.weight": _ones(2, 8), "lora_unet_nowhere.lora_up.weight": _ones(8, 2)}, other
+    )
+    assert "other.safetensors" in _refusal(capsys, str(ov_base), f"--adapter=o={other}")
+
+
+def _ones(*shape: int):
+    import numpy as np
+
+    return np.ones(shape, dtype=np.float32)
+
+
+def test_ovms_config_serves_the_same_export_and_adapters(ov_base: Path, toy_adapter: Path, tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    out = tmp_path / "ovms"
+    assert (
+        cli.main(
+            ["serve", str(ov_base), "--name=base", f"--adapter=toy={toy_adapter}:0.5", f"--write-ovms-config={out}"]
+        )
+        == 0
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert [g["name"] for g in config["mediapipe_config_list"]] == ["base", "toy"]
+    base = (out / "base" / "graph.pbtxt").read_text()
+    toy = (out / "toy" / "graph.pbtxt").read_text()
+    for graph in (base, toy):
+        assert 'calculator: "ImageGenCalculator"' in graph and f'models_path: "{ov_base.resolve()}"' in graph
+        assert 'resolution: "64x64"' in graph and "num_images_per_prompt: 5" in graph
+    assert "lora_adapters" not in base
+    adapter = out / "adapters" / "toy.safetensors"
+    assert f'lora_adapters: {{ alias: "toy" path: "{adapter.resolve()}" alpha: 0.5 }}' in toy
+    keys = safe_open(str(adapter), "np").keys()  # noqa: SIM118 - a safe_open handle, not a dict
+    assert keys and all(k.startswith("lora_unet_") for k in keys)  # the kohya layout GenAI applies
+    assert cli.main(["serve", str(ov_base), f"--write-ovms-config={out}"]) == 2  # never over an existing config
+
+
+def test_auto_workers_is_one_per_core_share_within_the_memory() -> None:
+    from xeonsd.serve.options import CORES_PER_WORKER, MEMORY_SHARE, PIPELINE_MEMORY, auto_workers
+
+    assert auto_workers(8) == 8 // CORES_PER_WORKER
+    assert auto_workers(1) == 1
+    gib = 1 << 30
+    fits = int(16 * gib * MEMORY_SHARE // (4 * gib * PIPELINE_MEMORY))
+    assert auto_workers(64, weights=4 * gib, available=16 * gib) == fits < 64 // CORES_PER_WORKER
+    assert auto_workers(64, weights=100 * gib, available=gib) == 1  # one worker, whatever the memory says

@@ -1,0 +1,11 @@
+"""``xeonsd serve``: an OpenAI-compatible image endpoint (the OpenVINO Model Server's images API) over an export.
+
+One concern per module: :mod:`.options` (the command's typed options and the ``--adapter NAME=PATH[:ALPHA]``
+registry, checked before anything is compiled), :mod:`.requests` (one request's validation: each bad input is a
+:class:`~xeonsd.serve.requests.RequestError` naming its field), :mod:`.pool` (the worker pool: ``--workers``
+GenAI ``Text2ImagePipeline`` copies, a bounded queue, cancellation through GenAI's step callback),
+:mod:`.metrics` (the Prometheus metrics), :mod:`.app` (the ASGI app: routes, errors, the JSON access log),
+:mod:`.server` (uvicorn, signals, the ``serving on`` line) and :mod:`.ovms` (the OVMS ``graph.pbtxt`` that
+serves the same export). It may import the OpenVINO side (:mod:`xeonsd.openvino`), the model files
+(:mod:`xeonsd.modelfiles`) and the top-level modules.
+"""

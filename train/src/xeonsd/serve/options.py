@@ -1,0 +1,215 @@
+"""What ``xeonsd serve`` serves, checked before anything is compiled: the options, the export and its adapters.
+
+``--adapter NAME=PATH[:ALPHA]`` registers a LoRA file (either layout ``xeonsd generate --lora`` takes) under NAME;
+a request's ``model`` picks the base (the export's name, or no ``model``) or one adapter. Every adapter is checked
+against the export as ``generate --lora`` checks it (family, what GenAI can apply, module names and shapes) and
+converted to the kohya layout GenAI applies (:mod:`xeonsd.openvino.lora_files`). On SDXL an adapter's
+text-encoder part cannot be switched per request (GenAI applies ``lora_te_`` to both text encoders alike, see
+:mod:`xeonsd.openvino.pipelines`), so such an adapter is refused with the fused export as the way out.
+
+``--workers auto`` is :func:`auto_workers`: one worker per :data:`CORES_PER_WORKER` core(s), the count that gave
+the most images/s in ``xeonsd bench serve`` here (docs/benchmarks.md, "Serving"), and no more workers than the
+memory holds: each is a compiled copy of the pipeline, estimated at :data:`PIPELINE_MEMORY` times the weights
+it compiles, within :data:`MEMORY_SHARE` of the memory available.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from xeonsd.openvino.manifest import StaticShape, read_manifest, static_shape
+from xeonsd.openvino.pipelines import manifest_family, text_side
+
+# Measured (docs/benchmarks.md, "Serving"): throughput is best with one worker per this many cores.
+CORES_PER_WORKER = 1
+PIPELINE_MEMORY = 1.5  # a compiled pipeline's memory over its weights' size (an estimate, not a measurement)
+MEMORY_SHARE = 0.8  # of MemAvailable, for the workers together
+COMPILED = ("unet", "text_encoder", "text_encoder_2", "vae_decoder")  # what a worker compiles
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class ServeError(ValueError):
+    """``xeonsd serve`` cannot serve this export or these options."""
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    name: str
+    path: Path
+    alpha: float = 1.0
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    export_dir: Path
+    adapters: tuple[AdapterSpec, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: int | str = "auto"  # a count, or "auto" (auto_workers)
+    queue: int = 8  # requests that may wait for a free worker; past it: 429
+    timeout: float = 300.0  # seconds from arrival to the last step; past it the request is cancelled (504)
+    max_images: int = 4  # the largest n of one request
+    max_steps: int = 100  # the largest num_inference_steps of one request
+    name: str | None = None  # the base model's name (default: the export directory's name)
+    write_ovms_config: Path | None = None
+
+
+@dataclass
+class ServedModel:
+    """The export and adapters as the pool compiles them (adapters converted into ``workdir``)."""
+
+    export_dir: Path
+    name: str
+    family: str
+    shape: StaticShape
+    concept_tokens: list[str]
+    adapters: dict[str, tuple[Path, float]] = field(default_factory=dict)  # name -> (GenAI file, alpha)
+    sources: dict[str, Path] = field(default_factory=dict)  # name -> the user's file
+
+    @property
+    def model_names(self) -> list[str]:
+        return [self.name, *self.adapters]
+
+
+def cpu_count() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def memory_available() -> int | None:
+    """MemAvailable in bytes (Linux), or None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def weights_bytes(export_dir: Path) -> int:
+    """The size of the weights a worker compiles."""
+    files = (Path(export_dir) / c / "openvino_model.bin" for c in COMPILED)
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
+def auto_workers(cores: int, weights: int = 0, available: int | None = None) -> int:
+    """One worker per CORES_PER_WORKER cores, as many as MEMORY_SHARE of ``available`` bytes holds."""
+    by_cores = max(1, cores // CORES_PER_WORKER)
+    if not weights or available is None:
+        return by_cores
+    return max(1, min(by_cores, int(available * MEMORY_SHARE // (weights * PIPELINE_MEMORY))))
+
+
+def resolve_workers(workers: int | str, cores: int, export_dir: Path | None = None) -> int:
+    if workers == "auto":
+        weights = weights_bytes(export_dir) if export_dir is not None else 0
+        return auto_workers(cores, weights, memory_available())
+    try:
+        count = int(workers)
+    except (TypeError, ValueError):
+        raise ServeError(f"--workers must be a positive count or auto, not {workers!r}") from None
+    if count < 1:
+        raise ServeError(f"--workers must be at least 1, not {count}")
+    if count > cores:
+        raise ServeError(f"--workers {count} is more than the {cores} core(s) this process may use")
+    return count
+
+
+def parse_adapter(spec: str) -> AdapterSpec:
+    """``NAME=PATH[:ALPHA]`` -> :class:`AdapterSpec`."""
+    from xeonsd.openvino.lora_files import parse_spec
+
+    name, sep, rest = spec.partition("=")
+    if not sep or not rest:
+        raise ServeError(f"--adapter {spec!r}: expected NAME=PATH[:ALPHA]")
+    if not NAME.match(name):
+        raise ServeError(f"--adapter {spec!r}: NAME must be letters, digits, '.', '_' or '-' (at most 64)")
+    path, alpha = parse_spec(rest)
+    return AdapterSpec(name=name, path=path, alpha=alpha)
+
+
+def check_options(opts: ServeOptions) -> None:
+    """The limits and names, before the export is read."""
+    for flag, value, low in (
+        ("--queue", opts.queue, 0),
+        ("--max-images", opts.max_images, 1),
+        ("--max-steps", opts.max_steps, 1),
+        ("--port", opts.port, 0),
+    ):
+        if value < low:
+            raise ServeError(f"{flag} must be at least {low}, not {value}")
+    if opts.timeout <= 0:
+        raise ServeError(f"--timeout must be positive, not {opts.timeout}")
+    names = [a.name for a in opts.adapters]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ServeError(f"--adapter name {dupes[0]!r} is given twice")
+    if opts.name is not None and not NAME.match(opts.name):
+        raise ServeError(f"--name {opts.name!r}: letters, digits, '.', '_' or '-' (at most 64)")
+
+
+def read_export(opts: ServeOptions) -> tuple[dict[str, Any], StaticShape, str]:
+    """The manifest, the static shape and the family; refuse an export GenAI cannot serve."""
+    export_dir = Path(opts.export_dir)
+    manifest = read_manifest(export_dir)
+    shape = static_shape(manifest)
+    if shape is None:
+        raise ServeError(
+            f"{export_dir} has dynamic shapes; serve needs a static export (xeonsd export SRC OUT --batch-size 1)"
+        )
+    family = manifest_family(manifest)
+    for _, tokenizer in text_side(family):
+        if not (export_dir / tokenizer / "openvino_tokenizer.xml").is_file():
+            raise ServeError(f"{export_dir} has no {tokenizer}/openvino_tokenizer.xml, which OpenVINO GenAI needs")
+    return manifest, shape, family
+
+
+def prepare(opts: ServeOptions, workdir: Path) -> ServedModel:
+    """Check the export and every adapter against it; write each adapter in GenAI's layout into ``workdir``."""
+    from xeonsd.openvino import lora_files
+
+    check_options(opts)
+    manifest, shape, family = read_export(opts)
+    export_dir = Path(opts.export_dir)
+    name = opts.name or export_dir.resolve().name
+    if not NAME.match(name):
+        raise ServeError(f"the export's name {name!r} is not a model name; give one with --name")
+    served = ServedModel(
+        export_dir=export_dir,
+        name=name,
+        family=family,
+        shape=shape,
+        concept_tokens=list(manifest.get("concept_tokens", [])),
+    )
+    if not opts.adapters:
+        return served
+    weights = lora_files.ir_weight_shapes(export_dir)
+    label = f"{export_dir} (exported from {manifest.get('source')})"
+    for i, spec in enumerate(opts.adapters):
+        if spec.name == name:
+            raise ServeError(f"--adapter {spec.name}: that is the base model's name; choose another")
+        if not spec.path.is_file():
+            raise ServeError(f"--adapter {spec.name}: LoRA file {spec.path} does not exist")
+        modules = lora_files.read_adapter(spec.path)
+        lora_files.check_family(spec.path, modules, family, label)
+        lora_files.check_genai_limits(spec.path, modules)
+        lora_files.check_fits(spec.path, modules, weights, label)
+        unet = lora_files.PREFIXES["unet"]
+        if family == "sdxl" and any(not k.startswith(unet) for k in modules):
+            raise ServeError(
+                f"--adapter {spec.name}: {spec.path} also adapts the text encoders, which OpenVINO GenAI cannot "
+                f"switch per request on SDXL; fuse it into an export instead: xeonsd export SRC OUT --lora {spec.path}"
+            )
+        converted = workdir / f"{i}-{spec.name}.safetensors"
+        lora_files.convert_for_genai(spec.path, converted, modules)
+        served.adapters[spec.name] = (converted, float(spec.alpha))
+        served.sources[spec.name] = spec.path
+    return served

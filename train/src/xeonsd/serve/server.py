@@ -1,0 +1,181 @@
+"""``xeonsd serve``'s process: check everything, listen, compile in the background, serve, stop cleanly.
+
+Order: the options, the export and every adapter are checked (a bad one is a one-line error and exit 2, before
+anything is compiled); uvicorn binds the address and logs ``listening on http://HOST:PORT``; the pool compiles its
+workers (``/v2/health/ready`` answers 503 meanwhile); then one line ``serving on http://HOST:PORT`` goes to stdout.
+SIGTERM or SIGINT cancel the requests in flight through the step callback (each is answered 503), uvicorn closes
+the connections, the workers' threads end, and the process exits 0. A compile that fails ends it with exit 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
+
+from xeonsd.serve.options import ServeError, ServeOptions, cpu_count, prepare, resolve_workers
+
+log = logging.getLogger(__name__)
+GRACE_S = 10  # seconds uvicorn waits for the connections of cancelled requests to close
+
+
+def _access_logging() -> None:
+    """The access log: bare JSON lines on stderr, not the package's log format."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access = logging.getLogger("xeonsd.serve.access")
+    access.handlers[:] = [handler]
+    access.setLevel(logging.INFO)
+    access.propagate = False
+
+
+def _server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, with the pool's cancellation on SIGTERM/SIGINT and exit 0 after it (uvicorn itself
+        re-raises the signal once shut down, which would end the process with -15)."""
+
+        pool: Any = None
+        listening: Any = None
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGTERM, signal.SIGINT)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            log.info("signal %d: cancelling the requests in flight and stopping", sig)
+            if self.pool is not None:
+                loop = getattr(self, "_loop", None)
+                if loop is not None:
+                    loop.call_soon_threadsafe(self.pool.cancel_all, "shutdown")
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+
+        async def startup(self, sockets: Any = None) -> None:
+            self._loop = asyncio.get_running_loop()
+            await super().startup(sockets=sockets)
+            if self.started and self.listening is not None:
+                self.listening()
+
+    return Server
+
+
+def bound_address(server: Any, host: str) -> str:
+    """``http://HOST:PORT`` of the socket uvicorn bound (``--port 0``: the port the kernel chose)."""
+    for srv in server.servers:
+        for sock in srv.sockets:
+            port = sock.getsockname()[1]
+            return f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+    return f"http://{host}:{server.config.port}"
+
+
+def serve(opts: ServeOptions, console: TextIO | None = None) -> int:
+    import uvicorn
+
+    from xeonsd.serve.app import create_app
+    from xeonsd.serve.metrics import Metrics
+    from xeonsd.serve.pool import PipelinePool
+
+    console = console or sys.stdout
+    _access_logging()
+    cores = cpu_count()
+    workers = resolve_workers(opts.workers, cores, Path(opts.export_dir))
+    threads = max(1, cores // workers)
+    with tempfile.TemporaryDirectory(prefix="xeonsd-serve-") as workdir:
+        served = prepare(opts, Path(workdir))
+        metrics = Metrics()
+        pool = PipelinePool(served, workers=workers, threads=threads, queue=opts.queue, metrics=metrics)
+        state: dict[str, Any] = {"rc": 0}
+
+        def on_ready() -> None:
+            if pool.failure is not None:
+                log.error("compiling the pipelines failed: %s", pool.failure)
+                print(f"xeonsd serve: error: compiling the pipelines failed: {pool.failure}", file=sys.stderr)
+                state["rc"] = 1
+                server.should_exit = True
+                return
+            asyncio.ensure_future(_announce())
+
+        async def _announce() -> None:
+            while not server.started and not server.should_exit:  # the compile can finish before the bind
+                await asyncio.sleep(0.02)
+            if server.started:
+                log.info("%d worker(s) x %d thread(s) compiled in %.1f s", workers, threads, pool.compile_s or 0)
+                print(f"serving on {bound_address(server, opts.host)}", file=console, flush=True)
+
+        app = create_app(served, opts, pool, metrics, on_ready)
+        config = uvicorn.Config(
+            app,
+            host=opts.host,
+            port=opts.port,
+            access_log=False,
+            log_config=None,
+            lifespan="on",
+            timeout_graceful_shutdown=GRACE_S,
+        )
+        server = _server_class()(config)
+        server.pool = pool
+        server.listening = lambda: log.info(
+            "listening on %s; compiling %d worker(s) of %s (%s), models: %s",
+            bound_address(server, opts.host),
+            workers,
+            served.export_dir,
+            served.shape.describe(),
+            ", ".join(served.model_names),
+        )
+        try:
+            server.run()
+        finally:
+            pool.cancel_all("shutdown")
+            pool.close()
+        if state["rc"] == 0 and not server.started:
+            raise ServeError(f"cannot listen on {opts.host}:{opts.port} (see the log above)")
+        return int(state["rc"])
+
+
+def main_args(args: Any, console: TextIO | None = None) -> int:
+    """Entry point of ``xeonsd serve`` (parsed by :mod:`xeonsd.cli`)."""
+    from xeonsd.serve.options import parse_adapter
+
+    workers: int | str = args.workers if args.workers == "auto" else _count(args.workers)
+    opts = ServeOptions(
+        export_dir=Path(args.export_dir),
+        adapters=tuple(parse_adapter(s) for s in args.adapter or []),
+        host=args.host,
+        port=args.port,
+        workers=workers,
+        queue=args.queue,
+        timeout=args.timeout,
+        max_images=args.max_images,
+        max_steps=args.max_steps,
+        name=args.name,
+        write_ovms_config=None if args.write_ovms_config is None else Path(args.write_ovms_config),
+    )
+    if opts.write_ovms_config is not None:
+        from xeonsd.serve.ovms import write_ovms_config
+
+        out = write_ovms_config(opts)
+        print(out, file=console or sys.stdout)
+        return 0
+    return serve(opts, console)
+
+
+def _count(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ServeError(f"--workers must be a positive count or auto, not {text!r}") from None
