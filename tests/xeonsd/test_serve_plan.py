@@ -47,7 +47,7 @@ def test_a_lora_run_serves_the_base_export_with_its_adapter_and_the_named_adapte
     served = {"dir": "/r/lora", "summary": LORA}
     extra = [{"name": "style-b", "dir": "/r/lora2", "summary": LORA, "alpha": 0.5}]
     p = plan(served, "/h/openvino-base/fp1-5x1-128x128-fp32", extra, alpha=0.8)
-    assert p["export"] == "/h/openvino-base/fp1-5x1-128x128-fp32" and p["method"] == "lora"
+    assert p["export"] == "/h/openvino-base/fp1-5x1-128x128-fp32" and p["method"] == "lora" and p["name"] == "base"
     assert p["adapters"] == [
         {"name": "lora", "run": "/r/lora", "path": "/r/lora/pytorch_lora_weights.safetensors", "alpha": 0.8},
         {"name": "style-b", "run": "/r/lora2", "path": "/r/lora2/pytorch_lora_weights.safetensors", "alpha": 0.5},
@@ -58,15 +58,16 @@ def test_a_lora_run_serves_the_base_export_with_its_adapter_and_the_named_adapte
         "serve", "/h/openvino-base/fp1-5x1-128x128-fp32",
         "--adapter", "lora=/r/lora/pytorch_lora_weights.safetensors:0.8",
         "--adapter", "style-b=/r/lora2/pytorch_lora_weights.safetensors:0.5",
-        "--host", "10.0.0.1", "--port", "8000", "--workers", "auto", "--max-images", "4",
+        "--name", "base", "--host", "10.0.0.1", "--port", "8000", "--workers", "auto", "--max-images", "4",
     ]  # fmt: skip
+    assert serve_argv(p, {"name": "sd15", "port": 8001})[-4:] == ["--name", "sd15", "--port", "8001"]
     with pytest.raises(ServePlanError, match="unknown xeonsd serve setting"):
         serve_argv(p, {"threads": 4})
 
 
 def test_a_full_fine_tune_serves_its_own_export_without_adapters() -> None:
     p = plan({"dir": "/r/full", "summary": FULL}, "/r/full/openvino")
-    assert (p["export"], p["adapters"], p["files"]) == ("/r/full/openvino", [], [])
+    assert (p["export"], p["name"], p["adapters"], p["files"]) == ("/r/full/openvino", "full", [], [])
     with pytest.raises(ServePlanError, match="full fine-tune.*serve_adapters=\\{\\}"):
         plan({"dir": "/r/full", "summary": FULL}, "/r/full/openvino", [{"name": "a", "dir": "/r/l", "summary": LORA}])
 

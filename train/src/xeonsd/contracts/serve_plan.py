@@ -7,8 +7,9 @@ run's ``openvino`` link names. It gets back the plan, or a :class:`ServePlanErro
 
 * :func:`run_dir`: ``serve_run`` (``latest``, a run's name under ``runs_dir``, or an absolute path) as a path;
 * :func:`adapter_runs`: ``serve_adapters`` (``{name: run}`` or ``{name: {run, alpha}}``) checked and in order;
-* :func:`plan`: the export to serve and the LoRA files to register by name (``{export, method, base_model_fingerprint,
-  adapters: [{name, run, path, alpha}], files}``); ``files`` are what every serving node needs, by absolute path;
+* :func:`plan`: the export to serve, the base model's name in requests and the LoRA files to register by name
+  (``{export, name, method, base_model_fingerprint, adapters: [{name, run, path, alpha}], files}``); ``files`` are
+  what every serving node needs, by absolute path;
 * :func:`serve_argv`: ``xeonsd serve EXPORT --adapter NAME=PATH:ALPHA … --host … --port …`` of a plan.
 
 Standard library only (the filter plugins import it).
@@ -28,7 +29,7 @@ ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # A run's name under runs_dir (what finetune_run_id makes, or latest).
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # xeonsd serve's settings that serve_argv turns into flags, by flag name (the role's serve_<name> variables).
-SERVE_FLAGS = ("host", "port", "workers", "queue", "timeout", "max-images")
+SERVE_FLAGS = ("name", "host", "port", "workers", "queue", "timeout", "max-images")
 
 
 class ServePlanError(ValueError):
@@ -177,8 +178,15 @@ def plan(
                 "alpha": _alpha(adapter.get("alpha", alpha), name),
             }
         )
+    # The base's name in requests: the base model's (its directory or Hub name) under a LoRA run, the run's own for a
+    # full fine-tune; None (xeonsd serve's default, the export directory's name) where it is no valid model name.
+    base = posixpath.basename(str(served["summary"].get("base_model", "")).rstrip("/"))
+    name = base if method == "lora" else posixpath.basename(where.rstrip("/"))
+    if not ADAPTER_NAME.match(name) or name in (r["name"] for r in registered):
+        name = None
     return {
         "export": export_dir,
+        "name": name,
         "method": method,
         "base_model_fingerprint": fingerprint,
         "adapters": registered,
@@ -192,9 +200,11 @@ def adapter_arg(adapter: Mapping[str, Any]) -> str:
 
 
 def serve_argv(served: Mapping[str, Any], settings: Mapping[str, Any]) -> list[str]:
-    """``["serve", EXPORT, "--adapter", "NAME=PATH:ALPHA", …, "--host", …]`` of a plan; ``settings`` has the flags
-    of :data:`SERVE_FLAGS` (``max-images`` also as ``max_images``); an empty one is left to xeonsd's default."""
+    """``["serve", EXPORT, "--adapter", "NAME=PATH:ALPHA", …, "--name", …, "--host", …]`` of a plan; ``settings``
+    has the flags of :data:`SERVE_FLAGS` (``max-images`` also as ``max_images``); an empty one is left to xeonsd's
+    default (``name``: the plan's)."""
     argv = ["serve", served["export"]]
+    settings = {"name": served.get("name") or "", **{k: v for k, v in settings.items() if v not in (None, "")}}
     for adapter in served["adapters"]:
         argv += ["--adapter", adapter_arg(adapter)]
     unknown = sorted(set(settings) - {*SERVE_FLAGS, *(f.replace("-", "_") for f in SERVE_FLAGS)})
