@@ -110,6 +110,28 @@ def _method(summary: Mapping[str, Any], where: str) -> str:
     return method
 
 
+def _adapter(adapter: Mapping[str, Any], served: Mapping[str, Any], alpha: Any) -> dict[str, Any]:
+    """One serve_adapters entry (``{name, dir, summary, alpha}``) checked against the served run: a LoRA run of its
+    base model."""
+    name, adir, summary = adapter["name"], adapter["dir"], adapter["summary"]
+    if _method(summary, adir) != "lora":
+        raise ServePlanError(
+            f"serve_adapters: {name} names {adir}, a {summary['method']} run, not LoRA. Fix: name a LoRA run."
+        )
+    if summary.get("base_model_fingerprint", "") != served["summary"].get("base_model_fingerprint", ""):
+        raise ServePlanError(
+            f"serve_adapters: {name} ({adir}) was trained on another base model than serve_run {served['dir']} "
+            f"({summary.get('base_model')} vs {served['summary'].get('base_model')}). Fix: name LoRA runs of the "
+            "served run's base."
+        )
+    return {
+        "name": name,
+        "run": adir,
+        "path": posixpath.join(adir, summary["result"]["path"]),
+        "alpha": _alpha(adapter.get("alpha", alpha), name),
+    }
+
+
 def plan(
     served: Mapping[str, Any],
     export_dir: str,
@@ -154,30 +176,12 @@ def plan(
             "on the base model. Fix: serve a LoRA run of that base (-e serve_run=RUN), or serve_adapters={}."
         )
     for adapter in adapters:
-        name, adir = adapter["name"], adapter["dir"]
-        if _method(adapter["summary"], adir) != "lora":
+        if adapter["name"] in (r["name"] for r in registered):
             raise ServePlanError(
-                f"serve_adapters: {name} names {adir}, a {adapter['summary']['method']} run, not LoRA. Fix: name a "
-                "LoRA run."
+                f"serve_adapters: {adapter['name']} is registered twice (serve_run's adapter takes its run's name). "
+                "Fix: rename it."
             )
-        if adapter["summary"].get("base_model_fingerprint", "") != fingerprint:
-            raise ServePlanError(
-                f"serve_adapters: {name} ({adir}) was trained on another base model than serve_run {where} "
-                f"({adapter['summary'].get('base_model')} vs {served['summary'].get('base_model')}). Fix: name LoRA "
-                "runs of the served run's base."
-            )
-        if name in (r["name"] for r in registered):
-            raise ServePlanError(
-                f"serve_adapters: {name} is registered twice (serve_run's adapter takes its run's name). Fix: rename it."
-            )
-        registered.append(
-            {
-                "name": name,
-                "run": adir,
-                "path": posixpath.join(adir, adapter["summary"]["result"]["path"]),
-                "alpha": _alpha(adapter.get("alpha", alpha), name),
-            }
-        )
+        registered.append(_adapter(adapter, served, alpha))
     # The base's name in requests: the base model's (its directory or Hub name) under a LoRA run, the run's own for a
     # full fine-tune; None (xeonsd serve's default, the export directory's name) where it is no valid model name.
     base = posixpath.basename(str(served["summary"].get("base_model", "")).rstrip("/"))
