@@ -87,7 +87,7 @@ class Client(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.is_set():
-            code, answer = self.front.image("second" if len(self.codes) % 2 else None)
+            code, answer = self.front.image("lora" if len(self.codes) % 2 else None)  # models every node has
             self.codes.append(code)
             if code != 200:
                 self.errors.append((code, answer))
