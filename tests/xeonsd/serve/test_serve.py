@@ -137,6 +137,8 @@ BAD = [  # (body, status, the field the error names, words of its message)
     ({"prompt": PROMPT, "model": "nope"}, 404, "model", "known models: base, toy"),
     ({"prompt": PROMPT, "num_inference_steps": -1}, 400, "num_inference_steps", f"1..{LONG}"),
     ({"prompt": PROMPT, "num_inference_steps": 10**9}, 400, "num_inference_steps", f"1..{LONG}"),
+    ({"prompt": PROMPT, "rng_seed": -1}, 400, "rng_seed", "0..4294967295"),
+    ({"prompt": PROMPT, "rng_seed": 2**32}, 400, "rng_seed", "0..4294967295"),
     ({"prompt": ""}, 400, "prompt", "must not be empty"),
     ({"prompt": "   "}, 400, "prompt", "must not be empty"),
     ({"n": 1}, 400, "prompt", "required"),

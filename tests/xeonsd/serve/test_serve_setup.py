@@ -11,6 +11,8 @@ from safetensors.numpy import save_file
 
 from xeonsd import cli
 
+pytestmark = pytest.mark.xdist_group("xeonsd-serve")  # beside test_serve.py: the adapter is made once
+
 
 def _refusal(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     assert cli.main(["serve", *argv]) == 2
@@ -35,6 +37,10 @@ def test_bad_options_are_refused_before_anything_is_compiled(
         {"lora_unet_nowhere.lora_down.weight": _ones(2, 8), "lora_unet_nowhere.lora_up.weight": _ones(8, 2)}, other
     )
     assert "other.safetensors" in _refusal(capsys, str(ov_base), f"--adapter=o={other}")
+    xl = tmp_path / "xl.safetensors"  # an SDXL adapter (it adapts a second text encoder) on the SD export
+    te2 = "lora_te2_text_model_encoder_layers_0_self_attn_q_proj"
+    save_file({f"{te2}.lora_down.weight": _ones(2, 8), f"{te2}.lora_up.weight": _ones(8, 2)}, xl)
+    assert "made for SDXL" in _refusal(capsys, str(ov_base), f"--adapter=x={xl}")
 
 
 def _ones(*shape: int):

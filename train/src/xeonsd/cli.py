@@ -114,49 +114,6 @@ def _generate(args: argparse.Namespace) -> int:
     return _quietly(args, args.out, lambda console: main_args(args, console))
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from xeonsd.serve.server import main_args
-
-    return main_args(args)
-
-
-def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "serve",
-        help="serve an export over HTTP: the OpenAI/OVMS images API with per-request LoRA (docs/serving.md)",
-        description="Serve EXPORT_DIR (written by `xeonsd export`, static shape) on POST /v3/images/generations and "
-        "/v1/images/generations, with GET /v1/models, /v2/health/live, /v2/health/ready and /metrics.",
-    )
-    p.add_argument("export_dir", help="directory written by `xeonsd export`")
-    p.add_argument(
-        "--adapter",
-        action="append",
-        metavar="NAME=PATH[:ALPHA]",
-        help="register a LoRA file under NAME (a request's model picks it; repeat for several; ALPHA default 1.0)",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
-    p.add_argument(
-        "--workers",
-        default="auto",
-        metavar="N|auto",
-        help="pipelines generating at once, each on its share of the cores (auto: one per core, as many as "
-        "the memory holds; docs/serving.md)",
-    )
-    p.add_argument("--queue", type=int, default=8, help="requests that may wait for a worker; past it: 429")
-    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS", help="cancel a request past this (504)")
-    p.add_argument("--max-images", type=int, default=4, metavar="N", help="the largest n of a request")
-    p.add_argument("--max-steps", type=int, default=100, metavar="N", help="the largest num_inference_steps")
-    p.add_argument("--name", help="the base model's name in requests (default: the export directory's name)")
-    p.add_argument(
-        "--write-ovms-config",
-        metavar="DIR",
-        help="write an OpenVINO Model Server config (graph.pbtxt, config.json) serving the same export and "
-        "adapters to DIR, and exit",
-    )
-    p.set_defaults(func=_serve)
-
-
 def _add_console_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-v",
@@ -357,7 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_export_parser(sub)
     _add_generate_parser(sub)
-    _add_serve_parser(sub)
+    from xeonsd.serve.command import add_parser as add_serve_parser  # argparse only: cheap to import
+
+    add_serve_parser(sub)
 
     sub.add_parser(
         "doctor", help="check this node and train one step with the job's arguments (`-- TRAIN_ARGS`)", add_help=False

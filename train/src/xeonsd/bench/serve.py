@@ -67,7 +67,10 @@ def start_server(export_dir: Path, workers: int, args: argparse.Namespace) -> Se
             server.port = int(m[1])
             threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain the rest
             return server
-    raise SystemExit(f"xeonsd bench serve: error: xeonsd serve --workers {workers} exited with {proc.wait()}")
+    raise SystemExit(
+        f"xeonsd bench serve: error: xeonsd serve --workers {workers} exited with {proc.wait()}; run "
+        f"`xeonsd serve {export_dir} --workers {workers}` to see why"
+    )
 
 
 def stop_server(server: Server) -> int:

@@ -5,7 +5,7 @@ path), ``GET /v1/models`` and ``GET /v3/models`` (the base model, then the adapt
 (200 while the process serves), ``GET /v2/health/ready`` (200 once every pipeline is compiled, 503 before),
 ``GET /metrics`` (Prometheus text format).
 
-Statuses: 200; 400 a bad field (``error.param`` names it); 404 an unknown model (the message lists the known
+Statuses: 200; 500 a failure inside the pipeline (logged with its traceback; the server goes on); 400 a bad field (``error.param`` names it); 404 an unknown model (the message lists the known
 ones); 429 the queue is full (``Retry-After``); 503 not ready yet, or shutting down; 504 past ``--timeout``; 499
 (logged and counted only: nobody is left to read it) the client went away and the request was cancelled.
 """
@@ -26,6 +26,7 @@ from xeonsd.serve.options import ServedModel, ServeOptions
 from xeonsd.serve.pool import Busy, Cancelled, Job, NotReady, PipelinePool
 from xeonsd.serve.requests import Limits, RequestError, parse_body, validate
 
+log = logging.getLogger(__name__)
 access_log = logging.getLogger("xeonsd.serve.access")
 IMAGE_PATHS = ("/v3/images/generations", "/v1/images/generations")
 CLIENT_GONE = 499
@@ -89,18 +90,10 @@ async def _watch_disconnect(receive: Callable, job: Job) -> None:
             return
 
 
-def create_app(
-    served: ServedModel, opts: ServeOptions, pool: PipelinePool, metrics: Metrics, on_ready: Callable[[], None]
-) -> Any:
-    from starlette.applications import Starlette
+def _images_handler(limits: Limits, timeout: float, pool: PipelinePool, metrics: Metrics) -> Callable:
+    """The handler of both image paths: validate, queue, generate, answer (or cancel)."""
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response
-    from starlette.routing import Route
-
-    limits = Limits(
-        shape=served.shape, models=tuple(served.model_names), max_images=opts.max_images, max_steps=opts.max_steps
-    )
-    created = int(time.time())
 
     async def images(request: Request) -> Response:
         arrived = time.monotonic()
@@ -112,7 +105,7 @@ def create_app(
             access["error"] = str(exc)
             return JSONResponse(exc.body(), status_code=exc.status)
         access.update(model=req.model, n=req.n, steps=req.steps, seed=req.seed)
-        job = Job(request=req, deadline=arrived + opts.timeout, timeout=opts.timeout)
+        job = Job(request=req, deadline=arrived + timeout, timeout=timeout)
         watcher = asyncio.ensure_future(_watch_disconnect(request.receive, job))
         try:
             data = await pool.run(job)
@@ -126,10 +119,31 @@ def create_app(
                 access["status"] = CLIENT_GONE
                 return Response(status_code=CLIENT_GONE)
             return _error(504 if exc.reason == "timeout" else 503, str(exc), kind=exc.reason)
+        except Exception as exc:  # a failure inside the pipeline: this request fails, the server goes on
+            log.exception("request failed: %s", exc)
+            access["error"] = f"{type(exc).__name__}: {exc}"
+            return _error(500, f"generation failed: {type(exc).__name__}: {exc}")
         finally:
             watcher.cancel()
         metrics.images.labels(req.model).inc(len(data))
         return JSONResponse({"created": int(time.time()), "data": [{"b64_json": b} for b in data]})
+
+    return images
+
+
+def create_app(
+    served: ServedModel, opts: ServeOptions, pool: PipelinePool, metrics: Metrics, on_ready: Callable[[], None]
+) -> Any:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    limits = Limits(
+        shape=served.shape, models=tuple(served.model_names), max_images=opts.max_images, max_steps=opts.max_steps
+    )
+    created = int(time.time())
+    images = _images_handler(limits, opts.timeout, pool, metrics)
 
     async def models(request: Request) -> Response:
         rows = [{"id": name, "object": "model", "created": created, "owned_by": "xeonsd"} for name in limits.models]

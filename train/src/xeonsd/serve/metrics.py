@@ -7,8 +7,8 @@
 * ``xeonsd_serve_images_total{model}``: images returned;
 * ``xeonsd_serve_step_seconds``: seconds per denoising step (a call's time over its steps, VAE and text encoder
   included: what a step costs a client);
-* ``xeonsd_serve_cancelled_total{reason}``: generations stopped through GenAI's step callback (timeout,
-  disconnect, shutdown);
+* ``xeonsd_serve_cancelled_total{reason}``: requests cancelled (timeout, disconnect, shutdown), waiting in the
+  queue or generating (then stopped through GenAI's step callback);
 * ``xeonsd_serve_rejected_total{param}``: requests refused as invalid, by the field named in the error;
 * ``xeonsd_serve_ready``: 1 once every pipeline is compiled.
 """
@@ -48,7 +48,7 @@ class Metrics:
             "xeonsd_serve_step_seconds", "Seconds per denoising step", buckets=STEP_BUCKETS, registry=r
         )
         self.cancelled = Counter(
-            "xeonsd_serve_cancelled", "Generations stopped through the step callback", ["reason"], registry=r
+            "xeonsd_serve_cancelled", "Requests cancelled, waiting or generating", ["reason"], registry=r
         )
         self.rejected = Counter("xeonsd_serve_rejected", "Invalid requests by the field refused", ["param"], registry=r)
         self.ready = Gauge("xeonsd_serve_ready", "1 once every pipeline is compiled", registry=r)

@@ -3,10 +3,10 @@ with the same adapters, for sites that already run OVMS.
 
 OVMS routes an images request to the servable its ``model`` field names, so DIR holds one MediaPipe graph per model
 ``xeonsd serve`` would answer to: ``DIR/<base>/graph.pbtxt`` (the export), and ``DIR/<adapter>/graph.pbtxt`` for each
-``--adapter`` (the export with that adapter registered in ``lora_adapters``, the ``ImageGenCalculatorOptions``
-field of OVMS 2025.3 and later). The adapters are written in the kohya layout GenAI applies
-(``DIR/adapters/<name>.safetensors``, converted as ``xeonsd serve`` converts them); the graphs point at the export
-by its absolute path. ``DIR/config.json`` lists the graphs: ``ovms --config_path DIR/config.json --rest_port 8000``.
+``--adapter`` (the export with that adapter registered in ``lora_adapters``, a field of ``ImageGenCalculatorOptions``
+in current OVMS sources: a release without it refuses that graph). The adapters are written in the kohya layout
+GenAI applies (``DIR/adapters/<name>.safetensors``, converted as ``xeonsd serve`` converts them); the graphs point
+at the export by its absolute path. ``DIR/config.json`` lists the graphs: ``ovms --config_path DIR/config.json --rest_port 8000``.
 Each graph compiles a pipeline of its own (OVMS does not share one between graphs), and the static shape is the
 export's (``resolution``, ``num_images_per_prompt``, ``guidance_scale``: OVMS reshapes to it at load).
 """

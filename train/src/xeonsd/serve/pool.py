@@ -12,7 +12,8 @@
   :class:`Job` holds a flag that the deadline (``--timeout``), the client going away and a shutdown set, and the
   callback returns it, so a cancelled request frees its worker within one step.
 * A request of ``n`` images runs ``ceil(n / images per call)`` calls of the static batch, call k with seed
-  ``rng_seed + k`` (as ``xeonsd generate`` seeds its calls), and returns the first ``n`` images.
+  ``rng_seed + k`` (as ``xeonsd generate`` seeds its calls; modulo 2**32, GenAI's seed range), and returns the first
+  ``n`` images.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from xeonsd.serve.requests import ImageRequest
 
 log = logging.getLogger(__name__)
 WARMUP_STEPS = 1
+SEEDS = 2**32  # GenAI's TorchGenerator takes an unsigned 32-bit seed; call k's seed + k wraps around
 
 
 class NotReady(RuntimeError):
@@ -214,6 +216,7 @@ class PipelinePool:
             if getter.done():
                 self._free.put_nowait(getter.result())
             job.should_stop()  # marks a timeout
+            self.metrics.cancelled.labels(job.reason).inc()
             raise job.error()
         finally:
             for task in (getter, woken):
@@ -270,7 +273,7 @@ class PipelinePool:
             guidance_scale=guidance,
             height=shape.height,
             width=shape.width,
-            generator=openvino_genai.TorchGenerator(seed),
+            generator=openvino_genai.TorchGenerator(seed % SEEDS),
             adapters=worker.configs[model],
             callback=callback,
             **kwargs,

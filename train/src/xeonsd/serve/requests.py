@@ -4,9 +4,9 @@ Accepted (``POST /v3/images/generations``, ``/v1/images/generations``): ``prompt
 ``model`` (the base model's name or a registered adapter; absent: the base), ``n`` (1..``--max-images``),
 ``size`` (``WxH``, only the export's static shape; ``auto`` or absent: that shape), ``response_format``
 (``b64_json``, the only one: no image is stored to link to), and from OVMS ``num_inference_steps``
-(1..``--max-steps``, default 20), ``rng_seed`` (absent: a random seed, returned nowhere: give one to reproduce an
-image), ``guidance_scale`` (> 1: the static export runs classifier-free guidance at batch 2) and
-``negative_prompt``, ``num_images_per_prompt`` (OVMS's name for ``n``), ``height`` and ``width`` (the static
+(1..``--max-steps``, default 20), ``rng_seed`` (0..2**32-1, GenAI's seed range; absent: a random seed, logged
+in the access line: give one to reproduce an image), ``guidance_scale`` (> 1: the static export runs
+classifier-free guidance at batch 2), ``negative_prompt``, ``num_images_per_prompt`` (OVMS's name for ``n``), ``height`` and ``width`` (the static
 shape's, like ``size``). The OpenAI ``user`` is accepted and ignored; any other field is refused, naming it, as OVMS
 refuses the OpenAI fields that choose among a hosted model's options (``quality``, ``style``, ``background``, …).
 """
@@ -133,7 +133,7 @@ def validate(body: dict[str, Any], limits: Limits) -> ImageRequest:
         raise RequestError(f"n {n} and num_images_per_prompt {per_prompt} disagree; give one", "num_images_per_prompt")
     n = n or per_prompt or 1
     steps = _int(body, "num_inference_steps", min(DEFAULT_STEPS, limits.max_steps), 1, limits.max_steps, "--max-steps")
-    seed = _int(body, "rng_seed", None, 0, 2**63 - 1, "a non-negative 64-bit integer")
+    seed = _int(body, "rng_seed", None, 0, 2**32 - 1, "an unsigned 32-bit integer, GenAI's seed")
     shape = limits.shape
     size = body.get("size")
     if size not in (None, "auto", f"{shape.width}x{shape.height}"):
@@ -168,7 +168,7 @@ def validate(body: dict[str, Any], limits: Limits) -> ImageRequest:
         model=str(model),
         n=int(n),  # type: ignore[arg-type]
         steps=int(steps),  # type: ignore[arg-type]
-        seed=random.SystemRandom().randrange(2**31) if seed is None else seed,
+        seed=random.SystemRandom().randrange(2**32) if seed is None else seed,
         guidance_scale=float(guidance),
         negative_prompt=_text(body, "negative_prompt"),
     )
