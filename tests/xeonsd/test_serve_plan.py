@@ -4,6 +4,7 @@ runs it refuses with the variable to fix, and the xeonsd serve command line that
 from __future__ import annotations
 
 import pytest
+
 from xeonsd.contracts.serve_plan import ServePlanError, adapter_runs, plan, run_dir, serve_argv
 
 LORA = {
