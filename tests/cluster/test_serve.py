@@ -99,7 +99,7 @@ def test_serve_yml_behind_one_front_survives_a_killed_node_and_rolls_out_a_secon
     runs = controller_runs(provisioned)
     if not (runs / "lora" / "run.json").exists():
         pytest.fail("no LoRA run to serve: test_finetune_methods.py trains it first, in the same session")
-    shape = json.loads((runs / "lora" / "openvino" / "xeonsd_export.json").read_text())
+    shape = json.loads((runs / "lora" / "openvino" / "xeonsd_export.json").read_text())["static_shape"]
     front = Front(provisioned)
 
     def serve(name: str, *args: str):  # noqa: ANN202 - runner.PlaybookRun
