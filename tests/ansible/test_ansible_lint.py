@@ -27,5 +27,7 @@ def test_ansible_lint_production_profile_is_clean() -> None:
 
 
 def test_playbooks_parse() -> None:
-    result = run("ansible-playbook", "--syntax-check", "provision.yml", "doctor.yml", "finetune.yml", "export.yml")
+    result = run(
+        "ansible-playbook", "--syntax-check", "provision.yml", "doctor.yml", "finetune.yml", "export.yml", "serve.yml"
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -10,7 +10,7 @@ import subprocess
 import yaml
 from repo_code import REPO, VENV_BIN
 
-PLAYBOOKS = ("provision.yml", "doctor.yml", "finetune.yml", "export.yml")
+PLAYBOOKS = ("provision.yml", "doctor.yml", "finetune.yml", "export.yml", "serve.yml")
 
 
 def run(*argv: str) -> subprocess.CompletedProcess:

@@ -14,12 +14,14 @@ from pathlib import Path
 import yaml
 
 ROLES = Path(__file__).resolve().parents[2] / "roles"
-# The roles' OS packages for Debian/Ubuntu, as (vars file, its list variable): what the system_packages role, and
-# the slurm role with slurm_install: true, would install on a real node. The slurm role's too, whether or not a
-# test turns it on: a node here cannot download them, and the packages start no daemon (the role starts them).
+# The roles' OS packages for Debian/Ubuntu, as (vars file, its list variable): what the system_packages role, the
+# slurm role with slurm_install: true and serve.yml's front (HAProxy) would install on a real node. The slurm
+# role's and HAProxy too, whether or not a test turns them on: a node here cannot download them, and the packages
+# start no daemon here (the roles start them).
 ROLE_PACKAGE_LISTS = (
     (ROLES / "system_packages" / "vars" / "Debian.yml", "system_packages_os"),
     (ROLES / "slurm" / "vars" / "Debian.yml", "slurm_packages"),
+    (ROLES / "serve_frontend" / "vars" / "Debian.yml", "serve_frontend_packages"),
 )
 # What every node needs before Ansible can reach it (besides the roles' own OS packages).
 BASE_PACKAGES = ("openssh-server", "sudo", "python3", "python3-apt", "iproute2", "util-linux")

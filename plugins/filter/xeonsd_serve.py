@@ -1,0 +1,116 @@
+"""The serve and serve_frontend roles' logic (serve.yml): what to serve, its command line, the files every node
+needs, and what HAProxy's statistics say of each node.
+
+What is served is xeonsd's contract (train/src/xeonsd/contracts/serve_plan.py, standard library only), which this
+plugin loads from the repository on the controller:
+
+    "{{ serve_run | xeonsd_serve_run_dir(runs_dir) }}": the run's directory (latest, a name, or a path)
+    "{{ serve_adapters | xeonsd_serve_adapter_runs(serve_lora_alpha) }}": [{name, run, alpha}]
+    "{{ slurped.results | xeonsd_serve_plan(adapter_runs, export_dir, alpha) }}": {export, adapters, files, …}
+    "{{ plan | xeonsd_serve_argv(settings) }}": ["serve", EXPORT, "--adapter", …, "--port", …]
+    "{{ found | xeonsd_serve_files(stats) }}": {absolute path: sha1} of an export's find and the adapters' stats
+    "{{ node_files | xeonsd_serve_files_to_pull(expected) }}": the paths a node lacks or holds changed
+    "{{ csv | xeonsd_haproxy_servers(backend) }}": {server: status} of HAProxy's CSV statistics
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import io
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+# xeonsd's contracts (train/src/xeonsd/contracts: standard library only) from this repository's source tree.
+_SRC = str(Path(__file__).resolve().parents[2] / "train" / "src")
+if _SRC not in sys.path:
+    sys.path.insert(0, _SRC)
+from xeonsd.contracts import serve_plan  # noqa: E402
+
+ServePlanError = serve_plan.ServePlanError
+
+
+def serve_run_dir(run: Any, runs_dir: str) -> str:
+    return serve_plan.run_dir(run, runs_dir)
+
+
+def serve_adapter_runs(adapters: Any, alpha: Any = 1.0) -> list[dict[str, Any]]:
+    return serve_plan.adapter_runs(adapters, alpha)
+
+
+def _run(result: Mapping[str, Any]) -> dict[str, Any]:
+    """``{dir, summary}`` of one item of the serve role's slurp loop over the runs' stat results."""
+    st = result["item"]["stat"]
+    try:
+        summary = json.loads(base64.b64decode(result["content"]))
+    except (KeyError, ValueError) as e:
+        raise ServePlanError(f"{result['item']['item']}/train_summary.json cannot be read: {e!r}") from None
+    return {"dir": st.get("lnk_source") or result["item"]["item"], "summary": summary}
+
+
+def serve_plan_of(
+    summaries: Sequence[Mapping[str, Any]], adapters: Sequence[Mapping[str, Any]], export_dir: str, alpha: Any = 1.0
+) -> dict[str, Any]:
+    """The plan (serve_plan.plan) from the serve role's slurp loop of train_summary.json: the served run's first,
+    then serve_adapters' runs in the order of ``adapters`` (xeonsd_serve_adapter_runs)."""
+    if len(summaries) != len(adapters) + 1:
+        raise ValueError(f"xeonsd_serve_plan: {len(summaries)} summaries for 1 run and {len(adapters)} adapters")
+    runs = [_run(r) for r in summaries]
+    named = [{**runs[i + 1], "name": a["name"], "alpha": a["alpha"]} for i, a in enumerate(adapters)]
+    return serve_plan.plan(runs[0], export_dir, named, alpha=alpha)
+
+
+def serve_argv(plan: Mapping[str, Any], settings: Mapping[str, Any]) -> list[str]:
+    return serve_plan.serve_argv(plan, settings)
+
+
+def serve_files(found: Sequence[Mapping[str, Any]], stats: Sequence[Mapping[str, Any]] = ()) -> dict[str, str]:
+    """``{absolute path: sha1}`` of ``ansible.builtin.find``'s files (``get_checksum: true``) and of the ``stat``
+    results of single files (a loop's ``results``: a missing file is left out, so the comparison names it)."""
+    if isinstance(found, (str, Mapping)) or not isinstance(found, Sequence):
+        raise TypeError(f"xeonsd_serve_files: expected the 'files' list of a find result, got {type(found).__name__}")
+    out: dict[str, str] = {}
+    for f in found:
+        if "checksum" not in f:
+            raise ValueError(f"xeonsd_serve_files: {f.get('path', f)} has no checksum (find needs get_checksum: true)")
+        out[f["path"]] = f["checksum"]
+    for result in stats:
+        st = result.get("stat") or {}
+        if st.get("exists"):
+            if "checksum" not in st:
+                raise ValueError(f"xeonsd_serve_files: {st.get('path')} has no checksum (stat needs get_checksum)")
+            out[st["path"]] = st["checksum"]
+    return dict(sorted(out.items()))
+
+
+def serve_files_to_pull(node: Mapping[str, str], expected: Mapping[str, str]) -> list[str]:
+    """The files of ``expected`` (``{path: sha1}``) that ``node`` lacks or holds with another checksum."""
+    return sorted(path for path, sha in expected.items() if node.get(path) != sha)
+
+
+def haproxy_servers(text: str, backend: str) -> dict[str, str]:
+    """``{server: status}`` (UP, DOWN, MAINT, ``UP 1/2``, …) of ``backend`` in HAProxy's CSV statistics (the stats
+    page's ``;csv``; its first line starts with ``# ``)."""
+    lines = str(text).lstrip("# ").splitlines()
+    rows = csv.DictReader(io.StringIO("\n".join(lines)))
+    if rows.fieldnames is None or not {"pxname", "svname", "status"} <= set(rows.fieldnames):
+        raise ValueError(f"xeonsd_haproxy_servers: not HAProxy's CSV statistics: {str(text)[:120]!r}")
+    return {
+        r["svname"]: r["status"] for r in rows if r["pxname"] == backend and r["svname"] not in ("FRONTEND", "BACKEND")
+    }
+
+
+class FilterModule:
+    def filters(self) -> dict:
+        return {
+            "xeonsd_serve_run_dir": serve_run_dir,
+            "xeonsd_serve_adapter_runs": serve_adapter_runs,
+            "xeonsd_serve_plan": serve_plan_of,
+            "xeonsd_serve_argv": serve_argv,
+            "xeonsd_serve_files": serve_files,
+            "xeonsd_serve_files_to_pull": serve_files_to_pull,
+            "xeonsd_haproxy_servers": haproxy_servers,
+        }

@@ -1,0 +1,134 @@
+"""serve.yml's Ansible code: the filter that reads HAProxy's CSV statistics and lists the files a node must copy,
+and the xeonsd_daemon module (ansible-playbook, local connection) that keeps a process by a pid file checked to be
+ours: started once, left alone while current, restarted when outdated, a pid file naming someone else's process
+never signalled."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from repo_code import ansible_code, local_playbook
+
+serve = ansible_code("xeonsd_serve")
+
+# HAProxy 2.6's ;csv header (as the serve_frontend role's stats page gives it), and rows with the fields the filter
+# reads: one node UP, one DOWN after its server was killed, one in maintenance, then the backend's own line.
+HEADER = (
+    "# pxname,svname,qcur,qmax,scur,smax,slim,stot,bin,bout,dreq,dresp,ereq,econ,eresp,wretr,wredis,status,weight,"
+    "act,bck,chkfail,chkdown,lastchg,downtime,qlimit,pid,iid,sid,throttle,lbtot,tracked,type,rate,rate_lim,rate_max,"
+    "check_status,check_code,check_duration"
+)
+
+
+def row(px: str, sv: str, status: str) -> str:
+    return ",".join([px, sv] + [""] * 15 + [status] + [""] * 21)
+
+
+def test_haproxy_statistics_give_each_node_state_of_the_backend_only() -> None:
+    csv = "\n".join(
+        [HEADER, row("xeonsd_serve_front", "FRONTEND", "OPEN"), row("xeonsd_serve", "node1", "UP"),
+         row("xeonsd_serve", "node2", "DOWN"), row("xeonsd_serve", "node3", "MAINT"),
+         row("xeonsd_serve", "BACKEND", "UP"), row("other", "node9", "UP")]
+    ) + "\n"  # fmt: skip
+    assert serve.haproxy_servers(csv, "xeonsd_serve") == {"node1": "UP", "node2": "DOWN", "node3": "MAINT"}
+    try:
+        serve.haproxy_servers("<html>503 Service Unavailable</html>", "xeonsd_serve")
+    except ValueError as e:
+        assert "not HAProxy's CSV statistics" in str(e)
+    else:
+        raise AssertionError("a page that is not the CSV statistics was read as one")
+
+
+def test_a_node_pulls_the_files_it_lacks_or_holds_changed() -> None:
+    found = [{"path": "/e/unet.xml", "checksum": "a"}, {"path": "/e/unet.bin", "checksum": "b"}]
+    stats = [{"stat": {"exists": True, "path": "/r/l.safetensors", "checksum": "c"}}, {"stat": {"exists": False}}]
+    expected = {"/e/unet.xml": "a", "/e/unet.bin": "B", "/r/l.safetensors": "c", "/r/m.safetensors": "d"}
+    node = serve.serve_files(found, stats)
+    assert node == {"/e/unet.bin": "b", "/e/unet.xml": "a", "/r/l.safetensors": "c"}
+    assert serve.serve_files_to_pull(node, expected) == ["/e/unet.bin", "/r/m.safetensors"]
+    assert serve.serve_files_to_pull(expected, expected) == []
+
+
+PLAY = """
+- hosts: localhost
+  gather_facts: false
+  tasks:
+    - xeonsd_daemon:
+        state: "{{ item.state }}"
+        argv: "{{ item.argv | default(argv) }}"
+        match: ["--port", "18999"]
+        version: "{{ item.version | default('') }}"
+        pid_file: "{{ pid_file }}"
+        log: "{{ log }}"
+        settle: 0.5
+        stop_timeout: 5
+      loop: "{{ steps }}"
+      register: daemon
+    - ansible.builtin.copy: {dest: "{{ out }}", content: "{{ daemon.results | to_json }}", mode: "0644"}
+      check_mode: false
+      changed_when: false
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_daemon_module_keeps_one_current_process_of_ours_and_never_signals_another(tmp_path: Path) -> None:
+    """One process of ours (the words --port 18999 on its command line, as the serve role matches its server):
+    started, left alone while current, restarted when outdated, stopped; a pid file naming another process is
+    removed without a signal; a command that ends at once fails with its log."""
+    (tmp_path / "play.yml").write_text(PLAY)
+    out, pid_file = tmp_path / "out.json", tmp_path / "d.pid"
+    argv = [sys.executable, "-c", "import time; time.sleep(600)", "--port", "18999"]
+    base = {"argv": argv, "pid_file": str(pid_file), "log": str(tmp_path / "d.log"), "out": str(out),
+            "ansible_python_interpreter": sys.executable}  # fmt: skip
+
+    def run(*steps: dict) -> list[dict]:
+        local = local_playbook(tmp_path / "play.yml", base | {"steps": list(steps)})
+        assert local.returncode == 0, local.stdout[-3000:]
+        return json.loads(out.read_text())
+
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    started: list[int] = []
+    try:
+        first, again, status, restart, stop = run(
+            {"state": "started", "version": "v1"},
+            {"state": "started", "version": "v1"},
+            {"state": "status", "version": "v2"},
+            {"state": "started", "version": "v2"},
+            {"state": "stopped"},
+        )
+        started = [first["pid"], restart["pid"]]
+        assert first["changed"] and not again["changed"] and again["pid"] == first["pid"]  # current: left alone
+        assert (status["changed"], status["running"], status["current"]) == (False, True, False)
+        assert restart["changed"] and restart["restarted"] and restart["pid"] != first["pid"]  # outdated: restarted
+        assert stop["changed"] and stop["pid"] == restart["pid"] and not pid_file.exists()
+        for _ in range(50):
+            if not any(map(alive, started)):
+                break
+            time.sleep(0.1)
+        assert not any(map(alive, started)), started
+        # A pid file that names someone else's process (a reused pid): not ours, not signalled, the file removed.
+        pid_file.write_text(f"{stranger.pid}\nv2\n")
+        status, stop = run({"state": "status", "version": "v2"}, {"state": "stopped"})
+        assert not status["running"] and stop["changed"] and stop["removed_stale_pid_file"]
+        assert stranger.poll() is None and not pid_file.exists()
+        # A command that ends at once fails the task with the end of its log.
+        ends = [sys.executable, "-c", "raise SystemExit('no such export')", "--port", "18999"]
+        result = local_playbook(tmp_path / "play.yml", base | {"steps": [{"state": "started", "argv": ends}]})
+        assert result.returncode != 0 and "ended at once (exit 1)" in result.stdout, result.stdout[-2000:]
+        assert "no such export" in result.stdout
+    finally:
+        stranger.kill()
+        for pid in started:
+            if alive(pid):
+                os.kill(pid, 9)

@@ -1,0 +1,161 @@
+"""serve.yml on the real 4-node test cluster: the LoRA run that test_finetune_methods.py trained (it runs first: the
+files run in file order on one cluster) served by `xeonsd serve` on every node behind HAProxy on node1. Requests
+through the front get an image of the export's size; a node whose server is killed drops out of rotation while
+the others answer; serve.yml brings it back (UP again, nothing changed on the other nodes); a second adapter rolls
+out one node at a time while a client keeps asking the front, and both adapters answer; serve_state=stopped stops
+every server and the front."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from harness import Cluster
+from jobs import controller_runs, wait_for
+from PIL import Image
+from repo_code import ansible_code
+from runner import run_playbook
+
+PID_FILE = "/var/cache/xeonsd/serve/serve.pid"  # serve_state_dir on the test cluster (group_vars/cluster.yml)
+# The server's settings here: one worker per node (4 nodes share 2 cores), a generous timeout on the loaded cores.
+SERVE_ARGS = ("-e", "serve_run=lora", "-e", "serve_workers=1", "-e", "serve_timeout=120")
+BODY = {"prompt": "a yellow robot at the beach", "n": 1, "num_inference_steps": 2, "rng_seed": 7,
+        "response_format": "b64_json"}  # fmt: skip
+
+
+def serve_processes(cluster: Cluster) -> dict[str, list[int]]:
+    """{node: PIDs of xeonsd serve and HAProxy} in each node's network namespace."""
+    found: dict[str, list[int]] = {}
+    for node in cluster.nodes:
+        pids = subprocess.run(["ip", "netns", "pids", f"{cluster.prefix}-{node}"], capture_output=True, text=True)
+        for pid in pids.stdout.split():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if (b"serve" in cmd and any(a.endswith(b"xeonsd") for a in cmd)) or cmd[0].endswith(b"haproxy"):
+                found.setdefault(node, []).append(int(pid))
+    return found
+
+
+class Front:
+    """The front's address from this machine (the bridge reaches node1's address)."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.url = f"http://{cluster.address(1)}:8080"
+        self.stats_url = f"http://{cluster.address(1)}:8404/stats;csv"
+
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=60) as r:
+            return json.loads(r.read())
+
+    def image(self, model: str | None = None) -> tuple[int, Image.Image | str]:
+        body = dict(BODY, **({"model": model} if model else {}))
+        req = urllib.request.Request(
+            self.url + "/v3/images/generations", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                data = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(errors="replace")[:300]
+        except OSError as e:
+            return 0, repr(e)
+        return 200, Image.open(io.BytesIO(base64.b64decode(data["data"][0]["b64_json"])))
+
+    def states(self) -> dict[str, str]:
+        with urllib.request.urlopen(self.stats_url, timeout=10) as r:
+            return ansible_code("xeonsd_serve").haproxy_servers(r.read().decode(), "xeonsd_serve")
+
+
+class Client(threading.Thread):
+    """Asks the front for images one after another until stopped; every answer's status is kept."""
+
+    def __init__(self, front: Front) -> None:
+        super().__init__(daemon=True)
+        self.front, self.codes, self.errors, self.stop = front, [], [], threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            code, answer = self.front.image("lora" if len(self.codes) % 2 else None)  # models every node has
+            self.codes.append(code)
+            if code != 200:
+                self.errors.append((code, answer))
+
+
+def test_serve_yml_behind_one_front_survives_a_killed_node_and_rolls_out_a_second_adapter(
+    provisioned: Cluster,
+) -> None:
+    runs = controller_runs(provisioned)
+    if not (runs / "lora" / "run.json").exists():
+        pytest.fail("no LoRA run to serve: test_finetune_methods.py trains it first, in the same session")
+    shape = json.loads((runs / "lora" / "openvino" / "xeonsd_export.json").read_text())["static_shape"]
+    front = Front(provisioned)
+
+    def serve(name: str, *args: str):  # noqa: ANN202 - runner.PlaybookRun
+        result = run_playbook("serve.yml", provisioned.inventory, *SERVE_ARGS, *args,
+                              state_dir=provisioned.state_dir, name=name, timeout=900)  # fmt: skip
+        assert result.rc == 0, "\n".join(map(str, result.failures())) or result.tail(60)
+        return result
+
+    try:
+        serve("serve")
+        assert front.states() == dict.fromkeys(provisioned.nodes, "UP")
+        models = [m["id"] for m in front.get("/v1/models")["data"]]
+        assert models == ["tiny-sd", "lora"], models  # the base model's name, the run's adapter by the run's name
+        code, image = front.image("lora")
+        assert code == 200, image
+        assert image.size == (shape["width"], shape["height"]), (image.size, shape)
+
+        # node3's server killed: the front takes it out of rotation, the others keep answering.
+        provisioned.ssh("node3", f"kill -9 $(head -1 {PID_FILE})")
+        answers = [front.image()[0] for _ in range(4)]
+        wait_for(lambda: front.states().get("node3", "").startswith("DOWN"), 30, "the front to mark node3 DOWN")
+        assert answers == [200] * 4, answers
+        assert front.image()[0] == 200
+
+        # serve.yml again brings node3 back into rotation and changes nothing on the other nodes.
+        back = serve("serve-again")
+        assert front.states() == dict.fromkeys(provisioned.nodes, "UP")
+        changed = back.changed()
+        assert changed["node3"] >= 1 and {n: c for n, c in changed.items() if n != "node3"} == dict.fromkeys(
+            ["node1", "node2", "node4"], 0
+        ), changed
+
+        # A second adapter, rolled out one node at a time while a client keeps asking the front.
+        client = Client(front)
+        client.start()
+        try:
+            wait_for(lambda: len(client.codes) >= 1, 120, "the client's first answer")
+            serve(
+                "serve-second-adapter", "-e", json.dumps({"serve_adapters": {"second": {"run": "lora", "alpha": 0.5}}})
+            )
+        finally:
+            client.stop.set()
+            client.join(timeout=180)
+        assert client.errors == [] and len(client.codes) >= 2, client.errors
+        models = [m["id"] for m in front.get("/v1/models")["data"]]
+        assert models == ["tiny-sd", "lora", "second"], models
+        for model in ("lora", "second"):
+            code, image = front.image(model)
+            assert code == 200 and image.size == (shape["width"], shape["height"]), (model, image)
+
+        serve("serve-stopped", "-e", "serve_state=stopped")
+        assert serve_processes(provisioned) == {}
+        with pytest.raises(OSError):
+            urllib.request.urlopen(front.url + "/v2/health/live", timeout=5)
+    finally:
+        for pids in serve_processes(provisioned).values():
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)

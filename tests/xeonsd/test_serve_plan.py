@@ -1,0 +1,90 @@
+"""What serve.yml serves (xeonsd.contracts.serve_plan): the run it deploys, the adapters it registers by name, the
+runs it refuses with the variable to fix, and the xeonsd serve command line that carries them."""
+
+from __future__ import annotations
+
+import pytest
+
+from xeonsd.contracts.serve_plan import ServePlanError, adapter_runs, plan, run_dir, serve_argv
+
+LORA = {
+    "method": "lora",
+    "base_model": "base",
+    "base_model_fingerprint": "fp1",
+    "result": {"path": "pytorch_lora_weights.safetensors"},
+}
+FULL = {"method": "full", "base_model": "base", "base_model_fingerprint": "fp1", "result": {"path": "model_index.json"}}
+
+
+def test_serve_run_is_latest_a_name_under_runs_dir_or_an_absolute_path() -> None:
+    assert run_dir("latest", "/home/d/runs") == "/home/d/runs/latest"
+    assert run_dir("20261203-0812", "/home/d/runs") == "/home/d/runs/20261203-0812"
+    assert run_dir("/data/runs/x/", "/home/d/runs") == "/data/runs/x"
+    for bad in ("", "../etc", "a/b", ".."):
+        with pytest.raises(ServePlanError, match="serve_run is .*Fix: set serve_run"):
+            run_dir(bad, "/home/d/runs")
+
+
+def test_adapters_are_runs_or_run_and_alpha_and_bad_entries_name_the_adapter() -> None:
+    assert adapter_runs({"a": "r1", "b": {"run": "r2", "alpha": 0.5}}, 1.0) == [
+        {"name": "a", "run": "r1", "alpha": 1.0},
+        {"name": "b", "run": "r2", "alpha": 0.5},
+    ]
+    assert adapter_runs({}) == [] and adapter_runs(None) == []
+    for bad, match in (
+        (["r1"], "maps adapter names to runs"),
+        ({"a=b": "r1"}, "'a=b' is not an adapter name"),
+        ({"a": {"run": "r1", "weight": 1}}, "unknown key.*weight.*serve_adapters.a"),
+        ({"a": {"alpha": 1}}, r"\(no run\)"),
+        ({"a": ""}, "a names no run"),
+        ({"a": {"run": "r1", "alpha": 0}}, "a's alpha is 0"),
+        ({"a": {"run": "r1", "alpha": "x"}}, "a's alpha is 'x'"),
+    ):
+        with pytest.raises(ServePlanError, match=match):
+            adapter_runs(bad)
+
+
+def test_a_lora_run_serves_the_base_export_with_its_adapter_and_the_named_adapters() -> None:
+    served = {"dir": "/r/lora", "summary": LORA}
+    extra = [{"name": "style-b", "dir": "/r/lora2", "summary": LORA, "alpha": 0.5}]
+    p = plan(served, "/h/openvino-base/fp1-5x1-128x128-fp32", extra, alpha=0.8)
+    assert p["export"] == "/h/openvino-base/fp1-5x1-128x128-fp32" and p["method"] == "lora" and p["name"] == "base"
+    assert p["adapters"] == [
+        {"name": "lora", "run": "/r/lora", "path": "/r/lora/pytorch_lora_weights.safetensors", "alpha": 0.8},
+        {"name": "style-b", "run": "/r/lora2", "path": "/r/lora2/pytorch_lora_weights.safetensors", "alpha": 0.5},
+    ]
+    assert p["files"] == ["/r/lora/pytorch_lora_weights.safetensors", "/r/lora2/pytorch_lora_weights.safetensors"]
+    argv = serve_argv(p, {"host": "10.0.0.1", "port": 8000, "workers": "auto", "queue": "", "max_images": 4})
+    assert argv == [
+        "serve", "/h/openvino-base/fp1-5x1-128x128-fp32",
+        "--adapter", "lora=/r/lora/pytorch_lora_weights.safetensors:0.8",
+        "--adapter", "style-b=/r/lora2/pytorch_lora_weights.safetensors:0.5",
+        "--name", "base", "--host", "10.0.0.1", "--port", "8000", "--workers", "auto", "--max-images", "4",
+    ]  # fmt: skip
+    assert serve_argv(p, {"name": "sd15", "port": 8001})[-4:] == ["--name", "sd15", "--port", "8001"]
+    with pytest.raises(ServePlanError, match="unknown xeonsd serve setting"):
+        serve_argv(p, {"threads": 4})
+
+
+def test_a_full_fine_tune_serves_its_own_export_without_adapters() -> None:
+    p = plan({"dir": "/r/full", "summary": FULL}, "/r/full/openvino")
+    assert (p["export"], p["name"], p["adapters"], p["files"]) == ("/r/full/openvino", "full", [], [])
+    with pytest.raises(ServePlanError, match="full fine-tune.*serve_adapters=\\{\\}"):
+        plan({"dir": "/r/full", "summary": FULL}, "/r/full/openvino", [{"name": "a", "dir": "/r/l", "summary": LORA}])
+
+
+def test_runs_that_cannot_be_served_are_refused_naming_the_fix() -> None:
+    ti = {**LORA, "method": "textual_inversion"}
+    with pytest.raises(ServePlanError, match="textual inversion run: xeonsd serve registers LoRA adapters"):
+        plan({"dir": "/r/ti", "summary": ti}, "/h/base")
+    with pytest.raises(ServePlanError, match="has no OpenVINO export .*export.yml -e openvino_export_run_dir=/r/l"):
+        plan({"dir": "/r/l", "summary": LORA}, "")
+    other_base = {**LORA, "base_model": "other", "base_model_fingerprint": "fp2"}
+    with pytest.raises(ServePlanError, match="b \\(/r/o\\) was trained on another base model"):
+        plan({"dir": "/r/l", "summary": LORA}, "/h/base", [{"name": "b", "dir": "/r/o", "summary": other_base}])
+    with pytest.raises(ServePlanError, match="b names /r/f, a full run, not LoRA"):
+        plan({"dir": "/r/l", "summary": LORA}, "/h/base", [{"name": "b", "dir": "/r/f", "summary": FULL}])
+    with pytest.raises(ServePlanError, match="l is registered twice"):
+        plan({"dir": "/r/l", "summary": LORA}, "/h/base", [{"name": "l", "dir": "/r/m", "summary": LORA}])
+    with pytest.raises(ServePlanError, match="names no known method"):
+        plan({"dir": "/r/x", "summary": {}}, "/h/base")

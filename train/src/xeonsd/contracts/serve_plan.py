@@ -1,0 +1,221 @@
+"""What ``serve.yml`` serves, defined once: the run it deploys, the adapters it registers and the ``xeonsd serve``
+command line that carries them.
+
+The serve role (``plugins/filter/xeonsd_serve.py`` loads this module on the controller) hands it what it read on
+the primary: each run's real directory and ``train_summary.json`` (:mod:`.run_files`), and the export the served
+run's ``openvino`` link names. It gets back the plan, or a :class:`ServePlanError` that names the variable to fix:
+
+* :func:`run_dir`: ``serve_run`` (``latest``, a run's name under ``runs_dir``, or an absolute path) as a path;
+* :func:`adapter_runs`: ``serve_adapters`` (``{name: run}`` or ``{name: {run, alpha}}``) checked and in order;
+* :func:`plan`: the export to serve, the base model's name in requests and the LoRA files to register by name
+  (``{export, name, method, base_model_fingerprint, adapters: [{name, run, path, alpha}], files}``); ``files`` are
+  what every serving node needs, by absolute path;
+* :func:`serve_argv`: ``xeonsd serve EXPORT --adapter NAME=PATH:ALPHA … --host … --port …`` of a plan.
+
+Standard library only (the filter plugins import it).
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from xeonsd.contracts.method_names import METHOD_FILES
+
+# An adapter's name is what a client sends as ``model``: it must survive NAME=PATH[:ALPHA] on the command line.
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# A run's name under runs_dir (what finetune_run_id makes, or latest).
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# xeonsd serve's settings that serve_argv turns into flags, by flag name (the role's serve_<name> variables).
+SERVE_FLAGS = ("name", "host", "port", "workers", "queue", "timeout", "max-images")
+
+
+class ServePlanError(ValueError):
+    """A serve.yml setting or run that cannot be served, said with what to fix."""
+
+
+def run_dir(run: Any, runs_dir: str, variable: str = "serve_run") -> str:
+    """``run`` (``latest``, a run's name under ``runs_dir``, or an absolute path) as the run's directory."""
+    text = str(run or "").strip()
+    if text.startswith("/"):
+        return posixpath.normpath(text)
+    if not RUN_NAME.match(text) or text in (".", ".."):
+        raise ServePlanError(
+            f"{variable} is {run!r}: it is latest, the name of a run under {runs_dir} (e.g. 20261203-0812) or an "
+            f"absolute path. Fix: set {variable} to one of those."
+        )
+    return posixpath.join(runs_dir, text)
+
+
+def _alpha(value: Any, name: str) -> float:
+    try:
+        alpha = float(value)
+    except (TypeError, ValueError):
+        alpha = float("nan")
+    if not alpha == alpha or alpha <= 0 or alpha > 10:  # NaN, or out of range
+        raise ServePlanError(
+            f"serve_adapters: {name}'s alpha is {value!r}: the adapter's weight is a number above 0, at most 10. "
+            f"Fix: set serve_adapters.{name}.alpha to e.g. 1.0."
+        )
+    return alpha
+
+
+def adapter_name(name: Any, variable: str = "serve_adapters") -> str:
+    """``name`` checked as an adapter's name (what a client sends as ``model``)."""
+    text = str(name)
+    if not ADAPTER_NAME.match(text):
+        raise ServePlanError(
+            f"{variable}: {text!r} is not an adapter name: letters, digits, '.', '_' and '-', starting with a letter "
+            f"or digit, at most 64 characters. Fix: rename it."
+        )
+    return text
+
+
+def adapter_runs(adapters: Any, default_alpha: Any = 1.0) -> list[dict[str, Any]]:
+    """``serve_adapters`` as ``[{name, run, alpha}]`` in the mapping's order; a value is the run (as ``serve_run``
+    takes it) or ``{run, alpha}``."""
+    if adapters in (None, ""):
+        return []
+    if not isinstance(adapters, Mapping):
+        raise ServePlanError(
+            f"serve_adapters is {adapters!r}: it maps adapter names to runs, e.g. {{style-a: lora-0812, style-b: "
+            f"{{run: lora-0901, alpha: 0.8}}}}. Fix: set it to such a mapping, or {{}}."
+        )
+    out = []
+    for name, value in adapters.items():
+        name = adapter_name(name)
+        if isinstance(value, Mapping):
+            unknown = sorted(set(value) - {"run", "alpha"})
+            if unknown or "run" not in value:
+                raise ServePlanError(
+                    f"serve_adapters: {name} is {dict(value)!r}: an adapter is a run, or {{run: RUN, alpha: WEIGHT}}"
+                    + (f" (unknown key(s) {', '.join(unknown)})" if unknown else " (no run)")
+                    + f". Fix: set serve_adapters.{name}."
+                )
+            run, alpha = value["run"], value.get("alpha", default_alpha)
+        else:
+            run, alpha = value, default_alpha
+        if str(run or "").strip() == "":
+            raise ServePlanError(f"serve_adapters: {name} names no run. Fix: set serve_adapters.{name} to a run.")
+        out.append({"name": name, "run": str(run), "alpha": _alpha(alpha, name)})
+    return out
+
+
+def _method(summary: Mapping[str, Any], where: str) -> str:
+    method = summary.get("method")
+    if method not in METHOD_FILES:
+        raise ServePlanError(f"{where}/train_summary.json names no known method ({method!r}): is it an xeonsd run?")
+    return method
+
+
+def _adapter(adapter: Mapping[str, Any], served: Mapping[str, Any], alpha: Any) -> dict[str, Any]:
+    """One serve_adapters entry (``{name, dir, summary, alpha}``) checked against the served run: a LoRA run of its
+    base model."""
+    name, adir, summary = adapter["name"], adapter["dir"], adapter["summary"]
+    if _method(summary, adir) != "lora":
+        raise ServePlanError(
+            f"serve_adapters: {name} names {adir}, a {summary['method']} run, not LoRA. Fix: name a LoRA run."
+        )
+    if summary.get("base_model_fingerprint", "") != served["summary"].get("base_model_fingerprint", ""):
+        raise ServePlanError(
+            f"serve_adapters: {name} ({adir}) was trained on another base model than serve_run {served['dir']} "
+            f"({summary.get('base_model')} vs {served['summary'].get('base_model')}). Fix: name LoRA runs of the "
+            "served run's base."
+        )
+    return {
+        "name": name,
+        "run": adir,
+        "path": posixpath.join(adir, summary["result"]["path"]),
+        "alpha": _alpha(adapter.get("alpha", alpha), name),
+    }
+
+
+def plan(
+    served: Mapping[str, Any],
+    export_dir: str,
+    adapters: Sequence[Mapping[str, Any]] = (),
+    *,
+    alpha: Any = 1.0,
+) -> dict[str, Any]:
+    """The plan of a served run and its adapters.
+
+    ``served``: ``{dir, summary}`` of the served run (its real directory and train_summary.json); ``export_dir``:
+    the real directory of its OpenVINO export (empty: not exported); ``adapters``: ``{name, dir, summary, alpha}``
+    of each serve_adapters entry (:func:`adapter_runs`, with the run's directory and summary read). A LoRA run is
+    registered under its directory's name with ``alpha``; a full fine-tune serves its own export and takes no
+    adapters (they were trained on the base model); textual inversion is not served (xeonsd serve loads LoRA
+    adapters only)."""
+    where = served["dir"]
+    method = _method(served["summary"], where)
+    if method == "textual_inversion":
+        raise ServePlanError(
+            f"serve_run {where} is a textual inversion run: xeonsd serve registers LoRA adapters, not learned "
+            "embeddings. Fix: serve a LoRA or full fine-tuning run (-e serve_run=RUN)."
+        )
+    if not export_dir:
+        raise ServePlanError(
+            f"serve_run {where} has no OpenVINO export ({where}/openvino): run export.yml on it first "
+            f"(ansible-playbook export.yml -e openvino_export_run_dir={where})."
+        )
+    fingerprint = served["summary"].get("base_model_fingerprint", "")
+    registered: list[dict[str, Any]] = []
+    if method == "lora":
+        registered.append(
+            {
+                "name": adapter_name(posixpath.basename(where.rstrip("/")), "serve_run's name"),
+                "run": where,
+                "path": posixpath.join(where, served["summary"]["result"]["path"]),
+                "alpha": _alpha(alpha, "serve_run"),
+            }
+        )
+    elif adapters:
+        raise ServePlanError(
+            f"serve_run {where} is a full fine-tune (its own pipeline); serve_adapters' LoRA adapters were trained "
+            "on the base model. Fix: serve a LoRA run of that base (-e serve_run=RUN), or serve_adapters={}."
+        )
+    for adapter in adapters:
+        if adapter["name"] in (r["name"] for r in registered):
+            raise ServePlanError(
+                f"serve_adapters: {adapter['name']} is registered twice (serve_run's adapter takes its run's name). "
+                "Fix: rename it."
+            )
+        registered.append(_adapter(adapter, served, alpha))
+    # The base's name in requests: the base model's (its directory or Hub name) under a LoRA run, the run's own for a
+    # full fine-tune; None (xeonsd serve's default, the export directory's name) where it is no valid model name.
+    base = posixpath.basename(str(served["summary"].get("base_model", "")).rstrip("/"))
+    name = base if method == "lora" else posixpath.basename(where.rstrip("/"))
+    if not ADAPTER_NAME.match(name) or name in (r["name"] for r in registered):
+        name = None
+    return {
+        "export": export_dir,
+        "name": name,
+        "method": method,
+        "base_model_fingerprint": fingerprint,
+        "adapters": registered,
+        "files": sorted({r["path"] for r in registered}),
+    }
+
+
+def adapter_arg(adapter: Mapping[str, Any]) -> str:
+    """``NAME=PATH:ALPHA``, as ``xeonsd serve --adapter`` takes it."""
+    return f"{adapter['name']}={adapter['path']}:{float(adapter['alpha']):g}"
+
+
+def serve_argv(served: Mapping[str, Any], settings: Mapping[str, Any]) -> list[str]:
+    """``["serve", EXPORT, "--adapter", "NAME=PATH:ALPHA", …, "--name", …, "--host", …]`` of a plan; ``settings``
+    has the flags of :data:`SERVE_FLAGS` (``max-images`` also as ``max_images``); an empty one is left to xeonsd's
+    default (``name``: the plan's)."""
+    argv = ["serve", served["export"]]
+    settings = {"name": served.get("name") or "", **{k: v for k, v in settings.items() if v not in (None, "")}}
+    for adapter in served["adapters"]:
+        argv += ["--adapter", adapter_arg(adapter)]
+    unknown = sorted(set(settings) - {*SERVE_FLAGS, *(f.replace("-", "_") for f in SERVE_FLAGS)})
+    if unknown:
+        raise ServePlanError(f"unknown xeonsd serve setting(s) {', '.join(unknown)}; known: {', '.join(SERVE_FLAGS)}")
+    for flag in SERVE_FLAGS:
+        value = settings.get(flag, settings.get(flag.replace("-", "_")))
+        if value is not None and str(value) != "":
+            argv += [f"--{flag}", str(value)]
+    return argv
