@@ -155,7 +155,8 @@ def create_app(
     async def ready(request: Request) -> Response:
         if pool.ready:
             return JSONResponse({"status": "ready", "workers": pool.workers})
-        return JSONResponse({"status": "loading", "workers": pool.workers}, status_code=503)
+        status = "draining" if pool.draining else "loading"
+        return JSONResponse({"status": status, "workers": pool.workers}, status_code=503)
 
     async def prometheus(request: Request) -> Response:
         body, content_type = metrics.exposition()

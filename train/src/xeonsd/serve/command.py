@@ -37,6 +37,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--queue", type=int, default=8, help="requests that may wait for a worker; past it: 429")
     p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS", help="cancel a request past this (504)")
+    p.add_argument(
+        "--drain",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="on SIGTERM, report not ready but go on answering for this long, then finish the requests in flight "
+        "and stop (longer than a balancer's health check takes to see it: a rolling restart loses no request); "
+        "0: cancel them and stop at once",
+    )
     p.add_argument("--max-images", type=int, default=4, metavar="N", help="the largest n of a request")
     p.add_argument("--max-steps", type=int, default=100, metavar="N", help="the largest num_inference_steps")
     p.add_argument("--name", help="the base model's name in requests (default: the export directory's name)")

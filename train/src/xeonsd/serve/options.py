@@ -54,6 +54,7 @@ class ServeOptions:
     timeout: float = 300.0  # seconds from arrival to the last step; past it the request is cancelled (504)
     max_images: int = 4  # the largest n of one request
     max_steps: int = 100  # the largest num_inference_steps of one request
+    drain: float = 0.0  # seconds a SIGTERM'd server stays out of rotation but answering, before it stops
     name: str | None = None  # the base model's name (default: the export directory's name)
     write_ovms_config: Path | None = None
 
@@ -148,6 +149,8 @@ def check_options(opts: ServeOptions) -> None:
             raise ServeError(f"{flag} must be at least {low}, not {value}")
     if opts.timeout <= 0:
         raise ServeError(f"--timeout must be positive, not {opts.timeout}")
+    if not 0 <= opts.drain <= 3600:
+        raise ServeError(f"--drain must be 0 (stop at once) to 3600 seconds, not {opts.drain}")
     names = [a.name for a in opts.adapters]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:

@@ -116,10 +116,21 @@ class PipelinePool:
         self._mean_s = 0.0  # running mean of a job's seconds on a worker (for Retry-After)
         self._done = 0
         self._ready = False
+        self._draining = False
 
     @property
     def ready(self) -> bool:
-        return self._ready
+        """Every worker compiled, and the server not stopping (a draining server is out of a balancer's rotation)."""
+        return self._ready and not self._draining
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def idle(self) -> bool:
+        """No request running or waiting for a worker."""
+        return not self._jobs and self._waiting == 0
 
     @property
     def waiting(self) -> int:
@@ -280,6 +291,11 @@ class PipelinePool:
         )
 
     # -- shutdown -----------------------------------------------------------------------------------------------
+    def start_draining(self) -> None:
+        """Report not ready from now on (``/v2/health/ready`` 503), and go on answering every request."""
+        self._draining = True
+        self.metrics.ready.set(0)
+
     def cancel_all(self, reason: str) -> None:
         for job in list(self._jobs):
             job.cancel(reason)

@@ -4,7 +4,10 @@ Order: the options, the export and every adapter are checked (a bad one is a one
 anything is compiled); uvicorn binds the address and logs ``listening on http://HOST:PORT``; the pool compiles its
 workers (``/v2/health/ready`` answers 503 meanwhile); then one line ``serving on http://HOST:PORT`` goes to stdout.
 SIGTERM or SIGINT cancel the requests in flight through the step callback (each is answered 503), uvicorn closes
-the connections, the workers' threads end, and the process exits 0. A compile that fails ends it with exit 1.
+the connections, the workers' threads end, and the process exits 0. With ``--drain S`` a SIGTERM first drains: the
+server reports not ready (a balancer's health check takes it out of rotation) and answers every request for S
+seconds, then waits for the requests in flight (at most ``--timeout``), then stops as above; so a rolling restart
+behind a balancer loses no request. A second signal stops at once. A compile that fails ends it with exit 1.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ def _server_class() -> type:
 
         pool: Any = None
         listening: Any = None
+        drain_s: float = 0.0
+        drain_limit_s: float = 0.0
+        _drain_task: Any = None
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
@@ -56,6 +62,15 @@ def _server_class() -> type:
                     signal.signal(sig, handler)
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            loop = getattr(self, "_loop", None)
+            ready = self.pool is not None and self.pool.ready
+            # the first SIGTERM of a ready server drains (a draining one is not ready: another signal stops at once)
+            if self.drain_s > 0 and sig == signal.SIGTERM and ready and loop is not None and not self.should_exit:
+                log.info(
+                    "signal %d: draining for %.0f s (not ready, still answering), then stopping", sig, self.drain_s
+                )
+                loop.call_soon_threadsafe(self._start_drain)
+                return
             log.info("signal %d: cancelling the requests in flight and stopping", sig)
             if self.pool is not None:
                 loop = getattr(self, "_loop", None)
@@ -63,6 +78,18 @@ def _server_class() -> type:
                     loop.call_soon_threadsafe(self.pool.cancel_all, "shutdown")
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True
+            self.should_exit = True
+
+        def _start_drain(self) -> None:
+            self._drain_task = asyncio.ensure_future(self._drain())
+
+        async def _drain(self) -> None:
+            self.pool.start_draining()
+            await asyncio.sleep(self.drain_s)
+            deadline = asyncio.get_running_loop().time() + self.drain_limit_s
+            while not self.pool.idle and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            log.info("drained; stopping")
             self.should_exit = True
 
         async def startup(self, sockets: Any = None) -> None:
@@ -129,6 +156,7 @@ def serve(opts: ServeOptions, console: TextIO | None = None) -> int:
         )
         server = _server_class()(config)
         server.pool = pool
+        server.drain_s, server.drain_limit_s = opts.drain, opts.timeout
         server.listening = lambda: log.info(
             "listening on %s; compiling %d worker(s) of %s (%s), models: %s",
             bound_address(server, opts.host),
@@ -162,6 +190,7 @@ def main_args(args: Any, console: TextIO | None = None) -> int:
         timeout=args.timeout,
         max_images=args.max_images,
         max_steps=args.max_steps,
+        drain=args.drain,
         name=args.name,
         write_ovms_config=None if args.write_ovms_config is None else Path(args.write_ovms_config),
     )
