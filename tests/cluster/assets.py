@@ -50,6 +50,18 @@ def make_tiny_xl(assets_dir: Path) -> Path:
     return out
 
 
+def make_tiny_flux(assets_dir: Path) -> Path:
+    """The tiny FLUX.1-dev pipeline at <assets_dir>/tiny-flux (made once): the flow-matching base model that the FLUX
+    test stages next to tiny-sd."""
+    out = assets_dir / "tiny-flux"
+    if not out.exists():
+        shutil.rmtree(assets_dir / "tiny-flux.partial", ignore_errors=True)
+        xeonsd = str(VENV_BIN / "xeonsd")
+        run([xeonsd, "make-tiny-model", str(assets_dir / "tiny-flux.partial"), "--arch", "tiny-flux"])
+        (assets_dir / "tiny-flux.partial").rename(out)
+    return out
+
+
 MANY_IMAGES = 1000
 
 

@@ -48,6 +48,7 @@ def train_summary(
     result_bytes: int,
     loss: dict | None = None,
     family: str | None = None,
+    family_label: str | None = None,
     resolution: int | None = None,
     validation: dict | None = None,
     buckets: dict | None = None,
@@ -61,7 +62,8 @@ def train_summary(
     off, ``noise_offset``, ``timestep_range``: the [lo, hi) drawn from; a flow model's: ``objective`` ``flow``,
     ``weighting_scheme``, ``logit_mean``, ``logit_std``, ``mode_scale``, ``shift`` (a number, or "dynamic
     (resolution-dependent)"), ``guidance_scale`` (FLUX.1-dev, else None)), the base model's ``family`` (``sd``,
-    ``sdxl``, ``flux``, ``sd3``: :mod:`xeonsd.modelfiles.families`), the ``resolution`` trained at and the validation loss's held-out images
+    ``sdxl``, ``flux``, ``sd3``: :mod:`xeonsd.modelfiles.families`) and its ``family_label`` (SD 1.x/2.x, SDXL,
+    FLUX.1, SD3/SD3.5: what the play and the report show), the ``resolution`` trained at and the validation loss's held-out images
     (``validation``: ``source``, ``images``, ``timesteps``), the aspect-ratio buckets (``buckets``: ``step``,
     ``min_reso``, ``max_reso``, and ``buckets``: each one's ``width``, ``height`` and ``images``) and the start-up
     (``startup``: ``time_to_first_step_s`` from the trainer's start, ``cpu_s_to_first_step`` of rank 0's process
@@ -79,6 +81,7 @@ def train_summary(
         "result": {"path": result_path, "bytes": result_bytes},
         **({"loss": dict(loss)} if loss is not None else {}),
         **({"family": family} if family is not None else {}),
+        **({"family_label": family_label} if family_label is not None else {}),
         **({"resolution": resolution} if resolution is not None else {}),
         **({"validation": dict(validation)} if validation is not None else {}),
         **({"buckets": dict(buckets)} if buckets is not None else {}),

@@ -30,6 +30,7 @@ def train_summary(job: Job, first_step_s: float | None = None, first_step_cpu_s:
         result_bytes=result_bytes(cfg.output_path, method.outputs[0]),
         loss=loss_options(job),
         family=family.name if (family := job.training.models.family) is not None else None,
+        family_label=family.label if family is not None else None,
         resolution=cfg.resolution,
         validation=validation_record(job),
         buckets=job.data.buckets.record() if job.data.buckets is not None else None,
