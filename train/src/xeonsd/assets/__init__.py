@@ -18,7 +18,7 @@ Nothing can be downloaded in tests, so these stand in for the Hub model and the 
 The image set can come with captions in each layout the trainer reads (see :mod:`xeonsd.trainer.captions`).
 
 Modules: :mod:`.vocab` (the CLIP-style vocabulary and tokenizer files), :mod:`.models` (the pipelines, one
-:class:`~xeonsd.assets.models.Arch` per ``--arch``), :mod:`.flow_models` (the FLUX.1 and SD3 pipelines), :mod:`.datasets` (the image sets).
+:class:`~xeonsd.assets.models.Arch` per ``--arch``), :mod:`.flow_models` (the FLUX.1 and SD3 pipelines), :mod:`.parts` (the VAE and CLIP config both use), :mod:`.datasets` (the image sets).
 """
 
 from xeonsd.assets.datasets import CAPTION_LAYOUTS, make_dataset

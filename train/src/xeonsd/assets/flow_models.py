@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xeonsd.assets.vocab import BOS, EOS, WORDS, build_clip_vocab, write_tokenizer
+from xeonsd.assets.parts import clip_config, vae_of
+from xeonsd.assets.vocab import WORDS, build_clip_vocab, write_tokenizer
 from xeonsd.fsutil import atomic_dir
 
 log = logging.getLogger(__name__)
@@ -289,19 +290,13 @@ def _sd3_transformer(a: FlowArch) -> Any:
 
 
 def _vae(a: FlowArch) -> Any:
-    from diffusers import AutoencoderKL
-
-    return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * len(a.vae_channels),
-        up_block_types=("UpDecoderBlock2D",) * len(a.vae_channels),
-        block_out_channels=a.vae_channels,
-        layers_per_block=a.vae_layers,
+    return vae_of(
+        a.vae_channels,
+        a.vae_layers,
+        a.norm_groups,
+        a.sample_size * 2 ** (len(a.vae_channels) - 1),
+        a.vae_scaling,
         latent_channels=16,
-        norm_num_groups=a.norm_groups,
-        sample_size=a.sample_size * 2 ** (len(a.vae_channels) - 1),
-        scaling_factor=a.vae_scaling,
         shift_factor=a.vae_shift,
         use_quant_conv=False,
         use_post_quant_conv=False,
@@ -309,22 +304,10 @@ def _vae(a: FlowArch) -> Any:
 
 
 def _clip(c: Clip | None, vocab: dict[str, int], projection: bool) -> Any:
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     assert c is not None
-    config = CLIPTextConfig(
-        vocab_size=len(vocab),
-        hidden_size=c.hidden,
-        intermediate_size=c.intermediate,
-        num_hidden_layers=c.layers,
-        num_attention_heads=c.heads,
-        max_position_embeddings=77,
-        hidden_act=c.act,
-        projection_dim=c.hidden,
-        bos_token_id=vocab[BOS],
-        eos_token_id=vocab[EOS],
-        pad_token_id=vocab[EOS],
-    )
+    config = clip_config(vocab, c.hidden, c.layers, c.heads, c.intermediate, c.act)
     return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config)
 
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xeonsd.assets.vocab import BOS, EOS, WORDS, build_clip_vocab, write_tokenizer
+from xeonsd.assets.parts import clip_config, vae_of
+from xeonsd.assets.vocab import WORDS, build_clip_vocab, write_tokenizer
 from xeonsd.fsutil import atomic_dir
 
 log = logging.getLogger(__name__)
@@ -240,45 +241,14 @@ def _text_time(a: Arch) -> dict[str, Any]:
 
 
 def _vae(a: Arch) -> Any:
-    from diffusers import AutoencoderKL
-
-    return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * len(a.vae_channels),
-        up_block_types=("UpDecoderBlock2D",) * len(a.vae_channels),
-        block_out_channels=a.vae_channels,
-        layers_per_block=a.vae_layers,
-        latent_channels=4,
-        norm_num_groups=a.norm_groups,
-        sample_size=a.sample_size * 8,
-        scaling_factor=a.vae_scaling,
-    )
-
-
-def _clip_config(vocab: dict[str, int], hidden: int, layers: int, heads: int, intermediate: int, act: str) -> Any:
-    from transformers import CLIPTextConfig
-
-    return CLIPTextConfig(
-        vocab_size=len(vocab),
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        max_position_embeddings=77,
-        hidden_act=act,
-        projection_dim=hidden,
-        bos_token_id=vocab[BOS],
-        eos_token_id=vocab[EOS],
-        pad_token_id=vocab[EOS],
-    )
+    return vae_of(a.vae_channels, a.vae_layers, a.norm_groups, a.sample_size * 8, a.vae_scaling)
 
 
 def _text_encoder(a: Arch, vocab: dict[str, int]) -> Any:
     from transformers import CLIPTextModel
 
     return CLIPTextModel(
-        _clip_config(vocab, a.text_hidden, a.text_layers, a.text_heads, a.text_intermediate, a.text_act)
+        clip_config(vocab, a.text_hidden, a.text_layers, a.text_heads, a.text_intermediate, a.text_act)
     )
 
 
@@ -286,7 +256,7 @@ def _text_encoder_2(e: SecondEncoder, vocab: dict[str, int]) -> Any:
     """SDXL's second encoder (OpenCLIP bigG in the real model): GELU, with the pooled output's projection."""
     from transformers import CLIPTextModelWithProjection
 
-    return CLIPTextModelWithProjection(_clip_config(vocab, e.hidden, e.layers, e.heads, e.intermediate, "gelu"))
+    return CLIPTextModelWithProjection(clip_config(vocab, e.hidden, e.layers, e.heads, e.intermediate, "gelu"))
 
 
 def _scheduler(a: Arch) -> Any:

@@ -45,7 +45,11 @@ class PromptConditioning:
         if self.draws.dropout > 0:
             texts.append("")  # the empty caption's row: len(prompts.texts)
         self.ids = self._tokenize(texts)
+        self._encode_frozen(rank, world)
         self.table = None if trainable else self._encode_all(rank, world)
+
+    def _encode_frozen(self, rank: int, world: int) -> None:
+        """Encode, whatever the method, what no method trains (FLUX's and SD3's T5); nothing for CLIP-only families."""
 
     def _tokenize(self, texts: list[str]) -> torch.Tensor:
         tok = self.models.tokenizer

@@ -17,13 +17,11 @@ import logging
 import torch
 
 from xeonsd.cluster.distributed import all_reduce_sum_
-from xeonsd.trainer.captions import CaptionDraws
 from xeonsd.trainer.conditioning import PromptConditioning
 from xeonsd.trainer.data import Example
 from xeonsd.trainer.families.base import TrainFamily
 from xeonsd.trainer.flow import flow_loss, noisy_input
 from xeonsd.trainer.models import Models, autocast
-from xeonsd.trainer.prompts import PromptTable
 
 log = logging.getLogger("xeonsd.train")
 
@@ -46,25 +44,11 @@ class FlowPromptConditioning(PromptConditioning):
     CLIP embedding). A family defines ``_clip`` (what its CLIP encoders give) and ``_combine`` (with T5's hidden
     states, what the transformer takes)."""
 
-    def __init__(
-        self,
-        models: Models,
-        prompts: PromptTable,
-        trainable: bool,
-        rank: int,
-        world: int,
-        draws: CaptionDraws | None = None,
-    ) -> None:
-        self.models = models
-        self.prompts = prompts
-        self.trainable = trainable
-        self.draws = draws or CaptionDraws()
-        texts = [self.draws.fixed(t) for t in prompts.texts]
-        if self.draws.dropout > 0:
-            texts.append("")  # the empty caption's row: len(prompts.texts)
-        self.ids = self._tokenize(texts)
+    def _encode_frozen(self, rank: int, world: int) -> None:
         self.long = self._encode_rows(rank, world, lambda ids: (self._t5(ids[-1]),))[0]
-        self.table = None if trainable else self._encode_rows(rank, world, lambda ids: self._clip(ids[:-1]))
+
+    def _encode_all(self, rank: int, world: int) -> tuple[torch.Tensor, ...]:
+        return self._encode_rows(rank, world, lambda ids: self._clip(ids[:-1]))
 
     # ---- the encoders ----------------------------------------------------------------------------------------
     def _tokenize(self, texts: list[str]) -> list[torch.Tensor]:
