@@ -23,7 +23,7 @@ module: xeonsd_daemon
 short_description: Start, stop, restart or look at a background process kept by a pid file checked to be ours
 description:
   - The pid file holds the pid and C(version). A process is ours when the pid file names a live process whose
-    command line holds C(match) (consecutive words: e.g. the address and port it serves on); it is current when
+    command line holds C(match) (consecutive words, e.g. the address and port it serves on); it is current when
     the pid file also holds this C(version) (e.g. a checksum of the command and the files it serves).
   - C(status) changes nothing and returns C(running) (ours) and C(current).
   - C(started) starts C(argv) unless a current process of ours runs; an outdated one is stopped first (C(restarted)
@@ -45,7 +45,7 @@ options:
   user: {description: The account it runs as (default the task's)., type: str}
   chdir: {description: Its working directory (default the user's home, else /)., type: path}
   env: {description: Environment variables added to the task's., type: dict, default: {}}
-  state: {type: str, choices: [status, started, stopped, restarted], default: started}
+  state: {description: What to make of the process (status looks only)., type: str, choices: [status, started, stopped, restarted], default: started}
   stop_timeout: {description: Seconds between SIGTERM and SIGKILL., type: int, default: 30}
   settle: {description: Seconds a new process must stay alive., type: float, default: 1.0}
 """
