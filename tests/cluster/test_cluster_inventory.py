@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from cluster_inventory import SETTINGS_FILE, load_mapping, resolve
+from cluster_inventory import SETTINGS_FILE, inventory_variables, load_mapping, resolve
 from harness import Cluster, State
 from runner import run_playbook
 
@@ -45,9 +45,11 @@ def test_ansible_sees_the_settings_the_node_paths_and_the_run_values(tmp_path: P
         if e.get("event") == "runner_on_ok"
     }
     assert sorted(shown) == ["node1", "node2", "node3"]
+    # a setting may name another inventory variable (serve_state_dir: under xeonsd_cache_dir): as Ansible renders it
+    rendered = {name: resolve(name, inventory_variables()) for name in settings}
     for node, msg in shown.items():
         assert msg["private_dirs"] == list(cluster.private_dirs), node
-        assert msg["settings"] == {**settings, "finetune_poll_s": 1}, node
+        assert msg["settings"] == {**rendered, "finetune_poll_s": 1}, node
         assert int(msg["mpi_ranks"]) == settings["ranks_per_node"] * 3, node
         assert msg["key"] == str(cluster.admin_key), node
         assert msg["primary"] == ["node1"], node
