@@ -41,24 +41,22 @@ def make_assets(assets_dir: Path, xeonsd_source: Path) -> None:
 def make_tiny_xl(assets_dir: Path) -> Path:
     """The tiny SDXL pipeline at <assets_dir>/tiny-xl (made once): the second base model that the SDXL test stages
     next to tiny-sd."""
-    out = assets_dir / "tiny-xl"
-    if not out.exists():
-        shutil.rmtree(assets_dir / "tiny-xl.partial", ignore_errors=True)
-        xeonsd = str(VENV_BIN / "xeonsd")
-        run([xeonsd, "make-tiny-model", str(assets_dir / "tiny-xl.partial"), "--arch", "tiny-xl"])
-        (assets_dir / "tiny-xl.partial").rename(out)
-    return out
+    return _make_tiny(assets_dir, "tiny-xl")
 
 
 def make_tiny_flux(assets_dir: Path) -> Path:
     """The tiny FLUX.1-dev pipeline at <assets_dir>/tiny-flux (made once): the flow-matching base model that the FLUX
     test stages next to tiny-sd."""
-    out = assets_dir / "tiny-flux"
+    return _make_tiny(assets_dir, "tiny-flux")
+
+
+def _make_tiny(assets_dir: Path, arch: str) -> Path:
+    """``make-tiny-model --arch ARCH`` at <assets_dir>/ARCH, once (built under a .partial name, renamed when done)."""
+    out = assets_dir / arch
     if not out.exists():
-        shutil.rmtree(assets_dir / "tiny-flux.partial", ignore_errors=True)
-        xeonsd = str(VENV_BIN / "xeonsd")
-        run([xeonsd, "make-tiny-model", str(assets_dir / "tiny-flux.partial"), "--arch", "tiny-flux"])
-        (assets_dir / "tiny-flux.partial").rename(out)
+        shutil.rmtree(assets_dir / f"{arch}.partial", ignore_errors=True)
+        run([str(VENV_BIN / "xeonsd"), "make-tiny-model", str(assets_dir / f"{arch}.partial"), "--arch", arch])
+        (assets_dir / f"{arch}.partial").rename(out)
     return out
 
 
