@@ -67,3 +67,15 @@ def test_the_allow_lists_name_only_what_is_still_too_long() -> None:
     done = {f for f in ALLOWED_FILES if files.get(f, 0) <= MAX_FILE_LINES}
     done |= {f for f in ALLOWED_FUNCTIONS if functions.get(f, 0) <= MAX_FUNCTION_LINES}
     assert not done, f"within the limits now (or gone): remove from the allow-lists in {__file__}: {sorted(done)}"
+
+
+def test_every_test_module_name_is_unique() -> None:
+    """pytest imports each test directory's modules by their bare name (no packages under tests/), so two files of
+    one name in two directories fail collection ("import file mismatch") or import each other's helpers; that is
+    how stop 38's CI lost tests/xeonsd/serve/test_serve.py to tests/cluster/test_serve.py."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        if path.name not in {"conftest.py", "__init__.py"}:
+            seen.setdefault(path.name, []).append(str(path.relative_to(REPO)))
+    clashes = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not clashes, f"rename one of each: {clashes}"

@@ -3,6 +3,7 @@ adapter for it, made the way our trainer writes one (tests/xeonsd/openvino/ov_as
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -20,3 +21,11 @@ def toy_adapter(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 
     unet = UNet2DConditionModel.from_pretrained(tiny_model / "unet")
     return peft_adapter(unet, tmp_path_factory.mktemp("serve-lora"), ["to_k", "to_v", "ff.net.2"], seed=1, scale=0.5)
+
+
+@pytest.fixture(scope="module")
+def cli_env_module() -> dict[str, str]:
+    """The environment of a served process: offline, unbuffered, this venv's scripts first on PATH."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env

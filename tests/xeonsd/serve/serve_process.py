@@ -68,3 +68,37 @@ class ServeProcess:
                 self.proc.wait()
             with contextlib.suppress(RuntimeError):
                 self._reader.join(5)
+
+
+PROMPT = "a photo of toy"
+
+
+def metric(server: ServeProcess, name: str, **labels: str) -> float:
+    """The value of one sample of the server's /metrics (0 where it has not been counted yet)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def wait_metric(server: ServeProcess, name: str, value: float, timeout: float = 30, **labels: str) -> None:
+    deadline = time.monotonic() + timeout
+    while metric(server, name, **labels) != value:
+        assert time.monotonic() < deadline, f"{name}{labels} never reached {value}"
+        time.sleep(0.02)
+
+
+def post(server: ServeProcess, steps: int, out: dict, key: str, timeout: float = 60) -> None:
+    """One generation request (run in a thread): its response, or the transport error, lands in out[key]."""
+    try:
+        out[key] = httpx.post(
+            f"{server.url}/v3/images/generations",
+            json={"prompt": PROMPT, "num_inference_steps": steps},
+            timeout=timeout,
+        )
+    except httpx.HTTPError as exc:
+        out[key] = exc

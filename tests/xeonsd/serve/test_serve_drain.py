@@ -11,28 +11,27 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serve_process import ServeProcess
-from test_serve import _post, _wait_metric, cli_env_module  # noqa: F401 - cli_env_module: the fixture
+from serve_process import ServeProcess, post, wait_metric
 
 pytestmark = pytest.mark.xdist_group("xeonsd-serve")
 
 DRAIN_S = 3
 
 
-def test_sigterm_drains_then_answers_what_came_in_and_exits_0(ov_base: Path, cli_env_module: dict[str, str]) -> None:  # noqa: F811
+def test_sigterm_drains_then_answers_what_came_in_and_exits_0(ov_base: Path, cli_env_module: dict[str, str]) -> None:
     server = ServeProcess(ov_base, "--workers=1", f"--drain={DRAIN_S}", env=cli_env_module).start()
     try:
         answers: dict = {}
-        long = threading.Thread(target=_post, args=(server, 40, answers, "in flight"))
+        long = threading.Thread(target=post, args=(server, 40, answers, "in flight"))
         long.start()
-        _wait_metric(server, "xeonsd_serve_busy_workers", 1)
+        wait_metric(server, "xeonsd_serve_busy_workers", 1)
         server.proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
         ready = httpx.get(f"{server.url}/v2/health/ready")
         while ready.status_code == 200 and time.monotonic() - t0 < 1:
             ready = httpx.get(f"{server.url}/v2/health/ready")
         assert ready.status_code == 503 and ready.json()["status"] == "draining"
-        _post(server, 2, answers, "during the drain")  # a request the balancer sent before it saw the node leave
+        post(server, 2, answers, "during the drain")  # a request the balancer sent before it saw the node leave
         long.join()
         assert answers["in flight"].status_code == 200, answers["in flight"].text
         assert answers["during the drain"].status_code == 200, answers["during the drain"].text

@@ -11,7 +11,7 @@ from safetensors.numpy import save_file
 
 from xeonsd import cli
 
-pytestmark = pytest.mark.xdist_group("xeonsd-serve")  # beside test_serve.py: the adapter is made once
+pytestmark = pytest.mark.xdist_group("xeonsd-serve")  # beside test_serve_api.py: the adapter is made once
 
 
 def _refusal(capsys: pytest.CaptureFixture[str], *argv: str) -> str:

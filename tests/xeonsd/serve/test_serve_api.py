@@ -13,14 +13,13 @@ import base64
 import io
 import json
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-from serve_process import ServeProcess
+from serve_process import PROMPT, ServeProcess, metric, post, wait_metric
 
 pytestmark = pytest.mark.xdist_group("xeonsd-serve")  # one server, its tests in order, on one worker
 
@@ -28,7 +27,6 @@ SIZE = 64
 PER_CALL = 5
 TIMEOUT_S = 5  # --timeout: the 3-step requests take a fraction of it, the LONG ones many times it
 LONG = 1000  # steps of a request that runs until it is cancelled (--max-steps allows it)
-PROMPT = "a photo of toy"
 
 
 @pytest.fixture(scope="module")
@@ -51,16 +49,6 @@ def server(ov_base: Path, toy_adapter: Path, cli_env_module: dict[str, str]) -> 
 
 
 @pytest.fixture(scope="module")
-def cli_env_module() -> dict[str, str]:
-    import os
-    import sys
-
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    return env
-
-
-@pytest.fixture(scope="module")
 def client(server: ServeProcess):
     import openai
 
@@ -79,24 +67,6 @@ def _generate(client, seed: int, model: str | None = None, n: int = 1) -> list[n
         prompt=PROMPT, n=n, size=f"{SIZE}x{SIZE}", extra_body={"rng_seed": seed, "num_inference_steps": 3}, **kwargs
     )
     return [_decode(item.b64_json) for item in result.data]
-
-
-def _metric(server: ServeProcess, name: str, **labels: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{server.url}/metrics").text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
-
-
-def _wait_metric(server: ServeProcess, name: str, value: float, timeout: float = 30, **labels: str) -> None:
-    deadline = time.monotonic() + timeout
-    while _metric(server, name, **labels) != value:
-        assert time.monotonic() < deadline, f"{name}{labels} never reached {value}"
-        time.sleep(0.02)
 
 
 def test_ready_only_once_every_pipeline_is_compiled(server: ServeProcess) -> None:
@@ -153,38 +123,27 @@ def test_each_bad_input_is_refused_naming_the_field_and_counted(
     server: ServeProcess, body: dict | bytes, status: int, param: str | None, words: str
 ) -> None:
     label = param or "body"
-    before = _metric(server, "xeonsd_serve_rejected_total", param=label)
+    before = metric(server, "xeonsd_serve_rejected_total", param=label)
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     answer = httpx.post(f"{server.url}/v1/images/generations", content=content)
     assert answer.status_code == status, answer.text
     error = answer.json()["error"]
     assert error["param"] == param and words in error["message"], error
-    assert _metric(server, "xeonsd_serve_rejected_total", param=label) == before + 1
-
-
-def _post(server: ServeProcess, steps: int, out: dict, key: str, timeout: float = 60) -> None:
-    try:
-        out[key] = httpx.post(
-            f"{server.url}/v3/images/generations",
-            json={"prompt": PROMPT, "num_inference_steps": steps},
-            timeout=timeout,
-        )
-    except httpx.HTTPError as exc:
-        out[key] = exc
+    assert metric(server, "xeonsd_serve_rejected_total", param=label) == before + 1
 
 
 def test_a_full_queue_answers_429_and_the_timeout_cancels(server: ServeProcess) -> None:
     """One worker busy with a request too long for --timeout, one request queued: the third is 429 with
     Retry-After; the long one is cancelled at the timeout (504) and the queued one then runs (200)."""
     answers: dict = {}
-    before = _metric(server, "xeonsd_serve_cancelled_total", reason="timeout")
-    long = threading.Thread(target=_post, args=(server, LONG, answers, "long"))
+    before = metric(server, "xeonsd_serve_cancelled_total", reason="timeout")
+    long = threading.Thread(target=post, args=(server, LONG, answers, "long"))
     long.start()
-    _wait_metric(server, "xeonsd_serve_busy_workers", 1)
-    queued = threading.Thread(target=_post, args=(server, 3, answers, "queued"))
+    wait_metric(server, "xeonsd_serve_busy_workers", 1)
+    queued = threading.Thread(target=post, args=(server, 3, answers, "queued"))
     queued.start()
-    _wait_metric(server, "xeonsd_serve_queue_depth", 1)
-    _post(server, 3, answers, "refused")
+    wait_metric(server, "xeonsd_serve_queue_depth", 1)
+    post(server, 3, answers, "refused")
     long.join()
     queued.join()
     refused = answers["refused"]
@@ -192,37 +151,37 @@ def test_a_full_queue_answers_429_and_the_timeout_cancels(server: ServeProcess) 
     assert answers["long"].status_code == 504, answers["long"].text
     assert "--timeout" in answers["long"].json()["error"]["message"]
     assert answers["queued"].status_code == 200, answers["queued"].text
-    assert _metric(server, "xeonsd_serve_cancelled_total", reason="timeout") == before + 1
-    assert _metric(server, "xeonsd_serve_requests_total", endpoint="/v3/images/generations", status="429") >= 1
+    assert metric(server, "xeonsd_serve_cancelled_total", reason="timeout") == before + 1
+    assert metric(server, "xeonsd_serve_requests_total", endpoint="/v3/images/generations", status="429") >= 1
 
 
 def test_a_client_that_goes_away_cancels_its_request(server: ServeProcess) -> None:
-    before = _metric(server, "xeonsd_serve_cancelled_total", reason="disconnect")
+    before = metric(server, "xeonsd_serve_cancelled_total", reason="disconnect")
     answers: dict = {}
-    _post(server, LONG, answers, "gone", timeout=1.0)
+    post(server, LONG, answers, "gone", timeout=1.0)
     assert isinstance(answers["gone"], httpx.TimeoutException)
-    _wait_metric(server, "xeonsd_serve_cancelled_total", before + 1, reason="disconnect")
-    _wait_metric(server, "xeonsd_serve_busy_workers", 0)  # the worker is free again, long before LONG steps
+    wait_metric(server, "xeonsd_serve_cancelled_total", before + 1, reason="disconnect")
+    wait_metric(server, "xeonsd_serve_busy_workers", 0)  # the worker is free again, long before LONG steps
 
 
 def test_metrics_count_requests_images_and_steps(server: ServeProcess) -> None:
-    images = _metric(server, "xeonsd_serve_images_total", model="base")
-    steps = _metric(server, "xeonsd_serve_step_seconds_count")
-    ok = _metric(server, "xeonsd_serve_requests_total", endpoint="/v3/images/generations", status="200")
+    images = metric(server, "xeonsd_serve_images_total", model="base")
+    steps = metric(server, "xeonsd_serve_step_seconds_count")
+    ok = metric(server, "xeonsd_serve_requests_total", endpoint="/v3/images/generations", status="200")
     answers: dict = {}
-    _post(server, 3, answers, "one")
+    post(server, 3, answers, "one")
     assert answers["one"].status_code == 200
-    assert _metric(server, "xeonsd_serve_images_total", model="base") == images + 1
-    assert _metric(server, "xeonsd_serve_step_seconds_count") == steps + 1
-    assert _metric(server, "xeonsd_serve_requests_total", endpoint="/v3/images/generations", status="200") == ok + 1
+    assert metric(server, "xeonsd_serve_images_total", model="base") == images + 1
+    assert metric(server, "xeonsd_serve_step_seconds_count") == steps + 1
+    assert metric(server, "xeonsd_serve_requests_total", endpoint="/v3/images/generations", status="200") == ok + 1
 
 
 def test_sigterm_cancels_the_request_in_flight_and_exits_0(server: ServeProcess) -> None:
     """The last test: it stops the module's server. Every request left one JSON access line."""
     answers: dict = {}
-    long = threading.Thread(target=_post, args=(server, LONG, answers, "long"))
+    long = threading.Thread(target=post, args=(server, LONG, answers, "long"))
     long.start()
-    _wait_metric(server, "xeonsd_serve_busy_workers", 1)
+    wait_metric(server, "xeonsd_serve_busy_workers", 1)
     assert server.stop() == 0
     long.join()
     assert answers["long"].status_code == 503 and "shutting down" in answers["long"].text
