@@ -104,3 +104,34 @@ def test_bench_train_runs_its_variants_interleaved_round_by_round(tmp_path, monk
     assert [name for name, _ in calls] == names + names
     assert [out for _, out in calls] == ["v0r0", "v1r0", "v2r0", "v0r1", "v1r1", "v2r1"]
     assert list(runs) == names and all(len(r) == 2 for r in runs.values())
+
+
+def test_bench_train_builds_a_flow_arch_and_reports_its_family(tmp_path, cli_env):
+    """``--arch tiny-flux``: the model is built once into the cache, the LoRA step is measured on the FLUX family,
+    and the SD targets are not judged on it; textual inversion is refused there before anything runs."""
+    out = tmp_path / "bench.json"
+    env = dict(cli_env, XEONSD_CACHE=str(tmp_path / "cache"))
+    args = ["bench", "train", "--arch=tiny-flux", "--method=lora", "--resolution=64", "--steps=1", "--warmup=1",
+            "--peak-size=256", "--dtype=fp32", "--only", "optimized", f"--json={out}", "--rounds=1", "--probes=1",
+            "--no-ranks2"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["family"] == "flux" and report["model"] == str(tmp_path / "cache" / "tiny-flux")
+    assert report["results"][0]["tflop_per_step"] > 0 and report["results"][0]["peak_rss_gb"] > 0
+    amx = next(t for t in report["targets"] if t["target"] == "amx_share_of_bf16_peak")
+    assert amx["met"] is None and "set for SD 1.x/2.x and SDXL" in amx["line"]
+    assert "lora on FLUX.1" in proc.stdout, proc.stdout
+    refused = subprocess.run([sys.executable, "-m", "xeonsd.cli", *args[:3], "--method=textual_inversion"], env=env,
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert refused.returncode == 2 and "--method textual_inversion is not supported on FLUX.1" in refused.stderr
+
+
+def test_bench_train_refuses_depth_on_an_arch_without_blocks_to_cut(capsys):
+    from xeonsd.bench.train import main
+
+    assert main(["--arch=sd15", "--depth=2", "--peak-size=64"]) == 2
+    assert "--depth applies to --arch flux only" in capsys.readouterr().err
+    assert main(["--arch=flux", "--depth=0", "--peak-size=64"]) == 2
+    assert "--depth must be at least 1 (got 0)" in capsys.readouterr().err

@@ -37,6 +37,8 @@ from xeonsd.trainer.memory import ESTIMATE_FILE
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_CACHE = Path(os.environ.get("XEONSD_CACHE", Path.home() / ".cache" / "xeonsd")) / "sd15"
+# make-tiny-model's archs (xeonsd.assets.arch_names), listed here so the parser imports no model code.
+BENCH_ARCHS = ["sd15", "tiny", "sdxl", "tiny-xl", "sd35m", "flux", "tiny-sd3", "tiny-flux"]
 
 
 @dataclass(frozen=True)
@@ -215,9 +217,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--arch",
-        choices=["sd15", "tiny", "sdxl", "tiny-xl"],
+        choices=BENCH_ARCHS,
         default="sd15",
-        help="what to build when --model is not given (sdxl: the SDXL base architecture, 13 GB on disk)",
+        help="what to build when --model is not given (make-tiny-model's archs: sdxl is the SDXL base architecture, "
+        "13 GB on disk; sd35m SD3.5-medium and flux FLUX.1-dev's widths, written in bf16)",
+    )
+    p.add_argument(
+        "--depth",
+        type=int,
+        default=None,
+        help="--arch flux only: double-stream blocks (and twice as many single-stream ones) instead of FLUX.1's "
+        "19 + 38; per-block figures scale linearly to the full depth (docs/benchmarks.md)",
     )
     p.add_argument("--resolution", type=int, default=512)
     p.add_argument("--images", type=int, default=5, help="training images (each is VAE-encoded twice for the cache)")
@@ -260,10 +270,18 @@ def main(argv: list[str]) -> int:
     if model is None:
         return 2
     from xeonsd.cpu import cpu_info
+    from xeonsd.modelfiles.families import detect_family
 
+    family = detect_family(model)
+    if family.is_flow and args.method == "textual_inversion":
+        print(f"xeonsd bench train: error: --method textual_inversion is not supported on {family.label} (the "
+              "trainer refuses it: no trainer trains embeddings for its CLIP + T5 text side); use --method lora or "
+              "full", file=sys.stderr)  # fmt: skip
+        return 2
     cpu = cpu_info()
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if cpu.native_bf16 else "fp32")
-    variants = list(variants_for(args.method, dtype)) + (list(EXTRA_VARIANTS) if args.extra else [])
+    extra = [v for v in EXTRA_VARIANTS if not (family.is_flow and v.name == "channels_last")] if args.extra else []
+    variants = list(variants_for(args.method, dtype)) + extra
     if args.only:
         unknown = set(args.only) - {v.name for v in variants}
         if unknown:
@@ -287,13 +305,13 @@ def main(argv: list[str]) -> int:
     for v in variants:
         vdtype = v.name if v.name in ("bf16", "fp32") else dtype
         results.append(summarize(v.name, runs[v.name], args.warmup, peaks[vdtype], stats[v.name]))
-    print(format_table(results, peaks, dtype, cpu.model, args.method), flush=True)
+    print(format_table(results, peaks, dtype, cpu.model, f"{args.method} on {family.label}"), flush=True)
     if args.profile:
         for v, r in zip(variants, results, strict=True):
             vdtype = v.name if v.name in ("bf16", "fp32") else dtype
             r["profile"] = profile_summary(runs[v.name], peaks[vdtype])
             print(sp.format_profile(v.name, r["profile"]["classes"], r["profile"]["wall_s"], peaks[vdtype], vdtype))
-    targets = bench_targets(cpu, dtype, results[0] if variants[0].name == "optimized" else None)
+    targets = bench_targets(cpu, dtype, results[0] if variants[0].name == "optimized" else None, family.name)
     print("\n".join(t["line"] for t in targets), flush=True)
     computed = results[0]["allreduce_bytes"]
     if measured is not None:
@@ -308,6 +326,9 @@ def main(argv: list[str]) -> int:
         summary = {
             "cpu": cpu.model,
             "method": args.method,
+            "family": family.name,
+            "family_label": family.label,
+            "resolution": args.resolution,
             "dtype": dtype,
             "peak_tflops": peaks,
             "model": str(model),
@@ -355,10 +376,17 @@ def _model(args: argparse.Namespace) -> str | Path | None:
             print(f"xeonsd bench train: error: {exc}", file=sys.stderr)
             return None
         return args.model
-    model = DEFAULT_MODEL_CACHE if args.arch == "sd15" else DEFAULT_MODEL_CACHE.with_name(args.arch)
+    if args.depth is not None and args.arch != "flux":
+        print("xeonsd bench train: error: --depth applies to --arch flux only", file=sys.stderr)
+        return None
+    if args.depth is not None and args.depth < 1:
+        print(f"xeonsd bench train: error: --depth must be at least 1 (got {args.depth})", file=sys.stderr)
+        return None
+    name = args.arch if args.depth is None else f"{args.arch}-depth{args.depth}"
+    model = DEFAULT_MODEL_CACHE if name == "sd15" else DEFAULT_MODEL_CACHE.with_name(name)
     if not (model / "model_index.json").is_file():
-        log.info("building the %s model once in %s", args.arch, model)
-        make_tiny_model(model, arch=args.arch)
+        log.info("building the %s model once in %s", name, model)
+        make_tiny_model(model, arch=args.arch, depth=args.depth)
     return model
 
 
