@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,8 +29,10 @@ import torch
 from xeonsd import step_profile as sp
 from xeonsd.bench import rounds as rnd
 from xeonsd.bench.targets import bench_targets
+from xeonsd.bench.train_report import format_table, profile_summary, step_seconds, summarize
 from xeonsd.contracts.method_names import METHODS
 from xeonsd.flops import matmul_probes
+from xeonsd.fsutil import atomic_file
 from xeonsd.trainer.memory import ESTIMATE_FILE
 
 log = logging.getLogger(__name__)
@@ -137,69 +138,6 @@ def run_rounds(variants: list[Variant], rounds: int, base_args: list[str], tmp: 
     return runs
 
 
-def step_seconds(rows: list[dict], warmup: int) -> float:
-    """One run's median s/step over its timed steps."""
-    return statistics.median(r["s_per_step"] for r in rows[warmup:])
-
-
-def summarize(name: str, runs: list[dict], warmup: int, peak_tflops: float, stats: dict) -> dict:
-    """One variant over its rounds: ``stats`` is its entry of ``rnd.summarize`` (seconds and ratio per round)."""
-    rows = runs[0]["rows"]
-    s_step = stats["seconds"]["median"]
-    tflop = next((r["tflop_per_rank"] for r in rows if "tflop_per_rank" in r), float("nan"))
-    return {
-        "variant": name,
-        "s_per_step": s_step,
-        "steps_timed": len(rows[warmup:]),
-        "tflop_per_step": tflop,
-        "tflops": tflop / s_step,
-        "of_peak": tflop / s_step / peak_tflops,
-        "peak_rss_gb": max(run["peak_rss_gb"] for run in runs),
-        # The trainer's own estimate (memory_estimate.json), NaN where the run wrote none.
-        "estimate_training_gb": runs[0].get("estimate", {}).get("training", float("nan")) / 1e9,
-        "estimate_loading_gb": runs[0].get("estimate", {}).get("loading", float("nan")) / 1e9,
-        "allreduce_bytes": rows[-1]["allreduce_bytes"],
-        "rounds": len(runs),
-        "s_per_step_rounds": stats["rounds"],
-        "s_per_step_spread": stats["seconds"],
-        "x_optimized": stats["ratio"]["median"],
-        "x_optimized_rounds": stats["ratio_rounds"],
-        "x_optimized_spread": stats["ratio"],
-    }
-
-
-def profile_summary(runs: list[dict], peak_tflops: float) -> dict:
-    """One variant's profiled step over its rounds: each class's median seconds and the median wall time, its FLOPs
-    (the first step's count, the same every round), and the rows of ``xeonsd.step_profile.class_rows``."""
-    profiles = [next(r["step_profile"] for r in run["rows"] if "step_profile" in r) for run in runs]
-    tflop = next(r["tflop_by_class"] for r in runs[0]["rows"] if "tflop_by_class" in r)
-    seconds = {c: statistics.median(p["seconds_by_class"][c] for p in profiles) for c in sp.CLASSES}
-    wall = statistics.median(p["wall_s"] for p in profiles)
-    return {"wall_s": wall, "rounds": len(profiles), "classes": sp.class_rows(seconds, tflop, peak_tflops)}
-
-
-def format_table(results: list[dict], peaks: dict[str, float], dtype: str, cpu: str, method: str = "") -> str:
-    rounds = results[0].get("rounds", 1)
-    lines = [
-        f"CPU: {cpu}; method: {method}; training dtype: {dtype}",
-        "matmul peak measured in this run: " + ", ".join(f"{k} {v:.3f} TFLOP/s" for k, v in peaks.items()),
-        f"{rounds} interleaved round(s) of the variants; s/step: median of the rounds (min-max); x optimized: median "
-        "of each round's ratio to that round's optimized run (min-max); peak RSS measured, est. train / est. load: "
-        "the trainer's own estimate of its training and loading peak (GB)",
-        f"{'variant':<24}{'s/step':>9}{'min-max':>13}{'x optimized':>13}{'min-max':>13}{'TFLOP/step':>12}"
-        f"{'TFLOP/s':>9}{'of peak':>9}{'peak RSS GB':>13}{'est. train':>12}{'est. load':>11}{'all-reduce B/step':>19}",
-    ]
-    for r in results:
-        lines.append(
-            f"{r['variant']:<24}{r['s_per_step']:>9.2f}{rnd.range_text(r['s_per_step_spread']):>13}"
-            f"{r['x_optimized']:>13.2f}{rnd.range_text(r['x_optimized_spread']):>13}{r['tflop_per_step']:>12.3f}"
-            f"{r['tflops']:>9.3f}{r['of_peak']:>9.1%}{r['peak_rss_gb']:>13.2f}"
-            f"{r.get('estimate_training_gb', float('nan')):>12.2f}{r.get('estimate_loading_gb', float('nan')):>11.2f}"
-            f"{r['allreduce_bytes']:>19,}"
-        )
-    return "\n".join(lines)
-
-
 def probe_peaks(args: argparse.Namespace) -> list[dict]:
     """Matmul peak probes of both dtypes (FLOP/s, several sizes each), ``--probes`` times each."""
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -259,38 +197,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    if args.rounds < 1 or args.probes < 1:
-        print("xeonsd bench train: error: --rounds and --probes must be at least 1", file=sys.stderr)
+    checked = _checked(args)
+    if checked is None:
         return 2
-    if args.profile and args.warmup < 2:
-        print("xeonsd bench train: error: --profile needs --warmup 2 or more (the first step counts the FLOPs, the "
-              "last warm-up step is profiled)", file=sys.stderr)  # fmt: skip
-        return 2
-    model = _model(args)
-    if model is None:
-        return 2
+    model, family = checked
     from xeonsd.cpu import cpu_info
-    from xeonsd.modelfiles.families import detect_family
 
-    family = detect_family(model)
-    if family.is_flow and args.method == "textual_inversion":
-        print(f"xeonsd bench train: error: --method textual_inversion is not supported on {family.label} (the "
-              "trainer refuses it: no trainer trains embeddings for its CLIP + T5 text side); use --method lora or "
-              "full", file=sys.stderr)  # fmt: skip
-        return 2
     cpu = cpu_info()
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if cpu.native_bf16 else "fp32")
-    extra = [v for v in EXTRA_VARIANTS if not (family.is_flow and v.name == "channels_last")] if args.extra else []
-    variants = list(variants_for(args.method, dtype)) + extra
-    if args.only:
-        unknown = set(args.only) - {v.name for v in variants}
-        if unknown:
-            print(f"xeonsd bench train: error: unknown variant(s) {sorted(unknown)}", file=sys.stderr)
-            return 2
-        variants = [v for v in variants if v.name in args.only]
-    if not cpu.native_bf16 and not args.only:
-        log.warning("%s has no AMX or AVX512-BF16: skipping the bf16 variant (pass --only bf16 to force it)", cpu.model)
-        variants = [v for v in variants if v.name != "bf16"]
+    variants = _variants(args, family, cpu, dtype)
+    if variants is None:
+        return 2
     probe_peaks(argparse.Namespace(**{**vars(args), "probes": 1, "probe_seconds": 0.2}))  # warm-up, not kept
     before = probe_peaks(args)
     runs, measured, why = _measure(args, model, dtype, variants)
@@ -341,11 +258,49 @@ def main(argv: list[str]) -> int:
             "machine": {k: stable[k] for k in ("difference", "tolerance", "unstable")},
             "targets": targets,
         }
-        tmp_json = args.json.with_name(args.json.name + ".tmp")
-        tmp_json.write_text(json.dumps(summary, indent=2))
-        tmp_json.replace(args.json)
+        with atomic_file(args.json, "w") as fh:
+            json.dump(summary, fh, indent=2)
     print("\n".join(rnd.verdict_lines(stable)), flush=True)
     return 0
+
+
+def _checked(args: argparse.Namespace):
+    """The model and its family once every flag is checked; None after printing what is wrong."""
+    if args.rounds < 1 or args.probes < 1:
+        print("xeonsd bench train: error: --rounds and --probes must be at least 1", file=sys.stderr)
+        return None
+    if args.profile and args.warmup < 2:
+        print("xeonsd bench train: error: --profile needs --warmup 2 or more (the first step counts the FLOPs, the "
+              "last warm-up step is profiled)", file=sys.stderr)  # fmt: skip
+        return None
+    model = _model(args)
+    if model is None:
+        return None
+    from xeonsd.modelfiles.families import detect_family
+
+    family = detect_family(model)
+    if family.is_flow and args.method == "textual_inversion":
+        print(f"xeonsd bench train: error: --method textual_inversion is not supported on {family.label} (the "
+              "trainer refuses it: no trainer trains embeddings for its CLIP + T5 text side); use --method lora or "
+              "full", file=sys.stderr)  # fmt: skip
+        return None
+    return model, family
+
+
+def _variants(args: argparse.Namespace, family, cpu, dtype: str) -> list[Variant] | None:
+    """The variants this run measures (``--only``, ``--extra``, the CPU's bf16); None after printing an unknown name."""
+    extra = [v for v in EXTRA_VARIANTS if not (family.is_flow and v.name == "channels_last")] if args.extra else []
+    variants = list(variants_for(args.method, dtype)) + extra
+    if args.only:
+        unknown = set(args.only) - {v.name for v in variants}
+        if unknown:
+            print(f"xeonsd bench train: error: unknown variant(s) {sorted(unknown)}", file=sys.stderr)
+            return None
+        variants = [v for v in variants if v.name in args.only]
+    if not cpu.native_bf16 and not args.only:
+        log.warning("%s has no AMX or AVX512-BF16: skipping the bf16 variant (pass --only bf16 to force it)", cpu.model)
+        variants = [v for v in variants if v.name != "bf16"]
+    return variants
 
 
 def _measure(args: argparse.Namespace, model: str | Path, dtype: str, variants: list[Variant]):
