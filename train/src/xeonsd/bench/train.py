@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from xeonsd import step_profile as sp
+from xeonsd.assets.models import arch_names
 from xeonsd.bench import rounds as rnd
 from xeonsd.bench.targets import bench_targets
 from xeonsd.bench.train_report import format_table, profile_summary, step_seconds, summarize
@@ -38,8 +39,6 @@ from xeonsd.trainer.memory import ESTIMATE_FILE
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_CACHE = Path(os.environ.get("XEONSD_CACHE", Path.home() / ".cache" / "xeonsd")) / "sd15"
-# make-tiny-model's archs (xeonsd.assets.arch_names), listed here so the parser imports no model code.
-BENCH_ARCHS = ["sd15", "tiny", "sdxl", "tiny-xl", "sd35m", "flux", "tiny-sd3", "tiny-flux"]
 
 
 @dataclass(frozen=True)
@@ -155,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--arch",
-        choices=BENCH_ARCHS,
+        choices=arch_names(),
         default="sd15",
         help="what to build when --model is not given (make-tiny-model's archs: sdxl is the SDXL base architecture, "
         "13 GB on disk; sd35m SD3.5-medium and flux FLUX.1-dev's widths, written in bf16)",
