@@ -16,8 +16,18 @@ more than 15 % apart end the output with "machine unstable: read the ratios, not
 OpenVINO CPU plugin runs in on this machine.
 
 Default: the full SD1.5 architecture (``make-tiny-model --arch sd15``) at 512x512, 20 steps, as the recipe;
-``--arch sdxl``: the full SDXL base architecture at its 1024x1024 (``--height``/``--width`` change it).
+``--arch`` takes every ``make-tiny-model --arch``, at its own resolution (``--height``/``--width`` change it): ``sdxl``
+the full SDXL base architecture at 1024x1024, ``sd21`` 768, ``flux`` (FLUX.1-dev; ``--depth D``: D double-stream
+and 2D single-stream blocks at FLUX.1's widths, the real model 19, its own model directory per depth) and ``sd35m``
+(SD3.5-medium) at 1024, the test-size ``tiny``, ``tiny-v``, ``tiny-xl``, ``tiny-flux`` and ``tiny-sd3`` at 64.
 ``--quick``: 256x256, 4 steps. Exports are cached in ``--workdir`` and reused by later runs.
+
+On FLUX.1 and SD3 (:mod:`xeonsd.bench.generate_flow`) there is no concept: every variant runs the plain base model
+on the prompt without the concept's token, with the family's guidance (SD3: classifier-free, 2 transformer calls'
+worth per step; FLUX.1-dev: its guidance embedding, 1) and T5 at the export's prompt length, and the FLOP count is
+the text encoders, ``steps`` transformer calls and the VAE decoder. A variant whose export ``xeonsd export``
+refuses for the model ((g) and (i): hybrid int8 calibrates UNet calls; (h) and (i): ToMe merges a UNet's tokens)
+is skipped, with one line giving the export's reason, and the others run.
 """
 
 from __future__ import annotations
@@ -32,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from xeonsd.bench import rounds as rnd
-from xeonsd.bench.generate_pipelines import PROMPT, Bench, Result, model_and_concept, time_ov, time_torch
+from xeonsd.bench.generate_flow import flow_family, transformer_calls_per_step
+from xeonsd.bench.generate_pipelines import Bench, Result, model_and_concept, prompt_for, time_ov, time_torch
 from xeonsd.bench.generate_report import format_table, pipeline_flops
 from xeonsd.fsutil import atomic_file
 from xeonsd.openvino.quantize import DEFAULT_SAMPLES
@@ -73,14 +84,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             speedups = rnd.per_round_ratios(timed["d"], timed[key])
             tome_vs_d[key] = {"speedup_rounds": speedups, "speedup": rnd.spread(speedups), **bench.pixels.get(key, {})}
 
+    flow = flow_family(model)
     return {
         "model": str(model),
+        "family": flow.name if flow is not None else None,  # FLUX.1 / SD3 (None: a UNet family)
+        "concept": None if embeds is None else str(embeds),
+        "transformer_calls_per_step": None if flow is None else transformer_calls_per_step(flow.name),
         "height": args.height,
         "width": args.width,
         "steps": args.steps,
         "images": args.images,
         "seed": args.seed,
-        "prompt": PROMPT,
+        "prompt": prompt_for(embeds),
         "warmup": args.warmup,
         "results": [asdict(r) for r in bench.results],
         "flops_per_image": flops,
@@ -124,34 +139,37 @@ def _measure_variants(bench: Bench, peaks: dict[str, float], flops: dict[str, fl
             bench.measure("b", "PyTorch bf16 autocast", lambda: time_torch(model, embeds, args, bf16=True))
         else:
             bench.results.append(_bf16_not_run(peaks, flops))
-    if "c" in only:
-        bench.measure(
-            "c", "OpenVINO dynamic shapes", lambda: time_ov(bench.export("dynamic", None, "fp32"), "optimum", args)
-        )
     image_d: list = []
     image_g: list = []
-    if {"d", "f"} & only:
-        static_dir = bench.export(f"static-{size}", static, "fp32")
-        bench.measure("d", f"OpenVINO static {size}", lambda: time_ov(static_dir, "optimum", args, image_d))
-    if "e" in only:
-        int8_dir = bench.export(f"static-{size}", static, "int8")
-        bench.measure("e", f"OpenVINO static {size} int8 weights", lambda: time_ov(int8_dir, "optimum", args))
-    if "f" in only:
-        bench.measure("f", f"OpenVINO GenAI static {size}", lambda: time_ov(static_dir, "genai", args, None))
-    if "g" in only:
-        hybrid_dir = bench.export(f"static-{size}", static, "int8", QuantizeOptions(samples=args.calibration_samples))
-        name = f"OpenVINO static {size} hybrid int8"
-        bench.measure("g", name, lambda: time_ov(hybrid_dir, "optimum", args, image_g))
     tome_images: dict[str, list] = {"h": [], "i": []}
-    if "h" in only:
-        tome_dir = bench.export(f"static-{size}", static, "fp32", tome=args.tome)
-        name = f"OpenVINO static {size} ToMe {args.tome:g}"
-        bench.measure("h", name, lambda: time_ov(tome_dir, "optimum", args, tome_images["h"]))
-    if "i" in only:
-        quantize = QuantizeOptions(samples=args.calibration_samples)
-        both_dir = bench.export(f"static-{size}", static, "int8", quantize, tome=args.tome)
-        name = f"OpenVINO ToMe {args.tome:g} + hybrid {size}"
-        bench.measure("i", name, lambda: time_ov(both_dir, "optimum", args, tome_images["i"]))
+    quantize = QuantizeOptions(samples=args.calibration_samples)
+    # key: (name, export kind, static shape, weight format, hybrid int8, ToMe ratio, engine, where its image goes)
+    plans: dict[str, tuple] = {
+        "c": ("OpenVINO dynamic shapes", "dynamic", None, "fp32", None, 0.0, "optimum", None),
+        "d": (f"OpenVINO static {size}", f"static-{size}", static, "fp32", None, 0.0, "optimum", image_d),
+        "e": (f"OpenVINO static {size} int8 weights", f"static-{size}", static, "int8", None, 0.0, "optimum", None),
+        "f": (f"OpenVINO GenAI static {size}", f"static-{size}", static, "fp32", None, 0.0, "genai", None),
+        "g": (
+            f"OpenVINO static {size} hybrid int8",
+            f"static-{size}",
+            static,
+            "int8",
+            quantize,
+            0.0,
+            "optimum",
+            image_g,
+        ),
+    }
+    tome_name = f"OpenVINO static {size} ToMe {args.tome:g}"
+    plans["h"] = (tome_name, f"static-{size}", static, "fp32", None, args.tome, "optimum", tome_images["h"])
+    both_name = f"OpenVINO ToMe {args.tome:g} + hybrid {size}"
+    plans["i"] = (both_name, f"static-{size}", static, "int8", quantize, args.tome, "optimum", tome_images["i"])
+    for key, (name, kind, shape, fmt, quant, tome, engine, keep) in plans.items():
+        if key not in only:
+            continue
+        ov_dir = bench.export_or_skip(key, name, kind, shape, fmt, quant, tome=tome)
+        if ov_dir is not None:
+            bench.measure(key, name, lambda d=ov_dir, e=engine, k=keep: time_ov(d, e, args, k))
     bench.measure_rounds(args.rounds)
     for key, image in tome_images.items():
         if image and image_d:
@@ -178,12 +196,40 @@ def _pixel_difference(image_g: list, image_d: list, seed: int) -> dict[str, Any]
     return {"mean_abs_pixel_diff": round(float(diff), 3), "seed": seed}
 
 
+# Every make-tiny-model --arch with its resolution (its denoiser's sample size x the VAE's scale); a test holds the
+# keys to xeonsd.assets.models.arch_names()
+ARCH_RESOLUTION = {
+    "sd15": 512,
+    "sd21": 768,
+    "sdxl": 1024,
+    "flux": 1024,
+    "sd35m": 1024,
+    "tiny": 64,
+    "tiny-v": 64,
+    "tiny-xl": 64,
+    "tiny-flux": 64,
+    "tiny-sd3": 64,
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="xeonsd bench generate", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="diffusers pipeline directory (default: a random-weight --arch model in --workdir)")
-    p.add_argument("--arch", choices=["sd15", "sdxl", "tiny", "tiny-xl"], default="sd15")
+    p.add_argument(
+        "--arch",
+        choices=list(ARCH_RESOLUTION),
+        default="sd15",
+        help="the random-weight model built in --workdir when --model is not given (make-tiny-model --arch)",
+    )
+    p.add_argument(
+        "--depth",
+        type=int,
+        help="--arch flux only: D double-stream and 2D single-stream blocks at FLUX.1's widths (the real model: 19)",
+    )
     p.add_argument("--workdir", default="bench-generate", help="models, exports and results (reused between runs)")
-    p.add_argument("--height", type=int, help="default: the model family's resolution (SD 1.5 512, SDXL 1024)")
+    p.add_argument(
+        "--height", type=int, help="default: the model's resolution (SD 1.5 512, SDXL, FLUX.1, SD3 1024, tiny 64)"
+    )
     p.add_argument("--width", type=int, help="default: the model family's resolution")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--images", type=int, default=1, help="timed images per variant and round (one per call)")
@@ -204,9 +250,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-ARCH_RESOLUTION = {"sd15": 512, "sdxl": 1024, "tiny": 64, "tiny-xl": 64}  # the random-weight models' own
-
-
 def _family_resolution(model: str) -> int:
     from xeonsd.modelfiles.families import detect_family
 
@@ -221,6 +264,11 @@ def main(argv: list[str]) -> int:
         raise SystemExit("xeonsd bench generate: error: --images, --steps, --rounds and --probes must be at least 1")
     if args.calibration_samples < 1:
         raise SystemExit("xeonsd bench generate: error: --calibration-samples must be at least 1")
+    if args.depth is not None and (args.model or args.arch != "flux"):
+        given = f"--model {args.model}" if args.model else f"--arch {args.arch}"
+        raise SystemExit(f"xeonsd bench generate: error: --depth applies to --arch flux only, not to {given}")
+    if args.depth is not None and args.depth < 1:
+        raise SystemExit(f"xeonsd bench generate: error: --depth must be at least 1, got {args.depth}")
     only = set(args.only) & set("abcdefghi")
     args.only = sorted(only | {"d"} if only & set("ghi") else only)  # (g), (h), (i) are judged against (d)
     from xeonsd.openvino.tome import TomeError, check_ratio

@@ -1,10 +1,13 @@
 """How ``xeonsd bench generate`` builds, exports and times each pipeline.
 
-The random-weight model and concept it runs on, the OpenVINO exports (cached in ``--workdir`` and reused while
+The random-weight model and concept it runs on (FLUX.1 and SD3 have no concept: the plain model, see
+:mod:`xeonsd.bench.generate_flow`), the OpenVINO exports (cached in ``--workdir`` and reused while
 source, shape, weight format and calibration are the same), and the timing of one variant: load (+ compile), an
 optional one-step warm-up call, then the mean seconds per image over ``--images`` calls of one image. The variants
 run interleaved (``Bench.measure_rounds``): in each of ``--rounds`` rounds every variant is loaded, warmed up, timed
-and closed, in the order a b c … (so only one pipeline is in memory at a time, and load time is never timed).
+and closed, in the order a b c … (so only one pipeline is in memory at a time, and load time is never timed). An
+export ``xeonsd export`` refuses for this model (hybrid int8 or ToMe on a flow model) is not a crash: its variant is
+recorded as skipped, with the export's own message (:class:`Refused`).
 """
 
 from __future__ import annotations
@@ -21,11 +24,21 @@ from pathlib import Path
 from typing import Any
 
 from xeonsd.bench import rounds as rnd
+from xeonsd.bench.generate_flow import PLAIN_PROMPT, flow_family, torch_call_kwargs
 
 log = logging.getLogger(__name__)
 
 PROMPT = "a yellow <dicoo> robot at the beach, high quality"
 TOKEN = "<dicoo>"
+
+
+class Refused(Exception):
+    """``xeonsd export`` refuses this export for this model (its check of the inputs, before anything loads)."""
+
+
+def prompt_for(embeds: Path | None) -> str:
+    """The recipe's prompt with the concept's token, or without it where the model has no concept (FLUX.1, SD3)."""
+    return PROMPT if embeds is not None else PLAIN_PROMPT
 
 
 @dataclass
@@ -43,11 +56,12 @@ class Result:
 
 @dataclass
 class Bench:
-    """One run's model, concept and work directory, the variants measured so far and the exports they used."""
+    """One run's model, concept (None: none, FLUX.1 and SD3) and work directory, the variants measured so far and
+    the exports they used."""
 
     args: argparse.Namespace
     model: Path
-    embeds: Path
+    embeds: Path | None
     workdir: Path
     results: list[Result] = field(default_factory=list)
     exports: dict[str, float] = field(default_factory=dict)  # export name -> seconds it took (when it was made)
@@ -60,6 +74,17 @@ class Bench:
         path, seconds = export_cached(self.model, self.embeds, out, shape, fmt, quantize, tome)
         self.exports[name] = seconds
         return path
+
+    def export_or_skip(self, key: str, name: str, *args: Any, **kwargs: Any) -> Path | None:
+        """``export(*args, **kwargs)`` for variant ``key``; None, with ``key`` recorded as skipped and the export's
+        reason printed, where ``xeonsd export`` refuses it for this model."""
+        try:
+            return self.export(*args, **kwargs)
+        except Refused as exc:
+            note = f"skipped: {exc}"
+            print(f"({key}) {name}: {note}", flush=True)
+            self.results.append(Result(key, name, note=note))
+            return None
 
     def measure(self, key: str, name: str, fn: Callable[[], tuple[float, float]]) -> None:
         """Plan variant ``key`` (when ``--only`` asks for it): ``fn`` gives load seconds and seconds per image;
@@ -88,16 +113,27 @@ class Bench:
         self.results.sort(key=lambda res: res.key)
 
 
-def model_and_concept(args: argparse.Namespace, workdir: Path) -> tuple[Path, Path]:
-    """``--model`` (or a random-weight ``--arch`` model built once in WORKDIR) and a random concept for it."""
+def model_dir(args: argparse.Namespace, workdir: Path) -> Path:
+    """``--model``, or where the random-weight ``--arch`` model is kept in WORKDIR (``--depth`` in its name)."""
+    if args.model:
+        return Path(args.model)
+    depth = getattr(args, "depth", None)
+    return workdir / (f"model-{args.arch}" if depth is None else f"model-{args.arch}-depth{depth}")
+
+
+def model_and_concept(args: argparse.Namespace, workdir: Path) -> tuple[Path, Path | None]:
+    """``--model`` (or a random-weight ``--arch`` model built once in WORKDIR) and a random concept for it (None for
+    FLUX.1 and SD3, which take none)."""
     import torch
     from safetensors.torch import save_file
 
     from xeonsd.assets import make_tiny_model
 
-    model = Path(args.model) if args.model else workdir / f"model-{args.arch}"
+    model = model_dir(args, workdir)
     if not model.is_dir():
-        make_tiny_model(model, arch=args.arch)
+        make_tiny_model(model, arch=args.arch, depth=getattr(args, "depth", None))
+    if flow_family(model) is not None:
+        return model, None
     hidden = json.loads((model / "text_encoder" / "config.json").read_text())["hidden_size"]
     gen = torch.Generator().manual_seed(0)
     if (model / "text_encoder_2").is_dir():  # SDXL: one vector set per text encoder (clip_l, clip_g)
@@ -115,15 +151,25 @@ def model_and_concept(args: argparse.Namespace, workdir: Path) -> tuple[Path, Pa
     return model, embeds
 
 
-def torch_pipeline(model: Path, embeds: Path) -> Any:
-    """The diffusers pipeline of ``model``'s family with the concept loaded (SDXL: into both text encoders)."""
+def torch_pipeline(model: Path, embeds: Path | None) -> Any:
+    """The diffusers pipeline of ``model``'s family with the concept loaded (SDXL: into both text encoders; None:
+    the plain model)."""
     from safetensors.torch import load_file
 
     from xeonsd.modelfiles.families import detect_family
     from xeonsd.openvino.pipelines import load_torch_pipeline
 
     family = detect_family(model).name
+    import torch
+
+    # fp32 throughout: transformers loads a text encoder in the dtype it was saved in, and the full-size flux and
+    # sd35m archs are written in bf16 (diffusers loads their transformer and VAE in fp32 either way)
     pipe = load_torch_pipeline(str(model), family)
+    for part in pipe.components.values():
+        if isinstance(part, torch.nn.Module) and any(p.dtype != torch.float32 for p in part.parameters()):
+            part.to(dtype=torch.float32)
+    if embeds is None:
+        return pipe
     if family == "sdxl":
         state = load_file(str(embeds))
         pipe.load_textual_inversion(
@@ -138,10 +184,18 @@ def torch_pipeline(model: Path, embeds: Path) -> Any:
 
 
 def export_cached(
-    model: Path, embeds: Path, out: Path, static: Any, weight_format: str, quantize: Any = None, tome: float = 0.0
+    model: Path,
+    embeds: Path | None,
+    out: Path,
+    static: Any,
+    weight_format: str,
+    quantize: Any = None,
+    tome: float = 0.0,
 ) -> tuple[Path, float]:
-    """The export in OUT, made now unless OUT already holds one of the same source, shape, weights and ToMe ratio."""
+    """The export in OUT, made now unless OUT already holds one of the same source, shape, weights and ToMe ratio;
+    :class:`Refused` where ``xeonsd export`` refuses it for this model."""
     from xeonsd.openvino.export import ExportOptions, export
+    from xeonsd.openvino.export_inputs import ExportError, check_inputs
     from xeonsd.openvino.manifest import ExportDirError, read_manifest
 
     try:
@@ -162,11 +216,15 @@ def export_cached(
     opts = ExportOptions(
         static=static, weight_format=weight_format, embeds=embeds, overwrite=True, quantize=quantize, tome=tome
     )
+    try:  # the export's own checks, before anything loads: what it refuses is skipped, not a crash
+        check_inputs(str(model), out, opts)
+    except ExportError as exc:
+        raise Refused(str(exc)) from None
     export(str(model), out, opts)
     return out, float(read_manifest(out)["export_seconds"])
 
 
-def time_torch(model: Path, embeds: Path, args: argparse.Namespace, bf16: bool) -> tuple[float, float]:
+def time_torch(model: Path, embeds: Path | None, args: argparse.Namespace, bf16: bool) -> tuple[float, float]:
     """diffusers on PyTorch, fp32 or under bf16 autocast: load seconds and mean seconds per image."""
     import contextlib
 
@@ -176,16 +234,19 @@ def time_torch(model: Path, embeds: Path, args: argparse.Namespace, bf16: bool) 
     pipe = torch_pipeline(model, embeds)
     pipe.set_progress_bar_config(disable=True)
     load_s = time.perf_counter() - t0
+    flow = flow_family(model)
+    extra = {} if flow is None else torch_call_kwargs(model, flow.name)
 
     def call(seed: int, steps: int) -> None:
         ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
         with ctx, torch.inference_mode():
             pipe(
-                PROMPT,
+                prompt_for(embeds),
                 num_inference_steps=steps,
                 height=args.height,
                 width=args.width,
                 generator=torch.Generator().manual_seed(seed),
+                **extra,
             )
 
     if args.warmup:
@@ -201,9 +262,12 @@ def time_torch(model: Path, embeds: Path, args: argparse.Namespace, bf16: bool) 
 def time_ov(ov_dir: Path, engine: str, args: argparse.Namespace, keep: list | None = None) -> tuple[float, float]:
     """Load+compile and mean seconds per image; ``keep`` gets the first timed image (seed ``args.seed``)."""
     from xeonsd.openvino.generate import Call, GenerateOptions, open_engine
+    from xeonsd.openvino.manifest import read_manifest
 
+    embeds = read_manifest(ov_dir, verify=False).get("embeds")
+    prompt = prompt_for(None if embeds is None else Path(embeds))
     opts = GenerateOptions(
-        prompts=(PROMPT,),
+        prompts=(prompt,),
         num_images=args.images,
         steps=args.steps,
         seed=args.seed,
@@ -217,7 +281,7 @@ def time_ov(ov_dir: Path, engine: str, args: argparse.Namespace, keep: list | No
         if hasattr(eng._pipe, "set_progress_bar_config"):
             eng._pipe.set_progress_bar_config(disable=True)
         if args.warmup:
-            eng.run(Call(prompts=[PROMPT], per_prompt=1, seed=args.seed), steps=1)
+            eng.run(Call(prompts=[prompt], per_prompt=1, seed=args.seed), steps=1)
         times = []
         for call in eng.plan.calls:
             t0 = time.perf_counter()

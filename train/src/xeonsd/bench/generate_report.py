@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from xeonsd.bench.generate_flow import flops_line, flow_family, flow_pipeline_flops
 from xeonsd.bench.rounds import range_text
 
 TARGET_SPEEDUP_D = 6.0
@@ -32,12 +33,16 @@ def matmul_peak(dtype_name: str) -> float:
 
 
 def pipeline_flops(model: Path, height: int, width: int, steps: int) -> dict[str, float]:
-    """FLOPs of one image: text encoder (prompt + negative), ``steps`` x UNet at batch 2, VAE decoder."""
+    """FLOPs of one image: text encoder (prompt + negative), ``steps`` x UNet at batch 2, VAE decoder; for FLUX.1
+    and SD3 the text encoders, ``steps`` x the transformer and the VAE decoder (:mod:`xeonsd.bench.generate_flow`)."""
     import torch
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import CLIPTextConfig, CLIPTextModel
 
+    flow = flow_family(model)
+    if flow is not None:
+        return flow_pipeline_flops(model, flow.name, height, width, steps)
     with torch.device("meta"):
         unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(model / "unet"))
         vae = AutoencoderKL.from_config(AutoencoderKL.load_config(model / "vae"))
@@ -106,7 +111,9 @@ def format_table(report: dict[str, Any]) -> str:
     f = report["flops_per_image"]
     peaks = report["matmul_peak_flops"]
     lines.append(
-        f"FLOPs per image: {f['total'] / 1e12:.2f} TFLOP (UNet {f['unet'] / 1e12:.2f} = {steps} x batch 2, "
+        flops_line(report)
+        if "transformer" in f
+        else f"FLOPs per image: {f['total'] / 1e12:.2f} TFLOP (UNet {f['unet'] / 1e12:.2f} = {steps} x batch 2, "
         f"text encoder {f['text_encoder'] / 1e12:.3f}, VAE decoder {f['vae_decoder'] / 1e12:.3f})"
     )
     lines.append(

@@ -111,6 +111,11 @@ def check_inputs(src: str, out: Path, opts: ExportOptions) -> tuple[Path | None,
             f"--quantize {opts.quantize.method}: {src} is {family.label}, and hybrid int8 calibrates a UNet's calls "
             "(not a transformer's yet); use --weight-format int8 (data-free int8 weights)"
         )
+    if check_ratio(opts.tome) > 0 and family.is_flow:
+        raise ExportError(
+            f"--tome: {src} is {family.label}, and token merging patches a UNet's transformer blocks (not a "
+            "transformer denoiser's joint attention yet); export without --tome"
+        )
     if opts.embeds is not None and family.is_flow:
         raise ExportError(
             f"--embeds: {src} is {family.label}, and textual inversion is not served for it (no trainer trains it "

@@ -1,0 +1,193 @@
+"""``xeonsd bench generate`` on the flow-matching families (FLUX.1, SD3/SD3.5): how their pipeline is called and
+what one image costs in FLOPs.
+
+These models have no textual-inversion concept (no trainer trains one for them, and ``xeonsd export`` refuses
+``--embeds`` on them), so every variant runs the plain base model with a prompt without the concept's token. The
+PyTorch variants call the diffusers pipeline as ``xeonsd generate`` does: the family's guidance scale (FLUX.1-dev
+3.5 through its guidance embedding, no classifier-free guidance; SD3 7.0 with classifier-free guidance) and T5 at
+the export's prompt length (:func:`xeonsd.openvino.pipelines.t5_length`).
+
+The FLOPs of one image (:func:`flow_pipeline_flops`), counted with ``torch.utils.flop_counter`` on networks built
+on the meta device from the pipeline's configs, as for the UNet families: the text encoders (CLIP(s) at 77 tokens,
+T5 at the prompt length; prompt and negative prompt under classifier-free guidance), ``steps`` transformer calls
+(at batch 2 under classifier-free guidance, i.e. two calls' worth per step) and the VAE decoder.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+PLAIN_PROMPT = "a yellow robot at the beach, high quality"  # the recipe's prompt without the concept's token
+CLIP_LENGTH = 77
+
+
+def flow_family(model: Path) -> Any:
+    """The detected family of ``model`` when it is a flow-matching one (FLUX.1, SD3), else None."""
+    from xeonsd.modelfiles.families import detect_family
+
+    family = detect_family(str(model))
+    return family if family.is_flow else None
+
+
+def guidance_scale(family: str) -> float:
+    """The guidance scale ``xeonsd generate`` uses for ``family`` (and so every variant of the bench)."""
+    from xeonsd.openvino.generate import DEFAULT_GUIDANCE
+
+    return DEFAULT_GUIDANCE[family]
+
+
+def transformer_calls_per_step(family: str) -> int:
+    """Transformer calls' worth of work per denoising step: SD3 runs classifier-free guidance at its guidance scale
+    (prompt and negative prompt, one call at batch 2); FLUX.1's pipeline runs it only with ``true_cfg_scale`` > 1
+    and a negative prompt (dev's guidance is an embedding, schnell has none), neither of which is given."""
+    return 2 if family == "sd3" and guidance_scale(family) > 1 else 1
+
+
+def _max_length(model: Path, tokenizer: str) -> int | None:
+    config = model / tokenizer / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    value = json.loads(config.read_text()).get("model_max_length")
+    return int(value) if isinstance(value, int | float) else None
+
+
+def t5_length(model: Path, family: str) -> int:
+    """T5's prompt length the export fixes (the pipeline's default, or the tokenizer's limit where shorter), read
+    from the pipeline directory with the rule the export applies."""
+    from xeonsd.modelfiles.families import spec
+    from xeonsd.openvino import pipelines
+
+    tokenizer = spec(family).tokenizers[-1]
+    limit = _max_length(model, tokenizer)
+    holder = SimpleNamespace(
+        **{tokenizer: SimpleNamespace() if limit is None else SimpleNamespace(model_max_length=limit)}
+    )
+    length = pipelines.t5_length(holder, family)
+    assert length is not None
+    return length
+
+
+def torch_call_kwargs(model: Path, family: str) -> dict[str, Any]:
+    """What the diffusers pipeline of a flow family is called with besides the prompt, size and steps."""
+    return {"guidance_scale": guidance_scale(family), "max_sequence_length": t5_length(model, family)}
+
+
+def _count(fn: Callable[[], Any]) -> float:
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter, torch.no_grad(), torch.device("meta"):
+        fn()
+    return float(counter.get_total_flops())
+
+
+def _vae(model: Path) -> tuple[Any, int]:
+    from diffusers import AutoencoderKL
+
+    config = AutoencoderKL.load_config(model / "vae")
+    return AutoencoderKL.from_config(config), 2 ** (len(config["block_out_channels"]) - 1)
+
+
+def _transformer(model: Path, family: str) -> Any:
+    import diffusers
+
+    from xeonsd.modelfiles.families import spec
+
+    cls = getattr(diffusers, spec(family).denoiser_class)
+    return cls.from_config(cls.load_config(model / "transformer"))
+
+
+def _transformer_inputs(transformer: Any, family: str, latent: tuple[int, int, int], batch: int, text: int) -> dict:
+    """The keyword arguments of one transformer call at ``batch``, made on the meta device (inside ``_count``):
+    ``latent`` is (channels, h, w) of the VAE latents, ``text`` the prompt's token count."""
+    import torch
+
+    cfg = transformer.config
+    channels, h, w = latent
+    args: dict[str, Any] = {
+        "encoder_hidden_states": torch.randn(batch, text, cfg.joint_attention_dim),
+        "pooled_projections": torch.randn(batch, cfg.pooled_projection_dim),
+        "timestep": torch.ones(batch),
+    }
+    if family == "sd3":
+        return {"hidden_states": torch.randn(batch, channels, h, w), **args}
+    tokens = (h // 2) * (w // 2)  # FLUX packs 2x2 latents into one token of 4x the channels
+    return {
+        "hidden_states": torch.randn(batch, tokens, cfg.in_channels),
+        "img_ids": torch.zeros(tokens, 3),
+        "txt_ids": torch.zeros(text, 3),
+        "guidance": torch.ones(batch) if cfg.guidance_embeds else None,
+        **args,
+    }
+
+
+def transformer_call_flops(model: Path, family: str, height: int, width: int, batch: int = 1) -> float:
+    """FLOPs of one transformer call at ``batch`` for ``height`` x ``width`` images."""
+    with _meta():
+        transformer = _transformer(model, family)
+        vae, scale = _vae(model)
+    latent = (vae.config.latent_channels, height // scale, width // scale)
+    text = _text_tokens(model, family)
+    return _count(lambda: transformer(**_transformer_inputs(transformer, family, latent, batch, text)))
+
+
+def _text_tokens(model: Path, family: str) -> int:
+    """The transformer's text sequence: T5's tokens (FLUX.1), CLIP's 77 followed by T5's (SD3)."""
+    return t5_length(model, family) + (CLIP_LENGTH if family == "sd3" else 0)
+
+
+def _meta() -> Any:
+    import torch
+
+    return torch.device("meta")
+
+
+def _text_encoders(model: Path, family: str) -> list[tuple[Any, int]]:
+    """Each text encoder (meta device) with the token count it is called on."""
+    import transformers
+
+    from xeonsd.modelfiles.families import spec
+
+    found = spec(family)
+    out = []
+    with _meta():
+        for i, (encoder, tokenizer) in enumerate(found.text_side):
+            cls = found.text_encoder_class(i)
+            config = transformers.AutoConfig.from_pretrained(model / encoder)
+            length = t5_length(model, family) if cls.startswith("T5") else _max_length(model, tokenizer) or CLIP_LENGTH
+            out.append((getattr(transformers, cls)(config), length))
+    return out
+
+
+def flow_pipeline_flops(model: Path, family: str, height: int, width: int, steps: int) -> dict[str, float]:
+    """FLOPs of one image: text encoders, ``steps`` x the transformer (x 2 under classifier-free guidance), VAE
+    decoder."""
+    import torch
+
+    calls = transformer_calls_per_step(family)
+    with _meta():
+        vae, scale = _vae(model)
+    h, w = height // scale, width // scale
+    encoders = _text_encoders(model, family)
+    out = {
+        "text_encoder": sum(_count(lambda e=e, n=n: e(torch.zeros(calls, n, dtype=torch.long))) for e, n in encoders),
+        "transformer": steps * transformer_call_flops(model, family, height, width, batch=calls),
+        "vae_decoder": _count(lambda: vae.decode(torch.randn(1, vae.config.latent_channels, h, w))),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def flops_line(report: dict[str, Any]) -> str:
+    """The table's FLOP line for a flow model."""
+    f, steps = report["flops_per_image"], report["steps"]
+    calls = report.get("transformer_calls_per_step", 1)
+    how = "batch 2, classifier-free guidance" if calls == 2 else "1 call, no classifier-free guidance"
+    return (
+        f"FLOPs per image: {f['total'] / 1e12:.2f} TFLOP (transformer {f['transformer'] / 1e12:.2f} = {steps} x "
+        f"{how}, text encoders {f['text_encoder'] / 1e12:.3f}, VAE decoder {f['vae_decoder'] / 1e12:.3f})"
+    )
