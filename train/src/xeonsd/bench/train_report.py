@@ -58,12 +58,12 @@ def format_table(results: list[dict], peaks: dict[str, float], dtype: str, cpu: 
         f"{rounds} interleaved round(s) of the variants; s/step: median of the rounds (min-max); x optimized: median "
         "of each round's ratio to that round's optimized run (min-max); peak RSS measured, est. train / est. load: "
         "the trainer's own estimate of its training and loading peak (GB)",
-        f"{'variant':<24}{'s/step':>9}{'min-max':>13}{'x optimized':>13}{'min-max':>13}{'TFLOP/step':>12}"
+        f"{'variant':<24}{'s/step':>9}{'min-max':>16}{'x optimized':>13}{'min-max':>13}{'TFLOP/step':>12}"
         f"{'TFLOP/s':>9}{'of peak':>9}{'peak RSS GB':>13}{'est. train':>12}{'est. load':>11}{'all-reduce B/step':>19}",
     ]
     for r in results:
         lines.append(
-            f"{r['variant']:<24}{r['s_per_step']:>9.2f}{rnd.range_text(r['s_per_step_spread']):>13}"
+            f"{r['variant']:<24}{r['s_per_step']:>9.2f}{rnd.range_text(r['s_per_step_spread']):>16}"
             f"{r['x_optimized']:>13.2f}{rnd.range_text(r['x_optimized_spread']):>13}{r['tflop_per_step']:>12.3f}"
             f"{r['tflops']:>9.3f}{r['of_peak']:>9.1%}{r['peak_rss_gb']:>13.2f}"
             f"{r.get('estimate_training_gb', float('nan')):>12.2f}{r.get('estimate_loading_gb', float('nan')):>11.2f}"
