@@ -113,6 +113,27 @@ def test_generate_cli_writes_pngs_grid_and_timings(ov_baked: Path, tmp_path: Pat
     assert Image.open(out / "grid.png").size == (4 * SIZE, 3 * SIZE)
 
 
+def test_precision_f32_compiles_every_network_in_f32_and_an_unknown_one_is_refused(ov_baked: Path) -> None:
+    """``--precision f32`` reaches OpenVINO: each compiled network infers in f32, also on a CPU whose default is bf16
+    (AMX, AVX512-BF16), where "auto" keeps the plugin's default."""
+    import openvino as ov
+
+    from xeonsd.openvino.generate import open_engine
+
+    default = ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT")
+    for precision, want in (("f32", ov.Type.f32), ("auto", default)):
+        engine = open_engine(
+            ov_baked, GenerateOptions(num_images=BATCH, steps=1, engine="optimum", precision=precision)
+        )
+        try:
+            parts = [engine._pipe.text_encoder, engine._pipe.unet, engine._pipe.vae_decoder]
+            assert [p.request.get_property("INFERENCE_PRECISION_HINT") for p in parts] == [want] * 3, precision
+        finally:
+            engine.close()
+    with pytest.raises(GenerateError, match="unknown --precision 'f16'; choose one of auto, f32"):
+        generate(ov_baked, GenerateOptions(num_images=BATCH, precision="f16"))
+
+
 # --- requests and directories it must refuse ------------------------------------------------------------------
 
 

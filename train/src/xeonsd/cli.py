@@ -245,6 +245,13 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
         help="LoRA adapter applied at load time, no re-export (genai engine; repeat to blend several; "
         "ALPHA default 1.0); for --engine optimum fuse it instead: xeonsd export SRC OUT --lora FILE",
     )
+    p.add_argument(
+        "--precision",
+        choices=["auto", "f32"],
+        default="auto",
+        help="auto: OpenVINO's default (bf16 on a CPU with AMX or AVX512-BF16, f32 elsewhere); f32: always f32 "
+        "(slower there; the images then match PyTorch fp32 closely)",
+    )
     p.add_argument("--out", default="images", help="output directory (default: ./images)")
     p.add_argument("--overwrite", action="store_true")
     _add_console_flags(p)

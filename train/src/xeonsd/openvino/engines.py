@@ -67,7 +67,10 @@ class OptimumEngine(Engine):
     def open(self) -> OptimumEngine:
         t0 = time.perf_counter()
         pipe = pipelines.ov_pipeline_class(self.family).from_pretrained(
-            str(self.ov_dir), dynamic_shapes=not self.plan.static, compile=False
+            str(self.ov_dir),
+            dynamic_shapes=not self.plan.static,
+            compile=False,
+            ov_config=self.opts.compile_properties(),
         )
         if self.opts.embeds is not None:
             from xeonsd.modelfiles.concept_file import add_to_openvino, load_concepts
@@ -205,10 +208,11 @@ class GenaiEngine(Engine):
             pipe.reshape(shape.images_per_call, shape.height, shape.width, self.opts.guidance_scale)
         self.load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
+        properties = self.opts.compile_properties()
         if adapters is not None:  # GenAI applies adapters only when they are given at compile time
-            pipe.compile("CPU", adapters=adapters)
+            pipe.compile("CPU", adapters=adapters, **properties)
         else:
-            pipe.compile("CPU")
+            pipe.compile("CPU", **properties)
         self.compile_s = time.perf_counter() - t0
         self._pipe = pipe
         return self

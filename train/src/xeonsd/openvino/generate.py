@@ -57,6 +57,16 @@ class GenerateOptions:
     embeds: Path | None = None
     token: str | None = None
     loras: tuple[tuple[Path, float], ...] = ()  # (file, alpha): LoRA adapters applied by GenAI at compile time
+    precision: str = "auto"  # "auto": the CPU plugin's (bf16 where the CPU has AMX or AVX512-BF16); "f32": always f32
+
+    def compile_properties(self) -> dict[str, str]:
+        """The OpenVINO CPU properties both engines compile with (:data:`PRECISIONS`)."""
+        return dict(PRECISIONS[self.precision])
+
+
+# --precision: what each choice asks of OpenVINO's CPU plugin. "auto" leaves its default, which infers in bf16 on a
+# CPU with AMX or AVX512-BF16 (faster; images differ from PyTorch fp32 by bf16 rounding) and in f32 elsewhere.
+PRECISIONS: dict[str, dict[str, str]] = {"auto": {}, "f32": {"INFERENCE_PRECISION_HINT": "f32"}}
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,8 @@ def plan_calls(manifest: dict[str, Any], opts: GenerateOptions) -> Plan:
         raise GenerateError("give at least one non-empty --prompt")
     if opts.num_images < 1 or opts.steps < 1:
         raise GenerateError("--num-images and --steps must be at least 1")
+    if opts.precision not in PRECISIONS:
+        raise GenerateError(f"unknown --precision {opts.precision!r}; choose one of {', '.join(PRECISIONS)}")
     fixed = static_shape(manifest)
     if fixed is not None:
         asked = {"--height": (opts.height, fixed.height), "--width": (opts.width, fixed.width)}
@@ -194,6 +206,7 @@ def generate(ov_dir: Path, opts: GenerateOptions) -> tuple[list[Any], dict[str, 
         engine.close()
     timings = {
         "engine": opts.engine,
+        "precision": opts.precision,
         "load_s": round(engine.load_s, 3),
         "compile_s": round(engine.compile_s, 3),
         "first_image_s": round(latencies[0], 3),
@@ -259,6 +272,7 @@ def main_args(args: Any, console: TextIO | None = None) -> int:
         embeds=None if args.embeds is None else Path(args.embeds),
         token=args.token,
         loras=tuple(parse_lora_specs(args.lora or [])),
+        precision=args.precision,
     )
     timings = generate_to_dir(Path(args.ov_dir), Path(args.out), opts, overwrite=args.overwrite)
     print(
