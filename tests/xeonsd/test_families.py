@@ -140,3 +140,25 @@ def test_a_pipeline_without_readable_configs_is_refused(tmp_path: Path) -> None:
     (d / "model_index.json").write_text("{not json")
     with pytest.raises(FamilyError, match="cannot read model_index.json"):
         detect_family(d)
+
+
+def test_the_t5_prompt_length_is_diffusers_default_capped_by_the_tokenizer(tmp_path) -> None:
+    """One rule for T5's prompt length (trainer tables, memory estimate, export, engines): the family pipeline's
+    own ``max_sequence_length`` default, at most the T5 tokenizer's limit read from the directory."""
+    import inspect
+    import json
+
+    import diffusers
+
+    from xeonsd.modelfiles.families import SPECS
+
+    for found in SPECS.values():
+        call = inspect.signature(getattr(diffusers, found.pipeline_class).__call__).parameters
+        default = call["max_sequence_length"].default if "max_sequence_length" in call else None
+        assert found.t5_length == default, found.name
+        assert found.t5_prompt_length_of(tmp_path / "no-such-dir") == default
+    flux = SPECS["flux"]
+    assert flux.t5_prompt_length(32) == 32 and flux.t5_prompt_length(1e30) == 512 and flux.t5_prompt_length(None) == 512
+    (tmp_path / "tokenizer_2").mkdir()
+    (tmp_path / "tokenizer_2" / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 77}))
+    assert flux.t5_prompt_length_of(tmp_path) == 77

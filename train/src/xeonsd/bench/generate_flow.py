@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 PLAIN_PROMPT = "a yellow robot at the beach, high quality"  # the recipe's prompt without the concept's token
@@ -56,17 +55,10 @@ def _max_length(model: Path, tokenizer: str) -> int | None:
 
 
 def t5_length(model: Path, family: str) -> int:
-    """T5's prompt length the export fixes (the pipeline's default, or the tokenizer's limit where shorter), read
-    from the pipeline directory with the rule the export applies."""
+    """T5's prompt length the export fixes for ``model`` (:meth:`FamilySpec.t5_prompt_length_of`)."""
     from xeonsd.modelfiles.families import spec
-    from xeonsd.openvino import pipelines
 
-    tokenizer = spec(family).tokenizers[-1]
-    limit = _max_length(model, tokenizer)
-    holder = SimpleNamespace(
-        **{tokenizer: SimpleNamespace() if limit is None else SimpleNamespace(model_max_length=limit)}
-    )
-    length = pipelines.t5_length(holder, family)
+    length = spec(family).t5_prompt_length_of(model)
     assert length is not None
     return length
 

@@ -54,6 +54,30 @@ class FamilySpec:
     objective: str = "noise"
     # latent side lengths must be a multiple of this (FLUX packs 2x2 latents into one token)
     latent_multiple: int = 1
+    # diffusers' default T5 prompt length of the family's pipeline (FluxPipeline 512, StableDiffusion3Pipeline 256);
+    # None: no T5 (see t5_length)
+    t5_length: int | None = None
+
+    def t5_prompt_length(self, tokenizer_limit: float | None) -> int | None:
+        """T5's prompt length: the pipeline's default, or the T5 tokenizer's ``model_max_length`` where that is
+        shorter (the tiny models' 32); None for the CLIP-only families. The trainer's tables, the memory estimate,
+        the export (which fixes it in a static export) and every engine use this one rule."""
+        if self.t5_length is None:
+            return None
+        return self.t5_length if tokenizer_limit is None else min(self.t5_length, int(tokenizer_limit))
+
+    def t5_prompt_length_of(self, src: str | Path) -> int | None:
+        """:meth:`t5_prompt_length` with the limit read from the pipeline directory's T5 tokenizer config (the
+        default where there is no such file: a Hub id, or a config without a limit)."""
+        limit = None
+        if self.t5_length is not None:
+            config = Path(src).expanduser() / self.tokenizers[-1] / "tokenizer_config.json"
+            try:
+                value = json.loads(config.read_text()).get("model_max_length")
+            except (OSError, ValueError):
+                value = None
+            limit = value if isinstance(value, int | float) and value else None
+        return self.t5_prompt_length(limit)
 
     @property
     def text_side(self) -> tuple[tuple[str, str], ...]:
@@ -106,6 +130,7 @@ SPECS: dict[str, FamilySpec] = {
             encoder_classes=("CLIPTextModel", "T5EncoderModel"),
             objective="flow",
             latent_multiple=2,
+            t5_length=512,
         ),
         # SD3/SD3.5: CLIP-L and CLIP-G (hidden and pooled) beside T5's hidden states, an MMDiT over 2x2 patches.
         FamilySpec(
@@ -121,6 +146,7 @@ SPECS: dict[str, FamilySpec] = {
             encoder_classes=("CLIPTextModelWithProjection", "CLIPTextModelWithProjection", "T5EncoderModel"),
             objective="flow",
             latent_multiple=2,
+            t5_length=256,
         ),
     )
 }

@@ -63,18 +63,14 @@ def ov_pipeline_class(family: str) -> Any:
     return getattr(optimum.intel, spec(family).ov_pipeline_class)
 
 
-# diffusers' default T5 prompt length of each family's pipeline (FluxPipeline 512, StableDiffusion3Pipeline 256)
-_T5_LENGTH = {"flux": 512, "sd3": 256}
-
-
 def t5_length(pipe: Any, family: str) -> int | None:
-    """FLUX.1/SD3: T5's prompt length, the pipeline's default or the tokenizer's limit where that is shorter (the
-    tiny models' 32). A static export fixes it (optimum-intel reshapes FLUX's T5 to it), and every engine passes it
+    """FLUX.1/SD3: T5's prompt length of a loaded pipeline (:meth:`FamilySpec.t5_prompt_length` with its T5
+    tokenizer's limit). A static export fixes it (optimum-intel reshapes FLUX's T5 to it), and every engine passes it
     as ``max_sequence_length``; None for the CLIP-only families."""
-    if family not in _T5_LENGTH:
+    found = spec(family)
+    if found.t5_length is None:
         return None
-    tokenizer = getattr(pipe, spec(family).tokenizers[-1])
-    return min(_T5_LENGTH[family], int(getattr(tokenizer, "model_max_length", _T5_LENGTH[family])))
+    return found.t5_prompt_length(getattr(getattr(pipe, found.tokenizers[-1]), "model_max_length", None))
 
 
 def load_torch_pipeline(src: str, family: str) -> Any:

@@ -283,7 +283,7 @@ def _flow_estimate(cfg, method: str, family, num_images: int, num_prompts: int) 
     autocast = weight_dtype == torch.bfloat16 and dtype == torch.float32
     scale = 2 ** (len(vae.config.block_out_channels) - 1)
     side, channels = cfg.resolution // scale, vae.config.latent_channels
-    text_len = min(512 if family.name == "flux" else 256, _t5_max_length(src, spec.tokenizers[-1]))
+    text_len = spec.t5_prompt_length_of(src)
     clip_len = 77 if family.name == "sd3" else 0  # SD3's CLIP hidden states join T5's along the tokens
     pooled_dim = denoiser.config.pooled_projection_dim
     joint_dim = denoiser.config.joint_attention_dim
@@ -309,16 +309,6 @@ def _flow_estimate(cfg, method: str, family, num_images: int, num_prompts: int) 
         runtime,
         loading,
     )
-
-
-def _t5_max_length(src: str, tokenizer: str) -> int:
-    """The T5 tokenizer's model_max_length from its config (512 where it does not say)."""
-    import json
-
-    with contextlib.suppress(OSError, ValueError, TypeError):
-        value = json.loads((Path(src).expanduser() / tokenizer / "tokenizer_config.json").read_text())
-        return int(value.get("model_max_length") or 512)
-    return 512
 
 
 def _flow_activations(denoiser, family, cfg, dims: tuple[int, int, int, int, int], autocast: bool) -> int:

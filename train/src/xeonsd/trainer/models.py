@@ -64,9 +64,8 @@ class Models:
     @property
     def text_length(self) -> int:
         """A flow family's T5 tokens per prompt: its pipeline's default ``max_sequence_length`` (FLUX.1 512, SD3
-        256), at most the tokenizer's own limit (the tiny test models' 32)."""
-        default = inspect.signature(pipeline_class(self.family).__call__).parameters["max_sequence_length"].default
-        return min(int(default), int(self.text_pairs[-1][0].model_max_length))
+        256), at most the tokenizer's own limit (the tiny test models' 32): ``FamilySpec.t5_prompt_length``."""
+        return family_spec(self.family).t5_prompt_length(self.text_pairs[-1][0].model_max_length)
 
     @property
     def unet_dtype(self) -> torch.dtype:
