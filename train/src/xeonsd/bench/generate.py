@@ -39,7 +39,7 @@ import logging
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from xeonsd.bench import rounds as rnd
 from xeonsd.bench.generate_flow import flow_family, transformer_calls_per_step
@@ -143,38 +143,42 @@ def _measure_variants(bench: Bench, peaks: dict[str, float], flops: dict[str, fl
     image_g: list = []
     tome_images: dict[str, list] = {"h": [], "i": []}
     quantize = QuantizeOptions(samples=args.calibration_samples)
-    # key: (name, export kind, static shape, weight format, hybrid int8, ToMe ratio, engine, where its image goes)
-    plans: dict[str, tuple] = {
-        "c": ("OpenVINO dynamic shapes", "dynamic", None, "fp32", None, 0.0, "optimum", None),
-        "d": (f"OpenVINO static {size}", f"static-{size}", static, "fp32", None, 0.0, "optimum", image_d),
-        "e": (f"OpenVINO static {size} int8 weights", f"static-{size}", static, "int8", None, 0.0, "optimum", None),
-        "f": (f"OpenVINO GenAI static {size}", f"static-{size}", static, "fp32", None, 0.0, "genai", None),
-        "g": (
-            f"OpenVINO static {size} hybrid int8",
-            f"static-{size}",
-            static,
-            "int8",
-            quantize,
-            0.0,
-            "optimum",
-            image_g,
-        ),
+    static_kind = f"static-{size}"
+    tome_name, both_name = f"OpenVINO static {size} ToMe {args.tome:g}", f"OpenVINO ToMe {args.tome:g} + hybrid {size}"
+    plans = {
+        "c": _OvVariant("OpenVINO dynamic shapes", "dynamic", None, "fp32"),
+        "d": _OvVariant(f"OpenVINO static {size}", static_kind, static, "fp32", keep=image_d),
+        "e": _OvVariant(f"OpenVINO static {size} int8 weights", static_kind, static, "int8"),
+        "f": _OvVariant(f"OpenVINO GenAI static {size}", static_kind, static, "fp32", engine="genai"),
+        "g": _OvVariant(f"OpenVINO static {size} hybrid int8", static_kind, static, "int8", quantize, keep=image_g),
+        "h": _OvVariant(tome_name, static_kind, static, "fp32", tome=args.tome, keep=tome_images["h"]),
+        "i": _OvVariant(both_name, static_kind, static, "int8", quantize, tome=args.tome, keep=tome_images["i"]),
     }
-    tome_name = f"OpenVINO static {size} ToMe {args.tome:g}"
-    plans["h"] = (tome_name, f"static-{size}", static, "fp32", None, args.tome, "optimum", tome_images["h"])
-    both_name = f"OpenVINO ToMe {args.tome:g} + hybrid {size}"
-    plans["i"] = (both_name, f"static-{size}", static, "int8", quantize, args.tome, "optimum", tome_images["i"])
-    for key, (name, kind, shape, fmt, quant, tome, engine, keep) in plans.items():
+    for key, v in plans.items():
         if key not in only:
             continue
-        ov_dir = bench.export_or_skip(key, name, kind, shape, fmt, quant, tome=tome)
+        ov_dir = bench.export_or_skip(key, v.name, v.kind, v.static, v.weight_format, v.quantize, tome=v.tome)
         if ov_dir is not None:
-            bench.measure(key, name, lambda d=ov_dir, e=engine, k=keep: time_ov(d, e, args, k))
+            bench.measure(key, v.name, lambda d=ov_dir, v=v: time_ov(d, v.engine, args, v.keep))
     bench.measure_rounds(args.rounds)
     for key, image in tome_images.items():
         if image and image_d:
             bench.pixels[key] = _pixel_difference(image, image_d, args.seed)
     return _pixel_difference(image_g, image_d, args.seed) if image_d and image_g else None
+
+
+class _OvVariant(NamedTuple):
+    """One OpenVINO variant: its name, the export it runs on (kind, static shape, weights, hybrid int8, ToMe ratio),
+    the engine, and the list its first image goes to (None: not kept)."""
+
+    name: str
+    kind: str
+    static: Any
+    weight_format: str
+    quantize: Any = None
+    tome: float = 0.0
+    engine: str = "optimum"
+    keep: list | None = None
 
 
 def _bf16_not_run(peaks: dict[str, float], flops: dict[str, float]) -> Result:
