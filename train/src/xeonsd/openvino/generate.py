@@ -25,6 +25,7 @@ from typing import Any, TextIO
 from xeonsd.fsutil import atomic_dir
 from xeonsd.modelfiles.families import spec
 from xeonsd.openvino.engines import Engine, GenaiEngine, OptimumEngine
+from xeonsd.openvino.generate_args import PRECISIONS
 from xeonsd.openvino.manifest import StaticShape, check_writable_output, read_manifest, static_shape
 from xeonsd.openvino.pipelines import manifest_family, text_side
 
@@ -62,11 +63,6 @@ class GenerateOptions:
     def compile_properties(self) -> dict[str, str]:
         """The OpenVINO CPU properties both engines compile with (:data:`PRECISIONS`)."""
         return dict(PRECISIONS[self.precision])
-
-
-# --precision: what each choice asks of OpenVINO's CPU plugin. "auto" leaves its default, which infers in bf16 on a
-# CPU with AMX or AVX512-BF16 (faster; images differ from PyTorch fp32 by bf16 rounding) and in f32 elsewhere.
-PRECISIONS: dict[str, dict[str, str]] = {"auto": {}, "f32": {"INFERENCE_PRECISION_HINT": "f32"}}
 
 
 @dataclass(frozen=True)

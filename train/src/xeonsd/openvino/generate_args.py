@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import argparse
 
+# --precision: what each choice asks of OpenVINO's CPU plugin at compile (both engines). "auto" leaves its default,
+# which infers in bf16 on a CPU with AMX or AVX512-BF16 (faster; images differ from PyTorch fp32 by bf16 rounding)
+# and in f32 elsewhere.
+PRECISIONS: dict[str, dict[str, str]] = {"auto": {}, "f32": {"INFERENCE_PRECISION_HINT": "f32"}}
+
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("ov_dir", help="directory written by `xeonsd export`")
@@ -42,7 +47,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--precision",
-        choices=["auto", "f32"],
+        choices=list(PRECISIONS),
         default="auto",
         help="auto: OpenVINO's default (bf16 on a CPU with AMX or AVX512-BF16, f32 elsewhere); f32: always f32 "
         "(slower there; the images then match PyTorch fp32 closely)",
