@@ -13,6 +13,7 @@ import base64
 import io
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.xdist_group("xeonsd-serve")  # one server, its tests in
 
 SIZE = 64
 PER_CALL = 5
-TIMEOUT_S = 5  # --timeout: the 3-step requests take a fraction of it, the LONG ones many times it
+TIMEOUT_S = 6  # --timeout: the 3-step requests take a fraction of it, the LONG ones many times it
 LONG = 1000  # steps of a request that runs until it is cancelled (--max-steps allows it)
 
 
@@ -134,12 +135,17 @@ def test_each_bad_input_is_refused_naming_the_field_and_counted(
 
 def test_a_full_queue_answers_429_and_the_timeout_cancels(server: ServeProcess) -> None:
     """One worker busy with a request too long for --timeout, one request queued: the third is 429 with
-    Retry-After; the long one is cancelled at the timeout (504) and the queued one then runs (200)."""
+    Retry-After; the long one is cancelled at the timeout (504) and the queued one then runs (200).
+
+    --timeout counts from arrival, queue time included, so the queued request is sent half a timeout after the
+    long one: it then has about half a timeout left for its 3 steps once the long one is cancelled."""
     answers: dict = {}
     before = metric(server, "xeonsd_serve_cancelled_total", reason="timeout")
     long = threading.Thread(target=post, args=(server, LONG, answers, "long"))
+    sent = time.monotonic()
     long.start()
     wait_metric(server, "xeonsd_serve_busy_workers", 1)
+    time.sleep(max(0.0, sent + TIMEOUT_S / 2 - time.monotonic()))
     queued = threading.Thread(target=post, args=(server, 3, answers, "queued"))
     queued.start()
     wait_metric(server, "xeonsd_serve_queue_depth", 1)
