@@ -142,7 +142,7 @@ TRAINER_LAYERS: list[set[str]] = [
         "optim",
     },
     {"step"},
-    {"inputs", "memory", "validation", "job"},
+    {"inputs", "memory", "validation", "texts", "job"},
     {"hooks", "summary"},
     {"loop"},
 ]

@@ -29,12 +29,9 @@ from xeonsd.cpu import cpu_info
 from xeonsd.modelfiles.modelsource import model_fingerprint
 from xeonsd.trainer import checkpoint as ckpt
 from xeonsd.trainer.buckets import BUCKET_OPTIONS, BucketBatches, Buckets
-from xeonsd.trainer.captions import CaptionDraws
 from xeonsd.trainer.conditioning import PromptConditioning
 from xeonsd.trainer.config import TrainConfig
 from xeonsd.trainer.data import SamplingPlan
-from xeonsd.trainer.families import train_family
-from xeonsd.trainer.families.transformer import release_t5
 from xeonsd.trainer.inputs import Inputs
 from xeonsd.trainer.latents import LatentTable
 from xeonsd.trainer.loss import parse_timestep_range
@@ -45,6 +42,7 @@ from xeonsd.trainer.prior import ClassRendererOpener, PriorData, build_prior, en
 from xeonsd.trainer.prompts import PromptTable
 from xeonsd.trainer.rng import Stream, stream_seed
 from xeonsd.trainer.step import LossInputs
+from xeonsd.trainer.texts import encode_prompts
 from xeonsd.trainer.validation import ValidationSet, build_validation
 
 log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name
@@ -286,8 +284,9 @@ def _resume(
 def _prepare_data(
     cfg: TrainConfig, info: RankInfo, models: Models, method: Method, inputs: Inputs, seed: int, load_s: float
 ) -> TrainingData:
-    """The method's prompts and their conditioning, the latents (the VAE dropped when nothing needs it any more),
-    and the sampling plan; logs the start-up's split (the models' load took ``load_s``)."""
+    """The method's prompts and their conditioning (every table before any image is encoded), the latents (the
+    VAE dropped when nothing needs it any more), and the sampling plan; logs the start-up's split (the models'
+    load took ``load_s``)."""
     world = info.world_size
     prompts = method.prompts(inputs.captions)
     trainable = sum(p.numel() for p in method.parameters())
@@ -295,14 +294,7 @@ def _prepare_data(
         "%s: %d trainable parameters; prompts: %d from %s", cfg.method, trainable, len(prompts.texts), prompts.source
     )
     t0 = time.perf_counter()
-    text = train_family(models.family).conditioning(
-        models,
-        prompts,
-        trainable=method.trains_text_encoder,
-        rank=info.rank,
-        world=world,
-        draws=CaptionDraws.for_run(cfg, seed),
-    )
+    texts = encode_prompts(cfg, info, models, method, inputs, prompts, seed)
     t1 = time.perf_counter()
     latents = LatentTable.build(cfg, models, inputs.images, info.rank, info.local_rank, world, inputs.buckets)
     t2 = time.perf_counter()
@@ -310,7 +302,7 @@ def _prepare_data(
     num_timesteps = models.noise_scheduler.config.num_train_timesteps
     timestep_range = parse_timestep_range(cfg.timestep_range, num_timesteps)
     validation = build_validation(
-        cfg, info, models, method, inputs.held_out, seed, timestep_range or (0, num_timesteps)
+        cfg, info, models, inputs.held_out, texts.held, seed, timestep_range or (0, num_timesteps)
     )
     log.info(
         "start-up: models loaded in %.1f s; prepared %d latent inputs in %.1f s and %d prompts in %.1f s (%s)",
@@ -319,7 +311,7 @@ def _prepare_data(
         t2 - t1,
         len(prompts.texts),
         t1 - t0,
-        "encoded once" if text.table is not None else "tokenized; encoded every step",
+        "encoded once" if texts.train.table is not None else "tokenized; encoded every step",
     )
     plan = SamplingPlan(
         seed=seed,
@@ -334,21 +326,13 @@ def _prepare_data(
     )
     prior = None
     if inputs.class_images:
-        prior = build_prior(cfg, info, models, inputs.class_images, seed, plan, method.trains_text_encoder)
-    family = train_family(models.family)
-    if family.is_flow:  # every prompt table is built: the validation prompt's too, then T5 goes
-        if cfg.validation_prompt:
-            table = PromptTable((cfg.validation_prompt, ""), per_image=False, source="--validation_prompt")
-            models.sample_conditioning = family.conditioning(
-                models, table, trainable=method.trains_text_encoder, rank=info.rank, world=world
-            )
-        release_t5(models, keep=cfg.shuffle_tags)
+        prior = build_prior(cfg, info, models, inputs.class_images, seed, plan, texts.prior)
     if cfg.latent_cache and not cfg.validation_prompt:  # nothing decodes or encodes from here on
         models.vae = None
         gc.collect()
     return TrainingData(
         prompts=prompts,
-        text=text,
+        text=texts.train,
         latents=latents,
         plan=plan,
         validation=validation,

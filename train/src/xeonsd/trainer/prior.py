@@ -235,6 +235,18 @@ def model_inputs(text, latents, examples: list[Example]) -> tuple:
     return latents.sample(examples), noise, timesteps, hidden, added
 
 
+def class_text(cfg: TrainConfig, info: RankInfo, models, trainable: bool = False):
+    """The class prompt's conditioning: encoded once with the frozen encoder (``trainable``: the method trains the
+    text encoder, so it is encoded every step, as the instance prompts: a table made at set-up would hold the
+    encoder of the step the run started or resumed at). Built with the training prompts, before the VAE encodes."""
+    from xeonsd.trainer.families import train_family
+
+    table = PromptTable((cfg.class_prompt,), per_image=False, source="--class_prompt")
+    return train_family(models.family).conditioning(
+        models, table, trainable=trainable, rank=info.rank, world=info.world_size
+    )
+
+
 def build_prior(
     cfg: TrainConfig,
     info: RankInfo,
@@ -242,19 +254,13 @@ def build_prior(
     class_images: list[Path],
     seed: int,
     like: SamplingPlan,
-    trainable: bool = False,
+    text,
 ):
-    """The class side of the steps: latents (built like the instance ones), the class prompt encoded once with the
-    frozen encoder (``trainable``: the method trains the text encoder, so it is encoded every step, as the instance
-    prompts: a table made at set-up would hold the encoder of the step the run started or resumed at), and a
-    sampling plan of its own with the instance plan's timesteps and noise options."""
-    from xeonsd.trainer.families import train_family
+    """The class side of the steps: latents (built like the instance ones), the class prompt's conditioning
+    (``text``, from :func:`class_text`), and a sampling plan of its own with the instance plan's timesteps and
+    noise options."""
     from xeonsd.trainer.latents import LatentTable
 
-    table = PromptTable((cfg.class_prompt,), per_image=False, source="--class_prompt")
-    text = train_family(models.family).conditioning(
-        models, table, trainable=trainable, rank=info.rank, world=info.world_size
-    )
     latents = LatentTable.build(cfg, models, class_images, info.rank, info.local_rank, info.world_size)
     plan = SamplingPlan(
         seed=stream_seed(seed, Stream.PRIOR_PLAN),

@@ -144,20 +144,31 @@ def fixed_timesteps(lo: int, hi: int, count: int = TIMESTEPS) -> tuple[int, ...]
     return tuple(lo + (hi - lo) * (2 * j + 1) // (2 * count) for j in range(count))
 
 
-def build_validation(
-    cfg: TrainConfig, info, models, method, held: HeldOut | None, seed: int, timestep_range: tuple[int, int]
-) -> ValidationSet | None:
-    """The validation set, on every rank (its prompt and latent tables are shared out like the training ones)."""
+def validation_text(cfg: TrainConfig, info, models, method, held: HeldOut | None) -> tuple | None:
+    """(the held-out captions' prompt table, its conditioning), built with the training prompts: before the VAE
+    encodes, while a flow family's T5 is still loaded."""
     if held is None:
         return None
     from xeonsd.trainer.families import train_family
-    from xeonsd.trainer.latents import LatentTable
 
     prompts = method.prompts(held.captions)
     draws = CaptionDraws(prefix=(cfg.caption_prefix or "").strip())  # the prefix; nothing drawn
     text = train_family(models.family).conditioning(
         models, prompts, method.trains_text_encoder, info.rank, info.world_size, draws
     )
+    return prompts, text
+
+
+def build_validation(
+    cfg: TrainConfig, info, models, held: HeldOut | None, text: tuple | None, seed: int, timestep_range: tuple[int, int]
+) -> ValidationSet | None:
+    """The validation set, on every rank (its latent table is shared out like the training one); ``text``: its
+    :func:`validation_text`."""
+    if held is None or text is None:
+        return None
+    from xeonsd.trainer.latents import LatentTable
+
+    prompts, text = text
     latents = LatentTable.build(cfg, models, held.images, info.rank, info.local_rank, info.world_size)
     sigmas = None
     if models.flow is not None:  # the middles of TIMESTEPS equal bands of u, through the model's own σ schedule
