@@ -335,6 +335,26 @@ def test_dry_run_prints_the_memory_estimate_and_writes_nothing(tiny_model, datas
     assert not out.exists()
 
 
+def test_the_estimate_counts_glibc_malloc_s_keep_and_none_under_tcmalloc(tiny_model, dataset, tmp_path, cli_env):
+    """Without tcmalloc preloaded the estimate adds a quarter of the activations (glibc's malloc keeps that much
+    beyond the live bytes, measured); with it preloaded, as the cluster's env.sh does, nothing."""
+    from xeonsd.trainer.memory import ESTIMATE_FILE, GLIBC_ACTIVATION_SHARE
+
+    libs = sorted(Path("/usr/lib/x86_64-linux-gnu").glob("libtcmalloc.so.*"))
+    assert libs, "tcmalloc (libgoogle-perftools4) is not installed: .ci/run installs it"
+    found = {}
+    for name, env in (("glibc", cli_env), ("tcmalloc", dict(cli_env, LD_PRELOAD=str(libs[0])))):
+        out = tmp_path / name
+        args = method_args("lora", tiny_model, dataset, out, "--instance_prompt=x", "--max_train_steps=1")
+        proc = run_cli(["train", *args], env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        found[name] = json.loads((out / ESTIMATE_FILE).read_text())
+    glibc, tcmalloc = found["glibc"], found["tcmalloc"]
+    assert tcmalloc["allocator"] == 0 and glibc["activations"] == tcmalloc["activations"] > 0
+    assert glibc["allocator"] == int(GLIBC_ACTIVATION_SHARE * glibc["activations"])
+    assert glibc["training"] - tcmalloc["training"] - glibc["allocator"] == glibc["runtime"] - tcmalloc["runtime"]
+
+
 def test_estimate_grows_with_what_the_method_trains_and_the_resolution(tiny_model):
     from xeonsd.trainer.config import parse_config
     from xeonsd.trainer.memory import estimate
