@@ -121,7 +121,7 @@ def _cpu_attention():
 
 # glibc's malloc keeps about a quarter of the step's activations beyond the live bytes (freed blocks it does not
 # return): measured on SD3.5-medium LoRA at 512 px, the resident growth over a step was 1.24x the activations under
-# glibc and 0.83x under tcmalloc, and at 1024 px at least 1.22x under glibc (docs/benchmarks.md).
+# glibc and 0.74x under tcmalloc, and at 1024 px at least 1.22x under glibc (docs/benchmarks.md).
 GLIBC_ACTIVATION_SHARE = 0.25
 
 
