@@ -62,6 +62,8 @@ def test_a_lora_run_serves_the_base_export_with_its_adapter_and_the_named_adapte
         "--name", "base", "--host", "10.0.0.1", "--port", "8000", "--workers", "auto", "--max-images", "4",
     ]  # fmt: skip
     assert serve_argv(p, {"name": "sd15", "port": 8001})[-4:] == ["--name", "sd15", "--port", "8001"]
+    assert serve_argv(p, {"precision": "f32"})[-2:] == ["--precision", "f32"]
+    assert "--precision" not in serve_argv(p, {"precision": ""})  # empty: xeonsd's default
     with pytest.raises(ServePlanError, match="unknown xeonsd serve setting"):
         serve_argv(p, {"threads": 4})
 

@@ -72,6 +72,11 @@ def test_ovms_config_serves_the_same_export_and_adapters(ov_base: Path, toy_adap
     keys = safe_open(str(adapter), "np").keys()  # noqa: SIM118 - a safe_open handle, not a dict
     assert keys and all(k.startswith("lora_unet_") for k in keys)  # the kohya layout GenAI applies
     assert cli.main(["serve", str(ov_base), f"--write-ovms-config={out}"]) == 2  # never over an existing config
+    assert "plugin_config" not in base  # --precision auto: OpenVINO's default
+    f32 = tmp_path / "ovms-f32"
+    assert cli.main(["serve", str(ov_base), "--precision=f32", f"--write-ovms-config={f32}"]) == 0
+    graph = (f32 / ov_base.name / "graph.pbtxt").read_text()
+    assert """plugin_config: '{"INFERENCE_PRECISION_HINT": "f32"}'""" in graph
 
 
 def test_auto_workers_is_one_per_core_share_within_the_memory() -> None:
@@ -83,3 +88,44 @@ def test_auto_workers_is_one_per_core_share_within_the_memory() -> None:
     fits = int(16 * gib * MEMORY_SHARE // (4 * gib * PIPELINE_MEMORY))
     assert auto_workers(64, weights=4 * gib, available=16 * gib) == fits < 64 // CORES_PER_WORKER
     assert auto_workers(64, weights=100 * gib, available=gib) == 1  # one worker, whatever the memory says
+
+
+def test_each_worker_compiles_with_its_threads_and_the_precision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compile properties GenAI gets (a stand-in records them): INFERENCE_NUM_THREADS, and with --precision f32
+    the f32 hint (auto leaves OpenVINO's default: bf16 on AMX or AVX512-BF16)."""
+    import sys
+    import types
+
+    from xeonsd.openvino.manifest import StaticShape
+    from xeonsd.serve.metrics import Metrics
+    from xeonsd.serve.options import ServedModel
+    from xeonsd.serve.pool import PipelinePool
+
+    compiled: list[dict] = []
+
+    class Pipe:
+        def __init__(self, path: str) -> None:
+            self.path = path
+
+        def reshape(self, *args) -> None:
+            pass
+
+        def compile(self, device: str, **props) -> None:
+            compiled.append({"device": device, **props})
+
+        def generate(self, *args, **kwargs) -> None:
+            return None
+
+    fake = types.SimpleNamespace(Text2ImagePipeline=Pipe, AdapterConfig=lambda *a: a, TorchGenerator=lambda seed: seed)
+    monkeypatch.setitem(sys.modules, "openvino_genai", fake)
+    served = ServedModel(Path("/x"), "base", "sd", StaticShape(1, 64, 64, 1), [])
+    for precision, hint in (("f32", {"INFERENCE_PRECISION_HINT": "f32"}), ("auto", {})):
+        compiled.clear()
+        pool = PipelinePool(served, workers=2, threads=3, queue=1, metrics=Metrics(), precision=precision)
+        pool._compile_one(0, {})
+        pool._compile_one(1, {})
+        assert compiled == [{"device": "CPU", "INFERENCE_NUM_THREADS": 3, **hint}] * 2, precision
+    from xeonsd.serve.options import ServeError, ServeOptions, check_options
+
+    with pytest.raises(ServeError, match="--precision 'f16': choose one of auto, f32"):
+        check_options(ServeOptions(export_dir=Path("x"), precision="f16"))

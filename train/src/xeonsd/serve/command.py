@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from xeonsd.openvino.generate_args import PRECISIONS
+
 
 def _serve(args: argparse.Namespace) -> int:
     from xeonsd.serve.server import main_args
@@ -49,6 +51,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-images", type=int, default=4, metavar="N", help="the largest n of a request")
     p.add_argument("--max-steps", type=int, default=100, metavar="N", help="the largest num_inference_steps")
     p.add_argument("--name", help="the base model's name in requests (default: the export directory's name)")
+    p.add_argument(
+        "--precision",
+        choices=list(PRECISIONS),
+        default="auto",
+        help="auto: OpenVINO's default (bf16 on a CPU with AMX or AVX512-BF16, f32 elsewhere); f32: always f32 "
+        "(slower there; the images then match PyTorch fp32 closely), as xeonsd generate --precision",
+    )
     p.add_argument(
         "--write-ovms-config",
         metavar="DIR",

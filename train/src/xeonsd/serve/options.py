@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from xeonsd.openvino.generate_args import PRECISIONS
 from xeonsd.openvino.manifest import StaticShape, read_manifest, static_shape
 from xeonsd.openvino.pipelines import manifest_family, text_side
 
@@ -57,6 +58,7 @@ class ServeOptions:
     drain: float = 0.0  # seconds a SIGTERM'd server stays out of rotation but answering, before it stops
     name: str | None = None  # the base model's name (default: the export directory's name)
     write_ovms_config: Path | None = None
+    precision: str = "auto"  # OpenVINO's inference precision at compile (generate_args.PRECISIONS)
 
 
 @dataclass
@@ -155,6 +157,8 @@ def check_options(opts: ServeOptions) -> None:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ServeError(f"--adapter name {dupes[0]!r} is given twice")
+    if opts.precision not in PRECISIONS:
+        raise ServeError(f"--precision {opts.precision!r}: choose one of {', '.join(PRECISIONS)}")
     if opts.name is not None and not NAME.match(opts.name):
         raise ServeError(f"--name {opts.name!r}: letters, digits, '.', '_' or '-' (at most 64)")
 

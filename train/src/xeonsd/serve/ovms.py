@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from xeonsd.fsutil import atomic_dir
+from xeonsd.openvino.generate_args import PRECISIONS
 from xeonsd.serve.options import ServedModel, ServeOptions, prepare
 from xeonsd.serve.requests import DEFAULT_GUIDANCE, DEFAULT_STEPS
 
@@ -29,6 +30,7 @@ def graph_pbtxt(served: ServedModel, opts: ServeOptions, adapter: tuple[str, Pat
     options = [
         f'models_path: "{Path(served.export_dir).resolve()}"',
         'device: "CPU"',
+        *([f"plugin_config: '{json.dumps(PRECISIONS[opts.precision])}'"] if PRECISIONS[opts.precision] else []),
         f'resolution: "{shape.width}x{shape.height}"',
         f'default_resolution: "{shape.width}x{shape.height}"',
         f"num_images_per_prompt: {shape.images_per_call}",

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from xeonsd.openvino.generate_args import PRECISIONS
 from xeonsd.serve.metrics import Metrics
 from xeonsd.serve.options import ServedModel
 from xeonsd.serve.requests import ImageRequest
@@ -101,8 +102,11 @@ class Worker:
 
 
 class PipelinePool:
-    def __init__(self, served: ServedModel, workers: int, threads: int, queue: int, metrics: Metrics):
+    def __init__(
+        self, served: ServedModel, workers: int, threads: int, queue: int, metrics: Metrics, precision: str = "auto"
+    ):
         self.served = served
+        self.precision = precision  # --precision: the compile properties of PRECISIONS[precision]
         self.workers = workers
         self.threads = threads  # INFERENCE_NUM_THREADS of each worker
         self.queue = queue
@@ -143,7 +147,7 @@ class PipelinePool:
         shape = self.served.shape
         pipe = openvino_genai.Text2ImagePipeline(str(self.served.export_dir))
         pipe.reshape(shape.images_per_call, shape.height, shape.width, 7.5)
-        props = {"INFERENCE_NUM_THREADS": self.threads}
+        props = {"INFERENCE_NUM_THREADS": self.threads, **PRECISIONS[self.precision]}
         if adapters:
             everything = openvino_genai.AdapterConfig([(a, alpha) for a, alpha in adapters.values()])
             pipe.compile("CPU", adapters=everything, **props)
@@ -167,7 +171,13 @@ class PipelinePool:
             workers = []
             for i in range(self.workers):
                 workers.append(self._compile_one(i, adapters))
-                log.info("worker %d/%d compiled (%d thread(s))", i + 1, self.workers, self.threads)
+                log.info(
+                    "worker %d/%d compiled (%d thread(s), precision %s)",
+                    i + 1,
+                    self.workers,
+                    self.threads,
+                    self.precision,
+                )
             self.compile_s = time.perf_counter() - t0
         except BaseException as exc:  # reported by the server, which then exits
             self.failure = exc

@@ -125,7 +125,9 @@ def serve(opts: ServeOptions, console: TextIO | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="xeonsd-serve-") as workdir:
         served = prepare(opts, Path(workdir))
         metrics = Metrics()
-        pool = PipelinePool(served, workers=workers, threads=threads, queue=opts.queue, metrics=metrics)
+        pool = PipelinePool(
+            served, workers=workers, threads=threads, queue=opts.queue, metrics=metrics, precision=opts.precision
+        )
         state: dict[str, Any] = {"rc": 0}
 
         def on_ready() -> None:
@@ -193,6 +195,7 @@ def main_args(args: Any, console: TextIO | None = None) -> int:
         drain=args.drain,
         name=args.name,
         write_ovms_config=None if args.write_ovms_config is None else Path(args.write_ovms_config),
+        precision=args.precision,
     )
     if opts.write_ovms_config is not None:
         from xeonsd.serve.ovms import write_ovms_config
