@@ -81,11 +81,27 @@ class FlowArch:
     def with_depth(self, depth: int) -> FlowArch:
         """FLUX.1's widths with ``depth`` double-stream blocks and twice as many single-stream ones (the real model's
         19 + 38), so that a per-block figure scales to the full depth by 19/depth."""
-        if depth < 1:
-            raise ValueError(f"--depth must be at least 1, got {depth}")
-        if self.family != "flux":
-            raise ValueError("--depth applies to --arch flux only")
+        check_depth(self.family, depth)
         return dataclasses.replace(self, layers=depth, single_layers=2 * depth)
+
+
+DEPTH_ARCHS = ("flux",)  # the archs whose --depth cuts the transformer's blocks
+
+
+def check_depth(arch: str, depth: int | None) -> None:
+    """Refuse a ``--depth`` that ``arch`` cannot take (ValueError naming the problem); None: the arch's own depth.
+    The one rule make-tiny-model, ``bench train`` and ``bench generate`` apply."""
+    if depth is None:
+        return
+    if arch not in DEPTH_ARCHS:
+        raise ValueError(f"--depth applies to --arch {' or '.join(DEPTH_ARCHS)} only, not to --arch {arch}")
+    if depth < 1:
+        raise ValueError(f"--depth must be at least 1, got {depth}")
+
+
+def model_name(arch: str, depth: int | None) -> str:
+    """The name of an ``--arch`` model's directory in a benchmark's cache: ``flux-depth2`` for a cut one."""
+    return arch if depth is None else f"{arch}-depth{depth}"
 
 
 _CLIP_L = Clip(hidden=768, layers=12, heads=12, intermediate=3072)

@@ -159,14 +159,13 @@ def make_tiny_model(out: Path, arch: str = "tiny", seed: int = 0, depth: int | N
     import torch
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
-    from xeonsd.assets.flow_models import FLOW_ARCHS, make_flow_model
+    from xeonsd.assets.flow_models import FLOW_ARCHS, check_depth, make_flow_model
 
     if arch in FLOW_ARCHS:
         return make_flow_model(out, arch, seed=seed, depth=depth)
     if arch not in ARCHS:
         raise ValueError(f"unknown --arch {arch!r}; choose one of {arch_names()}")
-    if depth is not None:
-        raise ValueError("--depth applies to --arch flux only")
+    check_depth(arch, depth)
     a = ARCHS[arch]
     out = Path(out)
     torch.manual_seed(seed)

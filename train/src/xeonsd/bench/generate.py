@@ -268,11 +268,17 @@ def main(argv: list[str]) -> int:
         raise SystemExit("xeonsd bench generate: error: --images, --steps, --rounds and --probes must be at least 1")
     if args.calibration_samples < 1:
         raise SystemExit("xeonsd bench generate: error: --calibration-samples must be at least 1")
-    if args.depth is not None and (args.model or args.arch != "flux"):
-        given = f"--model {args.model}" if args.model else f"--arch {args.arch}"
-        raise SystemExit(f"xeonsd bench generate: error: --depth applies to --arch flux only, not to {given}")
-    if args.depth is not None and args.depth < 1:
-        raise SystemExit(f"xeonsd bench generate: error: --depth must be at least 1, got {args.depth}")
+    from xeonsd.assets.flow_models import DEPTH_ARCHS, check_depth
+
+    if args.depth is not None and args.model:
+        only_archs = " or ".join(DEPTH_ARCHS)
+        raise SystemExit(
+            f"xeonsd bench generate: error: --depth applies to --arch {only_archs} only, not to --model {args.model}"
+        )
+    try:
+        check_depth(args.arch, args.depth)
+    except ValueError as exc:
+        raise SystemExit(f"xeonsd bench generate: error: {exc}") from None
     only = set(args.only) & set("abcdefghi")
     args.only = sorted(only | {"d"} if only & set("ghi") else only)  # (g), (h), (i) are judged against (d)
     from xeonsd.openvino.tome import TomeError, check_ratio

@@ -117,8 +117,9 @@ def model_dir(args: argparse.Namespace, workdir: Path) -> Path:
     """``--model``, or where the random-weight ``--arch`` model is kept in WORKDIR (``--depth`` in its name)."""
     if args.model:
         return Path(args.model)
-    depth = getattr(args, "depth", None)
-    return workdir / (f"model-{args.arch}" if depth is None else f"model-{args.arch}-depth{depth}")
+    from xeonsd.assets.flow_models import model_name
+
+    return workdir / f"model-{model_name(args.arch, getattr(args, 'depth', None))}"
 
 
 def model_and_concept(args: argparse.Namespace, workdir: Path) -> tuple[Path, Path | None]:

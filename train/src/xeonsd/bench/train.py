@@ -321,6 +321,7 @@ def _measure(args: argparse.Namespace, model: str | Path, dtype: str, variants: 
 def _model(args: argparse.Namespace) -> str | Path | None:
     """``--model`` once checked (None after printing why it will not do), else the ``--arch`` model, built once."""
     from xeonsd.assets import make_tiny_model
+    from xeonsd.assets.flow_models import check_depth, model_name
     from xeonsd.modelfiles.modelsource import ModelSourceError, check_model_source
 
     if args.model is not None:
@@ -330,13 +331,12 @@ def _model(args: argparse.Namespace) -> str | Path | None:
             print(f"xeonsd bench train: error: {exc}", file=sys.stderr)
             return None
         return args.model
-    if args.depth is not None and args.arch != "flux":
-        print("xeonsd bench train: error: --depth applies to --arch flux only", file=sys.stderr)
+    try:
+        check_depth(args.arch, args.depth)
+    except ValueError as exc:
+        print(f"xeonsd bench train: error: {exc}", file=sys.stderr)
         return None
-    if args.depth is not None and args.depth < 1:
-        print(f"xeonsd bench train: error: --depth must be at least 1 (got {args.depth})", file=sys.stderr)
-        return None
-    name = args.arch if args.depth is None else f"{args.arch}-depth{args.depth}"
+    name = model_name(args.arch, args.depth)
     model = DEFAULT_MODEL_CACHE if name == "sd15" else DEFAULT_MODEL_CACHE.with_name(name)
     if not (model / "model_index.json").is_file():
         log.info("building the %s model once in %s", name, model)
