@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from harness import Cluster
-from runner import ansible_env
+from runner import PlaybookRun, ansible_env, run_playbook
 
 RUNS = "/home/devcloud/runs"
 
@@ -26,6 +26,40 @@ RUNS = "/home/devcloud/runs"
 def controller_runs(cluster: Cluster) -> Path:
     """Where the playbooks fetch each run to on the controller (controller_runs_dir), in the cluster's state dir."""
     return cluster.state_dir / "runs"
+
+
+def finetune_other_base(
+    cluster: Cluster, model_id: str, source: Path, run_id: str, steps: int
+) -> tuple[PlaybookRun, Path]:
+    """Stage ``source`` as base model ``model_id`` (tests/cluster/stage_base_model.yml), then finetune.yml: a LoRA at
+    the family's resolution, ``steps`` steps (one checkpoint at the end) on 4 ranks, one per node, and a 4-step
+    export. The play (its rc checked) and the run's directory on the controller."""
+    runs = controller_runs(cluster)
+    base = ("-e", f"base_model_id={model_id}", "-e", f"base_model_source_dir={source}")
+    name = model_id.rsplit("/", 1)[-1]
+    staged = run_playbook(
+        "tests/cluster/stage_base_model.yml",
+        cluster.inventory,
+        *base,
+        state_dir=cluster.state_dir,
+        name=f"stage-{name}",
+        timeout=600,
+    )
+    assert staged.rc == 0, staged.tail(60)
+    result = run_playbook(
+        "finetune.yml",
+        cluster.inventory,
+        *base,
+        *("-e", f"controller_runs_dir={runs}", "-e", f"finetune_run_id={run_id}", "-e", "finetune_method=lora"),
+        *("-e", "finetune_resolution=auto", "-e", f"finetune_max_train_steps={steps}"),
+        *("-e", f"finetune_checkpointing_steps={steps}"),
+        *("-e", "ranks_per_node=1", "-e", "mpi_ranks=4", "-e", "openvino_export_steps=4"),
+        state_dir=cluster.state_dir,
+        name=f"finetune-{run_id}",
+        timeout=1800,
+    )
+    assert result.rc == 0, result.tail(80)
+    return result, runs / run_id
 
 
 @contextlib.contextmanager

@@ -7,8 +7,7 @@ from __future__ import annotations
 import json
 
 from harness import Cluster
-from jobs import controller_runs
-from runner import run_playbook
+from jobs import finetune_other_base
 
 
 def test_flux_lora_trains_over_the_ranks_exports_the_flux_base_and_generates_with_the_adapter(
@@ -20,30 +19,7 @@ def test_flux_lora_trains_over_the_ranks_exports_the_flux_base_and_generates_wit
     from assets import make_tiny_flux
 
     tiny_flux = make_tiny_flux(provisioned.assets_dir)
-    runs = controller_runs(provisioned)
-    flux = ("-e", "base_model_id=xeonsd/tiny-flux", "-e", f"base_model_source_dir={tiny_flux}")
-    staged = run_playbook(
-        "tests/cluster/stage_base_model.yml",
-        provisioned.inventory,
-        *flux,
-        state_dir=provisioned.state_dir,
-        name="stage-tiny-flux",
-        timeout=600,
-    )
-    assert staged.rc == 0, staged.tail(60)
-    result = run_playbook(
-        "finetune.yml",
-        provisioned.inventory,
-        *flux,
-        *("-e", f"controller_runs_dir={runs}", "-e", "finetune_run_id=flux-lora", "-e", "finetune_method=lora"),
-        *("-e", "finetune_resolution=auto", "-e", "finetune_max_train_steps=4", "-e", "finetune_checkpointing_steps=4"),
-        *("-e", "ranks_per_node=1", "-e", "mpi_ranks=4", "-e", "openvino_export_steps=4"),
-        state_dir=provisioned.state_dir,
-        name="finetune-flux-lora",
-        timeout=1800,
-    )
-    assert result.rc == 0, result.tail(80)
-    run = runs / "flux-lora"
+    result, run = finetune_other_base(provisioned, "xeonsd/tiny-flux", tiny_flux, "flux-lora", steps=4)
     summary = json.loads((run / "train_summary.json").read_text())
     assert (summary["family"], summary["resolution"], summary["steps"], summary["ranks"]) == ("flux", 64, 4, 4)
     assert summary["loss"]["objective"] == "flow", summary["loss"]
@@ -62,6 +38,4 @@ def test_flux_lora_trains_over_the_ranks_exports_the_flux_base_and_generates_wit
     pipe = FluxPipeline.from_pretrained(tiny_flux)
     pipe.load_lora_weights(run, weight_name="pytorch_lora_weights.safetensors")
     assert any("lora" in name for name, _ in pipe.transformer.named_parameters())
-    print(
-        f"\nfinetune.yml FLUX lora (tiny-flux, 4 steps, 4 ranks): {result.seconds:.1f} s wall + staging {staged.seconds:.1f} s"
-    )
+    print(f"\nfinetune.yml FLUX lora (tiny-flux, 4 steps, 4 ranks): {result.seconds:.1f} s wall (staging not counted)")

@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 
 from harness import Cluster
-from jobs import controller_runs
-from runner import run_playbook
+from jobs import finetune_other_base
 
 
 def test_sdxl_lora_trains_at_the_familys_resolution_exports_the_sdxl_base_and_generates_with_it(
@@ -20,30 +19,7 @@ def test_sdxl_lora_trains_at_the_familys_resolution_exports_the_sdxl_base_and_ge
     from assets import make_tiny_xl
 
     tiny_xl = make_tiny_xl(provisioned.assets_dir)
-    runs = controller_runs(provisioned)
-    xl = ("-e", "base_model_id=xeonsd/tiny-xl", "-e", f"base_model_source_dir={tiny_xl}")
-    staged = run_playbook(
-        "tests/cluster/stage_base_model.yml",
-        provisioned.inventory,
-        *xl,
-        state_dir=provisioned.state_dir,
-        name="stage-tiny-xl",
-        timeout=600,
-    )
-    assert staged.rc == 0, staged.tail(60)
-    result = run_playbook(
-        "finetune.yml",
-        provisioned.inventory,
-        *xl,
-        *("-e", f"controller_runs_dir={runs}", "-e", "finetune_run_id=sdxl-lora", "-e", "finetune_method=lora"),
-        *("-e", "finetune_resolution=auto", "-e", "finetune_max_train_steps=6", "-e", "finetune_checkpointing_steps=6"),
-        *("-e", "ranks_per_node=1", "-e", "mpi_ranks=4", "-e", "openvino_export_steps=4"),
-        state_dir=provisioned.state_dir,
-        name="finetune-sdxl-lora",
-        timeout=1800,
-    )
-    assert result.rc == 0, result.tail(80)
-    run = runs / "sdxl-lora"
+    result, run = finetune_other_base(provisioned, "xeonsd/tiny-xl", tiny_xl, "sdxl-lora", steps=6)
     summary = json.loads((run / "train_summary.json").read_text())
     assert (summary["family"], summary["resolution"], summary["steps"]) == ("sdxl", 64, 6), summary
     assert "--resolution" not in (run / "run.sh").read_text()  # auto: the trainer chose the family's
@@ -67,6 +43,4 @@ def test_sdxl_lora_trains_at_the_familys_resolution_exports_the_sdxl_base_and_ge
     pipe = StableDiffusionXLPipeline.from_pretrained(tiny_xl)
     pipe.load_lora_weights(run, weight_name="pytorch_lora_weights.safetensors")
     assert any("lora" in name for name, _ in pipe.unet.named_parameters())
-    print(
-        f"\nfinetune.yml SDXL lora (tiny-xl, 6 steps, 4 ranks): {result.seconds:.1f} s wall + staging {staged.seconds:.1f} s"
-    )
+    print(f"\nfinetune.yml SDXL lora (tiny-xl, 6 steps, 4 ranks): {result.seconds:.1f} s wall (staging not counted)")
