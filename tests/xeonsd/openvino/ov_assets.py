@@ -196,3 +196,14 @@ def ov_sd3_lora(tiny_sd3_model: Path, sd3_lora: Path, tmp_path_factory: pytest.T
     out = tmp_path_factory.mktemp("ov-sd3") / "lora"
     assert cli.main(["export", str(tiny_sd3_model), str(out), "--batch-size", "1", "--lora", str(sd3_lora)]) == 0
     return out
+
+
+def cli_error(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """``xeonsd ARGS`` refused (exit 2): its one ``xeonsd …: error:`` line, with no traceback."""
+    from xeonsd import cli
+
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("xeonsd ")]
+    assert len(lines) == 1 and "error:" in lines[0] and "Traceback" not in err, err
+    return lines[0]

@@ -10,11 +10,9 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
-from ov_assets import as_array
+from ov_assets import as_array, cli_error
 
-from xeonsd import cli
 from xeonsd.modelfiles import lora_layout
 from xeonsd.modelfiles.modelsource import model_fingerprint
 from xeonsd.openvino.class_images import open_class_renderer
@@ -138,7 +136,7 @@ def test_flow_refusals(
     names both families; textual inversion on FLUX is refused. One line each, before anything is compiled."""
     from safetensors.numpy import save_file
 
-    err = _cli_error(["generate", str(ov_sd3_lora), "--engine", "genai", "--lora", str(sd3_lora), "--out", "o"], capsys)
+    err = cli_error(["generate", str(ov_sd3_lora), "--engine", "genai", "--lora", str(sd3_lora), "--out", "o"], capsys)
     assert "OpenVINO GenAI has no LoRA adapters for SD3/SD3.5; fuse the adapter into an export instead" in err
     assert f"xeonsd export SRC OUT --lora {sd3_lora}" in err
     sdxl = tmp_path / "sdxl.safetensors"
@@ -151,15 +149,15 @@ def test_flow_refusals(
         str(sdxl),
     )
     said = "was made for SDXL (it adapts attention in the UNet's first up block)"
-    err = _cli_error(
+    err = cli_error(
         ["generate", str(ov_flux), "--engine", "genai", "--lora", str(sdxl), "--out", str(tmp_path / "o")], capsys
     )
     assert said in err and "is FLUX.1; use an adapter trained on an FLUX.1 model" in err
-    err = _cli_error(["export", str(tiny_flux_model), str(tmp_path / "ov"), "--lora", str(sdxl)], capsys)
+    err = cli_error(["export", str(tiny_flux_model), str(tmp_path / "ov"), "--lora", str(sdxl)], capsys)
     assert said in err and f"the source {tiny_flux_model} is FLUX.1" in err
-    err = _cli_error(["export", str(tiny_flux_model), str(tmp_path / "ov"), "--embeds", str(sdxl)], capsys)
+    err = cli_error(["export", str(tiny_flux_model), str(tmp_path / "ov"), "--embeds", str(sdxl)], capsys)
     assert "is FLUX.1, and textual inversion is not served for it" in err
-    err = _cli_error(["export", str(tiny_flux_model), str(tmp_path / "ov"), "--quantize", "hybrid"], capsys)
+    err = cli_error(["export", str(tiny_flux_model), str(tmp_path / "ov"), "--quantize", "hybrid"], capsys)
     assert "is FLUX.1, and hybrid int8 calibrates a UNet's calls" in err and "--weight-format int8" in err
     assert not (tmp_path / "o").exists() and not (tmp_path / "ov").exists()
 
@@ -170,11 +168,3 @@ def test_flux_class_images_render_through_the_export(tiny_flux_model: Path, ov_f
     assert used == ov_flux
     image = render("a photo of a cat", 1)
     assert image.size == (SIZE, SIZE) and np.asarray(image).std() > 1.0
-
-
-def _cli_error(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    assert cli.main(args) == 2
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("xeonsd ")]
-    assert len(lines) == 1 and "error:" in lines[0] and "Traceback" not in err, err
-    return lines[0]

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from ov_assets import as_array
+from ov_assets import as_array, cli_error
 
 from xeonsd import cli
 from xeonsd.modelfiles.concept_file import ConceptError, load_xl_concept, save_xl_concept
@@ -189,14 +189,14 @@ def test_sdxl_refuses_the_other_familys_lora_and_embedding(
     gen = torch.Generator().manual_seed(1)
     sd_lora = tmp_path / "sd"
     StableDiffusionPipeline.save_lora_weights(sd_lora, unet_lora_layers=_add_lora(sd_unet, ["to_k"], gen, 0.1))
-    err = _cli_error(["generate", str(ov_xl), "--lora", str(sd_lora / LORA_FILE), "--out", str(tmp_path / "o")], capsys)
+    err = cli_error(["generate", str(ov_xl), "--lora", str(sd_lora / LORA_FILE), "--out", str(tmp_path / "o")], capsys)
     assert "was made for SD 1.x/2.x (it adapts attention in the UNet's first down block)" in err and "is SDXL" in err
-    err = _cli_error(["export", str(tiny_model), str(tmp_path / "ov"), "--lora", str(xl_lora)], capsys)
+    err = cli_error(["export", str(tiny_model), str(tmp_path / "ov"), "--lora", str(xl_lora)], capsys)
     assert "was made for SDXL (it adapts a second text encoder (text_encoder_2))" in err
     assert f"the source {tiny_model} is SD 1.x/2.x" in err
     sd_embeds = tmp_path / "sd.safetensors"
     save_file({"<sd>": torch.zeros(1, 32)}, str(sd_embeds))
-    err = _cli_error(["generate", str(ov_xl), "--embeds", str(sd_embeds), "--out", str(tmp_path / "o")], capsys)
+    err = cli_error(["generate", str(ov_xl), "--embeds", str(sd_embeds), "--out", str(tmp_path / "o")], capsys)
     assert "an embedding for SD 1.x/2.x (one text encoder), and this model is SDXL" in err
     assert not (tmp_path / "o").exists() and not (tmp_path / "ov").exists()
 
@@ -209,11 +209,3 @@ def test_sdxl_concept_file_round_trip_and_refusals(tmp_path: Path) -> None:
     with pytest.raises(ConceptError, match="clip_l has 2 vectors and clip_g 1"):
         save_xl_concept(tmp_path / "bad.safetensors", "<c>", np.ones((2, 768)), np.ones((1, 1280)))
     assert not list(tmp_path.glob("*bad*"))
-
-
-def _cli_error(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    assert cli.main(args) == 2
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("xeonsd ")]
-    assert len(lines) == 1 and "error:" in lines[0] and "Traceback" not in err, err
-    return lines[0]
