@@ -15,7 +15,6 @@ T5 at the prompt length; prompt and negative prompt under classifier-free guidan
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -44,14 +43,6 @@ def transformer_calls_per_step(family: str) -> int:
     (prompt and negative prompt, one call at batch 2); FLUX.1's pipeline runs it only with ``true_cfg_scale`` > 1
     and a negative prompt (dev's guidance is an embedding, schnell has none), neither of which is given."""
     return 2 if family == "sd3" and guidance_scale(family) > 1 else 1
-
-
-def _max_length(model: Path, tokenizer: str) -> int | None:
-    config = model / tokenizer / "tokenizer_config.json"
-    if not config.is_file():
-        return None
-    value = json.loads(config.read_text()).get("model_max_length")
-    return int(value) if isinstance(value, int | float) else None
 
 
 def t5_length(model: Path, family: str) -> int:
@@ -142,7 +133,7 @@ def _text_encoders(model: Path, family: str) -> list[tuple[Any, int]]:
     """Each text encoder (meta device) with the token count it is called on."""
     import transformers
 
-    from xeonsd.modelfiles.families import spec
+    from xeonsd.modelfiles.families import spec, tokenizer_limit
 
     found = spec(family)
     out = []
@@ -150,7 +141,9 @@ def _text_encoders(model: Path, family: str) -> list[tuple[Any, int]]:
         for i, (encoder, tokenizer) in enumerate(found.text_side):
             cls = found.text_encoder_class(i)
             config = transformers.AutoConfig.from_pretrained(model / encoder)
-            length = t5_length(model, family) if cls.startswith("T5") else _max_length(model, tokenizer) or CLIP_LENGTH
+            length = (
+                t5_length(model, family) if cls.startswith("T5") else tokenizer_limit(model, tokenizer) or CLIP_LENGTH
+            )
             out.append((getattr(transformers, cls)(config), length))
     return out
 

@@ -29,6 +29,17 @@ class FamilyError(ValueError):
     """The pipeline is of a family we do not serve, or its config files cannot be read; one line."""
 
 
+def tokenizer_limit(src: str | Path, subfolder: str) -> int | None:
+    """A pipeline directory's tokenizer ``model_max_length`` (``SUBFOLDER/tokenizer_config.json``); None where the
+    file or the value is missing or unreadable (a Hub id, or a config without a limit)."""
+    config = Path(src).expanduser() / subfolder / "tokenizer_config.json"
+    try:
+        value = json.loads(config.read_text()).get("model_max_length")
+    except (OSError, ValueError):
+        return None
+    return int(value) if isinstance(value, int | float) and value else None
+
+
 @dataclass(frozen=True)
 class FamilySpec:
     """What the files of a family's pipeline look like, and which classes load and export it: read by the trainer
@@ -69,14 +80,7 @@ class FamilySpec:
     def t5_prompt_length_of(self, src: str | Path) -> int | None:
         """:meth:`t5_prompt_length` with the limit read from the pipeline directory's T5 tokenizer config (the
         default where there is no such file: a Hub id, or a config without a limit)."""
-        limit = None
-        if self.t5_length is not None:
-            config = Path(src).expanduser() / self.tokenizers[-1] / "tokenizer_config.json"
-            try:
-                value = json.loads(config.read_text()).get("model_max_length")
-            except (OSError, ValueError):
-                value = None
-            limit = value if isinstance(value, int | float) and value else None
+        limit = None if self.t5_length is None else tokenizer_limit(src, self.tokenizers[-1])
         return self.t5_prompt_length(limit)
 
     @property
