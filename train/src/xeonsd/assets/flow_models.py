@@ -88,13 +88,15 @@ class FlowArch:
 DEPTH_ARCHS = ("flux",)  # the archs whose --depth cuts the transformer's blocks
 
 
-def check_depth(arch: str, depth: int | None) -> None:
-    """Refuse a ``--depth`` that ``arch`` cannot take (ValueError naming the problem); None: the arch's own depth.
-    The one rule make-tiny-model, ``bench train`` and ``bench generate`` apply."""
+def check_depth(arch: str, depth: int | None, model: str | None = None) -> None:
+    """Refuse a ``--depth`` that ``arch`` cannot take, or any with a ``--model`` (a built model's depth is its own):
+    ValueError naming the problem; None: the arch's own depth. The one rule make-tiny-model, ``bench train`` and
+    ``bench generate`` apply."""
     if depth is None:
         return
-    if arch not in DEPTH_ARCHS:
-        raise ValueError(f"--depth applies to --arch {' or '.join(DEPTH_ARCHS)} only, not to --arch {arch}")
+    if model or arch not in DEPTH_ARCHS:
+        given = f"--model {model}" if model else f"--arch {arch}"
+        raise ValueError(f"--depth applies to --arch {' or '.join(DEPTH_ARCHS)} only, not to {given}")
     if depth < 1:
         raise ValueError(f"--depth must be at least 1, got {depth}")
 

@@ -268,15 +268,10 @@ def main(argv: list[str]) -> int:
         raise SystemExit("xeonsd bench generate: error: --images, --steps, --rounds and --probes must be at least 1")
     if args.calibration_samples < 1:
         raise SystemExit("xeonsd bench generate: error: --calibration-samples must be at least 1")
-    from xeonsd.assets.flow_models import DEPTH_ARCHS, check_depth
+    from xeonsd.assets.flow_models import check_depth
 
-    if args.depth is not None and args.model:
-        only_archs = " or ".join(DEPTH_ARCHS)
-        raise SystemExit(
-            f"xeonsd bench generate: error: --depth applies to --arch {only_archs} only, not to --model {args.model}"
-        )
     try:
-        check_depth(args.arch, args.depth)
+        check_depth(args.arch, args.depth, args.model)
     except ValueError as exc:
         raise SystemExit(f"xeonsd bench generate: error: {exc}") from None
     only = set(args.only) & set("abcdefghi")

@@ -324,6 +324,11 @@ def _model(args: argparse.Namespace) -> str | Path | None:
     from xeonsd.assets.flow_models import check_depth, model_name
     from xeonsd.modelfiles.modelsource import ModelSourceError, check_model_source
 
+    try:
+        check_depth(args.arch, args.depth, args.model)
+    except ValueError as exc:
+        print(f"xeonsd bench train: error: {exc}", file=sys.stderr)
+        return None
     if args.model is not None:
         try:  # the variants run with HF_HUB_OFFLINE=1: a Hub id must be in the Hub cache
             check_model_source(str(args.model), flag="--model", offline=True)
@@ -331,11 +336,6 @@ def _model(args: argparse.Namespace) -> str | Path | None:
             print(f"xeonsd bench train: error: {exc}", file=sys.stderr)
             return None
         return args.model
-    try:
-        check_depth(args.arch, args.depth)
-    except ValueError as exc:
-        print(f"xeonsd bench train: error: {exc}", file=sys.stderr)
-        return None
     name = model_name(args.arch, args.depth)
     model = DEFAULT_MODEL_CACHE if name == "sd15" else DEFAULT_MODEL_CACHE.with_name(name)
     if not (model / "model_index.json").is_file():
