@@ -21,13 +21,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from xeonsd import step_profile as sp
 from xeonsd.assets.models import arch_names
+from xeonsd.bench import diffusers_examples as dx
 from xeonsd.bench import rounds as rnd
 from xeonsd.bench.targets import bench_targets
 from xeonsd.bench.train_report import format_table, profile_summary, step_seconds, summarize
@@ -46,6 +48,8 @@ class Variant:
     name: str
     flags: tuple[str, ...]
     what: str
+    # The whole command when the variant is not ``xeonsd train`` (diffusers' example script); ``--output_dir`` is added.
+    command: tuple[str, ...] = ()
 
 
 def variants_for(method: str, dtype: str) -> tuple[Variant, ...]:
@@ -110,8 +114,10 @@ EXTRA_VARIANTS = (
 
 
 def _run_variant(variant: Variant, base_args: list[str], out: Path, env: dict[str, str]) -> dict:
-    cmd = [sys.executable, "-m", "xeonsd.cli", "train", *base_args, f"--output_dir={out}", *variant.flags]
+    train = [sys.executable, "-m", "xeonsd.cli", "train", *base_args, *variant.flags]
+    cmd = [*(variant.command or train), f"--output_dir={out}"]
     log.info("running %s: %s", variant.name, " ".join(cmd[3:]))
+    launched = time.time()
     with open(out.parent / f"{out.name}.log", "w") as logf:
         proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
@@ -123,7 +129,7 @@ def _run_variant(variant: Variant, base_args: list[str], out: Path, env: dict[st
     estimate_file = out / ESTIMATE_FILE
     estimate = json.loads(estimate_file.read_text()) if estimate_file.is_file() else {}
     shutil.rmtree(out, ignore_errors=True)  # a full fine-tune writes a whole UNet per run: rounds would fill the disk
-    return {"rows": rows, "peak_rss_gb": usage.ru_maxrss * 1024 / 1e9, "estimate": estimate}
+    return {"rows": rows, "peak_rss_gb": usage.ru_maxrss * 1024 / 1e9, "estimate": estimate, "launched": launched}
 
 
 def run_rounds(variants: list[Variant], rounds: int, base_args: list[str], tmp: Path, env: dict[str, str]) -> dict:
@@ -190,6 +196,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="also profile each variant's last warm-up step (needs --warmup 2+): seconds, TFLOP/s and share of the "
         "matmul peak per class of work (xeonsd.step_profile)",
     )
+    p.add_argument(
+        "--diffusers-examples",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the examples/ folder of a diffusers checkout at the pinned tag: adds the variant 'diffusers example' "
+        "(diffusers' own script for the method, on the same model, images, precision and steps) and judges the "
+        "2x target against it",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     return p
 
@@ -227,7 +242,9 @@ def main(argv: list[str]) -> int:
             vdtype = v.name if v.name in ("bf16", "fp32") else dtype
             r["profile"] = profile_summary(runs[v.name], peaks[vdtype])
             print(sp.format_profile(v.name, r["profile"]["classes"], r["profile"]["wall_s"], peaks[vdtype], vdtype))
-    targets = bench_targets(cpu, dtype, results[0] if variants[0].name == "optimized" else None, family.name)
+    optimized = results[0] if variants[0].name == "optimized" else None
+    reference = next((r for r in results if r["variant"] == dx.VARIANT), None)
+    targets = bench_targets(cpu, dtype, optimized, family.name, args.method, reference)
     print("\n".join(t["line"] for t in targets), flush=True)
     computed = results[0]["allreduce_bytes"]
     if measured is not None:
@@ -272,12 +289,24 @@ def _checked(args: argparse.Namespace):
         print("xeonsd bench train: error: --profile needs --warmup 2 or more (the first step counts the FLOPs, the "
               "last warm-up step is profiled)", file=sys.stderr)  # fmt: skip
         return None
+    if args.diffusers_examples is not None and not args.diffusers_examples.is_dir():
+        print(f"xeonsd bench train: error: --diffusers-examples {args.diffusers_examples}: not a folder (give the "
+              "examples/ folder of a diffusers source checkout)", file=sys.stderr)  # fmt: skip
+        return None
     model = _model(args)
     if model is None:
         return None
     from xeonsd.modelfiles.families import detect_family
 
     family = detect_family(model)
+    args.reference_script = None
+    if args.diffusers_examples is not None:
+        try:
+            args.reference_script = dx.script_for(args.diffusers_examples, args.method, family.name)
+            dx.check_imports(args.method)
+        except dx.ExamplesError as exc:
+            print(f"xeonsd bench train: error: {exc}", file=sys.stderr)
+            return None
     if family.is_flow and args.method == "textual_inversion":
         print(f"xeonsd bench train: error: --method textual_inversion is not supported on {family.label} (the "
               "trainer refuses it: no trainer trains embeddings for its CLIP + T5 text side); use --method lora or "
@@ -290,6 +319,8 @@ def _variants(args: argparse.Namespace, family, cpu, dtype: str) -> list[Variant
     """The variants this run measures (``--only``, ``--extra``, the CPU's bf16); None after printing an unknown name."""
     extra = [v for v in EXTRA_VARIANTS if not (family.is_flow and v.name == "channels_last")] if args.extra else []
     variants = list(variants_for(args.method, dtype)) + extra
+    if args.reference_script is not None:
+        variants.append(Variant(dx.VARIANT, (), f"diffusers' {args.reference_script.name}, unchanged"))
     if args.only:
         unknown = set(args.only) - {v.name for v in variants}
         if unknown:
@@ -311,6 +342,11 @@ def _measure(args: argparse.Namespace, model: str | Path, dtype: str, variants: 
         data = Path(tmp) / "data"
         make_dataset(data, count=args.images, size=args.resolution)
         base_args = train_args(args, model, data, dtype)
+        if args.reference_script is not None:
+            job = {"method": args.method, "model": str(model), "images": args.images,
+                   "resolution": args.resolution, "steps": args.warmup + args.steps, "dtype": dtype, "seed": 7}  # fmt: skip
+            cmd = dx.reference_command(args.reference_script, Path(tmp), **job)
+            variants = [replace(v, command=cmd) if v.name == dx.VARIANT else v for v in variants]
         runs = run_rounds(variants, args.rounds, base_args, Path(tmp), env)
         measured, why = (None, "skipped (--no-ranks2)")
         if not args.no_ranks2:

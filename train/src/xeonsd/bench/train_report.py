@@ -3,6 +3,7 @@ per class of work, and the table."""
 
 from __future__ import annotations
 
+import math
 import statistics
 
 from xeonsd import step_profile as sp
@@ -12,6 +13,15 @@ from xeonsd.bench import rounds as rnd
 def step_seconds(rows: list[dict], warmup: int) -> float:
     """One run's median s/step over its timed steps."""
     return statistics.median(r["s_per_step"] for r in rows[warmup:])
+
+
+def startup_seconds(run: dict, warmup: int) -> float:
+    """Seconds from the process's launch to its first step's start: the first step's end less one typical step
+    (the run's median timed step), so that ``xeonsd train`` and a script timed from outside are read alike. NaN for a
+    run recorded without its launch time."""
+    if "launched" not in run or "time" not in run["rows"][0]:
+        return float("nan")
+    return run["rows"][0]["time"] - run["launched"] - step_seconds(run["rows"], warmup)
 
 
 def summarize(name: str, runs: list[dict], warmup: int, peak_tflops: float, stats: dict) -> dict:
@@ -30,7 +40,8 @@ def summarize(name: str, runs: list[dict], warmup: int, peak_tflops: float, stat
         # The trainer's own estimate (memory_estimate.json), NaN where the run wrote none.
         "estimate_training_gb": runs[0].get("estimate", {}).get("training", float("nan")) / 1e9,
         "estimate_loading_gb": runs[0].get("estimate", {}).get("loading", float("nan")) / 1e9,
-        "allreduce_bytes": rows[-1]["allreduce_bytes"],
+        "allreduce_bytes": rows[-1].get("allreduce_bytes"),  # None: a script that does not say (diffusers')
+        "startup_s": statistics.median(startup_seconds(run, warmup) for run in runs),
         "rounds": len(runs),
         "s_per_step_rounds": stats["rounds"],
         "s_per_step_spread": stats["seconds"],
@@ -59,14 +70,22 @@ def format_table(results: list[dict], peaks: dict[str, float], dtype: str, cpu: 
         "of each round's ratio to that round's optimized run (min-max); peak RSS measured, est. train / est. load: "
         "the trainer's own estimate of its training and loading peak (GB)",
         f"{'variant':<24}{'s/step':>9}{'min-max':>16}{'x optimized':>13}{'min-max':>13}{'TFLOP/step':>12}"
-        f"{'TFLOP/s':>9}{'of peak':>9}{'peak RSS GB':>13}{'est. train':>12}{'est. load':>11}{'all-reduce B/step':>19}",
+        f"{'TFLOP/s':>9}{'of peak':>9}{'peak RSS GB':>13}{'est. train':>12}{'est. load':>11}{'start-up s':>12}"
+        f"{'all-reduce B/step':>19}",
     ]
     for r in results:
         lines.append(
             f"{r['variant']:<24}{r['s_per_step']:>9.2f}{rnd.range_text(r['s_per_step_spread']):>16}"
-            f"{r['x_optimized']:>13.2f}{rnd.range_text(r['x_optimized_spread']):>13}{r['tflop_per_step']:>12.3f}"
-            f"{r['tflops']:>9.3f}{r['of_peak']:>9.1%}{r['peak_rss_gb']:>13.2f}"
-            f"{r.get('estimate_training_gb', float('nan')):>12.2f}{r.get('estimate_loading_gb', float('nan')):>11.2f}"
-            f"{r['allreduce_bytes']:>19,}"
+            f"{r['x_optimized']:>13.2f}{rnd.range_text(r['x_optimized_spread']):>13}{_num(r['tflop_per_step'], '.3f', 12)}"
+            f"{_num(r['tflops'], '.3f', 9)}{_num(r['of_peak'], '.1%', 9)}{r['peak_rss_gb']:>13.2f}"
+            f"{_num(r.get('estimate_training_gb'), '.2f', 12)}{_num(r.get('estimate_loading_gb'), '.2f', 11)}"
+            f"{_num(r.get('startup_s'), '.1f', 12)}{_num(r['allreduce_bytes'], ',', 19)}"
         )
     return "\n".join(lines)
+
+
+def _num(value: float | None, fmt: str, width: int) -> str:
+    """``value`` right-aligned in ``width``, or "-" where it was not measured (None or NaN)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return f"{'-':>{width}}"
+    return f"{value:>{width}{fmt}}"
