@@ -73,6 +73,25 @@ def test_lora_two_ranks_learn_what_one_rank_with_double_batch_learns(tiny_model,
     assert rows[0]["method"] == "lora" and rows[0]["allreduce_bytes"] == (n_adapter + 1) * 4
 
 
+def test_the_fused_lora_forward_learns_what_peft_s_forward_learns(tiny_model, captioned, tmp_path, cli_env):
+    """fp32, so the two forwards differ only in the order of their float operations (bf16: test_lora_layer.py)."""
+    from xeonsd.trainer.config import parse_config
+    from xeonsd.trainer.methods.lora import unet_lora_config
+    from xeonsd.trainer.methods.lora_layer import FusedLoraLinear
+
+    fused, peft = tmp_path / "fused", tmp_path / "peft"
+    train(method_args("lora", tiny_model, captioned["metadata"], fused, "--mixed_precision=no"), cli_env)
+    train(method_args("lora", tiny_model, captioned["metadata"], peft, "--mixed_precision=no", "--no-fused_lora"),
+          cli_env)  # fmt: skip
+    a, b = load_file(str(fused / LORA_FILE)), load_file(str(peft / LORA_FILE))
+    assert a.keys() == b.keys()
+    ups = [k for k in a if "up" in k]
+    assert_same_training({k: a[k] for k in ups}, {k: b[k] for k in ups}, {k: torch.zeros_like(a[k]) for k in ups})
+    on = unet_lora_config(parse_config(["--method=lora"]))
+    off = unet_lora_config(parse_config(["--method=lora", "--no-fused_lora"]))
+    assert on._custom_modules == {torch.nn.Linear: FusedLoraLinear} and not off._custom_modules
+
+
 def test_lora_file_loads_in_stock_diffusers_and_changes_the_image(tiny_model, dataset, tmp_path, cli_env):
     out = tmp_path / "lora"
     args = method_args(

@@ -3,9 +3,11 @@
 Which script matches a method and family, its flags for the same model, images, resolution, precision, seed and
 step count as the ``xeonsd train`` runs beside it, and the runner that times its steps:
 ``python -m xeonsd.bench.diffusers_examples SCRIPT ARGS...`` runs the script unchanged in its own process, records
-the wall clock after every optimizer step (torch's global optimizer step hook), and when the script ends writes
-those steps to ``<--output_dir>/metrics.jsonl`` in the shape ``xeonsd train`` writes them (``step``,
-``s_per_step``, ``time``), so the bench reads both alike. Everything the script does per step (its VAE encode, its
+the wall clock after every optimizer step (torch's global optimizer step hook) and at the first call of any module
+(a global forward pre-hook, removed at once: the scripts load their models without calling them, so that is
+their first step's start), and when the script ends writes those steps to ``<--output_dir>/metrics.jsonl`` in the
+shape ``xeonsd train`` writes them (``step``, ``s_per_step``, ``time``; the first row's ``s_per_step`` from the
+first module call), so the bench reads both alike. Everything the script does per step (its VAE encode, its
 text encoder, its data loader) is inside its steps, as it is for a user who runs it.
 
 The scripts come from a diffusers source checkout at the pinned tag (``diffusers_git_ref``); they import
@@ -122,8 +124,8 @@ def reference_command(script: Path, tmp: Path, *, method: str, model: str, image
 
 
 def step_rows(start: float, ends: list[float]) -> list[dict]:
-    """One row per optimizer step: its number, seconds since the previous step ended (the first: since ``start``)
-    and the wall clock at its end."""
+    """One row per optimizer step: its number, seconds since the previous step ended (the first: since ``start``,
+    the first step's start) and the wall clock at its end."""
     rows, prev = [], start
     for i, t in enumerate(ends):
         rows.append({"step": i + 1, "s_per_step": t - prev, "time": t})
@@ -147,9 +149,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     script, args = Path(argv[0]).resolve(), argv[1:]
     out = _output_dir(args)
+    from torch.nn.modules.module import register_module_forward_pre_hook
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    start, ends = time.time(), []
+    starts: list[float] = []
+    ends: list[float] = []
+
+    def first_call(*_) -> None:
+        starts.append(time.time())
+        first.remove()
+
+    first = register_module_forward_pre_hook(first_call)
     handle = register_optimizer_step_post_hook(lambda *_: ends.append(time.time()))
     sys.argv = [str(script), *args]
     sys.path.insert(0, str(script.parent))
@@ -160,9 +170,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
     finally:
         handle.remove()
+        first.remove()
     os.makedirs(out, exist_ok=True)
     with atomic_file(out / "metrics.jsonl", "w") as fh:
-        fh.writelines(json.dumps(r) + "\n" for r in step_rows(start, ends))
+        fh.writelines(json.dumps(r) + "\n" for r in step_rows(starts[0] if starts else time.time(), ends))
     return 0
 
 

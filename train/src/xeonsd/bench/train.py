@@ -62,6 +62,7 @@ def variants_for(method: str, dtype: str) -> tuple[Variant, ...]:
             Variant("optimized", (), f"{dtype} frozen UNet/VAE, fp32 rank-4 adapters, cached latents and prompts"),
             per_step,
             Variant("gradient checkpointing", ("--gradient_checkpointing",), "recompute activations in backward"),
+            Variant("peft LoRA forward", ("--no-fused_lora",), "peft's adapter forward, input and output in fp32"),
             precision,
         )
     if method == "full":

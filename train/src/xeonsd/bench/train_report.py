@@ -15,13 +15,14 @@ def step_seconds(rows: list[dict], warmup: int) -> float:
     return statistics.median(r["s_per_step"] for r in rows[warmup:])
 
 
-def startup_seconds(run: dict, warmup: int) -> float:
-    """Seconds from the process's launch to its first step's start: the first step's end less one typical step
-    (the run's median timed step), so that ``xeonsd train`` and a script timed from outside are read alike. NaN for a
-    run recorded without its launch time."""
-    if "launched" not in run or "time" not in run["rows"][0]:
+def startup_seconds(run: dict) -> float:
+    """Seconds from the process's launch to its first step's start (the first row's end less its own seconds: the
+    runner of diffusers' scripts times that row from the script's first module call). NaN for a run recorded
+    without its launch time."""
+    first = run["rows"][0]
+    if "launched" not in run or "time" not in first:
         return float("nan")
-    return run["rows"][0]["time"] - run["launched"] - step_seconds(run["rows"], warmup)
+    return first["time"] - first["s_per_step"] - run["launched"]
 
 
 def summarize(name: str, runs: list[dict], warmup: int, peak_tflops: float, stats: dict) -> dict:
@@ -41,7 +42,7 @@ def summarize(name: str, runs: list[dict], warmup: int, peak_tflops: float, stat
         "estimate_training_gb": runs[0].get("estimate", {}).get("training", float("nan")) / 1e9,
         "estimate_loading_gb": runs[0].get("estimate", {}).get("loading", float("nan")) / 1e9,
         "allreduce_bytes": rows[-1].get("allreduce_bytes"),  # None: a script that does not say (diffusers')
-        "startup_s": statistics.median(startup_seconds(run, warmup) for run in runs),
+        "startup_s": statistics.median(startup_seconds(run) for run in runs),
         "rounds": len(runs),
         "s_per_step_rounds": stats["rounds"],
         "s_per_step_spread": stats["seconds"],

@@ -192,6 +192,14 @@ class TrainConfig:
         default=True,
         negatable=True,
     )
+    fused_lora: bool = _flag(
+        "LoRA: each adapter computed in the compute dtype from its fp32 weights, its sum fused into the "
+        "up-projection's matmul (xeonsd.trainer.methods.lora_layer); --no-fused_lora: peft's forward, which casts "
+        "every adapter's input and output to fp32",
+        methods=("lora",),
+        default=True,
+        negatable=True,
+    )
     seed: int | None = _flag("random seed (the run is reproducible for a given seed)", default=None)
     snr_gamma: float | None = _flag(
         "min-SNR-gamma loss weighting (Hang et al. 2023; 5 is the paper's): each example's MSE weighted by "

@@ -52,16 +52,23 @@ def _text_encoder_names(family: Family | None) -> tuple[str, ...]:
     return tuple(n for i, n in enumerate(spec.text_encoders) if not spec.text_encoder_class(i).startswith("T5"))
 
 
-def _lora_config(rank: int, alpha: float, targets: list[str]):
+def _lora_config(rank: int, alpha: float, targets: list[str], fused: bool = True):
+    """peft's config; ``fused``: the adapted linears are :class:`.lora_layer.FusedLoraLinear` (peft's layer with
+    the forward in the compute dtype; same parameters and files), else peft's own."""
     from peft import LoraConfig
 
-    return LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets)
+    config = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets)
+    if fused:
+        from xeonsd.trainer.methods.lora_layer import FusedLoraLinear
+
+        config._register_custom_module({torch.nn.Linear: FusedLoraLinear})  # peft's (experimental) custom layers
+    return config
 
 
 def unet_lora_config(cfg, family: Family | None = None):
     """The denoiser adapters' peft config for this run (the trainer and the memory estimate use the same one)."""
     alpha = cfg.lora_alpha if cfg.lora_alpha is not None else cfg.rank
-    return _lora_config(cfg.rank, alpha, target_modules(cfg, family))
+    return _lora_config(cfg.rank, alpha, target_modules(cfg, family), cfg.fused_lora)
 
 
 class LoRA(Method):
@@ -106,7 +113,7 @@ class LoRA(Method):
         encoders = list(self._encoders().values())  # SDXL, SD3: both CLIPs; never T5
         if cfg.train_text_encoder:
             for encoder in encoders:
-                encoder.add_adapter(_lora_config(cfg.rank, alpha, list(TEXT_ENCODER_TARGETS)))
+                encoder.add_adapter(_lora_config(cfg.rank, alpha, list(TEXT_ENCODER_TARGETS), cfg.fused_lora))
         if cfg.gradient_checkpointing:
             models.unet.enable_gradient_checkpointing()
         self.params: list[torch.nn.Parameter] = []
