@@ -28,6 +28,7 @@ SCRIPT = textwrap.dedent(
     p.add_argument("--max_train_steps", type=int)
     p.add_argument("--fail_after", type=int, default=None)
     p.add_argument("--load_s", type=float, default=0.0)
+    p.add_argument("--fail_at_end", action="store_true")
     args, _ = p.parse_known_args()
     time.sleep(args.load_s)  # what loading the models costs before the first step
     os.makedirs(args.output_dir, exist_ok=True)
@@ -42,6 +43,8 @@ SCRIPT = textwrap.dedent(
         loss.backward()
         opt.step()
         opt.zero_grad()
+    if args.fail_at_end:
+        raise ValueError("When using the offline mode, you must specify a `weight_name`.")
     """
 )
 
@@ -82,6 +85,15 @@ def test_a_script_that_fails_leaves_no_step_file_and_its_exit_status(tmp_path):
     assert proc.returncode == 3
     assert (out / "argv.json").is_file() and not (out / "metrics.jsonl").exists()
     assert _runner(tmp_path / "missing.py").returncode == 2
+
+
+def test_a_script_that_fails_after_its_last_step_has_its_steps_timed_and_the_failure_said(tmp_path):
+    script, out = _script(tmp_path / "examples"), tmp_path / "out"
+    proc = _runner(script, f"--output_dir={out}", "--max_train_steps=3", "--fail_at_end")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "textual_inversion.py failed after its last optimizer step (3 steps timed): ValueError: When using the " \
+        "offline mode" in proc.stderr  # fmt: skip
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
 
 
 def test_step_rows_count_each_step_from_the_previous_one_s_end():

@@ -7,7 +7,9 @@ the wall clock after every optimizer step (torch's global optimizer step hook) a
 (a global forward pre-hook, removed at once: the scripts load their models without calling them, so that is
 their first step's start), and when the script ends writes those steps to ``<--output_dir>/metrics.jsonl`` in the
 shape ``xeonsd train`` writes them (``step``, ``s_per_step``, ``time``; the first row's ``s_per_step`` from the
-first module call), so the bench reads both alike. Everything the script does per step (its VAE encode, its
+first module call), so the bench reads both alike. A script that fails after its last optimizer step (the SDXL
+LoRA script's final ``load_lora_weights`` refuses offline mode) still has every step timed: the runner says what
+failed and writes the rows; one that fails before writes nothing and exits with the script's status. Everything the script does per step (its VAE encode, its
 text encoder, its data loader) is inside its steps, as it is for a user who runs it.
 
 The scripts come from a diffusers source checkout at the pinned tag (``diffusers_git_ref``); they import
@@ -133,13 +135,20 @@ def step_rows(start: float, ends: list[float]) -> list[dict]:
     return rows
 
 
-def _output_dir(args: list[str]) -> Path:
+def _flag(args: list[str], name: str) -> str | None:
     for i, a in enumerate(args):
-        if a.startswith("--output_dir="):
-            return Path(a.split("=", 1)[1])
-        if a == "--output_dir" and i + 1 < len(args):
-            return Path(args[i + 1])
-    raise SystemExit("xeonsd.bench.diffusers_examples: error: the script's --output_dir is where the steps go")
+        if a.startswith(f"{name}="):
+            return a.split("=", 1)[1]
+        if a == name and i + 1 < len(args):
+            return args[i + 1]
+    return None
+
+
+def _output_dir(args: list[str]) -> Path:
+    out = _flag(args, "--output_dir")
+    if out is None:
+        raise SystemExit("xeonsd.bench.diffusers_examples: error: the script's --output_dir is where the steps go")
+    return Path(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,11 +172,17 @@ def main(argv: list[str] | None = None) -> int:
     handle = register_optimizer_step_post_hook(lambda *_: ends.append(time.time()))
     sys.argv = [str(script), *args]
     sys.path.insert(0, str(script.parent))
+    steps = _flag(args, "--max_train_steps")
     try:
         runpy.run_path(str(script), run_name="__main__")
-    except SystemExit as exc:
-        if exc.code not in (None, 0):
+    except (Exception, SystemExit) as exc:
+        if isinstance(exc, SystemExit) and exc.code in (None, 0):
+            pass
+        elif steps is None or len(ends) < int(steps):
             raise
+        else:
+            print(f"xeonsd.bench.diffusers_examples: {script.name} failed after its last optimizer step ({steps} "
+                  f"steps timed): {type(exc).__name__}: {exc}", file=sys.stderr)  # fmt: skip
     finally:
         handle.remove()
         first.remove()
