@@ -1,7 +1,8 @@
 """LoRA: low-rank adapters on the UNet's attention projections (and optionally the text encoder's), via ``peft``.
 
 The base UNet stays frozen in the training dtype (bf16 on AMX); the adapters, their optimizer state and the loss
-are fp32 (peft casts each adapter's input to the adapter's dtype). The result is
+are fp32, and the adapters compute in the training dtype from those fp32 weights (:mod:`.lora_layer`;
+``--no-fused_lora``: peft's forward, which casts each adapter's input to fp32). The result is
 ``pytorch_lora_weights.safetensors`` in the diffusers layout: ``pipe.load_lora_weights(dir)`` loads it; with
 ``--save_format kohya`` the same file in the kohya layout AUTOMATIC1111, Forge and ComfyUI load (diffusers reads it
 too), through :mod:`xeonsd.modelfiles.lora_layout`. On SDXL ``--train_text_encoder`` puts adapters on both text encoders, saved
