@@ -87,8 +87,12 @@ def test_the_fused_lora_forward_learns_what_peft_s_forward_learns(tiny_model, ca
     assert a.keys() == b.keys()
     ups = [k for k in a if "up" in k]
     assert_same_training({k: a[k] for k in ups}, {k: b[k] for k in ups}, {k: torch.zeros_like(a[k]) for k in ups})
-    on = unet_lora_config(parse_config(["--method=lora"]))
-    off = unet_lora_config(parse_config(["--method=lora", "--no-fused_lora"]))
+    flags = [
+        "--method=lora",
+        f"--pretrained_model_name_or_path={tiny_model}",
+        f"--train_data_dir={captioned['metadata']}",
+    ]
+    on, off = unet_lora_config(parse_config(flags)), unet_lora_config(parse_config([*flags, "--no-fused_lora"]))
     assert on._custom_modules == {torch.nn.Linear: FusedLoraLinear} and not off._custom_modules
 
 

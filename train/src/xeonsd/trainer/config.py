@@ -187,15 +187,11 @@ class TrainConfig:
     adam_weight_decay: float = _flag("AdamW weight decay", default=1e-2)
     adam_epsilon: float = _flag("AdamW epsilon", default=1e-8)
     fused_adamw: bool = _flag(
-        "AdamW's fused CPU kernel (torch.optim.AdamW(fused=True)); --no-fused_adamw: torch's default for CPU "
-        "tensors, a loop over the tensors (6-8x slower per update on a 2-core AMD EPYC, docs/benchmarks.md)",
-        default=True,
-        negatable=True,
+        "fused CPU AdamW; --no-fused_adamw: torch's per-tensor loop", default=True, negatable=True
     )
     fused_lora: bool = _flag(
-        "LoRA: each adapter computed in the compute dtype from its fp32 weights, its sum fused into the "
-        "up-projection's matmul (xeonsd.trainer.methods.lora_layer); --no-fused_lora: peft's forward, which casts "
-        "every adapter's input and output to fp32",
+        "LoRA adapters in the compute dtype, their sum fused into a matmul (trainer/methods/lora_layer.py); "
+        "--no-fused_lora: peft's forward, fp32 copies of every adapter's input and output",
         methods=("lora",),
         default=True,
         negatable=True,
