@@ -127,6 +127,7 @@ TRAINER_LAYERS: list[set[str]] = [
         "loss",
         "flow",
         "stopping",
+        "attention",
     },
     {
         "data",

@@ -149,6 +149,7 @@ class Job:
             prior=self.data.prior,
             snr_gamma=cfg.snr_gamma,
             channels_last=cfg.channels_last,
+            attention=cfg.attention,
         )
 
     def allreduce_bytes(self) -> int:
