@@ -127,7 +127,6 @@ TRAINER_LAYERS: list[set[str]] = [
         "loss",
         "flow",
         "stopping",
-        "attention",
     },
     {
         "data",

@@ -13,12 +13,15 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from xeonsd.contracts.method_names import METHODS
 from xeonsd.contracts.straggler_rule import STRAGGLER_RATIO
 
+if TYPE_CHECKING:
+    pass
+
 TI, LORA, FULL = METHODS
-ATTENTION_KERNELS = ("flash", "mixed")  # --attention (xeonsd.trainer.attention)
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 
 
@@ -183,9 +186,12 @@ class TrainConfig:
     adam_beta2: float = _flag("AdamW beta2", default=0.999)
     adam_weight_decay: float = _flag("AdamW weight decay", default=1e-2)
     adam_epsilon: float = _flag("AdamW epsilon", default=1e-8)
-    fused_adamw: bool = _flag("fused CPU AdamW; --no-fused_adamw: torch's loop", default=True, negatable=True)
+    fused_adamw: bool = _flag(
+        "fused CPU AdamW; --no-fused_adamw: torch's per-tensor loop", default=True, negatable=True
+    )
     fused_lora: bool = _flag(
-        "LoRA adapters in the compute dtype, the sum fused into a matmul; --no-fused_lora: peft's forward (in fp32)",
+        "LoRA adapters in the compute dtype, their sum fused into a matmul (trainer/methods/lora_layer.py); "
+        "--no-fused_lora: peft's forward, fp32 copies of every adapter's input and output",
         methods=("lora",),
         default=True,
         negatable=True,
@@ -272,12 +278,6 @@ class TrainConfig:
         "baseline: train and all-reduce the whole embedding matrix as the recipe did", methods=(TI,), default=False
     )
     channels_last: bool = _flag("UNet in channels_last memory format", default=False)
-    attention: str = _flag(
-        "the denoiser's attention: flash (torch's CPU flash kernel) or mixed (mid-size self-attention as two "
-        "matmuls, the rest flash; trainer/attention.py)",
-        default="flash",
-        choices=ATTENTION_KERNELS,
-    )
     compile: bool = _flag("torch.compile the UNet", default=False)
     use_ipex: str = _flag("apply ipex.optimize when IPEX imports", default="auto", choices=("auto", "on", "off"))
     count_flops: bool = _flag(

@@ -149,7 +149,6 @@ class Job:
             prior=self.data.prior,
             snr_gamma=cfg.snr_gamma,
             channels_last=cfg.channels_last,
-            attention=cfg.attention,
         )
 
     def allreduce_bytes(self) -> int:

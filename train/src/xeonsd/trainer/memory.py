@@ -19,8 +19,6 @@ from pathlib import Path
 
 import torch
 
-from xeonsd.trainer.attention import meta_attention
-
 GB = 1e9
 ESTIMATE_FILE = "memory_estimate.json"  # rank 0 writes the estimate in --output_dir (bench train reads it)
 
@@ -97,6 +95,30 @@ class _SavedBytes:
         block.register_forward_hook(post)
 
 
+@contextlib.contextmanager
+def _cpu_attention():
+    """On meta tensors SDPA takes the math path, which keeps the whole score matrix for the backward (GBs at
+    512 px); CPU tensors take the flash kernel, which keeps only the output and the log-sum-exp. Route the meta
+    forward to the flash kernel so the saved tensors are the ones a real step keeps."""
+    from unittest import mock
+
+    import torch.nn.functional as F
+
+    plain = F.scaled_dot_product_attention
+
+    def flash(q=None, k=None, v=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        # diffusers' attention dispatch (the transformers') passes them by name, with enable_gqa=False
+        q, k, v = kw.pop("query", q), kw.pop("key", k), kw.pop("value", v)
+        if not kw.get("enable_gqa", True):
+            kw.pop("enable_gqa")
+        if attn_mask is not None or dropout_p or kw:
+            return plain(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)[0]
+
+    with mock.patch.object(F, "scaled_dot_product_attention", flash):
+        yield
+
+
 # glibc's malloc keeps about a quarter of the step's activations beyond the live bytes (freed blocks it does not
 # return): measured on SD3.5-medium LoRA at 512 px, the resident growth over a step was 1.24x the activations under
 # glibc and 0.74x under tcmalloc, and at 1024 px at least 1.22x under glibc (docs/benchmarks.md).
@@ -141,11 +163,7 @@ def _activations(
             "time_ids": torch.zeros(batch, 6, device="meta", dtype=dtype),
         }
     amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    with (
-        torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t),
-        amp,
-        meta_attention(getattr(cfg, "attention", "flash")),
-    ):
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), amp, _cpu_attention():
         unet(x, t, h, added_cond_kwargs=added, return_dict=False)
     # While the backward pass goes through a block it also holds that block's activation gradients: about the
     # size of what the block saved. With checkpointing, a block's activations exist only while it is recomputed.
@@ -343,11 +361,7 @@ def _flow_activations(denoiser, family, cfg, dims: tuple[int, int, int, int, int
     else:
         args["hidden_states"] = meta(batch, channels, side, side)
     amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    with (
-        torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t),
-        amp,
-        meta_attention(getattr(cfg, "attention", "flash")),
-    ):
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), amp, _cpu_attention():
         denoiser(**args)
     largest = max((b for b, _ in saved.blocks), default=0)
     if not getattr(cfg, "gradient_checkpointing", False):

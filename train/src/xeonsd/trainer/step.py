@@ -12,7 +12,6 @@ import torch
 
 from xeonsd.cluster.distributed import all_reduce_mean_
 from xeonsd.cluster.rank_stats import RankClock
-from xeonsd.trainer.attention import attention_kernels
 from xeonsd.trainer.data import Example
 from xeonsd.trainer.families import train_family
 from xeonsd.trainer.methods import Method
@@ -33,7 +32,6 @@ class LossInputs:
     prior: PriorData | None = None
     snr_gamma: float | None = None
     channels_last: bool = False
-    attention: str = "flash"  # --attention: the kernel choice of xeonsd.trainer.attention
 
 
 def step_loss(inputs: LossInputs, examples: list[Example], clock: RankClock | None = None) -> torch.Tensor:
@@ -48,10 +46,7 @@ def step_loss(inputs: LossInputs, examples: list[Example], clock: RankClock | No
             batch = inputs.prior.join(batch, examples)
         latents, noise, timesteps, hidden, added = batch
     family = train_family(models.family)
-    with attention_kernels(inputs.attention):
-        pred, target = family.predict(
-            models, inputs.unet, latents, noise, timesteps, hidden, added, inputs.channels_last
-        )
+    pred, target = family.predict(models, inputs.unet, latents, noise, timesteps, hidden, added, inputs.channels_last)
 
     def loss(rows: slice) -> torch.Tensor:
         return family.loss(models, pred[rows], target[rows], timesteps[rows], inputs.snr_gamma)
