@@ -9,8 +9,9 @@ their first step's start), and when the script ends writes those steps to ``<--o
 shape ``xeonsd train`` writes them (``step``, ``s_per_step``, ``time``; the first row's ``s_per_step`` from the
 first module call), so the bench reads both alike. A script that fails after its last optimizer step (the SDXL
 LoRA script's final ``load_lora_weights`` refuses offline mode) still has every step timed: the runner says what
-failed and writes the rows; one that fails before writes nothing and exits with the script's status. Everything the script does per step (its VAE encode, its
-text encoder, its data loader) is inside its steps, as it is for a user who runs it.
+failed and writes the rows; one that fails before writes nothing and exits with the script's status. Everything
+the script does per step (its VAE encode, its text encoder, its data loader) is inside its steps, as it is for a
+user who runs it.
 
 The scripts come from a diffusers source checkout at the pinned tag (``diffusers_git_ref``); they import
 torchvision, and the LoRA and full ones ``datasets`` (and peft), which our stack does not install.
