@@ -38,7 +38,7 @@ def test_the_tiny_pipelines_are_told_apart(tiny_model: Path, tiny_xl_model: Path
     assert (sd.name, sd.text_encoders, sd.pipeline_class) == ("sd", ("text_encoder",), "StableDiffusionPipeline")
     assert sd.default_resolution == 64  # sample_size 8 × VAE scale 8
     xl = detect_family(tiny_xl_model)
-    assert (xl.name, xl.is_xl, xl.label) == ("sdxl", True, "SDXL")
+    assert (xl.name, xl.spec.concept_layout, xl.label) == ("sdxl", "xl", "SDXL")
     assert xl.text_encoders == ("text_encoder", "text_encoder_2")
     assert xl.tokenizers == ("tokenizer", "tokenizer_2")
 
@@ -142,7 +142,7 @@ def test_a_pipeline_without_readable_configs_is_refused(tmp_path: Path) -> None:
         detect_family(d)
 
 
-def test_the_t5_prompt_length_is_diffusers_default_capped_by_the_tokenizer(tmp_path) -> None:
+def test_the_prompt_length_is_diffusers_default_capped_by_the_tokenizer(tmp_path) -> None:
     """One rule for T5's prompt length (trainer tables, memory estimate, export, engines): the family pipeline's
     own ``max_sequence_length`` default, at most the T5 tokenizer's limit read from the directory."""
     import inspect
@@ -155,10 +155,10 @@ def test_the_t5_prompt_length_is_diffusers_default_capped_by_the_tokenizer(tmp_p
     for found in SPECS.values():
         call = inspect.signature(getattr(diffusers, found.pipeline_class).__call__).parameters
         default = call["max_sequence_length"].default if "max_sequence_length" in call else None
-        assert found.t5_length == default, found.name
-        assert found.t5_prompt_length_of(tmp_path / "no-such-dir") == default
+        assert found.max_sequence_length == default, found.name
+        assert found.prompt_length_of(tmp_path / "no-such-dir") == default
     flux = SPECS["flux"]
-    assert flux.t5_prompt_length(32) == 32 and flux.t5_prompt_length(1e30) == 512 and flux.t5_prompt_length(None) == 512
+    assert flux.prompt_length(32) == 32 and flux.prompt_length(1e30) == 512 and flux.prompt_length(None) == 512
     (tmp_path / "tokenizer_2").mkdir()
     (tmp_path / "tokenizer_2" / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 77}))
-    assert flux.t5_prompt_length_of(tmp_path) == 77
+    assert flux.prompt_length_of(tmp_path) == 77

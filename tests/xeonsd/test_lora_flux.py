@@ -157,5 +157,5 @@ def test_flux_kohya_fuses_single_block_linear1_and_reads_back(flux_parts, tmp_pa
 
 
 def test_sd3_has_no_kohya_layout(tmp_path: Path) -> None:
-    with pytest.raises(LoraFormatError, match="SD3/SD3.5 has no kohya layout; ComfyUI and Forge load SD3 adapters"):
+    with pytest.raises(LoraFormatError, match="SD3/SD3.5 has no kohya layout; ComfyUI and Forge load its adapters"):
         lora_layout.write_kohya_for("sd3")

@@ -14,9 +14,10 @@ import torch
 from ov_assets import as_array, cli_error
 
 from xeonsd.modelfiles import lora_layout
+from xeonsd.modelfiles.families import spec
 from xeonsd.modelfiles.modelsource import model_fingerprint
 from xeonsd.openvino.class_images import open_class_renderer
-from xeonsd.openvino.generate import DEFAULT_GUIDANCE, GenerateOptions, generate
+from xeonsd.openvino.generate import GenerateOptions, generate
 from xeonsd.openvino.manifest import MANIFEST
 
 PROMPT = "a photo of a cat"
@@ -49,7 +50,7 @@ def _diffusers(model: Path, family: str, lora: Path | None) -> np.ndarray:
     out = pipe(
         prompt=PROMPT,
         num_inference_steps=STEPS,
-        guidance_scale=DEFAULT_GUIDANCE[family],
+        guidance_scale=spec(family).guidance_scale,
         max_sequence_length=T5_LENGTH,
         height=SIZE,
         width=SIZE,

@@ -5,7 +5,7 @@ These models have no textual-inversion concept (no trainer trains one for them, 
 ``--embeds`` on them), so every variant runs the plain base model with a prompt without the concept's token. The
 PyTorch variants call the diffusers pipeline as ``xeonsd generate`` does: the family's guidance scale (FLUX.1-dev
 3.5 through its guidance embedding, no classifier-free guidance; SD3 7.0 with classifier-free guidance) and T5 at
-the export's prompt length (:func:`xeonsd.openvino.pipelines.t5_length`).
+the export's prompt length (:func:`xeonsd.openvino.pipelines.max_sequence_length`).
 
 The FLOPs of one image (:func:`flow_pipeline_flops`), counted with ``torch.utils.flop_counter`` on networks built
 on the meta device from the pipeline's configs, as for the UNet families: the text encoders (CLIP(s) at 77 tokens,
@@ -33,30 +33,33 @@ def flow_family(model: Path) -> Any:
 
 def guidance_scale(family: str) -> float:
     """The guidance scale ``xeonsd generate`` uses for ``family`` (and so every variant of the bench)."""
-    from xeonsd.openvino.generate import DEFAULT_GUIDANCE
+    from xeonsd.modelfiles.families import spec
 
-    return DEFAULT_GUIDANCE[family]
+    return spec(family).guidance_scale
 
 
 def transformer_calls_per_step(family: str) -> int:
     """Transformer calls' worth of work per denoising step: SD3 runs classifier-free guidance at its guidance scale
     (prompt and negative prompt, one call at batch 2); FLUX.1's pipeline runs it only with ``true_cfg_scale`` > 1
-    and a negative prompt (dev's guidance is an embedding, schnell has none), neither of which is given."""
-    return 2 if family == "sd3" and guidance_scale(family) > 1 else 1
-
-
-def t5_length(model: Path, family: str) -> int:
-    """T5's prompt length the export fixes for ``model`` (:meth:`FamilySpec.t5_prompt_length_of`)."""
+    and a negative prompt (dev's guidance is an embedding, schnell has none), neither of which is given
+    (``FamilySpec.negative_prompt_cfg``)."""
     from xeonsd.modelfiles.families import spec
 
-    length = spec(family).t5_prompt_length_of(model)
+    return 2 if spec(family).negative_prompt_cfg and guidance_scale(family) > 1 else 1
+
+
+def prompt_length(model: Path, family: str) -> int:
+    """T5's prompt length the export fixes for ``model`` (:meth:`FamilySpec.prompt_length_of`)."""
+    from xeonsd.modelfiles.families import spec
+
+    length = spec(family).prompt_length_of(model)
     assert length is not None
     return length
 
 
 def torch_call_kwargs(model: Path, family: str) -> dict[str, Any]:
     """What the diffusers pipeline of a flow family is called with besides the prompt, size and steps."""
-    return {"guidance_scale": guidance_scale(family), "max_sequence_length": t5_length(model, family)}
+    return {"guidance_scale": guidance_scale(family), "max_sequence_length": prompt_length(model, family)}
 
 
 def _count(fn: Callable[[], Any]) -> float:
@@ -68,11 +71,14 @@ def _count(fn: Callable[[], Any]) -> float:
     return float(counter.get_total_flops())
 
 
-def _vae(model: Path) -> tuple[Any, int]:
-    from diffusers import AutoencoderKL
+def _vae(model: Path, family: str) -> tuple[Any, int]:
+    import diffusers
 
-    config = AutoencoderKL.load_config(model / "vae")
-    return AutoencoderKL.from_config(config), 2 ** (len(config["block_out_channels"]) - 1)
+    from xeonsd.modelfiles.families import spec, vae_scale
+
+    cls = getattr(diffusers, spec(family).vae_class)
+    config = cls.load_config(model / "vae")
+    return cls.from_config(config), vae_scale(config)
 
 
 def _transformer(model: Path, family: str) -> Any:
@@ -84,43 +90,27 @@ def _transformer(model: Path, family: str) -> Any:
     return cls.from_config(cls.load_config(model / "transformer"))
 
 
-def _transformer_inputs(transformer: Any, family: str, latent: tuple[int, int, int], batch: int, text: int) -> dict:
-    """The keyword arguments of one transformer call at ``batch``, made on the meta device (inside ``_count``):
-    ``latent`` is (channels, h, w) of the VAE latents, ``text`` the prompt's token count."""
-    import torch
-
-    cfg = transformer.config
-    channels, h, w = latent
-    args: dict[str, Any] = {
-        "encoder_hidden_states": torch.randn(batch, text, cfg.joint_attention_dim),
-        "pooled_projections": torch.randn(batch, cfg.pooled_projection_dim),
-        "timestep": torch.ones(batch),
-    }
-    if family == "sd3":
-        return {"hidden_states": torch.randn(batch, channels, h, w), **args}
-    tokens = (h // 2) * (w // 2)  # FLUX packs 2x2 latents into one token of 4x the channels
-    return {
-        "hidden_states": torch.randn(batch, tokens, cfg.in_channels),
-        "img_ids": torch.zeros(tokens, 3),
-        "txt_ids": torch.zeros(text, 3),
-        "guidance": torch.ones(batch) if cfg.guidance_embeds else None,
-        **args,
-    }
-
-
 def transformer_call_flops(model: Path, family: str, height: int, width: int, batch: int = 1) -> float:
     """FLOPs of one transformer call at ``batch`` for ``height`` x ``width`` images."""
     with _meta():
         transformer = _transformer(model, family)
-        vae, scale = _vae(model)
-    latent = (vae.config.latent_channels, height // scale, width // scale)
+        vae, scale = _vae(model, family)
+    import torch
+
+    from xeonsd.trainer.families import FAMILIES
+
+    side = FAMILIES[family]
+    dims = side.latent_dims(vae.config, scale, height, width)
     text = _text_tokens(model, family)
-    return _count(lambda: transformer(**_transformer_inputs(transformer, family, latent, batch, text)))
+    return _count(lambda: transformer(**side.meta_inputs(transformer.config, batch, dims, text, torch.float32)))
 
 
 def _text_tokens(model: Path, family: str) -> int:
-    """The transformer's text sequence: T5's tokens (FLUX.1), CLIP's 77 followed by T5's (SD3)."""
-    return t5_length(model, family) + (CLIP_LENGTH if family == "sd3" else 0)
+    """The transformer's text sequence: T5's tokens (FLUX.1), CLIP's 77 followed by T5's (SD3:
+    ``FamilySpec.clip_context_tokens``)."""
+    from xeonsd.modelfiles.families import spec
+
+    return prompt_length(model, family) + spec(family).clip_context_tokens
 
 
 def _meta() -> Any:
@@ -142,7 +132,9 @@ def _text_encoders(model: Path, family: str) -> list[tuple[Any, int]]:
             cls = found.text_encoder_class(i)
             config = transformers.AutoConfig.from_pretrained(model / encoder)
             length = (
-                t5_length(model, family) if cls.startswith("T5") else tokenizer_limit(model, tokenizer) or CLIP_LENGTH
+                prompt_length(model, family)
+                if cls.startswith("T5")
+                else tokenizer_limit(model, tokenizer) or CLIP_LENGTH
             )
             out.append((getattr(transformers, cls)(config), length))
     return out
@@ -155,7 +147,7 @@ def flow_pipeline_flops(model: Path, family: str, height: int, width: int, steps
 
     calls = transformer_calls_per_step(family)
     with _meta():
-        vae, scale = _vae(model)
+        vae, scale = _vae(model, family)
     h, w = height // scale, width // scale
     encoders = _text_encoders(model, family)
     out = {

@@ -171,7 +171,9 @@ def torch_pipeline(model: Path, embeds: Path | None) -> Any:
             part.to(dtype=torch.float32)
     if embeds is None:
         return pipe
-    if family == "sdxl":
+    from xeonsd.modelfiles.families import spec
+
+    if spec(family).concept_layout == "xl":
         state = load_file(str(embeds))
         pipe.load_textual_inversion(
             state["clip_l"], token=TOKEN, text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer

@@ -321,13 +321,19 @@ def _xl_token(path: Path) -> str | None:
 
 
 def load_concepts(path: Path, token: str | None, family: str) -> dict[str, Concept]:
-    """The concept for each text encoder of ``family`` (``sd`` or ``sdxl``), by component name; a file of the other
-    family's layout is refused naming both."""
+    """The concept for each text encoder of ``family`` (whose spec's ``concept_layout`` is ``sd``: one vector set,
+    or ``xl``: clip_l and clip_g), by component name; a file of the other layout is refused naming both, and a
+    family without a concept layout by its name."""
+    from xeonsd.modelfiles.family_specs import spec
+
+    layout = spec(family).concept_layout
+    if layout is None:
+        raise ConceptError(f"{spec(family).label} has no textual-inversion concepts here; use a LoRA")
     path = Path(path)
     if not path.is_file():
         raise ConceptError(f"embeddings file {path} does not exist")
     xl_file = path.suffix == ".safetensors" and is_xl_layout(_safetensors_keys(path))
-    if family == "sdxl":
+    if layout == "xl":
         if not xl_file:
             raise ConceptError(
                 f"{path} is an embedding for SD 1.x/2.x (one text encoder), and this model is SDXL, which needs "

@@ -3,13 +3,14 @@
 Every command that takes a model (``train``, ``export``, ``generate``, ``doctor``, ``bench``) asks
 :func:`detect_family` and gets a :class:`Family`: what the pipeline's text side looks like (one text encoder, or
 SDXL's two with the second's pooled output), its default resolution and its diffusers class. A family we do not
-serve (FLUX.2, PixArt, an SDXL refiner, an inpainting UNet, …) is refused in one line that names what was found and what
+serve (FLUX.2 [dev], PixArt, an SDXL refiner, an inpainting UNet, …) is refused in one line that names what was found and what
 is supported, instead of a traceback after minutes of loading.
 
 The rules read ``model_index.json`` (the pipeline's class and components), ``unet/config.json`` (``text_time``
-conditioning, input channels, sample size) or ``transformer/config.json`` (FLUX.1 or SD3 by its class, FLUX.1-dev's
-guidance embedding) and ``vae/config.json`` (its scale factor), from a local directory or, for a Hub id, from the
-Hub (its cache when offline): three small files.
+conditioning, input channels, sample size) or ``transformer/config.json`` (the transformer families by its class,
+FLUX.1-dev's guidance embedding; FLUX.2 [klein] against [dev] by the text encoder's class in ``model_index.json``)
+and ``vae/config.json`` (its scale factor), from a local directory or, for a Hub id, from the Hub (its cache when
+offline): three small files.
 """
 
 from __future__ import annotations
@@ -19,149 +20,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from xeonsd.modelfiles.family_specs import SPECS, FamilyError, FamilySpec, spec, tokenizer_limit
+
+__all__ = [
+    "SPECS",
+    "Family",
+    "FamilyError",
+    "FamilySpec",
+    "detect_family",
+    "family_of",
+    "family_spec",
+    "spec",
+    "tokenizer_limit",
+    "vae_scale",
+]
+
 SUPPORTED = (
-    "SD 1.x/2.x (StableDiffusionPipeline), SDXL base (StableDiffusionXLPipeline), FLUX.1 dev/schnell (FluxPipeline) "
-    "and SD3/SD3.5 (StableDiffusion3Pipeline)"
+    "SD 1.x/2.x (StableDiffusionPipeline), SDXL base (StableDiffusionXLPipeline), FLUX.1 dev/schnell (FluxPipeline), "
+    "SD3/SD3.5 (StableDiffusion3Pipeline), FLUX.2 [klein] (Flux2KleinPipeline), Z-Image (ZImagePipeline) and "
+    "Qwen-Image (QwenImagePipeline)"
 )
-
-
-class FamilyError(ValueError):
-    """The pipeline is of a family we do not serve, or its config files cannot be read; one line."""
-
-
-def tokenizer_limit(src: str | Path, subfolder: str) -> int | None:
-    """A pipeline directory's tokenizer ``model_max_length`` (``SUBFOLDER/tokenizer_config.json``); None where the
-    file or the value is missing or unreadable (a Hub id, or a config without a limit)."""
-    config = Path(src).expanduser() / subfolder / "tokenizer_config.json"
-    try:
-        value = json.loads(config.read_text()).get("model_max_length")
-    except (OSError, ValueError):
-        return None
-    return int(value) if isinstance(value, int | float) and value else None
-
-
-@dataclass(frozen=True)
-class FamilySpec:
-    """What the files of a family's pipeline look like, and which classes load and export it: read by the trainer
-    (:mod:`xeonsd.trainer.families` holds each family's training side) and by the OpenVINO side alike.
-    ``text_encoders`` and ``tokenizers`` are the pipeline's component names in the order their hidden states are
-    concatenated; ``pooled`` says the last text encoder's pooled, projected output conditions the model too."""
-
-    name: str
-    label: str
-    pipeline_class: str  # diffusers
-    ov_pipeline_class: str  # optimum.intel
-    text_encoders: tuple[str, ...]
-    tokenizers: tuple[str, ...]
-    pooled: bool = False
-    # extra keyword arguments of the diffusers pipeline's from_pretrained / constructor
-    pipeline_kwargs: tuple[tuple[str, Any], ...] = ()
-    # the denoiser's component name and diffusers class
-    denoiser: str = "unet"
-    denoiser_class: str = "UNet2DConditionModel"
-    # the transformers class of each text encoder, in ``text_encoders`` order; empty: CLIP (see text_encoder_class)
-    encoder_classes: tuple[str, ...] = ()
-    # the training objective: "noise" (epsilon/v-prediction on a DDPM schedule) or "flow" (rectified flow)
-    objective: str = "noise"
-    # latent side lengths must be a multiple of this (FLUX packs 2x2 latents into one token)
-    latent_multiple: int = 1
-    # diffusers' default T5 prompt length of the family's pipeline (FluxPipeline 512, StableDiffusion3Pipeline 256);
-    # None: no T5 (see t5_length)
-    t5_length: int | None = None
-
-    def t5_prompt_length(self, tokenizer_limit: float | None) -> int | None:
-        """T5's prompt length: the pipeline's default, or the T5 tokenizer's ``model_max_length`` where that is
-        shorter (the tiny models' 32); None for the CLIP-only families. The trainer's tables, the memory estimate,
-        the export (which fixes it in a static export) and every engine use this one rule."""
-        if self.t5_length is None:
-            return None
-        return self.t5_length if tokenizer_limit is None else min(self.t5_length, int(tokenizer_limit))
-
-    def t5_prompt_length_of(self, src: str | Path) -> int | None:
-        """:meth:`t5_prompt_length` with the limit read from the pipeline directory's T5 tokenizer config (the
-        default where there is no such file: a Hub id, or a config without a limit)."""
-        limit = None if self.t5_length is None else tokenizer_limit(src, self.tokenizers[-1])
-        return self.t5_prompt_length(limit)
-
-    @property
-    def text_side(self) -> tuple[tuple[str, str], ...]:
-        """(text encoder, tokenizer) component names, in order."""
-        return tuple(zip(self.text_encoders, self.tokenizers, strict=True))
-
-    def text_encoder_class(self, index: int) -> str:
-        """The transformers class of text encoder ``index``: the last one with its projection when the family
-        conditions on its pooled output."""
-        if self.encoder_classes:
-            return self.encoder_classes[index]
-        last = index == len(self.text_encoders) - 1
-        return "CLIPTextModelWithProjection" if self.pooled and last else "CLIPTextModel"
-
-
-# Every family we serve, by name (the name is what train_summary.json and an export's manifest record). A new
-# family is one entry here (and its rule in family_of) plus its training side in xeonsd.trainer.families.
-SPECS: dict[str, FamilySpec] = {
-    spec.name: spec
-    for spec in (
-        FamilySpec(
-            "sd",
-            "SD 1.x/2.x",
-            "StableDiffusionPipeline",
-            "OVStableDiffusionPipeline",
-            ("text_encoder",),
-            ("tokenizer",),
-            pipeline_kwargs=(("safety_checker", None), ("requires_safety_checker", False)),
-        ),
-        FamilySpec(
-            "sdxl",
-            "SDXL",
-            "StableDiffusionXLPipeline",
-            "OVStableDiffusionXLPipeline",
-            ("text_encoder", "text_encoder_2"),
-            ("tokenizer", "tokenizer_2"),
-            pooled=True,
-        ),
-        # FLUX.1 (dev: guidance embedding; schnell: none): CLIP-L's pooled output and T5's hidden states condition a
-        # 2x2-packed token transformer trained with rectified flow.
-        FamilySpec(
-            "flux",
-            "FLUX.1",
-            "FluxPipeline",
-            "OVFluxPipeline",
-            ("text_encoder", "text_encoder_2"),
-            ("tokenizer", "tokenizer_2"),
-            denoiser="transformer",
-            denoiser_class="FluxTransformer2DModel",
-            encoder_classes=("CLIPTextModel", "T5EncoderModel"),
-            objective="flow",
-            latent_multiple=2,
-            t5_length=512,
-        ),
-        # SD3/SD3.5: CLIP-L and CLIP-G (hidden and pooled) beside T5's hidden states, an MMDiT over 2x2 patches.
-        FamilySpec(
-            "sd3",
-            "SD3/SD3.5",
-            "StableDiffusion3Pipeline",
-            "OVStableDiffusion3Pipeline",
-            ("text_encoder", "text_encoder_2", "text_encoder_3"),
-            ("tokenizer", "tokenizer_2", "tokenizer_3"),
-            pooled=True,
-            denoiser="transformer",
-            denoiser_class="SD3Transformer2DModel",
-            encoder_classes=("CLIPTextModelWithProjection", "CLIPTextModelWithProjection", "T5EncoderModel"),
-            objective="flow",
-            latent_multiple=2,
-            t5_length=256,
-        ),
-    )
-}
-
-
-def spec(name: str) -> FamilySpec:
-    """The family called ``name`` (``sd``, ``sdxl``); FamilyError naming the known ones for another name."""
-    try:
-        return SPECS[name]
-    except KeyError:
-        raise FamilyError(f"unknown model family {name!r}; known: {', '.join(SPECS)}") from None
 
 
 def family_spec(family: Family | None) -> FamilySpec:
@@ -204,10 +82,6 @@ class Family:
         return self.sample_size * self.vae_scale
 
     @property
-    def is_xl(self) -> bool:
-        return self.name == "sdxl"
-
-    @property
     def is_flow(self) -> bool:
         """Trained with rectified flow on a transformer (FLUX.1, SD3)."""
         return self.spec.objective == "flow"
@@ -227,14 +101,11 @@ def components(index: dict[str, Any]) -> set[str]:
     }
 
 
-# The transformer classes we train, by family; every other transformer pipeline is refused by its class name.
-TRANSFORMER_FAMILIES = {"FluxTransformer2DModel": "flux", "SD3Transformer2DModel": "sd3"}
+# The transformer classes we train, by family (from the specs); every other transformer pipeline is refused by its
+# class name.
+TRANSFORMER_FAMILIES = {s.denoiser_class: s.name for s in SPECS.values() if s.denoiser == "transformer"}
 # Transformer classes users ask about, with why they are refused.
-_NOT_SERVED = {
-    "Flux2Transformer2DModel": "FLUX.2 (its Qwen3 text encoder and 32-channel VAE are not supported yet)",
-    "PixArtTransformer2DModel": "PixArt",
-    "SanaTransformer2DModel": "Sana",
-}
+_NOT_SERVED = {"PixArtTransformer2DModel": "PixArt", "SanaTransformer2DModel": "Sana"}
 
 
 def family_of(
@@ -272,12 +143,22 @@ def family_of(
     missing -= have
     if missing:
         raise refuse(f"a {found_spec.label} pipeline without {', '.join(sorted(missing))}")
-    blocks = (vae or {}).get("block_out_channels") or [0, 0, 0, 0]
-    return Family(found_spec, sample_size=int(unet.get("sample_size") or 64), vae_scale=2 ** (len(blocks) - 1))
+    return Family(found_spec, sample_size=int(unet.get("sample_size") or 64), vae_scale=vae_scale(vae))
+
+
+def vae_scale(vae: dict[str, Any] | None) -> int:
+    """Pixels per latent: 2 per downsampling block of a VAE (``block_out_channels``; Qwen-Image's Wan-style VAE:
+    ``temperal_downsample``, one entry per downsampling stage)."""
+    vae = vae or {}
+    if "block_out_channels" not in vae and "temperal_downsample" in vae:
+        return 2 ** len(vae["temperal_downsample"])
+    return 2 ** (len(vae.get("block_out_channels") or [0, 0, 0, 0]) - 1)
 
 
 def _transformer_family(index, transformer: dict[str, Any], vae, have: set[str], refuse) -> Family:
-    """FLUX.1 or SD3 from the transformer's class (and FLUX.1-dev from its guidance embedding)."""
+    """The transformer family from the transformer's class, checked against the text encoder the pipeline declares
+    where one class serves several models (FLUX.2 [dev]'s Mistral against [klein]'s Qwen3); FLUX.1-dev from its
+    guidance embedding."""
     cls = str(transformer.get("_class_name") or (index.get("transformer") or [None, "?"])[1])
     name = TRANSFORMER_FAMILIES.get(cls)
     if name is None:
@@ -287,12 +168,16 @@ def _transformer_family(index, transformer: dict[str, Any], vae, have: set[str],
     missing = ({"vae", "scheduler"} | set(found_spec.text_encoders) | set(found_spec.tokenizers)) - have
     if missing:
         raise refuse(f"a {found_spec.label} pipeline without {', '.join(sorted(missing))}")
-    blocks = (vae or {}).get("block_out_channels") or [0, 0, 0, 0]
-    vae_scale = 2 ** (len(blocks) - 1)
+    for name, expected in zip(found_spec.text_encoders, found_spec.encoder_classes, strict=False):
+        declared = (index.get(name) or [None, None])[1]
+        # a decoder LLM as text encoder names the model (CLIP and T5 classes are shared by many)
+        if not expected.startswith(("CLIP", "T5")) and declared != expected:
+            raise refuse(f"a {cls} pipeline whose {name} is {declared}, not {found_spec.label}'s {expected}")
+    scale = vae_scale(vae)
     # SD3's transformer config gives its latent size (128: 1024 px); FLUX's has none, its VAE's gives the pixels
     pixels = int((vae or {}).get("sample_size") or 1024)
-    sample = int(transformer.get("sample_size") or pixels // vae_scale)
-    return Family(found_spec, sample, vae_scale, guidance_embeds=bool(transformer.get("guidance_embeds")))
+    sample = int(transformer.get("sample_size") or pixels // scale)
+    return Family(found_spec, sample, scale, guidance_embeds=bool(transformer.get("guidance_embeds")))
 
 
 def detect_family(src: str | Path, revision: str | None = None) -> Family:

@@ -247,30 +247,24 @@ FAMILY_LABELS = {name: spec.label for name, spec in SPECS.items()}
 
 def lora_family(modules: dict[str, LoraModule]) -> tuple[str, str] | None:
     """The family an adapter was made for, read from its module names and shapes, with the evidence; None when
-    they do not tell. FLUX.1: single-stream transformer blocks; SD3: a transformer beside a second CLIP text encoder
-    (FLUX.1 has one); SDXL: a second text encoder, attention in the UNet's first up block (SDXL's first down block
-    has none) or 2048-wide cross-attention; SD 1.x/2.x: attention in the first down block, 768/1024-wide
-    cross-attention."""
+    they do not tell. Each family answers through its spec: among the families of the adapter's denoiser (a
+    transformer or a UNet), the first whose ``lora_marks`` match one of its module names (FLUX.1: single-stream
+    blocks; SD3: a second CLIP text encoder beside a transformer; SDXL: a second text encoder, attention in the
+    UNet's first up block; SD 1.x/2.x: attention in the first down block), else the one whose ``text_widths`` hold
+    the width of its cross-attention's key/value input."""
     names = list(modules)
-    transformer = [n for n in names if n.startswith(PREFIXES["transformer"])]
-    if transformer:
-        if any(n.startswith(PREFIXES["transformer"] + "single_transformer_blocks_") for n in transformer):
-            return "flux", "it adapts FLUX.1's single-stream transformer blocks"
-        if any(n.startswith(PREFIXES["text_encoder_2"]) for n in names):
-            return "sd3", "it adapts a transformer and a second CLIP text encoder"
-        return None
-    if any(n.startswith(PREFIXES["text_encoder_2"]) for n in names):
-        return "sdxl", "it adapts a second text encoder (text_encoder_2)"
-    for n in names:
-        if n.startswith("lora_unet_up_blocks_0_attentions_"):
-            return "sdxl", "it adapts attention in the UNet's first up block"
-        if n.startswith("lora_unet_down_blocks_0_attentions_"):
-            return "sd", "it adapts attention in the UNet's first down block"
+    denoiser = "transformer" if any(n.startswith(PREFIXES["transformer"]) for n in names) else "unet"
+    candidates = [s for s in SPECS.values() if s.denoiser == denoiser]
+    for found in candidates:
+        for pattern, evidence in found.lora_marks:
+            if any(re.search(pattern, n) for n in names):
+                return found.name, evidence
     for mod in modules.values():
         if re.search(r"_attn2_to_[kv]$", mod.name) and mod.down is not None:
             width = int(mod.down.shape[1])
-            if width in (768, 1024, 2048):
-                return ("sdxl" if width == 2048 else "sd"), f"its cross-attention takes {width}-wide text features"
+            found = next((s for s in candidates if width in s.text_widths), None)
+            if found is not None:
+                return found.name, f"its cross-attention takes {width}-wide text features"
     return None
 
 
@@ -281,7 +275,8 @@ def check_family(path: Path, modules: dict[str, LoraModule], family: str, model:
     denoiser = SPECS[family].denoiser
     other = next((c for c in ("unet", "transformer") if c != denoiser), "")
     if found is None and any(n.startswith(PREFIXES[other]) for n in modules):
-        kind = "a UNet model (SD 1.x/2.x or SDXL)" if other == "unet" else "a transformer model (FLUX.1 or SD3)"
+        of_kind = " or ".join(s.label for s in SPECS.values() if s.denoiser == other)
+        kind = f"a {'UNet' if other == 'unet' else 'transformer'} model ({of_kind})"
         found = ("", f"it adapts the {other}")
         label = kind
     else:
@@ -333,18 +328,19 @@ def write_kohya_flux(modules: dict[str, LoraModule], out: Path, source: str = ""
 
 
 def write_kohya_for(family: str | None) -> Callable[[dict[str, LoraModule], Path, str], Path]:
-    """The kohya writer of ``family`` (None: SD 1.x/2.x or SDXL, read from the adapter): one function per family,
-    what the trainer's ``--save_format kohya`` and the converters call. SD3 has none: ComfyUI and Forge load SD3
-    adapters in diffusers' layout."""
-    if family == "flux":
+    """The kohya writer of ``family`` (None: SD 1.x/2.x or SDXL, read from the adapter), as its spec's ``kohya``
+    says: one function per layout, what the trainer's ``--save_format kohya`` and the converters call. SD3 and the
+    Qwen-text families have none: ComfyUI and Forge load their adapters in diffusers' layout."""
+    found = None if family is None else SPECS[family]
+    if found is not None and found.kohya == "bfl":
         return write_kohya_flux
-    if family == "sd3":
+    if found is not None and found.kohya is None:
         raise LoraFormatError(
-            "--save_format kohya: SD3/SD3.5 has no kohya layout; ComfyUI and Forge load SD3 adapters in diffusers' "
-            "layout (the default)"
+            f"--save_format kohya: {found.label} has no kohya layout; ComfyUI and Forge load its adapters in "
+            "diffusers' layout (the default)"
         )
     return lambda modules, out, source="": write_kohya(
-        modules, out, source, sdxl_names=None if family is None else family == "sdxl"
+        modules, out, source, sdxl_names=None if found is None else found.kohya_te_numbered
     )
 
 
@@ -353,7 +349,7 @@ def _write_kohya(modules: dict[str, LoraModule], out: Path, source: str = "", sd
     when every module shares them. ``sdxl_names``: the text encoders as ``lora_te1_``/``lora_te2_`` (SDXL's); None:
     when :func:`lora_family` reads the adapter as SDXL's; False: ``lora_te_`` (SD 1.x/2.x, and what GenAI applies)."""
     if sdxl_names is None:
-        sdxl_names = (lora_family(modules) or ("sd",))[0] == "sdxl"
+        sdxl_names = SPECS[(lora_family(modules) or ("sd",))[0]].kohya_te_numbered
     tensors: dict[str, np.ndarray] = {}
     for mod in modules.values():
         name = kohya_file_name(mod.name, sdxl_names)

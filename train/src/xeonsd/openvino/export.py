@@ -181,7 +181,7 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
                 "quantization": quantization,
                 "tome": tome.manifest_entry() if tome.blocks else None,
                 "vocab_size": rows,
-                "max_sequence_length": pipelines.t5_length(pipe, family.name),
+                "max_sequence_length": pipelines.max_sequence_length(pipe, family.name),
                 "export_seconds": round(time.perf_counter() - t0, 1),
                 **_lora_manifest(src, opts),
             }

@@ -34,9 +34,6 @@ log = logging.getLogger(__name__)
 ENGINES = ("optimum", "genai")
 RECIPE_PROMPT = "a yellow <dicoo> robot at the beach, high quality"
 DEFAULT_SIZE = 512
-# The guidance scale of each family's diffusers pipeline (FLUX.1-dev: the value its guidance embedding was distilled
-# for, 3.5; FLUX.1-schnell ignores it); 7.5 for the others.
-DEFAULT_GUIDANCE = {"flux": 3.5, "sd3": 7.0}
 
 
 class GenerateError(ValueError):
@@ -49,7 +46,7 @@ class GenerateOptions:
     num_images: int = 5
     steps: int = 20
     seed: int = 0
-    guidance_scale: float | None = None  # None: the family's (DEFAULT_GUIDANCE)
+    guidance_scale: float | None = None  # None: the family's pipeline's (FamilySpec.guidance_scale)
     negative_prompt: str | None = None
     height: int | None = None
     width: int | None = None
@@ -132,15 +129,15 @@ def plan_calls(manifest: dict[str, Any], opts: GenerateOptions) -> Plan:
 
 
 def check_loras(opts: GenerateOptions, family: str = "sd") -> None:
-    """``--lora`` needs the genai engine, a family GenAI has adapters for (not SD3) and existing files; checked
-    before any model is loaded."""
+    """``--lora`` needs the genai engine, a family GenAI has adapters for (``FamilySpec.genai_adapters``; not SD3)
+    and existing files; checked before any model is loaded."""
     if not opts.loras:
         return
-    if family == "sd3":
+    if not spec(family).genai_adapters:
         first = opts.loras[0][0]
         raise GenerateError(
-            f"--lora: OpenVINO GenAI has no LoRA adapters for SD3/SD3.5; fuse the adapter into an export instead: "
-            f"xeonsd export SRC OUT --lora {first} --lora-scale S"
+            f"--lora: OpenVINO GenAI has no LoRA adapters for {spec(family).label}; fuse the adapter into an export "
+            f"instead: xeonsd export SRC OUT --lora {first} --lora-scale S"
         )
     if opts.engine != "genai":
         first = opts.loras[0][0]
@@ -168,7 +165,7 @@ def open_engine(ov_dir: Path, opts: GenerateOptions) -> Engine:
         if not (ov_dir / tokenizer / "openvino_tokenizer.xml").is_file():
             raise GenerateError(f"{ov_dir} has no {tokenizer}/openvino_tokenizer.xml, which --engine genai needs")
     if opts.guidance_scale is None:
-        opts = replace(opts, guidance_scale=DEFAULT_GUIDANCE.get(family, 7.5))
+        opts = replace(opts, guidance_scale=spec(family).guidance_scale)
     cls = OptimumEngine if opts.engine == "optimum" else GenaiEngine
     tokens = list(manifest.get("concept_tokens", []))
     engine = cls(

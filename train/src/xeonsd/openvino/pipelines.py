@@ -63,14 +63,14 @@ def ov_pipeline_class(family: str) -> Any:
     return getattr(optimum.intel, spec(family).ov_pipeline_class)
 
 
-def t5_length(pipe: Any, family: str) -> int | None:
-    """FLUX.1/SD3: T5's prompt length of a loaded pipeline (:meth:`FamilySpec.t5_prompt_length` with its T5
+def max_sequence_length(pipe: Any, family: str) -> int | None:
+    """FLUX.1/SD3: T5's prompt length of a loaded pipeline (:meth:`FamilySpec.prompt_length` with its T5
     tokenizer's limit). A static export fixes it (optimum-intel reshapes FLUX's T5 to it), and every engine passes it
     as ``max_sequence_length``; None for the CLIP-only families."""
     found = spec(family)
-    if found.t5_length is None:
+    if found.max_sequence_length is None:
         return None
-    return found.t5_prompt_length(getattr(getattr(pipe, found.tokenizers[-1]), "model_max_length", None))
+    return found.prompt_length(getattr(getattr(pipe, found.tokenizers[-1]), "model_max_length", None))
 
 
 def load_torch_pipeline(src: str, family: str) -> Any:

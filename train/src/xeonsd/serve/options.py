@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from xeonsd.modelfiles import families
 from xeonsd.openvino.generate_args import PRECISIONS
 from xeonsd.openvino.manifest import StaticShape, read_manifest, static_shape
 from xeonsd.openvino.pipelines import manifest_family, text_side
@@ -198,6 +199,12 @@ def prepare(opts: ServeOptions, workdir: Path) -> ServedModel:
     )
     if not opts.adapters:
         return served
+    found = families.spec(family)
+    if not found.genai_adapters:
+        raise ServeError(
+            f"--adapter: OpenVINO GenAI has no LoRA adapters for {found.label}; fuse the adapter into an export "
+            f"and serve that: xeonsd export SRC OUT --lora {opts.adapters[0].path}"
+        )
     weights = lora_files.ir_weight_shapes(export_dir)
     label = f"{export_dir} (exported from {manifest.get('source')})"
     for i, spec in enumerate(opts.adapters):
@@ -209,11 +216,12 @@ def prepare(opts: ServeOptions, workdir: Path) -> ServedModel:
         lora_files.check_family(spec.path, modules, family, label)
         lora_files.check_genai_limits(spec.path, modules)
         lora_files.check_fits(spec.path, modules, weights, label)
-        unet = lora_files.PREFIXES["unet"]
-        if family == "sdxl" and any(not k.startswith(unet) for k in modules):
+        unet = lora_files.PREFIXES[found.denoiser]
+        if not found.genai_text_adapters and any(not k.startswith(unet) for k in modules):
             raise ServeError(
                 f"--adapter {spec.name}: {spec.path} also adapts the text encoders, which OpenVINO GenAI cannot "
-                f"switch per request on SDXL; fuse it into an export instead: xeonsd export SRC OUT --lora {spec.path}"
+                f"switch per request on {found.label}; fuse it into an export instead: "
+                f"xeonsd export SRC OUT --lora {spec.path}"
             )
         converted = workdir / f"{i}-{spec.name}.safetensors"
         lora_files.convert_for_genai(spec.path, converted, modules)

@@ -10,7 +10,7 @@ or any cycle, lazy imports included):
    latents (:mod:`.conditioning`, :mod:`.latents`), prior preservation's class data
    (:mod:`.prior`), the methods (:mod:`.methods`) and their optimizer (:mod:`.optim`);
 3. the step (:mod:`.step`): the loss of some examples, the gradient all-reduce, the update, each on explicit inputs;
-4. the set-up: the checks before a model loads (:mod:`.inputs`), the memory estimate (:mod:`.memory`), the held-out
+4. the set-up: the checks before a model loads (:mod:`.inputs`), the memory estimate (:mod:`.memory`, a flow family's in :mod:`.memory_flow`), the held-out
    split and the validation loss (:mod:`.validation`), the job and ``setup`` (:mod:`.job`);
 5. what runs after each step besides training (:mod:`.hooks`) and the run's summary (:mod:`.summary`);
 6. the loop (:mod:`.loop`): ``run`` → ``fit`` → ``save``, and the CLI's ``main``.

@@ -28,13 +28,12 @@ from xeonsd.trainer.config import ConfigError
 DENSITIES = ("logit_normal", "mode")
 LOSS_WEIGHTS = ("sigma_sqrt", "cosmap")
 WEIGHTING_SCHEMES = (*DENSITIES, "uniform", *LOSS_WEIGHTS, "none")
-# What each family's diffusers script defaults to (train_dreambooth_lora_flux.py: none; _sd3.py: logit_normal).
-DEFAULT_SCHEME = {"flux": "none", "sd3": "logit_normal"}
 
 
-def resolve_scheme(scheme: str | None, family: str) -> str:
-    """The run's weighting scheme: the flag's, or the family's diffusers default."""
-    scheme = scheme or DEFAULT_SCHEME.get(family, "none")
+def resolve_scheme(scheme: str | None, default: str) -> str:
+    """The run's weighting scheme: the flag's, or the family's diffusers default (``FamilySpec.weighting_scheme``:
+    train_dreambooth_lora_flux.py's none, _sd3.py's logit_normal)."""
+    scheme = scheme or default
     if scheme not in WEIGHTING_SCHEMES:
         raise ConfigError(f"--weighting_scheme {scheme!r}: choose one of {', '.join(WEIGHTING_SCHEMES)}")
     return scheme

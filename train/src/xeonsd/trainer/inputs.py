@@ -89,10 +89,11 @@ def check_family_flags(cfg: TrainConfig, family: Family) -> None:
             )
         return
     what = f"{family.label} trains with rectified flow"
-    if cfg.method == "textual_inversion":
+    if cfg.method == "textual_inversion" and family.spec.concept_layout is None:
+        encoders = " + ".join(dict.fromkeys(c.removesuffix("WithProjection") for c in family.spec.encoder_classes))
         raise ConfigError(
             f"--method textual_inversion is not supported on {family.label}: no trainer trains embeddings for its "
-            "CLIP + T5 text side; use --method lora or full"
+            f"{encoders} text side; use --method lora or full"
         )
     tools = [f"--{n}" for n in ("snr_gamma", "timestep_range") if getattr(cfg, n) is not None]
     tools += ["--noise_offset"] if cfg.noise_offset else []
@@ -102,7 +103,7 @@ def check_family_flags(cfg: TrainConfig, family: Family) -> None:
             "choose how σ is drawn and weighted with --weighting_scheme (logit_normal, mode, uniform, sigma_sqrt, "
             "cosmap)"
         )
-    resolve_scheme(cfg.weighting_scheme, family.name)
+    resolve_scheme(cfg.weighting_scheme, family.spec.weighting_scheme)
     if not cfg.logit_std > 0:
         raise ConfigError(f"--logit_std must be positive, got {cfg.logit_std}")
     step = family.pixel_multiple
@@ -118,10 +119,10 @@ def check_family_flags(cfg: TrainConfig, family: Family) -> None:
         )
     if cfg.channels_last:
         raise ConfigError(f"--channels_last applies to UNets; {family.label}'s denoiser is a transformer")
-    if cfg.method == "lora" and cfg.save_format == "kohya" and family.name == "sd3":
+    if cfg.method == "lora" and cfg.save_format == "kohya" and family.spec.kohya is None:
         raise ConfigError(
-            "--save_format kohya: SD3/SD3.5 has no kohya layout; ComfyUI and Forge load SD3 adapters in diffusers' "
-            "layout (the default), which StableDiffusion3Pipeline.load_lora_weights loads"
+            f"--save_format kohya: {family.label} has no kohya layout; ComfyUI and Forge load its adapters in "
+            f"diffusers' layout (the default), which {family.pipeline_class}.load_lora_weights loads"
         )
 
 

@@ -214,7 +214,9 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstim
     family = detect_family(src, cfg.revision)
     cfg = with_resolution(cfg, family)
     if family.is_flow:
-        return _flow_estimate(cfg, method, family, num_images, num_prompts)
+        from xeonsd.trainer.memory_flow import flow_estimate
+
+        return flow_estimate(cfg, method, family, num_images, num_prompts)
     weight_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
     wbytes = torch.finfo(weight_dtype).bits // 8
     with torch.device("meta"):
@@ -271,103 +273,6 @@ def _unet_loading(cfg, numel: int, nbytes: int, subfolder: str) -> int:
     stored = sum(f.stat().st_size for f in unet_files) if unet_files else numel * 4
     same_dtype = abs(stored - cast) < 0.01 * cast  # stored as it is used: no second copy
     return stored + (0 if same_dtype else cast)
-
-
-def _flow_estimate(cfg, method: str, family, num_images: int, num_prompts: int) -> MemoryEstimate:
-    """:func:`estimate` for a flow family (FLUX.1, SD3): the transformer's meta forward at the run's resolution;
-    T5 counts while the models load and the prompt tables are built, not in training (it is freed then, unless
-    --shuffle_tags keeps it); the CLIP encoders stay (fp32)."""
-    import diffusers
-    from diffusers import AutoencoderKL
-
-    from xeonsd.trainer.methods import method_class
-
-    src, kw, spec = cfg.pretrained_model_name_or_path, {"revision": cfg.revision}, family.spec
-    weight_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
-    wbytes = torch.finfo(weight_dtype).bits // 8
-    denoiser_cls = getattr(diffusers, spec.denoiser_class)
-    with torch.device("meta"):
-        denoiser = denoiser_cls.from_config(denoiser_cls.load_config(src, subfolder=spec.denoiser, **kw))
-        vae = AutoencoderKL.from_config(AutoencoderKL.load_config(src, subfolder="vae", **kw))
-    encoders = _text_encoders(src, kw, family)
-    t5, clips = encoders[-1][1], encoders[:-1]
-    clip_bytes = sum(_numel(m) for _, m in clips) * 4  # fp32
-    t5_bytes = _numel(t5) * wbytes  # loaded in the training dtype
-    denoiser.requires_grad_(False)
-    terms = method_class(method)
-    dtype = torch.float32 if terms.unet_fp32 else weight_dtype
-    torch.nn.Module.to(denoiser, dtype)
-    trainable = terms.memory_trainable(cfg, denoiser, clips, family)
-    weights = clip_bytes + (_numel(denoiser) - trainable) * torch.finfo(dtype).bits // 8 + trainable * 4
-    weights += t5_bytes if cfg.shuffle_tags else 0
-    if cfg.validation_prompt or not cfg.latent_cache:
-        weights += _numel(vae) * wbytes
-    autocast = weight_dtype == torch.bfloat16 and dtype == torch.float32
-    scale = 2 ** (len(vae.config.block_out_channels) - 1)
-    side, channels = cfg.resolution // scale, vae.config.latent_channels
-    text_len = spec.t5_prompt_length_of(src)
-    clip_len = 77 if family.name == "sd3" else 0  # SD3's CLIP hidden states join T5's along the tokens
-    pooled_dim = denoiser.config.pooled_projection_dim
-    joint_dim = denoiser.config.joint_attention_dim
-    activations = _flow_activations(
-        denoiser, family, cfg, (side, channels, clip_len + text_len, joint_dim, pooled_dim), autocast
-    )
-    if cfg.with_prior_preservation:
-        num_images, num_prompts = num_images + cfg.num_class_images, num_prompts + 1
-    latents = 2 * num_images * 2 * channels * side * side * 4
-    if not cfg.latent_cache:
-        latents = 2 * num_images * 3 * cfg.resolution**2 * 4
-    # the tables, in the training dtype: T5's hidden states, and the CLIP part (SD3: hidden states too)
-    prompts = num_prompts * (text_len * joint_dim + clip_len * 2048 + pooled_dim) * wbytes
-    runtime = _resident_bytes()
-    frozen = runtime + clip_bytes + t5_bytes + _numel(vae) * wbytes
-    loading = frozen + _unet_loading(cfg, _numel(denoiser), torch.finfo(dtype).bits // 8, spec.denoiser)
-    return MemoryEstimate(
-        weights,
-        trainable * 4,
-        terms.memory_optimizer_bytes(cfg, trainable),
-        activations,
-        latents + prompts,
-        runtime,
-        loading,
-        _allocator(activations),
-    )
-
-
-def _flow_activations(denoiser, family, cfg, dims: tuple[int, int, int, int, int], autocast: bool) -> int:
-    """What autograd keeps in one meta forward of the transformer (per block, as :func:`_activations`)."""
-    side, channels, text_len, joint_dim, pooled_dim = dims
-    batch = step_batch(cfg)
-    saved = _SavedBytes(list(denoiser.parameters()))
-    blocks = [*denoiser.transformer_blocks, *getattr(denoiser, "single_transformer_blocks", [])]
-    for block in blocks:
-        saved.watch(block)
-    dtype = next(denoiser.parameters()).dtype
-
-    def meta(*shape, dt=dtype):
-        return torch.zeros(*shape, device="meta", dtype=dt)
-
-    args = {
-        "encoder_hidden_states": meta(batch, text_len, joint_dim),
-        "pooled_projections": meta(batch, pooled_dim),
-        "timestep": meta(batch),
-        "return_dict": False,
-    }
-    if family.name == "flux":
-        tokens = (side // 2) * (side // 2)
-        args.update(hidden_states=meta(batch, tokens, channels * 4), img_ids=meta(tokens, 3), txt_ids=meta(text_len, 3))
-        if family.guidance_embeds:
-            args["guidance"] = meta(batch)
-    else:
-        args["hidden_states"] = meta(batch, channels, side, side)
-    amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), amp, _cpu_attention():
-        denoiser(**args)
-    largest = max((b for b, _ in saved.blocks), default=0)
-    if not getattr(cfg, "gradient_checkpointing", False):
-        return saved.total + largest
-    inside = sum(b for b, _ in saved.blocks)
-    return saved.total - inside + sum(i for _, i in saved.blocks) + 2 * largest
 
 
 def check_fits(est: MemoryEstimate, ranks_on_node: int, available: int | None) -> str | None:

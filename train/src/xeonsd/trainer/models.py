@@ -64,8 +64,8 @@ class Models:
     @property
     def text_length(self) -> int:
         """A flow family's T5 tokens per prompt: its pipeline's default ``max_sequence_length`` (FLUX.1 512, SD3
-        256), at most the tokenizer's own limit (the tiny test models' 32): ``FamilySpec.t5_prompt_length``."""
-        return family_spec(self.family).t5_prompt_length(self.text_pairs[-1][0].model_max_length)
+        256), at most the tokenizer's own limit (the tiny test models' 32): ``FamilySpec.prompt_length``."""
+        return family_spec(self.family).prompt_length(self.text_pairs[-1][0].model_max_length)
 
     @property
     def unet_dtype(self) -> torch.dtype:
@@ -103,7 +103,7 @@ def _load_models(cfg: TrainConfig, unet_fp32: bool, family: Family) -> Models:
     flow = None
     if family.is_flow:
         noise_scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(src, subfolder="scheduler", **kw)
-        scheme = resolve_scheme(cfg.weighting_scheme, family.name)
+        scheme = resolve_scheme(cfg.weighting_scheme, spec.weighting_scheme)
         flow = FlowSchedule.from_config(
             noise_scheduler.config, scheme, cfg.logit_mean, cfg.logit_std, cfg.mode_scale, cfg.guidance_scale
         )
@@ -146,8 +146,8 @@ def _load_text_encoders(
 ) -> list[tuple[object, torch.nn.Module]]:
     """(tokenizer, text encoder) of each of the family's text encoders, frozen; the CLIP ones in fp32 (gradients
     may flow through them), the last with its projection when the family conditions on its pooled output
-    (SDXL's ``text_embeds``); a T5 encoder (FLUX.1, SD3) in the training dtype: it never trains, and in fp32
-    T5-XXL alone is 19 GB."""
+    (SDXL's ``text_embeds``); a long text encoder (T5 in FLUX.1 and SD3, Qwen in FLUX.2 [klein], Z-Image and
+    Qwen-Image) in the training dtype: it never trains, and in fp32 T5-XXL alone is 19 GB, Qwen2.5-VL-7B 33 GB."""
     import transformers
     from transformers import AutoTokenizer, CLIPTokenizer
 
@@ -156,13 +156,13 @@ def _load_text_encoders(
     for i, (encoder_name, tokenizer_name) in enumerate(family.spec.text_side):
         cls_name = family.spec.text_encoder_class(i)
         cls = getattr(transformers, cls_name)
-        t5 = cls_name.startswith("T5")
-        tokenizer = (AutoTokenizer if t5 else CLIPTokenizer).from_pretrained(src, subfolder=tokenizer_name, **kw)
-        dtype = weight_dtype if t5 else torch.float32
+        long = not cls_name.startswith("CLIP")
+        tokenizer = (AutoTokenizer if long else CLIPTokenizer).from_pretrained(src, subfolder=tokenizer_name, **kw)
+        dtype = weight_dtype if long else torch.float32
         encoder = cls.from_pretrained(src, subfolder=encoder_name, variant=cfg.variant, torch_dtype=dtype, **kw)
         encoder.requires_grad_(False)
         encoder.eval()
-        pairs.append((tokenizer, encoder if t5 else encoder.float()))
+        pairs.append((tokenizer, encoder if long else encoder.float()))
     return pairs
 
 

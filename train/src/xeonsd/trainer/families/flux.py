@@ -52,24 +52,22 @@ class FluxFamily(FlowFamily):
     name = "flux"
     conditioning = FluxPromptConditioning
 
-    def _call(self, models, denoiser, noisy, sigmas, hidden, pooled):
+    def denoiser_kwargs(self, config, noisy, sigmas, hidden, pooled, added, flow):
         b, _, h, w = noisy.shape
         dtype = noisy.dtype
-        guidance = None
-        if models.family is not None and models.family.guidance_embeds:
-            assert models.flow is not None
-            guidance = torch.full((b,), models.flow.guidance, dtype=dtype)
-        pred = denoiser(
-            hidden_states=pack(noisy),
-            timestep=sigmas.to(dtype),
-            guidance=guidance,
-            pooled_projections=pooled,
-            encoder_hidden_states=hidden,
-            txt_ids=torch.zeros(hidden.shape[1], 3, dtype=dtype),
-            img_ids=image_ids(h, w, dtype),
-            return_dict=False,
-        )[0]
-        return unpack(pred, h, w)
+        guidance = torch.full((b,), flow.guidance, dtype=dtype) if config.guidance_embeds else None
+        return {
+            "hidden_states": pack(noisy),
+            "timestep": sigmas.to(dtype),
+            "guidance": guidance,
+            "pooled_projections": pooled,
+            "encoder_hidden_states": hidden,
+            "txt_ids": torch.zeros(hidden.shape[1], 3, dtype=dtype),
+            "img_ids": image_ids(h, w, dtype),
+        }
+
+    def unpack(self, pred, shape):
+        return unpack(pred, shape[-2], shape[-1])
 
 
 FLUX = FluxFamily()

@@ -44,15 +44,13 @@ class SD3Family(FlowFamily):
     name = "sd3"
     conditioning = SD3PromptConditioning
 
-    def _call(self, models, denoiser, noisy, sigmas, hidden, pooled):
-        assert models.flow is not None
-        return denoiser(
-            hidden_states=noisy,
-            timestep=(sigmas * models.flow.num_train_timesteps).to(noisy.dtype),
-            encoder_hidden_states=hidden,
-            pooled_projections=pooled,
-            return_dict=False,
-        )[0]
+    def denoiser_kwargs(self, config, noisy, sigmas, hidden, pooled, added, flow):
+        return {
+            "hidden_states": noisy,
+            "timestep": (sigmas * flow.num_train_timesteps).to(noisy.dtype),
+            "encoder_hidden_states": hidden,
+            "pooled_projections": pooled,
+        }
 
 
 SD3 = SD3Family()

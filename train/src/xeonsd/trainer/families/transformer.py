@@ -140,7 +140,10 @@ class FlowPromptConditioning(PromptConditioning):
 
 
 class FlowFamily(TrainFamily):
-    """The rectified-flow objective on a transformer; a family defines how its transformer is called (``_call``)."""
+    """The rectified-flow objective on a transformer. A family defines how its transformer is called
+    (``denoiser_kwargs`` from the noisy latents, σ and the text; ``unpack`` of the prediction) and, for the memory
+    estimate and the FLOP counts, the shapes of its inputs (``latent_dims``, ``text_dims``, ``meta_inputs``) and
+    the blocks whose saved activations repeat (``blocks``)."""
 
     is_flow = True
     lora_targets = ATTENTION_TARGETS
@@ -149,13 +152,50 @@ class FlowFamily(TrainFamily):
         """(the velocity the transformer predicts, ε − x₀) for latents noised to σ = ``t``."""
         noisy = noisy_input(latents, noise, t)
         dtype = models.unet_dtype
-        pooled = added["pooled"].to(dtype)
+        pooled = added.get("pooled") if added else None
+        pooled = None if pooled is None else pooled.to(dtype)
+        assert models.flow is not None
         with autocast(models.weight_dtype) if models.unet_autocast else contextlib.nullcontext():
-            pred = self._call(models, denoiser, noisy.to(dtype), t, hidden.to(dtype), pooled)
-        return pred, noise - latents
+            kwargs = self.denoiser_kwargs(
+                denoiser.config, noisy.to(dtype), t, hidden.to(dtype), pooled, added or {}, models.flow
+            )
+            pred = denoiser(**kwargs, return_dict=False)[0]
+        return self.unpack(pred, noisy.shape), noise - latents
 
-    def _call(self, models, denoiser, noisy, sigmas, hidden, pooled) -> torch.Tensor:
+    def denoiser_kwargs(self, config, noisy, sigmas, hidden, pooled, added: dict, flow) -> dict:
+        """The transformer's keyword arguments for latents ``noisy`` [b, c, h, w] at σ = ``sigmas``, the text's
+        hidden states and pooled embedding (None where the family has none) and the rest of the conditioning
+        (``added``: what the family's prompt conditioning returned besides the hidden states); ``flow`` is the
+        run's :class:`xeonsd.trainer.flow.FlowSchedule` (its ``num_train_timesteps``, ``guidance``)."""
         raise NotImplementedError
+
+    def unpack(self, pred: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The transformer's output back in the latents' ``shape`` (FLUX: unpacked from tokens)."""
+        return pred
+
+    def latent_dims(self, vae_config, vae_scale: int, height: int, width: int) -> tuple[int, int, int]:
+        """(channels, height, width) of one image's latents as the trainer caches them."""
+        return int(vae_config.latent_channels), height // vae_scale, width // vae_scale
+
+    def text_dims(self, config) -> tuple[int, int]:
+        """(width of the text hidden states, width of the pooled embedding; 0: none) the transformer takes."""
+        return int(config.joint_attention_dim), int(getattr(config, "pooled_projection_dim", None) or 0)
+
+    def meta_inputs(self, config, batch: int, dims: tuple[int, int, int], text_len: int, dtype) -> dict:
+        """One training call's keyword arguments on the meta device (call it under ``torch.device("meta")``), for
+        latents of ``dims`` and ``text_len`` text tokens: what the memory estimate and the FLOP count run."""
+        from xeonsd.trainer.flow import FlowSchedule
+
+        hidden_dim, pooled_dim = self.text_dims(config)
+        noisy = torch.zeros(batch, *dims, dtype=dtype)
+        hidden = torch.zeros(batch, text_len, hidden_dim, dtype=dtype)
+        pooled = torch.zeros(batch, pooled_dim, dtype=dtype) if pooled_dim else None
+        flow = FlowSchedule("none", 0.0, 1.0, 1.29, 1000, 1.0, False)
+        return self.denoiser_kwargs(config, noisy, torch.zeros(batch, dtype=dtype), hidden, pooled, {}, flow)
+
+    def blocks(self, denoiser) -> list[torch.nn.Module]:
+        """The transformer's repeated blocks (the memory estimate watches each one's saved activations)."""
+        return [*denoiser.transformer_blocks, *getattr(denoiser, "single_transformer_blocks", [])]
 
     def loss(self, models, pred, target, t, snr_gamma):
         assert models.flow is not None
@@ -171,7 +211,9 @@ def release_t5(models: Models, keep: bool) -> None:
     before = _rss_gb()
     if models.text_encoder_3 is not None:
         models.text_encoder_3 = None
-    else:
+    elif models.text_encoder_2 is not None:
         models.text_encoder_2 = None
+    else:  # the one text encoder (Qwen) is the long one
+        models.text_encoder = None
     gc.collect()
     log.info("T5 freed: every prompt is encoded; resident memory %.2f GB -> %.2f GB", before, _rss_gb())
