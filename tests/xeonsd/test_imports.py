@@ -142,7 +142,7 @@ TRAINER_LAYERS: list[set[str]] = [
         "optim",
     },
     {"step"},
-    {"inputs", "memory", "memory_flow", "validation", "texts", "job"},
+    {"inputs", "memory", "memory_flow", "memory_parts", "validation", "texts", "job"},
     {"hooks", "summary"},
     {"loop"},
 ]

@@ -247,11 +247,15 @@ def _add_make_tiny_model(sub: Any) -> None:
     p.add_argument("out", help="output directory (must not exist or be empty)")
     p.add_argument(
         "--arch",
-        choices=["tiny", "tiny-v", "tiny-xl", "tiny-flux", "tiny-sd3", "sd15", "sd21", "sdxl", "sd35m", "flux"],
+        choices=[
+            *("tiny", "tiny-v", "tiny-xl", "tiny-flux", "tiny-sd3", "tiny-flux2", "tiny-zimage", "tiny-qwenimage"),
+            *("sd15", "sd21", "sdxl", "sd35m", "flux", "flux2-klein", "zimage", "qwenimage"),
+        ],
         default="tiny",
         help="tiny: for tests; tiny-v: SD 2.x-style (v-prediction) for tests; tiny-xl: SDXL-style for tests; "
-        "tiny-flux/tiny-sd3: FLUX.1/SD3.5-style (flow matching) for tests; sd15/sd21/sdxl/sd35m/flux: full size "
-        "(sd35m and flux are written in bf16)",
+        "tiny-flux/tiny-sd3: FLUX.1/SD3.5-style (flow matching) for tests; tiny-flux2/tiny-zimage/tiny-qwenimage: "
+        "FLUX.2-klein/Z-Image/Qwen-Image-style (Qwen text encoders) for tests; sd15/sd21/sdxl/sd35m/flux/"
+        "flux2-klein/zimage/qwenimage: full size (sd35m, flux and the last three are written in bf16)",
     )
     p.add_argument(
         "--depth",

@@ -14,11 +14,17 @@ Nothing can be downloaded in tests, so these stand in for the Hub model and the 
 * ``tiny-flux`` / ``tiny-sd3``: FLUX.1-dev and SD3.5-medium in miniature (flow matching, a transformer denoiser,
   16-channel VAE, CLIP + T5 text encoders), for the tests; ``flux`` (with ``--depth``) and ``sd35m``: their full
   widths in bf16, for benchmarks (:mod:`.flow_models`).
+* ``tiny-flux2`` / ``tiny-zimage`` / ``tiny-qwenimage``: FLUX.2-klein-4B, Z-Image-Turbo and Qwen-Image in miniature
+  (flow matching, Qwen3 or Qwen2.5-VL text encoders, a Qwen tokenizer built from the tiny word list), for the
+  tests; ``flux2-klein``, ``zimage``, ``qwenimage`` (each with ``--depth``): their full widths in bf16, for
+  benchmarks (:mod:`.open_models`).
 
 The image set can come with captions in each layout the trainer reads (see :mod:`xeonsd.trainer.captions`).
 
 Modules: :mod:`.vocab` (the CLIP-style vocabulary and tokenizer files), :mod:`.models` (the pipelines, one
-:class:`~xeonsd.assets.models.Arch` per ``--arch``), :mod:`.flow_models` (the FLUX.1 and SD3 pipelines), :mod:`.parts` (the VAE and CLIP config both use), :mod:`.datasets` (the image sets).
+:class:`~xeonsd.assets.models.Arch` per ``--arch``), :mod:`.flow_models` (the FLUX.1 and SD3 pipelines),
+:mod:`.open_models` and :mod:`.open_text` (the FLUX.2-klein, Z-Image and Qwen-Image pipelines and their Qwen text side),
+:mod:`.parts` (the VAE and CLIP config both use), :mod:`.datasets` (the image sets).
 """
 
 from xeonsd.assets.datasets import CAPTION_LAYOUTS, make_dataset

@@ -146,13 +146,16 @@ def family_of(
     return Family(found_spec, sample_size=int(unet.get("sample_size") or 64), vae_scale=vae_scale(vae))
 
 
-def vae_scale(vae: dict[str, Any] | None) -> int:
-    """Pixels per latent: 2 per downsampling block of a VAE (``block_out_channels``; Qwen-Image's Wan-style VAE:
-    ``temperal_downsample``, one entry per downsampling stage)."""
+def vae_scale(vae: Any) -> int:
+    """Pixels per latent of a VAE config (a dict, or an object with attributes): 2 per downsampling block
+    (``block_out_channels``; Qwen-Image's Wan-style VAE: ``temperal_downsample``, one entry per downsampling
+    stage)."""
     vae = vae or {}
-    if "block_out_channels" not in vae and "temperal_downsample" in vae:
-        return 2 ** len(vae["temperal_downsample"])
-    return 2 ** (len(vae.get("block_out_channels") or [0, 0, 0, 0]) - 1)
+    get = vae.get if isinstance(vae, dict) else lambda key: getattr(vae, key, None)
+    blocks, temporal = get("block_out_channels"), get("temperal_downsample")
+    if not blocks and temporal:
+        return 2 ** len(temporal)
+    return 2 ** (len(blocks or [0, 0, 0, 0]) - 1)
 
 
 def _transformer_family(index, transformer: dict[str, Any], vae, have: set[str], refuse) -> Family:

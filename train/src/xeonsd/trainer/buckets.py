@@ -183,13 +183,18 @@ class BucketBatches:
     global_batch: int
 
     @classmethod
-    def for_run(cls, buckets: Buckets | None, vae, global_batch: int) -> BucketBatches | None:
-        """The batches of a run with ``buckets`` (None without; logs them), the latents of ``vae``."""
+    def for_run(cls, buckets: Buckets | None, vae, global_batch: int, family=None) -> BucketBatches | None:
+        """The batches of a run with ``buckets`` (None without; logs them), the latents of ``vae`` as the family's
+        training side shapes them (``family``: a :class:`xeonsd.trainer.families.TrainFamily`; None: SD's)."""
+        from xeonsd.modelfiles.families import vae_scale
+        from xeonsd.trainer.families.base import TrainFamily
+
         if buckets is None:
             return None
         log.info("aspect-ratio buckets: %s", buckets.describe())
-        scale = 2 ** (len(vae.config.block_out_channels) - 1)
-        shapes = tuple((vae.config.latent_channels, h // scale, w // scale) for w, h in buckets.sizes)
+        family = family or TrainFamily()
+        scale = vae_scale(vae.config)
+        shapes = tuple(family.latent_dims(vae.config, scale, h, w) for w, h in buckets.sizes)
         return cls(buckets.of_image, shapes, global_batch)
 
     @property

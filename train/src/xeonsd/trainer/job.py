@@ -32,6 +32,7 @@ from xeonsd.trainer.buckets import BUCKET_OPTIONS, BucketBatches, Buckets
 from xeonsd.trainer.conditioning import PromptConditioning
 from xeonsd.trainer.config import TrainConfig
 from xeonsd.trainer.data import SamplingPlan
+from xeonsd.trainer.families import train_family
 from xeonsd.trainer.inputs import Inputs
 from xeonsd.trainer.latents import LatentTable
 from xeonsd.trainer.loss import parse_timestep_range
@@ -298,7 +299,9 @@ def _prepare_data(
     t1 = time.perf_counter()
     latents = LatentTable.build(cfg, models, inputs.images, info.rank, info.local_rank, world, inputs.buckets)
     t2 = time.perf_counter()
-    batches = BucketBatches.for_run(inputs.buckets, models.vae, world * cfg.train_batch_size)
+    batches = BucketBatches.for_run(
+        inputs.buckets, models.vae, world * cfg.train_batch_size, train_family(models.family)
+    )
     num_timesteps = models.noise_scheduler.config.num_train_timesteps
     timestep_range = parse_timestep_range(cfg.timestep_range, num_timesteps)
     validation = build_validation(

@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from xeonsd.cluster.distributed import all_reduce_sum_
 from xeonsd.fsutil import atomic_path
+from xeonsd.modelfiles.families import vae_scale
 from xeonsd.trainer.buckets import Buckets, Placement, image_size, placement
 from xeonsd.trainer.families import train_family
 
@@ -146,8 +147,8 @@ class LatentTable:
 
     shape: tuple[int, int, int]
     count: int
-    scaling: float
-    shift: float = 0.0  # the VAE's shift_factor (FLUX.1, SD3): latents = (z - shift) * scaling
+    scaling: float | torch.Tensor  # latents = (z - shift) * scaling (TrainFamily.latent_affine; [c, 1, 1] or a float)
+    shift: float | torch.Tensor = 0.0  # the VAE's shift_factor (FLUX.1, SD3)
     # [count, ...] each; with buckets of several sizes, a list of one tensor per input row
     mean: torch.Tensor | list[torch.Tensor] | None = None
     std: torch.Tensor | list[torch.Tensor] | None = None
@@ -180,22 +181,18 @@ class LatentTable:
         from xeonsd.modelfiles.modelsource import model_fingerprint
         from xeonsd.trainer.data import load_all_pixels, load_pixels
 
-        vae = models.vae
-        scale = 2 ** (len(vae.config.block_out_channels) - 1)
-        shape = (vae.config.latent_channels, cfg.resolution // scale, cfg.resolution // scale)
+        family = train_family(models.family)
+        vae = family.latent_vae(models.vae)
+        scale = vae_scale(vae.config)
+        shape = family.latent_dims(vae.config, scale, cfg.resolution, cfg.resolution)
         count = 2 * len(images)
         places = bucket_placements(images, buckets, cfg.center_crop)
         shapes = [shape] * count
         if places is not None:
-            shapes = [(shape[0], p.bucket[1] // scale, p.bucket[0] // scale) for p in places for _ in (0, 1)]
-        common = {
-            "shape": shape,
-            "count": count,
-            "scaling": vae.config.scaling_factor,
-            "shift": getattr(vae.config, "shift_factor", None) or 0.0,
-            "dtype": models.weight_dtype,
-        }
-        family = train_family(models.family)  # SDXL: each image's micro-conditioning, kept with its latents
+            shapes = [family.latent_dims(vae.config, scale, p.bucket[1], p.bucket[0]) for p in places for _ in (0, 1)]
+        shift, scaling = family.latent_affine(models.vae)
+        common = {"shape": shape, "count": count, "scaling": scaling, "shift": shift, "dtype": models.weight_dtype}
+        # SDXL: each image's micro-conditioning, kept with its latents
         per_image = [
             family.time_ids(p, cfg.resolution, cfg.center_crop, places[k] if places else None)
             for k, p in enumerate(images)

@@ -13,134 +13,37 @@ quarter of the activations again (the ``allocator`` term).
 from __future__ import annotations
 
 import contextlib
-import resource
-from dataclasses import dataclass, fields
-from pathlib import Path
 
 import torch
 
-GB = 1e9
-ESTIMATE_FILE = "memory_estimate.json"  # rank 0 writes the estimate in --output_dir (bench train reads it)
+from xeonsd.trainer.memory_parts import (
+    ESTIMATE_FILE,
+    GB,
+    GLIBC_ACTIVATION_SHARE,
+    MemoryEstimate,
+    _allocator,
+    _cpu_attention,
+    _numel,
+    _resident_bytes,
+    _SavedBytes,
+    _text_encoders,
+    _unet_loading,
+    available_memory,
+    step_batch,
+    tcmalloc_loaded,
+)
 
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    weights: int
-    gradients: int
-    optimizer: int
-    activations: int
-    caches: int
-    runtime: int
-    loading: int = 0  # the peak while the models load (see _loading)
-    allocator: int = 0  # what glibc's malloc keeps beyond the live activations (0 under tcmalloc): _allocator
-
-    @property
-    def training(self) -> int:
-        return sum(getattr(self, f.name) for f in fields(self) if f.name != "loading")
-
-    @property
-    def total(self) -> int:
-        return max(self.training, self.loading)
-
-    def describe(self) -> str:
-        parts = ", ".join(f"{f.name} {getattr(self, f.name) / GB:.2f}" for f in fields(self) if f.name != "loading")
-        return f"{self.total / GB:.2f} GB (training {self.training / GB:.2f}: {parts}; loading {self.loading / GB:.2f})"
-
-    def as_dict(self) -> dict[str, int]:
-        """The figures in bytes (``memory_estimate.json``), with the training and total sums."""
-        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "training": self.training, "total": self.total}
-
-
-def available_memory() -> int | None:
-    """Bytes this node can still give (MemAvailable), or None where /proc/meminfo does not say."""
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return None
-
-
-def _numel(module: torch.nn.Module, trainable_only: bool = False) -> int:
-    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
-
-
-class _SavedBytes:
-    """Sums the bytes of the distinct tensors autograd saves; per top-level UNet block as well."""
-
-    def __init__(self, weights: list[torch.Tensor]) -> None:
-        self.total = 0
-        # The weights an op keeps for its backward are counted as weights already (a cast copy under autocast is
-        # not one of them, and counts).
-        self.seen: dict[int, torch.Tensor] = {id(w): w for w in weights}
-        self.block_start = 0
-        self.blocks: list[tuple[int, int]] = []  # (saved bytes inside the block, bytes of its input)
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        base = t._base if t._base is not None else t
-        if id(base) not in self.seen:
-            self.seen[id(base)] = base  # keeps the object alive, so its id is not reused
-            self.total += base.numel() * base.element_size()
-        return t
-
-    def watch(self, block: torch.nn.Module) -> None:
-        def pre(_m, args):
-            self.block_start = self.total
-
-        def post(_m, args, _out):
-            first = args[0] if args else None
-            size = first.numel() * first.element_size() if isinstance(first, torch.Tensor) else 0
-            self.blocks.append((self.total - self.block_start, size))
-
-        block.register_forward_pre_hook(pre)
-        block.register_forward_hook(post)
-
-
-@contextlib.contextmanager
-def _cpu_attention():
-    """On meta tensors SDPA takes the math path, which keeps the whole score matrix for the backward (GBs at
-    512 px); CPU tensors take the flash kernel, which keeps only the output and the log-sum-exp. Route the meta
-    forward to the flash kernel so the saved tensors are the ones a real step keeps."""
-    from unittest import mock
-
-    import torch.nn.functional as F
-
-    plain = F.scaled_dot_product_attention
-
-    def flash(q=None, k=None, v=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
-        # diffusers' attention dispatch (the transformers') passes them by name, with enable_gqa=False
-        q, k, v = kw.pop("query", q), kw.pop("key", k), kw.pop("value", v)
-        if not kw.get("enable_gqa", True):
-            kw.pop("enable_gqa")
-        if attn_mask is not None or dropout_p or kw:
-            return plain(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)[0]
-
-    with mock.patch.object(F, "scaled_dot_product_attention", flash):
-        yield
-
-
-# glibc's malloc keeps about a quarter of the step's activations beyond the live bytes (freed blocks it does not
-# return): measured on SD3.5-medium LoRA at 512 px, the resident growth over a step was 1.24x the activations under
-# glibc and 0.74x under tcmalloc, and at 1024 px at least 1.22x under glibc (docs/benchmarks.md).
-GLIBC_ACTIVATION_SHARE = 0.25
-
-
-def tcmalloc_loaded() -> bool:
-    """Whether this process allocates through tcmalloc (preloaded, as the cluster's env.sh does)."""
-    with contextlib.suppress(OSError):
-        return "libtcmalloc" in Path("/proc/self/maps").read_text()
-    return False
-
-
-def _allocator(activations: int) -> int:
-    """The estimate's allocator term: 0 under tcmalloc, else :data:`GLIBC_ACTIVATION_SHARE` of the activations."""
-    return 0 if tcmalloc_loaded() else int(GLIBC_ACTIVATION_SHARE * activations)
-
-
-def step_batch(cfg) -> int:
-    """The examples one step of a rank runs through the UNet: ``--train_batch_size``, twice that with prior
-    preservation (each instance example is paired with a class example in the same forward pass)."""
-    return cfg.train_batch_size * (2 if cfg.with_prior_preservation else 1)
+__all__ = [
+    "ESTIMATE_FILE",
+    "GB",
+    "GLIBC_ACTIVATION_SHARE",
+    "MemoryEstimate",
+    "available_memory",
+    "check_fits",
+    "estimate",
+    "step_batch",
+    "tcmalloc_loaded",
+]
 
 
 def _activations(
@@ -172,33 +75,6 @@ def _activations(
         return saved.total + largest
     inside = sum(b for b, _ in saved.blocks)
     return saved.total - inside + sum(i for _, i in saved.blocks) + 2 * largest
-
-
-def _text_encoders(src: str, kw: dict, family) -> list[tuple[object, torch.nn.Module]]:
-    """(config, meta-device model) of each of the family's text encoders; the last with its projection when the
-    family conditions on its pooled output (SDXL); a flow family's T5 with its own config."""
-    import transformers
-    from transformers import CLIPTextConfig
-
-    out = []
-    for i, sub in enumerate(family.text_encoders):
-        cls = getattr(transformers, family.spec.text_encoder_class(i))
-        config_cls = CLIPTextConfig if cls.config_class is None else cls.config_class
-        config = config_cls.from_pretrained(src, subfolder=sub, **kw)
-        with torch.device("meta"):
-            out.append((config, cls(config)))
-    return out
-
-
-def _resident_bytes() -> int:
-    """This process's resident memory now (the interpreter, torch and the libraries: the estimate's runtime). Not
-    ru_maxrss: Linux carries a launcher's high-water mark across fork and exec, so a rank started by a large process
-    (a benchmark holding a model) would count that process's memory as its own."""
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstimate:
@@ -256,23 +132,6 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstim
     return MemoryEstimate(
         weights, gradients, optimizer, activations, latents + prompts, runtime, loading, _allocator(activations)
     )
-
-
-def _unet_loading(cfg, numel: int, nbytes: int, subfolder: str) -> int:
-    """The UNet's bytes while it loads. Local safetensors weights are read tensor by tensor into their dtype
-    (trainer.weights): the model plus its largest tensor as stored. Otherwise ``from_pretrained`` reads every
-    weight as stored and then casts it: both copies exist until the load ends."""
-    from xeonsd.trainer.weights import largest_tensor_bytes, local_weight_files
-
-    src = cfg.pretrained_model_name_or_path
-    files = local_weight_files(src, subfolder, cfg.variant, cfg.revision)
-    if files is not None:
-        return numel * nbytes + largest_tensor_bytes(files)
-    cast = numel * nbytes
-    unet_files = list((Path(src).expanduser() / subfolder).glob("*.safetensors"))
-    stored = sum(f.stat().st_size for f in unet_files) if unet_files else numel * 4
-    same_dtype = abs(stored - cast) < 0.01 * cast  # stored as it is used: no second copy
-    return stored + (0 if same_dtype else cast)
 
 
 def check_fits(est: MemoryEstimate, ranks_on_node: int, available: int | None) -> str | None:

@@ -9,7 +9,7 @@ import contextlib
 
 import torch
 
-from xeonsd.trainer.memory import (
+from xeonsd.trainer.memory_parts import (
     MemoryEstimate,
     _allocator,
     _cpu_attention,

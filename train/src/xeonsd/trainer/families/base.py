@@ -32,6 +32,23 @@ class TrainFamily:
     lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
     is_flow: ClassVar[bool] = False
 
+    def latent_dims(self, vae_config, vae_scale: int, height: int, width: int) -> tuple[int, int, int]:
+        """(channels, height, width) of one image's latents as the trainer caches them, from the VAE's own config
+        (a family whose VAE output is rearranged before the denoiser, FLUX.2's 2x2 patchified latents, says so here
+        and in ``latent_vae``)."""
+        return int(vae_config.latent_channels), height // vae_scale, width // vae_scale
+
+    def latent_vae(self, vae):
+        """What the latent cache encodes with: an object with the VAE's ``config`` whose ``encode(pixels)`` gives
+        ``.latent_dist`` (``mean``, ``std``) of [n, c, h, w] as ``latent_dims`` says. The VAE itself here; a family
+        whose VAE takes video frames (Qwen-Image) or whose latents are patchified (FLUX.2) wraps it."""
+        return vae
+
+    def latent_affine(self, vae) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+        """(shift, scaling) of the denoiser's latents: ``(z - shift) * scaling`` of a VAE sample ``z`` (floats, or
+        [c, 1, 1] tensors for a per-channel normalisation)."""
+        return getattr(vae.config, "shift_factor", None) or 0.0, vae.config.scaling_factor
+
     def time_ids(
         self, image: Path, resolution: int, center_crop: bool, placement: Placement | None = None
     ) -> torch.Tensor | None:

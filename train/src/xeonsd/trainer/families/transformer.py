@@ -173,10 +173,6 @@ class FlowFamily(TrainFamily):
         """The transformer's output back in the latents' ``shape`` (FLUX: unpacked from tokens)."""
         return pred
 
-    def latent_dims(self, vae_config, vae_scale: int, height: int, width: int) -> tuple[int, int, int]:
-        """(channels, height, width) of one image's latents as the trainer caches them."""
-        return int(vae_config.latent_channels), height // vae_scale, width // vae_scale
-
     def text_dims(self, config) -> tuple[int, int]:
         """(width of the text hidden states, width of the pooled embedding; 0: none) the transformer takes."""
         return int(config.joint_attention_dim), int(getattr(config, "pooled_projection_dim", None) or 0)

@@ -1,0 +1,70 @@
+"""The offline FLUX.2-klein, Z-Image and Qwen-Image pipelines (``make-tiny-model --arch tiny-flux2 / tiny-zimage /
+tiny-qwenimage``): each loads with its own diffusers pipeline class and makes a 64 px image in 2 steps, and their
+Qwen tokenizer knows the tiny words as single tokens and gives Qwen-Image's system prefix its real length."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from xeonsd.assets import make_tiny_model
+from xeonsd.assets.models import arch_names
+from xeonsd.assets.open_text import QWEN_IMAGE_TEMPLATE
+
+PIPELINES = {"tiny-flux2": "Flux2KleinPipeline", "tiny-zimage": "ZImagePipeline", "tiny-qwenimage": "QwenImagePipeline"}
+SIDE = 64  # the tiny archs' default side: latent 8x8, 16 tokens after 2x2 packing
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("open_models")
+    return {arch: make_tiny_model(root / arch, arch=arch, seed=0) for arch in PIPELINES}
+
+
+@pytest.mark.parametrize("arch", sorted(PIPELINES))
+def test_tiny_pipeline_generates_an_image_of_the_requested_size(built: dict[str, Path], arch: str) -> None:
+    import diffusers
+
+    pipe = getattr(diffusers, PIPELINES[arch]).from_pretrained(built[arch])
+    pipe.set_progress_bar_config(disable=True)
+    out = pipe(
+        prompt="a photo of a toy robot",
+        height=SIDE,
+        width=SIDE,
+        num_inference_steps=2,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+    )
+    image = out.images[0]
+    assert image.shape == (SIDE, SIDE, 3)
+    assert np.isfinite(image).all()
+    assert image.std() > 1e-3, "a random-weight pipeline should not make a constant image"
+
+
+@pytest.mark.parametrize("arch", sorted(PIPELINES))
+def test_tokenizer_round_trips_tiny_words_as_single_tokens(built: dict[str, Path], arch: str) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(built[arch] / "tokenizer")
+    prompt = "a photo of a toy robot on the beach"
+    ids = tok(prompt, add_special_tokens=False).input_ids
+    assert tok.decode(ids) == prompt
+    assert len(ids) == len(prompt.split())
+    # QwenImagePipeline drops prompt_template_encode_start_idx (34) tokens: the system prefix, with the real vocabulary.
+    assert len(tok(QWEN_IMAGE_TEMPLATE.split("{}")[0]).input_ids) == 34
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert chat == f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def test_open_archs_are_make_tiny_model_archs() -> None:
+    assert {"flux2-klein", "zimage", "qwenimage", *PIPELINES} <= set(arch_names())
+
+
+def test_depth_is_refused_on_a_tiny_open_arch(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--depth applies to"):
+        make_tiny_model(tmp_path / "m", arch="tiny-zimage", depth=1)
