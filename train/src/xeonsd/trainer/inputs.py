@@ -119,6 +119,11 @@ def check_family_flags(cfg: TrainConfig, family: Family) -> None:
         )
     if cfg.channels_last:
         raise ConfigError(f"--channels_last applies to UNets; {family.label}'s denoiser is a transformer")
+    if cfg.train_text_encoder and not any(c.startswith("CLIP") for c in family.spec.encoder_classes):
+        raise ConfigError(
+            f"--train_text_encoder: {family.label}'s text encoder ({', '.join(family.spec.encoder_classes)}) stays "
+            "frozen (its hidden states are encoded once, then it is freed); train the transformer's LoRA alone"
+        )
     if cfg.method == "lora" and cfg.save_format == "kohya" and family.spec.kohya is None:
         raise ConfigError(
             f"--save_format kohya: {family.label} has no kohya layout; ComfyUI and Forge load its adapters in "

@@ -48,9 +48,10 @@ def target_modules(cfg, family: Family | None = None) -> list[str]:
 
 
 def _text_encoder_names(family: Family | None) -> tuple[str, ...]:
-    """The text encoders that may get adapters (--train_text_encoder): every CLIP one, never T5."""
+    """The text encoders that may get adapters (--train_text_encoder): every CLIP one, never a long encoder (T5,
+    Qwen)."""
     spec = family_spec(family)
-    return tuple(n for i, n in enumerate(spec.text_encoders) if not spec.text_encoder_class(i).startswith("T5"))
+    return tuple(n for i, n in enumerate(spec.text_encoders) if spec.text_encoder_class(i).startswith("CLIP"))
 
 
 def _lora_config(rank: int, alpha: float, targets: list[str], fused: bool = True):
