@@ -57,7 +57,9 @@ def test_sd3_flops_count_two_transformer_calls_per_step_flux_one(tiny_sd3_model:
         assert bigger > one_call  # 4x the image tokens (beside the same 109 text tokens)
 
 
-def test_bench_generate_offers_every_make_tiny_model_arch_and_depth_only_on_flux(tmp_path: Path, monkeypatch) -> None:
+def test_bench_generate_offers_every_make_tiny_model_arch_and_depth_only_on_full_transformers(
+    tmp_path: Path, monkeypatch
+) -> None:
     from xeonsd.assets.models import arch_names
     from xeonsd.bench.generate_pipelines import model_dir
 
@@ -65,9 +67,15 @@ def test_bench_generate_offers_every_make_tiny_model_arch_and_depth_only_on_flux
     assert ARCH_RESOLUTION["flux"] == ARCH_RESOLUTION["sd35m"] == 1024 and ARCH_RESOLUTION["tiny-sd3"] == 64
     monkeypatch.chdir(tmp_path)
     for flags, said in (
-        (["--arch", "sd15", "--depth", "2"], "--depth applies to --arch flux only, not to --arch sd15"),
+        (
+            ["--arch", "sd15", "--depth", "2"],
+            "--depth applies to --arch flux or flux2-klein or zimage or qwenimage only, not to --arch sd15",
+        ),
         (["--arch", "flux", "--depth", "0"], "--depth must be at least 1, got 0"),
-        (["--model", str(tmp_path), "--depth", "2"], f"--depth applies to --arch flux only, not to --model {tmp_path}"),
+        (
+            ["--model", str(tmp_path), "--depth", "2"],
+            f"--depth applies to --arch flux or flux2-klein or zimage or qwenimage only, not to --model {tmp_path}",
+        ),
     ):
         with pytest.raises(SystemExit, match=re.escape(f"xeonsd bench generate: error: {said}")):
             main(["--workdir", "work", "--quick", *flags])

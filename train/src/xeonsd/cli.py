@@ -261,7 +261,9 @@ def _add_make_tiny_model(sub: Any) -> None:
         "--depth",
         type=int,
         default=None,
-        help="--arch flux only: D double-stream and 2D single-stream blocks at FLUX.1's widths (the real model: 19)",
+        help="the full-size transformers only: --arch flux: D double-stream and 2D single-stream blocks (the real "
+        "model: 19); flux2-klein: D double and 4D single (real: 5); zimage: D main layers (real: 30); qwenimage: D "
+        "blocks (real: 60)",
     )
     p.add_argument("--seed", type=int, default=0)
     _add_console_flags(p)

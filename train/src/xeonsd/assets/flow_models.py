@@ -85,7 +85,8 @@ class FlowArch:
         return dataclasses.replace(self, layers=depth, single_layers=2 * depth)
 
 
-DEPTH_ARCHS = ("flux",)  # the archs whose --depth cuts the transformer's blocks
+# the archs whose --depth cuts the transformer's blocks (FLUX.1 here; the Qwen-encoder ones: open_models.py)
+DEPTH_ARCHS = ("flux", "flux2-klein", "zimage", "qwenimage")
 
 
 def check_depth(arch: str, depth: int | None, model: str | None = None) -> None:

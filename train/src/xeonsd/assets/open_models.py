@@ -69,8 +69,6 @@ class OpenArch:
         return dataclasses.replace(self, layers=depth, single_layers=4 * depth if self.family == "flux2" else 0)
 
 
-OPEN_DEPTH_ARCHS = ("flux2-klein", "zimage", "qwenimage")  # the archs whose --depth cuts the denoiser
-
 _QWEN3_4B = QwenText(
     hidden=2560,
     layers=36,
@@ -180,9 +178,11 @@ OPEN_ARCHS: dict[str, OpenArch] = {
 
 
 def check_open_depth(arch: str, depth: int | None) -> None:
-    """Refuse a ``--depth`` that ``arch`` cannot take: ValueError naming the problem."""
-    if depth is not None and arch not in OPEN_DEPTH_ARCHS:
-        raise ValueError(f"--depth applies to --arch {' or '.join(OPEN_DEPTH_ARCHS)} only, not to --arch {arch}")
+    """Refuse a ``--depth`` that ``arch`` cannot take: ValueError naming the problem (the one rule,
+    :func:`xeonsd.assets.flow_models.check_depth`)."""
+    from xeonsd.assets.flow_models import check_depth
+
+    check_depth(arch, depth)
 
 
 def make_open_model(out: Path, arch: str, seed: int = 0, depth: int | None = None) -> Path:

@@ -213,6 +213,12 @@ ARCH_RESOLUTION = {
     "tiny-xl": 64,
     "tiny-flux": 64,
     "tiny-sd3": 64,
+    "flux2-klein": 1024,
+    "zimage": 1024,
+    "qwenimage": 1024,
+    "tiny-flux2": 64,
+    "tiny-zimage": 64,
+    "tiny-qwenimage": 64,
 }
 
 
