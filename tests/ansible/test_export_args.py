@@ -150,6 +150,7 @@ def test_the_role_exports_with_the_inventorys_quantization_under_its_key_once(tm
         "openvino_export_quantize": "hybrid",
         "openvino_export_calibration_samples": 8,
         "openvino_export_negative_prompt": "blurry, low quality",
+        "openvino_export_guidance_scale": 6.0,
         "openvino_export_precision": "f32",
     }
     assert changed(local_playbook(tmp_path / "play.yml", extra)) > 0
@@ -161,7 +162,7 @@ def test_the_role_exports_with_the_inventorys_quantization_under_its_key_once(tm
     from xeonsd.cli import build_parser
 
     gen = build_parser().parse_args(generate)  # the generate flags, as xeonsd generate reads them
-    assert (gen.guidance_scale, gen.negative_prompt, gen.seed) == (7.5, "blurry, low quality", 7), generate
+    assert (gen.guidance_scale, gen.negative_prompt, gen.seed) == (6.0, "blurry, low quality", 7), generate
     assert gen.precision == "f32", generate
     assert gen.lora == [f"{run}/pytorch_lora_weights.safetensors:1.0"], generate
     assert (tmp_path / "controller" / "r1" / "openvino" / "xeonsd_export.json").exists()

@@ -21,7 +21,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--guidance-scale",
         type=float,
-        help="default: the family's (SD/SDXL 7.5, FLUX.1-dev 3.5 as its embedded guidance, SD3 7.0)",
+        help="default: the family's pipeline's (SD/SDXL 7.5, FLUX.1-dev 3.5 as its embedded guidance, SD3 7.0, "
+        "FLUX.2 [klein] 4.0, Z-Image 5.0, Qwen-Image 4.0)",
     )
     p.add_argument(
         "--height",
