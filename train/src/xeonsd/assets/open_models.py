@@ -217,8 +217,8 @@ def _pipeline(a: OpenArch, transformer: Any, vae: Any, text_encoder: Any, tokeni
     scheduler = _scheduler(a)
     if a.family == "flux2":  # klein-4B is step-distilled: no classifier-free guidance
         return Flux2KleinPipeline(scheduler=scheduler, is_distilled=True, **parts)
-    if a.family == "zimage":
-        return ZImagePipeline(scheduler=scheduler, **parts)
+    if a.family == "zimage":  # Z-Image ships the bare Qwen3Model (what its pipeline and training script load)
+        return ZImagePipeline(scheduler=scheduler, **{**parts, "text_encoder": text_encoder.model})
     return QwenImagePipeline(scheduler=scheduler, **parts)
 
 

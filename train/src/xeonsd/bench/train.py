@@ -168,9 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--depth",
         type=int,
         default=None,
-        help="the full-size transformers only (flux, flux2-klein, zimage, qwenimage): their blocks cut to D (FLUX.1: "
-        "D + 2D of 19 + 38; FLUX.2 [klein]: D + 4D of 5 + 20; Z-Image: D of 30; Qwen-Image: D of 60); per-block "
-        "figures scale linearly to the full depth (docs/benchmarks.md)",
+        help="flux, flux2-klein, zimage, qwenimage only: their blocks cut to D (see make-tiny-model --help); "
+        "per-block figures scale linearly to the full depth (docs/benchmarks.md)",
     )
     p.add_argument("--resolution", type=int, default=512)
     p.add_argument("--images", type=int, default=5, help="training images (each is VAE-encoded twice for the cache)")

@@ -82,6 +82,9 @@ class FamilySpec:
     # the flow families' σ density and loss weight by default (--weighting_scheme), as the family's diffusers
     # script defaults to
     weighting_scheme: str = "none"
+    # σ of a scheduler with use_dynamic_shifting: shifted by the image's token count (FLUX.1, as it was trained), or
+    # False: the scheduler's unshifted training grid, the sigmas diffusers' Qwen-Image and FLUX.2 scripts index
+    resolution_shift: bool = True
 
     def prompt_length(self, tokenizer_limit: float | None) -> int | None:
         """T5's prompt length: the pipeline's default, or the T5 tokenizer's ``model_max_length`` where that is
@@ -223,6 +226,7 @@ SPECS: dict[str, FamilySpec] = {
             ),
             guidance_scale=4.0,
             weighting_scheme="none",
+            resolution_shift=False,
         ),
         # Z-Image (6B): one Qwen3 text encoder, a single-stream transformer with its noise and context refiners.
         FamilySpec(
@@ -245,6 +249,7 @@ SPECS: dict[str, FamilySpec] = {
                     "it adapts Z-Image's refiner or single-stream layers",
                 ),
             ),
+            genai_adapters=False,  # GenAI 2026.4.1's Z-Image pipeline ignores adapters: no effect, no warning
             guidance_scale=5.0,
             weighting_scheme="none",
         ),
@@ -270,10 +275,17 @@ SPECS: dict[str, FamilySpec] = {
                     r"^lora_transformer_transformer_blocks_\d+_(img_mlp|txt_mlp|img_mod|txt_mod)_",
                     "it adapts Qwen-Image's image and text MLPs",
                 ),
+                # diffusers' default targets (attention only) share FLUX.1's, FLUX.2's and SD3's joint-block names:
+                # only a block past SD3.5 Large's 38 (Qwen-Image has 60) tells them apart
+                (
+                    r"^lora_transformer_transformer_blocks_(3[89]|[4-9]\d)_",
+                    "it adapts joint blocks past the 38 of the other MMDiTs (Qwen-Image has 60)",
+                ),
             ),
             guidance_scale=4.0,
             negative_prompt_cfg=False,
             weighting_scheme="none",
+            resolution_shift=False,
         ),
     )
 }

@@ -7,8 +7,9 @@
   encoder and tokenizers, ``--lora`` adapters are converted to the layout GenAI applies and blended in at compile
   time. Where a family has two CLIP text encoders (SDXL) the adapters' text-encoder part is added to copies of the
   text encoders' weights instead (GenAI cannot tell them apart in an adapter; see :mod:`xeonsd.openvino.pipelines`).
-  FLUX.1's adapters are written in the names GenAI applies to FLUX (:func:`xeonsd.openvino.lora_files.
-  convert_for_genai_flux`); SD3 has no GenAI adapters (refused in :mod:`xeonsd.openvino.generate`).
+  The transformer families' adapters (FLUX.1, FLUX.2 [klein], Qwen-Image) are written in the names GenAI applies
+  to a transformer (:func:`xeonsd.openvino.lora_files.convert_for_genai_flux`); SD3 and Z-Image have no GenAI
+  adapters (refused in :mod:`xeonsd.openvino.generate`).
 
 Which engine, for which request, is chosen in :mod:`xeonsd.openvino.generate`.
 """
@@ -16,6 +17,7 @@ Which engine, for which request, is chosen in :mod:`xeonsd.openvino.generate`.
 from __future__ import annotations
 
 import abc
+import inspect
 import logging
 import shutil
 import tempfile
@@ -30,6 +32,10 @@ if TYPE_CHECKING:
     from xeonsd.openvino.generate import Call, GenerateOptions, Plan
 
 log = logging.getLogger(__name__)
+
+
+class GenerateError(ValueError):
+    """The request cannot be served by this export."""
 
 
 @dataclass
@@ -79,6 +85,11 @@ class OptimumEngine(Engine):
             for encoder, tokenizer in pipelines.text_side(self.family):
                 add_to_openvino(getattr(pipe, tokenizer), getattr(pipe, encoder).model, concepts[encoder])
             self.concept_tokens = [*self.concept_tokens, *concepts["text_encoder"].tokens]
+        if (
+            self.opts.negative_prompt is not None
+            and "negative_prompt" not in inspect.signature(pipe.__call__).parameters
+        ):
+            raise GenerateError(f"--negative-prompt: {type(pipe).__name__} takes no negative prompt; drop it")
         self.load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         encoders = [getattr(pipe, encoder) for encoder, _ in pipelines.text_side(self.family)]
@@ -92,12 +103,14 @@ class OptimumEngine(Engine):
     def run(self, call: Call, steps: int | None = None) -> list[Any]:
         import torch
 
-        neg = None if self.opts.negative_prompt is None else [self.opts.negative_prompt] * len(call.prompts)
-        extra = {} if self.max_sequence_length is None else {"max_sequence_length": self.max_sequence_length}
+        extra: dict[str, Any] = {}
+        if self.max_sequence_length is not None:
+            extra["max_sequence_length"] = self.max_sequence_length
+        if self.opts.negative_prompt is not None:  # FLUX.2 [klein]'s pipeline takes no negative_prompt at all
+            extra["negative_prompt"] = [self.opts.negative_prompt] * len(call.prompts)
         result = self._pipe(
             **extra,
             prompt=call.prompts,
-            negative_prompt=neg,
             num_images_per_prompt=call.per_prompt,
             num_inference_steps=steps or self.opts.steps,
             guidance_scale=self.opts.guidance_scale,
@@ -184,10 +197,7 @@ class GenaiEngine(Engine):
                 if not modules:
                     continue
             converted = Path(self._workdir.name) / "lora" / f"{i}-{Path(path).stem}.safetensors"
-            if denoiser == loraformat.PREFIXES["transformer"]:
-                loraformat.convert_for_genai_flux(modules, converted, str(path))
-            else:
-                loraformat.convert_for_genai(path, converted, modules)
+            loraformat.convert_for_genai_of(path, modules, converted, pipelines.denoiser(self.family))
             pairs.append((openvino_genai.Adapter(str(converted)), float(alpha)))
         return openvino_genai.AdapterConfig(pairs) if pairs else None
 

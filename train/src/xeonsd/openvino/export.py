@@ -156,6 +156,7 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
             pipe.half()
         if opts.static is not None:
             reshape_static(pipe, opts.static)
+            pipelines.reshape_text_length(pipe, family.name, pipelines.max_sequence_length(pipe, family.name))
         rows = _check_vocab(pipe, family)
         if not tokens:
             tokens = ovtokenizer.concept_tokens(pipe.tokenizer)
@@ -236,9 +237,10 @@ def save_networks(pipe: Any, tmp: Path, out: Path) -> None:
         ) from exc
 
 
-def _check_vocab(pipe: Any, family: Family) -> int:
-    """Every exported CLIP text encoder has one embedding row per token of its tokenizer; returns the first's rows.
-    (T5's table is padded past its vocabulary, 32128 rows for 32100 tokens, and takes no concept.)"""
+def _check_vocab(pipe: Any, family: Family) -> int | None:
+    """Every exported CLIP text encoder has one embedding row per token of its tokenizer; returns the first's rows,
+    None for a family without CLIP (the Qwen-text ones). (T5's and Qwen's tables are padded past their vocabulary,
+    T5's 32128 rows for 32100 tokens, and take no concept.)"""
     from xeonsd.modelfiles.concept_file import ov_vocab_rows
 
     counts = []
@@ -249,7 +251,7 @@ def _check_vocab(pipe: Any, family: Family) -> int:
         if rows != tokens:
             raise ExportError(f"{encoder} has {rows} embedding rows but {tokenizer} {tokens} tokens")
         counts.append(rows)
-    return counts[0]
+    return counts[0] if counts else None
 
 
 def default_size(src: str) -> int:

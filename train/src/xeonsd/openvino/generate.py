@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 from xeonsd.fsutil import atomic_dir
 from xeonsd.modelfiles.families import spec
-from xeonsd.openvino.engines import Engine, GenaiEngine, OptimumEngine
+from xeonsd.openvino.engines import Engine, GenaiEngine, GenerateError, OptimumEngine
 from xeonsd.openvino.generate_args import PRECISIONS
 from xeonsd.openvino.manifest import StaticShape, check_writable_output, read_manifest, static_shape
 from xeonsd.openvino.pipelines import manifest_family, text_side
@@ -34,10 +34,6 @@ log = logging.getLogger(__name__)
 ENGINES = ("optimum", "genai")
 RECIPE_PROMPT = "a yellow <dicoo> robot at the beach, high quality"
 DEFAULT_SIZE = 512
-
-
-class GenerateError(ValueError):
-    """The request cannot be served by this export."""
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ __all__ = [
     "check_genai_limits",
     "convert_for_genai",
     "convert_for_genai_flux",
+    "convert_for_genai_of",
     "ir_weight_shapes",
     "lora_family",
     "parse_spec",
@@ -134,3 +135,13 @@ def convert_for_genai_flux(modules: dict[str, LoraModule], out: Path, source: st
         tensors[up] = np.ascontiguousarray(np.asarray(mod.up) * mod.scale, dtype=np.float32)  # alpha/rank folded
         tensors[f"{key}.alpha"] = np.array(mod.rank, dtype=np.float32)  # scale 1 whether GenAI divides or not
     return save_tensors(tensors, out, {"format": "pt", "source": source})
+
+
+def convert_for_genai_of(path: Path, modules: dict[str, LoraModule], out: Path, denoiser: str) -> Path:
+    """The adapter as GenAI applies it to a model whose denoiser is ``denoiser``: a transformer's (FLUX.1, FLUX.2
+    [klein], Qwen-Image) in :func:`convert_for_genai_flux`'s names, a UNet's in kohya's (:func:`convert_for_genai`).
+    GenAI 2026.4.1 applies neither kohya's ``lora_transformer_`` names nor diffusers' to FLUX.2 or Qwen-Image (the
+    image does not change) but applies the graph-node names to both (measured on tiny-flux2 and tiny-qwenimage)."""
+    if denoiser == "transformer":
+        return convert_for_genai_flux(modules, out, str(path))
+    return convert_for_genai(path, out, modules)

@@ -179,3 +179,29 @@ def split_free_matmul_inputs(model: Any) -> int:
         op.input(0).replace_source_output(identity.output(0))
         changed += 1
     return changed
+
+
+def reshape_text_length(pipe: Any, family: str, length: int | None) -> int:
+    """Give every static Qwen text encoder of a reshaped pipeline the prompt length the engines pass
+    (``max_sequence_length``), in place; returns how many were reshaped. optimum-intel 2.2's ``reshape`` fixes a
+    text encoder's sequence axis to its tokenizer's ``model_max_length`` (Qwen's: 32768, where FLUX.2 [klein]'s
+    pipeline pads its prompt to 512: "Can't set the input tensor", measured on tiny-flux2); a dynamic one
+    (Z-Image's, Qwen-Image's) stays dynamic. CLIP and T5 keep optimum's length."""
+    found = spec(family)
+    changed = 0
+    for i, encoder in enumerate(found.text_encoders):
+        if length is None or found.text_encoder_class(i).startswith(("CLIP", "T5")):
+            continue
+        part = getattr(pipe, encoder)
+        shapes = {}
+        for port in part.model.inputs:
+            shape = port.get_partial_shape()
+            if shape.rank.get_length() == 2 and shape[1].is_static and shape[1].get_length() != length:
+                shape[1] = length
+                shapes[port] = shape
+        if shapes:
+            part.model.reshape(shapes)
+            changed += 1
+    if changed:
+        pipe.clear_requests()
+    return changed

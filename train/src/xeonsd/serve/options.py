@@ -73,6 +73,7 @@ class ServedModel:
     concept_tokens: list[str]
     adapters: dict[str, tuple[Path, float]] = field(default_factory=dict)  # name -> (GenAI file, alpha)
     sources: dict[str, Path] = field(default_factory=dict)  # name -> the user's file
+    max_sequence_length: int | None = None  # the text encoder's prompt length (the manifest's; CLIP-only: None)
 
     @property
     def model_names(self) -> list[str]:
@@ -196,6 +197,7 @@ def prepare(opts: ServeOptions, workdir: Path) -> ServedModel:
         family=family,
         shape=shape,
         concept_tokens=list(manifest.get("concept_tokens", [])),
+        max_sequence_length=manifest.get("max_sequence_length"),
     )
     if not opts.adapters:
         return served
@@ -224,7 +226,7 @@ def prepare(opts: ServeOptions, workdir: Path) -> ServedModel:
                 f"xeonsd export SRC OUT --lora {spec.path}"
             )
         converted = workdir / f"{i}-{spec.name}.safetensors"
-        lora_files.convert_for_genai(spec.path, converted, modules)
+        lora_files.convert_for_genai_of(spec.path, modules, converted, found.denoiser)
         served.adapters[spec.name] = (converted, float(spec.alpha))
         served.sources[spec.name] = spec.path
     return served

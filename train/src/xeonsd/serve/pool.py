@@ -146,6 +146,10 @@ class PipelinePool:
 
         shape = self.served.shape
         pipe = openvino_genai.Text2ImagePipeline(str(self.served.export_dir))
+        if self.served.max_sequence_length is not None:  # before reshape, as xeonsd generate's genai engine does
+            config = pipe.get_generation_config()
+            config.max_sequence_length = self.served.max_sequence_length
+            pipe.set_generation_config(config)
         pipe.reshape(shape.images_per_call, shape.height, shape.width, 7.5)
         props = {"INFERENCE_NUM_THREADS": self.threads, **PRECISIONS[self.precision]}
         if adapters:

@@ -8,6 +8,7 @@ through it (textual inversion, LoRA on the text encoder), and it is small.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import os
@@ -95,7 +96,7 @@ def load_models(cfg: TrainConfig, unet_fp32: bool = False, family: Family | None
 
 def _load_models(cfg: TrainConfig, unet_fp32: bool, family: Family) -> Models:
     import diffusers
-    from diffusers import AutoencoderKL, DDPMScheduler
+    from diffusers import DDPMScheduler
 
     src = cfg.pretrained_model_name_or_path
     kw = {"revision": cfg.revision}
@@ -107,13 +108,16 @@ def _load_models(cfg: TrainConfig, unet_fp32: bool, family: Family) -> Models:
         flow = FlowSchedule.from_config(
             noise_scheduler.config, scheme, cfg.logit_mean, cfg.logit_std, cfg.mode_scale, cfg.guidance_scale
         )
+        if not spec.resolution_shift and flow.dynamic:  # the unshifted grid (it ignores the static shift then)
+            flow = dataclasses.replace(flow, dynamic=False, shift=1.0)
     else:
         noise_scheduler = DDPMScheduler.from_pretrained(src, subfolder="scheduler", **kw)
     weight_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
     text = _load_text_encoders(cfg, family, weight_dtype)
     text += [(None, None)] * (3 - len(text))
     # Read tensor by tensor into their dtype: no whole fp32 copy beside the cast one (that was the peak memory).
-    vae = load_frozen(AutoencoderKL, src, "vae", weight_dtype, cfg.variant, cfg.revision)
+    vae_cls = getattr(diffusers, spec.vae_class)  # Qwen-Image: AutoencoderKLQwenImage
+    vae = load_frozen(vae_cls, src, "vae", weight_dtype, cfg.variant, cfg.revision)
     unet_dtype = torch.float32 if unet_fp32 else weight_dtype
     denoiser_cls = getattr(diffusers, spec.denoiser_class)
     unet = load_frozen(denoiser_cls, src, spec.denoiser, unet_dtype, cfg.variant, cfg.revision)

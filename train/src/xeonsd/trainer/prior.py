@@ -190,7 +190,7 @@ def _generate(pipe, cfg: TrainConfig, models, index: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(mix(CLASS_IMAGE_SEED, index))
     with autocast(models.weight_dtype):
         image = pipe(
-            cfg.class_prompt,
+            prompt=cfg.class_prompt,  # by name: Flux2KleinPipeline's first argument is an input image
             num_inference_steps=CLASS_STEPS,
             generator=generator,
             height=cfg.resolution,

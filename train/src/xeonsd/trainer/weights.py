@@ -114,7 +114,11 @@ def load_frozen(model_cls, src: str, subfolder: str, dtype: torch.dtype, variant
             src, subfolder=subfolder, variant=variant, revision=revision, torch_dtype=dtype
         )
     config = model_cls.load_config(src, subfolder=subfolder, revision=revision)
-    with torch.device("meta"):
+    from accelerate import init_empty_weights
+
+    # parameters on meta; buffers and plain tensor attributes real (Qwen-Image's RoPE tables are plain attributes
+    # that no state dict sets: under torch.device("meta") they stayed meta)
+    with init_empty_weights(include_buffers=False):
         model = model_cls.from_config(config)
     state: dict[str, torch.Tensor] = {}
     for f in files:

@@ -8,14 +8,17 @@ from typing import TYPE_CHECKING
 from xeonsd.modelfiles.families import FamilyError, family_spec
 from xeonsd.trainer.families.base import TrainFamily
 from xeonsd.trainer.families.flux import FLUX
+from xeonsd.trainer.families.flux2 import FLUX2
+from xeonsd.trainer.families.qwenimage import QWENIMAGE
 from xeonsd.trainer.families.sd import SD
 from xeonsd.trainer.families.sd3 import SD3
 from xeonsd.trainer.families.sdxl import SDXL
+from xeonsd.trainer.families.zimage import ZIMAGE
 
 if TYPE_CHECKING:
     from xeonsd.modelfiles.families import Family
 
-FAMILIES: dict[str, TrainFamily] = {family.name: family for family in (SD, SDXL, FLUX, SD3)}
+FAMILIES: dict[str, TrainFamily] = {family.name: family for family in (SD, SDXL, FLUX, SD3, FLUX2, ZIMAGE, QWENIMAGE)}
 
 
 def train_family(family: Family | None) -> TrainFamily:

@@ -17,6 +17,7 @@ import logging
 import torch
 
 from xeonsd.cluster.distributed import all_reduce_sum_
+from xeonsd.modelfiles.family_specs import spec as family_spec_of
 from xeonsd.trainer.conditioning import PromptConditioning
 from xeonsd.trainer.data import Example
 from xeonsd.trainer.families.base import TrainFamily
@@ -147,6 +148,13 @@ class FlowFamily(TrainFamily):
 
     is_flow = True
     lora_targets = ATTENTION_TARGETS
+
+    @property
+    def resolution_shift(self) -> bool:
+        """σ of a scheduler with use_dynamic_shifting follows the image's token count (FLUX.1: xeonsd.trainer.flow);
+        False: the scheduler's unshifted training grid, the sigmas diffusers' Qwen-Image and FLUX.2 scripts index
+        (``FamilySpec.resolution_shift``, which the models' loading reads)."""
+        return family_spec_of(self.name).resolution_shift
 
     def predict(self, models, denoiser, latents, noise, t, hidden, added, channels_last=False):
         """(the velocity the transformer predicts, ε − x₀) for latents noised to σ = ``t``."""
