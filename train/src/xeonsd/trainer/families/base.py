@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -16,6 +17,25 @@ from xeonsd.trainer.models import autocast
 if TYPE_CHECKING:
     from xeonsd.trainer.buckets import Placement
     from xeonsd.trainer.models import Models
+
+
+class VAEView:
+    """A VAE as the latent cache sees it (what :meth:`TrainFamily.latent_vae` returns where a family's latents are
+    not the VAE's own): ``encode(pixels [n, 3, H, W]).latent_dist`` has ``mean`` and ``std`` [n, c, h, w]. ``frames``:
+    the VAE takes video (Qwen-Image): one frame in, its axis dropped; ``view``: a rearrangement of both (FLUX.2's
+    2x2 patchify); ``mode``: a zero std, so that every draw is ``latent_dist.mode()``, as the family's diffusers
+    script encodes (FLUX.2, Z-Image)."""
+
+    def __init__(self, vae, view=None, mode: bool = False, frames: bool = False) -> None:
+        self.vae, self.config = vae, vae.config
+        self.view, self.mode, self.frames = view or (lambda t: t), mode, frames
+
+    def encode(self, pixels: torch.Tensor):
+        dist = self.vae.encode(pixels.unsqueeze(2) if self.frames else pixels).latent_dist
+        mean, std = (dist.mean[:, :, 0], dist.std[:, :, 0]) if self.frames else (dist.mean, dist.std)
+        mean = self.view(mean)
+        std = torch.zeros_like(mean) if self.mode else self.view(std)
+        return SimpleNamespace(latent_dist=SimpleNamespace(mean=mean, std=std))
 
 
 class TrainFamily:

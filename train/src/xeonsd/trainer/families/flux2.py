@@ -22,10 +22,9 @@ the model and ``train_dreambooth_lora_flux2_klein.py`` (v0.39.0) trains it:
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
+from xeonsd.trainer.families.base import VAEView
 from xeonsd.trainer.families.transformer import FlowFamily, FlowPromptConditioning
 
 HIDDEN_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers
@@ -98,19 +97,6 @@ def patchify(latents: torch.Tensor) -> torch.Tensor:
     return x.reshape(b, c * 4, h // 2, w // 2)
 
 
-class PatchifiedVAE:
-    """The VAE as the latent cache sees it for FLUX.2: ``encode(pixels).latent_dist`` with the patchified mean and
-    a zero std, so every draw is the patchified ``latent_dist.mode()``, as the script encodes."""
-
-    def __init__(self, vae) -> None:
-        self.vae = vae
-        self.config = vae.config
-
-    def encode(self, pixels: torch.Tensor):
-        mean = patchify(self.vae.encode(pixels).latent_dist.mean)
-        return SimpleNamespace(latent_dist=SimpleNamespace(mean=mean, std=torch.zeros_like(mean)))
-
-
 def pack(latents: torch.Tensor) -> torch.Tensor:
     """[b, c, h, w] -> [b, h*w, c]: one token per (patchified) latent pixel (Flux2KleinPipeline._pack_latents)."""
     b, c, h, w = latents.shape
@@ -144,7 +130,7 @@ class Flux2Family(FlowFamily):
         return 4 * int(vae_config.latent_channels), height // (2 * vae_scale), width // (2 * vae_scale)
 
     def latent_vae(self, vae):
-        return PatchifiedVAE(vae)
+        return VAEView(vae, view=patchify, mode=True)
 
     def latent_affine(self, vae):
         """The batch norm's running statistics over the patchified channels: shift = mean, scaling = 1/std."""

@@ -9,7 +9,7 @@ model and ``train_dreambooth_lora_qwen_image.py`` (v0.39.0) trains it:
   step's batch is padded to the longest prompt of the batch, and the mask is dropped where no row has padding (as
   the pipeline's ``encode_prompt`` and the script's ``concat_prompt_embedding_batches`` do). No pooled embedding;
 * the latents: the Wan-style 3D VAE takes [n, c, frames, h, w]: the cache encodes single frames through
-  :class:`FrameVAE` and normalises them per channel, ``(z - latents_mean) / latents_std``;
+  :class:`~xeonsd.trainer.families.base.VAEView` and normalises them per channel, ``(z - latents_mean) / latents_std``;
 * the transformer call: the latents packed 2x2 into tokens (``_pack_latents``), ``img_shapes`` of (1, h/2, w/2),
   the timestep input σ (the pipeline's and the script's ``timestep / 1000``), no guidance input (a guidance-embedding
   config would get ``--guidance_scale``); the prediction unpacked again;
@@ -24,11 +24,10 @@ refuses both: there is no CLIP encoder).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 import torch.nn.functional as F
 
+from xeonsd.trainer.families.base import VAEView
 from xeonsd.trainer.families.flux import pack, unpack
 from xeonsd.trainer.families.transformer import FlowFamily, FlowPromptConditioning
 from xeonsd.trainer.models import autocast
@@ -115,19 +114,6 @@ class QwenPromptConditioning(FlowPromptConditioning):
         return {"prompt_embeds": hidden, "prompt_embeds_mask": mask.to(torch.long)}
 
 
-class FrameVAE:
-    """Qwen-Image's VAE seen as an image VAE: ``encode(pixels [n, 3, H, W]).latent_dist`` has the one frame's
-    ``mean`` and ``std`` [n, c, h, w] (the script's ``pixel_values.unsqueeze(2)``)."""
-
-    def __init__(self, vae) -> None:
-        self.vae = vae
-        self.config = vae.config
-
-    def encode(self, pixels: torch.Tensor):
-        dist = self.vae.encode(pixels.unsqueeze(2)).latent_dist
-        return SimpleNamespace(latent_dist=SimpleNamespace(mean=dist.mean[:, :, 0], std=dist.std[:, :, 0]))
-
-
 def trimmed(hidden: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The text padded to the longest prompt of the batch; no mask where no row has padding."""
     if mask is None:
@@ -148,7 +134,7 @@ class QwenImageFamily(FlowFamily):
         return int(vae_config.z_dim), height // vae_scale, width // vae_scale
 
     def latent_vae(self, vae):
-        return FrameVAE(vae)
+        return VAEView(vae, frames=True)
 
     def latent_affine(self, vae):
         c = vae.config

@@ -19,10 +19,9 @@ model and ``train_dreambooth_lora_z_image.py`` (v0.39.0) trains it:
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
+from xeonsd.trainer.families.base import VAEView
 from xeonsd.trainer.families.transformer import FlowFamily, FlowPromptConditioning
 
 
@@ -84,19 +83,6 @@ class ZImagePromptConditioning(FlowPromptConditioning):
         return {"prompt_embeds": embeds[:1], "negative_prompt_embeds": embeds[1:]}
 
 
-class ModeVAE:
-    """The VAE as the latent cache sees it for Z-Image: ``encode(pixels).latent_dist`` with the VAE's mean and a
-    zero std, so every draw is ``latent_dist.mode()``, as train_dreambooth_lora_z_image.py encodes."""
-
-    def __init__(self, vae) -> None:
-        self.vae = vae
-        self.config = vae.config
-
-    def encode(self, pixels: torch.Tensor):
-        mean = self.vae.encode(pixels).latent_dist.mean
-        return SimpleNamespace(latent_dist=SimpleNamespace(mean=mean, std=torch.zeros_like(mean)))
-
-
 class ZImageFamily(FlowFamily):
     """Z-Image (Turbo and base): one Qwen3 text encoder, a single-stream transformer with noise and caption
     refiners, taking lists of per-sample tensors."""
@@ -106,7 +92,7 @@ class ZImageFamily(FlowFamily):
     lora_targets = ("to_k", "to_q", "to_v", "to_out.0")  # train_dreambooth_lora_z_image.py's default
 
     def latent_vae(self, vae):
-        return ModeVAE(vae)
+        return VAEView(vae, mode=True)
 
     def denoiser_kwargs(self, config, noisy, sigmas, hidden, pooled, added, flow):
         lengths = added.get("lengths")
