@@ -29,6 +29,7 @@ _SRC = str(Path(__file__).resolve().parents[2] / "train" / "src")
 if _SRC not in sys.path:
     sys.path.insert(0, _SRC)
 from xeonsd.contracts import serve_plan  # noqa: E402
+from xeonsd.modelfiles import family_specs  # noqa: E402
 
 ServePlanError = serve_plan.ServePlanError
 
@@ -60,7 +61,12 @@ def serve_plan_of(
         raise ValueError(f"xeonsd_serve_plan: {len(summaries)} summaries for 1 run and {len(adapters)} adapters")
     runs = [_run(r) for r in summaries]
     named = [{**runs[i + 1], "name": a["name"], "alpha": a["alpha"]} for i, a in enumerate(adapters)]
-    return serve_plan.plan(runs[0], export_dir, named, alpha=alpha)
+    try:  # runs of an xeonsd older than the family field were SD
+        family = family_specs.spec(str(runs[0]["summary"].get("family") or "sd"))
+    except family_specs.FamilyError as e:
+        raise ServePlanError(f"{runs[0]['dir']}/train_summary.json: {e}") from None
+    fused = "" if family.genai_adapters else family.label
+    return serve_plan.plan(runs[0], export_dir, named, alpha=alpha, fused_family=fused)
 
 
 def serve_argv(plan: Mapping[str, Any], settings: Mapping[str, Any]) -> list[str]:

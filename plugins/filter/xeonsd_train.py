@@ -9,10 +9,12 @@ A value of true is the bare flag, false/None/"" leaves the flag out (the trainer
 ``--name=value``.
 
 xeonsd_method: what a method leaves in the run directory (its result file, what people call it, whether it is a
-whole pipeline, its `xeonsd generate` flag); xeonsd_generate_result_args: those generate arguments for a run.
+whole pipeline, its `xeonsd generate` flag); xeonsd_result_export: how a run's result reaches its images (the
+export it gets and the generate arguments that load the result onto it).
 
-The methods and their files are defined once, in the package's ``train/src/xeonsd/contracts/method_names.py``
-(standard library only), which this plugin loads from the repository on the controller.
+The methods and their files are defined once, in the package's ``train/src/xeonsd/contracts/method_names.py``, and
+what GenAI applies per family in ``train/src/xeonsd/modelfiles/family_specs.py`` (both standard library only),
+which this plugin loads from the repository on the controller.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ _SRC = str(Path(__file__).resolve().parents[2] / "train" / "src")
 if _SRC not in sys.path:
     sys.path.insert(0, _SRC)
 from xeonsd.contracts import method_names  # noqa: E402
+from xeonsd.modelfiles import family_specs  # noqa: E402
 
 METHODS: tuple[str, ...] = method_names.METHODS
 METHOD_FILES: dict[str, dict] = method_names.METHOD_FILES
@@ -67,14 +70,36 @@ def method(name: str) -> dict:
     return {"name": name, **METHOD_FILES[name]}
 
 
-def generate_result_args(summary: Mapping[str, Any], run_dir: str, lora_scale: Any = 1.0) -> list[str]:
-    """The `xeonsd generate` arguments that load a run's result (train_summary.json names its method and result
-    file) onto the base model's export: ``--embeds FILE``, ``--lora FILE:SCALE``, or none (a whole pipeline)."""
-    flag = method(summary["method"])["generate_flag"]
-    if flag is None:
-        return []
+def result_export(summary: Mapping[str, Any], run_dir: str, lora_scale: Any = 1.0) -> dict[str, Any]:
+    """How a finished run (train_summary.json names its method, result file, base model and family) reaches its
+    images: ``{"own", "source", "args", "generate_args", "why"}``.
+
+    * a whole pipeline (full) is exported itself: ``own``, ``source`` the run;
+    * a LoRA of a family whose adapters GenAI does not apply (``FamilySpec.genai_adapters``: SD3, Z-Image) is fused
+      into an export of its own: ``own``, ``source`` the base model, ``args`` ``--lora FILE --lora-scale S``;
+    * otherwise the result loads onto the base model's shared export at generation time: ``generate_args``
+      ``--embeds FILE`` or ``--lora FILE:SCALE``.
+    """
+    info = method(summary["method"])
+    name = str(summary.get("family") or "sd")  # runs of an xeonsd older than the family field were SD
+    try:
+        found = family_specs.spec(name)
+    except family_specs.FamilyError as e:
+        raise TrainArgvError(f"{run_dir}/train_summary.json: {e}") from None
     path = f"{run_dir}/{summary['result']['path']}"
-    return [flag, f"{path}:{lora_scale}" if flag == "--lora" else path]
+    if info["pipeline"]:
+        return {"own": True, "source": run_dir, "args": [], "generate_args": [], "why": "its own pipeline"}
+    if info["generate_flag"] == "--lora" and not found.genai_adapters:
+        return {
+            "own": True,
+            "source": str(summary["base_model"]),
+            "args": ["--lora", path, "--lora-scale", f"{float(lora_scale):g}"],
+            "generate_args": [],
+            "why": f"the LoRA fused into the base model: GenAI applies no adapters to {found.label}",
+        }
+    flag = info["generate_flag"]
+    arg = f"{path}:{float(lora_scale):g}" if flag == "--lora" else path
+    return {"own": False, "source": str(summary["base_model"]), "args": [], "generate_args": [flag, arg], "why": ""}
 
 
 class FilterModule:
@@ -82,5 +107,5 @@ class FilterModule:
         return {
             "xeonsd_train_argv": train_argv,
             "xeonsd_method": method,
-            "xeonsd_generate_result_args": generate_result_args,
+            "xeonsd_result_export": result_export,
         }

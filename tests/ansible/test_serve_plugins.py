@@ -5,6 +5,7 @@ never signalled."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from repo_code import ansible_code, local_playbook
 
 serve = ansible_code("xeonsd_serve")
@@ -42,6 +44,24 @@ def test_haproxy_statistics_give_each_node_state_of_the_backend_only() -> None:
         assert "not HAProxy's CSV statistics" in str(e)
     else:
         raise AssertionError("a page that is not the CSV statistics was read as one")
+
+
+def _slurped(path: str, summary: dict) -> dict:
+    """One item of the serve role's slurp loop over the runs' train_summary.json."""
+    content = base64.b64encode(json.dumps(summary).encode()).decode()
+    return {"item": {"item": path, "stat": {}}, "content": content}
+
+
+def test_the_plan_asks_the_run_s_family_whether_its_lora_is_an_adapter_or_fused() -> None:
+    """A FLUX.2 [klein] LoRA run is registered as an adapter on the base export; a Z-Image one (GenAI applies no
+    adapters to it) serves its own fused export alone; a family this xeonsd does not know is refused by name."""
+    lora = {"method": "lora", "base_model": "/m/b", "base_model_fingerprint": "f", "result": {"path": "a.safetensors"}}
+    plan = serve.serve_plan_of([_slurped("/r/k", {**lora, "family": "flux2"})], [], "/r/k/openvino")
+    assert [a["name"] for a in plan["adapters"]] == ["k"] and plan["name"] == "b"
+    plan = serve.serve_plan_of([_slurped("/r/z", {**lora, "family": "zimage"})], [], "/r/z/openvino")
+    assert (plan["adapters"], plan["name"]) == ([], "z")
+    with pytest.raises(serve.ServePlanError, match="/r/x/train_summary.json: .*wan"):
+        serve.serve_plan_of([_slurped("/r/x", {**lora, "family": "wan"})], [], "/r/x/openvino")
 
 
 def test_a_node_pulls_the_files_it_lacks_or_holds_changed() -> None:

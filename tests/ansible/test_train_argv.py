@@ -165,14 +165,32 @@ def test_the_plugin_s_methods_and_results_are_the_package_s() -> None:
         assert info["result"] == method_class(name).outputs[0] == method_names.result_file(name)
     with pytest.raises(TrainArgvError, match="finetune_method 'dreambooth': choose one of textual_inversion, lora"):
         xeonsd_train.method("dreambooth")
-    summary = {"method": "lora", "result": {"path": "pytorch_lora_weights.safetensors"}}
-    assert xeonsd_train.generate_result_args(summary, "/runs/r1", 0.8) == [
-        "--lora",
-        "/runs/r1/pytorch_lora_weights.safetensors:0.8",
-    ]
-    summary = {"method": "textual_inversion", "result": {"path": "learned_embeds.safetensors"}}
-    assert xeonsd_train.generate_result_args(summary, "/runs/r1") == ["--embeds", "/runs/r1/learned_embeds.safetensors"]
-    assert xeonsd_train.generate_result_args({"method": "full", "result": {"path": "model_index.json"}}, "/r") == []
+
+
+def test_a_run_s_result_reaches_its_images_by_its_method_and_family() -> None:
+    """The base model's shared export with --embeds or --lora at generation time; a full fine-tune's own export; and
+    a LoRA fused into an export of its own where GenAI applies no adapters to the family (SD3, Z-Image)."""
+    lora = {"method": "lora", "base_model": "/m/b", "result": {"path": "pytorch_lora_weights.safetensors"}}
+    route = xeonsd_train.result_export({**lora, "family": "flux2"}, "/runs/r1", 0.8)
+    assert route == {
+        "own": False,
+        "source": "/m/b",
+        "args": [],
+        "generate_args": ["--lora", "/runs/r1/pytorch_lora_weights.safetensors:0.8"],
+        "why": "",
+    }
+    assert xeonsd_train.result_export(lora, "/runs/r1")["generate_args"][1].endswith(":1")  # no family: an SD run
+    ti = {"method": "textual_inversion", "base_model": "/m/b", "result": {"path": "learned_embeds.safetensors"}}
+    assert xeonsd_train.result_export(ti, "/r")["generate_args"] == ["--embeds", "/r/learned_embeds.safetensors"]
+    full = xeonsd_train.result_export({"method": "full", "base_model": "/m/b", "result": {"path": "x"}}, "/r")
+    assert (full["own"], full["source"], full["args"], full["generate_args"]) == (True, "/r", [], [])
+    for family, label in (("zimage", "Z-Image"), ("sd3", "SD3/SD3.5")):
+        fused = xeonsd_train.result_export({**lora, "family": family}, "/r", "0.5")
+        assert (fused["own"], fused["source"], fused["generate_args"]) == (True, "/m/b", [])
+        assert fused["args"] == ["--lora", "/r/pytorch_lora_weights.safetensors", "--lora-scale", "0.5"]
+        assert label in fused["why"]
+    with pytest.raises(TrainArgvError, match="/r/train_summary.json: .*wan"):
+        xeonsd_train.result_export({**lora, "family": "wan"}, "/r")
 
 
 def test_no_role_or_plugin_names_a_result_file_again() -> None:
@@ -195,8 +213,8 @@ def test_no_role_or_plugin_names_a_result_file_again() -> None:
 def test_ansible_renders_the_method_filters() -> None:
     env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_NOCOLOR="1")
     msg = (
-        "{{ ['lora' | xeonsd_method, {'method': 'textual_inversion', 'result': {'path': 'e.safetensors'}}"
-        " | xeonsd_generate_result_args('/r')] }}"
+        "{{ ['lora' | xeonsd_method, {'method': 'textual_inversion', 'base_model': '/m/b',"
+        " 'result': {'path': 'e.safetensors'}} | xeonsd_result_export('/r')] }}"
     )
     proc = subprocess.run(
         [
@@ -225,7 +243,7 @@ def test_ansible_renders_the_method_filters() -> None:
         "generate_flag": "--lora",
         "needs": ["peft"],
     }
-    assert args == ["--embeds", "/r/e.safetensors"]
+    assert (args["own"], args["generate_args"]) == (False, ["--embeds", "/r/e.safetensors"])
 
 
 def test_prior_preservation_reaches_the_trainer_only_when_on() -> None:

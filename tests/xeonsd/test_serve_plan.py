@@ -75,6 +75,17 @@ def test_a_full_fine_tune_serves_its_own_export_without_adapters() -> None:
         plan({"dir": "/r/full", "summary": FULL}, "/r/full/openvino", [{"name": "a", "dir": "/r/l", "summary": LORA}])
 
 
+def test_a_fused_lora_run_serves_its_own_export_alone_and_refuses_other_adapters() -> None:
+    """Where GenAI applies no adapters to the family (Z-Image, SD3), export.yml fuses the run's LoRA into the run's
+    own export: serve.yml serves that export under the run's name, registers no adapter, and refuses others."""
+    p = plan({"dir": "/r/zl", "summary": LORA}, "/r/zl/openvino", fused_family="Z-Image")
+    assert (p["export"], p["name"], p["adapters"], p["files"]) == ("/r/zl/openvino", "zl", [], [])
+    assert "--adapter" not in serve_argv(p, {})
+    other = [{"name": "a", "dir": "/r/l", "summary": LORA}]
+    with pytest.raises(ServePlanError, match="Z-Image LoRA run: GenAI applies no adapters to Z-Image.*serve_adapters"):
+        plan({"dir": "/r/zl", "summary": LORA}, "/r/zl/openvino", other, fused_family="Z-Image")
+
+
 def test_runs_that_cannot_be_served_are_refused_naming_the_fix() -> None:
     ti = {**LORA, "method": "textual_inversion"}
     with pytest.raises(ServePlanError, match="textual inversion run: xeonsd serve registers LoRA adapters"):

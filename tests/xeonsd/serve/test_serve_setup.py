@@ -79,6 +79,21 @@ def test_ovms_config_serves_the_same_export_and_adapters(ov_base: Path, toy_adap
     assert """plugin_config: '{"INFERENCE_PRECISION_HINT": "f32"}'""" in graph
 
 
+def test_a_request_without_guidance_gets_the_family_s_and_a_bad_one_is_refused_by_name() -> None:
+    """The served family's guidance scale (FamilySpec.guidance_scale: Z-Image's pipeline uses 5.0) is a request's
+    default, not SD's 7.5; a given one is kept, and one GenAI cannot run is refused naming the field."""
+    from xeonsd.modelfiles.families import spec
+    from xeonsd.openvino.manifest import StaticShape
+    from xeonsd.serve.requests import Limits, RequestError, validate
+
+    shape = StaticShape(batch_size=1, height=64, width=64, num_images_per_prompt=1)
+    limits = Limits(shape, ("base",), max_images=2, max_steps=50, guidance_scale=spec("zimage").guidance_scale)
+    assert validate({"prompt": "a robot"}, limits).guidance_scale == 5.0
+    assert validate({"prompt": "a robot", "guidance_scale": 3}, limits).guidance_scale == 3.0
+    with pytest.raises(RequestError, match="guidance_scale 1 is out of range"):
+        validate({"prompt": "a robot", "guidance_scale": 1}, limits)
+
+
 def test_auto_workers_is_one_per_core_share_within_the_memory() -> None:
     from xeonsd.serve.options import CORES_PER_WORKER, MEMORY_SHARE, PIPELINE_MEMORY, auto_workers
 

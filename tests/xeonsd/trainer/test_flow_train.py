@@ -108,7 +108,7 @@ def test_two_ranks_and_a_resume_learn_what_one_rank_with_double_batch_learns(fam
     assert "resumed from" in log_of(flow_runs, resumed)
     assert_same_training(lora_b(one), lora_b(resumed), zero)
     text = log_of(flow_runs, one)
-    assert "T5 freed: every prompt is encoded; resident memory" in text
+    assert "T5EncoderModel freed: every prompt is encoded; resident memory" in text
     if family == "flux":  # class images from the tiny FluxPipeline, and the validation image through it
         assert "class images: 0 reused, 2 generated" in text and "class images: 2 reused" in log_of(flow_runs, two)
         assert (one / "validation" / "final" / "00.png").is_file()

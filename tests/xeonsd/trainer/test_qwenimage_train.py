@@ -223,7 +223,9 @@ def test_two_ranks_and_a_resume_learn_what_one_rank_with_double_batch_learns(run
     assert "resumed from" in log_of(runs, resumed)
     assert_same_training(lora_b(one), lora_b(resumed), zero)
     text = log_of(runs, one)
-    assert "T5 freed: every prompt is encoded; resident memory" in text  # Qwen2.5-VL, the long encoder
+    assert (
+        "Qwen2_5_VLForConditionalGeneration freed: every prompt is encoded; resident memory" in text
+    )  # Qwen2.5-VL, the long encoder
     assert "class images: 0 reused, 2 generated" in text and "class images: 2 reused" in log_of(runs, two)
     assert (one / "validation" / "final" / "00.png").is_file()
     rows = [[json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (one, two)]

@@ -176,7 +176,7 @@ def test_two_ranks_and_a_resume_learn_what_one_rank_with_double_batch_learns(zim
     assert "resumed from" in log_of(zimage_runs, resumed)
     assert_same_training(lora_b(one), lora_b(resumed), zero)
     text = log_of(zimage_runs, one)
-    assert "T5 freed: every prompt is encoded" in text  # Qwen3, once every table is built
+    assert "Qwen3Model freed: every prompt is encoded" in text  # Qwen3, once every table is built
     assert "class images: 0 reused, 1 generated" in text and "class images: 1 reused" in log_of(zimage_runs, two)
     rows = [[json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (one, two)]
     val = [[r["val_loss"] for r in rs if "val_loss" in r] for rs in rows]

@@ -138,6 +138,7 @@ def plan(
     adapters: Sequence[Mapping[str, Any]] = (),
     *,
     alpha: Any = 1.0,
+    fused_family: str = "",
 ) -> dict[str, Any]:
     """The plan of a served run and its adapters.
 
@@ -146,7 +147,8 @@ def plan(
     of each serve_adapters entry (:func:`adapter_runs`, with the run's directory and summary read). A LoRA run is
     registered under its directory's name with ``alpha``; a full fine-tune serves its own export and takes no
     adapters (they were trained on the base model); textual inversion is not served (xeonsd serve loads LoRA
-    adapters only)."""
+    adapters only). ``fused_family``: the family's name where GenAI applies no adapters to it (SD3, Z-Image): a
+    LoRA run's export then has its adapter fused in (export.yml), and it is served alone, like a full fine-tune's."""
     where = served["dir"]
     method = _method(served["summary"], where)
     if method == "textual_inversion":
@@ -161,7 +163,7 @@ def plan(
         )
     fingerprint = served["summary"].get("base_model_fingerprint", "")
     registered: list[dict[str, Any]] = []
-    if method == "lora":
+    if method == "lora" and not fused_family:
         registered.append(
             {
                 "name": adapter_name(posixpath.basename(where.rstrip("/")), "serve_run's name"),
@@ -169,6 +171,12 @@ def plan(
                 "path": posixpath.join(where, served["summary"]["result"]["path"]),
                 "alpha": _alpha(alpha, "serve_run"),
             }
+        )
+    elif adapters and method == "lora":
+        raise ServePlanError(
+            f"serve_run {where} is a {fused_family} LoRA run: GenAI applies no adapters to {fused_family}, so its "
+            "export has the run's adapter fused in and serves no others. Fix: serve_adapters={}, and serve each "
+            f"{fused_family} LoRA run on its own (-e serve_run=RUN)."
         )
     elif adapters:
         raise ServePlanError(
@@ -182,10 +190,11 @@ def plan(
                 "Fix: rename it."
             )
         registered.append(_adapter(adapter, served, alpha))
-    # The base's name in requests: the base model's (its directory or Hub name) under a LoRA run, the run's own for a
-    # full fine-tune; None (xeonsd serve's default, the export directory's name) where it is no valid model name.
+    # The base's name in requests: the base model's (its directory or Hub name) under a LoRA run's adapters, the run's
+    # own for its own export (a full fine-tune, a fused LoRA); None (xeonsd serve's default, the export directory's
+    # name) where it is no valid model name.
     base = posixpath.basename(str(served["summary"].get("base_model", "")).rstrip("/"))
-    name = base if method == "lora" else posixpath.basename(where.rstrip("/"))
+    name = base if registered else posixpath.basename(where.rstrip("/"))
     if not ADAPTER_NAME.match(name) or name in (r["name"] for r in registered):
         name = None
     return {

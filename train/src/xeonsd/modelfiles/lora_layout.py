@@ -284,7 +284,7 @@ def check_family(path: Path, modules: dict[str, LoraModule], family: str, model:
     if found is not None and found[0] != family:
         raise LoraFormatError(
             f"LoRA file {path} was made for {label} ({found[1]}), and {model} is "
-            f"{FAMILY_LABELS[family]}; use an adapter trained on an {FAMILY_LABELS[family]} model"
+            f"{FAMILY_LABELS[family]}; use an adapter trained on a model of that family"
         )
 
 

@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from xeonsd.modelfiles import families
 from xeonsd.serve.metrics import Metrics
 from xeonsd.serve.options import ServedModel, ServeOptions
 from xeonsd.serve.pool import Busy, Cancelled, Job, NotReady, PipelinePool
@@ -140,7 +141,11 @@ def create_app(
     from starlette.routing import Route
 
     limits = Limits(
-        shape=served.shape, models=tuple(served.model_names), max_images=opts.max_images, max_steps=opts.max_steps
+        shape=served.shape,
+        models=tuple(served.model_names),
+        max_images=opts.max_images,
+        max_steps=opts.max_steps,
+        guidance_scale=families.spec(served.family).guidance_scale,
     )
     created = int(time.time())
     images = _images_handler(limits, opts.timeout, pool, metrics)

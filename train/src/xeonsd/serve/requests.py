@@ -5,8 +5,8 @@ Accepted (``POST /v3/images/generations``, ``/v1/images/generations``): ``prompt
 ``size`` (``WxH``, only the export's static shape; ``auto`` or absent: that shape), ``response_format``
 (``b64_json``, the only one: no image is stored to link to), and from OVMS ``num_inference_steps``
 (1..``--max-steps``, default 20), ``rng_seed`` (0..2**32-1, GenAI's seed range; absent: a random seed, logged
-in the access line: give one to reproduce an image), ``guidance_scale`` (> 1: the static export runs
-classifier-free guidance at batch 2), ``negative_prompt``, ``num_images_per_prompt`` (OVMS's name for ``n``), ``height`` and ``width`` (the static
+in the access line: give one to reproduce an image), ``guidance_scale`` (> 1; default: the family's
+pipeline's, 7.5 for SD, 3.5 for FLUX.1), ``negative_prompt``, ``num_images_per_prompt`` (OVMS's name for ``n``), ``height`` and ``width`` (the static
 shape's, like ``size``). The OpenAI ``user`` is accepted and ignored; any other field is refused, naming it, as OVMS
 refuses the OpenAI fields that choose among a hosted model's options (``quality``, ``style``, ``background``, …).
 """
@@ -22,7 +22,6 @@ from typing import Any
 from xeonsd.openvino.manifest import StaticShape
 
 DEFAULT_STEPS = 20
-DEFAULT_GUIDANCE = 7.5
 MAX_PROMPT = 4000  # characters; CLIP reads 77 tokens of it anyway
 IGNORED = frozenset({"user"})
 KNOWN = frozenset(
@@ -63,6 +62,7 @@ class Limits:
     models: tuple[str, ...]  # the base model's name first, then the adapters'
     max_images: int
     max_steps: int
+    guidance_scale: float  # a request's default: the family's pipeline's (FamilySpec.guidance_scale)
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ def validate(body: dict[str, Any], limits: Limits) -> ImageRequest:
         raise RequestError(
             f"output_format {json.dumps(body['output_format'])} is not served: only png", "output_format"
         )
-    guidance = body.get("guidance_scale", DEFAULT_GUIDANCE)
+    guidance = body.get("guidance_scale", limits.guidance_scale)
     if isinstance(guidance, bool) or not isinstance(guidance, int | float) or not math.isfinite(guidance):
         raise RequestError(f"guidance_scale must be a number, not {json.dumps(guidance)}", "guidance_scale")
     if not 1.0 < guidance <= 50.0:

@@ -12,7 +12,7 @@ from xeonsd.trainer.captions import CaptionDraws
 from xeonsd.trainer.conditioning import PromptConditioning
 from xeonsd.trainer.config import TrainConfig
 from xeonsd.trainer.families import train_family
-from xeonsd.trainer.families.transformer import release_t5
+from xeonsd.trainer.families.transformer import release_long_encoder
 from xeonsd.trainer.inputs import Inputs
 from xeonsd.trainer.methods import Method
 from xeonsd.trainer.models import Models
@@ -50,5 +50,5 @@ def encode_prompts(
             models.sample_conditioning = family.conditioning(
                 models, table, trainable=method.trains_text_encoder, rank=rank, world=world
             )
-        release_t5(models, keep=cfg.shuffle_tags)
+        release_long_encoder(models, keep=cfg.shuffle_tags)
     return Texts(train=train, held=held, prior=prior)

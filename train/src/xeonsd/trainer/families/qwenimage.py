@@ -5,7 +5,7 @@ model and ``train_dreambooth_lora_qwen_image.py`` (v0.39.0) trains it:
   template's system prefix (the first ``drop_idx`` = 34 tokens), at most the pipeline's ``max_sequence_length``
   tokens, with their attention mask (``encoder_hidden_states_mask``, the pipeline's ``prompt_embeds_mask``). Each
   prompt is encoded alone once at start-up (as the script encodes its instance and class prompts), then Qwen is
-  freed (:func:`.transformer.release_t5`). A table holds its rows padded to its longest prompt, with the masks; a
+  freed (:func:`.transformer.release_long_encoder`). A table holds its rows padded to its longest prompt, with the masks; a
   step's batch is padded to the longest prompt of the batch, and the mask is dropped where no row has padding (as
   the pipeline's ``encode_prompt`` and the script's ``concat_prompt_embedding_batches`` do). No pooled embedding;
 * the latents: the Wan-style 3D VAE takes [n, c, frames, h, w]: the cache encodes single frames through

@@ -5,7 +5,7 @@ The text encoders are frozen (a method may put LoRA adapters on the CLIP ones, n
 hidden states are computed once at start-up, each rank encoding its share of the table and one all-reduce per
 chunk of rows giving every rank all of them, kept in the training dtype; the CLIP side is cached the same way,
 or run every step when its adapters train. Once every table the run needs is built, T5 (4.7 B parameters in
-FLUX.1 and SD3.5) is freed (:func:`release_t5`), unless ``--shuffle_tags`` makes captions that no table holds.
+FLUX.1 and SD3.5) is freed (:func:`release_long_encoder`), unless ``--shuffle_tags`` makes captions that no table holds.
 """
 
 from __future__ import annotations
@@ -206,18 +206,16 @@ class FlowFamily(TrainFamily):
         return flow_loss(pred, target, models.flow.weights(t))
 
 
-def release_t5(models: Models, keep: bool) -> None:
-    """Free a flow family's T5 once every prompt table is built (``keep``: --shuffle_tags still needs it), logging
-    this process's resident memory before and after."""
+def release_long_encoder(models: Models, keep: bool) -> None:
+    """Free a flow family's long text encoder (T5, or the one Qwen encoder) once every prompt table is built
+    (``keep``: --shuffle_tags still needs it), logging its class and this process's resident memory before and
+    after."""
+    slot = next(s for s in ("text_encoder_3", "text_encoder_2", "text_encoder") if getattr(models, s) is not None)
+    name = type(getattr(models, slot)).__name__
     if keep:
-        log.info("T5 stays loaded: --shuffle_tags encodes each example's caption in the step")
+        log.info("%s stays loaded: --shuffle_tags encodes each example's caption in the step", name)
         return
     before = _rss_gb()
-    if models.text_encoder_3 is not None:
-        models.text_encoder_3 = None
-    elif models.text_encoder_2 is not None:
-        models.text_encoder_2 = None
-    else:  # the one text encoder (Qwen) is the long one
-        models.text_encoder = None
+    setattr(models, slot, None)
     gc.collect()
-    log.info("T5 freed: every prompt is encoded; resident memory %.2f GB -> %.2f GB", before, _rss_gb())
+    log.info("%s freed: every prompt is encoded; resident memory %.2f GB -> %.2f GB", name, before, _rss_gb())
