@@ -68,3 +68,29 @@ def test_open_archs_are_make_tiny_model_archs() -> None:
 def test_depth_is_refused_on_a_tiny_open_arch(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--depth applies to"):
         make_tiny_model(tmp_path / "m", arch="tiny-zimage", depth=1)
+
+
+def test_configs_only_writes_no_weight_and_gives_the_same_training_estimate(
+    built: dict[str, Path], tmp_path: Path
+) -> None:
+    """``make-tiny-model --configs-only`` (for the estimate of a model this machine cannot hold: Qwen-Image's 20 B
+    transformer) writes the pipeline's configs and tokenizer and no weight; the trainer's memory estimate of it
+    trains with the same terms as the weighted pipeline's. Other archs refuse the flag."""
+    from xeonsd.trainer import memory
+    from xeonsd.trainer.config import parse_config
+
+    full = built["tiny-qwenimage"]
+    configs = make_tiny_model(tmp_path / "configs", arch="tiny-qwenimage", configs_only=True)
+    assert not [p for p in configs.rglob("*") if p.suffix in (".safetensors", ".bin")]
+    names = {str(p.relative_to(full)) for p in full.rglob("*.json")}
+    assert names == {str(p.relative_to(configs)) for p in configs.rglob("*.json")}, names
+
+    def estimate(src: Path) -> tuple[int, ...]:
+        argv = [f"--pretrained_model_name_or_path={src}", "--train_data_dir=unused", "--output_dir=unused"]
+        cfg = parse_config([*argv, "--method=lora", "--resolution=64", "--train_batch_size=1"])
+        e = memory.estimate(cfg, "lora", 5, 1)
+        return e.weights, e.gradients, e.optimizer, e.activations, e.caches
+
+    assert estimate(configs) == estimate(full) and estimate(full)[3] > 0
+    with pytest.raises(ValueError, match="--configs-only is for"):
+        make_tiny_model(tmp_path / "sd", arch="tiny", configs_only=True)

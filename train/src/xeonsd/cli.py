@@ -17,7 +17,10 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     def run(console: TextIO) -> int:
         from xeonsd.assets import make_tiny_model
 
-        print(make_tiny_model(Path(args.out), arch=args.arch, seed=args.seed, depth=args.depth), file=console)
+        out = make_tiny_model(
+            Path(args.out), arch=args.arch, seed=args.seed, depth=args.depth, configs_only=args.configs_only
+        )
+        print(out, file=console)
         return 0
 
     return _quietly(args, args.out, run)
@@ -264,6 +267,12 @@ def _add_make_tiny_model(sub: Any) -> None:
         help="the full-size transformers only: --arch flux: D double-stream and 2D single-stream blocks (the real "
         "model: 19); flux2-klein: D double and 4D single (real: 5); zimage: D main layers (real: 30); qwenimage: D "
         "blocks (real: 60)",
+    )
+    p.add_argument(
+        "--configs-only",
+        action="store_true",
+        help="flux2-klein/zimage/qwenimage and their tiny archs: write the configs and the tokenizer, no weights "
+        "(for `xeonsd train --dry_run`'s memory estimate of a model that does not fit this machine)",
     )
     p.add_argument("--seed", type=int, default=0)
     _add_console_flags(p)

@@ -153,21 +153,26 @@ def arch_names() -> list[str]:
     return [*ARCHS, *FLOW_ARCHS, *OPEN_ARCHS]
 
 
-def make_tiny_model(out: Path, arch: str = "tiny", seed: int = 0, depth: int | None = None) -> Path:
+def make_tiny_model(
+    out: Path, arch: str = "tiny", seed: int = 0, depth: int | None = None, configs_only: bool = False
+) -> Path:
     """Write a random-weight pipeline directory of the given architecture to ``out``: a
     ``StableDiffusionPipeline``, a ``StableDiffusionXLPipeline`` for the SDXL architectures, a FLUX.1 / SD3
     pipeline for the flow-matching ones (:mod:`xeonsd.assets.flow_models`; ``depth``: FLUX's block count), or a
-    FLUX.2-klein / Z-Image / Qwen-Image one (:mod:`xeonsd.assets.open_models`; ``depth``: the denoiser's blocks)."""
+    FLUX.2-klein / Z-Image / Qwen-Image one (:mod:`xeonsd.assets.open_models`; ``depth``: the denoiser's blocks;
+    ``configs_only``: their configs without weights)."""
     import torch
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
     from xeonsd.assets.flow_models import FLOW_ARCHS, check_depth, make_flow_model
     from xeonsd.assets.open_models import OPEN_ARCHS, make_open_model
 
+    if configs_only and arch not in OPEN_ARCHS:
+        raise ValueError(f"--configs-only is for {', '.join(sorted(OPEN_ARCHS))}, not --arch {arch}")
     if arch in FLOW_ARCHS:
         return make_flow_model(out, arch, seed=seed, depth=depth)
     if arch in OPEN_ARCHS:
-        return make_open_model(out, arch, seed=seed, depth=depth)
+        return make_open_model(out, arch, seed=seed, depth=depth, configs_only=configs_only)
     if arch not in ARCHS:
         raise ValueError(f"unknown --arch {arch!r}; choose one of {arch_names()}")
     check_depth(arch, depth)

@@ -185,9 +185,15 @@ def check_open_depth(arch: str, depth: int | None) -> None:
     check_depth(arch, depth)
 
 
-def make_open_model(out: Path, arch: str, seed: int = 0, depth: int | None = None) -> Path:
-    """Write a random-weight FLUX.2-klein, Z-Image or Qwen-Image pipeline directory of ``arch`` to ``out``."""
+def make_open_model(out: Path, arch: str, seed: int = 0, depth: int | None = None, configs_only: bool = False) -> Path:
+    """Write a random-weight FLUX.2-klein, Z-Image or Qwen-Image pipeline directory of ``arch`` to ``out``.
+    ``configs_only``: the same directory without weights (the models built on the meta device, their configs, the
+    tokenizer and model_index.json written): what ``xeonsd train --dry_run`` and doctor's memory row read, for the
+    architectures this machine cannot hold (Qwen-Image: 20 B + 8 B parameters)."""
+    import contextlib
+
     import torch
+    from accelerate import init_empty_weights
 
     if arch not in OPEN_ARCHS:
         raise ValueError(f"unknown open --arch {arch!r}; choose one of {sorted(OPEN_ARCHS)}")
@@ -197,17 +203,36 @@ def make_open_model(out: Path, arch: str, seed: int = 0, depth: int | None = Non
     torch.manual_seed(seed)
     tokenizer = qwen_tokenizer()
     # Built in this order from one seed: the weights depend on it.
-    with _default_dtype(getattr(torch, a.weights_dtype)):
+    empty = init_empty_weights() if configs_only else contextlib.nullcontext()
+    with _default_dtype(getattr(torch, a.weights_dtype)), empty:
         transformer = _TRANSFORMERS[a.family](a)
         vae = _VAES[a.family](a)
         encode = qwen25vl_encoder if a.family == "qwenimage" else qwen3_encoder
         text_encoder = encode(a.text, tokenizer)
     pipe = _pipeline(a, transformer, vae, text_encoder, tokenizer)
     with atomic_dir(out) as tmp:
-        pipe.save_pretrained(tmp, safe_serialization=True)
+        if configs_only:
+            _save_configs(pipe, tmp)
+        else:
+            pipe.save_pretrained(tmp, safe_serialization=True)
     n = sum(p.numel() for p in transformer.parameters())
-    log.info("wrote %s pipeline to %s (transformer %.1fM parameters)", arch, out, n / 1e6)
+    what = "configs" if configs_only else "pipeline"
+    log.info("wrote %s %s to %s (transformer %.1fM parameters)", arch, what, out, n / 1e6)
     return out
+
+
+def _save_configs(pipe: Any, out: Path) -> None:
+    """A pipeline directory without weights: model_index.json, each component's config, the tokenizer."""
+    pipe.save_config(out)  # model_index.json
+    for name, part in pipe.components.items():
+        if hasattr(part, "save_config"):  # diffusers models and schedulers
+            part.save_config(out / name)
+        elif hasattr(part, "save_pretrained") and not hasattr(part, "parameters"):  # tokenizers
+            part.save_pretrained(out / name)
+        else:  # transformers models: the config (and its generation config, where it has one)
+            part.config.save_pretrained(out / name)
+            if getattr(part, "generation_config", None) is not None:
+                part.generation_config.save_pretrained(out / name)
 
 
 def _pipeline(a: OpenArch, transformer: Any, vae: Any, text_encoder: Any, tokenizer: Any) -> Any:
