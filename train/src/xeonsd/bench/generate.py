@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--depth",
         type=int,
-        help="--arch flux only: D double-stream and 2D single-stream blocks at FLUX.1's widths (the real model: 19)",
+        help="--arch flux, flux2-klein, zimage, qwenimage only: their blocks cut to D (make-tiny-model --help)",
     )
     p.add_argument("--workdir", default="bench-generate", help="models, exports and results (reused between runs)")
     p.add_argument(
