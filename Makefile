@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: install test test-quick lint demo demo-local clean cluster-up cluster-down lint-ansible
+.PHONY: install test test-quick lint hooks demo demo-local clean cluster-up cluster-down lint-ansible
 
 install: $(VENV)/.installed
 
@@ -36,6 +36,11 @@ test-quick: install
 lint: install
 	$(VENV)/bin/ruff check train tests plugins roles
 	$(VENV)/bin/ruff format --check train tests plugins roles
+	.ci/commit-subjects
+
+# The same commit-message rule while committing (a subject of at most 72 characters, a blank line before the body).
+hooks:
+	git config core.hooksPath .githooks
 
 clean:
 	rm -rf $(VENV) .pytest_cache build
