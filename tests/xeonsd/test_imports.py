@@ -246,3 +246,15 @@ def test_the_checkers_catch_a_cycle_and_an_upward_import(tmp_path: Path) -> None
         "def f():\n    from xeonsd.trainer.loop import fit\n"
     )
     assert _imports(lazy) == [(5, "xeonsd.trainer.loop")]  # the lazy import counts, the type-only one does not
+
+
+def test_the_package_overview_names_every_subpackage_and_top_level_module() -> None:
+    """xeonsd/__init__.py's docstring is the map of the package: each subpackage and top-level module is on it."""
+    import xeonsd
+
+    root = Path(xeonsd.__file__).parent
+    names = {p.name for p in root.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    names |= {p.stem for p in root.glob("*.py") if p.stem != "__init__"}
+    doc = xeonsd.__doc__ or ""
+    missing = sorted(n for n in names if f":mod:`xeonsd.{n}`" not in doc and f":mod:`~xeonsd.{n}`" not in doc)
+    assert missing == [], f"add them to the overview in xeonsd/__init__.py: {missing}"

@@ -9,13 +9,16 @@ The package is one subpackage per concern; each ``__init__`` says what it owns a
 * :mod:`xeonsd.cluster`: the runtime of a job's ranks: the process group, rank statistics, ``hello``;
 * :mod:`xeonsd.trainer`: ``xeonsd train``, in layers (its ``__init__`` lists them);
 * :mod:`xeonsd.openvino`: ``xeonsd export`` / ``generate``: the IR export, int8, the export's manifest, LoRA files;
+* :mod:`xeonsd.serve`: ``xeonsd serve``: the OpenAI/OVMS images API over an export, LoRA adapters per request;
 * :mod:`xeonsd.ops`: ``xeonsd doctor`` / ``report``: checking a node and reading a finished run;
-* :mod:`xeonsd.bench`: ``xeonsd bench train`` / ``generate`` / ``layout``;
+* :mod:`xeonsd.bench`: ``xeonsd bench train`` / ``generate`` / ``layout`` / ``serve`` / ``optimizer``;
 * :mod:`xeonsd.assets`: the offline tiny models and image set that the demo and the tests build.
 
 At the top level only what more than one of them uses: :mod:`~xeonsd.cli` (the command line), :mod:`~xeonsd.fsutil`
 (crash-safe output), :mod:`~xeonsd.console` (a command's console: the libraries' chatter in a log file),
-:mod:`~xeonsd.cpu` (what the CPU offers) and :mod:`~xeonsd.flops` (FLOP counts and the matmul peak).
+:mod:`~xeonsd.cpu` (what the CPU offers), :mod:`~xeonsd.flops` (FLOP counts and the matmul peak),
+:mod:`~xeonsd.step_profile` (a step's time and FLOPs per class of work) and :mod:`~xeonsd.templates` (the recipe's
+prompt templates).
 """
 
 __version__ = "0.1.0"
