@@ -63,7 +63,7 @@ def _inventory_argv(*extra_vars: str) -> list[str]:
     ],
 )
 def test_the_inventorys_argv_carries_only_the_chosen_methods_flags(method, own, foreign) -> None:
-    from xeonsd.trainer.config import given_flags, parse_config
+    from xeonsd.trainer.argv import given_flags, parse_config
 
     argv = _inventory_argv(f"finetune_method={method}", "finetune_use_ema=true")
     cfg = parse_config(argv)  # a flag of another method would be a ConfigError
@@ -77,7 +77,7 @@ def test_the_inventorys_argv_carries_only_the_chosen_methods_flags(method, own, 
 
 
 def test_the_bucket_options_reach_the_trainer_when_set() -> None:
-    from xeonsd.trainer.config import parse_config
+    from xeonsd.trainer.argv import parse_config
 
     argv = _inventory_argv(
         "finetune_buckets=true", "finetune_min_bucket_reso=320", "finetune_max_bucket_reso=768",
@@ -89,14 +89,14 @@ def test_the_bucket_options_reach_the_trainer_when_set() -> None:
 
 
 def test_a_resolution_number_reaches_the_trainer_and_auto_leaves_it_to_the_family() -> None:
-    from xeonsd.trainer.config import given_flags, parse_config
+    from xeonsd.trainer.argv import given_flags, parse_config
 
     assert "resolution" not in given_flags(_inventory_argv("finetune_resolution=auto"))
     assert parse_config(_inventory_argv("finetune_resolution=768")).resolution == 768
 
 
 def test_the_loss_options_reach_the_trainer_when_set() -> None:
-    from xeonsd.trainer.config import parse_config
+    from xeonsd.trainer.argv import parse_config
 
     argv = _inventory_argv(
         "finetune_method=lora", "finetune_snr_gamma=5", "finetune_noise_offset=0.05", "finetune_timestep_range=100,900"
@@ -107,7 +107,7 @@ def test_the_loss_options_reach_the_trainer_when_set() -> None:
 
 
 def test_the_caption_options_and_the_lora_file_layout_reach_the_trainer() -> None:
-    from xeonsd.trainer.config import given_flags, parse_config
+    from xeonsd.trainer.argv import given_flags, parse_config
 
     caption_flags = {"shuffle_tags", "keep_tokens", "caption_dropout", "caption_prefix"}
     assert not caption_flags & given_flags(_inventory_argv("finetune_method=lora"))  # the defaults: off
@@ -131,7 +131,7 @@ def test_the_caption_options_and_the_lora_file_layout_reach_the_trainer() -> Non
 
 
 def test_the_validation_loss_options_reach_the_trainer_when_set() -> None:
-    from xeonsd.trainer.config import given_flags, parse_config
+    from xeonsd.trainer.argv import given_flags, parse_config
 
     names = {"validation_split", "validation_data_dir", "validation_steps"}
     assert not names & given_flags(_inventory_argv())  # empty: off
@@ -247,7 +247,7 @@ def test_ansible_renders_the_method_filters() -> None:
 
 
 def test_prior_preservation_reaches_the_trainer_only_when_on() -> None:
-    from xeonsd.trainer.config import given_flags, parse_config
+    from xeonsd.trainer.argv import given_flags, parse_config
 
     prior_flags = {"with_prior_preservation", "class_prompt", "class_data_dir", "num_class_images", "prior_loss_weight"}
     prior_flags.add("class_export")

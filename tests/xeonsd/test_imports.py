@@ -115,11 +115,13 @@ def test_a_forbidden_import_is_caught(tmp_path: Path) -> None:
 TRAINER_LAYERS: list[set[str]] = [
     {
         "config",
+        "argv",
         "resolution",
         "rng",
         "rank_io",
         "checkpoint",
         "metrics",
+        "tracking",
         "weights",
         "libraries",
         "embeddings",

@@ -77,7 +77,7 @@ def test_configs_only_writes_no_weight_and_gives_the_same_training_estimate(
     transformer) writes the pipeline's configs and tokenizer and no weight; the trainer's memory estimate of it
     trains with the same terms as the weighted pipeline's. Other archs refuse the flag."""
     from xeonsd.trainer import memory
-    from xeonsd.trainer.config import parse_config
+    from xeonsd.trainer.argv import parse_config
 
     full = built["tiny-qwenimage"]
     configs = make_tiny_model(tmp_path / "configs", arch="tiny-qwenimage", configs_only=True)

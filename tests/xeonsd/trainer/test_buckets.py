@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 
 from xeonsd.cluster.distributed import RankInfo
+from xeonsd.trainer.argv import parse_config
 from xeonsd.trainer.buckets import (
     BucketBatches,
     BucketError,
@@ -20,7 +21,7 @@ from xeonsd.trainer.buckets import (
     nearest_bucket,
     placement,
 )
-from xeonsd.trainer.config import ConfigError, parse_config
+from xeonsd.trainer.config import ConfigError
 from xeonsd.trainer.data import SamplingPlan, load_pixels
 from xeonsd.trainer.inputs import check_flags
 

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from cli_runs import method_args, train
 
+from xeonsd.trainer.argv import parse_config
 from xeonsd.trainer.captions import CaptionDraws, read_captions, split_tags
-from xeonsd.trainer.config import ConfigError, parse_config
+from xeonsd.trainer.config import ConfigError
 from xeonsd.trainer.data import SamplingPlan, find_images
 from xeonsd.trainer.inputs import check_caption_options
 

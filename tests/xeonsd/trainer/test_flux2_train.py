@@ -165,7 +165,7 @@ def test_sigma_is_the_schedulers_unshifted_training_grid(tiny_flux2_model):
     """klein's scheduler has use_dynamic_shifting: its training sigmas, which the script indexes, are unshifted."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from xeonsd.trainer.config import parse_config
+    from xeonsd.trainer.argv import parse_config
     from xeonsd.trainer.models import load_models
 
     cfg = parse_config([f"--pretrained_model_name_or_path={tiny_flux2_model}", "--train_data_dir=."])

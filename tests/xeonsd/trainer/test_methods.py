@@ -12,7 +12,7 @@ import torch
 from cli_runs import method_args, refused, run_cli, train
 from safetensors.torch import load_file
 
-from xeonsd.trainer.config import build_parser
+from xeonsd.trainer.argv import build_parser
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
@@ -75,7 +75,7 @@ def test_lora_two_ranks_learn_what_one_rank_with_double_batch_learns(tiny_model,
 
 def test_the_fused_lora_forward_learns_what_peft_s_forward_learns(tiny_model, captioned, tmp_path, cli_env):
     """fp32, so the two forwards differ only in the order of their float operations (bf16: test_lora_layer.py)."""
-    from xeonsd.trainer.config import parse_config
+    from xeonsd.trainer.argv import parse_config
     from xeonsd.trainer.methods.lora import unet_lora_config
     from xeonsd.trainer.methods.lora_layer import FusedLoraLinear
 
@@ -379,7 +379,7 @@ def test_the_estimate_counts_glibc_malloc_s_keep_and_none_under_tcmalloc(tiny_mo
 
 
 def test_estimate_grows_with_what_the_method_trains_and_the_resolution(tiny_model):
-    from xeonsd.trainer.config import parse_config
+    from xeonsd.trainer.argv import parse_config
     from xeonsd.trainer.memory import estimate
 
     def est(method: str, *extra: str):

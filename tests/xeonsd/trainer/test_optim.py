@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from xeonsd.cluster.distributed import RankInfo
-from xeonsd.trainer.config import ConfigError, parse_config
+from xeonsd.trainer.argv import parse_config
+from xeonsd.trainer.config import ConfigError
 from xeonsd.trainer.inputs import check_flags
 from xeonsd.trainer.optim import make_optimizer
 

@@ -76,7 +76,7 @@ def test_the_summary_records_the_prior_settings(generated):
 def test_the_memory_estimate_counts_the_class_examples_in_each_step(tiny_model):
     """Each step runs instance + class examples through the UNet: the activations of batch 2 with prior
     preservation are those of batch 4 without; the caches hold the class images' latents and the class prompt."""
-    from xeonsd.trainer.config import parse_config
+    from xeonsd.trainer.argv import parse_config
     from xeonsd.trainer.memory import estimate
 
     def est(*extra: str, batch: int):

@@ -257,7 +257,7 @@ def sdxl_configs(tiny_xl_model, tmp_path_factory) -> Path:
 
 def test_sdxl_defaults_to_1024_and_full_fine_tuning_does_not_fit_a_24_gb_node(sdxl_configs, tiny_xl_model, tiny_model):
     from xeonsd.modelfiles.families import detect_family
-    from xeonsd.trainer.config import parse_config
+    from xeonsd.trainer.argv import parse_config
     from xeonsd.trainer.memory import GB, check_fits, estimate
     from xeonsd.trainer.resolution import with_resolution
 

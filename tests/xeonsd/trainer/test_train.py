@@ -17,7 +17,7 @@ import torch
 from cli_runs import TOKEN, assert_learned, initial_vector, mpi_env, refused, run_cli, train_args
 from safetensors.torch import load_file
 
-from xeonsd.trainer.config import parse_config
+from xeonsd.trainer.argv import parse_config
 
 # The recipe's command line, verbatim, after `xeonsd train` (paths filled in by the tests).
 RECIPE_FLAGS = [

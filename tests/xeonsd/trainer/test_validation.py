@@ -12,8 +12,9 @@ import pytest
 import torch
 from cli_runs import method_args, refused, train
 
+from xeonsd.trainer.argv import parse_config
 from xeonsd.trainer.captions import read_captions
-from xeonsd.trainer.config import ConfigError, parse_config
+from xeonsd.trainer.config import ConfigError
 from xeonsd.trainer.data import DataError, find_images
 from xeonsd.trainer.validation import HeldOut, ValidationSet, check_held_out, fixed_timesteps, hold_out
 

@@ -25,6 +25,8 @@ from xeonsd.contracts.slurm_job import read_slurm_job
 
 TRAIN_SUMMARY_FILE = "train_summary.json"
 RUN_JSON_FILE = "run.json"
+# --report_to tensorboard's event files, in the run directory (the finetune role fetches them, the report links them)
+TENSORBOARD_DIR = "tensorboard"
 # The phases of run.json, by the name the report shows.
 TRAINING_WALL = "training job, wall (s)"
 EXPORT_S = "OpenVINO export (s)"

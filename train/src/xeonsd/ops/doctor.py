@@ -94,8 +94,9 @@ def check_method(method: str) -> Check:
 
 
 def check_inputs(train_args: list[str], ranks_per_node: int = 1) -> list[Check]:
+    from xeonsd.trainer.argv import parse_config
     from xeonsd.trainer.captions import read_captions
-    from xeonsd.trainer.config import ConfigError, parse_config
+    from xeonsd.trainer.config import ConfigError
     from xeonsd.trainer.data import DataError, find_images
     from xeonsd.trainer.methods import for_config
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from xeonsd.contracts.method_names import METHOD_FILES
-from xeonsd.contracts.run_files import TRAINING_WALL
+from xeonsd.contracts.run_files import TENSORBOARD_DIR, TRAINING_WALL
 from xeonsd.fsutil import atomic_file
 from xeonsd.modelfiles.families import SPECS
 from xeonsd.ops import run_view as clusterview
@@ -282,6 +282,12 @@ def _loss_section(run: Path, rows: list[dict], missing: list[str]) -> list[str]:
             sections.append("<h2>Loss</h2>")
     if summary:
         sections.append(html_table(summary))
+    if any((run / TENSORBOARD_DIR).glob("events.out.tfevents.*")):
+        sections.append(
+            f"<p>TensorBoard: the curves, the CPU use per node and the validation images are in "
+            f"<code>{TENSORBOARD_DIR}/</code>; open them with <code>tensorboard --logdir {html.escape(str(run.parent))}"
+            "</code> (every run beside this one) and http://localhost:6006.</p>"
+        )
     return sections
 
 

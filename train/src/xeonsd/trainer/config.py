@@ -3,23 +3,18 @@
 The recipe (diffusers' ``examples/textual_inversion/textual_inversion.py``) spells flags with underscores;
 they are kept verbatim so its command line works after ``xeonsd train``. Each field says which training methods
 it belongs to (none: every method); ``xeonsd train --help`` groups the flags by method, and a flag given for
-another method than ``--method`` is refused.
+another method than ``--method`` is refused: :mod:`.argv` makes the command line from these fields.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from xeonsd.contracts.method_names import METHODS
 from xeonsd.contracts.straggler_rule import STRAGGLER_RATIO
-
-if TYPE_CHECKING:
-    pass
 
 TI, LORA, FULL = METHODS
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
@@ -290,6 +285,14 @@ class TrainConfig:
         default=0,
     )
     log_every: int = _flag("metrics line every N steps", default=1)
+    report_to: str = _flag(
+        "also log the curves and validation images to TensorBoard (event files in OUTPUT_DIR/tensorboard) or MLflow",
+        default="none",
+        choices=("none", "tensorboard", "mlflow"),
+    )
+    tracking_uri: str | None = _flag(
+        "--report_to mlflow: the tracking server or store (default: MLFLOW_TRACKING_URI, else ./mlruns)", default=None
+    )
     stats_every: int = _flag(
         "every N steps the ranks exchange their CPU utilisation and time split (one small all-gather) and rank 0 "
         "adds them to the next metrics line",
@@ -322,74 +325,6 @@ GROUPS = (
 def flag_methods(name: str) -> tuple[str, ...]:
     """The methods a field belongs to (empty: all)."""
     return next(f.metadata["methods"] for f in dataclasses.fields(TrainConfig) if f.name == name)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="xeonsd train",
-        description="Fine-tune a Stable Diffusion model on Xeon CPUs, distributed over MPI ranks: textual inversion "
-        "(the recipe's, default), LoRA or the full UNet, on prompt templates, an instance prompt or captions.",
-        allow_abbrev=False,
-    )
-    groups = {methods: parser.add_argument_group(title) for methods, title in GROUPS}
-    hints = typing.get_type_hints(TrainConfig)
-    for f in dataclasses.fields(TrainConfig):
-        meta = dict(f.metadata)
-        help_text = meta.pop("help")
-        negatable = meta.pop("negatable", False)
-        group = groups[meta.pop("methods")]
-        name, *aliases = (f"--{f.name}", *meta.pop("aliases", ()))
-        required = f.default is dataclasses.MISSING
-        hint = hints[f.name]
-        base = typing.get_args(hint)[0] if typing.get_origin(hint) in (typing.Union, type(int | None)) else hint
-        if base is bool:
-            if negatable:
-                group.add_argument(
-                    name, *aliases, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
-                )
-            else:
-                group.add_argument(name, *aliases, action="store_true", default=f.default, help=help_text)
-            continue
-        kwargs: dict[str, typing.Any] = {"type": base, "help": help_text, **meta}
-        if required:
-            kwargs["required"] = True
-        else:
-            kwargs["default"] = f.default
-        group.add_argument(name, *aliases, **kwargs)
-    return parser
-
-
-def given_flags(argv: list[str]) -> set[str]:
-    """The field names that ``argv`` sets explicitly (``--name``, ``--name=v``, ``--no-name``)."""
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    aliases = {a[2:]: f.name for f in dataclasses.fields(TrainConfig) for a in f.metadata.get("aliases", ())}
-    given = set()
-    for arg in argv:
-        if not arg.startswith("--"):
-            continue
-        name = arg[2:].split("=", 1)[0]
-        name = name[3:] if name.startswith("no-") and name[3:] in fields else name
-        name = aliases.get(name, name)
-        if name in fields:
-            given.add(name)
-    return given
-
-
-def parse_config(argv: list[str]) -> TrainConfig:
-    """Parse ``argv``; a flag of another method than the chosen one is a ConfigError naming it."""
-    args = build_parser().parse_args(argv)
-    cfg = TrainConfig(**vars(args))
-    foreign = sorted(n for n in given_flags(argv) if flag_methods(n) and cfg.method not in flag_methods(n))
-    if "with_prior_preservation" in foreign:  # refused with its reason, not only as another method's flag
-        raise ConfigError(PRIOR_NEEDS_WEIGHTS)
-    if foreign:
-        owners = {n: "/".join(flag_methods(n)) for n in foreign}
-        raise ConfigError(
-            f"--method {cfg.method} does not use "
-            + ", ".join(f"--{n} (a {owners[n]} flag)" for n in foreign)
-            + "; remove it or choose that --method"
-        )
-    return cfg
 
 
 # Why --with_prior_preservation is refused with textual inversion (the config's check and the prior's say it alike).

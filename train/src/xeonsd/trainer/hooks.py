@@ -34,6 +34,7 @@ from xeonsd.trainer.metrics import MetricsLog
 from xeonsd.trainer.models import render_validation
 from xeonsd.trainer.step_end import StepEnd, StepEndSequence, StepObserver
 from xeonsd.trainer.stopping import Interrupted, StopDeadline, describe, exit_code, make_stop
+from xeonsd.trainer.tracking import Tracker, open_tracker
 from xeonsd.trainer.validation import validation_loss
 
 log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name
@@ -46,6 +47,8 @@ class StepObservers:
         cfg = job.run.cfg
         self.job = job
         self.metrics = MetricsLog(cfg.output_path, resume_step=job.run.start_step) if job.is_main else None
+        # --report_to's curves, rank 0 (its metrics rows and validation images); save() closes it after the last
+        self.tracker = open_tracker(cfg, job.run.start_step, self.metrics.rows) if self.metrics is not None else None
         self.counters = StepCounters(job)
         self.progress = Progress(job) if job.is_main else None
         self.stats = RankStats(job)  # every rank: an all-gather of the node names
@@ -58,10 +61,10 @@ class StepObservers:
             extras.append(self.validation.take_row)
         if self.progress is not None and self.metrics is not None:  # rank 0
             observers["progress"] = self.progress
-            observers["metrics"] = MetricsRows(job, self.metrics, extras=extras, force=self.validation)
+            observers["metrics"] = MetricsRows(job, self.metrics, extras, self.validation, self.tracker)
             observers["checkpoint"] = Checkpoints(job)
         if cfg.validation_prompt and cfg.validation_steps:
-            observers["validation_images"] = ValidationImages(job)
+            observers["validation_images"] = ValidationImages(job, self.tracker)
         self.sequence = StepEndSequence(observers)  # the order: xeonsd.trainer.step_end
 
     @contextlib.contextmanager
@@ -75,9 +78,12 @@ class StepObservers:
         self.clock.end_step()
         self.sequence.run(end)
 
-    def close(self) -> None:
+    def close(self, tracker: bool = False) -> None:
+        """The progress bar; with ``tracker`` the tracker too (a stop: no save follows)."""
         if self.progress is not None:
             self.progress.close()
+        if tracker and self.tracker is not None:
+            self.tracker.close()
 
     def stop(self, end: StepEnd, signum: int, timeout_s: float) -> NoReturn:
         """The ranks agreed to stop after ``end``: within ``timeout_s`` (else the rank exits without it) the
@@ -94,7 +100,7 @@ class StepObservers:
                 barrier(job.world)
             stop = make_stop(signum, end.step, ckpt.checkpoint_name(end.step))
             status.interrupt(stop)
-        self.close()
+        self.close(tracker=True)
         if job.is_main:
             log.warning("%s: %s written in %.1f s", describe(signum), stop.checkpoint, time.perf_counter() - t0)
         raise Interrupted(signum, stop)
@@ -248,18 +254,27 @@ class MetricsRows:
     ``extras`` adds (the counters, the gathered rank statistics)."""
 
     def __init__(
-        self, job: Job, metrics: MetricsLog, extras: list[Callable[[], dict]], force: ValidationLoss | None = None
+        self,
+        job: Job,
+        metrics: MetricsLog,
+        extras: list[Callable[[], dict]],
+        force: ValidationLoss | None = None,
+        tracker: Tracker | None = None,
     ) -> None:
         self.job = job
         self.metrics = metrics
         self.extras = extras
         self.force = force  # a validation loss waiting for its row makes a row whatever --log_every says
+        self.tracker = tracker
 
     def on_step_end(self, end: StepEnd) -> None:
         cfg = self.job.run.cfg
         pending = self.force is not None and self.force.value is not None
         if end.step % cfg.log_every == 0 or end.step == cfg.max_train_steps or end.stopping or pending:
-            self.metrics.append(self.row(end))
+            row = self.row(end)
+            self.metrics.append(row)
+            if self.tracker is not None:
+                self.tracker.log_row(row)
 
     def row(self, end: StepEnd) -> dict:
         job, cfg = self.job, self.job.run.cfg
@@ -314,8 +329,9 @@ class ValidationImages:
     """Every ``--validation_steps``: rank 0 renders the validation prompt's images, the others wait at a barrier.
     That takes minutes on a CPU, so the set-up timeout applies instead of the step's."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Job, tracker: Tracker | None = None) -> None:
         self.job = job
+        self.tracker = tracker
 
     def on_step_end(self, end: StepEnd) -> None:
         job, cfg = self.job, self.job.run.cfg
@@ -325,6 +341,8 @@ class ValidationImages:
             if job.is_main:
                 out = cfg.output_path / "validation" / f"step-{end.step}"
                 render_validation(cfg, job.training.models, out, job.run.seed)
+                if self.tracker is not None:
+                    self.tracker.log_images(end.step, out)
             with job.cluster.timeout.watch("barrier after the validation images"):
                 barrier(job.world)
 

@@ -26,6 +26,7 @@ from xeonsd.trainer.methods import for_config, method_class
 from xeonsd.trainer.models import model_family
 from xeonsd.trainer.prior import check_prior_flags
 from xeonsd.trainer.resolution import default_resolution
+from xeonsd.trainer.tracking import check_report_to
 from xeonsd.trainer.validation import HeldOut, check_held_out, hold_out
 
 log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name
@@ -133,6 +134,7 @@ def check_family_flags(cfg: TrainConfig, family: Family) -> None:
 
 def check_flags(cfg: TrainConfig, info: RankInfo) -> None:
     """The flags' values on their own, and ``--world_size`` against the launcher."""
+    check_report_to(cfg)
     if cfg.mixed_precision == "fp16":
         raise ConfigError(
             "--mixed_precision fp16 is not supported on CPU (no fp16 autocast/AMX path for training); "

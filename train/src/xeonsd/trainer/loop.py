@@ -39,7 +39,8 @@ from xeonsd.contracts.job_status import RankStatusFile
 from xeonsd.cpu import cpu_info
 from xeonsd.modelfiles.modelsource import ModelSourceError
 from xeonsd.trainer import checkpoint as ckpt
-from xeonsd.trainer.config import ConfigError, TrainConfig, parse_config
+from xeonsd.trainer.argv import parse_config
+from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.data import DataError
 from xeonsd.trainer.embeddings import ConceptError
 from xeonsd.trainer.hooks import StepObservers
@@ -54,6 +55,7 @@ from xeonsd.trainer.step import step_loss, sync_gradients, update
 from xeonsd.trainer.step_end import StepEnd
 from xeonsd.trainer.stopping import Interrupted, StopSignals
 from xeonsd.trainer.summary import train_summary
+from xeonsd.trainer.tracking import Tracker
 from xeonsd.trainer.validation import write_image_grid
 
 log = logging.getLogger("xeonsd.train")
@@ -98,6 +100,7 @@ class Fitted:
     metrics: MetricsLog | None
     first_step_s: float | None = None  # from the trainer's start to the first step's
     first_step_cpu_s: float | None = None  # this process's CPU seconds (all threads, imports included) until then
+    tracker: Tracker | None = None  # rank 0's --report_to curves, closed by save()
 
 
 def fit(job: Job, signals: StopSignals, started: float | None = None) -> Fitted:
@@ -135,7 +138,7 @@ def fit(job: Job, signals: StopSignals, started: float | None = None) -> Fitted:
                 observers.stop(end, signum, signals.timeout_s)  # raises Interrupted
             observers.on_step_end(end)
     observers.close()
-    return Fitted(step_times, observers.metrics, first_step_s, first_step_cpu_s)
+    return Fitted(step_times, observers.metrics, first_step_s, first_step_cpu_s, observers.tracker)
 
 
 def _log_step_timeout(job: Job) -> None:
@@ -204,12 +207,16 @@ def save(job: Job, fitted: Fitted) -> dict:
         if cfg.validation_prompt:
             render_validation(cfg, job.training.models, out / "validation" / "final", job.run.seed)
             write_image_grid(out)
+            if fitted.tracker is not None:
+                fitted.tracker.log_images(cfg.max_train_steps, out / "validation" / "final", "validation_final")
         method.save(out)
         metrics = fitted.metrics
         assert metrics is not None
         if metrics.rows:
             plot_loss(metrics.rows, out / "loss.png", title=f"{method.label()}: {world} rank(s)")
         metrics.finish()
+        if fitted.tracker is not None:
+            fitted.tracker.close()
         write_summary(out, train_summary(job, fitted.first_step_s, fitted.first_step_cpu_s))
         log.info("saved the %s result to %s", cfg.method, out)
     with job.cluster.timeout.watch("barrier after saving"):

@@ -1,0 +1,79 @@
+"""``xeonsd train``'s command line, made from :class:`~xeonsd.trainer.config.TrainConfig`'s fields: the parser
+(``--help`` groups the flags by method), the flags a command line gives explicitly, and parsing, which refuses a
+flag of another method than ``--method`` by name."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from xeonsd.trainer.config import GROUPS, PRIOR_NEEDS_WEIGHTS, ConfigError, TrainConfig, flag_methods
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="xeonsd train",
+        description="Fine-tune a Stable Diffusion model on Xeon CPUs, distributed over MPI ranks: textual inversion "
+        "(the recipe's, default), LoRA or the full UNet, on prompt templates, an instance prompt or captions.",
+        allow_abbrev=False,
+    )
+    groups = {methods: parser.add_argument_group(title) for methods, title in GROUPS}
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        meta = dict(f.metadata)
+        help_text = meta.pop("help")
+        negatable = meta.pop("negatable", False)
+        group = groups[meta.pop("methods")]
+        name, *aliases = (f"--{f.name}", *meta.pop("aliases", ()))
+        required = f.default is dataclasses.MISSING
+        hint = hints[f.name]
+        base = typing.get_args(hint)[0] if typing.get_origin(hint) in (typing.Union, type(int | None)) else hint
+        if base is bool:
+            if negatable:
+                group.add_argument(
+                    name, *aliases, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+                )
+            else:
+                group.add_argument(name, *aliases, action="store_true", default=f.default, help=help_text)
+            continue
+        kwargs: dict[str, typing.Any] = {"type": base, "help": help_text, **meta}
+        if required:
+            kwargs["required"] = True
+        else:
+            kwargs["default"] = f.default
+        group.add_argument(name, *aliases, **kwargs)
+    return parser
+
+
+def given_flags(argv: list[str]) -> set[str]:
+    """The field names that ``argv`` sets explicitly (``--name``, ``--name=v``, ``--no-name``)."""
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    aliases = {a[2:]: f.name for f in dataclasses.fields(TrainConfig) for a in f.metadata.get("aliases", ())}
+    given = set()
+    for arg in argv:
+        if not arg.startswith("--"):
+            continue
+        name = arg[2:].split("=", 1)[0]
+        name = name[3:] if name.startswith("no-") and name[3:] in fields else name
+        name = aliases.get(name, name)
+        if name in fields:
+            given.add(name)
+    return given
+
+
+def parse_config(argv: list[str]) -> TrainConfig:
+    """Parse ``argv``; a flag of another method than the chosen one is a ConfigError naming it."""
+    args = build_parser().parse_args(argv)
+    cfg = TrainConfig(**vars(args))
+    foreign = sorted(n for n in given_flags(argv) if flag_methods(n) and cfg.method not in flag_methods(n))
+    if "with_prior_preservation" in foreign:  # refused with its reason, not only as another method's flag
+        raise ConfigError(PRIOR_NEEDS_WEIGHTS)
+    if foreign:
+        owners = {n: "/".join(flag_methods(n)) for n in foreign}
+        raise ConfigError(
+            f"--method {cfg.method} does not use "
+            + ", ".join(f"--{n} (a {owners[n]} flag)" for n in foreign)
+            + "; remove it or choose that --method"
+        )
+    return cfg
