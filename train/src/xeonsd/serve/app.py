@@ -3,7 +3,8 @@
 Routes: ``POST /v3/images/generations`` and ``POST /v1/images/generations`` (one handler: OVMS's and OpenAI's
 path), ``GET /v1/models`` and ``GET /v3/models`` (the base model, then the adapters), ``GET /v2/health/live``
 (200 while the process serves), ``GET /v2/health/ready`` (200 once every pipeline is compiled, 503 before),
-``GET /metrics`` (Prometheus text format).
+``GET /metrics`` (Prometheus text format). With ``--api-key-file`` every route but the health checks needs a key
+(:mod:`xeonsd.serve.keys`: 401 without one).
 
 Statuses: 200; 500 a failure inside the pipeline (logged with its traceback; the server goes on); 400 a bad field (``error.param`` names it); 404 an unknown model (the message lists the known
 ones); 429 the queue is full (``Retry-After``); 503 not ready yet, or shutting down; 504 past ``--timeout``; 499
@@ -22,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from xeonsd.modelfiles import families
+from xeonsd.serve.keys import KeyRing, RequireKey
 from xeonsd.serve.metrics import Metrics
 from xeonsd.serve.options import ServedModel, ServeOptions
 from xeonsd.serve.pool import Busy, Cancelled, Job, NotReady, PipelinePool
@@ -133,7 +135,12 @@ def _images_handler(limits: Limits, timeout: float, pool: PipelinePool, metrics:
 
 
 def create_app(
-    served: ServedModel, opts: ServeOptions, pool: PipelinePool, metrics: Metrics, on_ready: Callable[[], None]
+    served: ServedModel,
+    opts: ServeOptions,
+    pool: PipelinePool,
+    metrics: Metrics,
+    on_ready: Callable[[], None],
+    keys: KeyRing | None = None,
 ) -> Any:
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -185,4 +192,6 @@ def create_app(
         Route("/metrics", prometheus, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
+    if keys is not None:
+        app = RequireKey(app, keys, lambda name: metrics.key_requests.labels(name).inc())
     return AccessLog(app, metrics)

@@ -29,6 +29,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="register a LoRA file under NAME (a request's model picks it; repeat for several; ALPHA default 1.0)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument(
+        "--api-key-file",
+        metavar="FILE",
+        help="one key per line, KEY or NAME:KEY: every route but /v2/health/* then needs Authorization: Bearer KEY "
+        "(else 401); SIGHUP reloads the file (default: no key; a warning when --host is beyond loopback)",
+    )
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
     p.add_argument(
         "--workers",

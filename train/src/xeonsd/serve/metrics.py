@@ -10,7 +10,9 @@
 * ``xeonsd_serve_cancelled_total{reason}``: requests cancelled (timeout, disconnect, shutdown), waiting in the
   queue or generating (then stopped through GenAI's step callback);
 * ``xeonsd_serve_rejected_total{param}``: requests refused as invalid, by the field named in the error;
-* ``xeonsd_serve_ready``: 1 once every pipeline is compiled.
+* ``xeonsd_serve_ready``: 1 once every pipeline is compiled;
+* ``xeonsd_serve_key_requests_total{key}``: with ``--api-key-file``, requests by the name of the key they gave
+  (``(none)``: no key the server holds; answered 401).
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ class Metrics:
         )
         self.rejected = Counter("xeonsd_serve_rejected", "Invalid requests by the field refused", ["param"], registry=r)
         self.ready = Gauge("xeonsd_serve_ready", "1 once every pipeline is compiled", registry=r)
+        self.key_requests = Counter(
+            "xeonsd_serve_key_requests", "Requests by the name of the API key they gave", ["key"], registry=r
+        )
 
     def exposition(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

@@ -60,6 +60,7 @@ class ServeOptions:
     name: str | None = None  # the base model's name (default: the export directory's name)
     write_ovms_config: Path | None = None
     precision: str = "auto"  # OpenVINO's inference precision at compile (generate_args.PRECISIONS)
+    api_key_file: Path | None = None  # the keys a request must give (xeonsd.serve.keys); None: no key needed
 
 
 @dataclass

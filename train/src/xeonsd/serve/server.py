@@ -119,6 +119,7 @@ def serve(opts: ServeOptions, console: TextIO | None = None) -> int:
 
     console = console or sys.stdout
     _access_logging()
+    keys = _key_ring(opts)
     cores = cpu_count()
     workers = resolve_workers(opts.workers, cores, Path(opts.export_dir))
     threads = max(1, cores // workers)
@@ -146,7 +147,7 @@ def serve(opts: ServeOptions, console: TextIO | None = None) -> int:
                 log.info("%d worker(s) x %d thread(s) compiled in %.1f s", workers, threads, pool.compile_s or 0)
                 print(f"serving on {bound_address(server, opts.host)}", file=console, flush=True)
 
-        app = create_app(served, opts, pool, metrics, on_ready)
+        app = create_app(served, opts, pool, metrics, on_ready, keys)
         config = uvicorn.Config(
             app,
             host=opts.host,
@@ -167,14 +168,41 @@ def serve(opts: ServeOptions, console: TextIO | None = None) -> int:
             served.shape.describe(),
             ", ".join(served.model_names),
         )
+        hangup = signal.signal(signal.SIGHUP, lambda *_: keys.reload()) if keys is not None else None
         try:
             server.run()
         finally:
+            if keys is not None:
+                signal.signal(signal.SIGHUP, hangup)
             pool.cancel_all("shutdown")
             pool.close()
         if state["rc"] == 0 and not server.started:
             raise ServeError(f"cannot listen on {opts.host}:{opts.port} (see the log above)")
         return int(state["rc"])
+
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def _key_ring(opts: ServeOptions) -> Any:
+    """The API keys (:mod:`xeonsd.serve.keys`), or None; without them, one warning when bound beyond loopback."""
+    from xeonsd.serve.keys import KeyFileError, KeyRing
+
+    if opts.api_key_file is None:
+        if opts.host not in LOOPBACK:
+            log.warning(
+                "no --api-key-file: anyone who reaches %s:%s can generate images, list the models and read /metrics; "
+                "give the server a key file (docs/serving.md)",
+                opts.host,
+                opts.port,
+            )
+        return None
+    try:
+        ring = KeyRing(opts.api_key_file)
+    except KeyFileError as e:
+        raise ServeError(str(e)) from None
+    log.info("%d API key(s) from %s: every route but /v2/health/* needs one", len(ring.keys), opts.api_key_file)
+    return ring
 
 
 def main_args(args: Any, console: TextIO | None = None) -> int:
@@ -196,6 +224,7 @@ def main_args(args: Any, console: TextIO | None = None) -> int:
         name=args.name,
         write_ovms_config=None if args.write_ovms_config is None else Path(args.write_ovms_config),
         precision=args.precision,
+        api_key_file=None if args.api_key_file is None else Path(args.api_key_file),
     )
     if opts.write_ovms_config is not None:
         from xeonsd.serve.ovms import write_ovms_config
