@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ from xeonsd.bench import diffusers_examples as dx
 from xeonsd.bench import rounds as rnd
 from xeonsd.bench.targets import bench_targets
 from xeonsd.bench.train_report import format_table, profile_summary, step_seconds, summarize
+from xeonsd.bench.train_variants import EXTRA_VARIANTS, Variant, method_args, variants_for
 from xeonsd.contracts.method_names import METHODS
 from xeonsd.flops import matmul_probes
 from xeonsd.fsutil import atomic_file
@@ -41,50 +42,6 @@ from xeonsd.trainer.memory import ESTIMATE_FILE
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_CACHE = Path(os.environ.get("XEONSD_CACHE", Path.home() / ".cache" / "xeonsd")) / "sd15"
-
-
-@dataclass(frozen=True)
-class Variant:
-    name: str
-    flags: tuple[str, ...]
-    what: str
-    # The whole command when the variant is not ``xeonsd train`` (diffusers' example script); ``--output_dir`` is added.
-    command: tuple[str, ...] = ()
-
-
-def variants_for(method: str, dtype: str) -> tuple[Variant, ...]:
-    """The optimized run and one run with each optimisation switched off; the precision baseline is the other dtype."""
-    other = "fp32" if dtype == "bf16" else "bf16"
-    precision = Variant(other, (f"--mixed_precision={'no' if other == 'fp32' else 'bf16'}",), f"{other} weights")
-    per_step = Variant("per-step VAE encode", ("--no-latent_cache",), "encode each image with the VAE every step")
-    if method == "lora":
-        return (
-            Variant("optimized", (), f"{dtype} frozen UNet/VAE, fp32 rank-4 adapters, cached latents and prompts"),
-            per_step,
-            Variant("gradient checkpointing", ("--gradient_checkpointing",), "recompute activations in backward"),
-            Variant("peft LoRA forward", ("--no-fused_lora",), "peft's adapter forward, input and output in fp32"),
-            precision,
-        )
-    if method == "full":
-        what = "fp32 master weights under bf16 autocast" if dtype == "bf16" else "fp32 UNet"
-        return (
-            Variant("optimized", (), f"{what}, cached latents and prompts, AdamW"),
-            per_step,
-            Variant("gradient checkpointing", ("--gradient_checkpointing",), "recompute activations in backward"),
-            precision,
-        )
-    return (
-        Variant("optimized", (), f"{dtype} UNet/VAE, cached latents, only the concept's vectors trained"),
-        per_step,
-        Variant("whole-matrix embedding", ("--train_full_embedding_matrix",), "train + all-reduce vocab x hidden"),
-        precision,
-    )
-
-
-def method_args(method: str) -> list[str]:
-    if method == "textual_inversion":
-        return ["--placeholder_token=<dicoo>", "--initializer_token=toy"]
-    return [f"--method={method}", "--instance_prompt=a photo of toy"]
 
 
 def measure_allreduce(base_args: list[str], out: Path, env: dict[str, str]) -> tuple[int | None, str]:
@@ -103,13 +60,6 @@ def measure_allreduce(base_args: list[str], out: Path, env: dict[str, str]) -> t
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     measured = [r["allreduce_bytes_measured"] for r in rows if "allreduce_bytes_measured" in r]
     return (measured[0], "") if measured else (None, "no collective was recorded")
-
-
-EXTRA_VARIANTS = (
-    Variant("channels_last", ("--channels_last",), "UNet in channels_last"),
-    Variant("per-tensor AdamW", ("--no-fused_adamw",), "torch.optim.AdamW's default loop instead of the fused kernel"),
-    Variant("torch.compile", ("--compile",), "torch.compile(UNet)"),
-)
 
 
 def _run_variant(variant: Variant, base_args: list[str], out: Path, env: dict[str, str]) -> dict:
@@ -357,7 +307,6 @@ def _measure(args: argparse.Namespace, model: str | Path, dtype: str, variants: 
 
 def _model(args: argparse.Namespace) -> str | Path | None:
     """``--model`` once checked (None after printing why it will not do), else the ``--arch`` model, built once."""
-    from xeonsd.assets import make_tiny_model
     from xeonsd.assets.flow_models import check_depth, model_name
     from xeonsd.modelfiles.modelsource import ModelSourceError, check_model_source
 
@@ -377,7 +326,9 @@ def _model(args: argparse.Namespace) -> str | Path | None:
     model = DEFAULT_MODEL_CACHE if name == "sd15" else DEFAULT_MODEL_CACHE.with_name(name)
     if not (model / "model_index.json").is_file():
         log.info("building the %s model once in %s", name, model)
-        make_tiny_model(model, arch=args.arch, depth=args.depth)
+        depth = ["--depth", str(args.depth)] if args.depth else []
+        cmd = [sys.executable, "-m", "xeonsd.cli", "make-tiny-model", str(model), "--arch", args.arch, *depth]
+        subprocess.run(cmd, check=True)  # in a process of its own: its memory is free again before the variants
     return model
 
 
