@@ -121,8 +121,8 @@ def cli_env() -> dict[str, str]:
 
 
 # The loss of a 30-step demo run (`make demo-local` flags, 1 rank, tiny model, 128 px), as its metrics.jsonl logged
-# it, rounded to 4 decimals: no trend, only the noise of the sampled timesteps. The two tables below stay packed
-# (fmt: skip): rows of literals read better than one number a line.
+# it, rounded to 4 decimals: no trend, only the noise of the sampled timesteps.
+# a table: rows of literals read better than ruff's one number a line
 DEMO_LOSSES = (1.0813, 1.0575, 1.1466, 1.1274, 1.1323, 1.2063, 1.1879, 1.1541, 1.1136, 1.0878, 1.0802, 1.0934, 1.1644,
                1.0768, 1.1264, 1.1558, 1.106, 1.2073, 1.1521, 1.1907, 1.1937, 1.1525, 1.0875, 1.2084, 1.1974, 1.2251,
                1.1886, 1.1221, 1.0897, 1.1191)  # fmt: skip
@@ -131,5 +131,16 @@ DEMO_LOSSES = (1.0813, 1.0575, 1.1466, 1.1274, 1.1323, 1.2063, 1.1879, 1.1541, 1
 @pytest.fixture
 def demo_metrics() -> list[dict]:
     """The recorded demo run's metrics rows (its losses; the timings made up but of the same kind)."""
-    return [{"step": i + 1, "loss": loss, "lr": 0.002, "s_per_step": 2.4, "images_per_s": 0.41, "ranks": 1,
-             "backend": "none", "allreduce_bytes": 132} for i, loss in enumerate(DEMO_LOSSES)]  # fmt: skip
+    return [
+        {
+            "step": i + 1,
+            "loss": loss,
+            "lr": 0.002,
+            "s_per_step": 2.4,
+            "images_per_s": 0.41,
+            "ranks": 1,
+            "backend": "none",
+            "allreduce_bytes": 132,
+        }
+        for i, loss in enumerate(DEMO_LOSSES)
+    ]

@@ -83,6 +83,7 @@ def settings(values: Mapping[str, Any]) -> dict[str, Any]:
 def export_args(values: Mapping[str, Any]) -> list[str]:
     """The `xeonsd export SRC OUT` flags of the settings."""
     s = settings(values)
+    # a table: one flag and its value a line (ruff would put one item per line)
     args = [
         "--batch-size", str(s["batch_size"]),
         "--num-images-per-prompt", str(s["num_images_per_prompt"]),

@@ -19,13 +19,15 @@ def wheel_markers(wheels: Mapping, env_prefix: str) -> list[dict]:
         missing = [k for k in ("id", "file", "key", "node") if k not in wheel]
         if missing:
             raise ValueError(f"xeonsd_wheel_markers: the wheel {name} has no {', '.join(missing)}: {wheel!r}")
-        out.append({
-            "name": name,
-            "path": f"{env_prefix.rstrip('/')}/.{name}-{wheel['id']}",
-            "content": f"{wheel['file']} ({wheel['key']})\n",
-            "mode": "0644",
-            "node": wheel["node"],
-        })  # fmt: skip
+        out.append(
+            {
+                "name": name,
+                "path": f"{env_prefix.rstrip('/')}/.{name}-{wheel['id']}",
+                "content": f"{wheel['file']} ({wheel['key']})\n",
+                "mode": "0644",
+                "node": wheel["node"],
+            }
+        )
     return out
 
 

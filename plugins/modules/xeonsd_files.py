@@ -95,8 +95,14 @@ def main() -> None:
             continue
         written.append(path)
         if module._diff:
-            diffs.append({"before_header": path, "after_header": path,
-                          "before": (old or b"").decode(errors="replace"), "after": data.decode()})  # fmt: skip
+            diffs.append(
+                {
+                    "before_header": path,
+                    "after_header": path,
+                    "before": (old or b"").decode(errors="replace"),
+                    "after": data.decode(),
+                }
+            )
         if not module.check_mode:
             try:
                 # An existing file keeps the owner the item does not name.

@@ -46,8 +46,7 @@ def probe(target: dict, timeout: float) -> dict:
         except OSError as e:
             error = e.strerror or str(e)
         if deadline - time.monotonic() <= 0:
-            return {**target, "port": port, "ok": False,
-                    "msg": f"Timeout when waiting for {host}:{port} ({error})"}  # fmt: skip
+            return {**target, "port": port, "ok": False, "msg": f"Timeout when waiting for {host}:{port} ({error})"}
         time.sleep(min(0.5, max(deadline - time.monotonic(), 0)))
 
 

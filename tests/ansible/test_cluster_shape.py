@@ -37,8 +37,10 @@ def test_auto_fits_until_the_finetune_role_resolves_it() -> None:
 
 
 def test_probe_targets_are_the_hosts_addresses_and_ports_with_their_defaults() -> None:
-    hostvars = {"node1": {"ansible_host": "10.0.0.1", "ansible_port": "2222", "mpi_address": "10.1.0.1"},
-                "node2": {"mpi_address": "10.1.0.2"}}  # fmt: skip
+    hostvars = {
+        "node1": {"ansible_host": "10.0.0.1", "ansible_port": "2222", "mpi_address": "10.1.0.1"},
+        "node2": {"mpi_address": "10.1.0.2"},
+    }
     assert xeonsd_cluster.probe_targets(["node1", "node2"], hostvars, "ansible_host", "ansible_port", 22) == [
         {"name": "node1", "host": "10.0.0.1", "port": 2222},
         {"name": "node2", "host": "node2", "port": 22},  # as Ansible connects: the inventory name, port 22

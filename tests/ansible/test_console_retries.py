@@ -56,7 +56,9 @@ def _run(tmp_path: Path, fail_at: int = 0) -> str:
                 },
                 {
                     "name": "Wait for a file",
-                    "ansible.builtin.command": {"argv": ["bash", "-c", f"echo x >> {tmp_path}/w; wc -l < {tmp_path}/w"]},
+                    "ansible.builtin.command": {
+                        "argv": ["bash", "-c", f"echo x >> {tmp_path}/w; wc -l < {tmp_path}/w"]
+                    },
                     "register": "w",
                     "until": "w.stdout | int >= 2",
                     "retries": 3,
@@ -65,7 +67,7 @@ def _run(tmp_path: Path, fail_at: int = 0) -> str:
                 },
             ],
         }
-    ]  # fmt: skip
+    ]
     playbook = tmp_path / f"play-{fail_at}.yml"
     playbook.write_text(yaml.safe_dump(play, sort_keys=False))
     env = {

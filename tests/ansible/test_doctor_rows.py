@@ -205,8 +205,10 @@ def test_the_home_row_says_shared_or_own_and_fails_a_home_shared_by_some_or_agai
     status, detail = row(home(seen=HOSTS[1:]))
     assert status == "PASS" and detail.startswith("shared: every node sees node1's /home/devcloud (written once, by")
     assert row(home(seen=HOSTS[1:], setting="True"))[0] == "PASS"  # shared_home: true, as Jinja stringifies it
-    assert row(home(seen=["node2"])) == ("FAIL", "shared by some nodes only: node2 see node1's /home/devcloud, "
-                                                 "node3, node4 do not")  # fmt: skip
+    assert row(home(seen=["node2"])) == (
+        "FAIL",
+        "shared by some nodes only: node2 see node1's /home/devcloud, node3, node4 do not",
+    )
     assert row(home(seen=HOSTS[1:], setting="False")) == (
         "FAIL",
         "shared_home is false but the home is shared (node1's /home/devcloud)",

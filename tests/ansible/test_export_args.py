@@ -51,6 +51,7 @@ def parsed(settings: dict):
 
 
 def test_the_defaults_make_the_same_flags_and_export_name_as_before() -> None:
+    # a table: each flag beside its value (ruff would put one item per line)
     assert export_args(DEFAULTS) == [
         "--batch-size", "5", "--num-images-per-prompt", "1", "--height", "512", "--width", "512",
         "--weight-format", "fp32", "--tome", "0",
@@ -128,8 +129,13 @@ fi
 def test_the_role_exports_with_the_inventorys_quantization_under_its_key_once(tmp_path: Path) -> None:
     run = tmp_path / "runs" / "r1"
     run.mkdir(parents=True)
-    summary = {"method": "lora", "base_model": "/m/tiny", "base_model_fingerprint": "0123abcd", "resolution": 64,
-               "result": {"path": "pytorch_lora_weights.safetensors"}}  # fmt: skip
+    summary = {
+        "method": "lora",
+        "base_model": "/m/tiny",
+        "base_model_fingerprint": "0123abcd",
+        "resolution": 64,
+        "result": {"path": "pytorch_lora_weights.safetensors"},
+    }
     (run / "train_summary.json").write_text(json.dumps(summary))
     wrapper = tmp_path / "run"
     wrapper.write_text(FAKE_XEONSD)

@@ -54,12 +54,15 @@ def probe(tmp_path: Path, nodes: list[str], user: str) -> tuple[dict, str]:
         }
     ]
     (tmp_path / "play.yml").write_text(yaml.safe_dump(play))
-    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
-               ANSIBLE_CACHE_PLUGIN="memory")  # fmt: skip
+    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_NOCOLOR="1", ANSIBLE_CACHE_PLUGIN="memory")
     proc = subprocess.run(
         [str(VENV_BIN / "ansible-playbook"), "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "play.yml")],
-        cwd=REPO, env=env, text=True, capture_output=True, timeout=300,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert not list(home.iterdir()), "the probe file was left behind"
     return json.loads(out.read_text()), proc.stdout
@@ -67,8 +70,14 @@ def probe(tmp_path: Path, nodes: list[str], user: str) -> tuple[dict, str]:
 
 def test_nodes_that_see_one_home_are_found_sharing_it(tmp_path: Path) -> None:
     found, recap = probe(tmp_path, ["node1", "node2", "node3"], "root")
-    assert found == {"dir": str(tmp_path / "home"), "probed": True, "why": "", "others": ["node2", "node3"],
-                     "seen": ["node2", "node3"], "shared": True}  # fmt: skip
+    assert found == {
+        "dir": str(tmp_path / "home"),
+        "probed": True,
+        "why": "",
+        "others": ["node2", "node3"],
+        "seen": ["node2", "node3"],
+        "shared": True,
+    }
     assert recap.count("changed=0") == 3, recap
 
 

@@ -20,13 +20,27 @@ RESULT = {
     "rounds": 2,
     "steps": 2,
     "layouts": [
-        {"ranks_per_node": 1, "threads_per_rank": 2, "status": "measured", "images_per_s": [0.2, 0.1],
-         "median_images_per_s": 0.15, "ratio_to_first": 1.0, "detail": ""},
-        {"ranks_per_node": 2, "threads_per_rank": 1, "status": "measured", "images_per_s": [0.22, 0.11],
-         "median_images_per_s": 0.165, "ratio_to_first": 1.1, "detail": ""},
+        {
+            "ranks_per_node": 1,
+            "threads_per_rank": 2,
+            "status": "measured",
+            "images_per_s": [0.2, 0.1],
+            "median_images_per_s": 0.15,
+            "ratio_to_first": 1.0,
+            "detail": "",
+        },
+        {
+            "ranks_per_node": 2,
+            "threads_per_rank": 1,
+            "status": "measured",
+            "images_per_s": [0.22, 0.11],
+            "median_images_per_s": 0.165,
+            "ratio_to_first": 1.1,
+            "detail": "",
+        },
     ],
     "best": {"ranks_per_node": 2, "threads_per_rank": 1, "images_per_s": 0.165},
-}  # fmt: skip
+}
 
 
 def test_the_play_keeps_the_last_json_line_and_prints_a_line_per_layout() -> None:

@@ -66,8 +66,14 @@ def _play(tmp_path: Path, run_dir: Path, wrapper: Path) -> Path:
                 {
                     "name": "Launch the training job in the background",
                     "ansible.builtin.command": {
-                        "argv": ["flock", "--nonblock", "--no-fork", str(run_dir.parent / ".lock"), "/bin/bash",
-                                 str(run_dir / "run.sh")],
+                        "argv": [
+                            "flock",
+                            "--nonblock",
+                            "--no-fork",
+                            str(run_dir.parent / ".lock"),
+                            "/bin/bash",
+                            str(run_dir / "run.sh"),
+                        ],
                     },
                     "async": 600,
                     "poll": 0,
@@ -92,7 +98,7 @@ def _play(tmp_path: Path, run_dir: Path, wrapper: Path) -> Path:
                 {"ansible.builtin.copy": {"content": "{{ job | to_json }}", "dest": str(tmp_path / "job.json")}},
             ],
         }
-    ]  # fmt: skip
+    ]
     path = tmp_path / "play.yml"
     path.write_text(yaml.safe_dump(play, sort_keys=False))
     return path

@@ -32,11 +32,20 @@ def row(px: str, sv: str, status: str) -> str:
 
 
 def test_haproxy_statistics_give_each_node_state_of_the_backend_only() -> None:
-    csv = "\n".join(
-        [HEADER, row("xeonsd_serve_front", "FRONTEND", "OPEN"), row("xeonsd_serve", "node1", "UP"),
-         row("xeonsd_serve", "node2", "DOWN"), row("xeonsd_serve", "node3", "MAINT"),
-         row("xeonsd_serve", "BACKEND", "UP"), row("other", "node9", "UP")]
-    ) + "\n"  # fmt: skip
+    csv = (
+        "\n".join(
+            [
+                HEADER,
+                row("xeonsd_serve_front", "FRONTEND", "OPEN"),
+                row("xeonsd_serve", "node1", "UP"),
+                row("xeonsd_serve", "node2", "DOWN"),
+                row("xeonsd_serve", "node3", "MAINT"),
+                row("xeonsd_serve", "BACKEND", "UP"),
+                row("other", "node9", "UP"),
+            ]
+        )
+        + "\n"
+    )
     assert serve.haproxy_servers(csv, "xeonsd_serve") == {"node1": "UP", "node2": "DOWN", "node3": "MAINT"}
     try:
         serve.haproxy_servers("<html>503 Service Unavailable</html>", "xeonsd_serve")
@@ -109,8 +118,13 @@ def test_the_daemon_module_keeps_one_current_process_of_ours_and_never_signals_a
     (tmp_path / "play.yml").write_text(PLAY)
     out, pid_file = tmp_path / "out.json", tmp_path / "d.pid"
     argv = [sys.executable, "-c", "import time; time.sleep(600)", "--port", "18999"]
-    base = {"argv": argv, "pid_file": str(pid_file), "log": str(tmp_path / "d.log"), "out": str(out),
-            "ansible_python_interpreter": sys.executable}  # fmt: skip
+    base = {
+        "argv": argv,
+        "pid_file": str(pid_file),
+        "log": str(tmp_path / "d.log"),
+        "out": str(out),
+        "ansible_python_interpreter": sys.executable,
+    }
 
     def run(*steps: dict) -> list[dict]:
         local = local_playbook(tmp_path / "play.yml", base | {"steps": list(steps)})

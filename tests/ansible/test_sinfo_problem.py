@@ -31,8 +31,9 @@ def test_a_partition_that_holds_every_node_passes_named_or_as_slurms_default() -
 
 
 def test_a_failed_sinfo_is_reported_with_its_error_and_the_fix() -> None:
-    problem = sinfo_problem(sinfo([], rc=1, stderr="slurm_load_partitions: Unable to contact slurm controller\n"),
-                            "xeonsd", NODES, "node1")  # fmt: skip
+    problem = sinfo_problem(
+        sinfo([], rc=1, stderr="slurm_load_partitions: Unable to contact slurm controller\n"), "xeonsd", NODES, "node1"
+    )
     assert problem == (
         "sinfo failed on node1: slurm_load_partitions: Unable to contact slurm controller. Fix: check that slurmctld"
         " runs and that this node has its slurm.conf and munge key."

@@ -10,13 +10,23 @@ from repo_code import ansible_code
 conf_filter = ansible_code("xeonsd_slurm_conf")
 
 HOSTVARS = {
-    "node1": {"slurm_node_name": "node1", "mpi_address": "10.0.0.11", "ansible_facts": {"processor_vcpus": 56,
-              "memtotal_mb": 257000}},
-    "node2": {"slurm_node_name": "cn-2", "mpi_address": "10.0.0.12", "ansible_facts": {"processor_vcpus": 56,
-              "memtotal_mb": 257000}},
-    "node3": {"slurm_node_name": "node3", "mpi_address": "10.0.0.13", "slurm_node_cpus": 4,
-              "slurm_node_memory_mb": 2048},
-}  # fmt: skip
+    "node1": {
+        "slurm_node_name": "node1",
+        "mpi_address": "10.0.0.11",
+        "ansible_facts": {"processor_vcpus": 56, "memtotal_mb": 257000},
+    },
+    "node2": {
+        "slurm_node_name": "cn-2",
+        "mpi_address": "10.0.0.12",
+        "ansible_facts": {"processor_vcpus": 56, "memtotal_mb": 257000},
+    },
+    "node3": {
+        "slurm_node_name": "node3",
+        "mpi_address": "10.0.0.13",
+        "slurm_node_cpus": 4,
+        "slurm_node_memory_mb": 2048,
+    },
+}
 
 
 def _conf(**over) -> dict:

@@ -80,9 +80,11 @@ def test_the_bucket_options_reach_the_trainer_when_set() -> None:
     from xeonsd.trainer.argv import parse_config
 
     argv = _inventory_argv(
-        "finetune_buckets=true", "finetune_min_bucket_reso=320", "finetune_max_bucket_reso=768",
+        "finetune_buckets=true",
+        "finetune_min_bucket_reso=320",
+        "finetune_max_bucket_reso=768",
         "finetune_bucket_reso_steps=32",
-    )  # fmt: skip
+    )
     cfg = parse_config(argv)
     assert (cfg.buckets, cfg.min_bucket_reso, cfg.max_bucket_reso, cfg.bucket_reso_steps) == (True, 320, 768, 32)
     assert "--buckets" in argv and "--bucket_reso_steps=32" in argv

@@ -187,8 +187,12 @@ def test_diffusers_is_built_from_a_staged_archive_or_a_git_ref_once_each(site: d
     tmp = site["tmp"]
     archive = sdist(tiny_diffusers(tmp / "staged" / "diffusers-0.0.2", "0.0.2"), tmp / "staged")
     sha256 = hashlib.sha256(archive.read_bytes()).hexdigest()
-    staged = {"ml_stack_diffusers_source": "git", "ml_stack_diffusers_source_archive": str(archive),
-              "ml_stack_diffusers_source_archive_sha256": sha256, "ml_stack_diffusers_git_ref": "v0.0.2"}  # fmt: skip
+    staged = {
+        "ml_stack_diffusers_source": "git",
+        "ml_stack_diffusers_source_archive": str(archive),
+        "ml_stack_diffusers_source_archive_sha256": sha256,
+        "ml_stack_diffusers_git_ref": "v0.0.2",
+    }
     n, wheels, out = run(site, **staged)
     assert n > 0 and sorted(built(out)) == ["diffusers", "xeonsd"], out[-3000:]
     assert wheels["diffusers"]["key"] == f"archive sha256 {sha256}"
@@ -206,8 +210,11 @@ def test_diffusers_is_built_from_a_staged_archive_or_a_git_ref_once_each(site: d
     subprocess.run([*git, "add", "."], check=True)
     subprocess.run([*git, "commit", "-qm", "0.0.3"], check=True)
     subprocess.run([*git, "tag", "v0.0.3"], check=True)
-    from_git = {"ml_stack_diffusers_source": "git", "ml_stack_diffusers_git_url": f"file://{repo}",
-                "ml_stack_diffusers_git_ref": "v0.0.3"}  # fmt: skip
+    from_git = {
+        "ml_stack_diffusers_source": "git",
+        "ml_stack_diffusers_git_url": f"file://{repo}",
+        "ml_stack_diffusers_git_ref": "v0.0.3",
+    }
     n, wheels, out = run(site, **from_git)
     assert n > 0 and built(out) == ["diffusers"], out[-3000:]
     assert wheels["diffusers"]["key"] == f"git file://{repo}@v0.0.3"
@@ -240,8 +247,20 @@ def test_the_node_installs_the_controller_wheels_once(site: dict, offline: bool)
     nodeps.write_text("tinynodeps==1.0\n")
     env = tmp / "env"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(env / "bin" / "python"), "install", "--quiet",
-                    "--no-index", str(installed_wheel("pip", tmp / "pip"))], check=True)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(env / "bin" / "python"),
+            "install",
+            "--quiet",
+            "--no-index",
+            str(installed_wheel("pip", tmp / "pip")),
+        ],
+        check=True,
+    )
     (tmp / "stack.yml").write_text(STACK_PLAY)
     stack = {
         "play": tmp / "stack.yml",
@@ -272,13 +291,23 @@ def test_the_node_installs_the_controller_wheels_once(site: dict, offline: bool)
         check = play(stack, "--check")
         assert changed(check) >= 0
         tasks = [t.split("]")[0] for t in check.stdout.split("TASK [")[1:] if "\nchanged: [" in t]
-        assert set(tasks) <= {"ml_stack : Install the build backend", "ml_stack : Install requirements.txt",
-                              "ml_stack : Install the packages that need --no-deps"}, tasks  # fmt: skip
+        assert set(tasks) <= {
+            "ml_stack : Install the build backend",
+            "ml_stack : Install requirements.txt",
+            "ml_stack : Install the packages that need --no-deps",
+        }, tasks
     finally:
         del os.environ["PIP_NO_INDEX"], os.environ["PIP_FIND_LINKS"]
-    out = subprocess.run([str(env / "bin" / "python"), "-c", "import diffusers, xeonsd, tinynodeps; "
-                          "print(diffusers.__version__, xeonsd.__version__)"],
-                         check=True, capture_output=True, text=True).stdout.split()  # fmt: skip
+    out = subprocess.run(
+        [
+            str(env / "bin" / "python"),
+            "-c",
+            "import diffusers, xeonsd, tinynodeps; print(diffusers.__version__, xeonsd.__version__)",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     assert out[0] == "0.0.1"
     markers = sorted(p.name.split("-")[0] for p in env.glob(".*-*"))
     assert markers == [".diffusers", ".xeonsd"], markers

@@ -113,10 +113,15 @@ class SlurmCluster:
         dbd = self.etc / "slurmdbd.conf"
         dbd.write_text(
             SLURMDBD_CONF.format(
-                host=short_hostname(), address=self.address, dbd_port=dbd_port, user=slurm_user, run=run_dir,
-                db=DB_NAME, db_port=self.db_port,
+                host=short_hostname(),
+                address=self.address,
+                dbd_port=dbd_port,
+                user=slurm_user,
+                run=run_dir,
+                db=DB_NAME,
+                db_port=self.db_port,
             )
-        )  # fmt: skip
+        )
         os.chown(dbd, account.pw_uid, account.pw_gid)
         os.chmod(dbd, 0o600)  # slurmdbd refuses a config that others can read (it holds the database password)
         self._start_database()

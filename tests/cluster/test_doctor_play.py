@@ -176,6 +176,7 @@ def test_doctor_tunes_the_rank_layout_and_ranks_per_node_auto_uses_its_best(prov
     assert result.changed() == {node: int(node == "node1") for node in provisioned.nodes}, result.recap
 
     # The inventory's ranks_per_node: auto and mpi_ranks: auto, through the play's own filters and variables.
+    # a table: each flag beside its value (ruff would put one item per line)
     shown = subprocess.run(
         [str(VENV_BIN / "ansible"), "-i", str(provisioned.inventory), "node1", "-m", "ansible.builtin.debug",
          "-a", "msg={{ [ranks_per_node | xeonsd_ranks_per_node(layout_result_file),"
@@ -186,6 +187,7 @@ def test_doctor_tunes_the_rank_layout_and_ranks_per_node_auto_uses_its_best(prov
     assert shown.returncode == 0, shown.stdout + shown.stderr
     assert re.search(rf'"msg": \[\s*{best},\s*{best * NODES}\s*\]', shown.stdout), shown.stdout
     # The finetune role's warning for a result measured with other training arguments (here another method).
+    # a table: each flag beside its value (ruff would put one item per line)
     stale = subprocess.run(
         [str(VENV_BIN / "ansible"), "-i", str(provisioned.inventory), "node1", "-m", "ansible.builtin.debug",
          "-a", "msg=[{{ layout_result_file | xeonsd_layout_stale(finetune_train_argv) }}]",
@@ -195,6 +197,7 @@ def test_doctor_tunes_the_rank_layout_and_ranks_per_node_auto_uses_its_best(prov
     assert stale.returncode == 0, stale.stdout + stale.stderr
     assert f"the job now has --method={OTHER_METHOD[measured_method]}" in stale.stdout, stale.stdout
     layout_file.unlink()
+    # a table: each flag beside its value (ruff would put one item per line)
     missing = subprocess.run(
         [str(VENV_BIN / "ansible"), "-i", str(provisioned.inventory), "node1", "-m", "ansible.builtin.debug",
          "-a", "msg={{ ranks_per_node | xeonsd_ranks_per_node(layout_result_file) }}",

@@ -161,6 +161,7 @@ WARNING_S = 60
 
 
 def _limited_args(runs: Path, *extra: str) -> tuple[str, ...]:
+    # a table: each -e beside its value (ruff would put one item per line)
     return (
         "-e", "finetune_launcher=slurm", "-e", "slurm_partition=xeonsd", "-e", f"controller_runs_dir={runs}",
         "-e", f"finetune_run_id={LIMITED}", "-e", "finetune_checkpointing_steps=2", "-e", "ranks_per_node=1",
@@ -206,6 +207,7 @@ def _bring_the_end_near(cluster: Cluster, job_id: str) -> None:
 
 def _stop_at_the_time_limit(cluster: Cluster, runs: Path) -> tuple[int, str]:
     """The resumed attempt, its time limit brought near once it trains: the step it stopped at and its job id."""
+    # a table: each -e beside its value (ruff would put one item per line)
     args = _limited_args(
         runs, "-e", "resume=latest", "-e", f"finetune_max_train_steps={LIMITED_STEPS}",
         "-e", f"finetune_timeout_s={TIME_LIMIT_S}", "-e", f"finetune_slurm_signal_s={WARNING_S}",

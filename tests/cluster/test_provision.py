@@ -92,8 +92,11 @@ def test_diffusers_and_xeonsd_are_built_once_on_the_controller_and_installed_fro
         assert found.split()[0] == digest, f"{node}: {found}"
         # Nothing of Diffusers' or xeonsd's source reached the node: no clone, no archive, no sdist, no packed train/.
         leftovers = provisioned.ssh(
-            node, "ls -d /var/cache/xeonsd/diffusers /var/cache/xeonsd/xeonsd-src.tar /var/cache/xeonsd/*.tar.gz "
-            "/var/cache/xeonsd/wheelhouse/*/diffusers-*.tar.gz", check=False).stdout  # fmt: skip
+            node,
+            "ls -d /var/cache/xeonsd/diffusers /var/cache/xeonsd/xeonsd-src.tar /var/cache/xeonsd/*.tar.gz "
+            "/var/cache/xeonsd/wheelhouse/*/diffusers-*.tar.gz",
+            check=False,
+        ).stdout
         assert leftovers.strip() == "", f"{node}: {leftovers}"
         xid, xmarker = installed_wheel(provisioned, node, "xeonsd")
         assert xmarker.startswith("xeonsd-") and "(source sha1 " in xmarker, xmarker
@@ -184,6 +187,7 @@ def test_limit_rebuilds_a_wiped_node_without_the_others(provisioned: Cluster) ->
 
     # The rebuilt node trains again in a job across the cluster: one rank per node, node3's among them (training
     # only; what the rank count changes is the end-to-end test's).
+    # a table: each -e beside its value (ruff would put one item per line)
     job = run_playbook("playbooks/finetune.yml", provisioned.inventory, "-e", "finetune_max_train_steps=3",
                        "-e", "mpi_ranks=4", "-e", "ranks_per_node=1", "-e", "finetune_run_id=after-limit",
                        "-e", f"controller_runs_dir={provisioned.state_dir / 'runs'}",
@@ -199,8 +203,23 @@ def test_offline_git_builds_diffusers_from_a_staged_archive(provisioned: Cluster
     # fail) and node3 installs that wheel. The stand-in archive is the pinned sdist, fetched by the controller's pip
     # from the index the wheelhouse comes from. (A new Diffusers wheel is a new wheelhouse too: its downloads name
     # the wheel, so this run downloads the wheelhouse again.)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", "diffusers",
-                    "--dest", str(tmp_path), DIFFUSERS_PIN], check=True, timeout=600)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--no-binary",
+            "diffusers",
+            "--dest",
+            str(tmp_path),
+            DIFFUSERS_PIN,
+        ],
+        check=True,
+        timeout=600,
+    )
     (archive,) = tmp_path.glob("diffusers-*.tar.gz")
     sha256 = hashlib.sha256(archive.read_bytes()).hexdigest()
     inventory = provisioned.write_inventory(
@@ -213,8 +232,16 @@ def test_offline_git_builds_diffusers_from_a_staged_archive(provisioned: Cluster
     )
 
     # Only the stack's role (--tags ml_stack; preflight runs always): Diffusers' source is its concern alone.
-    first = run_playbook("provision.yml", inventory, "--limit", "node3", "--tags", "ml_stack",
-                         state_dir=provisioned.state_dir, name="limit-node3-diffusers-archive")  # fmt: skip
+    first = run_playbook(
+        "provision.yml",
+        inventory,
+        "--limit",
+        "node3",
+        "--tags",
+        "ml_stack",
+        state_dir=provisioned.state_dir,
+        name="limit-node3-diffusers-archive",
+    )
     assert first.rc == 0, first.tail()
     # Built once (run_once), or not at all when an earlier session built this archive's wheel (.cache persists).
     assert wheel_builds(first, "diffusers") in ([], ["node3"]) and "Clone Diffusers" not in first.output
@@ -224,8 +251,16 @@ def test_offline_git_builds_diffusers_from_a_staged_archive(provisioned: Cluster
     assert provisioned.ssh("node3", "test -e /var/cache/xeonsd/diffusers", check=False).returncode != 0
     assert_node_works(provisioned, "node3")
 
-    second = run_playbook("provision.yml", inventory, "--limit", "node3", "--tags", "ml_stack",
-                          state_dir=provisioned.state_dir, name="limit-node3-diffusers-archive-again")  # fmt: skip
+    second = run_playbook(
+        "provision.yml",
+        inventory,
+        "--limit",
+        "node3",
+        "--tags",
+        "ml_stack",
+        state_dir=provisioned.state_dir,
+        name="limit-node3-diffusers-archive-again",
+    )
     assert second.rc == 0, second.tail()
     assert second.changed() == {"node3": 0}, second.recap
     assert wheel_builds(second, "diffusers") == []

@@ -47,8 +47,14 @@ def test_shared_home_is_written_once_by_the_primary_and_the_job_trains(provision
     provisioned.share_home()
     try:
         inventory = provisioned.write_inventory(tmp_path / "inventory.yml")  # shared_home: auto
-        first = run_playbook("provision.yml", inventory, "--tags", "cluster_user,dataset,base_model,mpi",
-                             state_dir=provisioned.state_dir, name="shared-home-provision")  # fmt: skip
+        first = run_playbook(
+            "provision.yml",
+            inventory,
+            "--tags",
+            "cluster_user,dataset,base_model,mpi",
+            state_dir=provisioned.state_dir,
+            name="shared-home-provision",
+        )
         assert first.rc == 0, first.tail()
         assert "Every node sees the primary's /home/devcloud: a shared home." in first.output
         # Written once: every task that writes under the home ran on the primary alone; the others only checked.
@@ -73,6 +79,7 @@ def test_shared_home_is_written_once_by_the_primary_and_the_job_trains(provision
 
         runs = provisioned.state_dir / "runs"
         # Two ranks per node: ranks of one node and of different nodes write into the one run directory.
+        # a table: each -e beside its value (ruff would put one item per line)
         job = run_playbook("playbooks/finetune.yml", inventory, "-e", "finetune_max_train_steps=2",
                            "-e", "finetune_checkpointing_steps=2", "-e", "finetune_run_id=shared-home",
                            "-e", f"mpi_ranks={RANKS}", "-e", f"ranks_per_node={RANKS // NODES}",
@@ -94,16 +101,23 @@ def test_shared_home_is_written_once_by_the_primary_and_the_job_trains(provision
         # doctor.yml on the shared home: every check passes, it says the home is shared, and it writes nothing there
         # (the second run below finds the shared files as doctor left them).
         before = tree_stats({"home": home / "dicoo", "model": home / "models", "ssh": home / ".ssh"})
-        doctor = run_playbook("doctor.yml", inventory, state_dir=provisioned.state_dir, name="doctor-shared-home",
-                              timeout=1500)  # fmt: skip
+        doctor = run_playbook(
+            "doctor.yml", inventory, state_dir=provisioned.state_dir, name="doctor-shared-home", timeout=1500
+        )
         table = doctor_rows(doctor_report(doctor))
         assert doctor.rc == 0, doctor.tail(80)
         assert {status for status, _ in table.values()} <= {"PASS", "WARN"}, table
         status, detail = table[("cluster", "home")]
         assert status == "PASS" and detail.startswith("shared: every node sees node1's /home/devcloud"), detail
         assert doctor.changed() == {node: 0 for node in provisioned.nodes}, doctor.recap
-        second = run_playbook("provision.yml", inventory, "--tags", "cluster_user,dataset,base_model,mpi",
-                              state_dir=provisioned.state_dir, name="shared-home-second-run")  # fmt: skip
+        second = run_playbook(
+            "provision.yml",
+            inventory,
+            "--tags",
+            "cluster_user,dataset,base_model,mpi",
+            state_dir=provisioned.state_dir,
+            name="shared-home-second-run",
+        )
         assert second.rc == 0, second.tail()
         assert second.changed() == {node: 0 for node in provisioned.nodes}, second.recap
         assert tree_stats({"home": home / "dicoo", "model": home / "models", "ssh": home / ".ssh"}) == before

@@ -105,9 +105,13 @@ def test_a_trial_takes_the_steps_after_the_warmup_and_leaves_the_jobs_flags_out(
 def _tuned(tmp_path: Path, train_args: list[str]) -> Path:
     path = tmp_path / "layout.json"
     result = bench_layout.build_result(
-        2, {"1x2": [0.2], "2x1": [0.3]}, {"1x2": (1, 2), "2x1": (2, 1)}, {}, train_args,
+        2,
+        {"1x2": [0.2], "2x1": [0.3]},
+        {"1x2": (1, 2), "2x1": (2, 1)},
+        {},
+        train_args,
         argparse.Namespace(rounds=1, steps=2),
-    )  # fmt: skip
+    )
     path.write_text(json.dumps(result))
     return path
 

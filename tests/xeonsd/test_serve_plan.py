@@ -55,6 +55,7 @@ def test_a_lora_run_serves_the_base_export_with_its_adapter_and_the_named_adapte
     ]
     assert p["files"] == ["/r/lora/pytorch_lora_weights.safetensors", "/r/lora2/pytorch_lora_weights.safetensors"]
     argv = serve_argv(p, {"host": "10.0.0.1", "port": 8000, "workers": "auto", "queue": "", "max_images": 4})
+    # a table: each flag beside its value (ruff would put one item per line)
     assert argv == [
         "serve", "/h/openvino-base/fp1-5x1-128x128-fp32",
         "--adapter", "lora=/r/lora/pytorch_lora_weights.safetensors:0.8",

@@ -13,8 +13,9 @@ def test_bench_train_variants_differ_in_what_they_switch_off(tiny_model, tmp_pat
     out = tmp_path / "bench.json"
     args = ["bench", "train", f"--model={tiny_model}", "--resolution=64", "--steps=2", "--warmup=1"]
     args += ["--peak-size=512", "--dtype=fp32", f"--json={out}", "--no-ranks2", "--rounds=2", "--probes=2"]
-    proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", *args], env=cli_env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "xeonsd.cli", *args], env=cli_env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     print(proc.stdout)
     report = json.loads(out.read_text())
@@ -62,12 +63,27 @@ def test_bench_train_refuses_a_model_it_cannot_find(tmp_path, capsys):
 def test_bench_train_lora_measures_the_allreduce_on_two_ranks(tiny_model, tmp_path, cli_env):
     """The 2-rank run's recorded collectives carry exactly the adapters' gradients and the loss."""
     out = tmp_path / "bench.json"
-    args = ["bench", "train", "--method=lora", f"--model={tiny_model}", "--resolution=64", "--steps=1", "--warmup=2",
-            "--peak-size=256", "--dtype=fp32", "--only", "optimized", f"--json={out}", "--rounds=1", "--probes=1",
-            "--profile"]  # fmt: skip
+    args = [
+        "bench",
+        "train",
+        "--method=lora",
+        f"--model={tiny_model}",
+        "--resolution=64",
+        "--steps=1",
+        "--warmup=2",
+        "--peak-size=256",
+        "--dtype=fp32",
+        "--only",
+        "optimized",
+        f"--json={out}",
+        "--rounds=1",
+        "--probes=1",
+        "--profile",
+    ]
     env = dict(cli_env, I_MPI_FABRICS="shm")
-    proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "xeonsd.cli", *args], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     computed = report["results"][0]["allreduce_bytes"]
@@ -111,11 +127,26 @@ def test_bench_train_builds_a_flow_arch_and_reports_its_family(tmp_path, cli_env
     and the SD targets are not judged on it; textual inversion is refused there before anything runs."""
     out = tmp_path / "bench.json"
     env = dict(cli_env, XEONSD_CACHE=str(tmp_path / "cache"))
-    args = ["bench", "train", "--arch=tiny-flux", "--method=lora", "--resolution=64", "--steps=1", "--warmup=1",
-            "--peak-size=256", "--dtype=fp32", "--only", "optimized", f"--json={out}", "--rounds=1", "--probes=1",
-            "--no-ranks2"]  # fmt: skip
-    proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    args = [
+        "bench",
+        "train",
+        "--arch=tiny-flux",
+        "--method=lora",
+        "--resolution=64",
+        "--steps=1",
+        "--warmup=1",
+        "--peak-size=256",
+        "--dtype=fp32",
+        "--only",
+        "optimized",
+        f"--json={out}",
+        "--rounds=1",
+        "--probes=1",
+        "--no-ranks2",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "xeonsd.cli", *args], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["family"] == "flux" and report["model"] == str(tmp_path / "cache" / "tiny-flux")
@@ -123,8 +154,13 @@ def test_bench_train_builds_a_flow_arch_and_reports_its_family(tmp_path, cli_env
     amx = next(t for t in report["targets"] if t["target"] == "amx_share_of_bf16_peak")
     assert amx["met"] is None and "set for SD 1.x/2.x and SDXL" in amx["line"]
     assert "lora on FLUX.1" in proc.stdout, proc.stdout
-    refused = subprocess.run([sys.executable, "-m", "xeonsd.cli", *args[:3], "--method=textual_inversion"], env=env,
-                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    refused = subprocess.run(
+        [sys.executable, "-m", "xeonsd.cli", *args[:3], "--method=textual_inversion"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert refused.returncode == 2 and "--method textual_inversion is not supported on FLUX.1" in refused.stderr
 
 

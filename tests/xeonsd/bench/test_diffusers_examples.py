@@ -91,8 +91,10 @@ def test_a_script_that_fails_after_its_last_step_has_its_steps_timed_and_the_fai
     script, out = _script(tmp_path / "examples"), tmp_path / "out"
     proc = _runner(script, f"--output_dir={out}", "--max_train_steps=3", "--fail_at_end")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "textual_inversion.py failed after its last optimizer step (3 steps timed): ValueError: When using the " \
-        "offline mode" in proc.stderr  # fmt: skip
+    assert (
+        "textual_inversion.py failed after its last optimizer step (3 steps timed): ValueError: When using the "
+        "offline mode" in proc.stderr
+    )
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
 
 
@@ -110,8 +112,9 @@ def test_each_compared_job_has_its_script_and_the_rest_are_refused_by_name(tmp_p
         path = _script(tmp_path, rel)
         assert dx.script_for(tmp_path, method, family) == path
     assert dx.SCRIPTS[("lora", "sdxl")] == "text_to_image/train_text_to_image_lora_sdxl.py"
-    with pytest.raises(dx.ExamplesError, match="no diffusers example script is compared for --method lora on the "
-                       "flux family"):  # fmt: skip
+    with pytest.raises(
+        dx.ExamplesError, match="no diffusers example script is compared for --method lora on the flux family"
+    ):
         dx.script_for(tmp_path, "lora", "flux")
     with pytest.raises(dx.ExamplesError, match=r"textual_inversion/textual_inversion.py not found there\. Fix: "):
         dx.script_for(tmp_path / "elsewhere", "textual_inversion", "sd")
@@ -128,13 +131,22 @@ def test_a_missing_import_is_named_with_its_fix(monkeypatch):
 
 def test_the_script_gets_the_job_xeonsd_train_runs_beside_it(tmp_path):
     ti = dx.script_args("textual_inversion", model="/m", data=tmp_path, resolution=512, steps=5, dtype="bf16", seed=7)
-    assert {"--pretrained_model_name_or_path=/m", f"--train_data_dir={tmp_path}", "--resolution=512",
-            "--train_batch_size=1", "--max_train_steps=5", "--mixed_precision=bf16", "--seed=7",
-            "--placeholder_token=<dicoo>", "--initializer_token=toy"} <= set(ti)  # fmt: skip
+    assert {
+        "--pretrained_model_name_or_path=/m",
+        f"--train_data_dir={tmp_path}",
+        "--resolution=512",
+        "--train_batch_size=1",
+        "--max_train_steps=5",
+        "--mixed_precision=bf16",
+        "--seed=7",
+        "--placeholder_token=<dicoo>",
+        "--initializer_token=toy",
+    } <= set(ti)
     lora = dx.script_args("lora", model="/m", data=tmp_path, resolution=512, steps=5, dtype="fp32", seed=7)
     assert "--rank=4" in lora and "--mixed_precision=no" in lora and "--placeholder_token=<dicoo>" not in lora
-    cmd = dx.reference_command(tmp_path / "s.py", tmp_path, method="lora", model="/m", images=2, resolution=64,
-                               steps=3, dtype="fp32", seed=7)  # fmt: skip
+    cmd = dx.reference_command(
+        tmp_path / "s.py", tmp_path, method="lora", model="/m", images=2, resolution=64, steps=3, dtype="fp32", seed=7
+    )
     captioned = tmp_path / "data-captioned"
     assert f"--train_data_dir={captioned}" in cmd and (captioned / "metadata.jsonl").is_file()
     assert len(list(captioned.glob("*.png"))) == 2
@@ -160,9 +172,23 @@ def test_bench_train_runs_the_script_interleaved_and_judges_the_target(tiny_mode
     monkeypatch.setattr(dx, "NEEDS", {"textual_inversion": ("json",)})
     _script(tmp_path / "examples")
     out = tmp_path / "bench.json"
-    args = [f"--model={tiny_model}", "--resolution=64", "--steps=2", "--warmup=2", "--peak-size=256", "--dtype=fp32",
-            "--no-ranks2", "--rounds=2", "--probes=1", "--profile", "--only", "optimized", dx.VARIANT,
-            f"--diffusers-examples={tmp_path / 'examples'}", f"--json={out}"]  # fmt: skip
+    args = [
+        f"--model={tiny_model}",
+        "--resolution=64",
+        "--steps=2",
+        "--warmup=2",
+        "--peak-size=256",
+        "--dtype=fp32",
+        "--no-ranks2",
+        "--rounds=2",
+        "--probes=1",
+        "--profile",
+        "--only",
+        "optimized",
+        dx.VARIANT,
+        f"--diffusers-examples={tmp_path / 'examples'}",
+        f"--json={out}",
+    ]
     assert main(args) == 0
     printed = capsys.readouterr().out
     report = json.loads(out.read_text())

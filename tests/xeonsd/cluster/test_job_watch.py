@@ -442,8 +442,15 @@ def test_a_long_poll_answers_when_the_job_ends_not_at_the_end_of_its_wait(tmp_pa
     run.mkdir()
     results = tmp_path / "async"
     results.write_text(json.dumps({"started": 1, "finished": 0}))
-    params = {"run_dir": str(run), "results_file": str(results), "nodes": [], "ranks_per_node": 1,
-              "total_steps": 10, "excerpt_lines": 5, "rank_status": None}  # fmt: skip
+    params = {
+        "run_dir": str(run),
+        "results_file": str(results),
+        "nodes": [],
+        "ranks_per_node": 1,
+        "total_steps": 10,
+        "excerpt_lines": 5,
+        "rank_status": None,
+    }
     began = time.monotonic()
     running = job_watch.job_state({**params, "wait_s": 0.6})
     assert not running["finished"] and time.monotonic() - began >= 0.6

@@ -105,9 +105,11 @@ def test_the_buckets_and_the_time_to_the_first_step_are_reported(runs):
     assert startup["cpu_s_to_first_step"] > 0  # the process's own CPU, its imports included
     line = r"\[rank 0/2\] INFO xeonsd\.train: time to first step: [\d.]+ s .*; [\d.]+ CPU s since the process started"
     assert re.search(line, runs["log"]["two"])
-    print(f"{IMAGES} images: time to first step {startup['time_to_first_step_s']:.1f} s, rank 0 "
-          f"{startup['cpu_s_to_first_step']:.1f} CPU s (2 ranks, cache built), "
-          f"{summary(runs['out']['one'])['startup']['time_to_first_step_s']:.1f} s (1 rank, cache reused)")  # fmt: skip
+    print(
+        f"{IMAGES} images: time to first step {startup['time_to_first_step_s']:.1f} s, rank 0 "
+        f"{startup['cpu_s_to_first_step']:.1f} CPU s (2 ranks, cache built), "
+        f"{summary(runs['out']['one'])['startup']['time_to_first_step_s']:.1f} s (1 rank, cache reused)"
+    )
 
 
 def test_two_ranks_with_buckets_learn_what_one_rank_with_double_batch_learns(runs, tiny_model):

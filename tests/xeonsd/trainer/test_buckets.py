@@ -28,9 +28,24 @@ from xeonsd.trainer.inputs import check_flags
 # 512 px, step 64, 256-1024 (the defaults at 512): for each width the largest height within 512² pixels, e.g.
 # 320 -> 262144 // 320 = 819 -> 768; 704 -> 372 -> 320; 832 -> 315 -> 256; and the transposes.
 BUCKETS_512 = [
-    (256, 1024), (256, 960), (256, 896), (256, 832), (320, 768), (320, 704), (384, 640), (448, 576), (512, 512),
-    (576, 448), (640, 384), (704, 320), (768, 320), (832, 256), (896, 256), (960, 256), (1024, 256),
-]  # fmt: skip
+    (256, 1024),
+    (256, 960),
+    (256, 896),
+    (256, 832),
+    (320, 768),
+    (320, 704),
+    (384, 640),
+    (448, 576),
+    (512, 512),
+    (576, 448),
+    (640, 384),
+    (704, 320),
+    (768, 320),
+    (832, 256),
+    (896, 256),
+    (960, 256),
+    (1024, 256),
+]
 
 
 def test_the_bucket_set_of_512_px_at_step_64():
@@ -129,8 +144,9 @@ def test_a_global_batch_comes_from_one_bucket_whatever_the_ranks():
     batches = BucketBatches.for_run(buckets, _Vae(), global_batch=2)
     # per pass: bucket sizes 2, 3, 2 -> 1 + 2 + 1 global batches of 2
     assert batches.pass_length == 8
-    plan = SamplingPlan(seed=3, num_images=7, num_templates=2, num_timesteps=1000, latent_shape=(4, 8, 8),
-                        buckets=batches)  # fmt: skip
+    plan = SamplingPlan(
+        seed=3, num_images=7, num_templates=2, num_timesteps=1000, latent_shape=(4, 8, 8), buckets=batches
+    )
     for k in range(0, 40, 2):
         pair = [plan.example(k), plan.example(k + 1)]
         assert len({buckets.of_image[e.input_id // 2] for e in pair}) == 1, k

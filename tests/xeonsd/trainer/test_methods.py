@@ -81,8 +81,9 @@ def test_the_fused_lora_forward_learns_what_peft_s_forward_learns(tiny_model, ca
 
     fused, peft = tmp_path / "fused", tmp_path / "peft"
     train(method_args("lora", tiny_model, captioned["metadata"], fused, "--mixed_precision=no"), cli_env)
-    train(method_args("lora", tiny_model, captioned["metadata"], peft, "--mixed_precision=no", "--no-fused_lora"),
-          cli_env)  # fmt: skip
+    train(
+        method_args("lora", tiny_model, captioned["metadata"], peft, "--mixed_precision=no", "--no-fused_lora"), cli_env
+    )
     a, b = load_file(str(fused / LORA_FILE)), load_file(str(peft / LORA_FILE))
     assert a.keys() == b.keys()
     ups = [k for k in a if "up" in k]

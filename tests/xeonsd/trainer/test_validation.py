@@ -101,9 +101,16 @@ def test_validation_runs_log_the_held_out_loss_and_do_not_change_training(tiny_m
     for every, ranks, batch in ((2, 1, 2), (1, 2, 1)):
         out = tmp_path / f"every-{every}"
         args = method_args(
-            "lora", tiny_model, captioned, out, "--validation_split=0.2", f"--validation_steps={every}",
-            "--learning_rate=5e-2", steps=4, batch=batch,
-        )  # fmt: skip
+            "lora",
+            tiny_model,
+            captioned,
+            out,
+            "--validation_split=0.2",
+            f"--validation_steps={every}",
+            "--learning_rate=5e-2",
+            steps=4,
+            batch=batch,
+        )
         proc = train(args, cli_env, ranks=ranks)
         assert "validation loss at step 2:" in proc.stderr
         runs[every] = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]

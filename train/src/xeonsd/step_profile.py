@@ -33,17 +33,89 @@ CLASSES = (ATTN_FWD, ATTN_BWD, CONV, MATMUL, ELEMENTWISE, OPTIMIZER, OTHER, OUTS
 #: The classes whose FLOPs are counted and compared with the matmul peak of the step's dtype.
 MATMUL_LIKE = (ATTN_FWD, ATTN_BWD, CONV, MATMUL)
 
-_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addmv", "mv", "einsum", "_addmm_activation",
-            "mkldnn_linear", "dot", "addbmm"}  # fmt: skip
+_MATMULS = {
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "matmul",
+    "linear",
+    "addmv",
+    "mv",
+    "einsum",
+    "_addmm_activation",
+    "mkldnn_linear",
+    "dot",
+    "addbmm",
+}
 _ELEMENTWISE = {
-    "add", "sub", "mul", "div", "neg", "pow", "sqrt", "rsqrt", "exp", "log", "abs", "sign", "clamp", "clamp_min",
-    "clamp_max", "maximum", "minimum", "where", "lerp", "addcmul", "addcdiv", "silu", "gelu", "relu", "sigmoid",
-    "tanh", "softmax", "_softmax", "log_softmax", "_log_softmax", "dropout", "native_dropout", "mean", "sum",
-    "mse_loss", "copy", "to", "_to_copy", "clone", "contiguous", "cat", "stack", "fill", "zero", "zeros_like",
-    "ones_like", "cos", "sin", "erf", "square", "reciprocal", "upsample_nearest2d", "_unsafe_view_copy", "rsub",
-    "index_select", "embedding", "embedding_dense_backward", "pad", "constant_pad_nd", "threshold_backward",
-    "silu_backward", "gelu_backward", "sigmoid_backward", "tanh_backward", "mse_loss_backward", "norm",
-}  # fmt: skip
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "neg",
+    "pow",
+    "sqrt",
+    "rsqrt",
+    "exp",
+    "log",
+    "abs",
+    "sign",
+    "clamp",
+    "clamp_min",
+    "clamp_max",
+    "maximum",
+    "minimum",
+    "where",
+    "lerp",
+    "addcmul",
+    "addcdiv",
+    "silu",
+    "gelu",
+    "relu",
+    "sigmoid",
+    "tanh",
+    "softmax",
+    "_softmax",
+    "log_softmax",
+    "_log_softmax",
+    "dropout",
+    "native_dropout",
+    "mean",
+    "sum",
+    "mse_loss",
+    "copy",
+    "to",
+    "_to_copy",
+    "clone",
+    "contiguous",
+    "cat",
+    "stack",
+    "fill",
+    "zero",
+    "zeros_like",
+    "ones_like",
+    "cos",
+    "sin",
+    "erf",
+    "square",
+    "reciprocal",
+    "upsample_nearest2d",
+    "_unsafe_view_copy",
+    "rsub",
+    "index_select",
+    "embedding",
+    "embedding_dense_backward",
+    "pad",
+    "constant_pad_nd",
+    "threshold_backward",
+    "silu_backward",
+    "gelu_backward",
+    "sigmoid_backward",
+    "tanh_backward",
+    "mse_loss_backward",
+    "norm",
+}
 _CONV = re.compile(r"conv(olution|\d|_transpose|_depthwise)|convolution")
 _BACKWARD_NODE = re.compile(r"^(?P<base>\w+?)Backward\d*$")
 
@@ -125,8 +197,16 @@ def class_rows(seconds: Mapping[str, float], tflop: Mapping[str, float], peak_tf
     for name in CLASSES:
         s, t = seconds.get(name, 0.0), tflop.get(name, 0.0)
         rate = t / s if name in MATMUL_LIKE and s > 0 else None
-        rows.append({"class": name, "seconds": s, "of_step": s / total if total else 0.0, "tflop": t,
-                     "tflops": rate, "of_peak": rate / peak_tflops if rate is not None else None})  # fmt: skip
+        rows.append(
+            {
+                "class": name,
+                "seconds": s,
+                "of_step": s / total if total else 0.0,
+                "tflop": t,
+                "tflops": rate,
+                "of_peak": rate / peak_tflops if rate is not None else None,
+            }
+        )
     return rows
 
 

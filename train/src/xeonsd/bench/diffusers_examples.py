@@ -60,8 +60,9 @@ def script_for(examples: Path, method: str, family: str) -> Path:
     rel = SCRIPTS.get((method, family))
     if rel is None:
         have = ", ".join(f"{m} on {f}" for m, f in SCRIPTS)
-        raise ExamplesError(f"no diffusers example script is compared for --method {method} on the {family} family "
-                            f"(compared: {have})")  # fmt: skip
+        raise ExamplesError(
+            f"no diffusers example script is compared for --method {method} on the {family} family (compared: {have})"
+        )
     script = Path(examples) / rel
     if not script.is_file():
         raise ExamplesError(
@@ -88,8 +89,9 @@ def check_imports(method: str, python: str = sys.executable) -> None:
         )
 
 
-def script_args(method: str, *, model: str, data: Path, resolution: int, steps: int, dtype: str,
-                seed: int) -> list[str]:  # fmt: skip
+def script_args(
+    method: str, *, model: str, data: Path, resolution: int, steps: int, dtype: str, seed: int
+) -> list[str]:
     """The script's flags for the job ``xeonsd train`` runs beside it (its defaults for everything else)."""
     args = [
         f"--pretrained_model_name_or_path={model}",
@@ -110,8 +112,9 @@ def script_args(method: str, *, model: str, data: Path, resolution: int, steps: 
     return args
 
 
-def reference_command(script: Path, tmp: Path, *, method: str, model: str, images: int, resolution: int,
-                      steps: int, dtype: str, seed: int) -> tuple[str, ...]:  # fmt: skip
+def reference_command(
+    script: Path, tmp: Path, *, method: str, model: str, images: int, resolution: int, steps: int, dtype: str, seed: int
+) -> tuple[str, ...]:
     """The runner's command for ``script`` (``--output_dir`` is added by the caller). The scripts that read captions
     get their own folder of the same images (``make_dataset``'s seed) with a metadata.jsonl; the others read
     ``tmp/data``, the folder ``xeonsd train`` reads."""
@@ -121,8 +124,7 @@ def reference_command(script: Path, tmp: Path, *, method: str, model: str, image
 
         data = tmp / "data-captioned"
         make_dataset(data, count=images, size=resolution, captions="metadata")
-    flags = script_args(method, model=model, data=data, resolution=resolution, steps=steps, dtype=dtype,
-                        seed=seed)  # fmt: skip
+    flags = script_args(method, model=model, data=data, resolution=resolution, steps=steps, dtype=dtype, seed=seed)
     return (sys.executable, "-m", "xeonsd.bench.diffusers_examples", str(script), *flags)
 
 
@@ -182,8 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         elif steps is None or len(ends) < int(steps):
             raise
         else:
-            print(f"xeonsd.bench.diffusers_examples: {script.name} failed after its last optimizer step ({steps} "
-                  f"steps timed): {type(exc).__name__}: {exc}", file=sys.stderr)  # fmt: skip
+            print(
+                f"xeonsd.bench.diffusers_examples: {script.name} failed after its last optimizer step ({steps} "
+                f"steps timed): {type(exc).__name__}: {exc}",
+                file=sys.stderr,
+            )
     finally:
         handle.remove()
         first.remove()

@@ -65,13 +65,17 @@ def main(argv: list[str]) -> int:
     p.add_argument("--full-m", type=float, default=135.0, help="million parameters of the 'full' set")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.updates < 1 or not args.full_m > 0:
-        print("xeonsd bench optimizer: error: --rounds and --updates must be at least 1, --full-m positive",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "xeonsd bench optimizer: error: --rounds and --updates must be at least 1, --full-m positive",
+            file=sys.stderr,
+        )
         return 2
     from xeonsd.cpu import cpu_info
 
-    print(f"CPU: {cpu_info().model}; torch {torch.__version__}, {torch.get_num_threads()} threads; {args.rounds} "
-          f"interleaved rounds; x fused: median of each round's s/update over the fused one's (min-max)")  # fmt: skip
+    print(
+        f"CPU: {cpu_info().model}; torch {torch.__version__}, {torch.get_num_threads()} threads; {args.rounds} "
+        f"interleaved rounds; x fused: median of each round's s/update over the fused one's (min-max)"
+    )
     print(
         f"{'set':<6}{'tensors':>9}{'M params':>10}{'implementation':>17}{'s/update':>10}{'x fused':>9}{'min-max':>12}"
     )
@@ -80,6 +84,9 @@ def main(argv: list[str]) -> int:
         n = sum(torch.Size(s).numel() for s in shapes) / 1e6
         for impl in IMPLS:
             st = stats[impl]
-            print(f"{name:<6}{len(shapes):>9}{n:>10.1f}{impl:>17}{st['seconds']['median']:>10.4f}"
-                  f"{st['ratio']['median']:>9.2f}{rnd.range_text(st['ratio']):>12}", flush=True)  # fmt: skip
+            print(
+                f"{name:<6}{len(shapes):>9}{n:>10.1f}{impl:>17}{st['seconds']['median']:>10.4f}"
+                f"{st['ratio']['median']:>9.2f}{rnd.range_text(st['ratio']):>12}",
+                flush=True,
+            )
     return 0

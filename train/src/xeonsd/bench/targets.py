@@ -43,8 +43,14 @@ def _rounds(values: list[float]) -> str:
     return " ".join(f"{v:.2f}" for v in values)
 
 
-def bench_targets(cpu, dtype: str, optimized: dict | None, family: str = "sd", method: str = "textual_inversion",
-                  reference: dict | None = None) -> list[dict]:  # fmt: skip
+def bench_targets(
+    cpu,
+    dtype: str,
+    optimized: dict | None,
+    family: str = "sd",
+    method: str = "textual_inversion",
+    reference: dict | None = None,
+) -> list[dict]:
     """Each target, whether it was met (True/False, None: cannot be judged here) and the line that says it.
     ``cpu``: a ``xeonsd.cpu.CpuInfo``; ``optimized``: the optimized variant's result (None: not run); ``family``:
     the benchmarked model's family name (``xeonsd.modelfiles.families``); ``reference``: the result of the variant

@@ -178,8 +178,9 @@ def main(argv: list[str]) -> int:
     # xeonsd.flops gives FLOP/s; this table is in TFLOP/s: the median of every probe, before and after.
     peaks = {k: v["peak"]["median"] / 1e12 for k, v in stable["by_dtype"].items()}
     log.info("matmul peaks: %s", peaks)
-    stats = rnd.summarize({n: [step_seconds(r["rows"], args.warmup) for r in rs] for n, rs in runs.items()},
-                          baseline=variants[0].name)  # fmt: skip
+    stats = rnd.summarize(
+        {n: [step_seconds(r["rows"], args.warmup) for r in rs] for n, rs in runs.items()}, baseline=variants[0].name
+    )
     results = []
     for v in variants:
         vdtype = v.name if v.name in ("bf16", "fp32") else dtype
@@ -237,12 +238,18 @@ def _checked(args: argparse.Namespace):
         print("xeonsd bench train: error: --rounds and --probes must be at least 1", file=sys.stderr)
         return None
     if args.profile and args.warmup < 2:
-        print("xeonsd bench train: error: --profile needs --warmup 2 or more (the first step counts the FLOPs, the "
-              "last warm-up step is profiled)", file=sys.stderr)  # fmt: skip
+        print(
+            "xeonsd bench train: error: --profile needs --warmup 2 or more (the first step counts the FLOPs, the "
+            "last warm-up step is profiled)",
+            file=sys.stderr,
+        )
         return None
     if args.diffusers_examples is not None and not args.diffusers_examples.is_dir():
-        print(f"xeonsd bench train: error: --diffusers-examples {args.diffusers_examples}: not a folder (give the "
-              "examples/ folder of a diffusers source checkout)", file=sys.stderr)  # fmt: skip
+        print(
+            f"xeonsd bench train: error: --diffusers-examples {args.diffusers_examples}: not a folder (give the "
+            "examples/ folder of a diffusers source checkout)",
+            file=sys.stderr,
+        )
         return None
     model = _model(args)
     if model is None:
@@ -259,9 +266,12 @@ def _checked(args: argparse.Namespace):
             print(f"xeonsd bench train: error: {exc}", file=sys.stderr)
             return None
     if family.is_flow and args.method == "textual_inversion":
-        print(f"xeonsd bench train: error: --method textual_inversion is not supported on {family.label} (the "
-              "trainer refuses it: no trainer trains embeddings for its CLIP + T5 text side); use --method lora or "
-              "full", file=sys.stderr)  # fmt: skip
+        print(
+            f"xeonsd bench train: error: --method textual_inversion is not supported on {family.label} (the "
+            "trainer refuses it: no trainer trains embeddings for its CLIP + T5 text side); use --method lora or "
+            "full",
+            file=sys.stderr,
+        )
         return None
     return model, family
 
@@ -294,8 +304,15 @@ def _measure(args: argparse.Namespace, model: str | Path, dtype: str, variants: 
         make_dataset(data, count=args.images, size=args.resolution)
         base_args = train_args(args, model, data, dtype)
         if args.reference_script is not None:
-            job = {"method": args.method, "model": str(model), "images": args.images,
-                   "resolution": args.resolution, "steps": args.warmup + args.steps, "dtype": dtype, "seed": 7}  # fmt: skip
+            job = {
+                "method": args.method,
+                "model": str(model),
+                "images": args.images,
+                "resolution": args.resolution,
+                "steps": args.warmup + args.steps,
+                "dtype": dtype,
+                "seed": 7,
+            }
             cmd = dx.reference_command(args.reference_script, Path(tmp), **job)
             variants = [replace(v, command=cmd) if v.name == dx.VARIANT else v for v in variants]
         runs = run_rounds(variants, args.rounds, base_args, Path(tmp), env)
