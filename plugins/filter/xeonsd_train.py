@@ -93,12 +93,12 @@ def result_export(summary: Mapping[str, Any], run_dir: str, lora_scale: Any = 1.
         return {
             "own": True,
             "source": str(summary["base_model"]),
-            "args": ["--lora", path, "--lora-scale", f"{float(lora_scale):g}"],
+            "args": ["--lora", path, "--lora-scale", str(lora_scale)],
             "generate_args": [],
             "why": f"the LoRA fused into the base model: GenAI applies no adapters to {found.label}",
         }
     flag = info["generate_flag"]
-    arg = f"{path}:{float(lora_scale):g}" if flag == "--lora" else path
+    arg = f"{path}:{lora_scale}" if flag == "--lora" else path
     return {"own": False, "source": str(summary["base_model"]), "args": [], "generate_args": [flag, arg], "why": ""}
 
 

@@ -181,7 +181,7 @@ def test_a_run_s_result_reaches_its_images_by_its_method_and_family() -> None:
         "generate_args": ["--lora", "/runs/r1/pytorch_lora_weights.safetensors:0.8"],
         "why": "",
     }
-    assert xeonsd_train.result_export(lora, "/runs/r1")["generate_args"][1].endswith(":1")  # no family: an SD run
+    assert xeonsd_train.result_export(lora, "/runs/r1")["generate_args"][1].endswith(":1.0")  # no family: an SD run
     ti = {"method": "textual_inversion", "base_model": "/m/b", "result": {"path": "learned_embeds.safetensors"}}
     assert xeonsd_train.result_export(ti, "/r")["generate_args"] == ["--embeds", "/r/learned_embeds.safetensors"]
     full = xeonsd_train.result_export({"method": "full", "base_model": "/m/b", "result": {"path": "x"}}, "/r")
