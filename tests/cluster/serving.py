@@ -19,8 +19,13 @@ from repo_code import ansible_code
 # The servers' settings in these tests: one worker per node (4 nodes share 2 cores), a generous timeout.
 SERVE_SETTINGS = ("-e", "serve_workers=1", "-e", "serve_timeout=120")
 PID_FILE = "/var/cache/xeonsd/serve/serve.pid"  # serve_state_dir on the test cluster (group_vars/cluster.yml)
-BODY = {"prompt": "a yellow robot at the beach", "n": 1, "num_inference_steps": 2, "rng_seed": 7,
-        "response_format": "b64_json"}  # fmt: skip
+BODY = {
+    "prompt": "a yellow robot at the beach",
+    "n": 1,
+    "num_inference_steps": 2,
+    "rng_seed": 7,
+    "response_format": "b64_json",
+}
 
 
 def serve_processes(cluster: Cluster) -> dict[str, list[int]]:

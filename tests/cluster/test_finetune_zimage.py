@@ -53,8 +53,14 @@ def test_zimage_lora_trains_over_the_ranks_fuses_into_its_own_export_and_is_serv
         assert [m["id"] for m in front.get("/v1/models")["data"]] == [RUN]  # the fused export alone, by the run's name
         code, image = front.image()
         assert code == 200 and image.size == (64, 64), image
-        stopped = run_playbook(*serve, "-e", "serve_state=stopped", state_dir=provisioned.state_dir,
-                               name="serve-zimage-stopped", timeout=600)  # fmt: skip
+        stopped = run_playbook(
+            *serve,
+            "-e",
+            "serve_state=stopped",
+            state_dir=provisioned.state_dir,
+            name="serve-zimage-stopped",
+            timeout=600,
+        )
         assert stopped.rc == 0, stopped.tail(60)
         assert serve_processes(provisioned) == {}
     finally:

@@ -49,8 +49,15 @@ def test_serve_yml_behind_one_front_survives_a_killed_node_and_rolls_out_a_secon
     front = Front(provisioned)
 
     def serve(name: str, *args: str):  # noqa: ANN202 - runner.PlaybookRun
-        result = run_playbook("serve.yml", provisioned.inventory, *SERVE_ARGS, *args,
-                              state_dir=provisioned.state_dir, name=name, timeout=900)  # fmt: skip
+        result = run_playbook(
+            "serve.yml",
+            provisioned.inventory,
+            *SERVE_ARGS,
+            *args,
+            state_dir=provisioned.state_dir,
+            name=name,
+            timeout=900,
+        )
         assert result.rc == 0, "\n".join(map(str, result.failures())) or result.tail(60)
         return result
 
