@@ -61,10 +61,10 @@ def serve_plan_of(
         raise ValueError(f"xeonsd_serve_plan: {len(summaries)} summaries for 1 run and {len(adapters)} adapters")
     runs = [_run(r) for r in summaries]
     named = [{**runs[i + 1], "name": a["name"], "alpha": a["alpha"]} for i, a in enumerate(adapters)]
-    try:  # runs of an xeonsd older than the family field were SD
-        family = family_specs.spec(str(runs[0]["summary"].get("family") or "sd"))
+    try:
+        family = family_specs.run_spec(runs[0]["summary"], runs[0]["dir"])
     except family_specs.FamilyError as e:
-        raise ServePlanError(f"{runs[0]['dir']}/train_summary.json: {e}") from None
+        raise ServePlanError(str(e)) from None
     fused = "" if family.genai_adapters else family.label
     return serve_plan.plan(runs[0], export_dir, named, alpha=alpha, fused_family=fused)
 

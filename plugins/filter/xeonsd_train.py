@@ -81,11 +81,10 @@ def result_export(summary: Mapping[str, Any], run_dir: str, lora_scale: Any = 1.
       ``--embeds FILE`` or ``--lora FILE:SCALE``.
     """
     info = method(summary["method"])
-    name = str(summary.get("family") or "sd")  # runs of an xeonsd older than the family field were SD
     try:
-        found = family_specs.spec(name)
+        found = family_specs.run_spec(summary, run_dir)
     except family_specs.FamilyError as e:
-        raise TrainArgvError(f"{run_dir}/train_summary.json: {e}") from None
+        raise TrainArgvError(str(e)) from None
     path = f"{run_dir}/{summary['result']['path']}"
     if info["pipeline"]:
         return {"own": True, "source": run_dir, "args": [], "generate_args": [], "why": "its own pipeline"}

@@ -9,6 +9,7 @@ import json
 import logging
 import re
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -86,8 +87,6 @@ def test_sighup_reloads_the_keys_and_a_broken_file_keeps_them(server: ServeProce
 
 
 def _wait(done, seconds: float = 20) -> bool:
-    import time
-
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         if done():

@@ -7,12 +7,13 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from cli_runs import refused, run_cli, train_args
 
 from xeonsd.trainer.metrics import ema
-from xeonsd.trainer.tracking import LossEMA, scalars
+from xeonsd.trainer.tracking import Tracker, scalars
 
 
 def test_a_row_s_values_get_their_curve_s_names_and_the_ema_is_the_plot_s() -> None:
@@ -37,9 +38,14 @@ def test_a_row_s_values_get_their_curve_s_names_and_the_ema_is_the_plot_s() -> N
         "cpu_util/node2": 0.4,
     }
     assert scalars({"step": 1, "loss": 1.0, "val_loss": 0.7})["val/loss"] == 0.7
+    # the logged EMA is the loss plot's, and a resumed run's goes on from the rows its checkpoint kept
     losses = [1.0, 0.5, 0.8, 0.2, 0.4, 0.1]
-    running = LossEMA(5)
-    assert [running.update(v) for v in losses] == pytest.approx(ema(losses, 5))
+    logged: list[dict[str, float]] = []
+    backend = SimpleNamespace(log=lambda step, values: logged.append(dict(values)), image=None, close=None)
+    tracker = Tracker(backend, 5, earlier_losses=losses[:3])
+    for step, loss in enumerate(losses[3:], 4):
+        tracker.log_row({"step": step, "loss": loss})
+    assert [v["train/loss_ema"] for v in logged] == pytest.approx(ema(losses, 5)[3:])
 
 
 def test_tensorboard_holds_the_run_s_scalars_and_validation_images(tiny_model, dataset, tmp_path, cli_env) -> None:

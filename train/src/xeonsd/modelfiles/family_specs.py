@@ -297,3 +297,12 @@ def spec(name: str) -> FamilySpec:
         return SPECS[name]
     except KeyError:
         raise FamilyError(f"unknown model family {name!r}; known: {', '.join(SPECS)}") from None
+
+
+def run_spec(summary: dict[str, Any], run_dir: str) -> FamilySpec:
+    """The family a run trained, from its ``train_summary.json`` (a run of an xeonsd older than the ``family``
+    field was SD); a FamilyError names the run's summary and the family it does not know."""
+    try:
+        return spec(str(summary.get("family") or "sd"))
+    except FamilyError as e:
+        raise FamilyError(f"{run_dir}/train_summary.json: {e}") from None

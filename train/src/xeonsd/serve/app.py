@@ -22,7 +22,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from xeonsd.modelfiles import families
 from xeonsd.serve.keys import KeyRing, RequireKey
 from xeonsd.serve.metrics import Metrics
 from xeonsd.serve.options import ServedModel, ServeOptions
@@ -152,7 +151,7 @@ def create_app(
         models=tuple(served.model_names),
         max_images=opts.max_images,
         max_steps=opts.max_steps,
-        guidance_scale=families.spec(served.family).guidance_scale,
+        guidance_scale=served.guidance_scale,
     )
     created = int(time.time())
     images = _images_handler(limits, opts.timeout, pool, metrics)

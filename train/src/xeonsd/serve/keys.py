@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from xeonsd.serve.requests import RequestError
+
 log = logging.getLogger(__name__)
 MIN_KEY = 16  # characters: a key a person would type by hand is too easy to guess
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -122,9 +124,8 @@ class RequireKey:
                 if header
                 else "No API key provided: send Authorization: Bearer KEY (the openai client's api_key=)"
             )
-            body = {
-                "error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
-            }
-            await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            error = RequestError(message, None, status=401, code="invalid_api_key")
+            answer = JSONResponse(error.body(), status_code=error.status, headers={"WWW-Authenticate": "Bearer"})
+            await answer(scope, receive, send)
             return
         await self.app(scope, receive, send)

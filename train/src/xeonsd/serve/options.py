@@ -80,6 +80,11 @@ class ServedModel:
     def model_names(self) -> list[str]:
         return [self.name, *self.adapters]
 
+    @property
+    def guidance_scale(self) -> float:
+        """A request's default: the family's pipeline's (``FamilySpec.guidance_scale``)."""
+        return families.spec(self.family).guidance_scale
+
 
 def cpu_count() -> int:
     """The cores this process may run on."""

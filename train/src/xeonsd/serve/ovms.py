@@ -19,7 +19,6 @@ import tempfile
 from pathlib import Path
 
 from xeonsd.fsutil import atomic_dir
-from xeonsd.modelfiles import families
 from xeonsd.openvino.generate_args import PRECISIONS
 from xeonsd.serve.options import ServedModel, ServeOptions, prepare
 from xeonsd.serve.requests import DEFAULT_STEPS
@@ -35,7 +34,7 @@ def graph_pbtxt(served: ServedModel, opts: ServeOptions, adapter: tuple[str, Pat
         f'resolution: "{shape.width}x{shape.height}"',
         f'default_resolution: "{shape.width}x{shape.height}"',
         f"num_images_per_prompt: {shape.images_per_call}",
-        f"guidance_scale: {families.spec(served.family).guidance_scale:g}",
+        f"guidance_scale: {served.guidance_scale:g}",
         f"max_num_images_per_prompt: {shape.images_per_call}",
         f"default_num_inference_steps: {min(DEFAULT_STEPS, opts.max_steps)}",
         f"max_num_inference_steps: {opts.max_steps}",

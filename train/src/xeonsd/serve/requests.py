@@ -45,15 +45,23 @@ KNOWN = frozenset(
 class RequestError(ValueError):
     """A bad request: ``param`` names the field (None: the body itself), ``status`` is the HTTP status."""
 
-    def __init__(self, message: str, param: str | None, status: int = 400, kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        message: str,
+        param: str | None,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.param = param
         self.status = status
         self.kind = kind
+        self.code = code
 
     def body(self) -> dict[str, Any]:
         """The OpenAI error object."""
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
 
 @dataclass(frozen=True)

@@ -78,12 +78,9 @@ class StepObservers:
         self.clock.end_step()
         self.sequence.run(end)
 
-    def close(self, tracker: bool = False) -> None:
-        """The progress bar; with ``tracker`` the tracker too (a stop: no save follows)."""
+    def close(self) -> None:
         if self.progress is not None:
             self.progress.close()
-        if tracker and self.tracker is not None:
-            self.tracker.close()
 
     def stop(self, end: StepEnd, signum: int, timeout_s: float) -> NoReturn:
         """The ranks agreed to stop after ``end``: within ``timeout_s`` (else the rank exits without it) the
@@ -100,7 +97,9 @@ class StepObservers:
                 barrier(job.world)
             stop = make_stop(signum, end.step, ckpt.checkpoint_name(end.step))
             status.interrupt(stop)
-        self.close(tracker=True)
+        self.close()
+        if self.tracker is not None:  # no save follows a stop: it would have closed the tracker
+            self.tracker.close()
         if job.is_main:
             log.warning("%s: %s written in %.1f s", describe(signum), stop.checkpoint, time.perf_counter() - t0)
         raise Interrupted(signum, stop)

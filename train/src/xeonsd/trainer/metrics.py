@@ -60,6 +60,21 @@ def ema_window(points: int) -> int:
     return max(5, min(50, points // 10))
 
 
+class RunningEMA:
+    """The EMA of :func:`ema`, one value at a time (the trainer's ``--report_to`` curves follow the loss plot's)."""
+
+    def __init__(self, window: int) -> None:
+        if window < 1:
+            raise ValueError(f"EMA window must be at least 1, got {window}")
+        self.alpha = 2 / (window + 1)
+        self.weighted = self.weights = 0.0
+
+    def update(self, value: float) -> float:
+        self.weighted = (1 - self.alpha) * self.weighted + self.alpha * value
+        self.weights = (1 - self.alpha) * self.weights + self.alpha
+        return self.weighted / self.weights
+
+
 def ema(values: Sequence[float], window: int) -> list[float]:
     """Exponential moving average with ``alpha = 2 / (window + 1)`` (the usual span convention), bias-corrected.
 
@@ -67,16 +82,8 @@ def ema(values: Sequence[float], window: int) -> list[float]:
     weights: the curve starts at the first value without being pulled towards it for the next ``window`` points,
     as the plain recursion seeded with the first value is (TensorBoard smooths the same way).
     """
-    if window < 1:
-        raise ValueError(f"EMA window must be at least 1, got {window}")
-    alpha = 2 / (window + 1)
-    out: list[float] = []
-    weighted = weights = 0.0
-    for v in values:
-        weighted = (1 - alpha) * weighted + alpha * v
-        weights = (1 - alpha) * weights + alpha
-        out.append(weighted / weights)
-    return out
+    running = RunningEMA(window)
+    return [running.update(v) for v in values]
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ default, adds nothing to the stack).
 
 Rank 0 hands the tracker each row it writes to ``metrics.jsonl`` (:class:`~xeonsd.trainer.hooks.MetricsRows`) and
 the validation images it renders. :func:`scalars` names a row's values the same way for both backends:
-``train/loss``, ``train/loss_ema`` (bias-corrected, the smoothing of the loss plot: :func:`~.metrics.ema`),
+``train/loss``, ``train/loss_ema`` (bias-corrected, the smoothing of the loss plot: :class:`~.metrics.RunningEMA`),
 ``train/lr``, ``train/s_per_step``, ``train/images_per_s``, ``train/allreduce_bytes``, ``val/loss`` where the run
 has held-out images, and ``cpu_util/<node>``: each node's mean CPU use over its ranks, from the gathered rank
 statistics (``--stats_every``).
@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from xeonsd.contracts.run_files import TENSORBOARD_DIR
 from xeonsd.trainer.config import ConfigError, TrainConfig
-from xeonsd.trainer.metrics import ema_window
+from xeonsd.trainer.metrics import RunningEMA, ema_window
 
 # A metrics row's value → its name on the curves.
 ROW_SCALARS = {
@@ -50,19 +50,6 @@ def check_report_to(cfg: TrainConfig) -> None:
         )
     if cfg.tracking_uri and cfg.report_to != "mlflow":
         raise ConfigError(f"--tracking_uri is MLflow's; --report_to is {cfg.report_to}: add --report_to mlflow")
-
-
-class LossEMA:
-    """The loss plot's EMA, point by point: ``alpha = 2 / (window + 1)``, bias-corrected (:func:`.metrics.ema`)."""
-
-    def __init__(self, window: int) -> None:
-        self.alpha = 2 / (window + 1)
-        self.weighted = self.weights = 0.0
-
-    def update(self, value: float) -> float:
-        self.weighted = (1 - self.alpha) * self.weighted + self.alpha * value
-        self.weights = (1 - self.alpha) * self.weights + self.alpha
-        return self.weighted / self.weights
 
 
 def scalars(row: Mapping[str, Any], loss_ema: float | None = None) -> dict[str, float]:
@@ -127,7 +114,7 @@ class Tracker:
 
     def __init__(self, backend: Backend, window: int, earlier_losses: Iterable[float] = ()) -> None:
         self.backend = backend
-        self.ema = LossEMA(window)
+        self.ema = RunningEMA(window)
         for loss in earlier_losses:  # a resumed run's EMA goes on from the rows its checkpoint covers
             self.ema.update(loss)
 
