@@ -1,20 +1,25 @@
-"""serve.yml's result seen from the test machine, for the tests that serve a run on the test cluster
-(test_serve.py, test_finetune_zimage.py): the front's address and requests through it, and the serving processes
-in each node's namespace."""
+"""serve.yml on the test cluster, for the tests that serve a run (test_serve.py, test_finetune_zimage.py): the play
+with the tests' server settings, the front's address and requests through it, and the serving processes in each
+node's namespace (killed however a test ends)."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
+import os
+import signal
 import subprocess
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from harness import Cluster
 from PIL import Image
 from repo_code import ansible_code
+from runner import PlaybookRun, run_playbook
 
 # The servers' settings in these tests: one worker per node (4 nodes share 2 cores), a generous timeout.
 SERVE_SETTINGS = ("-e", "serve_workers=1", "-e", "serve_timeout=120")
@@ -71,3 +76,24 @@ class Front:
     def states(self) -> dict[str, str]:
         with urllib.request.urlopen(self.stats_url, timeout=10) as r:
             return ansible_code("xeonsd_serve").haproxy_servers(r.read().decode(), "xeonsd_serve")
+
+
+def serve_play(cluster: Cluster, name: str, *args: str, timeout: float = 900) -> PlaybookRun:
+    """serve.yml with the tests' server settings and ``args``; its rc checked (the failed tasks, else the log)."""
+    result = run_playbook(
+        "serve.yml", cluster.inventory, *SERVE_SETTINGS, *args, state_dir=cluster.state_dir, name=name, timeout=timeout
+    )
+    assert result.rc == 0, "\n".join(map(str, result.failures())) or result.tail(60)
+    return result
+
+
+@contextlib.contextmanager
+def servers_killed_after(cluster: Cluster) -> Iterator[None]:
+    """However the block ends, no xeonsd serve or HAProxy is left on a node (SIGKILL to what is)."""
+    try:
+        yield
+    finally:
+        for pids in serve_processes(cluster).values():
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)

@@ -5,15 +5,11 @@ shared one); the images generated from it, and serve.yml serving that export alo
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 
 from harness import Cluster
 from jobs import RUNS, finetune_other_base
-from runner import run_playbook
-from serving import SERVE_SETTINGS, Front, serve_processes
+from serving import Front, serve_play, serve_processes, servers_killed_after
 
 RUN = "zimage-lora"
 
@@ -46,28 +42,15 @@ def test_zimage_lora_trains_over_the_ranks_fuses_into_its_own_export_and_is_serv
     assert timings["engine"] == "genai" and timings["num_images"] == 5, timings
 
     front = Front(provisioned)
-    serve = ("serve.yml", provisioned.inventory, "-e", f"serve_run={RUN}", *SERVE_SETTINGS)
-    try:
-        served = run_playbook(*serve, state_dir=provisioned.state_dir, name="serve-zimage", timeout=900)
-        assert served.rc == 0, "\n".join(map(str, served.failures())) or served.tail(60)
+    with servers_killed_after(provisioned):
+        serve_play(provisioned, "serve-zimage", "-e", f"serve_run={RUN}")
         assert [m["id"] for m in front.get("/v1/models")["data"]] == [RUN]  # the fused export alone, by the run's name
         code, image = front.image()
         assert code == 200 and image.size == (64, 64), image
-        stopped = run_playbook(
-            *serve,
-            "-e",
-            "serve_state=stopped",
-            state_dir=provisioned.state_dir,
-            name="serve-zimage-stopped",
-            timeout=600,
+        serve_play(
+            provisioned, "serve-zimage-stopped", "-e", f"serve_run={RUN}", "-e", "serve_state=stopped", timeout=600
         )
-        assert stopped.rc == 0, stopped.tail(60)
         assert serve_processes(provisioned) == {}
-    finally:
-        for pids in serve_processes(provisioned).values():
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
     print(
         f"\nfinetune.yml Z-Image lora (tiny-zimage, 4 steps, 4 ranks): {result.seconds:.1f} s wall (staging not counted)"
     )

@@ -231,17 +231,20 @@ def test_offline_git_builds_diffusers_from_a_staged_archive(provisioned: Cluster
         },
     )
 
-    # Only the stack's role (--tags ml_stack; preflight runs always): Diffusers' source is its concern alone.
-    first = run_playbook(
-        "provision.yml",
-        inventory,
-        "--limit",
-        "node3",
-        "--tags",
-        "ml_stack",
-        state_dir=provisioned.state_dir,
-        name="limit-node3-diffusers-archive",
-    )
+    def stack_on_node3(name: str):  # noqa: ANN202 - runner.PlaybookRun
+        """Only the stack's role (--tags ml_stack; preflight runs always): Diffusers' source is its concern alone."""
+        return run_playbook(
+            "provision.yml",
+            inventory,
+            "--limit",
+            "node3",
+            "--tags",
+            "ml_stack",
+            state_dir=provisioned.state_dir,
+            name=name,
+        )
+
+    first = stack_on_node3("limit-node3-diffusers-archive")
     assert first.rc == 0, first.tail()
     # Built once (run_once), or not at all when an earlier session built this archive's wheel (.cache persists).
     assert wheel_builds(first, "diffusers") in ([], ["node3"]) and "Clone Diffusers" not in first.output
@@ -251,16 +254,7 @@ def test_offline_git_builds_diffusers_from_a_staged_archive(provisioned: Cluster
     assert provisioned.ssh("node3", "test -e /var/cache/xeonsd/diffusers", check=False).returncode != 0
     assert_node_works(provisioned, "node3")
 
-    second = run_playbook(
-        "provision.yml",
-        inventory,
-        "--limit",
-        "node3",
-        "--tags",
-        "ml_stack",
-        state_dir=provisioned.state_dir,
-        name="limit-node3-diffusers-archive-again",
-    )
+    second = stack_on_node3("limit-node3-diffusers-archive-again")
     assert second.rc == 0, second.tail()
     assert second.changed() == {"node3": 0}, second.recap
     assert wheel_builds(second, "diffusers") == []

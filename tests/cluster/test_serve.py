@@ -7,21 +7,17 @@ every server and the front."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import threading
 import urllib.request
 
 import pytest
 from harness import Cluster
 from jobs import controller_runs, wait_for
-from runner import run_playbook
-from serving import PID_FILE, SERVE_SETTINGS, Front, serve_processes
+from runner import PlaybookRun
+from serving import PID_FILE, Front, serve_play, serve_processes, servers_killed_after
 
-# The server's settings here: one worker per node (4 nodes share 2 cores), a generous timeout on the loaded cores.
-SERVE_ARGS = ("-e", "serve_run=lora", *SERVE_SETTINGS)
+SERVE_ARGS = ("-e", "serve_run=lora")  # the run test_finetune_methods.py trained
 
 
 class Client(threading.Thread):
@@ -48,20 +44,10 @@ def test_serve_yml_behind_one_front_survives_a_killed_node_and_rolls_out_a_secon
     shape = json.loads((runs / "lora" / "openvino" / "xeonsd_export.json").read_text())["static_shape"]
     front = Front(provisioned)
 
-    def serve(name: str, *args: str):  # noqa: ANN202 - runner.PlaybookRun
-        result = run_playbook(
-            "serve.yml",
-            provisioned.inventory,
-            *SERVE_ARGS,
-            *args,
-            state_dir=provisioned.state_dir,
-            name=name,
-            timeout=900,
-        )
-        assert result.rc == 0, "\n".join(map(str, result.failures())) or result.tail(60)
-        return result
+    def serve(name: str, *args: str) -> PlaybookRun:
+        return serve_play(provisioned, name, *SERVE_ARGS, *args)
 
-    try:
+    with servers_killed_after(provisioned):
         serve("serve")
         assert front.states() == dict.fromkeys(provisioned.nodes, "UP")
         models = [m["id"] for m in front.get("/v1/models")["data"]]
@@ -107,8 +93,3 @@ def test_serve_yml_behind_one_front_survives_a_killed_node_and_rolls_out_a_secon
         assert serve_processes(provisioned) == {}
         with pytest.raises(OSError):
             urllib.request.urlopen(front.url + "/v2/health/live", timeout=5)
-    finally:
-        for pids in serve_processes(provisioned).values():
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -60,30 +61,21 @@ def test_bench_train_refuses_a_model_it_cannot_find(tmp_path, capsys):
     assert err.startswith(f"xeonsd bench train: error: --model {tmp_path / 'nope'}: cannot be loaded: looked for")
 
 
+def one_step_bench(out: Path, env: dict[str, str], *flags: str) -> subprocess.CompletedProcess:
+    """``xeonsd bench train FLAGS``: the optimized variant alone, one timed step at 64 px in fp32, one round and one
+    probe, its report written to ``out``."""
+    args = ["bench", "train", *flags, "--resolution=64", "--steps=1", "--peak-size=256", "--dtype=fp32"]
+    args += ["--only", "optimized", f"--json={out}", "--rounds=1", "--probes=1"]
+    return subprocess.run(
+        [sys.executable, "-m", "xeonsd.cli", *args], env=env, capture_output=True, text=True, timeout=600
+    )
+
+
 def test_bench_train_lora_measures_the_allreduce_on_two_ranks(tiny_model, tmp_path, cli_env):
     """The 2-rank run's recorded collectives carry exactly the adapters' gradients and the loss."""
     out = tmp_path / "bench.json"
-    args = [
-        "bench",
-        "train",
-        "--method=lora",
-        f"--model={tiny_model}",
-        "--resolution=64",
-        "--steps=1",
-        "--warmup=2",
-        "--peak-size=256",
-        "--dtype=fp32",
-        "--only",
-        "optimized",
-        f"--json={out}",
-        "--rounds=1",
-        "--probes=1",
-        "--profile",
-    ]
     env = dict(cli_env, I_MPI_FABRICS="shm")
-    proc = subprocess.run(
-        [sys.executable, "-m", "xeonsd.cli", *args], env=env, capture_output=True, text=True, timeout=600
-    )
+    proc = one_step_bench(out, env, "--method=lora", f"--model={tiny_model}", "--warmup=2", "--profile")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     computed = report["results"][0]["allreduce_bytes"]
@@ -127,26 +119,7 @@ def test_bench_train_builds_a_flow_arch_and_reports_its_family(tmp_path, cli_env
     and the SD targets are not judged on it; textual inversion is refused there before anything runs."""
     out = tmp_path / "bench.json"
     env = dict(cli_env, XEONSD_CACHE=str(tmp_path / "cache"))
-    args = [
-        "bench",
-        "train",
-        "--arch=tiny-flux",
-        "--method=lora",
-        "--resolution=64",
-        "--steps=1",
-        "--warmup=1",
-        "--peak-size=256",
-        "--dtype=fp32",
-        "--only",
-        "optimized",
-        f"--json={out}",
-        "--rounds=1",
-        "--probes=1",
-        "--no-ranks2",
-    ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "xeonsd.cli", *args], env=env, capture_output=True, text=True, timeout=600
-    )
+    proc = one_step_bench(out, env, "--arch=tiny-flux", "--method=lora", "--warmup=1", "--no-ranks2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["family"] == "flux" and report["model"] == str(tmp_path / "cache" / "tiny-flux")
@@ -155,7 +128,7 @@ def test_bench_train_builds_a_flow_arch_and_reports_its_family(tmp_path, cli_env
     assert amx["met"] is None and "set for SD 1.x/2.x and SDXL" in amx["line"]
     assert "lora on FLUX.1" in proc.stdout, proc.stdout
     refused = subprocess.run(
-        [sys.executable, "-m", "xeonsd.cli", *args[:3], "--method=textual_inversion"],
+        [sys.executable, "-m", "xeonsd.cli", "bench", "train", "--arch=tiny-flux", "--method=textual_inversion"],
         env=env,
         capture_output=True,
         text=True,
