@@ -13,7 +13,7 @@ _HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
 
 
 def markdown_files() -> list[Path]:
-    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted(REPO.glob("roles/*/README.md"))]
+    return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), *sorted(REPO.glob("roles/*/README.md"))]
 
 
 def _prose_lines(path: Path) -> list[str]:
@@ -68,3 +68,21 @@ def test_every_doc_is_linked_from_the_readme() -> None:
     readme = (REPO / "README.md").read_text()
     unlinked = [p.name for p in sorted((REPO / "docs").glob("*.md")) if f"](docs/{p.name}" not in readme]
     assert unlinked == []
+
+
+def test_every_dated_benchmark_file_is_linked_from_the_benchmarks_page() -> None:
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    dated = sorted((REPO / "docs" / "benchmarks").glob("*.md"))
+    assert dated, "docs/benchmarks/ holds the dated runs"
+    assert [p.name for p in dated if f"](benchmarks/{p.name}" not in page] == []
+    assert [p.name for p in dated if not re.match(r"\d{4}-\d{2}-\d{2}-[a-z0-9-]+\.md$", p.name)] == []
+
+
+def test_the_docs_cite_no_issue_numbers() -> None:
+    """The repository has no issue tracker: a doc says what the change was, not "issue 36"."""
+    cited = {
+        str(p.relative_to(REPO)): hits
+        for p in markdown_files()
+        if (hits := re.findall(r"\bissues? #?\d+|\bissue-\d+", p.read_text(), re.IGNORECASE))
+    }
+    assert cited == {}
