@@ -14,8 +14,9 @@ The package is one subpackage per concern; each ``__init__`` says what it owns a
 * :mod:`xeonsd.bench`: ``xeonsd bench train`` / ``generate`` / ``layout`` / ``serve`` / ``optimizer``;
 * :mod:`xeonsd.assets`: the offline tiny models and image set that the demo and the tests build.
 
-At the top level only what more than one of them uses: :mod:`~xeonsd.cli` (the command line), :mod:`~xeonsd.fsutil`
-(crash-safe output), :mod:`~xeonsd.console` (a command's console: the libraries' chatter in a log file),
+At the top level only what more than one of them uses: :mod:`~xeonsd.cli` (the command line), :mod:`~xeonsd.flags`
+(a command's options dataclass makes its flags), :mod:`~xeonsd.fsutil` (crash-safe output), :mod:`~xeonsd.console`
+(a command's console: the libraries' chatter in a log file),
 :mod:`~xeonsd.cpu` (what the CPU offers), :mod:`~xeonsd.flops` (FLOP counts and the matmul peak),
 :mod:`~xeonsd.step_profile` (a step's time and FLOPs per class of work) and :mod:`~xeonsd.templates` (the recipe's
 prompt templates).
