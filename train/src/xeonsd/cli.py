@@ -137,76 +137,12 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
         "Static shapes by default, the recipe's: batch 5, 1 image per prompt, at the model family's resolution "
         "(SD 1.5 512x512, SDXL 1024x1024).",
     )
-    p.add_argument("src", help="diffusers pipeline directory (e.g. --save_as_full_pipeline output) or Hub model id")
-    p.add_argument("out", help="output directory (must not exist or be empty unless --overwrite)")
-    p.add_argument("--embeds", help="learned_embeds.safetensors to add to tokenizer and text encoder before export")
-    p.add_argument("--token", help="load the --embeds concept under this token instead of the one in the file")
-    p.add_argument("--batch-size", type=int, default=5, help="prompts per call (static shape)")
-    p.add_argument(
-        "--resolution", type=int, help="height and width of the static shape (default: the family's, SDXL 1024)"
-    )
-    p.add_argument("--height", type=int, help="static height (default --resolution)")
-    p.add_argument("--width", type=int, help="static width (default --resolution)")
-    p.add_argument("--num-images-per-prompt", type=int, default=1)
-    p.add_argument("--dynamic", action="store_true", help="keep dynamic shapes (skip the static reshape)")
-    p.add_argument(
-        "--weight-format",
-        choices=["fp32", "fp16", "int8"],
-        default=None,
-        help="int8: NNCF data-free 8-bit weight compression (default fp32; int8 with --quantize)",
-    )
-    _add_quantize_flags(p)
-    _add_tome_flags(p)
-    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT (only once the new one is done)")
-    _add_export_lora_flags(p)
+    from xeonsd.flags import add_flags
+    from xeonsd.openvino.export_args import ExportRequest
+
+    add_flags(p, ExportRequest, dashes=True)
     _add_console_flags(p)
     p.set_defaults(func=_export)
-
-
-def _add_quantize_flags(p: argparse.ArgumentParser) -> None:
-    from xeonsd.openvino.quantize import DEFAULT_SAMPLES, METHODS
-
-    p.add_argument(
-        "--quantize",
-        choices=METHODS,
-        help="int8 UNet convolutions and attention (NNCF), calibrated offline, and int8 weights in the text "
-        "encoder(s) and VAE; hybrid keeps the UNet's linear layers as exported (fastest on AMX), hybrid-compact "
-        "stores them in int8 too (a quarter of the UNet's size)",
-    )
-    p.add_argument(
-        "--calibration-prompts",
-        metavar="FILE",
-        help="--quantize: one prompt a line (default: the recipe's prompt and the object templates)",
-    )
-    p.add_argument(
-        "--calibration-samples",
-        type=int,
-        metavar="N",
-        help=f"--quantize: UNet calls recorded for calibration (default {DEFAULT_SAMPLES})",
-    )
-
-
-def _add_tome_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--tome",
-        metavar="RATIO",
-        default="0",
-        help="token merging: merge this share (0-0.75) of the tokens before the self-attention of the UNet's "
-        "largest transformer blocks, in the exported graph (static exports; default 0: none)",
-    )
-    p.add_argument("--tome-mlp", action="store_true", help="--tome: merge before those blocks' feed-forward too")
-
-
-def _add_export_lora_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--lora",
-        metavar="FILE",
-        help="LoRA file (e.g. pytorch_lora_weights.safetensors) fused into the weights before export: "
-        "one self-contained directory, usable with --engine optimum",
-    )
-    p.add_argument(
-        "--lora-scale", type=float, default=1.0, metavar="S", help="strength of the fused --lora (default 1.0)"
-    )
 
 
 def _add_generate_parser(sub: argparse._SubParsersAction) -> None:

@@ -32,14 +32,16 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, TextIO
 
+from xeonsd.flags import from_args
 from xeonsd.fsutil import atomic_dir
 from xeonsd.modelfiles.families import Family, detect_family
 from xeonsd.openvino import pipelines
 from xeonsd.openvino import tokenizer as ovtokenizer
+from xeonsd.openvino.export_args import ExportRequest
 from xeonsd.openvino.export_inputs import ExportError, ExportOptions, check_inputs, check_source
 from xeonsd.openvino.manifest import ExportDirError, StaticShape, write_manifest
 from xeonsd.openvino.quantize import DEFAULT_SAMPLES, METHODS, QuantizeOptions
@@ -261,7 +263,8 @@ def default_size(src: str) -> int:
 
 
 def quantize_options(args: Any) -> QuantizeOptions | None:
-    """``--quantize`` and its calibration flags; the calibration flags alone are refused."""
+    """``--quantize`` and its calibration flags (an :class:`ExportRequest` or its parsed namespace); the calibration
+    flags alone are refused."""
     if args.quantize is None:
         if args.calibration_prompts is not None or args.calibration_samples is not None:
             methods = " or ".join(METHODS)
@@ -274,39 +277,41 @@ def quantize_options(args: Any) -> QuantizeOptions | None:
     )
 
 
-def _lora_args(args: Any) -> dict[str, Any]:
-    return {"lora": None if args.lora is None else Path(args.lora), "lora_scale": args.lora_scale}
+def export_options(req: ExportRequest) -> ExportOptions:
+    """The options of a request: the static shape from its shape flags (the family's size by default), the
+    quantization from its three flags, the weight format int8 with --quantize; the other fields by name."""
+    static = None
+    if not req.dynamic:
+        size = req.resolution
+        if size is None and (req.height is None or req.width is None):
+            size = default_size(req.src)
+        static = StaticShape(
+            batch_size=req.batch_size,
+            height=req.height or size,
+            width=req.width or size,
+            num_images_per_prompt=req.num_images_per_prompt,
+        )
+    quantize = quantize_options(req)
+    tome = check_ratio(req.tome)
+    if req.tome_mlp and tome == 0:
+        raise ExportError("--tome-mlp needs --tome RATIO above 0")
+    derived = {
+        "static": static,
+        "quantize": quantize,
+        "weight_format": req.weight_format or ("int8" if quantize is not None else "fp32"),
+        "tome": tome,
+    }
+    same = {f.name: getattr(req, f.name) for f in fields(ExportOptions) if f.name not in derived}
+    return ExportOptions(**derived, **same)
 
 
 def main_args(args: Any, console: TextIO | None = None) -> int:
-    """Entry point of ``xeonsd export`` (parsed by :mod:`xeonsd.cli`)."""
-    static = None
-    if not args.dynamic:
-        size = args.resolution
-        if size is None and (args.height is None or args.width is None):
-            size = default_size(args.src)
-        static = StaticShape(
-            batch_size=args.batch_size,
-            height=args.height or size,
-            width=args.width or size,
-            num_images_per_prompt=args.num_images_per_prompt,
-        )
-    quantize = quantize_options(args)
-    if args.tome_mlp and check_ratio(args.tome) == 0:
-        raise ExportError("--tome-mlp needs --tome RATIO above 0")
-    opts = ExportOptions(
-        static=static,
-        weight_format=args.weight_format or ("int8" if quantize is not None else "fp32"),
-        quantize=quantize,
-        embeds=None if args.embeds is None else Path(args.embeds),
-        token=args.token,
-        overwrite=args.overwrite,
-        tome=check_ratio(args.tome),
-        tome_mlp=args.tome_mlp,
-        **_lora_args(args),
-    )
-    out = export(args.src, Path(args.out), opts)
-    print(json.dumps({"out": str(out), "static_shape": None if static is None else asdict(static)}), file=console)
+    """Entry point of ``xeonsd export`` (parsed by :mod:`xeonsd.cli` from :class:`ExportRequest`)."""
+    req = from_args(ExportRequest, args)
+    opts = export_options(req)
+    out = export(req.src, req.out, opts)
+    static = None if opts.static is None else asdict(opts.static)
+    print(json.dumps({"out": str(out), "static_shape": static}), file=console)
     return 0
 
 

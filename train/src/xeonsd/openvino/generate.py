@@ -1,6 +1,7 @@
 """``xeonsd generate``: images from an OpenVINO export, through optimum-intel or OpenVINO GenAI.
 
-This module holds the request (:class:`GenerateOptions`), its plan of calls, the choice of engine and the output;
+This module holds the request's plan of calls, the choice of engine and the output (the request,
+:class:`GenerateOptions`, is defined with its flags in :mod:`xeonsd.openvino.generate_args`);
 the two engines, ``optimum`` and ``genai``, and what each needs are in :mod:`xeonsd.openvino.engines`.
 
 A static export makes images in calls of exactly ``batch_size x num_images_per_prompt``; a request that does not
@@ -22,40 +23,17 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from xeonsd.flags import from_args
 from xeonsd.fsutil import atomic_dir
 from xeonsd.modelfiles.families import spec
 from xeonsd.openvino.engines import Engine, GenaiEngine, GenerateError, OptimumEngine
-from xeonsd.openvino.generate_args import PRECISIONS
+from xeonsd.openvino.generate_args import ENGINES, PRECISIONS, GenerateCommand, GenerateOptions
 from xeonsd.openvino.manifest import StaticShape, check_writable_output, read_manifest, static_shape
 from xeonsd.openvino.pipelines import manifest_family, text_side
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("optimum", "genai")
-RECIPE_PROMPT = "a yellow <dicoo> robot at the beach, high quality"
 DEFAULT_SIZE = 512
-
-
-@dataclass(frozen=True)
-class GenerateOptions:
-    prompts: tuple[str, ...] = (RECIPE_PROMPT,)
-    num_images: int = 5
-    steps: int = 20
-    seed: int = 0
-    guidance_scale: float | None = None  # None: the family's pipeline's (FamilySpec.guidance_scale)
-    negative_prompt: str | None = None
-    height: int | None = None
-    width: int | None = None
-    batch_size: int | None = None
-    engine: str = "optimum"
-    embeds: Path | None = None
-    token: str | None = None
-    loras: tuple[tuple[Path, float], ...] = ()  # (file, alpha): LoRA adapters applied by GenAI at compile time
-    precision: str = "auto"  # "auto": the CPU plugin's (bf16 where the CPU has AMX or AVX512-BF16); "f32": always f32
-
-    def compile_properties(self) -> dict[str, str]:
-        """The OpenVINO CPU properties both engines compile with (:data:`PRECISIONS`)."""
-        return dict(PRECISIONS[self.precision])
 
 
 @dataclass(frozen=True)
@@ -239,32 +217,12 @@ def generate_to_dir(ov_dir: Path, out: Path, opts: GenerateOptions, overwrite: b
     return timings
 
 
-def parse_lora_specs(specs: list[str]) -> list[tuple[Path, float]]:
-    from xeonsd.openvino.lora_files import parse_spec
-
-    return [parse_spec(s) for s in specs]
-
-
 def main_args(args: Any, console: TextIO | None = None) -> int:
     """Entry point of ``xeonsd generate`` (parsed by :mod:`xeonsd.cli`)."""
-    opts = GenerateOptions(
-        prompts=tuple(args.prompt or [RECIPE_PROMPT]),
-        num_images=args.num_images,
-        steps=args.steps,
-        seed=args.seed,
-        guidance_scale=args.guidance_scale,
-        negative_prompt=args.negative_prompt,
-        height=args.height,
-        width=args.width,
-        batch_size=args.batch_size,
-        engine=args.engine,
-        embeds=None if args.embeds is None else Path(args.embeds),
-        token=args.token,
-        loras=tuple(parse_lora_specs(args.lora or [])),
-        precision=args.precision,
-    )
-    timings = generate_to_dir(Path(args.ov_dir), Path(args.out), opts, overwrite=args.overwrite)
+    cmd, opts = from_args(GenerateCommand, args), from_args(GenerateOptions, args)
+    timings = generate_to_dir(cmd.ov_dir, cmd.out, opts, overwrite=cmd.overwrite)
     print(
-        json.dumps({"out": args.out, **{k: timings[k] for k in ("load_s", "compile_s", "images_per_s")}}), file=console
+        json.dumps({"out": str(cmd.out), **{k: timings[k] for k in ("load_s", "compile_s", "images_per_s")}}),
+        file=console,
     )
     return 0

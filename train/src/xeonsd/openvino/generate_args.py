@@ -1,57 +1,89 @@
-"""The flags of ``xeonsd generate`` (its parser lives here, beside the command; :mod:`xeonsd.cli` adds the console
-flags every command shares). Imports nothing but the standard library: ``xeonsd --help`` stays instant."""
+"""The request of ``xeonsd generate`` (:class:`GenerateOptions`) and its command line, made from its fields
+(:mod:`xeonsd.flags`; :mod:`xeonsd.cli` adds the console flags every command shares). Imports nothing but the
+standard library: ``xeonsd --help`` stays instant."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from xeonsd.flags import add_flags, flag
 
 # --precision: what each choice asks of OpenVINO's CPU plugin at compile (both engines). "auto" leaves its default,
 # which infers in bf16 on a CPU with AMX or AVX512-BF16 (faster; images differ from PyTorch fp32 by bf16 rounding)
 # and in f32 elsewhere.
 PRECISIONS: dict[str, dict[str, str]] = {"auto": {}, "f32": {"INFERENCE_PRECISION_HINT": "f32"}}
+ENGINES = ("optimum", "genai")
+RECIPE_PROMPT = "a yellow <dicoo> robot at the beach, high quality"
+
+
+def _lora_spec(spec: str) -> tuple[Path, float]:
+    """``FILE[:ALPHA]`` -> (path, alpha)."""
+    from xeonsd.openvino.lora_files import parse_spec  # numpy: only when a --lora is given
+
+    return parse_spec(spec)
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """What to generate; each field is a flag of ``xeonsd generate``."""
+
+    prompts: tuple[str, ...] = flag(
+        "prompt (repeat for several; default: the recipe's)", default=(RECIPE_PROMPT,), name="--prompt", action="append"
+    )
+    negative_prompt: str | None = flag("what the images should not show", default=None)
+    num_images: int = flag("images to make (default 5)", default=5)
+    steps: int = flag("denoising steps (default 20)", default=20)
+    seed: int = flag("seed of the first call (call k uses seed + k)", default=0)
+    guidance_scale: float | None = flag(
+        "default: the family's pipeline's (SD/SDXL 7.5, FLUX.1-dev 3.5 as its embedded guidance, SD3 7.0, "
+        "FLUX.2 [klein] 4.0, Z-Image 5.0, Qwen-Image 4.0)",
+        default=None,
+    )
+    height: int | None = flag(
+        "dynamic exports only (default: the family's, 512 or SDXL 1024); static have their own", default=None
+    )
+    width: int | None = flag("dynamic exports only (default: the family's resolution)", default=None)
+    batch_size: int | None = flag("images per call for a dynamic export (default: all)", default=None)
+    engine: str = flag(
+        "genai: openvino_genai.Text2ImagePipeline; optimum: OVStableDiffusionPipeline",
+        default="optimum",
+        cli_default="genai",
+        choices=ENGINES,
+    )
+    embeds: Path | None = flag("learned_embeds.safetensors to load into the exported text encoder", default=None)
+    token: str | None = flag("load the --embeds concept under this token", default=None)
+    loras: tuple[tuple[Path, float], ...] = flag(
+        "LoRA adapter applied at load time, no re-export (genai engine; repeat to blend several; ALPHA default 1.0); "
+        "for --engine optimum fuse it instead: xeonsd export SRC OUT --lora FILE",
+        default=(),
+        name="--lora",
+        action="append",
+        metavar="FILE[:ALPHA]",
+        convert=_lora_spec,
+    )
+    precision: str = flag(
+        "auto: OpenVINO's default (bf16 on a CPU with AMX or AVX512-BF16, f32 elsewhere); f32: always f32 "
+        "(slower there; the images then match PyTorch fp32 closely)",
+        default="auto",
+        choices=tuple(PRECISIONS),
+    )
+
+    def compile_properties(self) -> dict[str, str]:
+        """The OpenVINO CPU properties both engines compile with (:data:`PRECISIONS`)."""
+        return dict(PRECISIONS[self.precision])
+
+
+@dataclass(frozen=True)
+class GenerateCommand:
+    """The command's own arguments around the request: where the export is and where the images go."""
+
+    ov_dir: Path = flag("directory written by `xeonsd export`", positional=True)
+    out: Path = flag("output directory (default: ./images)", default=Path("images"))
+    overwrite: bool = flag("replace a non-empty output directory", default=False)
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("ov_dir", help="directory written by `xeonsd export`")
-    p.add_argument("--prompt", action="append", help="prompt (repeat for several; default: the recipe's)")
-    p.add_argument("--negative-prompt")
-    p.add_argument("--num-images", type=int, default=5)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0, help="seed of the first call (call k uses seed + k)")
-    p.add_argument(
-        "--guidance-scale",
-        type=float,
-        help="default: the family's pipeline's (SD/SDXL 7.5, FLUX.1-dev 3.5 as its embedded guidance, SD3 7.0, "
-        "FLUX.2 [klein] 4.0, Z-Image 5.0, Qwen-Image 4.0)",
-    )
-    p.add_argument(
-        "--height",
-        type=int,
-        help="dynamic exports only (default: the family's, 512 or SDXL 1024); static have their own",
-    )
-    p.add_argument("--width", type=int, help="dynamic exports only (default: the family's resolution)")
-    p.add_argument("--batch-size", type=int, help="images per call for a dynamic export (default: all)")
-    p.add_argument(
-        "--engine",
-        choices=["optimum", "genai"],
-        default="genai",
-        help="genai: openvino_genai.Text2ImagePipeline; optimum: OVStableDiffusionPipeline",
-    )
-    p.add_argument("--embeds", help="learned_embeds.safetensors to load into the exported text encoder")
-    p.add_argument("--token", help="load the --embeds concept under this token")
-    p.add_argument(
-        "--lora",
-        action="append",
-        metavar="FILE[:ALPHA]",
-        help="LoRA adapter applied at load time, no re-export (genai engine; repeat to blend several; "
-        "ALPHA default 1.0); for --engine optimum fuse it instead: xeonsd export SRC OUT --lora FILE",
-    )
-    p.add_argument(
-        "--precision",
-        choices=list(PRECISIONS),
-        default="auto",
-        help="auto: OpenVINO's default (bf16 on a CPU with AMX or AVX512-BF16, f32 elsewhere); f32: always f32 "
-        "(slower there; the images then match PyTorch fp32 closely)",
-    )
-    p.add_argument("--out", default="images", help="output directory (default: ./images)")
-    p.add_argument("--overwrite", action="store_true")
+    add_flags(p, GenerateCommand, dashes=True)
+    add_flags(p, GenerateOptions, dashes=True)

@@ -85,7 +85,7 @@ def read_prompts(path: Path) -> list[str]:
 
 def default_prompts(concept_tokens: list[str]) -> list[str]:
     """The recipe's prompt, then the textual-inversion object templates, with the export's concept token."""
-    from xeonsd.openvino.generate import RECIPE_PROMPT
+    from xeonsd.openvino.generate_args import RECIPE_PROMPT
     from xeonsd.templates import OBJECT_TEMPLATES
 
     token = next((t for t in concept_tokens if not t.rsplit("_", 1)[-1].isdigit()), None) or RECIPE_TOKEN

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import typing
 
+from xeonsd.flags import add_flags, from_args
 from xeonsd.trainer.config import GROUPS, PRIOR_NEEDS_WEIGHTS, ConfigError, TrainConfig, flag_methods
 
 
@@ -19,30 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     groups = {methods: parser.add_argument_group(title) for methods, title in GROUPS}
-    hints = typing.get_type_hints(TrainConfig)
-    for f in dataclasses.fields(TrainConfig):
-        meta = dict(f.metadata)
-        help_text = meta.pop("help")
-        negatable = meta.pop("negatable", False)
-        group = groups[meta.pop("methods")]
-        name, *aliases = (f"--{f.name}", *meta.pop("aliases", ()))
-        required = f.default is dataclasses.MISSING
-        hint = hints[f.name]
-        base = typing.get_args(hint)[0] if typing.get_origin(hint) in (typing.Union, type(int | None)) else hint
-        if base is bool:
-            if negatable:
-                group.add_argument(
-                    name, *aliases, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
-                )
-            else:
-                group.add_argument(name, *aliases, action="store_true", default=f.default, help=help_text)
-            continue
-        kwargs: dict[str, typing.Any] = {"type": base, "help": help_text, **meta}
-        if required:
-            kwargs["required"] = True
-        else:
-            kwargs["default"] = f.default
-        group.add_argument(name, *aliases, **kwargs)
+    add_flags(parser, TrainConfig, group=lambda f: groups[f.metadata["methods"]])
     return parser
 
 
@@ -65,7 +42,7 @@ def given_flags(argv: list[str]) -> set[str]:
 def parse_config(argv: list[str]) -> TrainConfig:
     """Parse ``argv``; a flag of another method than the chosen one is a ConfigError naming it."""
     args = build_parser().parse_args(argv)
-    cfg = TrainConfig(**vars(args))
+    cfg = from_args(TrainConfig, args)
     foreign = sorted(n for n in given_flags(argv) if flag_methods(n) and cfg.method not in flag_methods(n))
     if "with_prior_preservation" in foreign:  # refused with its reason, not only as another method's flag
         raise ConfigError(PRIOR_NEEDS_WEIGHTS)

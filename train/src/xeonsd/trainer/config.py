@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from xeonsd.contracts.method_names import METHODS
 from xeonsd.contracts.straggler_rule import STRAGGLER_RATIO
+from xeonsd.flags import flag
 
 TI, LORA, FULL = METHODS
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
@@ -25,11 +26,8 @@ class ConfigError(ValueError):
 
 
 def _flag(help: str, *, methods: tuple[str, ...] = (), **kw: typing.Any) -> typing.Any:
-    default = kw.pop("default", dataclasses.MISSING)
-    meta = {"help": help, "methods": methods, **kw}
-    if default is dataclasses.MISSING:
-        return field(metadata=meta)
-    return field(default=default, metadata=meta)
+    """A field and its flag (:func:`xeonsd.flags.flag`), with the methods it belongs to (none: every method)."""
+    return flag(help, meta={"methods": methods}, **kw)
 
 
 @dataclass
