@@ -16,7 +16,9 @@ import pytest
 from repo_code import REPO, VENV_BIN, ansible_code, write_wrapper
 
 from xeonsd.contracts import job_status as jobstatus
-from xeonsd.contracts.job_status import RankStatus, RankStatusFile
+from xeonsd.contracts.job_status import RankStatus
+from xeonsd.jobs import attempts
+from xeonsd.jobs.status_file import RankStatusFile
 
 # The modules' command lines and how they read the answer, not the Ansible modules (see repo_code.ansible_code).
 joblog = ansible_code("xeonsd_joblog")
@@ -43,8 +45,8 @@ def _run(argv: list[str], stdin: str | None = None) -> dict:
 def test_the_job_module_s_poll_is_the_package_s_answer(tmp_path: Path, wrapper: str) -> None:
     run = tmp_path / "run"
     run.mkdir()
-    jobstatus.begin_attempt(run, now=1)
-    jobstatus.write_exit(run, 2, now=61)
+    attempts.begin_attempt(run, now=1)
+    attempts.write_exit(run, 2, now=61)
     (tmp_path / "async").write_text(json.dumps({"rc": 2}))
     for rank in range(8):
         node = NODES[rank // 4]

@@ -13,7 +13,8 @@ import pytest
 import yaml
 from repo_code import REPO, VENV_BIN
 
-from xeonsd.contracts import job_status, run_files
+from xeonsd.contracts import run_files
+from xeonsd.jobs import attempts
 
 TASKS = REPO / "roles" / "run_report" / "tasks" / "main.yml"
 
@@ -81,8 +82,8 @@ def test_the_role_s_facts_are_what_runjson_reads(tmp_path: Path, exported: bool)
     assert facts["nodes"] == ["node1", "node2", "node3", "node4"] and facts["primary"] == "node1"
     run = tmp_path / "run"
     run.mkdir()
-    job_status.begin_attempt(run, now=100)
-    job_status.write_exit(run, 0, now=190)
+    attempts.begin_attempt(run, now=100)
+    attempts.write_exit(run, 0, now=190)
     (run / "train_summary.json").write_text(json.dumps({"method": "lora"}))
     info = run_files.run_json(run, facts)  # an input it does not know would be refused
     assert info["cluster"] == {

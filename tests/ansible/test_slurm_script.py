@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from repo_code import ansible_code
 
-from xeonsd.contracts.job_watch import rank_lines
+from xeonsd.jobs.watch import rank_lines
 
 xeonsd_slurm = ansible_code("xeonsd_slurm")
 

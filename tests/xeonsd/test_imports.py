@@ -9,6 +9,9 @@ never run, they name types."""
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,11 +24,12 @@ SUBPACKAGES = sorted(p.name for p in PKG.iterdir() if (p / "__init__.py").is_fil
 ALLOWED: dict[str, set[str] | None] = {
     "top": set(),
     "contracts": set(),
+    "jobs": {"contracts"},
     "modelfiles": set(),
     "cluster": {"contracts"},
-    "trainer": {"cluster", "contracts", "modelfiles"},
+    "trainer": {"cluster", "contracts", "jobs", "modelfiles"},
     "openvino": {"contracts", "modelfiles"},
-    "ops": {"trainer", "cluster", "contracts", "modelfiles"},
+    "ops": {"trainer", "cluster", "contracts", "jobs", "modelfiles"},
     "serve": {"openvino", "contracts", "modelfiles"},
     "assets": set(),
     "bench": None,
@@ -108,6 +112,57 @@ def test_a_forbidden_import_is_caught(tmp_path: Path) -> None:
     bad = tmp_path / "m.py"
     bad.write_text("def f():\n    from xeonsd.openvino import export\n")
     assert _imports(bad) == [(2, "xeonsd.openvino.export")]
+
+
+# The parts the playbooks run without torch: the filter plugins import xeonsd.contracts on the controller from the
+# source tree, and the finetune role runs xeonsd.jobs's commands (`xeonsd jobstatus` ...) on every node.
+STDLIB_ONLY = ("contracts", "jobs")
+
+
+def _foreign_imports(path: Path, part: str) -> list[str]:
+    """The imports of ``path`` (lazy ones too) that are neither the standard library nor the parts ``part`` may
+    import: a top-level xeonsd module may pull in anything, so only the stdlib-only parts themselves count."""
+    allowed = {part, *(ALLOWED[part] or ())}
+    where = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            top, _, rest = name.partition(".")
+            ok = top in sys.stdlib_module_names or (top == "xeonsd" and rest.split(".")[0] in allowed)
+            if not ok:
+                bad.append(f"{where}:{node.lineno}: imports {name}")
+    return bad
+
+
+@pytest.mark.parametrize("part", STDLIB_ONLY)
+def test_the_parts_the_playbooks_run_import_only_the_standard_library(part: str) -> None:
+    assert ALLOWED[part] is not None and ALLOWED[part] <= set(STDLIB_ONLY)
+    bad = [b for path in sorted((PKG / part).rglob("*.py")) for b in _foreign_imports(path, part)]
+    assert not bad, "standard library only (the playbooks import these without torch):\n" + "\n".join(bad)
+    # And at run time: every module imports in an interpreter that has only the standard library and train/src.
+    modules = [_module_of(p) for p in sorted((PKG / part).rglob("*.py"))]
+    code = (
+        "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)\n"
+        "print(sorted({n.split('.')[0] for n in sys.modules} - set(sys.stdlib_module_names) - {'__main__'}))"
+    )
+    env = {"PYTHONPATH": str(PKG.parent), "PATH": os.environ.get("PATH", "")}
+    out = subprocess.run([sys.executable, "-S", "-c", code, *modules], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['xeonsd']"
+
+
+def test_the_standard_library_check_catches_a_third_party_import(tmp_path: Path) -> None:
+    lazy = tmp_path / "m.py"
+    lazy.write_text("import json\nfrom xeonsd.contracts import job_status\ndef f():\n    import torch\n")
+    assert _foreign_imports(lazy, "jobs") == [f"{lazy}:4: imports torch"]
+    lazy.write_text("from xeonsd.fsutil import atomic_write\nfrom xeonsd.jobs import watch\n")
+    assert _foreign_imports(lazy, "contracts") == [f"{lazy}:1: imports xeonsd.fsutil", f"{lazy}:2: imports xeonsd.jobs"]
 
 
 # The trainer's layers, lowest first: a module imports only from its own layer and those below it (and, with no

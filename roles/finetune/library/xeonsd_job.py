@@ -1,7 +1,7 @@
 #!/usr/bin/python
 """Ansible module: the state of a finetune job on the primary (progress while it runs, diagnosis when it failed).
 
-The reading and the diagnosis are the node's ``xeonsd jobstatus poll`` (xeonsd.contracts.job_watch, in the diffuser
+The reading and the diagnosis are the node's ``xeonsd jobstatus poll`` (xeonsd.jobs.watch, in the diffuser
 env, run through the mpi role's wrapper); this is the Ansible wrapper, and module_utils/xeonsd_joblog.py builds its
 command line. The diagnosis reads the ranks' status files (``status/rank-<r>.json``, xeonsd.contracts.job_status):
 those gathered from every node by xeonsd_rank_status when ``rank_status`` is given, else this node's own.

@@ -1,9 +1,9 @@
 """How the finetune role's modules ask the node's ``xeonsd`` about a job: the command lines and their JSON answer.
 
 The reading itself (progress, the ranks' status files, who ended a failed job) and the files' schema live in the
-xeonsd package (``xeonsd.contracts.job_status`` and ``job_watch``), installed in the diffuser env on every node; the
-modules run ``xeonsd jobstatus poll`` / ``ranks`` there through the mpi role's wrapper (``env_wrapper``, which
-sources env.sh) and return what it prints. Nothing here knows a field of those files. Nothing here imports
+xeonsd package (``xeonsd.jobs.watch`` and ``xeonsd.contracts.job_status``), installed in the diffuser env on every
+node; the modules run ``xeonsd jobstatus poll`` / ``ranks`` there through the mpi role's wrapper (``env_wrapper``,
+which sources env.sh) and return what it prints. Nothing here knows a field of those files. Nothing here imports
 Ansible either, so the tests run these functions directly; the modules are only the Ansible wrappers.
 """
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from cli_runs import train_args
 
-from xeonsd.contracts import job_watch
+from xeonsd.jobs import watch
 
 STEP_TIMEOUT_S = 5
 
@@ -101,12 +101,12 @@ def test_a_lost_rank_ends_the_job(sig, what, tiny_model, dataset, tmp_path, cli_
     assert not (out / "metrics.jsonl").exists(), "a failed run must not leave a final-looking metrics.jsonl"
     # What the ranks wrote: the survivor failed on its lost peer (closed connection) or the collective timeout
     # (stall); the lost rank's file still says running. The role's diagnosis, fed these files, names rank 1.
-    statuses = job_watch.read_status_dir(str(out / "status"))
+    statuses = watch.read_status_dir(str(out / "status"))
     by_rank = {s["rank"]: s for s in statuses}
     assert set(by_rank) == {0, 1}, statuses
     assert by_rank[0]["state"] == "failed" and by_rank[0]["error"]["kind"] in ("lost_peer", "timeout"), by_rank[0]
     assert by_rank[1]["state"] == "running" and by_rank[1]["step"] >= 3 and by_rank[1]["error"] is None, by_rank[1]
     here = by_rank[0]["address"]
-    failure = job_watch.diagnose(statuses, [{"name": "here", "address": here}], 2, log_text=output)
+    failure = watch.diagnose(statuses, [{"name": "here", "address": here}], 2, log_text=output)
     assert failure["ranks"] == [1] and failure["nodes"] == ["here"], failure
     assert failure["summary"].startswith("here (rank 1): stopped without an error of their own"), failure

@@ -1,8 +1,8 @@
-"""What the finetune role's job module answers (xeonsd.contracts.job_watch, `xeonsd jobstatus poll`): progress from the
+"""What the finetune role's job module answers (xeonsd.jobs.watch, `xeonsd jobstatus poll`): progress from the
 trainer's metrics, and which node a failed job blames.
 
-Who failed comes from the ranks' status files, written here with the package's own writers (xeonsd.contracts.job_status)
-into one directory per node, and read back as the role gathers them (read_status_dir on each node); the excerpt
+Who failed comes from the ranks' status files, written here with the package's own writers (xeonsd.jobs.status_file,
+xeonsd.jobs.attempts) into one directory per node, and read back as the role gathers them (read_status_dir on each node); the excerpt
 comes from train.log, in the shape `mpirun -l` gives the trainer's output (every line prefixed with its rank)."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from xeonsd.contracts import job_status as jobstatus
-from xeonsd.contracts import job_watch
-from xeonsd.contracts.job_status import LastError, RankStatus, RankStatusFile
+from xeonsd.contracts.job_status import LastError, RankStatus
+from xeonsd.jobs import attempts, watch
+from xeonsd.jobs.status_file import RankStatusFile
 
 NODES = [{"name": f"node{i}", "address": f"10.0.0.{10 + i}"} for i in range(1, 5)]
 LOST = "the all-reduce failed: a peer rank died, its node went away or it stalled past the collective timeout"
@@ -54,7 +54,7 @@ def _statuses(
         writer.update(state=state, step=7)
         if r in errors:
             writer.fail(errors[r].kind, errors[r].message, errors[r].peer)
-    return [s for n in NODES for s in job_watch.read_status_dir(str(tmp / n["name"] / "run" / "status"))]
+    return [s for n in NODES for s in watch.read_status_dir(str(tmp / n["name"] / "run" / "status"))]
 
 
 def _startup(world: int = 16, ppn: int = 4) -> list[str]:
@@ -77,7 +77,7 @@ def test_a_node_whose_ranks_fail_with_their_own_error_is_named_with_its_error_li
             ],
         ]
     )
-    got = job_watch.diagnose(_statuses(tmp_path, errors), NODES, 4, attempt=1, log_text=log)
+    got = watch.diagnose(_statuses(tmp_path, errors), NODES, 4, attempt=1, log_text=log)
     assert got["nodes"] == ["node3"] and got["ranks"] == [8, 9, 10, 11]
     assert got["summary"].startswith("node3 (ranks 8-11): failed with an error")
     assert (
@@ -85,7 +85,7 @@ def test_a_node_whose_ranks_fail_with_their_own_error_is_named_with_its_error_li
         == "[rank 8] xeonsd train: error: rank 8/16 on 10.0.0.13: no images found in /home/devcloud/dicoo"
     )
     # No log (or not their lines in it): the excerpt is what their status files say.
-    got = job_watch.diagnose(_statuses(tmp_path, errors), NODES, 4, attempt=1)
+    got = watch.diagnose(_statuses(tmp_path, errors), NODES, 4, attempt=1)
     assert (
         got["ranks"] == [8, 9, 10, 11]
         and got["excerpt"][0] == "[rank 8] input: no images found in /home/devcloud/dicoo"
@@ -95,7 +95,7 @@ def test_a_node_whose_ranks_fail_with_their_own_error_is_named_with_its_error_li
 def test_who_failed_comes_from_the_status_files_not_the_log(tmp_path: Path) -> None:
     """A log that blames node1 changes nothing: the status files say node2's rank 5 raised."""
     log = "[0] xeonsd train: error: rank 0/16 on 10.0.0.11: no images found\n[0] Traceback (most recent call last):"
-    got = job_watch.diagnose(
+    got = watch.diagnose(
         _statuses(tmp_path, {5: LastError("exception", "RuntimeError: boom")}), NODES, 4, attempt=1, log_text=log
     )
     assert got["nodes"] == ["node2"] and got["ranks"] == [5]
@@ -107,7 +107,7 @@ def test_a_killed_node_is_the_silent_one_its_peers_name(tmp_path: Path) -> None:
         4: LastError("lost_peer", f"{LOST} (Read error [10.0.0.13]:51234: Connection reset by peer)", "10.0.0.13"),
         12: LastError("lost_peer", f"{LOST} (Connection closed by peer [10.0.0.13]:51777)", "10.0.0.13"),
     }
-    got = job_watch.diagnose(_statuses(tmp_path, errors), NODES, 4, attempt=1, log_text="\n".join(_startup()))
+    got = watch.diagnose(_statuses(tmp_path, errors), NODES, 4, attempt=1, log_text="\n".join(_startup()))
     assert got["nodes"] == ["node3"] and got["ranks"] == [8, 9, 10, 11]
     assert got["summary"] == (
         "node3 (ranks 8-11): stopped without an error of their own (killed, crashed hard or stalled; or their node "
@@ -121,27 +121,27 @@ def test_a_dead_node_that_left_no_status_file_is_still_named(tmp_path: Path) -> 
     """node3 went away whole: its status files could not be read (unreachable), its peers name it."""
     errors = {r: LastError("lost_peer", f"{LOST} ([10.0.0.13]:1)", "10.0.0.13") for r in (4, 7)}
     statuses = [s for s in _statuses(tmp_path, errors) if s["node"] != "node3"]
-    got = job_watch.diagnose(statuses, NODES, 4, attempt=1)
+    got = watch.diagnose(statuses, NODES, 4, attempt=1)
     assert got["nodes"] == ["node3"] and got["ranks"] == [8, 9, 10, 11]
 
 
 def test_a_stalled_node_is_the_one_that_did_not_time_out(tmp_path: Path) -> None:
     lost = f"{LOST} (no answer within 45 s)"
     errors = {r: LastError("timeout", lost) for r in range(16) if r // 4 != 1}
-    got = job_watch.diagnose(_statuses(tmp_path, errors), NODES, 4, attempt=1)
+    got = watch.diagnose(_statuses(tmp_path, errors), NODES, 4, attempt=1)
     assert got["nodes"] == ["node2"] and got["ranks"] == [4, 5, 6, 7]
 
 
 def test_only_the_newest_attempt_counts(tmp_path: Path) -> None:
     old = _statuses(tmp_path / "a1", {8: LastError("input", "no images found")}, attempt=1)
     new = _statuses(tmp_path / "a2", {2: LastError("input", "checkpoint is unreadable")}, attempt=2)
-    got = job_watch.diagnose(old + new, NODES, 4, attempt=2)
+    got = watch.diagnose(old + new, NODES, 4, attempt=2)
     assert got["nodes"] == ["node1"] and got["ranks"] == [2]
 
 
 def test_no_status_file_at_all_says_the_job_did_not_start_and_shows_the_log(tmp_path: Path) -> None:
     log = "#### xeonsd attempt 1\n[mpiexec@node1] HYDU_sock_connect: unable to connect from node1 to node3"
-    got = job_watch.diagnose([], NODES, 4, attempt=1, log_text=log)
+    got = watch.diagnose([], NODES, 4, attempt=1, log_text=log)
     assert got["nodes"] == [] and got["ranks"] == []
     assert (
         got["summary"]
@@ -153,9 +153,9 @@ def test_no_status_file_at_all_says_the_job_did_not_start_and_shows_the_log(tmp_
 def test_a_status_file_of_another_schema_or_not_json_is_reported(tmp_path: Path) -> None:
     statuses = _statuses(tmp_path, {9: LastError("input", "bad")})
     (tmp_path / "node1" / "run" / "status" / "rank-0.json").write_text('{"rank": 0, "sta')
-    statuses = [s for n in NODES for s in job_watch.read_status_dir(str(tmp_path / n["name"] / "run" / "status"))]
+    statuses = [s for n in NODES for s in watch.read_status_dir(str(tmp_path / n["name"] / "run" / "status"))]
     statuses[1] = {**statuses[1], "schema": 99}
-    got = job_watch.diagnose(statuses, NODES, 4, attempt=1)
+    got = watch.diagnose(statuses, NODES, 4, attempt=1)
     assert got["ranks"] == [9] and got["summary"].endswith("; 2 status file(s) could not be read")
     assert any("rank-0.json: unreadable" in line for line in got["excerpt"])
     assert any("schema 99, this role reads schema 1" in line for line in got["excerpt"])
@@ -176,21 +176,21 @@ def test_progress_line_and_job_state(tmp_path: Path) -> None:
         "total_steps": 200,
         "excerpt_lines": 5,
     }
-    state = job_watch.job_state(params)
+    state = watch.job_state(params)
     assert not state["finished"]
     assert state["msg"] == "step 50/200 (25%) · loss 0.0100 · 2.00 s/step · ~5m 00s left · 16 ranks (gloo)"
     # The last step is logged: the job is still saving the embedding and the pipeline, not stuck at ~0s left.
-    assert job_watch.job_state({**params, "total_steps": 50})["msg"] == (
+    assert watch.job_state({**params, "total_steps": 50})["msg"] == (
         "step 50/50 (100%) · loss 0.0100 · 2.00 s/step · saving the outputs · 16 ranks (gloo)"
     )
 
     # The job ended: exit.json (run.sh's `xeonsd jobstatus exit`) gives the rc; the status files who failed: the
     # gathered ones when given, else the primary's own.
-    assert jobstatus.begin_attempt(run, now=1).attempt == 1
+    assert attempts.begin_attempt(run, now=1).attempt == 1
     results.write_text(json.dumps({"rc": 2, "cmd": ["flock"]}))
-    jobstatus.write_exit(run, 2, now=61)
+    attempts.write_exit(run, 2, now=61)
     gathered = _statuses(tmp_path / "nodes", {5: LastError("input", "the model is missing")})
-    state = job_watch.job_state({**params, "rank_status": gathered})
+    state = watch.job_state({**params, "rank_status": gathered})
     assert state["finished"] and state["exit_code"] == 2 and state["exit"]["ended"] - state["exit"]["started"] == 60
     assert state["failure"]["nodes"] == ["node2"]
     RankStatusFile(
@@ -208,19 +208,19 @@ def test_progress_line_and_job_state(tmp_path: Path) -> None:
             error=LastError("input", "--resolution 100"),
         ),
     )
-    state = job_watch.job_state(params)
+    state = watch.job_state(params)
     assert state["failure"]["nodes"] == ["node1"] and state["failure"]["ranks"] == [0]
 
     # The lock was taken between the check and the launch: flock's own exit code.
     (run / "exit.json").unlink()
     results.write_text(json.dumps({"rc": 75}))
-    state = job_watch.job_state(params)
+    state = watch.job_state(params)
     assert state["exit_code"] == 75 and "holds the lock" in state["failure"]["summary"]
 
     # An exit.json of another schema is an error that says so, not a guess.
     (run / "exit.json").write_text(json.dumps({"rc": 2, "started": 1, "ended": 61}))
     with pytest.raises(ValueError, match="schema None, this role reads schema 1"):
-        job_watch.job_state(params)
+        watch.job_state(params)
 
 
 def _stats_rows(slow_node: int | None, all_low: bool = False) -> list[dict]:
@@ -228,7 +228,7 @@ def _stats_rows(slow_node: int | None, all_low: bool = False) -> list[dict]:
     ``all_low``: every node at 11 % CPU on one 2-core machine (the demo on the test cluster)."""
     from xeonsd.cluster.rank_stats import Interval, StragglerWatch, summarize
 
-    watch = StragglerWatch(shared_cores=2 if all_low else 0)
+    judge = StragglerWatch(shared_cores=2 if all_low else 0)
     rows = []
     for step in range(1, 21):
         row = {"step": step, "loss": 0.1, "s_per_step": 3.2, "ranks": 16, "backend": "gloo"}
@@ -241,7 +241,7 @@ def _stats_rows(slow_node: int | None, all_low: bool = False) -> list[dict]:
                 threads, cores = (1, 2) if all_low else (4, 0)
                 ivs.append(Interval(5, wall, util * wall * threads, threads, 0.5, 5 * allreduce, cores))
             summary = summarize(ivs, [f"node{r // 4 + 1}" for r in range(16)])
-            row |= {"rank_stats": summary, **watch.verdict(summary)}
+            row |= {"rank_stats": summary, **judge.verdict(summary)}
         rows.append(row)
     return rows
 
@@ -260,12 +260,12 @@ def test_progress_line_has_the_cpu_use_and_a_straggler_gets_one_warning(tmp_path
         "excerpt_lines": 5,
     }
     (run / "metrics.partial.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _stats_rows(None)))
-    state = job_watch.job_state(params)
+    state = watch.job_state(params)
     assert state["msg"].endswith(" · cpu 96 % (lowest node1 96 %) · slowest node1 compute 2.00 s vs median 2.00 s")
     assert state["straggler_warnings"] == {}
 
     (run / "metrics.partial.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _stats_rows(3)))
-    state = job_watch.job_state(params)
+    state = watch.job_state(params)
     assert " · cpu 86 % (lowest node3 56 %) · slowest node3 compute 3.00 s vs median 2.00 s" in state["msg"]
     warning = state["straggler_warnings"]["node3"]
     assert warning.startswith("node3 (ranks 8-11) is a straggler") and "1.50× the median" in warning
@@ -289,7 +289,7 @@ def test_every_node_low_on_cpu_is_one_layout_warning_not_a_straggler_each(tmp_pa
     results.write_text(json.dumps({"started": 1, "finished": 0}))
     params = {"run_dir": str(run), "results_file": str(results), "nodes": NODES, "ranks_per_node": 4}
     (run / "metrics.partial.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _stats_rows(None, all_low=True)))
-    state = job_watch.job_state({**params, "total_steps": 200, "excerpt_lines": 5})
+    state = watch.job_state({**params, "total_steps": 200, "excerpt_lines": 5})
     assert state["straggler_warnings"] == {}
     warning = state["layout_warning"]
     assert warning.startswith("all 4 nodes equally low on CPU (11%, under 80% for 4 intervals), so no node is a ")
@@ -301,14 +301,14 @@ def test_a_job_past_its_time_limit_says_so(tmp_path: Path) -> None:
     it was ended by mpirun, as exit.json says (not Intel MPI's words in train.log)."""
     run = tmp_path / "run"
     run.mkdir()
-    jobstatus.begin_attempt(run, now=1, time_limit_s=60)
+    attempts.begin_attempt(run, now=1, time_limit_s=60)
     (run / "train.log").write_text(
         "\n".join(_startup()) + "\nI_MPI_JOB_TIMEOUT = 60 second(s): job ending due to application timeout\n"
     )
-    assert jobstatus.write_exit(run, 255, now=61).timed_out
+    assert attempts.write_exit(run, 255, now=61).timed_out
     results = tmp_path / "async"
     results.write_text(json.dumps({"rc": 255}))
-    state = job_watch.job_state(
+    state = watch.job_state(
         {
             "run_dir": str(run),
             "results_file": str(results),
@@ -321,8 +321,8 @@ def test_a_job_past_its_time_limit_says_so(tmp_path: Path) -> None:
     )
     assert state["failure"]["summary"].startswith("the job ran past its time limit")
     # The same failure well within the limit is not a timeout.
-    jobstatus.begin_attempt(run, now=100, time_limit_s=60)
-    assert not jobstatus.write_exit(run, 255, now=130).timed_out
+    attempts.begin_attempt(run, now=100, time_limit_s=60)
+    assert not attempts.write_exit(run, 255, now=130).timed_out
 
 
 def test_a_killed_node_in_the_shape_mpirun_prints_it(tmp_path: Path) -> None:
@@ -339,15 +339,15 @@ def test_a_killed_node_in_the_shape_mpirun_prints_it(tmp_path: Path) -> None:
         ]
     )
     statuses = _statuses(tmp_path, {7: LastError("lost_peer", message, "10.0.0.13")})
-    got = job_watch.diagnose(statuses, NODES, 4, attempt=1, log_text=log)
+    got = watch.diagnose(statuses, NODES, 4, attempt=1, log_text=log)
     assert got["nodes"] == ["node3"] and got["ranks"] == [8, 9, 10, 11], got
     assert any("Connection reset by peer" in line for line in got["excerpt"])
     assert "Downstream from host 10.0.0.13 exited abnormally" in got["excerpt"]
     assert "[rank 8] last line: 2026-11-30 10:00:00,000 [rank 8/16] INFO" in got["excerpt"][0]
     # mpirun ended every rank before one could write its error: Hydra's lost node, not all 16 silent ranks.
-    got = job_watch.diagnose(_statuses(tmp_path / "none"), NODES, 4, attempt=1, log_text=log)
+    got = watch.diagnose(_statuses(tmp_path / "none"), NODES, 4, attempt=1, log_text=log)
     assert got["nodes"] == ["node3"] and got["ranks"] == [8, 9, 10, 11], got
-    got = job_watch.diagnose(_statuses(tmp_path / "none"), NODES, 4, attempt=1, log_text="\n".join(_startup()))
+    got = watch.diagnose(_statuses(tmp_path / "none"), NODES, 4, attempt=1, log_text="\n".join(_startup()))
     assert got["ranks"] == list(range(16)), "no rank and no mpirun named a node: every silent rank"
 
 
@@ -366,8 +366,8 @@ def test_what_the_package_writes_the_reader_accepts() -> None:
         updated=0.0,
         error=LastError("lost_peer", "m", "10.0.0.1"),
     )
-    assert job_watch.check_rank_status(dataclasses.asdict(status))["error"]["peer"] == "10.0.0.1"
-    assert job_watch.check_rank_status(dataclasses.asdict(dataclasses.replace(status, error=None)))["error"] is None
+    assert watch.check_rank_status(dataclasses.asdict(status))["error"]["peer"] == "10.0.0.1"
+    assert watch.check_rank_status(dataclasses.asdict(dataclasses.replace(status, error=None)))["error"] is None
 
 
 def _job(run: Path, cli_env: dict, *args: str) -> dict:
@@ -396,7 +396,7 @@ def _job(run: Path, cli_env: dict, *args: str) -> dict:
     )
     results = run / "async.json"
     results.write_text(json.dumps({"rc": proc.returncode}))
-    return job_watch.job_state(
+    return watch.job_state(
         {
             "run_dir": str(run),
             "results_file": str(results),
@@ -431,7 +431,7 @@ def test_the_real_trainer_s_status_files_name_the_failing_rank(tiny_model, datas
     assert state["exit_code"] == 0 and state["exit"]["attempt"] == 2 and "failure" not in state
     status = json.loads((run / "status" / "rank-0.json").read_text())
     assert (status["state"], status["step"], status["attempt"], status["error"]) == ("done", 2, 2, None)
-    assert len({m["rank"] for m in job_watch.STARTUP.finditer(job_watch.attempt_log(run))}) == 1
+    assert len({m["rank"] for m in watch.STARTUP.finditer(watch.attempt_log(run))}) == 1
     assert not [p.name for p in (run / "status").iterdir() if not re.fullmatch(r"rank-\d+\.json", p.name)]
 
 
@@ -452,11 +452,11 @@ def test_a_long_poll_answers_when_the_job_ends_not_at_the_end_of_its_wait(tmp_pa
         "rank_status": None,
     }
     began = time.monotonic()
-    running = job_watch.job_state({**params, "wait_s": 0.6})
+    running = watch.job_state({**params, "wait_s": 0.6})
     assert not running["finished"] and time.monotonic() - began >= 0.6
     ender = threading.Timer(0.3, lambda: results.write_text(json.dumps({"rc": 0, "changed": True})))
     ender.start()
     began = time.monotonic()
-    ended = job_watch.job_state({**params, "wait_s": 60})
+    ended = watch.job_state({**params, "wait_s": 60})
     ender.join()
     assert ended["finished"] and ended["exit_code"] == 0 and time.monotonic() - began < 30, ended

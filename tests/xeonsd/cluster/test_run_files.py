@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from xeonsd.contracts import job_status, run_files
+from xeonsd.contracts import run_files
+from xeonsd.jobs import attempts
 
 FACTS = {
     "run": "r1",
@@ -62,8 +63,8 @@ def test_run_json_phases_export_and_cost(tmp_path: Path) -> None:
         "phases": {},
         "cluster": {"nodes": "node1, node2", "MPI ranks": 8, "ranks per node": 4, "primary": "node1"},
     }
-    job_status.begin_attempt(run, now=100)
-    job_status.write_exit(run, 0, now=190)
+    attempts.begin_attempt(run, now=100)
+    attempts.write_exit(run, 0, now=190)
     (run / "train_summary.json").write_text(json.dumps({"method": "textual_inversion"}))
     facts = {
         **FACTS,

@@ -1,5 +1,6 @@
-"""slurm.json (xeonsd.contracts.slurm_job): sacct's lines as the Slurm test cluster printed them, the time-limit
-stop, the wait for the final line, and run.json's cluster table with the job id and its accounting."""
+"""slurm.json (xeonsd.contracts.slurm_job, read by xeonsd.jobs.slurm): sacct's lines as the Slurm test cluster
+printed them, the time-limit stop, the wait for the final line, and run.json's cluster table with the job id and its
+accounting."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import time
 import pytest
 
 from xeonsd.contracts import run_files, slurm_job
-from xeonsd.contracts.job_status import StatusFileError
+from xeonsd.contracts.job_status import StatusFileError, write_json
+from xeonsd.jobs import attempts, slurm
+from xeonsd.jobs.status_file import RankStatusFile
 
 # sacct -n -P -j 12 -o JobID,State,ExitCode,ElapsedRaw,TotalCPU,CPUTimeRAW,NodeList,TimelimitRaw: the job's line,
 # then its batch and srun steps (their CPU time is already in the job's TotalCPU).
@@ -22,7 +25,7 @@ SACCT = """\
 
 
 def test_the_jobs_own_line_gives_its_accounting():
-    job = slurm_job.parse_sacct(SACCT, "12")
+    job = slurm.parse_sacct(SACCT, "12")
     assert job == slurm_job.SlurmJob(
         job_id="12",
         state="COMPLETED",
@@ -34,7 +37,7 @@ def test_the_jobs_own_line_gives_its_accounting():
         time_limit_s=14400,
         stopped_by_time_limit=False,
     )
-    assert slurm_job.parse_sacct(SACCT, "13") is None
+    assert slurm.parse_sacct(SACCT, "13") is None
 
 
 @pytest.mark.parametrize(
@@ -47,18 +50,18 @@ def test_the_jobs_own_line_gives_its_accounting():
     ],
 )
 def test_a_time_limit_stop_is_told_apart(state, exit_code, stopped):
-    job = slurm_job.parse_sacct(f"7|{state}|{exit_code}|60|00:30|240|node1|UNLIMITED\n", "7")
+    job = slurm.parse_sacct(f"7|{state}|{exit_code}|60|00:30|240|node1|UNLIMITED\n", "7")
     assert job is not None and job.stopped_by_time_limit is stopped and job.time_limit_s is None
     assert job.state == state.split()[0]
-    assert ("stopped by the time limit" in slurm_job.summary(job)) is stopped
+    assert ("stopped by the time limit" in slurm.summary(job)) is stopped
 
 
 def test_cpu_time_formats():
-    assert slurm_job.cpu_seconds("00:00.030") == 0.03
-    assert slurm_job.cpu_seconds("01:02:03") == 3723
-    assert slurm_job.cpu_seconds("1-00:00:01") == 86401
+    assert slurm.cpu_seconds("00:00.030") == 0.03
+    assert slurm.cpu_seconds("01:02:03") == 3723
+    assert slurm.cpu_seconds("1-00:00:01") == 86401
     with pytest.raises(StatusFileError, match="TotalCPU 'soon'"):
-        slurm_job.cpu_seconds("soon")
+        slurm.cpu_seconds("soon")
 
 
 def test_query_waits_for_the_final_line_and_names_sacct_when_it_never_comes():
@@ -68,14 +71,14 @@ def test_query_waits_for_the_final_line_and_names_sacct_when_it_never_comes():
         assert argv[:5] == ["sacct", "-n", "-P", "-j", "12"]
         return subprocess.CompletedProcess(argv, 0, next(answers), "")
 
-    assert slurm_job.query("12", wait_s=5, poll_s=0, run=sacct).state == "COMPLETED"
+    assert slurm.query("12", wait_s=5, poll_s=0, run=sacct).state == "COMPLETED"
 
     def disabled(argv, **_):
         return subprocess.CompletedProcess(argv, 1, "", "Slurm accounting storage is disabled")
 
     began = time.monotonic()  # a cluster without accounting: said at once, not after waiting wait_s for nothing
     with pytest.raises(StatusFileError, match="accounting storage is disabled.*Fix: check that Slurm's accounting"):
-        slurm_job.query("12", wait_s=60, poll_s=0, run=disabled)
+        slurm.query("12", wait_s=60, poll_s=0, run=disabled)
     assert time.monotonic() - began < 30
 
 
@@ -95,7 +98,7 @@ def test_without_accounting_the_job_comes_from_scontrol_and_its_cpu_time_is_said
         assert argv == ["scontrol", "show", "job", "-o", "12"]
         return subprocess.CompletedProcess(argv, 0, SCONTROL, "")
 
-    job = slurm_job.query("12", wait_s=60, poll_s=0, run=no_accounting)
+    job = slurm.query("12", wait_s=60, poll_s=0, run=no_accounting)
     assert asked == ["sacct", "scontrol"]
     assert (job.state, job.exit_code, job.elapsed_s, job.time_limit_s, job.nodes) == (
         "TIMEOUT",
@@ -106,19 +109,19 @@ def test_without_accounting_the_job_comes_from_scontrol_and_its_cpu_time_is_said
     )
     assert job.cpu_time_s is None and job.allocated_cpu_s == 16 * 245 and job.source == "scontrol"
     assert job.stopped_by_time_limit
-    assert "CPU time not recorded (no Slurm accounting) of 3920 s allocated" in slurm_job.summary(job)
-    run_files.write_json(tmp_path / slurm_job.SLURM_FILE, job.__dict__)
+    assert "CPU time not recorded (no Slurm accounting) of 3920 s allocated" in slurm.summary(job)
+    write_json(tmp_path / slurm_job.SLURM_FILE, job.__dict__)
     facts = {"run": "r1", "nodes": ["node1"], "mpi_ranks": 4, "ranks_per_node": 4, "primary": "node1"}
     assert run_files.run_json(tmp_path, facts)["cluster"]["Slurm CPU time (s)"] == "not recorded (no Slurm accounting)"
-    assert slurm_job.parse_scontrol(SCONTROL.replace("TIMEOUT", "RUNNING"), "12") is None  # not ended yet
-    assert slurm_job.parse_scontrol(SCONTROL, "13") is None  # another job
+    assert slurm.parse_scontrol(SCONTROL.replace("TIMEOUT", "RUNNING"), "12") is None  # not ended yet
+    assert slurm.parse_scontrol(SCONTROL, "13") is None  # another job
 
 
 def test_run_json_shows_the_slurm_job(tmp_path):
     facts = {"run": "r1", "nodes": ["node1"], "mpi_ranks": 4, "ranks_per_node": 4, "primary": "node1"}
     assert "launcher" not in run_files.run_json(tmp_path, facts)["cluster"]  # an mpirun run: no Slurm rows
-    job = slurm_job.parse_sacct(SACCT, "12")
-    run_files.write_json(tmp_path / slurm_job.SLURM_FILE, job.__dict__)
+    job = slurm.parse_sacct(SACCT, "12")
+    write_json(tmp_path / slurm_job.SLURM_FILE, job.__dict__)
     assert slurm_job.read_slurm_job(tmp_path) == job
     info = run_files.run_json(tmp_path, facts)
     assert info["cluster"]["Slurm job"] == "12 (COMPLETED, exit 0)"
@@ -131,15 +134,15 @@ def test_run_json_shows_the_slurm_job(tmp_path):
 
 def test_a_job_stopped_by_the_slurm_time_limit_is_named_with_its_step(tmp_path):
     """The poll's failure for a job Slurm stopped at its limit says so, with the step reached and the resume hint."""
-    from xeonsd.contracts import job_status, job_watch
+    from xeonsd.jobs import watch
 
     run = tmp_path / "run"
     run.mkdir()
-    job_status.begin_attempt(run, now=1, time_limit_s=600)
-    job_status.write_exit(run, 138, now=300)
+    attempts.begin_attempt(run, now=1, time_limit_s=600)
+    attempts.write_exit(run, 138, now=300)
     (run / "metrics.partial.jsonl").write_text(json.dumps({"step": 7, "loss": 0.5, "s_per_step": 2.0}) + "\n")
-    job = slurm_job.parse_sacct("9|FAILED|138:0|299|10:00|1196|node[1-4]|10\n", "9")
-    run_files.write_json(run / slurm_job.SLURM_FILE, job.__dict__)
+    job = slurm.parse_sacct("9|FAILED|138:0|299|10:00|1196|node[1-4]|10\n", "9")
+    write_json(run / slurm_job.SLURM_FILE, job.__dict__)
     results = tmp_path / "async"
     results.write_text(json.dumps({"rc": 138}))
     params = {
@@ -151,24 +154,25 @@ def test_a_job_stopped_by_the_slurm_time_limit_is_named_with_its_step(tmp_path):
         "excerpt_lines": 5,
         "rank_status": [],
     }
-    summary = job_watch.job_state(params)["failure"]["summary"]
+    summary = watch.job_state(params)["failure"]["summary"]
     assert summary.startswith(
         "stopped by the time limit at step 7 (Slurm job 9, FAILED); resume with -e resume=latest; "
     ), summary
     (run / slurm_job.SLURM_FILE).unlink()  # the same failure of an mpirun job: no Slurm words
-    assert "Slurm" not in job_watch.job_state(params)["failure"]["summary"]
+    assert "Slurm" not in watch.job_state(params)["failure"]["summary"]
 
 
 def test_a_node_whose_tasks_srun_reports_first_is_named_when_no_rank_could_say(tmp_path):
     """Under Slurm, srun --kill-on-bad-exit ends every rank as soon as one node's tasks die: no status file names
     a lost peer, and srun's first line names the node (its later lines, for the ranks it ended, do not count)."""
-    from xeonsd.contracts import job_status, job_watch
+    from xeonsd.contracts import job_status
+    from xeonsd.jobs import watch
 
     nodes = [{"name": f"node{i}", "address": f"10.0.0.1{i}"} for i in range(1, 5)]
     for r in range(16):
         node = nodes[r // 4]
         status = job_status.RankStatus(r, 16, node["name"], node["address"], 100 + r, "starting", 0, 1.0, 1)
-        job_status.RankStatusFile(tmp_path, status).update(state="running", step=3)
+        RankStatusFile(tmp_path, status).update(state="running", step=3)
     log = "\n".join(
         [
             "[0] step 3 loss 0.1",
@@ -178,8 +182,8 @@ def test_a_node_whose_tasks_srun_reports_first_is_named_when_no_rank_could_say(t
             "srun: error: node2: tasks 4-7: Killed",
         ]
     )
-    statuses = job_watch.read_status_dir(str(tmp_path / job_status.STATUS_DIR))
-    got = job_watch.diagnose(statuses, nodes, 4, attempt=1, log_text=log)
+    statuses = watch.read_status_dir(str(tmp_path / job_status.STATUS_DIR))
+    got = watch.diagnose(statuses, nodes, 4, attempt=1, log_text=log)
     assert got["nodes"] == ["node3"] and got["ranks"] == [8, 9, 10, 11], got
     assert "srun: error: node3: tasks 8-11: Killed" in got["excerpt"]
 
@@ -190,18 +194,18 @@ def test_the_ranks_time_limit_stop_makes_the_job_stopped_by_the_time_limit_whate
     from xeonsd.contracts import job_status
     from xeonsd.trainer.stopping import make_stop
 
-    job_status.begin_attempt(tmp_path, now=1, time_limit_s=360)
+    attempts.begin_attempt(tmp_path, now=1, time_limit_s=360)
     status = job_status.RankStatus(0, 1, "node1", "10.0.0.11", 100, "starting", 0, 1.0, 1)
-    job_status.RankStatusFile(tmp_path, status).interrupt(make_stop(10, 60, "checkpoint-60"))
-    job_status.write_exit(tmp_path, 15, now=331)
+    RankStatusFile(tmp_path, status).interrupt(make_stop(10, 60, "checkpoint-60"))
+    attempts.write_exit(tmp_path, 15, now=331)
     line = "2|FAILED|15:0|331|02:44.838|5296|node[1-4]|6\n"
 
     def sacct(argv, **_):
         return subprocess.CompletedProcess(argv, 0, line, "")
 
-    job = slurm_job.record(tmp_path, "2", wait_s=0, run=sacct)
+    job = slurm.record(tmp_path, "2", wait_s=0, run=sacct)
     assert job.stopped_by_time_limit and job.exit_code == 15
     assert json.loads((tmp_path / slurm_job.SLURM_FILE).read_text())["stopped_by_time_limit"] is True
-    job_status.begin_attempt(tmp_path, now=400)  # an attempt that failed on its own: no time limit
-    job_status.write_exit(tmp_path, 15, now=431)
-    assert not slurm_job.record(tmp_path, "2", wait_s=0, run=sacct).stopped_by_time_limit
+    attempts.begin_attempt(tmp_path, now=400)  # an attempt that failed on its own: no time limit
+    attempts.write_exit(tmp_path, 15, now=431)
+    assert not slurm.record(tmp_path, "2", wait_s=0, run=sacct).stopped_by_time_limit

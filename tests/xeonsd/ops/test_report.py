@@ -9,6 +9,7 @@ from pathlib import Path
 
 from PIL import Image
 
+from xeonsd.jobs import attempts
 from xeonsd.ops.report import training_summary
 
 
@@ -317,11 +318,9 @@ def test_report_opens_with_the_status_and_the_images_and_folds_how_it_ran_last(t
 
 
 def test_the_status_line_says_a_failed_run_with_its_exit_code(tmp_path, cli_env):
-    from xeonsd.contracts import job_status
-
     run = _run_dir(tmp_path)
-    job_status.begin_attempt(run, now=1, time_limit_s=60)
-    job_status.write_exit(run, rc=1, now=80)
+    attempts.begin_attempt(run, now=1, time_limit_s=60)
+    attempts.write_exit(run, rc=1, now=80)
     page = _rendered(run, cli_env)
     assert "<p class='status failed'><b class=state>Failed (exit code 1)</b> · 5 steps · " in page
     assert "cost: no node_hour_price set" in page

@@ -22,7 +22,7 @@ import torch
 from cli_runs import TOKEN, assert_learned, mpi_env, train, train_args
 from safetensors.torch import load_file
 
-from xeonsd.contracts import job_watch
+from xeonsd.jobs import watch
 from xeonsd.trainer.checkpoint import list_checkpoints
 
 # Every rank runs this: rank 1 alone sends itself SIGTERM before the all-reduce of step 3 (rank 0 gets no signal),
@@ -114,7 +114,7 @@ def test_sigterm_stops_both_ranks_at_one_step_with_a_checkpoint_and_resume_equal
         if job.poll() is None:
             job.kill()
     assert job.returncode == 143, output[-3000:]
-    statuses = job_watch.read_status_dir(str(out / "status"))
+    statuses = watch.read_status_dir(str(out / "status"))
     assert [(s["rank"], s["state"]) for s in statuses] == [(0, "interrupted"), (1, "interrupted")], statuses
     step = statuses[0]["step"]
     stop = {"signal": "SIGTERM", "reason": "signal", "step": step, "checkpoint": f"checkpoint-{step}"}
@@ -126,7 +126,7 @@ def test_sigterm_stops_both_ranks_at_one_step_with_a_checkpoint_and_resume_equal
     assert _left_behind(out) == []
     assert f"stopped by SIGTERM at step {step} (checkpoint-{step} written)" in output
     here = statuses[0]["address"]
-    summary = job_watch.diagnose(statuses, [{"name": "here", "address": here}], 2)["summary"]
+    summary = watch.diagnose(statuses, [{"name": "here", "address": here}], 2)["summary"]
     assert summary == f"stopped by SIGTERM at step {step} (checkpoint-{step} written); resume with -e resume=latest"
 
     # Resumed to two steps past the stop, it ends where a run that was never stopped does.
@@ -136,7 +136,7 @@ def test_sigterm_stops_both_ranks_at_one_step_with_a_checkpoint_and_resume_equal
     train(train_args(tiny_model, dataset, full, steps=step + 2), cli_env, 2)
     assert_learned(vectors(full), tiny_model)
     torch.testing.assert_close(vectors(out), vectors(full), atol=1e-6, rtol=0)
-    assert {s["state"] for s in job_watch.read_status_dir(str(out / "status"))} == {"done"}
+    assert {s["state"] for s in watch.read_status_dir(str(out / "status"))} == {"done"}
 
 
 def test_sigint_before_the_first_step_exits_130_and_leaves_nothing_that_looks_done(

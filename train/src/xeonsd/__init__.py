@@ -5,6 +5,9 @@ The package is one subpackage per concern; each ``__init__`` says what it owns a
 
 * :mod:`xeonsd.contracts`: what the package and the playbooks agree on (method names, the straggler rule, the rank
   layout result, the job's status and run files); standard library only, imported by the Ansible plugins;
+* :mod:`xeonsd.jobs`: what acts on a job's files (the ranks' status writer, run.sh's attempt records, the finetune
+  role's poll and stop, Slurm's accounting) and ``xeonsd jobstatus`` / ``runjson`` / ``slurmjob``; standard library
+  only, run on the nodes;
 * :mod:`xeonsd.modelfiles`: the files a model is made of (its family, its source, concept and LoRA files);
 * :mod:`xeonsd.cluster`: the runtime of a job's ranks: the process group, rank statistics, ``hello``;
 * :mod:`xeonsd.trainer`: ``xeonsd train``, in layers (its ``__init__`` lists them);

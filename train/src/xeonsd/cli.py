@@ -266,15 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="directory with run.json, metrics.jsonl, loss.png, images/ …")
     p.set_defaults(func=_report)
 
-    from xeonsd.contracts.job_status_cli import add_parser as add_jobstatus_parser  # stdlib only: cheap to import
+    from xeonsd.jobs.cli import add_parsers as add_job_parsers  # stdlib only: cheap to import
 
-    add_jobstatus_parser(sub)
-    from xeonsd.contracts.run_files import add_parser as add_runjson_parser  # stdlib only: cheap to import
-
-    add_runjson_parser(sub)
-    from xeonsd.contracts.slurm_job import add_parser as add_slurmjob_parser  # stdlib only: cheap to import
-
-    add_slurmjob_parser(sub)
+    add_job_parsers(sub)  # jobstatus, runjson, slurmjob
 
     p = sub.add_parser(
         "bench", help="benchmarks (`xeonsd bench train|generate|layout|serve|optimizer --help`)", add_help=False

@@ -14,10 +14,12 @@
   as ``XEONSD_ATTEMPT`` so that every rank's status file says which attempt wrote it, and readers ignore files
   left by an earlier one. An attempt that was stopped has rank 0's :class:`Stop` in exit.json too.
 
-The finetune role reads them only through this package, run in the node's diffuser env (the command line:
-:mod:`.job_status_cli`): ``xeonsd jobstatus poll`` (the progress line, and who ended a failed job or how a stopped
-one stopped: :mod:`.job_watch`), ``xeonsd jobstatus ranks`` (a node's rank status files) and ``xeonsd jobstatus
-codes`` (the exit codes the role tells apart, :data:`EXIT_CODES`), all with JSON on stdout. Nothing else in the repository restates the schema or the codes.
+Who acts on them: the trainer's ranks keep their status files (:mod:`xeonsd.jobs.status_file`); run.sh's ``begin``
+and ``exit`` and the play's ``stop`` are :mod:`xeonsd.jobs.attempts`; the finetune role reads them only through
+``xeonsd jobstatus`` (:mod:`xeonsd.jobs.cli`), run in the node's diffuser env: ``poll`` (the progress line, and who
+ended a failed job or how a stopped one stopped: :mod:`xeonsd.jobs.watch`), ``ranks`` (a node's rank status files)
+and ``codes`` (the exit codes the role tells apart, :data:`EXIT_CODES`), all with JSON on stdout. Nothing else in
+the repository restates the schema or the codes.
 
 Every file is written under a temporary name and renamed into place, so a reader never sees half a file.
 """
@@ -27,15 +29,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import logging
 import os
-import signal
 import tempfile
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 STATUS_DIR = "status"
@@ -233,136 +230,3 @@ def attempt_from_env(env: dict[str, str] | None = None) -> int | None:
     if not raw.isdigit():
         raise StatusFileError(f"{ATTEMPT_ENV}={raw!r} is not an attempt number")
     return int(raw)
-
-
-class RankStatusFile:
-    """One rank's status file, rewritten in place on every change. A write that fails (a full or read-only disk)
-    is logged once and never stops the training: the file is what the playbooks read, not what the job needs."""
-
-    def __init__(self, output_dir: Path, status: RankStatus) -> None:
-        self.path = rank_status_path(output_dir, status.rank)
-        self.status = status
-        self._warned = False
-        self._accepted = False
-        self._write()
-
-    def accept(self) -> None:
-        """The run's inputs passed their checks: from now on the file is written even where the output dir does not
-        exist yet (a worker node's copy of the run dir)."""
-        self._accepted = True
-        self._write()
-
-    def update(self, *, state: str | None = None, step: int | None = None, error: LastError | None = None) -> None:
-        changes: dict = {"updated": time.time()}
-        if state is not None:
-            changes["state"] = state
-        if step is not None:
-            changes["step"] = step
-        if error is not None:
-            changes["error"] = error
-        self.status = dataclasses.replace(self.status, **changes)
-        self._write()
-
-    def fail(self, kind: str, message: str, peer: str | None = None) -> None:
-        self.update(state="failed", error=LastError(kind, message, peer))
-
-    def interrupt(self, stop: Stop) -> None:
-        self.status = dataclasses.replace(self.status, state="interrupted", step=stop.step, stop=stop)
-        self.update()
-
-    def _write(self) -> None:
-        # Always in a launched job's attempt (run.sh sets XEONSD_ATTEMPT; the play reads the file, also for a rank
-        # refused on its inputs), into an output dir that exists, or once the inputs were accepted (``accept``):
-        # a run by hand refused on its inputs before it had an output dir leaves nothing behind.
-        if not (self.status.attempt is not None or self._accepted or self.path.parent.parent.is_dir()):
-            return
-        try:
-            write_json(self.path, asdict(self.status), fsync=self.status.state in ("done", "failed", "interrupted"))
-        except OSError as exc:
-            if not self._warned:
-                self._warned = True
-                log.warning(
-                    "cannot write the rank status file %s (%s); the play's diagnosis will miss it", self.path, exc
-                )
-
-
-# ---- run.sh's side: `xeonsd jobstatus begin RUN_DIR` and `xeonsd jobstatus exit RUN_DIR --rc RC` -------------
-
-
-def begin_attempt(run_dir: Path, now: float | None = None, time_limit_s: int | None = None) -> Attempt:
-    """The next attempt of the run in ``run_dir`` (1 for a new run), recorded in attempt.json with where its part
-    of train.log starts."""
-    previous = read_attempt(run_dir)
-    log_file = Path(run_dir) / LOG_FILE
-    attempt = Attempt(
-        attempt=(previous.attempt if previous else 0) + 1,
-        started=int(now or time.time()),
-        log_offset=log_file.stat().st_size if log_file.is_file() else 0,
-        time_limit_s=time_limit_s,
-    )
-    write_json(Path(run_dir) / ATTEMPT_FILE, asdict(attempt), fsync=True)
-    return attempt
-
-
-def _stopped(run_dir: Path, attempt: int) -> Stop | None:
-    """Rank 0's Stop, when its status file (on the primary, where run.sh runs) says this attempt stopped."""
-    try:
-        status = read_rank_status(rank_status_path(run_dir, 0))
-    except (OSError, StatusFileError):
-        return None
-    return status.stop if status.attempt == attempt and status.state == "interrupted" else None
-
-
-def write_exit(run_dir: Path, rc: int, now: float | None = None) -> ExitStatus:
-    """How the current attempt ended (its number and start from attempt.json; a stopped one's Stop), in exit.json."""
-    attempt = read_attempt(run_dir)
-    if attempt is None:
-        raise StatusFileError(f"{Path(run_dir) / ATTEMPT_FILE} does not exist: run `xeonsd jobstatus begin` first")
-    ended = int(now or time.time())
-    timed_out = rc != 0 and attempt.time_limit_s is not None and ended - attempt.started >= attempt.time_limit_s
-    status = ExitStatus(
-        rc, attempt.started, ended, attempt.attempt, timed_out, _stopped(run_dir, attempt.attempt) if rc else None
-    )
-    write_json(Path(run_dir) / EXIT_FILE, asdict(status), fsync=True)
-    return status
-
-
-# ---- the play's side of a stop: `xeonsd jobstatus stop RUN_DIR` (Ctrl-C on the controller, xeonsd_job stop) ----
-
-
-def _job_pid(run_dir: Path) -> tuple[int | None, str]:
-    """The pid of the run's running run.sh, or None and why there is none."""
-    pid_file = Path(run_dir) / RUN_PID_FILE
-    try:
-        pid = int(pid_file.read_text().strip())
-    except FileNotFoundError:
-        return None, f"{pid_file} does not exist: the job never started"
-    except ValueError:
-        return None, f"{pid_file} holds no pid"
-    script = Path(run_dir).resolve() / RUN_SCRIPT
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return None, f"the job has ended (run.sh, pid {pid}, is gone)"
-    if not any(arg.endswith(RUN_SCRIPT) and Path(arg).resolve() == script for arg in argv):
-        return None, f"the job has ended (pid {pid} is now another process, not {script})"
-    return pid, ""
-
-
-def stop_job(run_dir: Path) -> dict:
-    """SIGTERM to the run's run.sh when it is running: every rank stops after the same step, rank 0 writes a
-    checkpoint there and the attempt exits 143 (the poll then reports the stop). Returns ``signalled``, ``pid``
-    and ``message``."""
-    pid, why = _job_pid(run_dir)
-    if pid is None:
-        return {"signalled": False, "pid": None, "message": f"nothing to stop: {why}"}
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return {"signalled": False, "pid": pid, "message": f"nothing to stop: the job ended (pid {pid})"}
-    return {
-        "signalled": True,
-        "pid": pid,
-        "message": f"SIGTERM sent to the job (run.sh, pid {pid}): the ranks stop after their current step and "
-        "rank 0 writes a checkpoint there",
-    }

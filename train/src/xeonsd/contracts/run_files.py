@@ -5,21 +5,19 @@
   role ``result.bytes``; ``xeonsd report`` all of it.
 * ``run.json`` (:func:`run_json`): the cluster and the phase times of the play that made the run (and the Slurm
   job's id and accounting from ``slurm.json`` when it ran under Slurm: :mod:`.slurm_job`), written on the
-  primary by the run_report role through ``xeonsd runjson RUN_DIR`` (the play's facts as JSON on stdin:
-  :data:`RUN_JSON_INPUT`); ``xeonsd report`` adds its ``cluster_figures``.
+  primary by the run_report role through ``xeonsd runjson RUN_DIR`` (:mod:`xeonsd.jobs.cli`; the play's facts as
+  JSON on stdin: :data:`RUN_JSON_INPUT`); ``xeonsd report`` adds its ``cluster_figures``.
 
 Every file is written under a temporary name and renamed into place (:func:`job_status.write_json`).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
-from xeonsd.contracts.job_status import read_exit, write_json
+from xeonsd.contracts.job_status import read_exit
 from xeonsd.contracts.method_names import METHOD_FILES
 from xeonsd.contracts.slurm_job import read_slurm_job
 
@@ -167,42 +165,3 @@ def run_json(run_dir: Path, facts: dict) -> dict:
     if str(cost.get("node_hour_price", "")):
         info["cost"] = {k: cost.get(k, "") for k in ("node_hour_price", "currency", "gpu_hour_price", "gpu_s_per_step")}
     return info
-
-
-def write_run_json(run_dir: Path, facts: dict) -> bool:
-    """Write run.json; whether it changed."""
-    path = Path(run_dir) / RUN_JSON_FILE
-    info = run_json(run_dir, facts)
-    try:
-        before = json.loads(path.read_text())
-    except (OSError, ValueError):
-        before = None
-    if before == info:
-        return False
-    write_json(path, info)
-    return True
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    """``xeonsd runjson RUN_DIR`` (facts as JSON on stdin)."""
-    p = sub.add_parser(
-        "runjson",
-        help="write a run's run.json from the play's facts (JSON on stdin; the run_report role)",
-        description=f"Write RUN_DIR/run.json. Reads a JSON object on stdin with {', '.join(RUN_JSON_INPUT)}; "
-        'prints {"changed": true|false}.',
-    )
-    p.add_argument("run_dir", type=Path)
-    p.set_defaults(func=main_args)
-
-
-def main_args(args: argparse.Namespace) -> int:
-    if not args.run_dir.is_dir():
-        print(f"xeonsd runjson: error: {args.run_dir} is not a directory", file=sys.stderr)
-        return 2
-    try:
-        changed = write_run_json(args.run_dir, json.load(sys.stdin))
-    except (ValueError, KeyError, TypeError) as exc:
-        print(f"xeonsd runjson: error: {exc!r}", file=sys.stderr)
-        return 2
-    print(json.dumps({"changed": changed}))
-    return 0

@@ -9,8 +9,8 @@ import statistics
 from pathlib import Path
 
 from xeonsd.contracts.job_status import ExitStatus, StatusFileError, read_exit
-from xeonsd.contracts.job_watch import stop_summary
 from xeonsd.contracts.run_files import TRAINING_WALL
+from xeonsd.jobs.watch import stop_summary
 
 
 def ended_attempt(run: Path) -> ExitStatus | None:

@@ -24,8 +24,8 @@ from xeonsd.cluster.distributed import (
     node_address,
     take_the_job_down,
 )
-from xeonsd.contracts.job_status import RankStatusFile
 from xeonsd.cpu import cpu_info
+from xeonsd.jobs.status_file import RankStatusFile
 from xeonsd.modelfiles.modelsource import model_fingerprint
 from xeonsd.trainer import checkpoint as ckpt
 from xeonsd.trainer.buckets import BUCKET_OPTIONS, BucketBatches, Buckets
@@ -110,7 +110,7 @@ class Cluster:
     backend: str | None
     timeouts: Timeouts  # read from the environment once, in run()
     timeout: CollectiveTimeout
-    status: RankStatusFile  # this rank's status/rank-<r>.json (xeonsd.contracts.job_status)
+    status: RankStatusFile  # this rank's status/rank-<r>.json (xeonsd.jobs.status_file)
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,8 @@ from xeonsd.cluster.distributed import (
     take_the_job_down,
 )
 from xeonsd.cluster.rank_stats import RankClock
-from xeonsd.contracts.job_status import RankStatusFile
 from xeonsd.cpu import cpu_info
+from xeonsd.jobs.status_file import RankStatusFile
 from xeonsd.modelfiles.modelsource import ModelSourceError
 from xeonsd.trainer import checkpoint as ckpt
 from xeonsd.trainer.argv import parse_config

@@ -9,7 +9,8 @@ import time
 
 from xeonsd.cluster.distributed import RankInfo, node_address
 from xeonsd.cluster.rank_stats import node_names
-from xeonsd.contracts.job_status import RankStatus, RankStatusFile, StatusFileError, attempt_from_env
+from xeonsd.contracts.job_status import RankStatus, StatusFileError, attempt_from_env
+from xeonsd.jobs.status_file import RankStatusFile
 from xeonsd.trainer.config import ConfigError, TrainConfig
 
 

@@ -1,5 +1,10 @@
-"""``xeonsd jobstatus begin|exit|poll|stop|ranks|codes``: the command line of :mod:`.job_status` (run.sh's begin
-and exit, the finetune role's poll, stop, ranks and codes), JSON on stdout. Standard library only: cheap to import."""
+"""The commands run.sh and the roles run on a node, each answering on stdout (standard library only: cheap to import):
+
+* ``xeonsd jobstatus begin|exit|poll|stop|ranks|codes``: run.sh's begin and exit (:mod:`.attempts`), the finetune
+  role's poll (:mod:`.watch`), stop, ranks and codes, on the files of :mod:`xeonsd.contracts.job_status`;
+* ``xeonsd runjson RUN_DIR``: the run_report role's run.json (:mod:`xeonsd.contracts.run_files`);
+* ``xeonsd slurmjob record RUN_DIR --job-id ID``: run.sh's slurm.json under Slurm (:mod:`.slurm`).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,10 @@ import json
 import sys
 from pathlib import Path
 
-from xeonsd.contracts.job_status import EXIT_CODES, STATUS_DIR, StatusFileError, begin_attempt, stop_job, write_exit
+from xeonsd.contracts.job_status import EXIT_CODES, STATUS_DIR, StatusFileError, write_json
+from xeonsd.contracts.run_files import RUN_JSON_FILE, RUN_JSON_INPUT, run_json
+from xeonsd.jobs.attempts import begin_attempt, stop_job, write_exit
+from xeonsd.jobs.slurm import record, summary
 
 DESCRIPTION = (
     "begin RUN_DIR: start the run's next attempt (attempt.json) and print its number; "
@@ -19,7 +27,14 @@ DESCRIPTION = (
 )
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """``xeonsd jobstatus``, ``runjson`` and ``slurmjob``."""
+    _add_jobstatus(sub)
+    _add_runjson(sub)
+    _add_slurmjob(sub)
+
+
+def _add_jobstatus(sub: argparse._SubParsersAction) -> None:
     """``xeonsd jobstatus begin|exit|poll|stop|ranks|codes …``"""
     p = sub.add_parser(
         "jobstatus",
@@ -60,7 +75,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ranks = what.add_parser("ranks", help="this node's rank status files of the run, as JSON")
     ranks.add_argument("run_dir", type=Path)
     what.add_parser("codes", help="the exit codes the playbooks tell apart, as JSON")
-    p.set_defaults(func=main_args)
+    p.set_defaults(func=jobstatus_main)
 
 
 def _poll_params(args: argparse.Namespace) -> dict:
@@ -90,15 +105,15 @@ def _answer(args: argparse.Namespace) -> object:
         return None
     if args.action == "stop":
         return stop_job(args.run_dir)
-    from xeonsd.contracts import job_watch  # the reading (run.sh's begin and exit need none of it)
+    from xeonsd.jobs import watch  # the reading (run.sh's begin and exit need none of it)
 
     if args.action == "poll":
-        return job_watch.job_state(_poll_params(args))
+        return watch.job_state(_poll_params(args))
     status_dir = Path(args.run_dir) / STATUS_DIR
-    return {"status_dir": str(status_dir), "statuses": job_watch.read_status_dir(status_dir)}
+    return {"status_dir": str(status_dir), "statuses": watch.read_status_dir(status_dir)}
 
 
-def main_args(args: argparse.Namespace) -> int:
+def jobstatus_main(args: argparse.Namespace) -> int:
     if args.action == "codes":
         print(json.dumps(EXIT_CODES, sort_keys=True))
         return 0
@@ -115,4 +130,76 @@ def main_args(args: argparse.Namespace) -> int:
         print(answer)
     elif answer is not None:
         print(json.dumps(answer, sort_keys=True))
+    return 0
+
+
+def write_run_json(run_dir: Path, facts: dict) -> bool:
+    """Write run.json; whether it changed."""
+    path = Path(run_dir) / RUN_JSON_FILE
+    info = run_json(run_dir, facts)
+    try:
+        before = json.loads(path.read_text())
+    except (OSError, ValueError):
+        before = None
+    if before == info:
+        return False
+    write_json(path, info)
+    return True
+
+
+def _add_runjson(sub: argparse._SubParsersAction) -> None:
+    """``xeonsd runjson RUN_DIR`` (facts as JSON on stdin)."""
+    p = sub.add_parser(
+        "runjson",
+        help="write a run's run.json from the play's facts (JSON on stdin; the run_report role)",
+        description=f"Write RUN_DIR/run.json. Reads a JSON object on stdin with {', '.join(RUN_JSON_INPUT)}; "
+        'prints {"changed": true|false}.',
+    )
+    p.add_argument("run_dir", type=Path)
+    p.set_defaults(func=runjson_main)
+
+
+def runjson_main(args: argparse.Namespace) -> int:
+    if not args.run_dir.is_dir():
+        print(f"xeonsd runjson: error: {args.run_dir} is not a directory", file=sys.stderr)
+        return 2
+    try:
+        changed = write_run_json(args.run_dir, json.load(sys.stdin))
+    except (ValueError, KeyError, TypeError) as exc:
+        print(f"xeonsd runjson: error: {exc!r}", file=sys.stderr)
+        return 2
+    print(json.dumps({"changed": changed}))
+    return 0
+
+
+def _add_slurmjob(sub: argparse._SubParsersAction) -> None:
+    """``xeonsd slurmjob record RUN_DIR --job-id ID``"""
+    p = sub.add_parser(
+        "slurmjob",
+        help="record a Slurm batch job's accounting (sacct) in the run's slurm.json (the finetune role's run.sh)",
+        description="record RUN_DIR --job-id ID: wait for the ended job's sacct line, write RUN_DIR/slurm.json "
+        "and print its summary line.",
+    )
+    what = p.add_subparsers(dest="action", required=True)
+    rec = what.add_parser("record", help="write slurm.json from sacct once the job ended")
+    rec.add_argument("run_dir", type=Path)
+    rec.add_argument("--job-id", required=True, help="the Slurm job id (sbatch --parsable)")
+    rec.add_argument("--wait-s", type=float, default=60, help="how long to wait for the job's final sacct line")
+    p.set_defaults(func=slurmjob_main)
+
+
+def slurmjob_main(args: argparse.Namespace) -> int:
+    if not args.run_dir.is_dir():
+        print(f"xeonsd slurmjob: error: {args.run_dir} is not a directory", file=sys.stderr)
+        return 2
+    job_id = args.job_id.split(";")[0].strip()  # --parsable prints "ID" or "ID;CLUSTER"
+    if not job_id.isdigit():
+        print(f"xeonsd slurmjob: error: --job-id {args.job_id!r} is not a Slurm job id", file=sys.stderr)
+        return 2
+    try:
+        job = record(args.run_dir, job_id, wait_s=args.wait_s)
+    except StatusFileError as exc:
+        print(f"xeonsd slurmjob: error: {exc}", file=sys.stderr)
+        return 2
+    print(summary(job))
     return 0

@@ -1,7 +1,8 @@
 """What the finetune role reads of a job while it runs and once it ended: the progress line, which node(s) and
-rank(s) ended a failed job, and how a job that was told to stop stopped (signal, step, checkpoint). The role's ``xeonsd_job`` and ``xeonsd_rank_status`` modules run this on the node, in
-its diffuser env (``xeonsd jobstatus poll`` / ``xeonsd jobstatus ranks``, JSON on stdout), so the files' schema
-(:mod:`.job_status`) is read here, by the code that defines it, and nowhere else.
+rank(s) ended a failed job, and how a job that was told to stop stopped (signal, step, checkpoint). The role's
+``xeonsd_job`` and ``xeonsd_rank_status`` modules run this on the node, in its diffuser env (``xeonsd jobstatus
+poll`` / ``xeonsd jobstatus ranks``, JSON on stdout: :mod:`.cli`), so the files are read through their schema
+(:mod:`xeonsd.contracts.job_status`) by the package that writes them, and nowhere else.
 
 Progress comes from the trainer's metrics files; how the job ended from ``exit.json`` (run.sh, through
 ``xeonsd jobstatus exit``) or Ansible's async results file of the launch; who ended a failed job from the ranks'
@@ -21,10 +22,10 @@ import re
 import time
 from pathlib import Path
 
-from xeonsd.contracts.job_progress import compress_ranks, progress_line, read_progress, straggler_warning
 from xeonsd.contracts.job_status import (
     ERROR_KINDS,
     LOCK_CONFLICT_RC,
+    LOG_FILE,
     OWN_ERROR_KINDS,
     STATUS_DIR,
     StatusFileError,
@@ -33,8 +34,8 @@ from xeonsd.contracts.job_status import (
     read_exit,
 )
 from xeonsd.contracts.slurm_job import read_slurm_job
+from xeonsd.jobs.progress import compress_ranks, progress_line, read_progress, straggler_warning
 
-LOG_FILE = "train.log"
 # Ansible's async results when the launch itself ran past its async limit.
 ASYNC_TIMEOUT_RC = 124
 _LINE = re.compile(r"^\[(?P<rank>\d+)\] (?P<text>.*)$")

@@ -1,6 +1,6 @@
 """The progress line the finetune role prints on every poll, from the trainer's metrics files: step, loss, s/step,
 time left, the ranks' CPU use, a straggler warning, and the layout verdict when every node is low on CPU. Read on
-the node by :mod:`.job_watch`."""
+the node by :mod:`.watch`."""
 
 from __future__ import annotations
 
