@@ -1,12 +1,19 @@
-"""xeonsd_train_argv: the `xeonsd train` argument list of the chosen method, from the inventory's flags.
+"""xeonsd_train_argv: the `xeonsd train` argument list of the chosen method, from the `finetune_<flag>` variables.
 
-inventory/group_vars/all/finetune.yml names every flag once, grouped like `xeonsd train --help` (``all`` for
-every method, then one group per method). `xeonsd train` refuses a flag of another method than ``--method``, so
-the list carries ``--method`` first, then the flags of ``all`` and of that method only; finetune.yml's job and
-doctor.yml's one-step trial both use it.
+The flags are `xeonsd train`'s own, read from the trainer's configuration (``train/src/xeonsd/trainer/config.py``,
+standard library only): each flag NAME is set by the variable ``finetune_NAME`` when it is defined, so a flag the
+trainer gains reaches the playbooks with no YAML edit (``-e finetune_max_train_steps=400``). finetune.yml looks up
+the variables xeonsd_train_vars names for the method and hands their values to xeonsd_train_argv:
 
-A value of true is the bare flag, false/None/"" leaves the flag out (the trainer's default), anything else is
-``--name=value``.
+    finetune_train_argv: "{{ finetune_train_vars | zip(query('vars', *finetune_train_vars, default=''))
+                            | xeonsd_train_argv(finetune_method, finetune_extra_args) }}"
+
+`xeonsd train` refuses a flag of another method than ``--method``, so the list carries ``--method`` first, then
+the flags of every method and of that method only; finetune.yml's job and doctor.yml's one-step trial both use it.
+A boolean flag is the bare flag when true (``--no-NAME`` when false for a flag that defaults to on); an empty,
+None or false value leaves the flag out (the trainer's default); a flag that needs another (``needs`` in the
+trainer's table: the prior-preservation group, --keep_tokens) is left out while that one is off; anything else is
+``--NAME=value``.
 
 xeonsd_method: what a method leaves in the run directory (its result file, what people call it, whether it is a
 whole pipeline, its `xeonsd generate` flag); xeonsd_result_export: how a run's result reaches its images (the
@@ -19,17 +26,21 @@ which this plugin loads from the repository on the controller.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-# xeonsd's contracts (train/src/xeonsd/contracts: standard library only) from this repository's source tree.
+from ansible.module_utils.parsing.convert_bool import boolean
+
+# xeonsd's contracts and the trainer's flag table (standard library only) from this repository's source tree.
 _SRC = str(Path(__file__).resolve().parents[2] / "train" / "src")
 if _SRC not in sys.path:
     sys.path.insert(0, _SRC)
 from xeonsd.contracts import method_names  # noqa: E402
 from xeonsd.modelfiles import family_specs  # noqa: E402
+from xeonsd.trainer import config as train_config  # noqa: E402
 
 METHODS: tuple[str, ...] = method_names.METHODS
 METHOD_FILES: dict[str, dict] = method_names.METHOD_FILES
@@ -39,27 +50,43 @@ class TrainArgvError(ValueError):
     """A method or flag group the trainer does not know."""
 
 
-def _flag(name: str, value: Any) -> list[str]:
-    if value is True:
-        return [f"--{name}"]
-    if value is False or value is None or value == "":
-        return []
-    return [f"--{name}={value}"]
+PREFIX = "finetune_"  # the variable of flag NAME is finetune_NAME
 
 
-def train_argv(flags: Mapping[str, Mapping[str, Any]], method: str, extra: Sequence[str] = ()) -> list[str]:
-    """``["--method=M", <flags of all>, <flags of M>, *extra]``."""
+def _fields(method: str) -> list[dataclasses.Field]:
+    """The trainer's flags that ``method`` takes (every method's and its own), ``--method`` itself aside."""
     if method not in METHODS:
         raise TrainArgvError(f"finetune_method {method!r}: choose one of {', '.join(METHODS)}")
-    unknown = sorted(set(flags) - {"all", *METHODS})
-    if unknown:
-        raise TrainArgvError(
-            f"finetune_train_flags: unknown group(s) {', '.join(unknown)}; groups: all, " + ", ".join(METHODS)
-        )
+    fields = dataclasses.fields(train_config.TrainConfig)
+    return [f for f in fields if f.name != "method" and method in (f.metadata.get("methods") or (method,))]
+
+
+def train_vars(method: str) -> list[str]:
+    """The variables that set ``method``'s flags: ``finetune_NAME`` for each."""
+    return [PREFIX + f.name for f in _fields(method)]
+
+
+def _on(value: Any) -> bool:
+    return boolean(value, strict=False) if isinstance(value, (str, bool, int)) else bool(value)
+
+
+def train_argv(values: Iterable[Any], method: str, extra: Sequence[str] = ()) -> list[str]:
+    """``["--method=M", <the flags of M whose finetune_NAME is set>, *extra]`` from ``values``, a mapping or the
+    (name, value) pairs of the variables (see the module's docstring)."""
+    given = dict(values)
     argv = [f"--method={method}"]
-    for group in ("all", method):
-        for name, value in (flags.get(group) or {}).items():
-            argv += _flag(name, value)
+    for f in _fields(method):
+        value = given.get(PREFIX + f.name)
+        needs = f.metadata.get("needs")
+        if value is None or value == "" or (needs and not _on(given.get(PREFIX + needs))):
+            continue
+        if f.type in (bool, "bool"):
+            if _on(value):
+                argv.append(f"--{f.name}")
+            elif f.metadata.get("negatable") and f.default is True:
+                argv.append(f"--no-{f.name}")
+        elif value is not False:
+            argv.append(f"--{f.name}={value}")
     return argv + [str(a) for a in extra]
 
 
@@ -105,6 +132,7 @@ class FilterModule:
     def filters(self) -> dict:
         return {
             "xeonsd_train_argv": train_argv,
+            "xeonsd_train_vars": train_vars,
             "xeonsd_method": method,
             "xeonsd_result_export": result_export,
         }

@@ -1,10 +1,13 @@
-"""finetune_method: the inventory's `xeonsd train` argument list carries the chosen method's flags and no other
-method's (the trainer refuses those), rendered by Ansible from inventory/group_vars/all/finetune.yml."""
+"""The inventory's `xeonsd train` argument list: each trainer flag from its finetune_<flag> variable, the chosen
+method's flags and no other method's (the trainer refuses those), rendered by Ansible from
+inventory/group_vars/all/finetune.yml and parsed by xeonsd train's own parser."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -47,12 +50,17 @@ def _inventory_argv(*extra_vars: str) -> list[str]:
     [
         (
             "textual_inversion",
-            {"placeholder_token": "<dicoo>", "initializer_token": "toy"},
+            {"placeholder_token": "<dicoo>", "initializer_token": "toy", "straggler_cpu_util": 0.8},
             ("rank", "instance_prompt"),
         ),
         (
             "lora",
-            {"rank": 4, "instance_prompt": "a photo of a <dicoo> toy", "learning_rate": 1e-4},
+            {
+                "rank": 4,
+                "instance_prompt": "a photo of a <dicoo> toy",
+                "learning_rate": 1e-4,
+                "save_format": "diffusers",
+            },
             ("placeholder_token", "use_ema", "save_as_full_pipeline"),
         ),
         (
@@ -62,96 +70,123 @@ def _inventory_argv(*extra_vars: str) -> list[str]:
         ),
     ],
 )
-def test_the_inventorys_argv_carries_only_the_chosen_methods_flags(method, own, foreign) -> None:
+def test_the_inventorys_argv_is_what_xeonsd_train_parses_with_only_the_chosen_methods_flags(
+    method, own, foreign
+) -> None:
     from xeonsd.trainer.argv import given_flags, parse_config
 
     argv = _inventory_argv(f"finetune_method={method}", "finetune_use_ema=true")
-    cfg = parse_config(argv)  # a flag of another method would be a ConfigError
+    cfg = parse_config(argv)  # xeonsd train's own parser: a flag of another method would be a ConfigError
     assert cfg.method == method and argv[0] == f"--method={method}"
     for name, value in own.items():
         assert getattr(cfg, name) == value, (name, argv)
+    assert cfg.pretrained_model_name_or_path == "/home/devcloud/models/stable-diffusion-v1-5", argv
     assert not set(foreign) & given_flags(argv), argv
-    assert cfg.captions == "auto" and "resolution" not in given_flags(argv)  # auto: the family's, the trainer's
-    assert not {"snr_gamma", "noise_offset", "timestep_range"} & given_flags(argv), argv  # empty: off
-    assert not {"buckets", "min_bucket_reso", "max_bucket_reso", "bucket_reso_steps"} & given_flags(argv), argv
+    assert cfg.captions == "auto" and cfg.resolution is None  # auto: the family's (the trainer takes "auto")
+    assert not {"snr_gamma", "noise_offset", "timestep_range", "buckets", "min_bucket_reso"} & given_flags(argv)
+    assert not {"keep_tokens", "class_prompt", "class_export", "num_class_images"} & given_flags(argv), argv
 
 
-def test_the_bucket_options_reach_the_trainer_when_set() -> None:
+def test_a_flag_the_trainer_gains_reaches_the_argv_from_its_finetune_variable(monkeypatch) -> None:
+    """The filter reads the trainer's flag table: a new field of TrainConfig is a finetune_<flag> variable at once,
+    of its method only, a boolean as the bare flag."""
+    from xeonsd.trainer.config import LORA, TrainConfig, _flag
+
+    @dataclasses.dataclass
+    class Gained(TrainConfig):
+        new_knob: int = _flag("a flag added tomorrow", default=3)
+        new_switch: bool = _flag("a LoRA-only switch", methods=(LORA,), default=False)
+
+    monkeypatch.setattr(xeonsd_train.train_config, "TrainConfig", Gained)
+    assert {"finetune_new_knob", "finetune_new_switch"} <= set(xeonsd_train.train_vars("lora"))
+    assert "finetune_new_switch" not in xeonsd_train.train_vars("full")
+    values = {"finetune_new_knob": 7, "finetune_new_switch": "true", "finetune_seed": 1}
+    assert train_argv(values, "lora") == ["--method=lora", "--seed=1", "--new_knob=7", "--new_switch"]
+    assert train_argv(values, "full") == ["--method=full", "--seed=1", "--new_knob=7"]
+
+
+def test_any_trainer_flag_reaches_the_argv_with_e_and_the_renamed_variables_are_the_flags_names() -> None:
     from xeonsd.trainer.argv import parse_config
 
-    argv = _inventory_argv(
-        "finetune_buckets=true",
-        "finetune_min_bucket_reso=320",
-        "finetune_max_bucket_reso=768",
-        "finetune_bucket_reso_steps=32",
-    )
-    cfg = parse_config(argv)
-    assert (cfg.buckets, cfg.min_bucket_reso, cfg.max_bucket_reso, cfg.bucket_reso_steps) == (True, 320, 768, 32)
-    assert "--buckets" in argv and "--bucket_reso_steps=32" in argv
-
-
-def test_a_resolution_number_reaches_the_trainer_and_auto_leaves_it_to_the_family() -> None:
-    from xeonsd.trainer.argv import given_flags, parse_config
-
-    assert "resolution" not in given_flags(_inventory_argv("finetune_resolution=auto"))
-    assert parse_config(_inventory_argv("finetune_resolution=768")).resolution == 768
-
-
-def test_the_loss_options_reach_the_trainer_when_set() -> None:
-    from xeonsd.trainer.argv import parse_config
-
-    argv = _inventory_argv(
-        "finetune_method=lora", "finetune_snr_gamma=5", "finetune_noise_offset=0.05", "finetune_timestep_range=100,900"
-    )
-    cfg = parse_config(argv)
-    assert (cfg.snr_gamma, cfg.noise_offset, cfg.timestep_range) == (5.0, 0.05, "100,900"), argv
-    assert "--timestep_range=100,900" in argv
-
-
-def test_the_caption_options_and_the_lora_file_layout_reach_the_trainer() -> None:
-    from xeonsd.trainer.argv import given_flags, parse_config
-
-    caption_flags = {"shuffle_tags", "keep_tokens", "caption_dropout", "caption_prefix"}
-    assert not caption_flags & given_flags(_inventory_argv("finetune_method=lora"))  # the defaults: off
     argv = _inventory_argv(
         "finetune_method=lora",
+        '{"finetune_validation_prompt": "a <dicoo> toy"}',  # not in the inventory: the trainer's flag all the same
+        "finetune_max_train_steps=400",
+        "finetune_rank=8",
+        "finetune_train_text_encoder=true",
+        "finetune_save_format=kohya",
+        "finetune_straggler_cpu_util=0",
+        "finetune_pretrained_model_name_or_path=/m/other",
+        "finetune_fused_adamw=false",  # a flag that defaults to on: --no-fused_adamw
+        "finetune_resolution=768",
+    )
+    cfg = parse_config(argv)
+    assert (cfg.validation_prompt, cfg.max_train_steps, cfg.rank, cfg.save_format) == ("a <dicoo> toy", 400, 8, "kohya")
+    assert (cfg.train_text_encoder, cfg.straggler_cpu_util, cfg.fused_adamw) == (True, 0.0, False), argv
+    assert (cfg.pretrained_model_name_or_path, cfg.resolution) == ("/m/other", 768), argv
+    assert "--no-fused_adamw" in argv and "--train_text_encoder" in argv
+
+
+def test_every_finetune_variable_of_the_inventory_is_a_trainer_flag_or_a_playbook_setting() -> None:
+    """The rule is simply finetune_<flag>: a variable that names no flag would be silently left out of the list."""
+    import dataclasses as dc
+
+    from xeonsd.trainer.config import TrainConfig
+
+    flags = {f"finetune_{f.name}" for f in dc.fields(TrainConfig)}
+    settings = {"finetune_extra_args", "finetune_train_vars", "finetune_train_argv"}  # not flags: the play's own
+    names = set(yaml.safe_load((REPO / "inventory/group_vars/all/finetune.yml").read_text()))
+    assert names - flags - settings == set()
+    # the names before the rule, e.g. finetune_lora_rank (now finetune_rank), and the map they fed
+    renamed = ["lora_rank", "cpu_util_warn", "lora_train_text_encoder", "lora_save_format", "class_export_dir"]
+    renamed += ["pretrained_model", "train_flags", "lora_full_flags"]
+    files = [*REPO.glob("roles/**/*.yml"), *REPO.glob("*.yml"), *REPO.glob("playbooks/*.yml")]
+    files += [*REPO.glob("inventory/**/*.yml"), *REPO.glob("tests/cluster/**/*.py"), *REPO.glob("docs/*.md")]
+    files += [*REPO.glob("tests/cluster/group_vars/*.yml"), REPO / "README.md", *REPO.glob("roles/*/README.md")]
+    old = re.compile(r"\bfinetune_(?:" + "|".join(renamed) + r")\b")
+    stale = [f"{p.relative_to(REPO)}: {m.group()}" for p in files for m in old.finditer(p.read_text())]
+    assert not stale, stale
+
+
+def test_the_bucket_loss_caption_and_validation_options_reach_the_trainer_when_set() -> None:
+    from xeonsd.trainer.argv import given_flags, parse_config
+
+    argv = _inventory_argv(
+        "finetune_method=lora",
+        "finetune_buckets=true",
+        "finetune_min_bucket_reso=320",
+        "finetune_bucket_reso_steps=32",
+        "finetune_snr_gamma=5",
+        "finetune_timestep_range=100,900",
         "finetune_shuffle_tags=true",
         "finetune_keep_tokens=2",
         "finetune_caption_dropout=0.1",
         "finetune_caption_prefix=zwx",
+        "finetune_validation_split=0.1",
+        "finetune_validation_steps=25",
     )
     cfg = parse_config(argv)
+    assert (cfg.buckets, cfg.min_bucket_reso, cfg.max_bucket_reso, cfg.bucket_reso_steps) == (True, 320, None, 32)
+    assert (cfg.snr_gamma, cfg.noise_offset, cfg.timestep_range) == (5.0, 0.0, "100,900"), argv
     assert (cfg.shuffle_tags, cfg.keep_tokens, cfg.caption_dropout, cfg.caption_prefix) == (True, 2, 0.1, "zwx")
-    assert cfg.save_format == "diffusers"
-    assert (
-        parse_config(_inventory_argv("finetune_method=lora", "finetune_lora_save_format=kohya")).save_format == "kohya"
-    )
+    assert (cfg.validation_split, cfg.validation_steps, cfg.validation_data_dir) == (0.1, 25, None)
+    assert "--buckets" in argv and "--timestep_range=100,900" in argv
     # textual inversion: the tags' flags only (dropout and prefix are lora/full flags, left out of its list)
     argv = _inventory_argv("finetune_shuffle_tags=true", "finetune_caption_dropout=0.1", "finetune_caption_prefix=z")
-    cfg = parse_config(argv)
-    assert cfg.shuffle_tags and not {"caption_dropout", "caption_prefix"} & given_flags(argv), argv
+    assert parse_config(argv).shuffle_tags and not {"caption_dropout", "caption_prefix"} & given_flags(argv), argv
 
 
-def test_the_validation_loss_options_reach_the_trainer_when_set() -> None:
-    from xeonsd.trainer.argv import given_flags, parse_config
-
-    names = {"validation_split", "validation_data_dir", "validation_steps"}
-    assert not names & given_flags(_inventory_argv())  # empty: off
-    cfg = parse_config(_inventory_argv("finetune_validation_split=0.1", "finetune_validation_steps=25"))
-    assert (cfg.validation_split, cfg.validation_steps, cfg.validation_data_dir) == (0.1, 25, None)
-    cfg = parse_config(_inventory_argv("finetune_validation_data_dir=/srv/held-out"))
-    assert (cfg.validation_split, cfg.validation_data_dir) == (0.0, "/srv/held-out")
-
-
-def test_a_method_the_trainer_does_not_know_is_refused() -> None:
+def test_a_method_the_trainer_does_not_know_is_refused_and_empty_values_are_left_out() -> None:
     with pytest.raises(TrainArgvError, match="finetune_method 'dreambooth': choose one of textual_inversion, lora"):
-        train_argv({"all": {"seed": 7}}, "dreambooth")
-    assert train_argv({"all": {"seed": 7, "scale_lr": False, "x": ""}, "lora": {"rank": 8}}, "lora", ["--y"]) == [
-        "--method=lora",
-        "--seed=7",
-        "--rank=8",
-        "--y",
-    ]
+        train_argv({"finetune_seed": 7}, "dreambooth")
+    with pytest.raises(TrainArgvError, match="finetune_method 'dreambooth'"):
+        xeonsd_train.train_vars("dreambooth")
+    values = [("finetune_seed", 7), ("finetune_scale_lr", False), ("finetune_rank", 8), ("finetune_lora_alpha", "")]
+    values += [("finetune_keep_tokens", 2), ("finetune_placeholder_token", "<x>"), ("finetune_class_prompt", "a")]
+    assert train_argv(values, "lora", ["--y"]) == ["--method=lora", "--rank=8", "--seed=7", "--y"]
+    values += [("finetune_shuffle_tags", True), ("finetune_with_prior_preservation", "yes")]
+    argv = train_argv(values, "lora")
+    assert {"--shuffle_tags", "--keep_tokens=2", "--with_prior_preservation", "--class_prompt=a"} <= set(argv)
 
 
 # ---- the methods and their result files: the package's method_names, read by the plugin ---------------------------
@@ -268,35 +303,11 @@ def test_prior_preservation_reaches_the_trainer_only_when_on() -> None:
     assert cfg.class_export.endswith("/openvino-base"), argv  # export.yml's cache of the base models' exports
 
 
-# ---- one definition each: a flag in one group of the inventory's file, the method in one place -------------------
+# ---- one definition each: the method in one place ------------------------------------------------------------
 
 
-def _own_keys(node: yaml.MappingNode) -> list[str]:
-    """The keys written in this mapping itself (not those it merges in with ``<<: *anchor``)."""
-    return [k.value for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge" and k.value != "<<"]
-
-
-def test_no_training_flag_is_written_twice_and_finetune_method_once() -> None:
-    """finetune_train_flags names each flag once in the file: lora and full share theirs through one anchored
-    mapping (merged into both), not by restating them; and finetune_method is the inventory's, not also a role
-    default that could disagree with it."""
-    path = REPO / "inventory" / "group_vars" / "all" / "finetune.yml"
-    top = yaml.compose(path.read_text())
-    (flags,) = [v for k, v in top.value if k.value == "finetune_train_flags"]
-    written: list[str] = []
-    merged: dict[int, yaml.MappingNode] = {}
-    for _, group in flags.value:
-        written += _own_keys(group)
-        for key, value in group.value:
-            if key.value == "<<":
-                for shared in value.value if isinstance(value, yaml.SequenceNode) else [value]:
-                    merged[id(shared)] = shared
-    for shared in merged.values():  # an anchored mapping counts once, however many groups merge it
-        written += _own_keys(shared)
-    twice = sorted({k for k in written if written.count(k) > 1})
-    assert not twice, f"{path}: written in more than one group of finetune_train_flags: {twice}"
-    assert merged, "lora and full no longer share their flags through an anchor: this test checks nothing"
-
+def test_finetune_method_is_defined_once() -> None:
+    """finetune_method is the inventory's, not also a role default that could disagree with it."""
     definitions = [
         p.relative_to(REPO)
         for p in [*REPO.glob("inventory/group_vars/all/*.yml"), *REPO.glob("roles/*/defaults/main.yml")]

@@ -62,7 +62,7 @@ def test_lora_on_16_ranks_reuses_the_base_export_generates_with_the_adapter_and_
     between them (a cgroup quota) from step 1 on, the play warns once naming node3 and its ranks, the report names
     it, and the job ends normally. A tenth, not a quarter: at a load average of 47 on the 2 cores every rank got
     less than a quarter's share (2/47 CPU) anyway and node3 computed only 1.12x the median (the rule's 1.3x was not
-    reached). The utilisation rule is off (finetune_cpu_util_warn=0): on 2 shared cores every rank of the test
+    reached). The utilisation rule is off (finetune_straggler_cpu_util=0): on 2 shared cores every rank of the test
     cluster is far under 80 %."""
     runs = controller_runs(provisioned)
     if not (runs / "e2e" / "run.json").exists():
@@ -79,7 +79,7 @@ def test_lora_on_16_ranks_reuses_the_base_export_generates_with_the_adapter_and_
             "finetune.yml",
             *("-e", f"controller_runs_dir={runs}", "-e", "finetune_run_id=lora", "-e", "finetune_method=lora"),
             *("-e", "finetune_max_train_steps=20", "-e", "finetune_learning_rate=1e-4"),
-            *("-e", "finetune_cpu_util_warn=0"),
+            *("-e", "finetune_straggler_cpu_util=0"),
         ) as (job, log, began),
     ):
         if quota is not None:

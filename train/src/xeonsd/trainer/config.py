@@ -8,6 +8,7 @@ another method than ``--method`` is refused: :mod:`.argv` makes the command line
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import typing
 from dataclasses import dataclass
@@ -25,9 +26,20 @@ class ConfigError(ValueError):
     """A flag value that cannot work; raised before any model is loaded."""
 
 
-def _flag(help: str, *, methods: tuple[str, ...] = (), **kw: typing.Any) -> typing.Any:
-    """A field and its flag (:func:`xeonsd.flags.flag`), with the methods it belongs to (none: every method)."""
-    return flag(help, meta={"methods": methods}, **kw)
+def _flag(help: str, *, methods: tuple[str, ...] = (), needs: str | None = None, **kw: typing.Any) -> typing.Any:
+    """A field and its flag (:func:`xeonsd.flags.flag`), with the methods it belongs to (none: every method) and
+    the flag it ``needs`` (acts only when that flag is on; the playbooks' argument list leaves it out otherwise)."""
+    return flag(help, meta={"methods": methods, "needs": needs}, **kw)
+
+
+def _resolution(value: str) -> int | None:
+    """``--resolution N``, or ``auto``: the model's (as when the flag is left out)."""
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a side in pixels or auto, not {value!r}") from None
 
 
 @dataclass
@@ -74,7 +86,9 @@ class TrainConfig:
         default=False,
     )
     keep_tokens: int = _flag(
-        "with --shuffle_tags: the first N tags of each caption stay in place (e.g. the trigger word)", default=0
+        "with --shuffle_tags: the first N tags of each caption stay in place (e.g. the trigger word)",
+        default=0,
+        needs="shuffle_tags",
     )
     caption_prefix: str | None = _flag(
         "put this in front of every caption, e.g. the trigger word 'sks' (needs captions)",
@@ -95,22 +109,26 @@ class TrainConfig:
     class_prompt: str | None = _flag(
         "with --with_prior_preservation: the class's prompt, e.g. 'a photo of a dog'",
         methods=(LORA, FULL),
+        needs="with_prior_preservation",
         default=None,
     )
     class_data_dir: str | None = _flag(
         "with --with_prior_preservation: the class images; missing ones are generated there from the base model "
         "and kept for the next run",
         methods=(LORA, FULL),
+        needs="with_prior_preservation",
         default=None,
     )
     num_class_images: int = _flag(
         "with --with_prior_preservation: class images the run uses (generated when --class_data_dir has fewer)",
         methods=(LORA, FULL),
+        needs="with_prior_preservation",
         default=100,
     )
     prior_loss_weight: float = _flag(
         "with --with_prior_preservation: the class loss's weight (loss = instance + W x class)",
         methods=(LORA, FULL),
+        needs="with_prior_preservation",
         default=1.0,
     )
     class_export: str | None = _flag(
@@ -118,6 +136,7 @@ class TrainConfig:
         "exports (export.yml's base-model cache); the missing class images are rendered through it on the ranks "
         "whose node holds it, else with PyTorch",
         methods=(LORA, FULL),
+        needs="with_prior_preservation",
         default=None,
     )
     rank: int = _flag("LoRA rank (the adapters' inner dimension)", methods=(LORA,), default=4)
@@ -149,8 +168,10 @@ class TrainConfig:
     use_ema: bool = _flag("save an exponential moving average of the UNet's weights", methods=(FULL,), default=False)
     ema_decay: float = _flag("EMA decay per step", methods=(FULL,), default=0.9999)
     resolution: int | None = _flag(
-        "training image side in pixels (multiple of 8; default: the model's, 1024 for SDXL, 512 for SD 1.x/2.x)",
+        "training image side in pixels (multiple of 8; auto or left out: the model's, 1024 for SDXL, 512 for SD "
+        "1.x/2.x)",
         default=None,
+        type=_resolution,
     )
     center_crop: bool = _flag("crop the centre square before resizing", default=False)
     buckets: bool = _flag(
