@@ -86,3 +86,26 @@ def test_the_docs_cite_no_issue_numbers() -> None:
         if (hits := re.findall(r"\bissues? #?\d+|\bissue-\d+", p.read_text(), re.IGNORECASE))
     }
     assert cited == {}
+
+
+_PATH_LIKE = re.compile(r"^[\w.][\w.\-/]*$")
+_FILE_NAME = re.compile(r"\.(py|yml|yaml|md|j2|toml|cfg|txt)$")
+
+
+def named_paths(path: Path) -> tuple[list[str], list[str]]:
+    """The backticked paths of a page's prose (with a slash) and its bare file names (``loop.py``)."""
+    spans = [s for line in _prose_lines(path) for s in re.findall(r"`([^`]+)`", line) if _PATH_LIKE.match(s)]
+    return [s for s in spans if "/" in s], [s for s in spans if "/" not in s and _FILE_NAME.search(s)]
+
+
+def test_every_path_the_first_hour_page_names_exists() -> None:
+    """docs/first-hour.md walks through files by name: a path that is renamed or removed fails here. A path is
+    found from the repository's root or under a folder the page names (``defaults/main.yml`` of a named role);
+    a bare file name in a folder the page names (``launch.yml`` beside ``roles/finetune/tasks/main.yml``)."""
+    paths, names = named_paths(REPO / "docs" / "first-hour.md")
+    assert len(paths) >= 30, paths
+    folders = {REPO / p.rstrip("/") if p.endswith("/") else (REPO / p).parent for p in paths}
+    folders = {f for f in folders if f.is_dir()} | {REPO}
+    missing = [p for p in paths if not any((f / p).exists() for f in folders)]
+    missing += [n for n in names if not any((f / n).exists() for f in folders)]
+    assert missing == []
