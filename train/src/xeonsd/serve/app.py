@@ -4,7 +4,8 @@ Routes: ``POST /v3/images/generations`` and ``POST /v1/images/generations`` (one
 path), ``GET /v1/models`` and ``GET /v3/models`` (the base model, then the adapters), ``GET /v2/health/live``
 (200 while the process serves), ``GET /v2/health/ready`` (200 once every pipeline is compiled, 503 before),
 ``GET /metrics`` (Prometheus text format). With ``--api-key-file`` every route but the health checks needs a key
-(:mod:`xeonsd.serve.keys`: 401 without one).
+(:mod:`xeonsd.serve.keys`: 401 without one); :func:`guard` puts the access rules and limits before the routes
+(:mod:`xeonsd.serve.limits`: 403, 408, 413, 429).
 
 Statuses: 200; 500 a failure inside the pipeline (logged with its traceback; the server goes on); 400 a bad field (``error.param`` names it); 404 an unknown model (the message lists the known
 ones); 429 the queue is full (``Retry-After``); 503 not ready yet, or shutting down; 504 past ``--timeout``; 499
@@ -22,7 +23,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from xeonsd.serve.keys import KeyRing, RequireKey
+from xeonsd.serve.keys import KeyRing
+from xeonsd.serve.limits import guard
 from xeonsd.serve.metrics import Metrics
 from xeonsd.serve.options import ServedModel, ServeOptions
 from xeonsd.serve.pool import Busy, Cancelled, Job, NotReady, PipelinePool
@@ -114,6 +116,7 @@ def _images_handler(limits: Limits, timeout: float, pool: PipelinePool, metrics:
         except NotReady as exc:
             return _error(503, str(exc), kind="service_unavailable")
         except Busy as exc:
+            metrics.refuse("queue_full")
             return _error(429, str(exc), kind="rate_limit_exceeded", **{"Retry-After": str(exc.retry_after)})
         except Cancelled as exc:
             access["cancelled"] = exc.reason
@@ -191,6 +194,4 @@ def create_app(
         Route("/metrics", prometheus, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
-    if keys is not None:
-        app = RequireKey(app, keys, lambda name: metrics.key_requests.labels(name).inc())
-    return AccessLog(app, metrics)
+    return AccessLog(guard(app, opts, metrics, keys), metrics)

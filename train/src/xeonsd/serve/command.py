@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from xeonsd.openvino.generate_args import PRECISIONS
+from xeonsd.serve.options import MAX_BODY_BYTES
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -34,6 +35,36 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="one key per line, KEY or NAME:KEY: every route but /v2/health/* then needs Authorization: Bearer KEY "
         "(else 401); SIGHUP reloads the file (default: no key; a warning when --host is beyond loopback)",
+    )
+    p.add_argument(
+        "--allow-from",
+        metavar="CIDR[,CIDR...]",
+        help="answer only clients in these networks (the front's address); others get 403 before any other work. "
+        "Loopback is always allowed, so the node's own checks work (default: any address)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=MAX_BODY_BYTES,
+        metavar="N",
+        help="the largest request body, by Content-Length or as it streams in; past it: 413 "
+        f"(default {MAX_BODY_BYTES}: two 1024 px PNGs of an image edit, with room to spare)",
+    )
+    p.add_argument(
+        "--read-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="the headers must arrive within this of the connection, the body within this of the headers; "
+        "else 408 and the connection is closed (default 30)",
+    )
+    p.add_argument(
+        "--rate-limit",
+        type=int,
+        default=0,
+        metavar="N",
+        help="requests per minute per API key (per client address without --api-key-file), a burst of N; past it: "
+        "429 with Retry-After; the health checks and /metrics are not counted (default 0: no limit)",
     )
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
     p.add_argument(

@@ -102,10 +102,13 @@ class RequireKey:
     """ASGI middleware: a request outside ``/v2/health/*`` needs a key the ring holds (else 401); the key's name
     goes into the access line (``scope["state"]["access"]["key"]``) and the per-key request counter."""
 
-    def __init__(self, app: Any, ring: KeyRing, count: Callable[[str], None]) -> None:
+    def __init__(
+        self, app: Any, ring: KeyRing, count: Callable[[str], None], refused: Callable[[str], None] | None = None
+    ) -> None:
         self.app = app
         self.ring = ring
         self.count = count
+        self.refused = refused or (lambda reason: None)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or scope["path"].startswith(OPEN_PATHS):
@@ -119,6 +122,7 @@ class RequireKey:
         if name is None:
             from starlette.responses import JSONResponse
 
+            self.refused("invalid_api_key")
             message = (
                 "Incorrect API key provided: send Authorization: Bearer KEY with a key of this server's --api-key-file"
                 if header

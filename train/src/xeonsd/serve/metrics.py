@@ -12,7 +12,10 @@
 * ``xeonsd_serve_rejected_total{param}``: requests refused as invalid, by the field named in the error;
 * ``xeonsd_serve_ready``: 1 once every pipeline is compiled;
 * ``xeonsd_serve_key_requests_total{key}``: with ``--api-key-file``, requests by the name of the key they gave
-  (``(none)``: no key the server holds; answered 401).
+  (``(none)``: no key the server holds; answered 401);
+* ``xeonsd_serve_refused_total{reason}``: requests refused before a route took them, by the error's code
+  (:mod:`xeonsd.serve.limits`: ``address_not_allowed``, ``invalid_api_key``, ``body_too_large``, ``read_timeout``,
+  ``header_timeout``, ``rate_limit_exceeded``) and by the route's queue (``queue_full``).
 """
 
 from __future__ import annotations
@@ -57,6 +60,13 @@ class Metrics:
         self.key_requests = Counter(
             "xeonsd_serve_key_requests", "Requests by the name of the API key they gave", ["key"], registry=r
         )
+
+        self.refused = Counter(
+            "xeonsd_serve_refused", "Requests refused by access rule or limit, by reason", ["reason"], registry=r
+        )
+
+    def refuse(self, reason: str) -> None:
+        self.refused.labels(reason).inc()
 
     def exposition(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

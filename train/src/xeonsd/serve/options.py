@@ -15,6 +15,7 @@ it compiles, within :data:`MEMORY_SHARE` of the memory available.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
@@ -32,6 +33,10 @@ PIPELINE_MEMORY = 1.5  # a compiled pipeline's memory over its weights' size (an
 MEMORY_SHARE = 0.8  # of MemAvailable, for the workers together
 COMPILED = ("unet", "text_encoder", "text_encoder_2", "vae_decoder")  # what a worker compiles
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# Two 1024 px PNGs (an image and a mask) in one multipart edit: at most 4 MiB each (RGBA, incompressible), with
+# room for the form's other fields and a noisy image's PNG overhead: twice that.
+MAX_BODY_BYTES = 16 * 1024 * 1024
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 class ServeError(ValueError):
@@ -61,6 +66,11 @@ class ServeOptions:
     write_ovms_config: Path | None = None
     precision: str = "auto"  # OpenVINO's inference precision at compile (generate_args.PRECISIONS)
     api_key_file: Path | None = None  # the keys a request must give (xeonsd.serve.keys); None: no key needed
+    # xeonsd.serve.limits: who may connect and how large, slow and frequent a request may be
+    allow_from: tuple[Network, ...] = ()  # the client networks let in (loopback always); (): any address
+    max_body_bytes: int = MAX_BODY_BYTES  # past it: 413
+    read_timeout: float = 30.0  # seconds for the headers, and for the body after them; past it: 408
+    rate_limit: int = 0  # requests per minute per API key (per address without keys); past it: 429; 0: no limit
 
 
 @dataclass
@@ -147,6 +157,19 @@ def parse_adapter(spec: str) -> AdapterSpec:
     return AdapterSpec(name=name, path=path, alpha=alpha)
 
 
+def parse_allow_from(text: str) -> tuple[Network, ...]:
+    """``CIDR[,CIDR...]`` (an address alone is its /32 or /128) -> the networks, or a :class:`ServeError`."""
+    networks = []
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            networks.append(ipaddress.ip_network(part))
+        except ValueError as e:
+            raise ServeError(
+                f"--allow-from {part!r}: not a network ({e}); give CIDR[,CIDR...], e.g. 10.0.0.0/24"
+            ) from None
+    return tuple(networks)
+
+
 def check_options(opts: ServeOptions) -> None:
     """The limits and names, before the export is read."""
     for flag, value, low in (
@@ -154,11 +177,15 @@ def check_options(opts: ServeOptions) -> None:
         ("--max-images", opts.max_images, 1),
         ("--max-steps", opts.max_steps, 1),
         ("--port", opts.port, 0),
+        ("--max-body-bytes", opts.max_body_bytes, 1024),
+        ("--rate-limit", opts.rate_limit, 0),
     ):
         if value < low:
             raise ServeError(f"{flag} must be at least {low}, not {value}")
     if opts.timeout <= 0:
         raise ServeError(f"--timeout must be positive, not {opts.timeout}")
+    if not 0 < opts.read_timeout <= 3600:
+        raise ServeError(f"--read-timeout must be above 0 and at most 3600 seconds, not {opts.read_timeout}")
     if not 0 <= opts.drain <= 3600:
         raise ServeError(f"--drain must be 0 (stop at once) to 3600 seconds, not {opts.drain}")
     names = [a.name for a in opts.adapters]

@@ -114,6 +114,7 @@ def serve(opts: ServeOptions, console: TextIO | None = None) -> int:
     import uvicorn
 
     from xeonsd.serve.app import create_app
+    from xeonsd.serve.limits import header_deadline
     from xeonsd.serve.metrics import Metrics
     from xeonsd.serve.pool import PipelinePool
 
@@ -156,6 +157,7 @@ def serve(opts: ServeOptions, console: TextIO | None = None) -> int:
             log_config=None,
             lifespan="on",
             timeout_graceful_shutdown=GRACE_S,
+            http=header_deadline(opts.read_timeout, metrics.refuse),
         )
         server = _server_class()(config)
         server.pool = pool
@@ -207,7 +209,7 @@ def _key_ring(opts: ServeOptions) -> Any:
 
 def main_args(args: Any, console: TextIO | None = None) -> int:
     """Entry point of ``xeonsd serve`` (parsed by :mod:`xeonsd.cli`)."""
-    from xeonsd.serve.options import parse_adapter
+    from xeonsd.serve.options import parse_adapter, parse_allow_from
 
     workers: int | str = args.workers if args.workers == "auto" else _count(args.workers)
     opts = ServeOptions(
@@ -225,6 +227,10 @@ def main_args(args: Any, console: TextIO | None = None) -> int:
         write_ovms_config=None if args.write_ovms_config is None else Path(args.write_ovms_config),
         precision=args.precision,
         api_key_file=None if args.api_key_file is None else Path(args.api_key_file),
+        allow_from=() if args.allow_from is None else parse_allow_from(args.allow_from),
+        max_body_bytes=args.max_body_bytes,
+        read_timeout=args.read_timeout,
+        rate_limit=args.rate_limit,
     )
     if opts.write_ovms_config is not None:
         from xeonsd.serve.ovms import write_ovms_config
