@@ -23,6 +23,7 @@ import timings  # noqa: E402
 from ci_skips import pytest_runtest_makereport  # noqa: E402, F401 - the hook: in CI, a skip of these tests fails
 from harness import NODES, REPO, Cluster  # noqa: E402
 from runner import PlaybookRun, run_playbook  # noqa: E402
+from shared_runs import ensure_run  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -62,9 +63,28 @@ def fresh_provision(cluster: Cluster) -> PlaybookRun:
 
 @pytest.fixture
 def provisioned(cluster: Cluster, fresh_provision: PlaybookRun) -> Cluster:
+    _provision_passed(fresh_provision)
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def base_export_run(cluster: Cluster, fresh_provision: PlaybookRun) -> Path:
+    """The textual-inversion run "e2e" whose export of the base model later runs reuse: test_finetune_e2e.py's run,
+    or a small one made here when that file did not run in this session (tests/cluster/shared_runs.py)."""
+    _provision_passed(fresh_provision)
+    return ensure_run(cluster, "e2e")
+
+
+@pytest.fixture(scope="session")
+def lora_run(cluster: Cluster, fresh_provision: PlaybookRun) -> Path:
+    """The LoRA run "lora" that serve.yml serves: test_finetune_methods.py's run, or a small one made here."""
+    _provision_passed(fresh_provision)
+    return ensure_run(cluster, "lora", "-e", "finetune_method=lora")
+
+
+def _provision_passed(fresh_provision: PlaybookRun) -> None:
     if fresh_provision.rc != 0:
         pytest.fail(f"the fresh provision failed (rc={fresh_provision.rc}):\n{fresh_provision.tail()}")
-    return cluster
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

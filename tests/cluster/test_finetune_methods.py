@@ -1,5 +1,5 @@
 """finetune.yml with the other methods on the real 4-node test cluster: LoRA on 16 ranks, reusing the base model's
-OpenVINO export that test_finetune_e2e.py's run made (it runs first: the files run in file order on one cluster),
+OpenVINO export that test_finetune_e2e.py's run made (the base_export_run fixture: that run, or a small one of its own),
 with node3 slowed and named a straggler; full fine-tuning on 4 nodes, its pipeline left on the primary with an
 export of its own."""
 
@@ -53,7 +53,7 @@ class CpuQuota:
 
 
 def test_lora_on_16_ranks_reuses_the_base_export_generates_with_the_adapter_and_names_a_slowed_node(
-    provisioned: Cluster,
+    provisioned: Cluster, base_export_run: Path
 ) -> None:
     """finetune_method=lora on the same base as the end-to-end run: 16 ranks train the adapter on the captions, the
     adapter is fetched and loads into the base pipeline, and the base model's OpenVINO export made by the
@@ -65,10 +65,8 @@ def test_lora_on_16_ranks_reuses_the_base_export_generates_with_the_adapter_and_
     reached). The utilisation rule is off (finetune_straggler_cpu_util=0): on 2 shared cores every rank of the test
     cluster is far under 80 %."""
     runs = controller_runs(provisioned)
-    if not (runs / "e2e" / "run.json").exists():
-        pytest.fail("no end-to-end run whose base model export to reuse: test_finetune_e2e.py runs first, same session")
-    first_manifest = (runs / "e2e" / "openvino" / "xeonsd_export.json").read_bytes()
-    base_dir = json.loads((runs / "e2e" / "run.json").read_text())["export"]["dir"]
+    first_manifest = (base_export_run / "openvino" / "xeonsd_export.json").read_bytes()
+    base_dir = json.loads((base_export_run / "run.json").read_text())["export"]["dir"]
     before = provisioned.ssh("node1", f"stat -c %Y {base_dir}/xeonsd_export.json").stdout.strip()
     quota = CpuQuota.or_none(f"xeonsd-test-{provisioned.prefix}-node3", cpus=0.1)
     with (

@@ -1,5 +1,5 @@
-"""serve.yml on the real 4-node test cluster: the LoRA run that test_finetune_methods.py trained (it runs first: the
-files run in file order on one cluster) served by `xeonsd serve` on every node behind HAProxy on node1. Requests
+"""serve.yml on the real 4-node test cluster: the LoRA run that test_finetune_methods.py trained (the lora_run
+fixture: that run, or a small one of its own) served by `xeonsd serve` on every node behind HAProxy on node1. Requests
 through the front get an image of the export's size; a node whose server is killed drops out of rotation while
 the others answer; serve.yml brings it back (UP again, nothing changed on the other nodes); a second adapter rolls
 out one node at a time while a client keeps asking the front, and both adapters answer; serve_state=stopped stops
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import urllib.request
+from pathlib import Path
 
 import pytest
 from harness import Cluster
@@ -36,11 +37,9 @@ class Client(threading.Thread):
 
 
 def test_serve_yml_behind_one_front_survives_a_killed_node_and_rolls_out_a_second_adapter(
-    provisioned: Cluster,
+    provisioned: Cluster, lora_run: Path
 ) -> None:
     runs = controller_runs(provisioned)
-    if not (runs / "lora" / "run.json").exists():
-        pytest.fail("no LoRA run to serve: test_finetune_methods.py trains it first, in the same session")
     shape = json.loads((runs / "lora" / "openvino" / "xeonsd_export.json").read_text())["static_shape"]
     front = Front(provisioned)
 
