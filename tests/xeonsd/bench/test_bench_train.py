@@ -97,7 +97,8 @@ def test_bench_train_lora_measures_the_allreduce_on_two_ranks(tiny_model, tmp_pa
 
 def test_bench_train_runs_its_variants_interleaved_round_by_round(tmp_path, monkeypatch):
     """A B C A B C, each run in its own output directory; the runs are recorded, not timed."""
-    import xeonsd.bench.train as bt
+    import xeonsd.bench.train_runs as runner
+    from xeonsd.bench.train_variants import variants_for
 
     calls = []
 
@@ -105,9 +106,9 @@ def test_bench_train_runs_its_variants_interleaved_round_by_round(tmp_path, monk
         calls.append((variant.name, out.name))
         return {"rows": [{"s_per_step": 1.0, "allreduce_bytes": 4}], "peak_rss_gb": 1.0}
 
-    monkeypatch.setattr(bt, "_run_variant", fake_run)
-    variants = list(bt.variants_for("textual_inversion", "bf16"))[:3]
-    runs = bt.run_rounds(variants, 2, [], tmp_path, {})
+    monkeypatch.setattr(runner, "run_variant", fake_run)
+    variants = list(variants_for("textual_inversion", "bf16"))[:3]
+    runs = runner.run_rounds(variants, 2, [], tmp_path, {})
     names = [v.name for v in variants]
     assert [name for name, _ in calls] == names + names
     assert [out for _, out in calls] == ["v0r0", "v1r0", "v2r0", "v0r1", "v1r1", "v2r1"]

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from xeonsd.cluster.distributed import DistributedError, RankInfo, detect_ranks, place_rank
+from xeonsd.cluster.launch import DistributedError, RankInfo, detect_ranks
+from xeonsd.cluster.placement import place_rank
 from xeonsd.cluster.slurm_tasks import expand_tasks_per_node
 from xeonsd.cpu import parse_cpuinfo
 

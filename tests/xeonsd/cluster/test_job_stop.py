@@ -38,7 +38,7 @@ def _statuses(run: Path) -> list[dict]:
 
 
 def _poll_params(run: Path, tmp_path: Path, rc: int) -> dict:
-    """job_watch's parameters for one poll of ``run``, whose launcher's async result says ``rc``."""
+    """The poll's (xeonsd.jobs.watch) parameters for one poll of ``run``, whose launcher's async result says ``rc``."""
     (tmp_path / "async").write_text(json.dumps({"rc": rc}))
     return {
         "run_dir": str(run),

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from xeonsd.cluster.distributed import RankInfo
+from xeonsd.cluster.launch import RankInfo
 from xeonsd.trainer.argv import parse_config
 from xeonsd.trainer.buckets import (
     BucketBatches,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from cli_runs import method_args, refused
 
-from xeonsd.cluster.distributed import RankInfo
+from xeonsd.cluster.launch import RankInfo
 from xeonsd.trainer.argv import parse_config
 from xeonsd.trainer.config import ConfigError
 from xeonsd.trainer.flow import FlowSchedule

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xeonsd.cluster.distributed import RankInfo
+from xeonsd.cluster.launch import RankInfo
 from xeonsd.trainer.argv import parse_config
 from xeonsd.trainer.config import ConfigError
 from xeonsd.trainer.inputs import check_flags

@@ -29,7 +29,8 @@ from xeonsd.trainer.checkpoint import list_checkpoints
 # then two more signals while "stopping" (ignored); each rank prints where it stopped.
 AGREE = """
 import json, os, signal, sys, time
-from xeonsd.cluster.distributed import barrier, destroy_process_group, detect_ranks, init_process_group
+from xeonsd.cluster.launch import detect_ranks
+from xeonsd.cluster.distributed import barrier, destroy_process_group, init_process_group
 from xeonsd.trainer.stopping import StopSignals
 info = detect_ranks()
 init_process_group(info, backend="gloo")

@@ -57,7 +57,7 @@ def _console_flags(argv: list[str]) -> tuple[bool, str | None, list[str]]:
 def _train_log(argv: list[str]) -> Path:
     """Where ``xeonsd train`` keeps the libraries' output: libraries.log in the output directory (one rank), or
     libraries-rank<r>.log (each rank of a job, in the output directory on its own node)."""
-    from xeonsd.cluster.distributed import detect_ranks
+    from xeonsd.cluster.launch import detect_ranks
     from xeonsd.trainer.config import TrainConfig
 
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)

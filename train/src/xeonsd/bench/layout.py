@@ -2,7 +2,7 @@
 
 Each layout (:func:`xeonsd.contracts.layout_result.layouts`: every split of the node's physical cores) trains a few steps
 with the job's own arguments under ``mpirun -n R -ppn R`` on this node alone, pinned as the job pins its ranks
-(Intel MPI's default pinning; the trainer's placement, :func:`xeonsd.cluster.distributed.place_rank`, gives each
+(Intel MPI's default pinning; the trainer's placement, :func:`xeonsd.cluster.placement.place_rank`, gives each
 rank the cores of its domain). The layouts run in rounds (A B A B …: a shared machine drifts, so only layouts
 compared within a round give ratios that hold); each trial's figure is the median images/s per node over its steps
 after the warm-up. A layout whose ranks do not fit in the node's memory (the trainer's estimate, as ``xeonsd
@@ -34,9 +34,9 @@ _LAUNCHER_VARS = ("PMI_", "MPI_LOCAL", "OMPI_", "RANK", "WORLD_SIZE", "LOCAL_RAN
 
 
 def physical_cores() -> int:
-    from xeonsd.cluster.distributed import _physical_cores
+    from xeonsd.cluster import placement
 
-    return len(_physical_cores(set(os.sched_getaffinity(0))))
+    return len(placement.physical_cores(set(os.sched_getaffinity(0))))
 
 
 def _local_address(addr: str | None) -> str:

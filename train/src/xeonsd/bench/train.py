@@ -2,8 +2,8 @@
 all-reduce bytes of the trainer (``--method textual_inversion|lora|full``) on the full SD 1.5 architecture, with
 each optimisation switched off in turn.
 
-Every variant is a real ``xeonsd train`` process (so its peak RSS is its own), on the same model, images, seed
-and step count. The variants run interleaved, ``--rounds`` rounds of A B C … (xeonsd.bench.rounds): s/step is the
+Every variant is a real ``xeonsd train`` process (so its peak RSS is its own: :mod:`.train_runs`), on the same
+model, images, seed and step count. The variants run interleaved, ``--rounds`` rounds of A B C … (xeonsd.bench.rounds): s/step is the
 median over the rounds, and "x optimized" the median of each round's ratio to the optimized run of that round. The
 matmul peaks are probed before and after the variants (xeonsd.flops, as ``bench generate`` does); probes that
 differ by more than 15 % end the output with "machine unstable: read the ratios, not the seconds". The
@@ -17,11 +17,9 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,63 +31,15 @@ from xeonsd.bench import diffusers_examples as dx
 from xeonsd.bench import rounds as rnd
 from xeonsd.bench.targets import bench_targets
 from xeonsd.bench.train_report import format_table, profile_summary, step_seconds, summarize
+from xeonsd.bench.train_runs import measure_allreduce, run_rounds
 from xeonsd.bench.train_variants import EXTRA_VARIANTS, Variant, method_args, variants_for
 from xeonsd.contracts.method_names import METHODS
 from xeonsd.flops import matmul_probes
 from xeonsd.fsutil import atomic_file
-from xeonsd.trainer.memory import ESTIMATE_FILE
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_CACHE = Path(os.environ.get("XEONSD_CACHE", Path.home() / ".cache" / "xeonsd")) / "sd15"
-
-
-def measure_allreduce(base_args: list[str], out: Path, env: dict[str, str]) -> tuple[int | None, str]:
-    """Bytes all-reduced per step on a real 2-rank mpirun run (its second step, recorded by the profiler); None
-    and the reason when the run could not be made (no mpirun, or two ranks do not fit in this machine's memory)."""
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        return None, "mpirun not found"
-    args = [a for a in base_args if not a.startswith("--max_train_steps")] + ["--max_train_steps=2"]
-    cmd = [mpirun, "-n", "2", sys.executable, "-m", "xeonsd.cli", "train", *args, f"--output_dir={out}"]
-    env = dict(env, I_MPI_FABRICS=env.get("I_MPI_FABRICS", "shm"), MASTER_PORT=str(29800 + os.getpid() % 100))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        reason = next((ln for ln in reversed(proc.stderr.splitlines()) if "error" in ln), "failed")
-        return None, reason.strip()[-300:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    measured = [r["allreduce_bytes_measured"] for r in rows if "allreduce_bytes_measured" in r]
-    return (measured[0], "") if measured else (None, "no collective was recorded")
-
-
-def _run_variant(variant: Variant, base_args: list[str], out: Path, env: dict[str, str]) -> dict:
-    train = [sys.executable, "-m", "xeonsd.cli", "train", *base_args, *variant.flags]
-    cmd = [*(variant.command or train), f"--output_dir={out}"]
-    log.info("running %s: %s", variant.name, " ".join(cmd[3:]))
-    launched = time.time()
-    with open(out.parent / f"{out.name}.log", "w") as logf:
-        proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        tail = (out.parent / f"{out.name}.log").read_text()[-3000:]
-        raise RuntimeError(f"variant {variant.name!r} failed (exit {proc.returncode}):\n{tail}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    estimate_file = out / ESTIMATE_FILE
-    estimate = json.loads(estimate_file.read_text()) if estimate_file.is_file() else {}
-    shutil.rmtree(out, ignore_errors=True)  # a full fine-tune writes a whole UNet per run: rounds would fill the disk
-    return {"rows": rows, "peak_rss_gb": usage.ru_maxrss * 1024 / 1e9, "estimate": estimate, "launched": launched}
-
-
-def run_rounds(variants: list[Variant], rounds: int, base_args: list[str], tmp: Path, env: dict[str, str]) -> dict:
-    """Each variant once per round, in the order ``rnd.schedule`` gives (A B C A B C …): its runs, by name."""
-    runs: dict[str, list[dict]] = {v.name: [] for v in variants}
-    by_name = {v.name: (i, v) for i, v in enumerate(variants)}
-    for r, name in rnd.schedule(list(runs), rounds):
-        i, variant = by_name[name]
-        runs[name].append(_run_variant(variant, base_args, tmp / f"v{i}r{r}", env))
-        log.info("round %d of %d: %s done", r + 1, rounds, name)
-    return runs
 
 
 def probe_peaks(args: argparse.Namespace) -> list[dict]:

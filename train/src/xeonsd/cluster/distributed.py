@@ -1,9 +1,9 @@
-"""Ranks, process group and CPU placement.
+"""The job's process group, its collectives, and what a rank does when a peer is lost.
 
-A job is started by Intel MPI / MPICH (``PMI_*``, ``MPI_LOCAL*``), Open MPI (``OMPI_COMM_WORLD_*``), torchrun
-(``RANK``/``WORLD_SIZE``/``LOCAL_*``), Slurm's ``srun`` (``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``, ``SLURM_LOCALID``:
-where no MPI's variables are set) or by hand (one process). The process group uses ``ccl`` when the oneCCL
-bindings import and ``gloo`` otherwise; ``MASTER_ADDR``/``MASTER_PORT`` come from the environment.
+The ranks (who is who: :mod:`.launch`) join the process group with ``ccl`` when the oneCCL bindings import and
+``gloo`` otherwise; ``MASTER_ADDR``/``MASTER_PORT`` come from the environment. A collective that fails raises
+:class:`PeerLostError`; one that waits past its limit is ended by :class:`CollectiveTimeout`'s watchdog; and a rank
+that gives up under Intel MPI takes the whole job down (:func:`take_the_job_down`).
 """
 
 from __future__ import annotations
@@ -18,29 +18,17 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
-from xeonsd.cluster.slurm_tasks import tasks_on_node
+from xeonsd.cluster.launch import DistributedError, RankInfo, Timeouts
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
-# How long a collective may wait for a peer before the job fails (a dead rank ends the job instead of hanging).
-TIMEOUT_ENV = "XEONSD_DIST_TIMEOUT"
-DEFAULT_TIMEOUT_S = 1800
-# A shorter limit for the training steps once every rank is set up (finetune.yml: 45 s): a rank or node that
-# dies or stalls mid-run then ends the job within that time. Unset: the steps keep XEONSD_DIST_TIMEOUT.
-STEP_TIMEOUT_ENV = "XEONSD_STEP_TIMEOUT"
-
-
-class DistributedError(RuntimeError):
-    """The launch environment is inconsistent or the process group could not form."""
 
 
 class PeerLostError(DistributedError):
@@ -61,96 +49,6 @@ def peer_address(backend_error: str) -> str | None:
     """The peer address a backend's error message names (gloo's ``[address]:port``), or None."""
     m = _PEER_ADDRESS.search(backend_error)
     return m.group(1) if m else None
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    launcher: str
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def _int(env: Mapping[str, str], name: str) -> int:
-    if name not in env:
-        raise DistributedError(f"environment variable {name} is not set")
-    try:
-        return int(env[name])
-    except ValueError as exc:
-        raise DistributedError(f"environment variable {name}={env[name]!r} is not an integer") from exc
-
-
-def detect_ranks(env: Mapping[str, str] | None = None) -> RankInfo:
-    """Read rank, world size and node-local placement from whichever launcher started us."""
-    env = os.environ if env is None else env
-    layouts = (
-        ("intel-mpi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-        (
-            "open-mpi",
-            "OMPI_COMM_WORLD_RANK",
-            "OMPI_COMM_WORLD_SIZE",
-            "OMPI_COMM_WORLD_LOCAL_RANK",
-            "OMPI_COMM_WORLD_LOCAL_SIZE",
-        ),
-        ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-    )
-    for launcher, r, w, lr, lw in layouts:
-        if r in env and w in env:
-            rank, world = _int(env, r), _int(env, w)
-            local_rank = _int(env, lr) if lr in env else rank
-            local_world = _int(env, lw) if lw in env else world
-            return _checked(RankInfo(rank, world, local_rank, local_world, launcher))
-    # A task of an srun job step (SLURM_STEP_ID; the batch script itself has SLURM_PROCID=0 and SLURM_NTASKS too).
-    if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env:
-        world_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
-        rank, world = _int(env, "SLURM_PROCID"), _int(env, world_var)
-        local_rank = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else rank
-        try:
-            local_world = tasks_on_node(env) if "SLURM_LOCALID" in env else world
-        except ValueError as exc:
-            raise DistributedError(str(exc)) from exc
-        return _checked(RankInfo(rank, world, local_rank, local_world, "slurm"))
-    return RankInfo(0, 1, 0, 1, "single")
-
-
-def _checked(info: RankInfo) -> RankInfo:
-    if not (0 <= info.rank < info.world_size) or not (0 <= info.local_rank < info.local_world_size):
-        raise DistributedError(
-            f"{info.launcher} reports rank {info.rank} of {info.world_size} "
-            f"(local {info.local_rank} of {info.local_world_size}): out of range"
-        )
-    return info
-
-
-def _seconds(env: Mapping[str, str], name: str) -> float | None:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        value = float(raw)
-    except ValueError as exc:
-        raise DistributedError(f"{name}={raw!r} is not a number of seconds") from exc
-    if value <= 0:
-        raise DistributedError(f"{name}={raw!r} must be a positive number of seconds")
-    return value
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    """How long a collective may wait for its peers: during set-up, and during the training steps."""
-
-    setup_s: float
-    step_s: float | None
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> Timeouts:
-        env = os.environ if env is None else env
-        return cls(_seconds(env, TIMEOUT_ENV) or DEFAULT_TIMEOUT_S, _seconds(env, STEP_TIMEOUT_ENV))
 
 
 class CollectiveTimeout:
@@ -266,56 +164,6 @@ def destroy_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-
-
-def _physical_cores(allowed: set[int]) -> list[int]:
-    """One logical CPU per physical core among ``allowed`` (the first hyper-thread of each core)."""
-    seen: dict[tuple[int, int], int] = {}
-    for cpu in sorted(allowed):
-        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
-        try:
-            key = (int((topo / "physical_package_id").read_text()), int((topo / "core_id").read_text()))
-        except (OSError, ValueError):
-            key = (0, cpu)
-        seen.setdefault(key, cpu)
-    return sorted(seen.values())
-
-
-@dataclass(frozen=True)
-class Placement:
-    threads: int
-    cpus: tuple[int, ...]
-    source: str  # "auto", "user", or "launcher"
-
-
-def place_rank(info: RankInfo, env: Mapping[str, str] | None = None) -> Placement:
-    """Give this rank its own share of the node's physical cores, unless the user or launcher already did.
-
-    Respects ``OMP_NUM_THREADS`` when set, and an affinity mask narrower than the machine (Intel MPI pins
-    ranks to domains by default). Otherwise the node's physical cores are split into ``local_world_size``
-    contiguous blocks; with fewer cores than ranks, ranks share cores one thread each.
-    """
-    env = os.environ if env is None else env
-    allowed = set(os.sched_getaffinity(0))
-    online = os.cpu_count() or len(allowed)
-    user_threads = env.get("OMP_NUM_THREADS")
-    narrowed = len(allowed) < online
-    if narrowed or user_threads:
-        cores = _physical_cores(allowed)
-        threads = int(user_threads) if user_threads else max(1, len(cores))
-        torch.set_num_threads(threads)
-        return Placement(threads, tuple(sorted(allowed)), "user" if user_threads else "launcher")
-    cores = _physical_cores(allowed)
-    n = info.local_world_size
-    if len(cores) >= n:
-        per = len(cores) // n
-        mine = cores[info.local_rank * per : (info.local_rank + 1) * per]
-    else:
-        mine = [cores[info.local_rank % len(cores)]]
-    os.sched_setaffinity(0, mine)
-    os.environ["OMP_NUM_THREADS"] = str(len(mine))
-    torch.set_num_threads(len(mine))
-    return Placement(len(mine), tuple(mine), "auto")
 
 
 @contextlib.contextmanager

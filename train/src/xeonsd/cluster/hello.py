@@ -17,15 +17,12 @@ from dataclasses import dataclass
 from xeonsd.cluster.distributed import (
     DEFAULT_MASTER_ADDR,
     DEFAULT_MASTER_PORT,
-    TIMEOUT_ENV,
-    DistributedError,
-    RankInfo,
     destroy_process_group,
-    detect_ranks,
     init_process_group,
     node_address,
     take_the_job_down,
 )
+from xeonsd.cluster.launch import TIMEOUT_ENV, DistributedError, RankInfo, detect_ranks
 
 
 @dataclass(frozen=True)

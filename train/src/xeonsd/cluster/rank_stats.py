@@ -102,13 +102,13 @@ class RankClock:
 def node_physical_cores() -> int:
     """The physical cores of this rank's node that the job may use: those its launcher's process may run on (the
     rank itself is pinned to its share by now), one per core (hyper-threads not counted); 0 when unknown."""
-    from xeonsd.cluster.distributed import _physical_cores
+    from xeonsd.cluster.placement import physical_cores
 
     try:
         allowed = os.sched_getaffinity(os.getppid())
     except OSError:
         allowed = set(range(os.cpu_count() or 0))
-    return len(_physical_cores(set(allowed)))
+    return len(physical_cores(set(allowed)))
 
 
 def shared_cores(env: dict[str, str] | None = None) -> int:

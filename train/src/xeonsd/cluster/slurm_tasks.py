@@ -1,7 +1,7 @@
 """Where an srun task sits in its job step, from Slurm's variables (standard library only).
 
 ``SLURM_STEP_TASKS_PER_NODE`` holds the step's task counts per node in Slurm's compressed form (``4(x3),2``);
-``SLURM_NODEID`` is this task's node among them. :func:`xeonsd.cluster.distributed.detect_ranks` reads a task's
+``SLURM_NODEID`` is this task's node among them. :func:`xeonsd.cluster.launch.detect_ranks` reads a task's
 local world size from them.
 """
 

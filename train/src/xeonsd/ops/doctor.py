@@ -200,12 +200,12 @@ def trial_step(train_args: list[str], env: dict[str, str], timeout: float) -> Ch
 
 def node_facts() -> dict:
     """What doctor.yml puts side by side for every node: the CPU model, its physical cores, AMX."""
-    from xeonsd.cluster.distributed import _physical_cores
+    from xeonsd.cluster.placement import physical_cores
 
     info = cpu_info()
     return {
         "cpu_model": info.model,
-        "cores": len(_physical_cores(set(os.sched_getaffinity(0)))),
+        "cores": len(physical_cores(set(os.sched_getaffinity(0)))),
         "logical_cpus": os.cpu_count(),
         "amx": info.amx_bf16,
     }

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from xeonsd.cluster.distributed import RankInfo
+from xeonsd.cluster.launch import RankInfo
 from xeonsd.contracts.method_names import METHODS
 from xeonsd.fsutil import atomic_path
 from xeonsd.modelfiles.families import Family

@@ -15,15 +15,9 @@ from pathlib import Path
 
 import torch
 
-from xeonsd.cluster.distributed import (
-    CollectiveTimeout,
-    Placement,
-    RankInfo,
-    Timeouts,
-    collective,
-    node_address,
-    take_the_job_down,
-)
+from xeonsd.cluster.distributed import CollectiveTimeout, collective, node_address, take_the_job_down
+from xeonsd.cluster.launch import RankInfo, Timeouts
+from xeonsd.cluster.placement import Placement
 from xeonsd.cpu import cpu_info
 from xeonsd.jobs.status_file import RankStatusFile
 from xeonsd.modelfiles.modelsource import model_fingerprint

@@ -22,18 +22,15 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from xeonsd.cluster.distributed import (
-    DistributedError,
     PeerLostError,
-    RankInfo,
-    Timeouts,
     barrier,
     destroy_process_group,
-    detect_ranks,
     init_process_group,
     node_address,
-    place_rank,
     take_the_job_down,
 )
+from xeonsd.cluster.launch import DistributedError, RankInfo, Timeouts, detect_ranks
+from xeonsd.cluster.placement import place_rank
 from xeonsd.cluster.rank_stats import RankClock
 from xeonsd.cpu import cpu_info
 from xeonsd.jobs.status_file import RankStatusFile

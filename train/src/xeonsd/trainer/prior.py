@@ -27,7 +27,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from xeonsd.cluster.distributed import RankInfo, all_reduce_sum_, barrier, collective
+from xeonsd.cluster.distributed import all_reduce_sum_, barrier, collective
+from xeonsd.cluster.launch import RankInfo
 from xeonsd.fsutil import atomic_path
 from xeonsd.trainer.config import PRIOR_NEEDS_WEIGHTS, ConfigError, TrainConfig
 from xeonsd.trainer.data import IMAGE_SUFFIXES, Example, SamplingPlan

@@ -7,7 +7,8 @@ import logging
 import os
 import time
 
-from xeonsd.cluster.distributed import RankInfo, node_address
+from xeonsd.cluster.distributed import node_address
+from xeonsd.cluster.launch import RankInfo
 from xeonsd.cluster.rank_stats import node_names
 from xeonsd.contracts.job_status import RankStatus, StatusFileError, attempt_from_env
 from xeonsd.jobs.status_file import RankStatusFile
