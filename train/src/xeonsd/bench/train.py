@@ -3,12 +3,12 @@ all-reduce bytes of the trainer (``--method textual_inversion|lora|full``) on th
 each optimisation switched off in turn.
 
 Every variant is a real ``xeonsd train`` process (so its peak RSS is its own: :mod:`.train_runs`), on the same
-model, images, seed and step count. The variants run interleaved, ``--rounds`` rounds of A B C … (xeonsd.bench.rounds): s/step is the
-median over the rounds, and "x optimized" the median of each round's ratio to the optimized run of that round. The
-matmul peaks are probed before and after the variants (xeonsd.flops, as ``bench generate`` does); probes that
-differ by more than 15 % end the output with "machine unstable: read the ratios, not the seconds". The
-bytes all-reduced per step are measured on a real 2-rank ``mpirun`` run (the profiler's record of the
-collectives), beside what the trainer computes. Figures are printed, not asserted.
+model, images, seed and step count. The variants run interleaved, ``--rounds`` rounds of A B C …
+(xeonsd.bench.rounds): s/step is the median over the rounds, and "x optimized" the median of each round's ratio to
+the optimized run of that round. The matmul peaks are probed before and after the variants (xeonsd.flops, as
+``bench generate`` does); probes that differ by more than 15 % end the output with "machine unstable: read the
+ratios, not the seconds". The bytes all-reduced per step are measured on a real 2-rank ``mpirun`` run (the
+profiler's record of the collectives), beside what the trainer computes. Figures are printed, not asserted.
 """
 
 from __future__ import annotations
