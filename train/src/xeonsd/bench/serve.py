@@ -10,6 +10,9 @@ ratios are taken within a round (xeonsd.bench.rounds): a shared machine drifts b
 
 The adapter switch (``--adapter``, on the first server): sequential requests alternating base and adapter against
 the same number of base-only requests; the switch cost is the difference of their median latencies.
+
+``--soak``: twice the measured capacity through a front while a server is killed and an adapter rolled out
+(:mod:`xeonsd.bench.soak`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import re
 import statistics
 import subprocess
 import sys
@@ -28,10 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from xeonsd.bench import rounds as rnd
+from xeonsd.bench.closed_loop import PROMPT, SERVING, load, percentile
 from xeonsd.fsutil import atomic_file
-
-PROMPT = "a yellow robot at the beach, high quality"
-SERVING = re.compile(r"^serving on http://127\.0\.0\.1:(\d+)$")
 
 
 @dataclass
@@ -80,40 +80,6 @@ def stop_server(server: Server) -> int:
     except subprocess.TimeoutExpired:
         server.proc.kill()
         return server.proc.wait()
-
-
-def load(server: Server, clients: int, requests: int, max_seconds: float, body: dict[str, Any]) -> dict[str, Any]:
-    """``clients`` threads send requests back to back until ``requests`` are sent or ``max_seconds`` pass."""
-    lock = threading.Lock()
-    sent = [0]
-    latencies: list[float] = []
-    failures: list[int] = []
-    deadline = time.monotonic() + max_seconds
-
-    def client() -> None:
-        while time.monotonic() < deadline:
-            with lock:
-                if sent[0] >= requests:
-                    return
-                sent[0] += 1
-            status, seconds = server.post({**body, "rng_seed": sent[0]}, timeout=max_seconds + 60)
-            with lock:
-                (latencies if status == 200 else failures).append(seconds if status == 200 else status)
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    images = len(latencies) * body.get("n", 1)
-    return {"wall_s": wall, "images": images, "images_per_s": images / wall, "latencies": latencies, "failed": failures}
-
-
-def percentile(values: list[float], q: float) -> float:
-    vals = sorted(values)
-    return vals[min(len(vals) - 1, max(0, round(q * (len(vals) - 1))))]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -237,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="xeonsd bench serve", description=__doc__.splitlines()[0])
     p.add_argument("export_dir", help="directory written by `xeonsd export` (static shape)")
     p.add_argument("--adapter", action="append", metavar="NAME=PATH[:ALPHA]", help="also measure switching to it")
-    p.add_argument("--workers", type=_ints, default=[1, 2], help="server --workers counts (default 1,2)")
+    p.add_argument("--workers", type=_ints, help="server --workers counts (default 1,2; --soak: one count, 1)")
     p.add_argument("--clients", type=_ints, default=[1, 2, 4], help="concurrent clients (default 1,2,4)")
     p.add_argument("--requests", type=int, default=8, help="requests per load level and round (default 8)")
     p.add_argument("--max-seconds", type=float, default=120.0, help="time bound of one load level (default 120)")
@@ -245,12 +211,61 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
     p.add_argument("--generate-calls", type=int, default=2, help="timed generate calls per round (default 2)")
     p.add_argument("--switch-requests", type=int, default=8, help="requests per adapter-switch sequence")
-    p.add_argument("--out", help="write the report as JSON here too")
+    p.add_argument("--out", "--json", dest="out", metavar="FILE", help="write the report as JSON here too")
+    _add_soak_flags(p.add_argument_group("--soak (xeonsd.bench.soak)"))
     return p
+
+
+def _add_soak_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--soak", action="store_true", help="a soak under faults through a front, instead of the rounds")
+    g.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
+    g.add_argument("--max-requests", type=int, default=100_000, help="the most requests sent (default 100000)")
+    g.add_argument("--servers", type=int, default=2, help="local xeonsd serve processes (default 2)")
+    g.add_argument("--overload", type=float, default=2.0, help="offered rate over the capacity (default 2)")
+    g.add_argument("--max-in-flight", type=int, default=64, help="unanswered requests at most (default 64)")
+    g.add_argument("--capacity-requests", type=int, default=24, help="requests of the capacity's loop (default 24)")
+    g.add_argument("--capacity-clients", type=int, help="its clients (default 2 per worker)")
+    g.add_argument("--queue", type=int, default=8, help="each server's --queue (default 8)")
+    g.add_argument("--drain", type=float, default=5.0, help="each server's --drain seconds (default 5)")
+    g.add_argument("--request-timeout", type=float, default=120.0, help="each server's --timeout (default 120)")
+    g.add_argument("--rss-bound", type=float, default=10.0, help="allowed RSS growth, %% (default 10)")
+    g.add_argument("--fd-bound", type=int, default=16, help="allowed growth of open descriptors (default 16)")
+    g.add_argument("--seed", type=int, default=0, help="of the arrival times (default 0)")
+    g.add_argument("--front", metavar="URL", help="an existing front (http://, loopback or 10.231.0.0/16)")
+    g.add_argument("--api-key-file", help="--front: its key file (the first key is sent)")
+    for what in ("kill", "restart", "roll"):
+        g.add_argument(f"--{what}-cmd", metavar="CMD", help=f"--front: the command that does the {what}")
+
+
+def soak_main(args: argparse.Namespace) -> int:
+    from xeonsd.bench import soak, soak_report
+
+    args.workers = args.workers or [1]
+    if len(args.workers) != 1:
+        raise SystemExit("xeonsd bench serve: error: --soak takes one --workers count")
+    counts = (args.max_requests, args.servers, args.max_in_flight, args.capacity_requests, args.steps, args.queue)
+    if min(counts) < 1 or args.duration <= 0 or args.overload <= 0 or args.request_timeout <= 0:
+        raise SystemExit("xeonsd bench serve: error: --soak's counts must be at least 1 and its times positive")
+    if args.drain < 0:
+        raise SystemExit("xeonsd bench serve: error: --drain must be 0 or more seconds")
+    try:
+        report = soak.run_soak(args)
+    except soak_report.SoakError as exc:
+        raise SystemExit(f"xeonsd bench serve --soak: error: {exc}") from None
+    table = soak_report.format_report(report)
+    print(table)
+    if args.out:
+        with atomic_file(Path(args.out), "w") as fh:
+            json.dump({**report, "table": table}, fh, indent=2)
+        print(f"results: {args.out}")
+    return 0 if report["statuses"]["met"] and report["memory_met"] is not False else 1
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.soak:
+        return soak_main(args)
+    args.workers = args.workers or [1, 2]
     if min(args.requests, args.steps, args.rounds, args.generate_calls, args.switch_requests) < 1:
         raise SystemExit("xeonsd bench serve: error: counts must be at least 1")
     if args.max_seconds <= 0:
