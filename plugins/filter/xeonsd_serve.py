@@ -11,6 +11,9 @@ plugin loads from the repository on the controller:
     "{{ found | xeonsd_serve_files(stats) }}": {absolute path: sha1} of an export's find and the adapters' stats
     "{{ node_files | xeonsd_serve_files_to_pull(expected) }}": the paths a node lacks or holds changed
     "{{ csv | xeonsd_haproxy_servers(backend) }}": {server: status} of HAProxy's CSV statistics
+    "{{ serve_api_keys | xeonsd_serve_key_file }}": the --api-key-file text (NAME:KEY lines) of [{name, key}]
+    "{{ serve_api_keys | xeonsd_serve_key_problem }}": what is wrong with them ('' when nothing), keys unsaid
+    "{{ serve_allow_from | xeonsd_serve_allow_from }}": the --allow-from value (CIDR,CIDR) of a list of networks
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import base64
 import csv
 import io
+import ipaddress
 import json
 import sys
 from collections.abc import Mapping, Sequence
@@ -30,6 +34,7 @@ if _SRC not in sys.path:
     sys.path.insert(0, _SRC)
 from xeonsd.contracts import serve_plan  # noqa: E402
 from xeonsd.modelfiles import family_specs  # noqa: E402
+from xeonsd.serve import keys as serve_keys  # noqa: E402
 
 ServePlanError = serve_plan.ServePlanError
 
@@ -109,6 +114,65 @@ def haproxy_servers(text: str, backend: str) -> dict[str, str]:
     }
 
 
+def serve_key_file(keys: Any) -> str:
+    """The ``xeonsd serve --api-key-file`` text of ``serve_api_keys`` (``[{name, key}]``), checked by the server's
+    own rules (:func:`xeonsd.serve.keys.parse_keys`); a message never holds a key."""
+    if keys in (None, ""):
+        keys = []
+    if isinstance(keys, (str, Mapping)) or not isinstance(keys, Sequence):
+        raise ServePlanError(
+            f"serve_api_keys is a {type(keys).__name__}: it is a list of {{name, key}}, e.g. [{{name: alice, key: "
+            "KEY}] with KEY from an Ansible vault. Fix: set it to such a list, or []."
+        )
+    lines = []
+    for number, item in enumerate(keys, 1):
+        if not isinstance(item, Mapping) or set(item) != {"name", "key"}:
+            what = sorted(item) if isinstance(item, Mapping) else type(item).__name__
+            raise ServePlanError(
+                f"serve_api_keys item {number} has {what}: each item is {{name, key}} and nothing else. "
+                "Fix: give each key a name."
+            )
+        lines.append(f"{item['name']}:{item['key']}")
+    text = "".join(f"{line}\n" for line in lines)
+    try:
+        serve_keys.parse_keys(text, "serve_api_keys") if lines else None
+    except serve_keys.KeyFileError as e:  # "serve_api_keys line N": the file's line N is the list's item N
+        message = str(e).replace("serve_api_keys line", "serve_api_keys item")
+        raise ServePlanError(f"{message}. Fix: correct that item of serve_api_keys (in the vault).") from None
+    return text
+
+
+def serve_allow_from(networks: Any) -> str:
+    """``serve_allow_from`` (addresses or CIDR networks) as ``xeonsd serve --allow-from``'s ``CIDR,CIDR``; '' for
+    none (any address). A name that is not an address is refused: the server compares addresses."""
+    if networks in (None, ""):
+        return ""
+    if isinstance(networks, str):
+        networks = networks.split(",")
+    if isinstance(networks, Mapping) or not isinstance(networks, Sequence):
+        raise ServePlanError(f"serve_allow_from is a {type(networks).__name__}: it is a list of addresses or networks")
+    out = []
+    for item in networks:
+        try:
+            out.append(str(ipaddress.ip_network(str(item).strip(), strict=False)))
+        except ValueError:
+            raise ServePlanError(
+                f"serve_allow_from: {item!r} is not an IP address or network (CIDR): the servers compare the "
+                "client's address. Fix: give the nodes' mpi_address (ansible_host) as IP addresses, or set "
+                "serve_allow_from to the front's address(es), e.g. [10.0.0.1, 127.0.0.1]."
+            ) from None
+    return ",".join(dict.fromkeys(out))
+
+
+def serve_key_problem(keys: Any) -> str:
+    """What :func:`serve_key_file` finds wrong with ``keys``, or '' (for an assert that may print it)."""
+    try:
+        serve_key_file(keys)
+    except ServePlanError as e:
+        return str(e)
+    return ""
+
+
 class FilterModule:
     def filters(self) -> dict:
         return {
@@ -119,4 +183,7 @@ class FilterModule:
             "xeonsd_serve_files": serve_files,
             "xeonsd_serve_files_to_pull": serve_files_to_pull,
             "xeonsd_haproxy_servers": haproxy_servers,
+            "xeonsd_serve_key_file": serve_key_file,
+            "xeonsd_serve_key_problem": serve_key_problem,
+            "xeonsd_serve_allow_from": serve_allow_from,
         }

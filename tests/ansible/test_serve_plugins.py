@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from repo_code import ansible_code, local_playbook
+from repo_code import ansible_code, changed, local_playbook
 
 serve = ansible_code("xeonsd_serve")
 
@@ -166,3 +166,108 @@ def test_the_daemon_module_keeps_one_current_process_of_ours_and_never_signals_a
         for pid in started:
             if alive(pid):
                 os.kill(pid, 9)
+
+
+def test_api_keys_become_the_key_file_and_a_bad_list_is_named_without_its_keys() -> None:
+    good = [{"name": "alice", "key": "a" * 20}, {"name": "ci", "key": "b" * 24}]
+    assert serve.serve_key_file(good) == f"alice:{'a' * 20}\nci:{'b' * 24}\n"
+    assert serve.serve_key_file([]) == "" and serve.serve_key_problem([]) == ""
+    secret = "s3cr3t-but-short"[:12]
+    for bad, said in [
+        ("alice:" + "a" * 20, "is a str"),
+        ([{"name": "alice"}], "item 1"),
+        ([{"name": "a b", "key": "k" * 20}], "'a b' is not a key name"),
+        ([{"name": "alice", "key": secret}], "at least 16"),
+        ([good[0], {"name": "alice", "key": "c" * 20}], "alice is given twice"),
+    ]:
+        problem = serve.serve_key_problem(bad)
+        assert said in problem and "serve_api_keys" in problem and "Fix:" in problem, problem
+        assert secret not in problem and "k" * 20 not in problem and "c" * 20 not in problem
+    argv = serve.serve_argv({"export": "/e", "adapters": []}, {"port": 8000, "api-key-file": "/etc/xeonsd/k"})
+    assert argv[argv.index("--api-key-file") + 1] == "/etc/xeonsd/k"
+
+
+TLS_PLAY = """
+- hosts: localhost
+  gather_facts: false
+  tasks:
+    - xeonsd_tls: {dir: "{{ dir }}", names: "{{ names }}"}
+      register: made
+    - ansible.builtin.copy: {dest: "{{ out }}", content: "{{ made | to_json }}", mode: "0644"}
+      check_mode: false
+      changed_when: false
+"""
+
+
+def test_the_tls_module_makes_a_ca_and_a_certificate_a_client_trusts_and_keeps_them(tmp_path: Path) -> None:
+    """A private CA and a server certificate for the names: nothing written in check mode; made once, then left
+    alone (changed=0); a new name issues a new certificate from the same CA; a TLS client that trusts ca.pem (as
+    curl --cacert and httpx verify= do) accepts the server by each name and refuses one it does not cover."""
+    import socket
+    import ssl
+    import threading
+
+    (tmp_path / "play.yml").write_text(TLS_PLAY)
+    out, d = tmp_path / "out.json", tmp_path / "tls"
+    base = {"dir": str(d), "out": str(out), "ansible_python_interpreter": sys.executable}
+
+    def run(names: list[str], *args: str) -> tuple[int, dict]:
+        result = local_playbook(tmp_path / "play.yml", base | {"names": names}, *args)
+        return changed(result), json.loads(out.read_text())
+
+    assert run(["localhost", "127.0.0.1"], "--check")[0] == 1 and not d.exists()
+    first_changed, first = run(["localhost", "127.0.0.1"])
+    assert first_changed == 1 and first["issued"] and first["new_ca"]
+    assert {p.name: p.stat().st_mode & 0o777 for p in d.iterdir()} == {
+        "ca.pem": 0o644,
+        "ca.key": 0o600,
+        "server.pem": 0o644,
+        "server.key": 0o600,
+    }
+    assert d.stat().st_mode & 0o777 == 0o700
+    ca = (d / "ca.pem").read_bytes()
+    assert run(["localhost", "127.0.0.1"]) == (0, {**first, "changed": False, "issued": False, "new_ca": False})
+    again_changed, again = run(["localhost", "127.0.0.1", "front.example"])
+    assert again_changed == 1 and again["issued"] and not again["new_ca"] and (d / "ca.pem").read_bytes() == ca
+
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(d / "server.pem", d / "server.key")
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+
+        def accept(count: int) -> None:
+            for _ in range(count):
+                conn, _ = listener.accept()
+                try:
+                    with server.wrap_socket(conn, server_side=True) as tls:
+                        tls.sendall(b"ok")
+                except (ssl.SSLError, OSError):
+                    pass
+
+        thread = threading.Thread(target=accept, args=(4,), daemon=True)
+        thread.start()
+        client = ssl.create_default_context(cafile=str(d / "ca.pem"))
+        for name in ("localhost", "127.0.0.1", "front.example"):
+            with socket.create_connection(("127.0.0.1", port)) as raw, client.wrap_socket(raw, server_hostname=name):
+                pass
+        with socket.create_connection(("127.0.0.1", port)) as raw, pytest.raises(ssl.SSLCertVerificationError):
+            client.wrap_socket(raw, server_hostname="other.example")
+        thread.join(timeout=10)
+
+
+def test_the_allow_list_is_addresses_and_every_serve_flag_is_one_xeonsd_serve_takes() -> None:
+    import argparse
+
+    from xeonsd.contracts.serve_plan import SERVE_FLAGS
+    from xeonsd.serve.command import add_parser
+
+    assert serve.serve_allow_from(["10.0.0.1", "10.0.0.1", "127.0.0.1", "10.1.0.0/16"]) == (
+        "10.0.0.1/32,127.0.0.1/32,10.1.0.0/16"
+    )
+    assert serve.serve_allow_from([]) == ""
+    problem = pytest.raises(serve.ServePlanError, serve.serve_allow_from, ["node1"]).value
+    assert "'node1' is not an IP address" in str(problem) and "Fix:" in str(problem)
+    parser = argparse.ArgumentParser().add_subparsers()
+    add_parser(parser)
+    known = {o for a in parser.choices["serve"]._actions for o in a.option_strings}
+    assert {f"--{flag}" for flag in SERVE_FLAGS} <= known, sorted({f"--{f}" for f in SERVE_FLAGS} - known)

@@ -1,6 +1,7 @@
 """serve.yml on the test cluster, for the tests that serve a run (test_serve.py, test_finetune_zimage.py): the play
-with the tests' server settings, the front's address and requests through it, and the serving processes in each
-node's namespace (killed however a test ends)."""
+with the tests' server settings, the front's address and requests through it (HTTPS, trusting the CA the play
+made in the cluster's state directory; an API key when the test gave serve_api_keys), and the serving processes in
+each node's namespace (killed however a test ends)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import io
 import json
 import os
 import signal
+import ssl
 import subprocess
 import urllib.error
 import urllib.request
@@ -48,24 +50,51 @@ def serve_processes(cluster: Cluster) -> dict[str, list[int]]:
     return found
 
 
-class Front:
-    """The front's address from this machine (the bridge reaches node1's address)."""
+def tls_dir(cluster: Cluster) -> Path:
+    """Where serve.yml makes the front's private CA (ca.pem) in these tests: the cluster's state directory."""
+    return cluster.state_dir / "serve-tls"
 
-    def __init__(self, cluster: Cluster) -> None:
-        self.url = f"http://{cluster.address(1)}:8080"
-        self.stats_url = f"http://{cluster.address(1)}:8404/stats;csv"
+
+class Front:
+    """The front's HTTPS address from this machine (the bridge reaches node1's address), trusting the CA serve.yml
+    made; ``key``: the API key sent as ``Authorization: Bearer``."""
+
+    def __init__(self, cluster: Cluster, key: str | None = None) -> None:
+        self.cluster, self.key = cluster, key
+        self.url = f"https://{cluster.address(1)}:8443"
+        self.stats_url = "http://127.0.0.1:8404/stats;csv"  # on node1 itself (no serve_stats_password: loopback)
+
+    @property
+    def ca(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(tls_dir(self.cluster) / "ca.pem"))
+
+    def request(self, path: str, body: dict | None = None) -> urllib.request.Request:
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        if self.key:
+            headers["Authorization"] = f"Bearer {self.key}"
+        data = json.dumps(body).encode() if body is not None else None
+        return urllib.request.Request(self.url + path, data, headers)
+
+    def status(self, path: str, key: str | None, url: str | None = None) -> int:
+        """The status of GET ``path`` with ``key`` (None: no Authorization header), at ``url`` (default the front)."""
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        req = urllib.request.Request((url or self.url) + path, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=60, context=self.ca) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
 
     def get(self, path: str) -> dict:
-        with urllib.request.urlopen(self.url + path, timeout=60) as r:
+        with urllib.request.urlopen(self.request(path), timeout=60, context=self.ca) as r:
             return json.loads(r.read())
 
     def image(self, model: str | None = None) -> tuple[int, Image.Image | str]:
         body = dict(BODY, **({"model": model} if model else {}))
-        req = urllib.request.Request(
-            self.url + "/v3/images/generations", json.dumps(body).encode(), {"Content-Type": "application/json"}
-        )
         try:
-            with urllib.request.urlopen(req, timeout=120) as r:
+            with urllib.request.urlopen(
+                self.request("/v3/images/generations", body), timeout=120, context=self.ca
+            ) as r:
                 data = json.loads(r.read())
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode(errors="replace")[:300]
@@ -74,14 +103,22 @@ class Front:
         return 200, Image.open(io.BytesIO(base64.b64decode(data["data"][0]["b64_json"])))
 
     def states(self) -> dict[str, str]:
-        with urllib.request.urlopen(self.stats_url, timeout=10) as r:
-            return ansible_code("xeonsd_serve").haproxy_servers(r.read().decode(), "xeonsd_serve")
+        csv = self.cluster.ssh("node1", f"curl -sf '{self.stats_url}'", timeout=30).stdout
+        return ansible_code("xeonsd_serve").haproxy_servers(csv, "xeonsd_serve")
 
 
 def serve_play(cluster: Cluster, name: str, *args: str, timeout: float = 900) -> PlaybookRun:
     """serve.yml with the tests' server settings and ``args``; its rc checked (the failed tasks, else the log)."""
+    tls = ("-e", f"serve_frontend_tls_dir={tls_dir(cluster)}")
     result = run_playbook(
-        "serve.yml", cluster.inventory, *SERVE_SETTINGS, *args, state_dir=cluster.state_dir, name=name, timeout=timeout
+        "serve.yml",
+        cluster.inventory,
+        *SERVE_SETTINGS,
+        *tls,
+        *args,
+        state_dir=cluster.state_dir,
+        name=name,
+        timeout=timeout,
     )
     assert result.rc == 0, "\n".join(map(str, result.failures())) or result.tail(60)
     return result

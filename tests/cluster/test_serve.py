@@ -3,12 +3,17 @@ fixture: that run, or a small one of its own) served by `xeonsd serve` on every 
 through the front get an image of the export's size; a node whose server is killed drops out of rotation while
 the others answer; serve.yml brings it back (UP again, nothing changed on the other nodes); a second adapter rolls
 out one node at a time while a client keeps asking the front, and both adapters answer; serve_state=stopped stops
-every server and the front."""
+every server and the front. All of it with API keys and TLS: the front answers only HTTPS (its certificate from the
+CA the play made), only with a key (but the health checks), plain HTTP is refused, the statistics page wants its
+password, a node's server refuses another node's address, and new keys reach the running servers by SIGHUP."""
 
 from __future__ import annotations
 
+import base64
 import json
+import secrets
 import threading
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -19,6 +24,39 @@ from runner import PlaybookRun
 from serving import PID_FILE, Front, serve_play, serve_processes, servers_killed_after
 
 SERVE_ARGS = ("-e", "serve_run=lora")  # the run test_finetune_methods.py trained
+# The API keys and the statistics password, as a vault would give them: new ones each session; ROTATED replaces KEYS.
+KEYS = [{"name": "ci", "key": secrets.token_urlsafe(24)}]
+ROTATED = [{"name": "ci-next", "key": secrets.token_urlsafe(24)}]
+STATS_PASSWORD = secrets.token_urlsafe(16)
+
+
+def node_status(cluster: Cluster, src: str, node: int, key: str) -> str:
+    """The status of GET /v1/models on node ``node``'s server itself, asked from ``src`` with ``key``."""
+    url = f"http://{cluster.address(node)}:8000/v1/models"
+    curl = f"curl -s -o /dev/null -w '%{{http_code}}' -H 'Authorization: Bearer {key}' {url}"
+    return cluster.ssh(src, curl, check=False, timeout=60).stdout.strip()
+
+
+def check_the_front_is_the_only_way_in(cluster: Cluster, front: Front) -> None:
+    """HTTPS with the key through the front; nothing without it (but the health checks); no plain HTTP; the
+    statistics page wants its password from elsewhere; a node's server refuses another node's address."""
+    assert front.status("/v1/models", front.key) == 200
+    assert [front.status(p, k) for p, k in [("/v1/models", None), ("/v1/models", "x" * 32), ("/metrics", None)]] == [
+        401
+    ] * 3
+    assert front.status("/v2/health/ready", None) == 200  # what HAProxy's health check asks, keys or not
+    with pytest.raises(urllib.error.URLError) as plain:
+        urllib.request.urlopen(f"http://{cluster.address(1)}:8080/v1/models", timeout=10)
+    assert isinstance(plain.value.reason, ConnectionRefusedError), plain.value  # serve_http: refuse
+    stats = f"https://{cluster.address(1)}:8404"
+    assert front.status("/stats;csv", None, url=stats) == 401
+    login = base64.b64encode(f"xeonsd:{STATS_PASSWORD}".encode()).decode()
+    req = urllib.request.Request(stats + "/stats;csv", headers={"Authorization": f"Basic {login}"})
+    with urllib.request.urlopen(req, timeout=30, context=front.ca) as r:
+        assert "xeonsd_serve" in r.read().decode()
+    # node3's server: the front's address (node1) gets in, another node's (node2) is refused (--allow-from).
+    assert node_status(cluster, "node1", 3, front.key) == "200"
+    assert node_status(cluster, "node2", 3, front.key) == "403"
 
 
 class Client(threading.Thread):
@@ -41,14 +79,16 @@ def test_serve_yml_behind_one_front_survives_a_killed_node_and_rolls_out_a_secon
 ) -> None:
     runs = controller_runs(provisioned)
     shape = json.loads((runs / "lora" / "openvino" / "xeonsd_export.json").read_text())["static_shape"]
-    front = Front(provisioned)
+    front = Front(provisioned, key=KEYS[0]["key"])
 
-    def serve(name: str, *args: str) -> PlaybookRun:
-        return serve_play(provisioned, name, *SERVE_ARGS, *args)
+    def serve(name: str, *args: str, keys: list[dict] = KEYS) -> PlaybookRun:
+        security = json.dumps({"serve_api_keys": keys, "serve_stats_password": STATS_PASSWORD})
+        return serve_play(provisioned, name, *SERVE_ARGS, "-e", security, *args)
 
     with servers_killed_after(provisioned):
         serve("serve")
         assert front.states() == dict.fromkeys(provisioned.nodes, "UP")
+        check_the_front_is_the_only_way_in(provisioned, front)
         models = [m["id"] for m in front.get("/v1/models")["data"]]
         assert models == ["tiny-sd", "lora"], models  # the base model's name, the run's adapter by the run's name
         code, image = front.image("lora")
@@ -62,13 +102,20 @@ def test_serve_yml_behind_one_front_survives_a_killed_node_and_rolls_out_a_secon
         assert answers == [200] * 4, answers
         assert front.image()[0] == 200
 
-        # serve.yml again brings node3 back into rotation and changes nothing on the other nodes.
-        back = serve("serve-again")
+        # serve.yml again, with the keys rotated, brings node3 back into rotation; on the other nodes it changes the
+        # key file alone and reloads it by SIGHUP (the key file, the signal): the same servers answer the new key.
+        running = {n: pids for n, pids in serve_processes(provisioned).items() if n != "node3"}
+        back = serve("serve-again", keys=ROTATED)
         assert front.states() == dict.fromkeys(provisioned.nodes, "UP")
         changed = back.changed()
         assert changed["node3"] >= 1 and {n: c for n, c in changed.items() if n != "node3"} == dict.fromkeys(
-            ["node1", "node2", "node4"], 0
+            ["node1", "node2", "node4"], 2
         ), changed
+        assert {n: pids for n, pids in serve_processes(provisioned).items() if n != "node3"} == running
+        old, front.key = front.key, ROTATED[0]["key"]
+        for node in range(1, 5):
+            wait_for(lambda n=node: node_status(provisioned, "node1", n, front.key) == "200", 20, f"node{node}'s key")
+            assert node_status(provisioned, "node1", node, old) == "401"
 
         # A second adapter, rolled out one node at a time while a client keeps asking the front.
         client = Client(front)
@@ -90,5 +137,6 @@ def test_serve_yml_behind_one_front_survives_a_killed_node_and_rolls_out_a_secon
 
         serve("serve-stopped", "-e", "serve_state=stopped")
         assert serve_processes(provisioned) == {}
-        with pytest.raises(OSError):
-            urllib.request.urlopen(front.url + "/v2/health/live", timeout=5)
+        with pytest.raises(urllib.error.URLError) as stopped:
+            urllib.request.urlopen(front.url + "/v2/health/live", timeout=5, context=front.ca)
+        assert isinstance(stopped.value.reason, ConnectionRefusedError), stopped.value

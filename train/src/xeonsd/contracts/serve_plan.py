@@ -29,7 +29,22 @@ ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # A run's name under runs_dir (what finetune_run_id makes, or latest).
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # xeonsd serve's settings that serve_argv turns into flags, by flag name (the role's serve_<name> variables).
-SERVE_FLAGS = ("name", "host", "port", "workers", "queue", "timeout", "max-images", "drain", "precision")
+SERVE_FLAGS = (
+    "name",
+    "host",
+    "port",
+    "workers",
+    "queue",
+    "timeout",
+    "max-images",
+    "drain",
+    "precision",
+    "api-key-file",
+    "allow-from",
+    "max-body-bytes",
+    "read-timeout",
+    "rate-limit",
+)
 
 
 class ServePlanError(ValueError):
