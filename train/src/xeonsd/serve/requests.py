@@ -90,6 +90,8 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RequestError(f"the body is not valid JSON: {exc}", None) from None
+    except RecursionError:  # found by tests/xeonsd/serve/test_serve_fuzz.py: a 500 before
+        raise RequestError("the body's JSON nests deeper than this server parses", None) from None
     if not isinstance(body, dict):
         raise RequestError(f"the body must be a JSON object, not {type(body).__name__}", None)
     return body

@@ -1,0 +1,115 @@
+"""Generated bad input against a real ``xeonsd serve`` on the tiny export (hypothesis): any body gets a 200 or a 4xx
+with an OpenAI error object, never a 5xx, and the server goes on answering. Bounded for CI: a fixed number of
+examples, at most 2 steps and 2 images a request (``--max-steps``, ``--max-images``), one server for them all."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from serve_process import PROMPT, ServeProcess
+
+from xeonsd.serve.requests import KNOWN
+
+pytestmark = pytest.mark.xdist_group("xeonsd-serve")
+EXAMPLES = 120  # 12-20 s here (2-core Zen 5, one worker) besides the start; most bodies are refused early
+BOUNDED = settings(
+    max_examples=EXAMPLES,
+    deadline=None,  # a request's time is the server's; the test's bound is EXAMPLES
+    database=None,  # no .hypothesis/ in the checkout
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+@pytest.fixture(scope="module")
+def server(ov_base: Path, cli_env_module: dict) -> Iterator[ServeProcess]:
+    flags = ("--name=base", "--workers=1", "--max-steps=2", "--max-images=2", "--queue=64")
+    proc = ServeProcess(ov_base, *flags, env=cli_env_module)
+    try:
+        yield proc.start()
+    finally:
+        proc.stop()
+
+
+def _json_values() -> st.SearchStrategy:
+    scalars = (
+        st.none()
+        | st.booleans()
+        | st.integers(min_value=-(2**70), max_value=2**70)
+        | st.floats(allow_nan=True, allow_infinity=True)
+        | st.text(max_size=40)
+    )
+    return st.recursive(
+        scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner), max_leaves=8
+    )
+
+
+# Values near what the fields take, so that many bodies pass some checks and fail a later one (or generate).
+PLAUSIBLE = {
+    "prompt": st.sampled_from([PROMPT, "", "   ", "x" * 4001]) | st.text(max_size=30),
+    "model": st.sampled_from(["base", "nope", ""]),
+    "n": st.integers(-1, 3),
+    "num_images_per_prompt": st.integers(0, 3),
+    "num_inference_steps": st.integers(0, 3),
+    "rng_seed": st.sampled_from([0, 2**32 - 1, 2**32, -1]),
+    "size": st.sampled_from(["64x64", "auto", "512x512", "64X64", "x"]),
+    "width": st.sampled_from([64, 65, 0]),
+    "height": st.sampled_from([64, 65, 0]),
+    "guidance_scale": st.sampled_from([1.0, 1.5, 7.5, 50.0, 50.1]),
+    "response_format": st.sampled_from(["b64_json", "url"]),
+    "negative_prompt": st.text(max_size=20),
+    "user": st.text(max_size=10),
+}
+STATUSES: Counter[int] = Counter()  # of the generated requests, printed at the end
+FIELDS = sorted(KNOWN | set(PLAUSIBLE))
+bodies = st.one_of(
+    st.binary(max_size=200),  # not JSON, or not UTF-8
+    _json_values().map(lambda v: json.dumps(v).encode()),  # JSON, mostly not an object (NaN and Infinity too)
+    st.dictionaries(  # known fields with any JSON value, and unknown ones
+        st.sampled_from(FIELDS) | st.text(max_size=12), _json_values(), max_size=6
+    ).map(lambda d: json.dumps(d).encode()),
+    st.fixed_dictionaries(  # a prompt and plausible values: these reach the worker
+        {"prompt": st.just(PROMPT)},
+        optional={k: v | _json_values() for k, v in PLAUSIBLE.items() if k != "prompt"},
+    ).map(lambda d: json.dumps(d).encode()),
+)
+
+
+@BOUNDED
+@given(body=bodies, path=st.sampled_from(["/v3/images/generations", "/v1/images/generations"]))
+@example(body=b"[" * 5000, path="/v3/images/generations")  # nesting deeper than Python's recursion limit
+@example(body=b'{"prompt": "a", "guidance_scale": NaN}', path="/v3/images/generations")
+@example(body=b'{"prompt": "a", "n": 1e999}', path="/v3/images/generations")
+@example(body=b"\xff\xfe{}", path="/v3/images/generations")
+@example(body=json.dumps({"prompt": PROMPT, "num_inference_steps": 2, "n": 2}).encode(), path="/v1/images/generations")
+def _answers_any_json_body(server: ServeProcess, body: bytes, path: str) -> None:
+    """The property: a 200 with images, or a 4xx with an OpenAI error object."""
+    answer = httpx.post(f"{server.url}{path}", content=body, headers={"Content-Type": "application/json"}, timeout=60)
+    assert answer.status_code == 200 or 400 <= answer.status_code < 500, (answer.status_code, answer.text[:300])
+    STATUSES[answer.status_code] += 1
+    if answer.status_code == 200:
+        assert answer.json()["data"][0]["b64_json"]
+    else:
+        error = answer.json()["error"]
+        assert error["message"] and error["type"], error
+
+
+def test_any_json_body_gets_a_200_or_a_4xx_and_the_server_goes_on(server: ServeProcess) -> None:
+    _answers_any_json_body(server)  # hypothesis draws body and path, EXAMPLES times, then:
+    print(f"statuses of the generated requests: {dict(sorted(STATUSES.items()))}")
+    assert STATUSES[200] and STATUSES[400], STATUSES  # some bodies generated images, some were refused
+    assert server.proc.poll() is None
+    assert httpx.get(f"{server.url}/v2/health/ready", timeout=10).status_code == 200
+    answer = httpx.post(
+        f"{server.url}/v3/images/generations",
+        json={"prompt": PROMPT, "num_inference_steps": 1, "rng_seed": 3},
+        timeout=60,
+    )
+    assert answer.status_code == 200
+    assert not [ln for ln in server.lines if "Traceback" in ln]  # no request failed inside the server
