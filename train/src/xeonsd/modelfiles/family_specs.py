@@ -75,6 +75,9 @@ class FamilySpec:
     # text-encoder part per request (SDXL: not; the generate CLI fuses that part into a copy of the encoders)
     genai_adapters: bool = True
     genai_text_adapters: bool = True
+    # the edits GenAI 2026.4.1 runs on this family's export (Image2ImagePipeline, InpaintingPipeline; measured on
+    # the tiny exports: FLUX.2 [klein], Z-Image and Qwen-Image have no inpainting, "Unsupported inpainting pipeline")
+    genai_edits: tuple[str, ...] = ("image2image", "inpainting")
     # the pipeline's default guidance scale, and whether it runs classifier-free guidance with an (empty)
     # negative prompt at that scale (two denoiser calls' worth per step)
     guidance_scale: float = 7.5
@@ -224,6 +227,7 @@ SPECS: dict[str, FamilySpec] = {
                     "it adapts FLUX.2's fused single-stream projections",
                 ),
             ),
+            genai_edits=("image2image",),
             guidance_scale=4.0,
             weighting_scheme="none",
             resolution_shift=False,
@@ -250,6 +254,7 @@ SPECS: dict[str, FamilySpec] = {
                 ),
             ),
             genai_adapters=False,  # GenAI 2026.4.1's Z-Image pipeline ignores adapters: no effect, no warning
+            genai_edits=("image2image",),
             guidance_scale=5.0,
             weighting_scheme="none",
         ),
@@ -282,6 +287,7 @@ SPECS: dict[str, FamilySpec] = {
                     "it adapts joint blocks past the 38 of the other MMDiTs (Qwen-Image has 60)",
                 ),
             ),
+            genai_edits=("image2image",),
             guidance_scale=4.0,
             negative_prompt_cfg=False,
             weighting_scheme="none",

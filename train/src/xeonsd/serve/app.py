@@ -1,7 +1,8 @@
 """The ASGI app (Starlette): the routes, the OpenAI error bodies, and one JSON access-log line per request.
 
 Routes: ``POST /v3/images/generations`` and ``POST /v1/images/generations`` (one handler: OVMS's and OpenAI's
-path), ``GET /v1/models`` and ``GET /v3/models`` (the base model, then the adapters), ``GET /v2/health/live``
+path), ``POST /v3/images/edits`` and ``/v1/images/edits`` (multipart: :mod:`xeonsd.serve.edits`),
+``GET /v1/models`` and ``GET /v3/models`` (the base model, then the adapters), ``GET /v2/health/live``
 (200 while the process serves), ``GET /v2/health/ready`` (200 once every pipeline is compiled, 503 before),
 ``GET /metrics`` (Prometheus text format). With ``--api-key-file`` every route but the health checks needs a key
 (:mod:`xeonsd.serve.keys`: 401 without one); :func:`guard` puts the access rules and limits before the routes
@@ -23,6 +24,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from xeonsd.modelfiles import families
+from xeonsd.serve.edits import parse_form
 from xeonsd.serve.keys import KeyRing
 from xeonsd.serve.limits import guard
 from xeonsd.serve.metrics import Metrics
@@ -33,6 +36,7 @@ from xeonsd.serve.requests import Limits, RequestError, parse_body, validate
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("xeonsd.serve.access")
 IMAGE_PATHS = ("/v3/images/generations", "/v1/images/generations")
+EDIT_PATHS = ("/v3/images/edits", "/v1/images/edits")  # multipart: xeonsd.serve.edits
 CLIENT_GONE = 499
 
 
@@ -73,7 +77,7 @@ class AccessLog:
             endpoint = path if path in _known_paths() else "other"
             seconds = time.perf_counter() - t0
             self.metrics.requests.labels(endpoint, str(code)).inc()
-            if path in IMAGE_PATHS:
+            if path in IMAGE_PATHS or path in EDIT_PATHS:
                 self.metrics.latency.labels(path).observe(seconds)
             client = scope.get("client") or ("", 0)
             line = {"time": round(time.time(), 3), "client": f"{client[0]}:{client[1]}", "method": scope["method"]}
@@ -82,7 +86,7 @@ class AccessLog:
 
 
 def _known_paths() -> set[str]:
-    return {*IMAGE_PATHS, "/v1/models", "/v3/models", "/v2/health/live", "/v2/health/ready", "/metrics"}
+    return {*IMAGE_PATHS, *EDIT_PATHS, "/v1/models", "/v3/models", "/v2/health/live", "/v2/health/ready", "/metrics"}
 
 
 async def _watch_disconnect(receive: Callable, job: Job) -> None:
@@ -94,8 +98,11 @@ async def _watch_disconnect(receive: Callable, job: Job) -> None:
             return
 
 
-def _images_handler(limits: Limits, timeout: float, pool: PipelinePool, metrics: Metrics) -> Callable:
-    """The handler of both image paths: validate, queue, generate, answer (or cancel)."""
+def _images_handler(
+    limits: Limits, timeout: float, pool: PipelinePool, metrics: Metrics, edit: bool = False
+) -> Callable:
+    """The handler of both image paths (``edit``: of both edit paths): validate, queue, generate, answer (or
+    cancel)."""
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response
 
@@ -103,12 +110,13 @@ def _images_handler(limits: Limits, timeout: float, pool: PipelinePool, metrics:
         arrived = time.monotonic()
         access = request.scope["state"]["access"]
         try:
-            req = validate(parse_body(await request.body()), limits)
+            body = await parse_form(request, limits.shape) if edit else parse_body(await request.body())
+            req = validate(body, limits, edit)
         except RequestError as exc:
             metrics.rejected.labels(exc.param or "body").inc()
             access["error"] = str(exc)
             return JSONResponse(exc.body(), status_code=exc.status)
-        access.update(model=req.model, n=req.n, steps=req.steps, seed=req.seed)
+        access.update(model=req.model, n=req.n, steps=req.steps, seed=req.seed, kind=req.kind)
         job = Job(request=req, deadline=arrived + timeout, timeout=timeout)
         watcher = asyncio.ensure_future(_watch_disconnect(request.receive, job))
         try:
@@ -130,7 +138,7 @@ def _images_handler(limits: Limits, timeout: float, pool: PipelinePool, metrics:
             return _error(500, f"generation failed: {type(exc).__name__}: {exc}")
         finally:
             watcher.cancel()
-        metrics.images.labels(req.model).inc(len(data))
+        metrics.images.labels(req.label).inc(len(data))
         return JSONResponse({"created": int(time.time()), "data": [{"b64_json": b} for b in data]})
 
     return images
@@ -155,9 +163,14 @@ def create_app(
         max_images=opts.max_images,
         max_steps=opts.max_steps,
         guidance_scale=served.guidance_scale,
+        alphas=tuple((name, alpha) for name, (_, alpha) in served.adapters.items()),
+        family=families.spec(served.family).label,
+        edits=families.spec(served.family).genai_edits,
+        fused_only=not families.spec(served.family).genai_adapters,
     )
     created = int(time.time())
     images = _images_handler(limits, opts.timeout, pool, metrics)
+    edits = _images_handler(limits, opts.timeout, pool, metrics, edit=True)
 
     async def models(request: Request) -> Response:
         rows = [{"id": name, "object": "model", "created": created, "owned_by": "xeonsd"} for name in limits.models]
@@ -187,6 +200,7 @@ def create_app(
             pool.cancel_all("shutdown")
 
     routes = [Route(p, images, methods=["POST"]) for p in IMAGE_PATHS]
+    routes += [Route(p, edits, methods=["POST"]) for p in EDIT_PATHS]
     routes += [Route(p, models, methods=["GET"]) for p in ("/v1/models", "/v3/models")]
     routes += [
         Route("/v2/health/live", live, methods=["GET"]),

@@ -14,6 +14,15 @@
 * A request of ``n`` images runs ``ceil(n / images per call)`` calls of the static batch, call k with seed
   ``rng_seed + k`` (as ``xeonsd generate`` seeds its calls; modulo 2**32, GenAI's seed range), and returns the first
   ``n`` images.
+* A request's adapters are an ``AdapterConfig`` passed to ``generate`` (kept per worker): GenAI switches them
+  between calls without a recompile. (Blends are refused: :mod:`xeonsd.serve.requests`.)
+* Edits (``FamilySpec.genai_edits``): GenAI 2026.4.1 reshapes the VAE encoder to the images per call but encodes one
+  image ("Batch size must be 1"), so the edit pipelines are compiled for one image per call (an edit of ``n``
+  images is ``n`` calls, seeds ``rng_seed + k``). A pipeline made from a compiled one shares its models; measured
+  on the tiny exports, that works from an ``InpaintingPipeline`` of the UNet families (SD, SDXL) only (FLUX.1 loses
+  its T5 length, SD3 crashes), so: UNet family with inpainting, one compile for both edits, and with one image per
+  call the text-to-image pipeline comes from it too (one compile per worker); otherwise each edit pipeline is a
+  compile of its own. FLUX.1's image-to-image needs the height and width given, so every edit call gives them.
 """
 
 from __future__ import annotations
@@ -98,7 +107,19 @@ class Job:
 class Worker:
     index: int
     pipe: Any
-    configs: dict[str, Any]  # model name -> the AdapterConfig a request of that model passes to generate
+    adapters: dict[str, Any]  # adapter name -> its openvino_genai.Adapter
+    edits: dict[str, Any] = field(default_factory=dict)  # image2image / inpainting -> its pipeline
+    configs: dict[tuple, Any] = field(default_factory=dict)  # the AdapterConfigs of the plain models, by key
+
+    def adapter_config(self, adapters: tuple[tuple[str, float], ...]) -> Any:
+        """The AdapterConfig of ``adapters`` (name, weight); (): the base model, exactly (an empty config)."""
+        import openvino_genai
+
+        config = self.configs.get(adapters)
+        if config is None:
+            config = openvino_genai.AdapterConfig([(self.adapters[n], a) for n, a in adapters])
+            self.configs[adapters] = config
+        return config
 
 
 class PipelinePool:
@@ -141,28 +162,51 @@ class PipelinePool:
         return self._waiting
 
     # -- start-up -----------------------------------------------------------------------------------------------
-    def _compile_one(self, index: int, adapters: dict[str, Any]) -> Worker:
+    def _prepared(self, cls: Any, images: int, adapters: dict[str, Any]) -> Any:
+        """A GenAI pipeline of class ``cls`` over the export, reshaped to ``images`` per call and compiled with
+        every adapter registered."""
         import openvino_genai
 
         shape = self.served.shape
-        pipe = openvino_genai.Text2ImagePipeline(str(self.served.export_dir))
+        pipe = cls(str(self.served.export_dir))
         if self.served.max_sequence_length is not None:  # before reshape, as xeonsd generate's genai engine does
             config = pipe.get_generation_config()
             config.max_sequence_length = self.served.max_sequence_length
             pipe.set_generation_config(config)
-        pipe.reshape(shape.images_per_call, shape.height, shape.width, 7.5)
+        pipe.reshape(images, shape.height, shape.width, 7.5)
         props = {"INFERENCE_NUM_THREADS": self.threads, **PRECISIONS[self.precision]}
         if adapters:
             everything = openvino_genai.AdapterConfig([(a, alpha) for a, alpha in adapters.values()])
             pipe.compile("CPU", adapters=everything, **props)
         else:
             pipe.compile("CPU", **props)
-        configs = {self.served.name: openvino_genai.AdapterConfig()}
-        for name, (adapter, alpha) in adapters.items():
-            configs[name] = openvino_genai.AdapterConfig([(adapter, alpha)])
-        worker = Worker(index=index, pipe=pipe, configs=configs)
-        for name in configs:  # the first call of each pipeline and adapter pays for set-up: not a client
-            self._call(worker, name, "warm-up", WARMUP_STEPS, 0, 7.5, None, lambda *_: False)
+        return pipe
+
+    def _compile_one(self, index: int, adapters: dict[str, Any]) -> Worker:
+        import openvino_genai as g
+
+        from xeonsd.modelfiles.families import spec
+
+        found = spec(self.served.family)
+        per_call = self.served.shape.images_per_call
+        edits: dict[str, Any] = {}
+        pipe = None
+        if "inpainting" in found.genai_edits:
+            edits["inpainting"] = self._prepared(g.InpaintingPipeline, 1, adapters)
+            if found.denoiser == "unet":  # models shared (see the module's docstring)
+                edits["image2image"] = g.Image2ImagePipeline(edits["inpainting"])
+                pipe = g.Text2ImagePipeline(edits["inpainting"]) if per_call == 1 else None
+        if "image2image" in found.genai_edits and "image2image" not in edits:
+            edits["image2image"] = self._prepared(g.Image2ImagePipeline, 1, adapters)
+        if pipe is None:
+            pipe = self._prepared(g.Text2ImagePipeline, per_call, adapters)
+        worker = Worker(index=index, pipe=pipe, adapters={n: a for n, (a, _) in adapters.items()}, edits=edits)
+        # the first call of each pipeline and adapter pays for set-up: not a client
+        warm = [(self.served.name, ())] + [(n, ((n, alpha),)) for n, (_, alpha) in adapters.items()]
+        for name, chosen in warm:
+            self._call(worker, _warm_up(name, chosen), lambda *_: False, 0)
+        for kind in edits:
+            self._call(worker, _warm_up(self.served.name, (), kind, self.served.shape), lambda *_: False, 0)
         return worker
 
     def load(self, loop: asyncio.AbstractEventLoop, on_ready: Callable[[], None]) -> None:
@@ -254,8 +298,10 @@ class PipelinePool:
 
     def _generate(self, worker: Worker, job: Job) -> list[str]:
         """In a worker thread: the request's calls, stopped at the next step once the job is cancelled."""
+        import numpy as np
+
         req = job.request
-        per_call = self.served.shape.images_per_call
+        per_call = 1 if req.kind != "generation" else self.served.shape.images_per_call
 
         def on_step(step: int, num_steps: int, latent: Any) -> bool:
             job.steps_done += 1
@@ -263,46 +309,42 @@ class PipelinePool:
 
         images: list[Any] = []
         for k in range(math.ceil(req.n / per_call)):
-            t0 = time.perf_counter()
-            tensor = self._call(
-                worker, req.model, req.prompt, req.steps, req.seed + k, req.guidance_scale, req.negative_prompt, on_step
-            )
+            t0, done = time.perf_counter(), job.steps_done
+            tensor = self._call(worker, req, on_step, k)
             if job.should_stop():
                 self.metrics.cancelled.labels(job.reason).inc()
                 raise job.error()
-            self.metrics.step_seconds.observe((time.perf_counter() - t0) / req.steps)
-            images.extend(tensor.data)
+            self.metrics.step_seconds.observe((time.perf_counter() - t0) / max(1, job.steps_done - done))
+            images.extend(np.array(tensor.data))  # a copy: the next call writes into the same output tensor
         return [_png_b64(a) for a in images[: req.n]]
 
-    def _call(
-        self,
-        worker: Worker,
-        model: str,
-        prompt: str,
-        steps: int,
-        seed: int,
-        guidance: float,
-        negative: str | None,
-        callback: Callable[[int, int, Any], bool],
-    ) -> Any:
+    def _call(self, worker: Worker, req: ImageRequest, callback: Callable[[int, int, Any], bool], k: int) -> Any:
+        """Call ``k`` of ``req`` (seed ``rng_seed + k``) on the worker's pipeline of the request's kind."""
+        import openvino as ov
         import openvino_genai
 
         from xeonsd.modelfiles.concept_file import expand_prompt
 
         shape = self.served.shape
-        kwargs: dict[str, Any] = {} if negative is None else {"negative_prompt": negative}
-        return worker.pipe.generate(
-            expand_prompt(prompt, self.served.concept_tokens),
-            num_images_per_prompt=shape.images_per_call,
-            num_inference_steps=steps,
-            guidance_scale=guidance,
+        kwargs: dict[str, Any] = {} if req.negative_prompt is None else {"negative_prompt": req.negative_prompt}
+        kwargs.update(
+            num_inference_steps=req.steps,
+            guidance_scale=req.guidance_scale,
             height=shape.height,
             width=shape.width,
-            generator=openvino_genai.TorchGenerator(seed % SEEDS),
-            adapters=worker.configs[model],
+            generator=openvino_genai.TorchGenerator((req.seed + k) % SEEDS),
+            adapters=worker.adapter_config(req.adapters),
             callback=callback,
-            **kwargs,
         )
+        prompt = expand_prompt(req.prompt, self.served.concept_tokens)
+        if req.kind == "generation":
+            return worker.pipe.generate(prompt, num_images_per_prompt=shape.images_per_call, **kwargs)
+        if req.strength is not None:
+            kwargs["strength"] = req.strength
+        image = ov.Tensor(req.image[None])
+        if req.kind == "image2image":
+            return worker.edits["image2image"].generate(prompt, image, **kwargs)
+        return worker.edits["inpainting"].generate(prompt, image, ov.Tensor(req.mask[None]), **kwargs)
 
     # -- shutdown -----------------------------------------------------------------------------------------------
     def start_draining(self) -> None:
@@ -316,6 +358,33 @@ class PipelinePool:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _warm_up(
+    model: str, adapters: tuple[tuple[str, float], ...], kind: str = "generation", shape: Any = None
+) -> ImageRequest:
+    """A one-step request of ``kind`` that no client sent (a gray image, the mask's left half)."""
+    import numpy as np
+
+    image = mask = None
+    if kind != "generation":
+        image = np.full((shape.height, shape.width, 3), 128, np.uint8)
+        if kind == "inpainting":
+            mask = np.zeros_like(image)
+            mask[:, : shape.width // 2] = 255
+    return ImageRequest(
+        prompt="warm-up",
+        model=model,
+        n=1,
+        steps=WARMUP_STEPS,
+        seed=0,
+        guidance_scale=7.5,
+        negative_prompt=None,
+        adapters=adapters,
+        image=image,
+        mask=mask,
+        strength=1.0,
+    )
 
 
 def _png_b64(pixels: Any) -> str:

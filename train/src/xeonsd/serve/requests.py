@@ -9,13 +9,24 @@ in the access line: give one to reproduce an image), ``guidance_scale`` (> 1; de
 pipeline's, 7.5 for SD, 3.5 for FLUX.1), ``negative_prompt``, ``num_images_per_prompt`` (OVMS's name for ``n``), ``height`` and ``width`` (the static
 shape's, like ``size``). The OpenAI ``user`` is accepted and ignored; any other field is refused, naming it, as OVMS
 refuses the OpenAI fields that choose among a hosted model's options (``quality``, ``style``, ``background``, …).
+
+LoRA blends (docs/serving.md, "LoRA blends"): ``model`` may also be a composite in OVMS's ``--source_loras``
+syntax, ``@a:0.7+@b:0.3`` (each ``@NAME[:WEIGHT]`` a registered adapter; no weight: its ``--adapter`` alpha), and
+``lora_alphas`` (OVMS's field: ``{"NAME": WEIGHT}``) overrides the weights of the adapters ``model`` selects, as
+OVMS allows it: only those adapters. A weight is a finite number in -:data:`MAX_WEIGHT`..:data:`MAX_WEIGHT`.
+
+Edits (``POST /v3/images/edits``, :mod:`xeonsd.serve.edits`) take the same fields plus ``image``, ``mask`` and
+``strength`` (0 < strength <= 1, at least one of the steps run; absent: GenAI's default, 0.8 for
+image-to-image, 1 for inpainting); ``size`` there is the image's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,8 +49,13 @@ KNOWN = frozenset(
         "rng_seed",
         "guidance_scale",
         "negative_prompt",
+        "lora_alphas",
     }
 )
+EDIT_FIELDS = frozenset({"image", "mask", "strength"})
+DEFAULT_STRENGTH = {"image2image": 0.8, "inpainting": 1.0}  # GenAI's defaults for each pipeline
+MAX_WEIGHT = 4.0  # the largest |weight| of an adapter in a blend or lora_alphas
+COMPOSITE_PART = re.compile(r"^@([A-Za-z0-9][A-Za-z0-9._-]{0,63})(?::(.+))?$")
 
 
 class RequestError(ValueError):
@@ -71,6 +87,10 @@ class Limits:
     max_images: int
     max_steps: int
     guidance_scale: float  # a request's default: the family's pipeline's (FamilySpec.guidance_scale)
+    alphas: tuple[tuple[str, float], ...] = ()  # each registered adapter's --adapter alpha
+    family: str = "SD 1.x/2.x"  # the family's label, for the errors
+    edits: tuple[str, ...] = ()  # the edits the family's GenAI pipelines run (FamilySpec.genai_edits)
+    fused_only: bool = False  # the family takes no GenAI adapters: its LoRA is fused into the export
 
 
 @dataclass(frozen=True)
@@ -82,6 +102,22 @@ class ImageRequest:
     seed: int
     guidance_scale: float
     negative_prompt: str | None
+    adapters: tuple[tuple[str, float], ...] = ()  # the adapters applied with their weights; (): the base model
+    image: Any = None  # an edit's image: uint8 [height, width, 3]
+    mask: Any = None  # an inpainting's mask: uint8 [height, width, 3], white where the image is repainted
+    strength: float | None = None  # an edit's strength (None: a generation)
+
+    @property
+    def kind(self) -> str:
+        """``generation``, ``image2image`` or ``inpainting``: the pipeline that runs the request."""
+        if self.image is None:
+            return "generation"
+        return "image2image" if self.mask is None else "inpainting"
+
+    @property
+    def label(self) -> str:
+        """The metrics' model label: the model's name, or ``(blend)`` for a composite (its weights are free)."""
+        return "(blend)" if self.model.startswith("@") else self.model
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -119,24 +155,20 @@ def _text(body: dict[str, Any], key: str) -> str | None:
     return value
 
 
-def validate(body: dict[str, Any], limits: Limits) -> ImageRequest:
-    """The request ``body`` checked against the served model; the first bad field raises :class:`RequestError`."""
-    unknown = sorted(set(body) - KNOWN - IGNORED)
+def validate(body: dict[str, Any], limits: Limits, edit: bool = False) -> ImageRequest:
+    """The request ``body`` checked against the served model; the first bad field raises :class:`RequestError`.
+    ``edit``: an edit's fields, its ``image`` and ``mask`` already decoded and checked (:mod:`xeonsd.serve.edits`)."""
+    known = KNOWN | EDIT_FIELDS if edit else KNOWN
+    unknown = sorted(set(body) - known - IGNORED)
     if unknown:
-        raise RequestError(f"unknown field {unknown[0]!r}; this endpoint takes {', '.join(sorted(KNOWN))}", unknown[0])
+        raise RequestError(f"unknown field {unknown[0]!r}; this endpoint takes {', '.join(sorted(known))}", unknown[0])
     prompt = _text(body, "prompt")
     if prompt is None or not prompt.strip():
         raise RequestError("prompt is required and must not be empty", "prompt")
     model = body.get("model")
     if model is None:
         model = limits.models[0]
-    if model not in limits.models:
-        raise RequestError(
-            f"model {json.dumps(model)} is not served here; known models: {', '.join(limits.models)}",
-            "model",
-            status=404,
-            kind="model_not_found",
-        )
+    adapters = _adapters(model, body.get("lora_alphas"), limits)
     n = _int(body, "n", None, 1, limits.max_images, "--max-images")
     per_prompt = _int(body, "num_images_per_prompt", None, 1, limits.max_images, "--max-images")
     if n is not None and per_prompt is not None and n != per_prompt:
@@ -173,6 +205,7 @@ def validate(body: dict[str, Any], limits: Limits) -> ImageRequest:
             f"guidance_scale {guidance} is out of range: above 1 (the export runs classifier-free guidance) up to 50",
             "guidance_scale",
         )
+    strength = None if not edit else _edit_checks(body, limits, int(steps))  # type: ignore[arg-type]
     return ImageRequest(
         prompt=prompt,
         model=str(model),
@@ -181,4 +214,110 @@ def validate(body: dict[str, Any], limits: Limits) -> ImageRequest:
         seed=random.SystemRandom().randrange(2**32) if seed is None else seed,
         guidance_scale=float(guidance),
         negative_prompt=_text(body, "negative_prompt"),
+        adapters=adapters,
+        image=body.get("image") if edit else None,
+        mask=body.get("mask") if edit else None,
+        strength=strength,
     )
+
+
+def _weight(value: Any, what: str, param: str) -> float:
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RequestError(f"{what}: the weight must be a number, not {json.dumps(value)}", param)
+    if not -MAX_WEIGHT <= value <= MAX_WEIGHT:
+        raise RequestError(f"{what}: the weight {value:g} is out of range: -{MAX_WEIGHT:g}..{MAX_WEIGHT:g}", param)
+    return float(value)
+
+
+def _adapters(model: Any, overrides: Any, limits: Limits) -> tuple[tuple[str, float], ...]:
+    """The adapters ``model`` selects with their weights (``lora_alphas`` applied); () for the base model."""
+    alphas = dict(limits.alphas)
+    if not isinstance(model, str):
+        raise RequestError(f"model must be a string, not {json.dumps(model)}", "model")
+    if model.startswith("@"):
+        if limits.fused_only or not alphas:
+            why = (
+                f"OpenVINO GenAI applies no adapters to {limits.family}: serve an export with the LoRA fused in"
+                if limits.fused_only
+                else "this server has no adapters (xeonsd serve --adapter NAME=PATH registers one)"
+            )
+            raise RequestError(f"model {json.dumps(model)} is a LoRA blend, but {why}", "model")
+        chosen: dict[str, float] = {}
+        for part in model.split("+"):
+            m = COMPOSITE_PART.match(part.strip())
+            if m is None:
+                raise RequestError(f"model {json.dumps(model)}: {part!r} is not @NAME or @NAME:WEIGHT", "model")
+            name, weight = m[1], m[2]
+            if name not in alphas:
+                raise RequestError(
+                    f"model {json.dumps(model)}: no adapter {name!r}; registered: {', '.join(alphas)}", "model"
+                )
+            if name in chosen:
+                raise RequestError(f"model {json.dumps(model)}: adapter {name!r} is given twice", "model")
+            chosen[name] = alphas[name] if weight is None else _weight(weight, f"model {model}: @{name}", "model")
+    elif model in limits.models:
+        chosen = {model: alphas[model]} if model in alphas else {}
+    else:
+        raise RequestError(
+            f"model {json.dumps(model)} is not served here; known models: {', '.join(limits.models)} "
+            "(or a blend of the adapters: @NAME:WEIGHT+@NAME:WEIGHT)",
+            "model",
+            status=404,
+            kind="model_not_found",
+        )
+    if overrides is not None:
+        _override(chosen, overrides, model)
+    if len(chosen) > 1 or any(w != alphas[n] for n, w in chosen.items()):
+        param = "model" if overrides is None else "lora_alphas"
+        raise RequestError(
+            f"model {json.dumps(model)}{'' if overrides is None else ' with lora_alphas'}: LoRA blends and weights "
+            "other than the --adapter alphas are refused: OpenVINO GenAI 2026.4.1 applies several adapters, or "
+            "an adapter at another weight, wrongly (measured: docs/serving.md, LoRA blends)",
+            param,
+            code="unsupported",
+        )
+    return tuple(chosen.items())
+
+
+def _override(chosen: dict[str, float], overrides: Any, model: str) -> None:
+    """``lora_alphas`` applied to ``chosen`` (in place): only the adapters ``model`` selects, as OVMS allows."""
+    if not isinstance(overrides, dict):
+        raise RequestError(
+            f'lora_alphas must be an object {{"NAME": WEIGHT}}, not {json.dumps(overrides)}', "lora_alphas"
+        )
+    for name, weight in overrides.items():
+        if name not in chosen:
+            active = ", ".join(chosen) or "none (the base model)"
+            raise RequestError(
+                f"lora_alphas: {name!r} is not an adapter that model {json.dumps(model)} selects ({active}); "
+                "blend several with model @NAME:WEIGHT+@NAME:WEIGHT",
+                "lora_alphas",
+            )
+        chosen[name] = _weight(weight, f"lora_alphas {name!r}", "lora_alphas")
+
+
+def _edit_checks(body: dict[str, Any], limits: Limits, steps: int) -> float:
+    """An edit's family support and ``strength``."""
+    kind, param = ("inpainting", "mask") if body.get("mask") is not None else ("image2image", "image")
+    if body.get("image") is None:
+        raise RequestError("image is required: the PNG or JPEG to edit", "image")
+    if kind not in limits.edits:
+        runs = f"only {' and '.join(limits.edits)}" if limits.edits else "no edits"
+        raise RequestError(
+            f"{limits.family} has no {kind} in OpenVINO GenAI 2026.4.1 (it runs {runs})", param, code="unsupported"
+        )
+    strength = body.get("strength", DEFAULT_STRENGTH[kind])
+    if isinstance(strength, bool) or not isinstance(strength, int | float) or not math.isfinite(strength):
+        raise RequestError(f"strength must be a number, not {json.dumps(strength)}", "strength")
+    if not 0.0 < strength <= 1.0:
+        raise RequestError(f"strength {strength:g} is out of range: above 0, at most 1", "strength")
+    if int(steps * strength) < 1:  # GenAI runs int(steps * strength) of the steps
+        raise RequestError(
+            f"strength {strength:g} of num_inference_steps {steps} runs no step (GenAI runs int(steps x strength)); "
+            "give more steps or a higher strength",
+            "strength",
+        )
+    return float(strength)
