@@ -20,12 +20,13 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from xeonsd.modelfiles import families
+from xeonsd.flags import flag
 from xeonsd.openvino.generate_args import PRECISIONS
-from xeonsd.openvino.manifest import StaticShape, read_manifest, static_shape
-from xeonsd.openvino.pipelines import manifest_family, text_side
+
+if TYPE_CHECKING:
+    from xeonsd.openvino.manifest import StaticShape
 
 # Measured (docs/benchmarks.md, "Serving"): throughput is best with one worker per this many cores.
 CORES_PER_WORKER = 1
@@ -50,27 +51,126 @@ class AdapterSpec:
     alpha: float = 1.0
 
 
+def parse_adapter(spec: str) -> AdapterSpec:
+    """``NAME=PATH[:ALPHA]`` -> :class:`AdapterSpec`."""
+    from xeonsd.openvino.lora_files import parse_spec
+
+    name, sep, rest = spec.partition("=")
+    if not sep or not rest:
+        raise ServeError(f"--adapter {spec!r}: expected NAME=PATH[:ALPHA]")
+    if not NAME.match(name):
+        raise ServeError(f"--adapter {spec!r}: NAME must be letters, digits, '.', '_' or '-' (at most 64)")
+    path, alpha = parse_spec(rest)
+    return AdapterSpec(name=name, path=path, alpha=alpha)
+
+
+def parse_allow_from(text: str) -> tuple[Network, ...]:
+    """``CIDR[,CIDR...]`` (an address alone is its /32 or /128) -> the networks, or a :class:`ServeError`."""
+    networks = []
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            networks.append(ipaddress.ip_network(part))
+        except ValueError as e:
+            raise ServeError(
+                f"--allow-from {part!r}: not a network ({e}); give CIDR[,CIDR...], e.g. 10.0.0.0/24"
+            ) from None
+    return tuple(networks)
+
+
+def parse_workers(text: str) -> int | str:
+    """``--workers``: ``auto``, or a count (checked against the cores by :func:`resolve_workers`)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ServeError(f"--workers must be a positive count or auto, not {text!r}") from None
+
+
 @dataclass(frozen=True)
 class ServeOptions:
-    export_dir: Path
-    adapters: tuple[AdapterSpec, ...] = ()
-    host: str = "127.0.0.1"
-    port: int = 8000
-    workers: int | str = "auto"  # a count, or "auto" (auto_workers)
-    queue: int = 8  # requests that may wait for a free worker; past it: 429
-    timeout: float = 300.0  # seconds from arrival to the last step; past it the request is cancelled (504)
-    max_images: int = 4  # the largest n of one request
-    max_steps: int = 100  # the largest num_inference_steps of one request
-    drain: float = 0.0  # seconds a SIGTERM'd server stays out of rotation but answering, before it stops
-    name: str | None = None  # the base model's name (default: the export directory's name)
-    write_ovms_config: Path | None = None
-    precision: str = "auto"  # OpenVINO's inference precision at compile (generate_args.PRECISIONS)
-    api_key_file: Path | None = None  # the keys a request must give (xeonsd.serve.keys); None: no key needed
+    """What ``xeonsd serve`` serves and how; each field is its flag (:mod:`xeonsd.flags`, dashed names)."""
+
+    export_dir: Path = flag("directory written by `xeonsd export`", positional=True)
+    adapters: tuple[AdapterSpec, ...] = flag(
+        "register a LoRA file under NAME (a request's model picks it; repeat for several; ALPHA default 1.0)",
+        default=(),
+        name="--adapter",
+        action="append",
+        metavar="NAME=PATH[:ALPHA]",
+        convert=parse_adapter,
+    )
+    host: str = flag("address to listen on (default 127.0.0.1)", default="127.0.0.1")
+    api_key_file: Path | None = flag(
+        "one key per line, KEY or NAME:KEY: every route but /v2/health/* then needs Authorization: Bearer KEY "
+        "(else 401); SIGHUP reloads the file (default: no key; a warning when --host is beyond loopback)",
+        default=None,
+        metavar="FILE",
+    )
     # xeonsd.serve.limits: who may connect and how large, slow and frequent a request may be
-    allow_from: tuple[Network, ...] = ()  # the client networks let in (loopback always); (): any address
-    max_body_bytes: int = MAX_BODY_BYTES  # past it: 413
-    read_timeout: float = 30.0  # seconds for the headers, and for the body after them; past it: 408
-    rate_limit: int = 0  # requests per minute per API key (per address without keys); past it: 429; 0: no limit
+    allow_from: tuple[Network, ...] = flag(
+        "answer only clients in these networks (the front's address); others get 403 before any other work. "
+        "Loopback is always allowed, so the node's own checks work (default: any address)",
+        default=(),
+        cli_default=None,
+        type=str,
+        metavar="CIDR[,CIDR...]",
+        convert=parse_allow_from,
+    )
+    max_body_bytes: int = flag(
+        "the largest request body, by Content-Length or as it streams in; past it: 413 "
+        f"(default {MAX_BODY_BYTES}: two 1024 px PNGs of an image edit, with room to spare)",
+        default=MAX_BODY_BYTES,
+        metavar="N",
+    )
+    read_timeout: float = flag(
+        "the headers must arrive within this of the connection, the body within this of the headers; "
+        "else 408 and the connection is closed (default 30)",
+        default=30.0,
+        metavar="SECONDS",
+    )
+    rate_limit: int = flag(
+        "requests per minute per API key (per client address without --api-key-file), a burst of N; past it: "
+        "429 with Retry-After; the health checks and /metrics are not counted (default 0: no limit)",
+        default=0,
+        metavar="N",
+    )
+    port: int = flag("port (default 8000; 0: any free port)", default=8000)
+    workers: int | str = flag(
+        "pipelines generating at once, each on its share of the cores (auto: one per core, as many as "
+        "the memory holds; docs/serving.md)",
+        default="auto",
+        metavar="N|auto",
+        convert=parse_workers,
+    )
+    queue: int = flag("requests that may wait for a worker; past it: 429", default=8)
+    timeout: float = flag(
+        "seconds from arrival to the last step; past it the request is cancelled (504)",
+        default=300.0,
+        metavar="SECONDS",
+    )
+    drain: float = flag(
+        "on SIGTERM, report not ready but go on answering for this long, then finish the requests in flight "
+        "and stop (longer than a balancer's health check takes to see it: a rolling restart loses no request); "
+        "0: cancel them and stop at once",
+        default=0.0,
+        metavar="SECONDS",
+    )
+    max_images: int = flag("the largest n of a request", default=4, metavar="N")
+    max_steps: int = flag("the largest num_inference_steps", default=100, metavar="N")
+    name: str | None = flag("the base model's name in requests (default: the export directory's name)", default=None)
+    precision: str = flag(
+        "auto: OpenVINO's default (bf16 on a CPU with AMX or AVX512-BF16, f32 elsewhere); f32: always f32 "
+        "(slower there; the images then match PyTorch fp32 closely), as xeonsd generate --precision",
+        default="auto",
+        choices=PRECISIONS,
+    )
+    write_ovms_config: Path | None = flag(
+        "write an OpenVINO Model Server config (graph.pbtxt, config.json) serving the same export and "
+        "adapters to DIR, and exit",
+        default=None,
+        metavar="DIR",
+    )
 
 
 @dataclass
@@ -93,6 +193,8 @@ class ServedModel:
     @property
     def guidance_scale(self) -> float:
         """A request's default: the family's pipeline's (``FamilySpec.guidance_scale``)."""
+        from xeonsd.modelfiles import families
+
         return families.spec(self.family).guidance_scale
 
 
@@ -144,35 +246,9 @@ def resolve_workers(workers: int | str, cores: int, export_dir: Path | None = No
     return count
 
 
-def parse_adapter(spec: str) -> AdapterSpec:
-    """``NAME=PATH[:ALPHA]`` -> :class:`AdapterSpec`."""
-    from xeonsd.openvino.lora_files import parse_spec
-
-    name, sep, rest = spec.partition("=")
-    if not sep or not rest:
-        raise ServeError(f"--adapter {spec!r}: expected NAME=PATH[:ALPHA]")
-    if not NAME.match(name):
-        raise ServeError(f"--adapter {spec!r}: NAME must be letters, digits, '.', '_' or '-' (at most 64)")
-    path, alpha = parse_spec(rest)
-    return AdapterSpec(name=name, path=path, alpha=alpha)
-
-
-def parse_allow_from(text: str) -> tuple[Network, ...]:
-    """``CIDR[,CIDR...]`` (an address alone is its /32 or /128) -> the networks, or a :class:`ServeError`."""
-    networks = []
-    for part in (p.strip() for p in text.split(",")):
-        try:
-            networks.append(ipaddress.ip_network(part))
-        except ValueError as e:
-            raise ServeError(
-                f"--allow-from {part!r}: not a network ({e}); give CIDR[,CIDR...], e.g. 10.0.0.0/24"
-            ) from None
-    return tuple(networks)
-
-
 def check_options(opts: ServeOptions) -> None:
     """The limits and names, before the export is read."""
-    for flag, value, low in (
+    for option, value, low in (
         ("--queue", opts.queue, 0),
         ("--max-images", opts.max_images, 1),
         ("--max-steps", opts.max_steps, 1),
@@ -181,7 +257,7 @@ def check_options(opts: ServeOptions) -> None:
         ("--rate-limit", opts.rate_limit, 0),
     ):
         if value < low:
-            raise ServeError(f"{flag} must be at least {low}, not {value}")
+            raise ServeError(f"{option} must be at least {low}, not {value}")
     if opts.timeout <= 0:
         raise ServeError(f"--timeout must be positive, not {opts.timeout}")
     if not 0 < opts.read_timeout <= 3600:
@@ -200,6 +276,9 @@ def check_options(opts: ServeOptions) -> None:
 
 def read_export(opts: ServeOptions) -> tuple[dict[str, Any], StaticShape, str]:
     """The manifest, the static shape and the family; refuse an export GenAI cannot serve."""
+    from xeonsd.openvino.manifest import read_manifest, static_shape
+    from xeonsd.openvino.pipelines import manifest_family, text_side
+
     export_dir = Path(opts.export_dir)
     manifest = read_manifest(export_dir)
     shape = static_shape(manifest)
@@ -216,6 +295,7 @@ def read_export(opts: ServeOptions) -> tuple[dict[str, Any], StaticShape, str]:
 
 def prepare(opts: ServeOptions, workdir: Path) -> ServedModel:
     """Check the export and every adapter against it; write each adapter in GenAI's layout into ``workdir``."""
+    from xeonsd.modelfiles import families
     from xeonsd.openvino import lora_files
 
     check_options(opts)

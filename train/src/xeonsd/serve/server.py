@@ -208,30 +208,10 @@ def _key_ring(opts: ServeOptions) -> Any:
 
 
 def main_args(args: Any, console: TextIO | None = None) -> int:
-    """Entry point of ``xeonsd serve`` (parsed by :mod:`xeonsd.cli`)."""
-    from xeonsd.serve.options import parse_adapter, parse_allow_from
+    """Entry point of ``xeonsd serve`` (parsed by :mod:`xeonsd.cli` from :class:`ServeOptions`' fields)."""
+    from xeonsd.flags import from_args
 
-    workers: int | str = args.workers if args.workers == "auto" else _count(args.workers)
-    opts = ServeOptions(
-        export_dir=Path(args.export_dir),
-        adapters=tuple(parse_adapter(s) for s in args.adapter or []),
-        host=args.host,
-        port=args.port,
-        workers=workers,
-        queue=args.queue,
-        timeout=args.timeout,
-        max_images=args.max_images,
-        max_steps=args.max_steps,
-        drain=args.drain,
-        name=args.name,
-        write_ovms_config=None if args.write_ovms_config is None else Path(args.write_ovms_config),
-        precision=args.precision,
-        api_key_file=None if args.api_key_file is None else Path(args.api_key_file),
-        allow_from=() if args.allow_from is None else parse_allow_from(args.allow_from),
-        max_body_bytes=args.max_body_bytes,
-        read_timeout=args.read_timeout,
-        rate_limit=args.rate_limit,
-    )
+    opts = from_args(ServeOptions, args)
     if opts.write_ovms_config is not None:
         from xeonsd.serve.ovms import write_ovms_config
 
@@ -239,10 +219,3 @@ def main_args(args: Any, console: TextIO | None = None) -> int:
         print(out, file=console or sys.stdout)
         return 0
     return serve(opts, console)
-
-
-def _count(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ServeError(f"--workers must be a positive count or auto, not {text!r}") from None
