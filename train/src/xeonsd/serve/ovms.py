@@ -8,7 +8,10 @@ in current OVMS sources: a release without it refuses that graph). The adapters 
 GenAI applies (``DIR/adapters/<name>.safetensors``, converted as ``xeonsd serve`` converts them); the graphs point
 at the export by its absolute path. ``DIR/config.json`` lists the graphs: ``ovms --config_path DIR/config.json --rest_port 8000``.
 Each graph compiles a pipeline of its own (OVMS does not share one between graphs), and the static shape is the
-export's (``resolution``, ``num_images_per_prompt``, ``guidance_scale``: OVMS reshapes to it at load).
+export's (``resolution``, ``num_images_per_prompt``, ``guidance_scale``: OVMS reshapes to it at load). OVMS's
+``ImageGenCalculator`` answers ``/v3/images/edits`` (image-to-image, inpainting with a ``mask``) from the same
+graph, so the edits need nothing more here; the graphs register no ``composite_lora_adapters``, as ``xeonsd serve``
+refuses blends (:mod:`xeonsd.serve.requests`).
 """
 
 from __future__ import annotations
