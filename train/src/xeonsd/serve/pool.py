@@ -363,28 +363,13 @@ class PipelinePool:
 def _warm_up(
     model: str, adapters: tuple[tuple[str, float], ...], kind: str = "generation", shape: Any = None
 ) -> ImageRequest:
-    """A one-step request of ``kind`` that no client sent (a gray image, the mask's left half)."""
+    """A one-step request of ``kind`` that no client sent (a gray image; the mask: white, all repainted)."""
     import numpy as np
 
-    image = mask = None
-    if kind != "generation":
-        image = np.full((shape.height, shape.width, 3), 128, np.uint8)
-        if kind == "inpainting":
-            mask = np.zeros_like(image)
-            mask[:, : shape.width // 2] = 255
-    return ImageRequest(
-        prompt="warm-up",
-        model=model,
-        n=1,
-        steps=WARMUP_STEPS,
-        seed=0,
-        guidance_scale=7.5,
-        negative_prompt=None,
-        adapters=adapters,
-        image=image,
-        mask=mask,
-        strength=1.0,
-    )
+    image = None if kind == "generation" else np.full((shape.height, shape.width, 3), 128, np.uint8)
+    mask = None if kind != "inpainting" else np.full_like(image, 255)
+    edit = {"image": image, "mask": mask, "strength": 1.0}
+    return ImageRequest("warm-up", model, 1, WARMUP_STEPS, 0, 7.5, None, adapters, **edit)  # type: ignore[arg-type]
 
 
 def _png_b64(pixels: Any) -> str:
