@@ -1,9 +1,11 @@
-"""Generated bad input against a real ``xeonsd serve`` on the tiny export (hypothesis): any body gets a 200 or a 4xx
-with an OpenAI error object, never a 5xx, and the server goes on answering. Bounded for CI: a fixed number of
+"""Generated bad input against a real ``xeonsd serve`` on the tiny export (hypothesis): any JSON body to the
+generation routes, and any multipart body to the edit routes, gets a 200 or a 4xx with an OpenAI error object,
+never a 5xx, and the server goes on answering. Bounded for CI: a fixed number of
 examples, at most 2 steps and 2 images a request (``--max-steps``, ``--max-images``), one server for them all."""
 
 from __future__ import annotations
 
+import io
 import json
 from collections import Counter
 from collections.abc import Iterator
@@ -18,7 +20,7 @@ from serve_process import PROMPT, ServeProcess
 from xeonsd.serve.requests import KNOWN
 
 pytestmark = pytest.mark.xdist_group("xeonsd-serve")
-EXAMPLES = 120  # 12-20 s here (2-core Zen 5, one worker) besides the start; most bodies are refused early
+EXAMPLES = 120  # per property: 11-20 s here (2-core Zen 5, one worker); most bodies are refused early
 BOUNDED = settings(
     max_examples=EXAMPLES,
     deadline=None,  # a request's time is the server's; the test's bound is EXAMPLES
@@ -113,3 +115,69 @@ def test_any_json_body_gets_a_200_or_a_4xx_and_the_server_goes_on(server: ServeP
     )
     assert answer.status_code == 200
     assert not [ln for ln in server.lines if "Traceback" in ln]  # no request failed inside the server
+
+
+def _png(size: tuple[int, int], mode: str = "RGB") -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new(mode, size, 128 if mode == "L" else (90, 120, 200, 255)[: len(mode)]).save(out, format="PNG")
+    return out.getvalue()
+
+
+def _images() -> st.SearchStrategy:
+    """Files for ``image`` and ``mask``: PNGs of the export's size (64 px) or not, other modes, cut ones, noise."""
+    good = st.sampled_from([(64, 64, "RGB"), (64, 64, "L"), (64, 64, "RGBA"), (32, 64, "RGB"), (1, 1, "RGB")])
+    pngs = good.map(lambda t: _png((t[0], t[1]), t[2]))
+    return pngs | pngs.map(lambda b: b[: len(b) // 2]) | st.binary(max_size=100)
+
+
+EDIT_TEXT = {
+    "prompt": st.just(PROMPT) | st.text(max_size=20),
+    "strength": st.sampled_from(["0.5", "1", "0", "1.5", "nan", "x"]),
+    "n": st.sampled_from(["1", "2", "0", "1.0", ""]),
+    "num_inference_steps": st.sampled_from(["1", "2", "3", "-1"]),
+    "rng_seed": st.sampled_from(["0", "4294967296", "a"]),
+    "model": st.sampled_from(["base", "nope", "@base:0.5"]),
+    "size": st.sampled_from(["64x64", "32x32", "auto"]),
+    "lora_alphas": st.sampled_from(["{}", "[1]", "{", '{"x": 1}']),
+}
+edit_forms = st.tuples(
+    st.fixed_dictionaries({}, optional={"image": _images(), "mask": _images()}),
+    st.fixed_dictionaries(
+        {"prompt": EDIT_TEXT["prompt"]}, optional={k: v for k, v in EDIT_TEXT.items() if k != "prompt"}
+    )
+    | st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3),
+)
+
+
+@BOUNDED
+@given(form=edit_forms, raw=st.none() | st.binary(max_size=300))
+@example(form=({"image": _png((64, 64))}, {"prompt": PROMPT, "num_inference_steps": "1"}), raw=None)
+def _answers_any_edit(server: ServeProcess, form: tuple[dict, dict], raw: bytes | None) -> None:
+    """The property for the edit routes: a multipart form of generated files and fields, or ``raw`` bytes sent as a
+    multipart body."""
+    files, fields = form
+    url = f"{server.url}/v3/images/edits"
+    if raw is None:
+        multipart = {k: (f"{k}.png", v, "image/png") for k, v in files.items()}
+        answer = httpx.post(url, files=multipart or None, data=fields, timeout=60)
+    else:
+        headers = {"Content-Type": "multipart/form-data; boundary=xeonsd"}
+        answer = httpx.post(url, content=b"--xeonsd\r\n" + raw, headers=headers, timeout=60)
+    assert answer.status_code == 200 or 400 <= answer.status_code < 500, (answer.status_code, answer.text[:300])
+    EDIT_STATUSES[answer.status_code] += 1
+    if answer.status_code != 200:
+        assert answer.json()["error"]["message"]
+
+
+EDIT_STATUSES: Counter[int] = Counter()
+
+
+def test_any_multipart_edit_gets_a_200_or_a_4xx_and_the_server_goes_on(server: ServeProcess) -> None:
+    _answers_any_edit(server)
+    print(f"statuses of the generated edits: {dict(sorted(EDIT_STATUSES.items()))}")
+    assert EDIT_STATUSES[200] and EDIT_STATUSES[400], EDIT_STATUSES
+    assert server.proc.poll() is None
+    assert httpx.get(f"{server.url}/v2/health/ready", timeout=10).status_code == 200
+    assert not [ln for ln in server.lines if "Traceback" in ln]
