@@ -119,8 +119,8 @@ def test_each_worker_compiles_with_its_threads_and_the_precision(monkeypatch: py
     compiled: list[dict] = []
 
     class Pipe:
-        def __init__(self, path: str) -> None:
-            self.path = path
+        def __init__(self, source: str | Pipe) -> None:
+            self.source = source
 
         def reshape(self, *args) -> None:
             pass
@@ -131,7 +131,14 @@ def test_each_worker_compiles_with_its_threads_and_the_precision(monkeypatch: py
         def generate(self, *args, **kwargs) -> None:
             return None
 
-    fake = types.SimpleNamespace(Text2ImagePipeline=Pipe, AdapterConfig=lambda *a: a, TorchGenerator=lambda seed: seed)
+    # One class stands for the three pipelines; one made from another (GenAI's shared models) compiles nothing.
+    fake = types.SimpleNamespace(
+        Text2ImagePipeline=Pipe,
+        Image2ImagePipeline=Pipe,
+        InpaintingPipeline=Pipe,
+        AdapterConfig=lambda *a: a,
+        TorchGenerator=lambda seed: seed,
+    )
     monkeypatch.setitem(sys.modules, "openvino_genai", fake)
     served = ServedModel(Path("/x"), "base", "sd", StaticShape(1, 64, 64, 1), [])
     for precision, hint in (("f32", {"INFERENCE_PRECISION_HINT": "f32"}), ("auto", {})):
