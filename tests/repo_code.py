@@ -1,4 +1,4 @@
-"""The repository's paths and its Ansible code (filter and callback plugins, role modules and module_utils),
+"""The repository's paths and its Ansible code (plugins/: filters, callbacks, modules, action plugins, module_utils),
 imported the same way by every test that checks them without running Ansible."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from types import ModuleType
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
-_ANSIBLE_CODE = ("plugins/filter", "plugins/callback", "roles/*/module_utils", "roles/*/library")
+_ANSIBLE_CODE = ("plugins/filter", "plugins/callback", "plugins/module_utils", "plugins/modules", "plugins/action")
 
 
 def ansible_code(name: str) -> ModuleType:

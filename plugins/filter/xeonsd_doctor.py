@@ -16,17 +16,12 @@ import base64
 import json
 import re
 import statistics
-import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-# xeonsd's contracts (train/src/xeonsd/contracts: standard library only) from this repository's source tree.
-_SRC = str(Path(__file__).resolve().parents[2] / "train" / "src")
-if _SRC not in sys.path:
-    sys.path.insert(0, _SRC)
-from xeonsd.contracts import straggler_rule  # noqa: E402
+# xeonsd's standard-library-only parts, from the controller's venv (`make install`: see plugins/README.md).
+from xeonsd.contracts import straggler_rule
 
 # The straggler rule (its ratio and likely causes) is the trainer's, from the contracts imported above.
 STRAGGLER_RATIO: float = straggler_rule.STRAGGLER_RATIO

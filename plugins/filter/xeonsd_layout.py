@@ -3,7 +3,7 @@
 ``ranks_per_node: auto`` (cluster.yml) is the best layout that ``ansible-playbook doctor.yml -e tune_layout=true``
 measured on one node and stored on the controller (``runs/layout.json``); ``mpi_ranks: auto`` is the nodes × the
 ranks per node. The result's schema, its checks and the messages ("Fix: run … doctor.yml -e tune_layout=true") are
-xeonsd's: train/src/xeonsd/contracts/layout_result.py (standard library only), which this plugin loads from the repository.
+xeonsd's: train/src/xeonsd/contracts/layout_result.py (standard library only), which this plugin imports from the controller's venv.
 
     finetune_ranks_per_node: "{{ ranks_per_node | xeonsd_ranks_per_node(layout_file) }}"
     finetune_ranks: "{{ mpi_ranks | xeonsd_mpi_ranks(groups['cluster'], finetune_ranks_per_node) }}"
@@ -15,15 +15,10 @@ xeonsd's: train/src/xeonsd/contracts/layout_result.py (standard library only), w
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
-# xeonsd's contracts (train/src/xeonsd/contracts: standard library only) from this repository's source tree.
-_SRC = str(Path(__file__).resolve().parents[2] / "train" / "src")
-if _SRC not in sys.path:
-    sys.path.insert(0, _SRC)
-from xeonsd.contracts import layout_result as result_rules  # noqa: E402
+# xeonsd's standard-library-only parts, from the controller's venv (`make install`: see plugins/README.md).
+from xeonsd.contracts import layout_result as result_rules
 
 LayoutError = result_rules.LayoutError
 

@@ -2,7 +2,7 @@
 needs, and what HAProxy's statistics say of each node.
 
 What is served is xeonsd's contract (train/src/xeonsd/contracts/serve_plan.py, standard library only), which this
-plugin loads from the repository on the controller:
+plugin imports from the controller's venv:
 
     "{{ serve_run | xeonsd_serve_run_dir(runs_dir) }}": the run's directory (latest, a name, or a path)
     "{{ serve_adapters | xeonsd_serve_adapter_runs(serve_lora_alpha) }}": [{name, run, alpha}]
@@ -23,18 +23,13 @@ import csv
 import io
 import ipaddress
 import json
-import sys
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-# xeonsd's contracts (train/src/xeonsd/contracts: standard library only) from this repository's source tree.
-_SRC = str(Path(__file__).resolve().parents[2] / "train" / "src")
-if _SRC not in sys.path:
-    sys.path.insert(0, _SRC)
-from xeonsd.contracts import serve_plan  # noqa: E402
-from xeonsd.modelfiles import family_specs  # noqa: E402
-from xeonsd.serve import keys as serve_keys  # noqa: E402
+# xeonsd's standard-library-only parts, from the controller's venv (`make install`: see plugins/README.md).
+from xeonsd.contracts import serve_plan
+from xeonsd.modelfiles import family_specs
+from xeonsd.serve import keys as serve_keys
 
 ServePlanError = serve_plan.ServePlanError
 

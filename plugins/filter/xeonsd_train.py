@@ -21,26 +21,21 @@ export it gets and the generate arguments that load the result onto it).
 
 The methods and their files are defined once, in the package's ``train/src/xeonsd/contracts/method_names.py``, and
 what GenAI applies per family in ``train/src/xeonsd/modelfiles/family_specs.py`` (both standard library only),
-which this plugin loads from the repository on the controller.
+which this plugin imports from the controller's venv.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from ansible.module_utils.parsing.convert_bool import boolean
 
-# xeonsd's contracts and the trainer's flag table (standard library only) from this repository's source tree.
-_SRC = str(Path(__file__).resolve().parents[2] / "train" / "src")
-if _SRC not in sys.path:
-    sys.path.insert(0, _SRC)
-from xeonsd.contracts import method_names  # noqa: E402
-from xeonsd.modelfiles import family_specs  # noqa: E402
-from xeonsd.trainer import config as train_config  # noqa: E402
+# xeonsd's standard-library-only parts, from the controller's venv (`make install`: see plugins/README.md).
+from xeonsd.contracts import method_names
+from xeonsd.modelfiles import family_specs
+from xeonsd.trainer import config as train_config
 
 METHODS: tuple[str, ...] = method_names.METHODS
 METHOD_FILES: dict[str, dict] = method_names.METHOD_FILES

@@ -105,13 +105,13 @@ def _play(tmp_path: Path, run_dir: Path, wrapper: Path) -> Path:
 
 
 def _ansible_env(cli_env: dict) -> dict:
-    role = REPO / "roles" / "finetune"
+    plugins = REPO / "plugins"
     return {
         **mpi_env(cli_env),
         "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-        "ANSIBLE_LIBRARY": str(role / "library"),
-        "ANSIBLE_ACTION_PLUGINS": str(role / "action_plugins"),
-        "ANSIBLE_MODULE_UTILS": str(role / "module_utils"),
+        "ANSIBLE_LIBRARY": str(plugins / "modules"),
+        "ANSIBLE_ACTION_PLUGINS": str(plugins / "action"),
+        "ANSIBLE_MODULE_UTILS": str(plugins / "module_utils"),
         "ANSIBLE_PYTHON_INTERPRETER": str(VENV_BIN / "python"),
         "ANSIBLE_NOCOLOR": "1",
         "PYTHONUNBUFFERED": "1",

@@ -2,7 +2,7 @@
 """Ansible module: the state of a finetune job on the primary (progress while it runs, diagnosis when it failed).
 
 The reading and the diagnosis are the node's ``xeonsd jobstatus poll`` (xeonsd.jobs.watch, in the diffuser
-env, run through the mpi role's wrapper); this is the Ansible wrapper, and module_utils/xeonsd_joblog.py builds its
+env, run through the mpi role's wrapper); this is the Ansible wrapper, and plugins/module_utils/xeonsd_joblog.py builds its
 command line. The diagnosis reads the ranks' status files (``status/rank-<r>.json``, xeonsd.contracts.job_status):
 those gathered from every node by xeonsd_rank_status when ``rank_status`` is given, else this node's own.
 """
