@@ -1,11 +1,10 @@
 """The worker pool: ``--workers`` GenAI ``Text2ImagePipeline`` copies, a bounded queue in front, cancellation.
 
-* Each worker is a pipeline of its own, reshaped to the export's static shape and compiled with every registered
-  adapter (GenAI applies adapters only when they are given at compile time) and ``INFERENCE_NUM_THREADS`` = its
-  share of the cores. The Python binding of openvino-genai 2026.4.1 has no ``Text2ImagePipeline.clone()``, so a
-  copy is a second compile from the same files (memory grows with the workers; the compile runs once at start-up).
-  A request picks its adapter with ``generate(adapters=...)``: an empty ``AdapterConfig`` is the base model,
-  exactly, and switching needs no recompile.
+* Each worker holds, for the base model and each registered adapter, pipelines compiled with exactly that adapter
+  at its ``--adapter`` alpha (``INFERENCE_NUM_THREADS`` = the worker's share of the cores), and each call is given
+  that compile-time ``AdapterConfig``: GenAI never switches adapters on a pipeline, as switching is broken in
+  openvino-genai 2026.4.1 (every ``AdapterConfig.Mode``; base, A, base, A gives the base or a gray image the second
+  time: docs/serving.md, "LoRA blends"). The cost: a compile and a copy of the models per adapter and worker.
 * A request waits for a free worker in a queue of ``--queue`` places; with every worker busy and the queue full
   the answer is :class:`Busy` (429 with ``Retry-After``).
 * GenAI calls a step callback after each denoising step; returning True stops the generation there. Each request's
@@ -14,8 +13,7 @@
 * A request of ``n`` images runs ``ceil(n / images per call)`` calls of the static batch, call k with seed
   ``rng_seed + k`` (as ``xeonsd generate`` seeds its calls; modulo 2**32, GenAI's seed range), and returns the first
   ``n`` images.
-* A request's adapters are an ``AdapterConfig`` passed to ``generate`` (kept per worker): GenAI switches them
-  between calls without a recompile. (Blends are refused: :mod:`xeonsd.serve.requests`.)
+* A request runs on its adapter's pipelines; blends and other weights would each need a compile and are refused.
 * Edits (``FamilySpec.genai_edits``): GenAI 2026.4.1 reshapes the VAE encoder to the images per call but encodes one
   image ("Batch size must be 1"), so the edit pipelines are compiled for one image per call (an edit of ``n``
   images is ``n`` calls, seeds ``rng_seed + k``). A pipeline made from a compiled one shares its models; measured
@@ -103,23 +101,28 @@ class Job:
         return Cancelled(reason, messages.get(reason, reason))
 
 
+Chosen = tuple[tuple[str, float], ...]  # a request's adapters (name, weight); (): the base model
+
+
+@dataclass
+class Served:
+    """The pipelines of one served model on a worker, all compiled with ``config`` (None: the base model)."""
+
+    pipe: Any
+    config: Any
+    edits: dict[str, Any] = field(default_factory=dict)  # image2image / inpainting -> its pipeline
+
+
 @dataclass
 class Worker:
     index: int
-    pipe: Any
-    adapters: dict[str, Any]  # adapter name -> its openvino_genai.Adapter
-    edits: dict[str, Any] = field(default_factory=dict)  # image2image / inpainting -> its pipeline
-    configs: dict[tuple, Any] = field(default_factory=dict)  # the AdapterConfigs of the plain models, by key
+    models: dict[Chosen, Served]  # () and ((name, alpha),) of each registered adapter -> its pipelines
 
-    def adapter_config(self, adapters: tuple[tuple[str, float], ...]) -> Any:
-        """The AdapterConfig of ``adapters`` (name, weight); (): the base model, exactly (an empty config)."""
-        import openvino_genai
-
-        config = self.configs.get(adapters)
-        if config is None:
-            config = openvino_genai.AdapterConfig([(self.adapters[n], a) for n, a in adapters])
-            self.configs[adapters] = config
-        return config
+    def served(self, adapters: Chosen) -> Served:
+        found = self.models.get(adapters)
+        if found is None:  # requests.validate lets only these through
+            raise ValueError(f"no pipeline compiled for adapters {adapters!r}; compiled: {list(self.models)}")
+        return found
 
 
 class PipelinePool:
@@ -162,11 +165,9 @@ class PipelinePool:
         return self._waiting
 
     # -- start-up -----------------------------------------------------------------------------------------------
-    def _prepared(self, cls: Any, images: int, adapters: dict[str, Any]) -> Any:
-        """A GenAI pipeline of class ``cls`` over the export, reshaped to ``images`` per call and compiled with
-        every adapter registered."""
-        import openvino_genai
-
+    def _prepared(self, cls: Any, images: int, config: Any) -> Any:
+        """A GenAI pipeline of class ``cls`` over the export, reshaped to ``images`` per call and compiled with the
+        ``AdapterConfig`` ``config`` (None: no adapters)."""
         shape = self.served.shape
         pipe = cls(str(self.served.export_dir))
         if self.served.max_sequence_length is not None:  # before reshape, as xeonsd generate's genai engine does
@@ -175,14 +176,14 @@ class PipelinePool:
             pipe.set_generation_config(config)
         pipe.reshape(images, shape.height, shape.width, 7.5)
         props = {"INFERENCE_NUM_THREADS": self.threads, **PRECISIONS[self.precision]}
-        if adapters:
-            everything = openvino_genai.AdapterConfig([(a, alpha) for a, alpha in adapters.values()])
-            pipe.compile("CPU", adapters=everything, **props)
+        if config is not None:
+            pipe.compile("CPU", adapters=config, **props)
         else:
             pipe.compile("CPU", **props)
         return pipe
 
-    def _compile_one(self, index: int, adapters: dict[str, Any]) -> Worker:
+    def _compile_model(self, config: Any) -> Served:
+        """The pipelines of one served model, compiled with ``config``."""
         import openvino_genai as g
 
         from xeonsd.modelfiles.families import spec
@@ -192,21 +193,28 @@ class PipelinePool:
         edits: dict[str, Any] = {}
         pipe = None
         if "inpainting" in found.genai_edits:
-            edits["inpainting"] = self._prepared(g.InpaintingPipeline, 1, adapters)
+            edits["inpainting"] = self._prepared(g.InpaintingPipeline, 1, config)
             if found.denoiser == "unet":  # models shared (see the module's docstring)
                 edits["image2image"] = g.Image2ImagePipeline(edits["inpainting"])
                 pipe = g.Text2ImagePipeline(edits["inpainting"]) if per_call == 1 else None
         if "image2image" in found.genai_edits and "image2image" not in edits:
-            edits["image2image"] = self._prepared(g.Image2ImagePipeline, 1, adapters)
+            edits["image2image"] = self._prepared(g.Image2ImagePipeline, 1, config)
         if pipe is None:
-            pipe = self._prepared(g.Text2ImagePipeline, per_call, adapters)
-        worker = Worker(index=index, pipe=pipe, adapters={n: a for n, (a, _) in adapters.items()}, edits=edits)
-        # the first call of each pipeline and adapter pays for set-up: not a client
-        warm = [(self.served.name, ())] + [(n, ((n, alpha),)) for n, (_, alpha) in adapters.items()]
-        for name, chosen in warm:
-            self._call(worker, _warm_up(name, chosen), lambda *_: False, 0)
-        for kind in edits:
-            self._call(worker, _warm_up(self.served.name, (), kind, self.served.shape), lambda *_: False, 0)
+            pipe = self._prepared(g.Text2ImagePipeline, per_call, config)
+        return Served(pipe=pipe, config=config, edits=edits)
+
+    def _compile_one(self, index: int, adapters: dict[str, Any]) -> Worker:
+        import openvino_genai as g
+
+        models = {(): self._compile_model(None)}
+        for name, (adapter, alpha) in adapters.items():
+            models[((name, alpha),)] = self._compile_model(g.AdapterConfig([(adapter, alpha)]))
+        worker = Worker(index=index, models=models)
+        # the first call of each pipeline pays for set-up: not a client
+        for chosen, served in models.items():
+            name = chosen[0][0] if chosen else self.served.name
+            for kind in ("generation", *served.edits):
+                self._call(worker, _warm_up(name, chosen, kind, self.served.shape), lambda *_: False, 0)
         return worker
 
     def load(self, loop: asyncio.AbstractEventLoop, on_ready: Callable[[], None]) -> None:
@@ -326,25 +334,27 @@ class PipelinePool:
         from xeonsd.modelfiles.concept_file import expand_prompt
 
         shape = self.served.shape
+        served = worker.served(req.adapters)
         kwargs: dict[str, Any] = {} if req.negative_prompt is None else {"negative_prompt": req.negative_prompt}
+        if served.config is not None:  # its compile-time config: GenAI applies it once and never switches
+            kwargs["adapters"] = served.config
         kwargs.update(
             num_inference_steps=req.steps,
             guidance_scale=req.guidance_scale,
             height=shape.height,
             width=shape.width,
             generator=openvino_genai.TorchGenerator((req.seed + k) % SEEDS),
-            adapters=worker.adapter_config(req.adapters),
             callback=callback,
         )
         prompt = expand_prompt(req.prompt, self.served.concept_tokens)
         if req.kind == "generation":
-            return worker.pipe.generate(prompt, num_images_per_prompt=shape.images_per_call, **kwargs)
+            return served.pipe.generate(prompt, num_images_per_prompt=shape.images_per_call, **kwargs)
         if req.strength is not None:
             kwargs["strength"] = req.strength
         image = ov.Tensor(req.image[None])
         if req.kind == "image2image":
-            return worker.edits["image2image"].generate(prompt, image, **kwargs)
-        return worker.edits["inpainting"].generate(prompt, image, ov.Tensor(req.mask[None]), **kwargs)
+            return served.edits["image2image"].generate(prompt, image, **kwargs)
+        return served.edits["inpainting"].generate(prompt, image, ov.Tensor(req.mask[None]), **kwargs)
 
     # -- shutdown -----------------------------------------------------------------------------------------------
     def start_draining(self) -> None:
@@ -360,9 +370,7 @@ class PipelinePool:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
 
-def _warm_up(
-    model: str, adapters: tuple[tuple[str, float], ...], kind: str = "generation", shape: Any = None
-) -> ImageRequest:
+def _warm_up(model: str, adapters: Chosen, kind: str, shape: Any) -> ImageRequest:
     """A one-step request of ``kind`` that no client sent (a gray image; the mask: white, all repainted)."""
     import numpy as np
 

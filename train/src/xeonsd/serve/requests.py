@@ -274,8 +274,8 @@ def _adapters(model: Any, overrides: Any, limits: Limits) -> tuple[tuple[str, fl
         param = "model" if overrides is None else "lora_alphas"
         raise RequestError(
             f"model {json.dumps(model)}{'' if overrides is None else ' with lora_alphas'}: LoRA blends and weights "
-            "other than the --adapter alphas are refused: OpenVINO GenAI 2026.4.1 applies several adapters, or "
-            "an adapter at another weight, wrongly (measured: docs/serving.md, LoRA blends)",
+            "other than the --adapter alphas are refused: OpenVINO GenAI 2026.4.1 cannot switch adapters on a "
+            "compiled pipeline, so each would need a compile of its own (docs/serving.md, LoRA blends)",
             param,
             code="unsupported",
         )
