@@ -134,6 +134,15 @@ def test_two_ranks_learn_what_one_rank_with_double_batch_learns(tiny_model, data
     assert rows[-1]["stragglers"] == []
     assert stats["nodes"][0]["cores"] >= 1 and stats["nodes"][0]["threads"] >= 1  # the layout verdict's figures
     print(f"2 ranks, one node: cpu_util {stats['cpu_util']}, per rank {stats['ranks']}")
+    # Each rank's PSS, shared and private bytes in its status file (the last stats interval's); rank 0's node total
+    # in the metrics rows (after loading, and each interval) is their sum, and in the log.
+    ranks = [json.loads((two / "status" / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert all(s["pss_bytes"] > 0 and s["private_bytes"] > 0 and s["shared_bytes"] >= 0 for s in ranks)
+    (node,) = rows[-1]["memory"]["nodes"]
+    assert (node["node"], node["ranks"], node["pss_bytes"]) == ("here", [0, 1], sum(s["pss_bytes"] for s in ranks))
+    assert (
+        rows[0]["memory_loaded"]["nodes"][0]["measured_ranks"] == 2 and "memory after loading: here PSS" in proc.stderr
+    )
     v1, v2 = vectors(one), vectors(two)
     assert_learned(v1, tiny_model)
     torch.testing.assert_close(v2, v1, atol=1e-5, rtol=0)

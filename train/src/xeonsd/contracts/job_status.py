@@ -39,6 +39,7 @@ STATUS_DIR = "status"
 ATTEMPT_FILE = "attempt.json"
 EXIT_FILE = "exit.json"
 ATTEMPT_ENV = "XEONSD_ATTEMPT"
+MEMORY_FIELDS = ("pss_bytes", "shared_bytes", "private_bytes")  # RankStatus's memory figures
 STATES = ("starting", "running", "saving", "done", "failed", "interrupted")
 # Why a job was told to stop: SIGUSR1 is the launcher's warning before its time limit (Slurm's --signal), the
 # others an operator's, a scheduler's or mpirun's SIGTERM, or a Ctrl-C.
@@ -103,6 +104,11 @@ class RankStatus:
     attempt: int | None = None  # run.sh's attempt number (XEONSD_ATTEMPT); None when started by hand
     error: LastError | None = None
     stop: Stop | None = None  # state interrupted: how it stopped
+    # This rank's memory as the kernel shares it (xeonsd.cluster.memory), at the end of loading and at each stats
+    # interval: PSS, and the resident bytes shared with other processes and its own. None: not measured (yet).
+    pss_bytes: int | None = None
+    shared_bytes: int | None = None
+    private_bytes: int | None = None
     schema: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -110,6 +116,10 @@ class RankStatus:
             raise StatusFileError(f"state {self.state!r} is not one of {', '.join(STATES)}")
         if not 0 <= self.rank < self.world:
             raise StatusFileError(f"rank {self.rank} is out of range for world size {self.world}")
+        for name in MEMORY_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 0):
+                raise StatusFileError(f"{name} must be a number of bytes (an integer >= 0) or null, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """A rank's status file (``status/rank-<r>.json``, schema :class:`xeonsd.contracts.job_status.RankStatus`), as the
-trainer's rank keeps it: rewritten in place on every state change and after every step."""
+trainer's rank keeps it: rewritten in place on every state change, after every step, and with the rank's memory
+figures at the end of loading and at each stats interval."""
 
 from __future__ import annotations
 
@@ -41,6 +42,13 @@ class RankStatusFile:
             changes["error"] = error
         self.status = dataclasses.replace(self.status, **changes)
         self._write()
+
+    def record_memory(self, pss_bytes: int, shared_bytes: int, private_bytes: int) -> None:
+        """This rank's memory figures now (:mod:`xeonsd.cluster.memory`): kept until the next ones."""
+        self.status = dataclasses.replace(
+            self.status, pss_bytes=pss_bytes, shared_bytes=shared_bytes, private_bytes=private_bytes
+        )
+        self.update()
 
     def fail(self, kind: str, message: str, peer: str | None = None) -> None:
         self.update(state="failed", error=LastError(kind, message, peer))

@@ -1,4 +1,5 @@
-"""The cluster sections of ``report.html``: CPU use per node, where the step time goes, stragglers and cost.
+"""The cluster sections of ``report.html``: CPU use per node, where the step time goes, stragglers, the memory per
+node and cost.
 
 Figures come from :mod:`xeonsd.ops.run_view` (the same ones run.json gets); this module only lays them out.
 """
@@ -31,9 +32,45 @@ def cluster_sections(rows: list[dict], figs: dict) -> list[str]:
         sections.append(_cpu_use_section(rows, figs))
         sections.append(_time_split_section(rows, figs))
         sections.append(_stragglers_section(rows, figs))
+    memory = memory_section(rows)
+    if memory:
+        sections.append(memory)
     if figs["cost"]:
         sections += _cost_sections(figs["cost"])
     return sections
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def memory_section(rows: list[dict]) -> str:
+    """Each node's memory as the kernel shares it (xeonsd.cluster.memory): the sum of its ranks' PSS after loading
+    and at its highest over the steps, beside the sum of their RSS, which counts each shared page once per rank."""
+    loaded = {n["node"]: n for r in rows for n in r.get("memory_loaded", {}).get("nodes", [])}
+    peak: dict[str, tuple[dict, int]] = {}
+    for r in rows:
+        for n in r.get("memory", {}).get("nodes", []):
+            if n["node"] not in peak or n["pss_bytes"] > peak[n["node"]][0]["pss_bytes"]:
+                peak[n["node"]] = (n, r["step"])
+    if not loaded and not peak:
+        return ""
+    table = {}
+    for node in dict.fromkeys([*loaded, *peak]):
+        parts = []
+        if node in loaded:
+            n = loaded[node]
+            parts.append(f"after loading {_gb(n['pss_bytes'])} (RSS summed {_gb(n['rss_bytes'])})")
+        if node in peak:
+            n, step = peak[node]
+            parts.append(f"highest {_gb(n['pss_bytes'])} at step {step} (RSS summed {_gb(n['rss_bytes'])})")
+        n = peak.get(node, (loaded.get(node), 0))[0]
+        table[node] = f"PSS {' · '.join(parts)}, {n['measured_ranks']} rank(s), private {_gb(n['private_bytes'])}"
+    caption = (
+        "The sum of the PSS of each node's ranks: what the node holds for them, each page shared by several ranks "
+        "counted once. The sum of their RSS counts a shared page once per rank that maps it."
+    )
+    return f"<h2>Memory per node</h2><p>{caption}</p>{html_table(table)}"
 
 
 def _cpu_use_section(rows: list[dict], figs: dict) -> str:

@@ -25,6 +25,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from xeonsd.cluster.distributed import all_gather_floats, all_gather_strings, barrier, node_address
+from xeonsd.cluster.memory import RankMemory
 from xeonsd.cluster.rank_stats import Interval, RankClock, StragglerWatch, node_names, summarize
 from xeonsd.flops import allreduced_elements, count_attention
 from xeonsd.step_profile import flops_by_class, seconds_by_class
@@ -192,12 +193,22 @@ class RankStats:
         self.nodes = all_gather_strings(node_names().get(address, address), job.world)
         self.watch = StragglerWatch(job.run.cfg.straggler_cpu_util, job.run.cfg.straggler_ratio)
         self.layout_logged = False
-        self.pending: dict = {}
+        self.memory, self.status = RankMemory(job.cluster.info.rank), job.cluster.status
+        loaded = self.memory_rows("after loading")  # the models are loaded by now
+        self.pending: dict = {"memory_loaded": loaded} if loaded else {}
+
+    def memory_rows(self, when: str) -> dict:
+        """Every rank: its memory figures into its status file; the node totals (xeonsd.cluster.memory)."""
+        rows = self.memory.measure(self.world, self.nodes, when, self.status.record_memory)
+        return {"nodes": rows} if rows else {}
 
     def on_step_end(self, end: StepEnd) -> None:
         if end.step % self.every == 0 or end.step == self.last or end.stopping:
             with self.timeout.watch("all-gather of the ranks' statistics"):
                 self.gather()
+                memory = self.memory_rows(f"at step {end.step}")
+            if self.is_main and memory:
+                self.pending["memory"] = memory
 
     def gather(self) -> None:
         """Every rank takes part: one all-gather of each rank's interval sums."""
@@ -212,7 +223,8 @@ class RankStats:
                 log.warning("low CPU on every node: %s", verdict["layout_verdict"]["text"])
             w = self.watch
             thresholds = {"cpu_util": w.min_util, "compute_ratio": w.ratio, "intervals": w.intervals}
-            self.pending = {"rank_stats": {**summary, "thresholds": thresholds}, **verdict}
+            loaded = {k: v for k, v in self.pending.items() if k == "memory_loaded"}  # until the first row
+            self.pending = {**loaded, "rank_stats": {**summary, "thresholds": thresholds}, **verdict}
 
     def take_row(self) -> dict:
         row, self.pending = self.pending, {}
