@@ -105,16 +105,10 @@ def test_auto_workers_is_one_per_core_share_within_the_memory() -> None:
     assert auto_workers(64, weights=100 * gib, available=gib) == 1  # one worker, whatever the memory says
 
 
-def test_each_worker_compiles_with_its_threads_and_the_precision(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The compile properties GenAI gets (a stand-in records them): INFERENCE_NUM_THREADS, and with --precision f32
-    the f32 hint (auto leaves OpenVINO's default: bf16 on AMX or AVX512-BF16)."""
+def _genai_stand_in(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """openvino_genai replaced by a stand-in that records each compile's properties (the list returned)."""
     import sys
     import types
-
-    from xeonsd.openvino.manifest import StaticShape
-    from xeonsd.serve.metrics import Metrics
-    from xeonsd.serve.options import ServedModel
-    from xeonsd.serve.pool import PipelinePool
 
     compiled: list[dict] = []
 
@@ -140,6 +134,18 @@ def test_each_worker_compiles_with_its_threads_and_the_precision(monkeypatch: py
         TorchGenerator=lambda seed: seed,
     )
     monkeypatch.setitem(sys.modules, "openvino_genai", fake)
+    return compiled
+
+
+def test_each_worker_compiles_with_its_threads_and_the_precision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compile properties GenAI gets (a stand-in records them): INFERENCE_NUM_THREADS, and with --precision f32
+    the f32 hint (auto leaves OpenVINO's default: bf16 on AMX or AVX512-BF16)."""
+    from xeonsd.openvino.manifest import StaticShape
+    from xeonsd.serve.metrics import Metrics
+    from xeonsd.serve.options import ServedModel
+    from xeonsd.serve.pool import PipelinePool
+
+    compiled = _genai_stand_in(monkeypatch)
     served = ServedModel(Path("/x"), "base", "sd", StaticShape(1, 64, 64, 1), [])
     for precision, hint in (("f32", {"INFERENCE_PRECISION_HINT": "f32"}), ("auto", {})):
         compiled.clear()
@@ -151,3 +157,30 @@ def test_each_worker_compiles_with_its_threads_and_the_precision(monkeypatch: py
 
     with pytest.raises(ServeError, match="--precision 'f16': choose one of auto, f32"):
         check_options(ServeOptions(export_dir=Path("x"), precision="f16"))
+
+
+def test_workers_auto_budgets_every_compile_a_worker_makes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--workers auto counts the compiled copies a worker holds (options.compiled_copies) as the pool compiles them,
+    for every family, batch and adapter count (edits' pipelines share models on some), so memory is not
+    over-committed."""
+    from xeonsd.modelfiles.family_specs import SPECS
+    from xeonsd.openvino.manifest import StaticShape
+    from xeonsd.serve.metrics import Metrics
+    from xeonsd.serve.options import ServedModel, auto_workers, compiled_copies
+    from xeonsd.serve.pool import PipelinePool
+
+    compiled = _genai_stand_in(monkeypatch)
+    seen = set()
+    for family in SPECS:
+        for per_prompt in (1, 2):
+            for adapters in ({}, {"a": (Path("a"), 1.0), "b": (Path("b"), 0.5)}):
+                served = ServedModel(Path("/x"), "base", family, StaticShape(1, 64, 64, per_prompt), [])
+                served.adapters = dict(adapters)
+                compiled.clear()
+                pool = PipelinePool(served, workers=1, threads=1, queue=1, metrics=Metrics(), precision="auto")
+                pool._compile_one(0, {n: (object(), alpha) for n, (_, alpha) in adapters.items()})
+                assert len(compiled) == compiled_copies(served), (family, per_prompt, sorted(adapters))
+                seen.add(len(compiled))
+    assert len(seen) > 3, seen  # the count depends on the family, the batch and the adapters
+    gib = 1 << 30
+    assert auto_workers(16, gib, 32 * gib, copies=3) < auto_workers(16, gib, 32 * gib, copies=1)

@@ -9,8 +9,9 @@ text-encoder part cannot be switched per request (GenAI applies ``lora_te_`` to 
 
 ``--workers auto`` is :func:`auto_workers`: one worker per :data:`CORES_PER_WORKER` core(s), the count that gave
 the most images/s in ``xeonsd bench serve`` here (docs/benchmarks.md, "Serving"), and no more workers than the
-memory holds: each is a compiled copy of the pipeline, estimated at :data:`PIPELINE_MEMORY` times the weights
-it compiles, within :data:`MEMORY_SHARE` of the memory available.
+memory holds: each worker compiles the pipelines of the base and of every adapter (:func:`compiled_copies`), each
+copy estimated at :data:`PIPELINE_MEMORY` times the weights it compiles, within :data:`MEMORY_SHARE` of the memory
+available.
 """
 
 from __future__ import annotations
@@ -223,18 +224,37 @@ def weights_bytes(export_dir: Path) -> int:
     return sum(f.stat().st_size for f in files if f.is_file())
 
 
-def auto_workers(cores: int, weights: int = 0, available: int | None = None) -> int:
-    """One worker per CORES_PER_WORKER cores, as many as MEMORY_SHARE of ``available`` bytes holds."""
+def compiled_copies(served: ServedModel) -> int:
+    """The compiled copies of the models one worker holds (what ``--workers auto`` budgets memory for): per served
+    model (the base and each adapter) the pipelines ``PipelinePool._compile_model`` (serve/pool.py) compiles; the
+    pipelines made from a compiled one share its models."""
+    from xeonsd.modelfiles.family_specs import spec
+
+    found = spec(served.family)
+    per_model = 1  # the text-to-image pipeline, or the inpainting one it is made from
+    if "inpainting" in found.genai_edits:
+        if found.denoiser != "unet":  # nothing shared: image-to-image and text-to-image compile on their own
+            per_model += ("image2image" in found.genai_edits) + 1
+        elif served.shape.images_per_call != 1:  # the text-to-image pipeline's batch differs from the edits' one
+            per_model += 1
+    elif "image2image" in found.genai_edits:
+        per_model += 1
+    return per_model * (1 + len(served.adapters))
+
+
+def auto_workers(cores: int, weights: int = 0, available: int | None = None, copies: int = 1) -> int:
+    """One worker per CORES_PER_WORKER cores, as many as MEMORY_SHARE of ``available`` bytes holds, a worker
+    holding ``copies`` compiled copies of the ``weights`` (:func:`compiled_copies`)."""
     by_cores = max(1, cores // CORES_PER_WORKER)
     if not weights or available is None:
         return by_cores
-    return max(1, min(by_cores, int(available * MEMORY_SHARE // (weights * PIPELINE_MEMORY))))
+    return max(1, min(by_cores, int(available * MEMORY_SHARE // (weights * PIPELINE_MEMORY * copies))))
 
 
-def resolve_workers(workers: int | str, cores: int, export_dir: Path | None = None) -> int:
+def resolve_workers(workers: int | str, cores: int, export_dir: Path | None = None, copies: int = 1) -> int:
     if workers == "auto":
         weights = weights_bytes(export_dir) if export_dir is not None else 0
-        return auto_workers(cores, weights, memory_available())
+        return auto_workers(cores, weights, memory_available(), copies)
     try:
         count = int(workers)
     except (TypeError, ValueError):

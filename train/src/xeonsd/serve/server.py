@@ -23,7 +23,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from xeonsd.serve.options import ServeError, ServeOptions, cpu_count, prepare, resolve_workers
+from xeonsd.serve.options import ServeError, ServeOptions, compiled_copies, cpu_count, prepare, resolve_workers
 
 log = logging.getLogger(__name__)
 GRACE_S = 10  # seconds uvicorn waits for the connections of cancelled requests to close
@@ -122,10 +122,10 @@ def serve(opts: ServeOptions, console: TextIO | None = None) -> int:
     _access_logging()
     keys = _key_ring(opts)
     cores = cpu_count()
-    workers = resolve_workers(opts.workers, cores, Path(opts.export_dir))
-    threads = max(1, cores // workers)
     with tempfile.TemporaryDirectory(prefix="xeonsd-serve-") as workdir:
         served = prepare(opts, Path(workdir))
+        workers = resolve_workers(opts.workers, cores, Path(opts.export_dir), compiled_copies(served))
+        threads = max(1, cores // workers)
         metrics = Metrics()
         pool = PipelinePool(
             served, workers=workers, threads=threads, queue=opts.queue, metrics=metrics, precision=opts.precision
