@@ -31,7 +31,8 @@ def test_the_guard_lets_through_only_loopback_and_the_test_cluster() -> None:
         with pytest.raises(sr.SoakError, match=f"{outside} is outside loopback"):
             sr.guard_host(outside)
     with pytest.raises(sr.SoakError, match="expected http://HOST:PORT"):
-        sr.Target.from_url("https://127.0.0.1:8443")
+        sr.Target.from_url("ftp://127.0.0.1:8443")
+    assert sr.Target.from_url("https://localhost:8443", cafile="ca.pem").url == "https://localhost:8443"
     with pytest.raises(sr.SoakError, match="is outside loopback"):
         sr.Target.from_url("http://172.16.0.1:8000")
     assert sr.Target.from_url("http://127.0.0.1:8123").url == "http://127.0.0.1:8123"
@@ -45,7 +46,10 @@ def test_only_failures_while_the_node_was_down_and_no_more_than_its_in_flight_ar
     assert (
         met["met"] and met["failed_while_down"] == 2 and met["by_status"] == {"200": 1, "429": 1, "502": 1, "error": 1}
     )
+    assert met["failed_while_down_sent_after_kill"] == 0
     assert not sr.account(ok + down, down=(10.0, 20.0), allowance=1)["met"]  # more than were in flight
+    after = sr.account([*down, sr.Record(11.0, 12.0, "503", "base")], down=(10.0, 20.0), allowance=2)
+    assert not after["met"] and after["failed_while_down_sent_after_kill"] == 1
     outside = sr.account(ok + down + late, down=(10.0, 20.0), allowance=2)
     assert not outside["met"] and outside["unexpected_failures"] == {"500": 1}
     assert not sr.account(ok + down, down=None, allowance=0)["met"]  # no kill: no failure allowed
@@ -104,14 +108,18 @@ def test_a_mini_soak_answers_200_or_429_and_sees_the_killed_server_come_back(ov_
     statuses, kill = report["statuses"], report["kill"]
     assert statuses["by_status"].get("200", 0) > 0 and statuses["sent"] == sum(statuses["by_status"].values())
     assert set(statuses["by_status"]) <= {"200", "429", *statuses["failed_while_down_by_status"]}
-    assert statuses["met"] and not statuses["unexpected_failures"]
+    # failures only while the node was down; whether they stayed within its in-flight count is the run's verdict,
+    # printed, not asserted (HAProxy sends requests to it until its check fails: docs/benchmarks.md, the soak)
+    assert not statuses["unexpected_failures"] and statuses["failed_while_down"] == sum(
+        statuses["failed_while_down_by_status"].values()
+    )
     assert kill["server"] == 0 and kill["seen_down"] and kill["recovered"] and kill["back_s"] > kill["at_s"]
     assert report["roll"]["skipped"] == "no --adapter NAME=PATH to roll out"
     killed, other = report["processes"][0], report["processes"][1]
     assert killed["ended"] == "SIGKILL" and other["server"] == 1
     for process in (killed, other):
         assert process["first"]["rss_kib"] > 10_000 and process["first"]["fds"] > 3 and process["last"] is not None
-    assert report["server_exit_codes"] == [0, 0] and rc == (0 if report["memory_met"] is not False else 1)
+    assert report["server_exit_codes"] == [0, 0] and rc == (0 if statuses["met"] and report["memory_met"] else 1)
     assert "failures while it was down" in report["table"] and "RSS" in report["table"]
 
 

@@ -231,7 +231,8 @@ def _add_soak_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--rss-bound", type=float, default=10.0, help="allowed RSS growth, %% (default 10)")
     g.add_argument("--fd-bound", type=int, default=16, help="allowed growth of open descriptors (default 16)")
     g.add_argument("--seed", type=int, default=0, help="of the arrival times (default 0)")
-    g.add_argument("--front", metavar="URL", help="an existing front (http://, loopback or 10.231.0.0/16)")
+    g.add_argument("--front", metavar="URL", help="an existing front (http(s)://, loopback or 10.231.0.0/16)")
+    g.add_argument("--cacert", help="--front https://: the CA that signed its certificate")
     g.add_argument("--api-key-file", help="--front: its key file (the first key is sent)")
     for what in ("kill", "restart", "roll"):
         g.add_argument(f"--{what}-cmd", metavar="CMD", help=f"--front: the command that does the {what}")

@@ -4,10 +4,10 @@ one server is killed and an adapter is rolled out; what was answered, how fast, 
 Locally (the default) it starts ``--servers`` ``xeonsd serve`` processes on loopback ports (``--drain``, as
 serve.yml runs them) behind an HAProxy of its own on loopback, configured as roles/serve_frontend's template
 balances and checks (leastconn, ``/v2/health/ready`` every second, retries on a refused connection, an empty
-answer or 503). With ``--front URL`` it loads an existing front (the test cluster's); the kill, the restart and
-the roll are then the commands ``--kill-cmd``, ``--restart-cmd`` and ``--roll-cmd`` (skipped, with a note, when
-not given), and the servers' memory is not measured. Only loopback and the test cluster's network (10.231.0.0/16)
-are accepted as targets.
+answer or 503). With ``--front URL`` it loads an existing front (the test cluster's; ``https://`` with
+``--cacert``; a key from ``--api-key-file``); the kill, the restart and the roll are then the commands
+``--kill-cmd``, ``--restart-cmd`` and ``--roll-cmd`` (skipped, with a note, when not given), and the servers'
+memory is not measured. Only loopback and the test cluster's network (10.231.0.0/16) are accepted as targets.
 
 1. Capacity: the bench's closed loop (``--capacity-requests`` requests from 2 clients per worker), images/s.
 2. Load: Poisson arrivals at ``--overload`` (2) times that many requests per second, each sent whatever the others
@@ -87,6 +87,7 @@ class Life:
     serving: threading.Event = field(default_factory=threading.Event)
     in_rotation_s: float | None = None
     ended: str = "running"
+    stopping: bool = False  # signalled: no more samples (a draining process closes its sockets, frees memory)
     ended_s: float | None = None
     samples: list[dict[str, Any]] = field(default_factory=list)
 
@@ -101,6 +102,7 @@ class LocalFleet:
         self.lives: list[Life] = []
         self.current: list[Life] = []
         self.haproxy: subprocess.Popen | None = None
+        self.sampling = threading.Lock()
         self.t0 = time.monotonic()
 
     def now(self) -> float:
@@ -195,6 +197,7 @@ class LocalFleet:
         old = self.current[i]
         in_flight = int(self.stats().get(f"s{i}", {}).get("scur") or 0)
         at = self.now()
+        self.last_sample(old)
         old.proc.send_signal(signal.SIGKILL)
         old.proc.wait()
         old.ended, old.ended_s = "SIGKILL", self.now()
@@ -206,13 +209,14 @@ class LocalFleet:
             self._wait_up(life)
         except sr.SoakError as exc:  # reported: the run goes on with the other servers
             log.error("%s", exc)
-        recovered = life.in_rotation_s is not None
+        back, seen = life.in_rotation_s, watch["seen_down"]
         return {
             "server": i,
             "at_s": at,
             "in_flight": in_flight,
-            "seen_down": watch["seen_down"],
-            "recovered": recovered,
+            "seen_down": seen,
+            "back_s": back,
+            "recovered": bool(back),
         }
 
     def roll(self, adapter: str) -> list[dict[str, Any]]:
@@ -221,6 +225,7 @@ class LocalFleet:
         for i in range(len(self.current)):
             old = self.current[i]
             stop_s = self.now()
+            self.last_sample(old)
             old.proc.terminate()
             rc = old.proc.wait(self.args.drain + self.args.request_timeout + 30)
             old.ended, old.ended_s = f"SIGTERM, exit {rc}", self.now()
@@ -231,12 +236,21 @@ class LocalFleet:
         return done
 
     def sample(self) -> None:
-        for life in self.lives:
-            if life.ended == "running" and (f := sr.figures(life.proc.pid)) is not None:
+        with self.sampling:
+            for life in self.lives:
+                if not life.stopping and (f := sr.figures(life.proc.pid)) is not None:
+                    life.samples.append({"t_s": self.now(), **f})
+
+    def last_sample(self, life: Life) -> None:
+        """The last sample of a process about to be signalled."""
+        with self.sampling:
+            if (f := sr.figures(life.proc.pid)) is not None:
                 life.samples.append({"t_s": self.now(), **f})
+            life.stopping = True
 
     def close(self) -> list[int]:
         for life in self.current:
+            self.last_sample(life)
             with contextlib.suppress(ProcessLookupError):
                 life.proc.terminate()
         codes = []
@@ -261,19 +275,13 @@ def capacity(target: sr.Target, args: argparse.Namespace) -> dict[str, Any]:
     run = load(target, clients, args.capacity_requests, args.request_timeout, body)
     if not run["latencies"]:
         raise sr.SoakError(f"measuring the capacity: no request was answered 200 (statuses: {run['failed']})")
-    per_s = len(run["latencies"]) / run["wall_s"]
-    return {
-        "clients": clients,
-        "requests": len(run["latencies"]),
-        "requests_per_s": per_s,
-        "images_per_s": run["images_per_s"],
-    }
+    n = len(run["latencies"])
+    return {"clients": clients, "requests": n, "requests_per_s": n / run["wall_s"], "images_per_s": run["images_per_s"]}
 
 
 def _kill(fleet: LocalFleet | None, args: argparse.Namespace, t0: float) -> dict[str, Any]:
     if fleet is not None:
-        kill = fleet.kill(0)
-        return {**kill, "back_s": fleet.current[0].in_rotation_s}
+        return fleet.kill(0)
     kill = sr.command("kill", args.kill_cmd, t0)
     if "skipped" not in kill:
         restart = sr.command("restart", args.restart_cmd, t0)
@@ -346,7 +354,7 @@ def _load_with_faults(target: sr.Target, fleet: LocalFleet | None, args: argpars
 
 def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     key = Path(args.api_key_file).read_text().split()[0].rpartition(":")[2] if args.api_key_file else None
-    target = sr.Target.from_url(args.front, key) if args.front else sr.Target("127.0.0.1", 0)
+    target = sr.Target.from_url(args.front, key, args.cacert) if args.front else sr.Target("127.0.0.1", 0)
     loadavg = [os.getloadavg()]
     with tempfile.TemporaryDirectory(prefix="xeonsd-soak-") as tmp:
         fleet = None if args.front else LocalFleet(args, Path(tmp))

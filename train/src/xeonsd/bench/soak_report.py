@@ -16,6 +16,7 @@ import os
 import random
 import shlex
 import socket
+import ssl
 import statistics
 import subprocess
 import threading
@@ -85,33 +86,43 @@ def command(what: str, cmd: str | None, t0: float) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Target:
-    """Where the load goes: a front's address (an IP the guard let through) and port, plain HTTP."""
+    """Where the load goes: a front's address (an IP the guard let through) and port; over TLS, the name its
+    certificate is checked against (every address that name resolves to was let through) and the CA to trust."""
 
     host: str
     port: int
     key: str | None = None  # an API key, sent as Authorization: Bearer
+    tls_name: str | None = None  # None: plain HTTP
+    cafile: str | None = None
 
     @classmethod
-    def from_url(cls, url: str, key: str | None = None) -> Target:
+    def from_url(cls, url: str, key: str | None = None, cafile: str | None = None) -> Target:
         parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise SoakError(f"--front {url!r}: expected http://HOST:PORT (plain HTTP, the front's address)")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise SoakError(f"--front {url!r}: expected http://HOST:PORT or https://HOST:PORT (the front's address)")
         try:
-            port = parts.port or 80
+            port = parts.port or (443 if parts.scheme == "https" else 80)
         except ValueError:
             raise SoakError(f"--front {url!r}: the port is not a number from 1 to 65535") from None
-        return cls(guard_host(parts.hostname), port, key)
+        tls_name = parts.hostname if parts.scheme == "https" else None
+        return cls(guard_host(parts.hostname), port, key, tls_name, cafile)
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"https://{self.tls_name}:{self.port}" if self.tls_name else f"http://{self.host}:{self.port}"
+
+    def _connection(self, timeout: float) -> http.client.HTTPConnection:
+        if self.tls_name is None:
+            return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        context = ssl.create_default_context(cafile=self.cafile)
+        return http.client.HTTPSConnection(self.tls_name, self.port, timeout=timeout, context=context)
 
     def post(self, body: dict[str, Any], timeout: float) -> tuple[int | str, float]:
         """One image request on a new connection: (status, or ERROR without an answer; seconds)."""
         headers = {"Content-Type": "application/json"}
         if self.key:
             headers["Authorization"] = f"Bearer {self.key}"
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        conn = self._connection(timeout)
         t0 = time.perf_counter()
         try:
             conn.request("POST", "/v3/images/generations", json.dumps(body), headers)
@@ -191,6 +202,7 @@ def account(records: Sequence[Record], down: tuple[float, float] | None, allowan
         "by_status": dict(sorted(by_status.items())),
         "failed_while_down": len(while_down),
         "failed_while_down_by_status": dict(sorted(Counter(r.status for r in while_down).items())),
+        "failed_while_down_sent_after_kill": sum(r.sent_s > down[0] for r in while_down) if down else 0,
         "in_flight_at_kill": allowance,
         "unexpected_failures": dict(sorted(unexpected.items())),
         "met": not unexpected and len(while_down) <= allowance,
@@ -319,7 +331,8 @@ def format_report(r: dict[str, Any]) -> str:
             + (f"back in rotation at {kill['back_s']:.1f} s" if kill["recovered"] else "NOT back in rotation")
         )
     lines.append(
-        f"failures while it was down: {st['failed_while_down']} (allowed: the {st['in_flight_at_kill']} in flight); "
+        f"failures while it was down: {st['failed_while_down']} ({st['failed_while_down_sent_after_kill']} sent after "
+        f"the kill; allowed: the {st['in_flight_at_kill']} in flight at it); "
         f"unexpected: {st['unexpected_failures'] or 'none'}; statuses {'met' if st['met'] else 'NOT met'}"
     )
     roll = r["roll"]
