@@ -64,7 +64,7 @@ MANY_IMAGES = 1000
 
 
 def make_many_images(assets_dir: Path) -> Path:
-    """A real data set's size (issue 18): MANY_IMAGES tiny captioned images of mixed sizes and aspect ratios at
+    """A real data set's size: MANY_IMAGES tiny captioned images of mixed sizes and aspect ratios at
     <assets_dir>/many (made once), `xeonsd make-dataset --count 1000 --sizes mixed` as a user would."""
     out = assets_dir / "many"
     if not (out / "metadata.jsonl").exists():

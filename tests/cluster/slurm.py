@@ -4,7 +4,7 @@ The Slurm itself is the slurm role's (provision.yml with tests/cluster/slurm_rol
 a slurmd per node, started directly, on the role's default paths, which the test cluster keeps private to each
 node). What a site runs beside it, and the role does not install, starts here on the host: MariaDB and slurmdbd
 (`SlurmCluster.start_accounting`), so that `sacct` has the jobs' accounting as on a real site. What works in network
-namespaces on one machine (checked by hand, issue 21): cgroup v1, ProctrackType=proctrack/linuxproc,
+namespaces on one machine (checked by hand): cgroup v1, ProctrackType=proctrack/linuxproc,
 TaskPlugin=task/none, and the nodes' CPUs and memory taken from slurm.conf (config_overrides: the nodes share the
 host's 2 cores).
 """

@@ -1,6 +1,6 @@
 """finetune.yml with a FLUX.1 base model on the real 4-node test cluster: tiny-flux staged as another base model, a
 LoRA trained with rectified flow over the ranks, the FLUX base exported and the images generated with the adapter
-through GenAI (issue 33's cluster test)."""
+through GenAI."""
 
 from __future__ import annotations
 

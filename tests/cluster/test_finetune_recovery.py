@@ -130,7 +130,7 @@ def test_sigterm_stops_at_a_checkpoint_a_killed_node_fails_the_play_and_resume_f
     the ranks agreed on; resume=latest continues from it until a node is killed; resume=latest again finishes from
     the same checkpoint (nothing was saved after it: checkpoints only on a stop).
 
-    The run trains on a real data set's size (issue 18): 1,000 captioned images of mixed aspect ratios, staged by
+    The run trains on a real data set's size: 1,000 captioned images of mixed aspect ratios, staged by
     the dataset role, with aspect-ratio buckets and finetune_latent_cache_dir on each node's own disk. Attempt 1
     builds the latent cache in shards (each rank encodes only its images, each node's writer keeps the files);
     attempts 2 and 3 encode nothing; the summary gives the time to the first step; a rank's peak memory stays far

@@ -1,4 +1,4 @@
-"""finetune.yml and serve.yml with a Z-Image base model on the real 4-node test cluster (issue 41's cluster test):
+"""finetune.yml and serve.yml with a Z-Image base model on the real 4-node test cluster:
 tiny-zimage staged as another base model, a LoRA trained with Z-Image's flow objective over the ranks, and, because
 OpenVINO GenAI applies no adapters to Z-Image, the adapter fused into the run's own export (not the base model's
 shared one); the images generated from it, and serve.yml serving that export alone behind the front."""

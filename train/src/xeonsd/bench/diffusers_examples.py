@@ -1,4 +1,4 @@
-"""diffusers' own example training scripts as a ``bench train`` variant, for issue 36's target of twice their speed.
+"""diffusers' own example training scripts as a ``bench train`` variant, for the target of twice their speed (bench/targets.py).
 
 Which script matches a method and family, its flags for the same model, images, resolution, precision, seed and
 step count as the ``xeonsd train`` runs beside it, and the runner that times its steps:

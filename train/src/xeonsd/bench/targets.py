@@ -1,4 +1,4 @@
-"""The training step's targets (issue 36), and whether a ``bench train`` run met them on the CPU it ran on.
+"""The training step's targets, and whether a ``bench train`` run met them on the CPU it ran on.
 
 - On AMX, the optimized step runs at least :data:`AMX_SHARE` of the bf16 matmul peak on counted FLOPs (textual
   inversion and LoRA at 512 px on SD 1.5, SDXL LoRA at 1024 px). A CPU without AMX cannot judge it: its bf16 is
@@ -15,7 +15,7 @@ AMX_SHARE = 0.45
 DIFFUSERS_SPEEDUP = 2.0
 
 
-# The families the targets were set for (issue 36); the flow transformers have no target yet, their figures stand alone.
+# The families the targets were set for; the flow transformers have no target yet, their figures stand alone.
 TARGET_FAMILIES = ("sd", "sdxl")
 # The (method, family) jobs the speed target names: textual inversion and LoRA on SD 1.5, LoRA on SDXL.
 SPEED_JOBS = (("textual_inversion", "sd"), ("lora", "sd"), ("lora", "sdxl"))
