@@ -57,12 +57,14 @@ def tls_dir(cluster: Cluster) -> Path:
 
 class Front:
     """The front's HTTPS address from this machine (the bridge reaches node1's address), trusting the CA serve.yml
-    made; ``key``: the API key sent as ``Authorization: Bearer``."""
+    made; ``key``: the API key sent as ``Authorization: Bearer``; ``stats_tls``: serve.yml ran with a
+    serve_stats_password, so the statistics page speaks TLS (on node1's loopback too, without the password)."""
 
-    def __init__(self, cluster: Cluster, key: str | None = None) -> None:
+    def __init__(self, cluster: Cluster, key: str | None = None, stats_tls: bool = False) -> None:
         self.cluster, self.key = cluster, key
         self.url = f"https://{cluster.address(1)}:8443"
-        self.stats_url = "http://127.0.0.1:8404/stats;csv"  # on node1 itself (no serve_stats_password: loopback)
+        # read on node1 itself: its loopback needs no password (-k: the CA stays on this machine)
+        self.stats_url = f"{'https' if stats_tls else 'http'}://127.0.0.1:8404/stats;csv"
 
     @property
     def ca(self) -> ssl.SSLContext:
@@ -103,7 +105,7 @@ class Front:
         return 200, Image.open(io.BytesIO(base64.b64decode(data["data"][0]["b64_json"])))
 
     def states(self) -> dict[str, str]:
-        csv = self.cluster.ssh("node1", f"curl -sf '{self.stats_url}'", timeout=30).stdout
+        csv = self.cluster.ssh("node1", f"curl -skf '{self.stats_url}'", timeout=30).stdout
         return ansible_code("xeonsd_serve").haproxy_servers(csv, "xeonsd_serve")
 
 

@@ -79,7 +79,7 @@ def test_serve_yml_behind_one_front_survives_a_killed_node_and_rolls_out_a_secon
 ) -> None:
     runs = controller_runs(provisioned)
     shape = json.loads((runs / "lora" / "openvino" / "xeonsd_export.json").read_text())["static_shape"]
-    front = Front(provisioned, key=KEYS[0]["key"])
+    front = Front(provisioned, key=KEYS[0]["key"], stats_tls=True)
 
     def serve(name: str, *args: str, keys: list[dict] = KEYS) -> PlaybookRun:
         security = json.dumps({"serve_api_keys": keys, "serve_stats_password": STATS_PASSWORD})
@@ -122,9 +122,8 @@ def test_serve_yml_behind_one_front_survives_a_killed_node_and_rolls_out_a_secon
         client.start()
         try:
             wait_for(lambda: len(client.codes) >= 1, 120, "the client's first answer")
-            serve(
-                "serve-second-adapter", "-e", json.dumps({"serve_adapters": {"second": {"run": "lora", "alpha": 0.5}}})
-            )
+            second = json.dumps({"serve_adapters": {"second": {"run": "lora", "alpha": 0.5}}})
+            serve("serve-second-adapter", "-e", second, keys=ROTATED)  # the keys stay the rotated ones
         finally:
             client.stop.set()
             client.join(timeout=180)
