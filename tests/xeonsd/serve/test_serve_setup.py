@@ -161,7 +161,7 @@ def test_each_worker_compiles_with_its_threads_and_the_precision(monkeypatch: py
 
 def test_workers_auto_budgets_every_compile_a_worker_makes(monkeypatch: pytest.MonkeyPatch) -> None:
     """--workers auto counts the compiled copies a worker holds (options.compiled_copies) as the pool compiles them,
-    for every family, batch and adapter count (edits' pipelines share models on some), so memory is not
+    for every family, batch, adapter and --blend count (edits' pipelines share models on some), so memory is not
     over-committed."""
     from xeonsd.modelfiles.family_specs import SPECS
     from xeonsd.openvino.manifest import StaticShape
@@ -171,16 +171,20 @@ def test_workers_auto_budgets_every_compile_a_worker_makes(monkeypatch: pytest.M
 
     compiled = _genai_stand_in(monkeypatch)
     seen = set()
+    two = {"a": (Path("a"), 1.0), "b": (Path("b"), 0.5)}
+    blends = ((("a", 0.7), ("b", 0.3)), (("a", 0.5),))  # --blend @a:0.7+@b:0.3 --blend @a:0.5
     for family in SPECS:
         for per_prompt in (1, 2):
-            for adapters in ({}, {"a": (Path("a"), 1.0), "b": (Path("b"), 0.5)}):
+            for adapters, declared in (({}, ()), (two, ()), (two, blends)):
                 served = ServedModel(Path("/x"), "base", family, StaticShape(1, 64, 64, per_prompt), [])
-                served.adapters = dict(adapters)
+                served.adapters, served.blends = dict(adapters), declared
                 compiled.clear()
                 pool = PipelinePool(served, workers=1, threads=1, queue=1, metrics=Metrics(), precision="auto")
-                pool._compile_one(0, {n: (object(), alpha) for n, (_, alpha) in adapters.items()})
-                assert len(compiled) == compiled_copies(served), (family, per_prompt, sorted(adapters))
+                pool._compile_one(0, {n: (f"adapter {n}", alpha) for n, (_, alpha) in adapters.items()})
+                configs = [c.get("adapters") for c in compiled]  # each blend: its adapters at its weights
+                assert all(([(f"adapter {n}", w) for n, w in key],) in configs for key in declared), configs
+                assert len(compiled) == compiled_copies(served), (family, per_prompt, sorted(adapters), declared)
                 seen.add(len(compiled))
-    assert len(seen) > 3, seen  # the count depends on the family, the batch and the adapters
+    assert len(seen) > 3, seen  # the count depends on the family, the batch, the adapters and the blends
     gib = 1 << 30
     assert auto_workers(16, gib, 32 * gib, copies=3) < auto_workers(16, gib, 32 * gib, copies=1)

@@ -2,9 +2,9 @@
 
 Routes: ``POST /v3/images/generations`` and ``POST /v1/images/generations`` (one handler: OVMS's and OpenAI's
 path), ``POST /v3/images/edits`` and ``/v1/images/edits`` (multipart: :mod:`xeonsd.serve.edits`),
-``GET /v1/models`` and ``GET /v3/models`` (the base model, then the adapters), ``GET /v2/health/live``
-(200 while the process serves), ``GET /v2/health/ready`` (200 once every pipeline is compiled, 503 before),
-``GET /metrics`` (Prometheus text format). With ``--api-key-file`` every route but the health checks needs a key
+``GET /v1/models`` and ``GET /v3/models`` (the base model, the adapters, then each ``--blend`` as its composite),
+``GET /v2/health/live`` (200 while the process serves), ``GET /v2/health/ready`` (200 once every pipeline is
+compiled, 503 before), ``GET /metrics`` (Prometheus text format). With ``--api-key-file`` every route but the health checks needs a key
 (:mod:`xeonsd.serve.keys`: 401 without one); :func:`guard` puts the access rules and limits before the routes
 (:mod:`xeonsd.serve.limits`: 403, 408, 413, 429).
 
@@ -31,7 +31,7 @@ from xeonsd.serve.limits import guard
 from xeonsd.serve.metrics import Metrics
 from xeonsd.serve.options import ServedModel, ServeOptions
 from xeonsd.serve.pool import Busy, Cancelled, Job, NotReady, PipelinePool
-from xeonsd.serve.requests import Limits, RequestError, parse_body, validate
+from xeonsd.serve.requests import Limits, RequestError, composite, parse_body, validate
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("xeonsd.serve.access")
@@ -167,13 +167,16 @@ def create_app(
         family=families.spec(served.family).label,
         edits=families.spec(served.family).genai_edits,
         fused_only=not families.spec(served.family).genai_adapters,
+        blends=served.blends,
     )
     created = int(time.time())
     images = _images_handler(limits, opts.timeout, pool, metrics)
     edits = _images_handler(limits, opts.timeout, pool, metrics, edit=True)
 
+    ids = [*limits.models, *(composite(key) for key in limits.blends)]
+
     async def models(request: Request) -> Response:
-        rows = [{"id": name, "object": "model", "created": created, "owned_by": "xeonsd"} for name in limits.models]
+        rows = [{"id": name, "object": "model", "created": created, "owned_by": "xeonsd"} for name in ids]
         return JSONResponse({"object": "list", "data": rows})
 
     async def live(request: Request) -> Response:

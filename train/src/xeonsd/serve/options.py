@@ -9,9 +9,9 @@ text-encoder part cannot be switched per request (GenAI applies ``lora_te_`` to 
 
 ``--workers auto`` is :func:`auto_workers`: one worker per :data:`CORES_PER_WORKER` core(s), the count that gave
 the most images/s in ``xeonsd bench serve`` here (docs/benchmarks.md, "Serving"), and no more workers than the
-memory holds: each worker compiles the pipelines of the base and of every adapter (:func:`compiled_copies`), each
-copy estimated at :data:`PIPELINE_MEMORY` times the weights it compiles, within :data:`MEMORY_SHARE` of the memory
-available.
+memory holds: each worker compiles the pipelines of the base, of every adapter and of every ``--blend``
+(:func:`compiled_copies`), each copy estimated at :data:`PIPELINE_MEMORY` times the weights it compiles, within
+:data:`MEMORY_SHARE` of the memory available.
 """
 
 from __future__ import annotations
@@ -101,6 +101,16 @@ class ServeOptions:
         metavar="NAME=PATH[:ALPHA]",
         convert=parse_adapter,
     )
+    blends: tuple[str, ...] = flag(
+        "compile a LoRA blend of registered adapters at start-up, in OVMS's composite syntax (@A:0.7+@B:0.3); a "
+        "request whose model (with lora_alphas) makes it, parts in any order, runs on it. Two adapters at least, or "
+        "one at another weight than its --adapter alpha (@A:0.5); repeat for several. Each costs a compile and a "
+        "copy of the models per worker (docs/serving.md, LoRA blends)",
+        default=(),
+        name="--blend",
+        action="append",
+        metavar="@A:W+@B:W",
+    )
     host: str = flag("address to listen on (default 127.0.0.1)", default="127.0.0.1")
     api_key_file: Path | None = flag(
         "one key per line, KEY or NAME:KEY: every route but /v2/health/* then needs Authorization: Bearer KEY "
@@ -186,6 +196,7 @@ class ServedModel:
     adapters: dict[str, tuple[Path, float]] = field(default_factory=dict)  # name -> (GenAI file, alpha)
     sources: dict[str, Path] = field(default_factory=dict)  # name -> the user's file
     max_sequence_length: int | None = None  # the text encoder's prompt length (the manifest's; CLIP-only: None)
+    blends: tuple[tuple[tuple[str, float], ...], ...] = ()  # --blend's keys (requests.blend_key)
 
     @property
     def model_names(self) -> list[str]:
@@ -226,7 +237,7 @@ def weights_bytes(export_dir: Path) -> int:
 
 def compiled_copies(served: ServedModel) -> int:
     """The compiled copies of the models one worker holds (what ``--workers auto`` budgets memory for): per served
-    model (the base and each adapter) the pipelines ``PipelinePool._compile_model`` (serve/pool.py) compiles; the
+    model (the base, each adapter and each --blend) the pipelines ``PipelinePool._compile_model`` (serve/pool.py) compiles; the
     pipelines made from a compiled one share its models."""
     from xeonsd.modelfiles.family_specs import spec
 
@@ -239,7 +250,7 @@ def compiled_copies(served: ServedModel) -> int:
             per_model += 1
     elif "image2image" in found.genai_edits:
         per_model += 1
-    return per_model * (1 + len(served.adapters))
+    return per_model * (1 + len(served.adapters) + len(served.blends))
 
 
 def auto_workers(cores: int, weights: int = 0, available: int | None = None, copies: int = 1) -> int:
@@ -292,6 +303,17 @@ def check_options(opts: ServeOptions) -> None:
         raise ServeError(f"--precision {opts.precision!r}: choose one of {', '.join(PRECISIONS)}")
     if opts.name is not None and not NAME.match(opts.name):
         raise ServeError(f"--name {opts.name!r}: letters, digits, '.', '_' or '-' (at most 64)")
+    blend_keys(opts)
+
+
+def blend_keys(opts: ServeOptions) -> tuple[tuple[tuple[str, float], ...], ...]:
+    """``--blend``'s keys, parsed as requests are (:func:`xeonsd.serve.requests.parse_blends`)."""
+    from xeonsd.serve.requests import RequestError, parse_blends
+
+    try:
+        return parse_blends(opts.blends, {a.name: float(a.alpha) for a in opts.adapters})
+    except RequestError as e:
+        raise ServeError(str(e)) from None
 
 
 def read_export(opts: ServeOptions) -> tuple[dict[str, Any], StaticShape, str]:
@@ -331,6 +353,7 @@ def prepare(opts: ServeOptions, workdir: Path) -> ServedModel:
         shape=shape,
         concept_tokens=list(manifest.get("concept_tokens", [])),
         max_sequence_length=manifest.get("max_sequence_length"),
+        blends=blend_keys(opts),
     )
     if not opts.adapters:
         return served

@@ -1,10 +1,11 @@
 """The worker pool: ``--workers`` GenAI ``Text2ImagePipeline`` copies, a bounded queue in front, cancellation.
 
-* Each worker holds, for the base model and each registered adapter, pipelines compiled with exactly that adapter
-  at its ``--adapter`` alpha (``INFERENCE_NUM_THREADS`` = the worker's share of the cores), and each call is given
-  that compile-time ``AdapterConfig``: GenAI never switches adapters on a pipeline, as switching is broken in
-  openvino-genai 2026.4.1 (every ``AdapterConfig.Mode``; base, A, base, A gives the base or a gray image the second
-  time: docs/serving.md, "LoRA blends"). The cost: a compile and a copy of the models per adapter and worker.
+* Each worker holds, for the base model, each registered adapter (at its ``--adapter`` alpha) and each ``--blend``,
+  pipelines compiled with exactly that adapter set (``INFERENCE_NUM_THREADS`` = the worker's share of the cores),
+  and each call is given that compile-time ``AdapterConfig``: GenAI never switches adapters on a pipeline, as
+  switching is broken in openvino-genai 2026.4.1 (every ``AdapterConfig.Mode``; base, A, base, A gives the base or
+  a gray image the second time: docs/serving.md, "LoRA blends"). The cost: a compile and a copy of the models per
+  adapter set and worker. A request runs on its adapter set's pipelines (``requests.blend_key``, the keys).
 * A request waits for a free worker in a queue of ``--queue`` places; with every worker busy and the queue full
   the answer is :class:`Busy` (429 with ``Retry-After``).
 * GenAI calls a step callback after each denoising step; returning True stops the generation there. Each request's
@@ -13,7 +14,6 @@
 * A request of ``n`` images runs ``ceil(n / images per call)`` calls of the static batch, call k with seed
   ``rng_seed + k`` (as ``xeonsd generate`` seeds its calls; modulo 2**32, GenAI's seed range), and returns the first
   ``n`` images.
-* A request runs on its adapter's pipelines; blends and other weights would each need a compile and are refused.
 * Edits (``FamilySpec.genai_edits``): GenAI 2026.4.1 reshapes the VAE encoder to the images per call but encodes one
   image ("Batch size must be 1"), so the edit pipelines are compiled for one image per call (an edit of ``n``
   images is ``n`` calls, seeds ``rng_seed + k``). A pipeline made from a compiled one shares its models; measured
@@ -41,7 +41,7 @@ from typing import Any
 from xeonsd.openvino.generate_args import PRECISIONS
 from xeonsd.serve.metrics import Metrics
 from xeonsd.serve.options import ServedModel
-from xeonsd.serve.requests import ImageRequest
+from xeonsd.serve.requests import Chosen, ImageRequest
 
 log = logging.getLogger(__name__)
 WARMUP_STEPS = 1
@@ -101,9 +101,6 @@ class Job:
         return Cancelled(reason, messages.get(reason, reason))
 
 
-Chosen = tuple[tuple[str, float], ...]  # a request's adapters (name, weight); (): the base model
-
-
 @dataclass
 class Served:
     """The pipelines of one served model on a worker, all compiled with ``config`` (None: the base model)."""
@@ -116,7 +113,7 @@ class Served:
 @dataclass
 class Worker:
     index: int
-    models: dict[Chosen, Served]  # () and ((name, alpha),) of each registered adapter -> its pipelines
+    models: dict[Chosen, Served]  # (), ((name, alpha),) of each adapter and each --blend's key -> its pipelines
 
     def served(self, adapters: Chosen) -> Served:
         found = self.models.get(adapters)
@@ -209,6 +206,8 @@ class PipelinePool:
         models = {(): self._compile_model(None)}
         for name, (adapter, alpha) in adapters.items():
             models[((name, alpha),)] = self._compile_model(g.AdapterConfig([(adapter, alpha)]))
+        for key in self.served.blends:  # a --blend: its adapters at their weights, in one AdapterConfig
+            models[key] = self._compile_model(g.AdapterConfig([(adapters[name][0], w) for name, w in key]))
         worker = Worker(index=index, models=models)
         # the first call of each pipeline pays for set-up: not a client
         for chosen, served in models.items():

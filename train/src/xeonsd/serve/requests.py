@@ -13,7 +13,9 @@ refuses the OpenAI fields that choose among a hosted model's options (``quality`
 LoRA blends (docs/serving.md, "LoRA blends"): ``model`` may also be a composite in OVMS's ``--source_loras``
 syntax, ``@a:0.7+@b:0.3`` (each ``@NAME[:WEIGHT]`` a registered adapter; no weight: its ``--adapter`` alpha), and
 ``lora_alphas`` (OVMS's field: ``{"NAME": WEIGHT}``) overrides the weights of the adapters ``model`` selects, as
-OVMS allows it: only those adapters. A weight is a finite number in -:data:`MAX_WEIGHT`..:data:`MAX_WEIGHT`.
+OVMS allows it: only those adapters. A weight is a finite number in -:data:`MAX_WEIGHT`..:data:`MAX_WEIGHT`. A blend
+(or an adapter at another weight than its alpha) runs when it is one of the server's ``--blend`` declarations, in
+any order of its parts (:func:`blend_key`); any other is refused, naming the declared ones.
 
 Edits (``POST /v3/images/edits``, :mod:`xeonsd.serve.edits`) take the same fields plus ``image``, ``mask`` and
 ``strength`` (0 < strength <= 1, at least one of the steps run; absent: GenAI's default, 0.8 for
@@ -56,6 +58,7 @@ EDIT_FIELDS = frozenset({"image", "mask", "strength"})
 DEFAULT_STRENGTH = {"image2image": 0.8, "inpainting": 1.0}  # GenAI's defaults for each pipeline
 MAX_WEIGHT = 4.0  # the largest |weight| of an adapter in a blend or lora_alphas
 COMPOSITE_PART = re.compile(r"^@([A-Za-z0-9][A-Za-z0-9._-]{0,63})(?::(.+))?$")
+Chosen = tuple[tuple[str, float], ...]  # adapters with their weights, sorted by name (blend_key); (): the base
 
 
 class RequestError(ValueError):
@@ -91,6 +94,7 @@ class Limits:
     family: str = "SD 1.x/2.x"  # the family's label, for the errors
     edits: tuple[str, ...] = ()  # the edits the family's GenAI pipelines run (FamilySpec.genai_edits)
     fused_only: bool = False  # the family takes no GenAI adapters: its LoRA is fused into the export
+    blends: tuple[Chosen, ...] = ()  # the --blend keys (blend_key), compiled at start-up
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,7 @@ class ImageRequest:
     seed: int
     guidance_scale: float
     negative_prompt: str | None
-    adapters: tuple[tuple[str, float], ...] = ()  # the adapters applied with their weights; (): the base model
+    adapters: Chosen = ()  # the adapters applied with their weights (blend_key); (): the base model
     image: Any = None  # an edit's image: uint8 [height, width, 3]
     mask: Any = None  # an inpainting's mask: uint8 [height, width, 3], white where the image is repainted
     strength: float | None = None  # an edit's strength (None: a generation)
@@ -232,8 +236,63 @@ def _weight(value: Any, what: str, param: str) -> float:
     return float(value)
 
 
-def _adapters(model: Any, overrides: Any, limits: Limits) -> tuple[tuple[str, float], ...]:
-    """The adapters ``model`` selects with their weights (``lora_alphas`` applied); () for the base model."""
+def blend_key(chosen: dict[str, float]) -> Chosen:
+    """The one normal form of an adapter set: the pool's key of its pipelines and a request's lookup of them."""
+    return tuple(sorted((name, float(weight)) for name, weight in chosen.items()))
+
+
+def composite(key: Chosen) -> str:
+    """``@a:0.7+@b:0.3``: an adapter set in OVMS's composite syntax."""
+    return "+".join(
+        f"@{name}:{weight:g}" if float(f"{weight:g}") == weight else f"@{name}:{weight!r}" for name, weight in key
+    )
+
+
+def parse_composite(text: str, alphas: dict[str, float], what: str, param: str = "model") -> dict[str, float]:
+    """``@NAME[:WEIGHT]+…`` (OVMS's composite) -> ``{name: weight}`` in the text's order; each NAME a registered
+    adapter (no weight: its alpha), none twice; ``what`` starts each error."""
+    chosen: dict[str, float] = {}
+    for part in text.split("+"):
+        m = COMPOSITE_PART.match(part.strip())
+        if m is None:
+            raise RequestError(f"{what}: {part!r} is not @NAME or @NAME:WEIGHT", param)
+        name, weight = m[1], m[2]
+        if name not in alphas:
+            raise RequestError(f"{what}: no adapter {name!r}; registered: {', '.join(alphas) or 'none'}", param)
+        if name in chosen:
+            raise RequestError(f"{what}: adapter {name!r} is given twice", param)
+        chosen[name] = alphas[name] if weight is None else _weight(weight, f"{what}: @{name}", param)
+    return chosen
+
+
+def parse_blend(text: str, alphas: dict[str, float]) -> Chosen:
+    """``xeonsd serve --blend`` -> its key: two adapters at least, or one at a weight other than its alpha (a
+    "blend of one"); raises :class:`RequestError` naming the flag."""
+    what = f"--blend {text!r}"
+    chosen = parse_composite(text, alphas, what, "blend")
+    if len(chosen) == 1 and all(w == alphas[n] for n, w in chosen.items()):
+        raise RequestError(
+            f"{what}: one adapter at its own --adapter alpha is that adapter, served without a blend; a blend has "
+            "two adapters at least, or one at another weight (@NAME:WEIGHT)",
+            "blend",
+        )
+    return blend_key(chosen)
+
+
+def parse_blends(texts: tuple[str, ...], alphas: dict[str, float]) -> tuple[Chosen, ...]:
+    """Every ``--blend`` (:func:`parse_blend`), none declared twice."""
+    keys: list[Chosen] = []
+    for text in texts:
+        key = parse_blend(text, alphas)
+        if key in keys:
+            raise RequestError(f"--blend {text!r}: the blend {composite(key)} is declared twice", "blend")
+        keys.append(key)
+    return tuple(keys)
+
+
+def _adapters(model: Any, overrides: Any, limits: Limits) -> Chosen:
+    """The adapters ``model`` selects with their weights (``lora_alphas`` applied), :func:`blend_key`'s form;
+    () for the base model. A blend, or an adapter at another weight, must be declared (``--blend``)."""
     alphas = dict(limits.alphas)
     if not isinstance(model, str):
         raise RequestError(f"model must be a string, not {json.dumps(model)}", "model")
@@ -245,19 +304,7 @@ def _adapters(model: Any, overrides: Any, limits: Limits) -> tuple[tuple[str, fl
                 else "this server has no adapters (xeonsd serve --adapter NAME=PATH registers one)"
             )
             raise RequestError(f"model {json.dumps(model)} is a LoRA blend, but {why}", "model")
-        chosen: dict[str, float] = {}
-        for part in model.split("+"):
-            m = COMPOSITE_PART.match(part.strip())
-            if m is None:
-                raise RequestError(f"model {json.dumps(model)}: {part!r} is not @NAME or @NAME:WEIGHT", "model")
-            name, weight = m[1], m[2]
-            if name not in alphas:
-                raise RequestError(
-                    f"model {json.dumps(model)}: no adapter {name!r}; registered: {', '.join(alphas)}", "model"
-                )
-            if name in chosen:
-                raise RequestError(f"model {json.dumps(model)}: adapter {name!r} is given twice", "model")
-            chosen[name] = alphas[name] if weight is None else _weight(weight, f"model {model}: @{name}", "model")
+        chosen = parse_composite(model, alphas, f"model {json.dumps(model)}")
     elif model in limits.models:
         chosen = {model: alphas[model]} if model in alphas else {}
     else:
@@ -270,16 +317,18 @@ def _adapters(model: Any, overrides: Any, limits: Limits) -> tuple[tuple[str, fl
         )
     if overrides is not None:
         _override(chosen, overrides, model)
-    if len(chosen) > 1 or any(w != alphas[n] for n, w in chosen.items()):
-        param = "model" if overrides is None else "lora_alphas"
+    key = blend_key(chosen)
+    if (len(key) > 1 or any(w != alphas[n] for n, w in key)) and key not in limits.blends:
+        declared = ", ".join(composite(b) for b in limits.blends) or "none"
         raise RequestError(
-            f"model {json.dumps(model)}{'' if overrides is None else ' with lora_alphas'}: LoRA blends and weights "
-            "other than the --adapter alphas are refused: OpenVINO GenAI 2026.4.1 cannot switch adapters on a "
-            "compiled pipeline, so each would need a compile of its own (docs/serving.md, LoRA blends)",
-            param,
+            f"model {json.dumps(model)}{'' if overrides is None else ' with lora_alphas'} makes the blend "
+            f"{composite(key)}, which this server did not declare (declared: {declared}). OpenVINO GenAI 2026.4.1 "
+            "cannot switch adapters on a compiled pipeline, so each blend is compiled at start-up: "
+            f"xeonsd serve --blend '{composite(key)}' (docs/serving.md, LoRA blends)",
+            "model" if overrides is None else "lora_alphas",
             code="unsupported",
         )
-    return tuple(chosen.items())
+    return key
 
 
 def _override(chosen: dict[str, float], overrides: Any, model: str) -> None:
