@@ -34,7 +34,8 @@ def other_adapter(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 @pytest.fixture(scope="session")
 def edit_server(ov_base: Path, toy_adapter: Path, other_adapter: Path):  # noqa: F811 - the fixture
-    """One server for test_serve_edits.py and test_serve_blends.py: the tiny export, two adapters, one worker."""
+    """One server for test_serve_edits.py and test_serve_blends.py: the tiny export, two adapters, two declared
+    blends, one worker."""
     from serve_process import ServeProcess
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
@@ -44,6 +45,8 @@ def edit_server(ov_base: Path, toy_adapter: Path, other_adapter: Path):  # noqa:
         "--name=base",
         f"--adapter=toy={toy_adapter}",
         f"--adapter=other={other_adapter}:0.8",
+        "--blend=@toy:0.7+@other:0.5",  # test_serve_blends.py: a blend, and a blend of one
+        "--blend=@toy:0.5",
         "--workers=1",
         "--queue=4",
         "--max-images=5",
