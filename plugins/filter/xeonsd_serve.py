@@ -6,7 +6,7 @@ plugin imports from the controller's venv:
 
     "{{ serve_run | xeonsd_serve_run_dir(runs_dir) }}": the run's directory (latest, a name, or a path)
     "{{ serve_adapters | xeonsd_serve_adapter_runs(serve_lora_alpha) }}": [{name, run, alpha}]
-    "{{ slurped.results | xeonsd_serve_plan(adapter_runs, export_dir, alpha) }}": {export, adapters, files, …}
+    "{{ slurped.results | xeonsd_serve_plan(adapter_runs, export_dir, alpha, blends) }}": {export, adapters, …}
     "{{ plan | xeonsd_serve_argv(settings) }}": ["serve", EXPORT, "--adapter", …, "--port", …]
     "{{ found | xeonsd_serve_files(stats) }}": {absolute path: sha1} of an export's find and the adapters' stats
     "{{ node_files | xeonsd_serve_files_to_pull(expected) }}": the paths a node lacks or holds changed
@@ -53,10 +53,14 @@ def _run(result: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def serve_plan_of(
-    summaries: Sequence[Mapping[str, Any]], adapters: Sequence[Mapping[str, Any]], export_dir: str, alpha: Any = 1.0
+    summaries: Sequence[Mapping[str, Any]],
+    adapters: Sequence[Mapping[str, Any]],
+    export_dir: str,
+    alpha: Any = 1.0,
+    blends: Any = (),
 ) -> dict[str, Any]:
     """The plan (serve_plan.plan) from the serve role's slurp loop of train_summary.json: the served run's first,
-    then serve_adapters' runs in the order of ``adapters`` (xeonsd_serve_adapter_runs)."""
+    then serve_adapters' runs in the order of ``adapters`` (xeonsd_serve_adapter_runs); ``blends``: serve_blends."""
     if len(summaries) != len(adapters) + 1:
         raise ValueError(f"xeonsd_serve_plan: {len(summaries)} summaries for 1 run and {len(adapters)} adapters")
     runs = [_run(r) for r in summaries]
@@ -66,7 +70,7 @@ def serve_plan_of(
     except family_specs.FamilyError as e:
         raise ServePlanError(str(e)) from None
     fused = "" if family.genai_adapters else family.label
-    return serve_plan.plan(runs[0], export_dir, named, alpha=alpha, fused_family=fused)
+    return serve_plan.plan(runs[0], export_dir, named, alpha=alpha, fused_family=fused, blends=blends)
 
 
 def serve_argv(plan: Mapping[str, Any], settings: Mapping[str, Any]) -> list[str]:

@@ -73,6 +73,30 @@ def test_the_plan_asks_the_run_s_family_whether_its_lora_is_an_adapter_or_fused(
         serve.serve_plan_of([_slurped("/r/x", {**lora, "family": "wan"})], [], "/r/x/openvino")
 
 
+def test_serve_blends_become_blend_flags_and_a_blend_of_an_unserved_adapter_says_what_to_fix() -> None:
+    """serve_blends: each a --blend in its normal form (parts by name), checked by xeonsd serve's own parser against
+    the served adapters (serve_run's LoRA k at serve_lora_alpha 0.8, serve_adapters' s at 1) on the controller."""
+    lora = {"method": "lora", "base_model": "/m/b", "base_model_fingerprint": "f", "result": {"path": "a.safetensors"}}
+    runs = [_slurped("/r/k", {**lora, "family": "sd"}), _slurped("/r/s", {**lora, "family": "sd"})]
+    blends = ["@s:0.3+@k:0.7", "@k:0.5"]
+    plan = serve.serve_plan_of(runs, [{"name": "s", "alpha": 1.0}], "/r/k/openvino", 0.8, blends)
+    argv = serve.serve_argv(plan, {"port": 8000})
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--blend"] == ["@k:0.7+@s:0.3", "@k:0.5"], argv
+    assert serve.serve_argv(serve.serve_plan_of(runs, [{"name": "s", "alpha": 1.0}], "/r/k/openvino"), {})[2:4] == [
+        "--adapter",
+        "k=/r/k/a.safetensors:1",
+    ]  # no serve_blends: no --blend
+    for bad, words in (
+        (["@k:0.7+@nope:0.3"], "no adapter 'nope'; registered: k, s"),
+        (["@k:0.8"], "one adapter at its own --adapter alpha"),
+        (["@k:0.5", "@k:0.50"], "declared twice"),
+        ("@k:0.5", "it is a list of LoRA blends"),
+    ):
+        with pytest.raises(serve.ServePlanError, match="serve_blends") as caught:
+            serve.serve_plan_of(runs, [{"name": "s", "alpha": 1.0}], "/r/k/openvino", 0.8, bad)
+        assert words in str(caught.value) and "Fix:" in str(caught.value), caught.value
+
+
 def test_a_node_pulls_the_files_it_lacks_or_holds_changed() -> None:
     found = [{"path": "/e/unet.xml", "checksum": "a"}, {"path": "/e/unet.bin", "checksum": "b"}]
     stats = [{"stat": {"exists": True, "path": "/r/l.safetensors", "checksum": "c"}}, {"stat": {"exists": False}}]

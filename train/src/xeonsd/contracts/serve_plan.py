@@ -8,11 +8,12 @@ run's ``openvino`` link names. It gets back the plan, or a :class:`ServePlanErro
 * :func:`run_dir`: ``serve_run`` (``latest``, a run's name under ``runs_dir``, or an absolute path) as a path;
 * :func:`adapter_runs`: ``serve_adapters`` (``{name: run}`` or ``{name: {run, alpha}}``) checked and in order;
 * :func:`plan`: the export to serve, the base model's name in requests and the LoRA files to register by name
-  (``{export, name, method, base_model_fingerprint, adapters: [{name, run, path, alpha}], files}``); ``files`` are
-  what every serving node needs, by absolute path;
-* :func:`serve_argv`: ``xeonsd serve EXPORT --adapter NAME=PATH:ALPHA … --host … --port …`` of a plan.
+  (``{export, name, method, base_model_fingerprint, adapters: [{name, run, path, alpha}], blends, files}``);
+  ``blends`` are ``serve_blends`` checked (:func:`blend_args`); ``files`` what every serving node needs;
+* :func:`serve_argv`: ``xeonsd serve EXPORT --adapter NAME=PATH:ALPHA … --blend … --host … --port …`` of a plan.
 
-Standard library only (the filter plugins import it).
+Standard library only (the filter plugins import it; so is :mod:`xeonsd.serve.requests`, whose blend parser
+:func:`blend_args` uses).
 """
 
 from __future__ import annotations
@@ -154,6 +155,7 @@ def plan(
     *,
     alpha: Any = 1.0,
     fused_family: str = "",
+    blends: Any = (),
 ) -> dict[str, Any]:
     """The plan of a served run and its adapters.
 
@@ -163,7 +165,8 @@ def plan(
     registered under its directory's name with ``alpha``; a full fine-tune serves its own export and takes no
     adapters (they were trained on the base model); textual inversion is not served (xeonsd serve loads LoRA
     adapters only). ``fused_family``: the family's name where GenAI applies no adapters to it (SD3, Z-Image): a
-    LoRA run's export then has its adapter fused in (export.yml), and it is served alone, like a full fine-tune's."""
+    LoRA run's export then has its adapter fused in (export.yml), and it is served alone, like a full fine-tune's.
+    ``blends``: ``serve_blends``, checked against the registered adapters (:func:`blend_args`)."""
     where = served["dir"]
     method = _method(served["summary"], where)
     if method == "textual_inversion":
@@ -218,8 +221,34 @@ def plan(
         "method": method,
         "base_model_fingerprint": fingerprint,
         "adapters": registered,
+        "blends": blend_args(blends, registered),
         "files": sorted({r["path"] for r in registered}),
     }
+
+
+def blend_args(blends: Any, registered: Sequence[Mapping[str, Any]]) -> list[str]:
+    """``serve_blends`` (OVMS composites, ``@NAME:WEIGHT+@NAME:WEIGHT``) checked by ``xeonsd serve --blend``'s own
+    parser (:func:`xeonsd.serve.requests.parse_blends`, standard library only) against the registered adapters'
+    names and alphas; each as its normal form (parts sorted by name), for ``--blend``."""
+    if blends in (None, ""):
+        return []
+    if isinstance(blends, (str, Mapping)) or not isinstance(blends, Sequence):
+        raise ServePlanError(
+            f"serve_blends is {blends!r}: it is a list of LoRA blends, e.g. ['@style-a:0.7+@style-b:0.3']. "
+            "Fix: set serve_blends to such a list, or []."
+        )
+    from xeonsd.serve.requests import RequestError, composite, parse_blends
+
+    alphas = {r["name"]: float(r["alpha"]) for r in registered}
+    try:
+        keys = parse_blends(tuple(str(b) for b in blends), alphas)
+    except RequestError as e:
+        raise ServePlanError(
+            f"serve_blends: {e}. Fix: blend only the adapters served here ({', '.join(alphas) or 'none'}: "
+            "serve_run's LoRA and serve_adapters), each once, weights within -4..4; or add the adapter to "
+            "serve_adapters."
+        ) from None
+    return [composite(k) for k in keys]
 
 
 def adapter_arg(adapter: Mapping[str, Any]) -> str:
@@ -228,13 +257,15 @@ def adapter_arg(adapter: Mapping[str, Any]) -> str:
 
 
 def serve_argv(served: Mapping[str, Any], settings: Mapping[str, Any]) -> list[str]:
-    """``["serve", EXPORT, "--adapter", "NAME=PATH:ALPHA", …, "--name", …, "--host", …]`` of a plan; ``settings``
+    """``["serve", EXPORT, "--adapter", "NAME=PATH:ALPHA", …, "--blend", BLEND, …, "--name", …]`` of a plan; ``settings``
     has the flags of :data:`SERVE_FLAGS` (``max-images`` also as ``max_images``); an empty one is left to xeonsd's
     default (``name``: the plan's)."""
     argv = ["serve", served["export"]]
     settings = {"name": served.get("name") or "", **{k: v for k, v in settings.items() if v not in (None, "")}}
     for adapter in served["adapters"]:
         argv += ["--adapter", adapter_arg(adapter)]
+    for blend in served.get("blends", ()):
+        argv += ["--blend", blend]
     unknown = sorted(set(settings) - {*SERVE_FLAGS, *(f.replace("-", "_") for f in SERVE_FLAGS)})
     if unknown:
         raise ServePlanError(f"unknown xeonsd serve setting(s) {', '.join(unknown)}; known: {', '.join(SERVE_FLAGS)}")
