@@ -10,8 +10,8 @@ at the export by its absolute path. ``DIR/config.json`` lists the graphs: ``ovms
 Each graph compiles a pipeline of its own (OVMS does not share one between graphs), and the static shape is the
 export's (``resolution``, ``num_images_per_prompt``, ``guidance_scale``: OVMS reshapes to it at load). OVMS's
 ``ImageGenCalculator`` answers ``/v3/images/edits`` (image-to-image, inpainting with a ``mask``) from the same
-graph, so the edits need nothing more here; the graphs register no ``composite_lora_adapters``, as ``xeonsd serve``
-refuses blends (:mod:`xeonsd.serve.requests`).
+graph, so the edits need nothing more here; the graphs register no ``composite_lora_adapters``: ``xeonsd serve
+--blend``'s blends are not written here (yet), so an OVMS site declares them itself.
 """
 
 from __future__ import annotations
