@@ -19,6 +19,7 @@ from xeonsd.contracts.straggler_rule import STRAGGLER_RATIO
 from xeonsd.flags import flag
 
 TI, LORA, FULL = METHODS
+SHARED_WEIGHTS_DIR = "/dev/shm/xeonsd-weights"  # a tmpfs on every Linux node
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 
 
@@ -293,6 +294,21 @@ class TrainConfig:
     )
     channels_last: bool = _flag("UNet in channels_last memory format", default=False)
     compile: bool = _flag("torch.compile the UNet", default=False)
+    share_weights: str = _flag(
+        "map the frozen models (the VAE, the text encoders, and the denoiser unless it trains) from one node-local "
+        "file that all the node's ranks share, instead of a copy per rank (auto: when the node runs more than one "
+        "of the job's ranks; xeonsd.trainer.shared_weights)",
+        default="auto",
+        choices=("auto", "on", "off"),
+    )
+    shared_weights_dir: str = _flag(
+        "the node-local directory of --share_weights' files (a tmpfs by default; a local disk directory works too)",
+        default=SHARED_WEIGHTS_DIR,
+    )
+    keep_shared_weights: bool = _flag(
+        "keep the node's shared weights when the last job on the base ends (the next job maps them, no build)",
+        default=False,
+    )
     use_ipex: str = _flag("apply ipex.optimize when IPEX imports", default="auto", choices=("auto", "on", "off"))
     count_flops: bool = _flag(
         "count the executed FLOPs of the first step (torch.utils.flop_counter) into metrics", default=False

@@ -26,6 +26,7 @@ from xeonsd.trainer.methods import for_config, method_class
 from xeonsd.trainer.models import model_family
 from xeonsd.trainer.prior import check_prior_flags
 from xeonsd.trainer.resolution import default_resolution
+from xeonsd.trainer.shared_weights import shares_weights
 from xeonsd.trainer.tracking import check_report_to
 from xeonsd.trainer.validation import HeldOut, check_held_out, hold_out
 
@@ -135,6 +136,11 @@ def check_family_flags(cfg: TrainConfig, family: Family) -> None:
 def check_flags(cfg: TrainConfig, info: RankInfo) -> None:
     """The flags' values on their own, and ``--world_size`` against the launcher."""
     check_report_to(cfg)
+    if cfg.use_ipex == "on" and shares_weights(cfg.share_weights, info.local_world_size):
+        raise ConfigError(
+            "--use_ipex on rewrites (prepacks) the UNet's and VAE's weights in each rank, but --share_weights maps "
+            "them read-only from one copy per node: add --share_weights off to use IPEX"
+        )
     if cfg.mixed_precision == "fp16":
         raise ConfigError(
             "--mixed_precision fp16 is not supported on CPU (no fp16 autocast/AMX path for training); "

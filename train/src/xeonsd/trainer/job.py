@@ -36,6 +36,7 @@ from xeonsd.trainer.optim import make_optimizer
 from xeonsd.trainer.prior import ClassRendererOpener, PriorData, build_prior, ensure_class_images
 from xeonsd.trainer.prompts import PromptTable
 from xeonsd.trainer.rng import Stream, stream_seed
+from xeonsd.trainer.shared_weights import SharedStore
 from xeonsd.trainer.step import LossInputs
 from xeonsd.trainer.texts import encode_prompts
 from xeonsd.trainer.validation import ValidationSet, build_validation
@@ -160,11 +161,18 @@ def setup(
     timeouts: Timeouts,
     status: RankStatusFile,
     open_class_renderer: ClassRendererOpener | None = None,  # --class_export's OpenVINO side, from the CLI
+    store: SharedStore | None = None,  # the node's shared frozen weights (--share_weights)
 ) -> Job:
     """Load the models, make the method and its optimizer, resume, build the caches: the job, on every rank."""
     method_cls = for_config(cfg)
     t0 = time.perf_counter()
-    models = load_models(cfg, unet_fp32=method_cls.unet_fp32, family=inputs.family)
+    models = load_models(cfg, unet_fp32=method_cls.unet_fp32, family=inputs.family, store=store)
+    if store is not None and store.mapped:
+        log.info(
+            "frozen weights mapped from %s, shared by the node's ranks: %s",
+            store.directory,
+            ", ".join(f"{n} {b / 1e9:.2f} GB" for n, b in store.mapped.items()),
+        )
     load_s = time.perf_counter() - t0
     _log_placement(cfg, info, backend, placement, models)
     if cfg.with_prior_preservation:  # from the base model, before the method or a checkpoint changes it

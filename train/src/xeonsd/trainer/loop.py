@@ -48,6 +48,7 @@ from xeonsd.trainer.metrics import MetricsLog, plot_loss, write_summary
 from xeonsd.trainer.models import render_validation
 from xeonsd.trainer.rank_io import setup_logging, start_status
 from xeonsd.trainer.resolution import with_resolution
+from xeonsd.trainer.shared_weights import open_for_job
 from xeonsd.trainer.step import step_loss, sync_gradients, update
 from xeonsd.trainer.step_end import StepEnd
 from xeonsd.trainer.stopping import Interrupted, StopSignals
@@ -82,9 +83,10 @@ def run(
     placement = place_rank(info)
     backend = init_process_group(info, setup_timeout_s=timeouts.setup_s)
     try:
-        job = setup(cfg, info, backend, placement, inputs, timeouts, status, open_renderer)
-        fitted = fit(job, signals or StopSignals(), started)
-        return save(job, fitted)
+        with open_for_job(cfg, info.local_world_size) as store:
+            job = setup(cfg, info, backend, placement, inputs, timeouts, status, open_renderer, store)
+            fitted = fit(job, signals or StopSignals(), started)
+            return save(job, fitted)
     finally:
         destroy_process_group()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import logging
 import os
@@ -21,10 +22,12 @@ import torch
 
 from xeonsd.fsutil import atomic_dir
 from xeonsd.modelfiles.families import Family, FamilyError, detect_family, family_spec
+from xeonsd.modelfiles.modelsource import model_fingerprint
 from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.embeddings import PlaceholderEmbedding
 from xeonsd.trainer.flow import FlowSchedule, resolve_scheme
-from xeonsd.trainer.weights import load_frozen
+from xeonsd.trainer.shared_weights import Component, SharedStore
+from xeonsd.trainer.weights import WEIGHTS_NAME, empty_model, load_frozen, local_weight_files
 
 log = logging.getLogger("xeonsd.train")
 
@@ -86,15 +89,19 @@ def model_family(cfg: TrainConfig) -> Family:
         raise ConfigError(str(exc)) from exc
 
 
-def load_models(cfg: TrainConfig, unet_fp32: bool = False, family: Family | None = None) -> Models:
+def load_models(
+    cfg: TrainConfig, unet_fp32: bool = False, family: Family | None = None, store: SharedStore | None = None
+) -> Models:
+    """The models in their training dtypes; with ``store`` the frozen ones are mapped from the node's shared files
+    (:mod:`.shared_weights`), a UNet that trains (``unet_fp32``) stays private."""
     family = family or model_family(cfg)
     try:
-        return _load_models(cfg, unet_fp32, family)
+        return _load_models(cfg, unet_fp32, family, store)
     except OSError as exc:  # missing files, or a Hub id that cannot be fetched (offline, gated, wrong name)
         raise ConfigError(f"cannot load the model {cfg.pretrained_model_name_or_path!r}: {exc}") from exc
 
 
-def _load_models(cfg: TrainConfig, unet_fp32: bool, family: Family) -> Models:
+def _load_models(cfg: TrainConfig, unet_fp32: bool, family: Family, store: SharedStore | None) -> Models:
     import diffusers
     from diffusers import DDPMScheduler
 
@@ -113,21 +120,22 @@ def _load_models(cfg: TrainConfig, unet_fp32: bool, family: Family) -> Models:
     else:
         noise_scheduler = DDPMScheduler.from_pretrained(src, subfolder="scheduler", **kw)
     weight_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
-    text = _load_text_encoders(cfg, family, weight_dtype)
+    text = _load_text_encoders(cfg, family, weight_dtype, store)
     text += [(None, None)] * (3 - len(text))
     # Read tensor by tensor into their dtype: no whole fp32 copy beside the cast one (that was the peak memory).
     vae_cls = getattr(diffusers, spec.vae_class)  # Qwen-Image: AutoencoderKLQwenImage
-    vae = load_frozen(vae_cls, src, "vae", weight_dtype, cfg.variant, cfg.revision)
+    vae = _frozen(cfg, store, vae_cls, "vae", weight_dtype)
     unet_dtype = torch.float32 if unet_fp32 else weight_dtype
     denoiser_cls = getattr(diffusers, spec.denoiser_class)
-    unet = load_frozen(denoiser_cls, src, spec.denoiser, unet_dtype, cfg.variant, cfg.revision)
+    channels_last = cfg.channels_last and not family.is_flow
+    unet = _frozen(cfg, None if unet_fp32 else store, denoiser_cls, spec.denoiser, unet_dtype, channels_last)
     for m in (vae, unet):
         m.requires_grad_(False)
         m.eval()
     if cfg.channels_last and not family.is_flow:
         unet.to(memory_format=torch.channels_last)
     ipex = False
-    if cfg.use_ipex != "off" and not unet_fp32 and not family.is_flow:
+    if cfg.use_ipex != "off" and not unet_fp32 and not family.is_flow and store is None:  # IPEX rewrites weights
         try:
             import intel_extension_for_pytorch as ipex_mod  # type: ignore[import-not-found]
         except ImportError:
@@ -146,7 +154,7 @@ def _load_models(cfg: TrainConfig, unet_fp32: bool, family: Family) -> Models:
 
 
 def _load_text_encoders(
-    cfg: TrainConfig, family: Family, weight_dtype: torch.dtype
+    cfg: TrainConfig, family: Family, weight_dtype: torch.dtype, store: SharedStore | None
 ) -> list[tuple[object, torch.nn.Module]]:
     """(tokenizer, text encoder) of each of the family's text encoders, frozen; the CLIP ones in fp32 (gradients
     may flow through them), the last with its projection when the family conditions on its pooled output
@@ -163,11 +171,45 @@ def _load_text_encoders(
         long = not cls_name.startswith("CLIP")
         tokenizer = (AutoTokenizer if long else CLIPTokenizer).from_pretrained(src, subfolder=tokenizer_name, **kw)
         dtype = weight_dtype if long else torch.float32
-        encoder = cls.from_pretrained(src, subfolder=encoder_name, variant=cfg.variant, torch_dtype=dtype, **kw)
+        whole = functools.partial(
+            cls.from_pretrained, src, subfolder=encoder_name, variant=cfg.variant, torch_dtype=dtype, **kw
+        )
+        encoder = _frozen(cfg, store, cls, encoder_name, dtype, whole=whole)
         encoder.requires_grad_(False)
         encoder.eval()
         pairs.append((tokenizer, encoder if long else encoder.float()))
     return pairs
+
+
+def _frozen(
+    cfg: TrainConfig,
+    store: SharedStore | None,
+    model_cls,
+    subfolder: str,
+    dtype: torch.dtype,
+    channels_last: bool = False,
+    whole=None,
+) -> torch.nn.Module:
+    """A frozen component in ``dtype``: mapped from the node's shared file with ``store`` (built there first by
+    the node's first rank), else this rank's own copy (``whole``, by default read tensor by tensor)."""
+    src = cfg.pretrained_model_name_or_path
+    if whole is None:
+        whole = functools.partial(load_frozen, model_cls, src, subfolder, dtype, cfg.variant, cfg.revision)
+    if store is None:
+        return whole()
+    diffusers_model = hasattr(model_cls, "load_config")
+    component = Component(
+        name=subfolder,
+        empty=functools.partial(empty_model, model_cls, src, subfolder, cfg.revision),
+        files=local_weight_files(
+            src, subfolder, cfg.variant, cfg.revision, WEIGHTS_NAME if diffusers_model else "model"
+        ),
+        dtype=dtype,
+        load_whole=whole,
+        fingerprint=f"{model_fingerprint(src, cfg.revision, subfolder=subfolder)}:{cfg.variant}",
+        channels_last=channels_last,
+    )
+    return store.load(component)
 
 
 def pipeline_class(family: Family | None):

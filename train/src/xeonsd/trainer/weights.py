@@ -55,23 +55,46 @@ def read_safetensors(path: Path, dtype: torch.dtype | None = None) -> dict[str, 
     """Every tensor of the safetensors file ``path``, floating-point ones cast to ``dtype`` (None: as stored),
     reading one tensor at a time."""
     out: dict[str, torch.Tensor] = {}
-    with open(path, "rb") as f:
-        header, start = _read_header(f, path)
-        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            stored = _DTYPES.get(info.get("dtype"))
-            if stored is None:
-                raise WeightsFileError(f"{path}: tensor {name!r} has the unsupported dtype {info.get('dtype')!r}")
-            begin, end = info["data_offsets"]
-            f.seek(start + begin)
-            buf = bytearray(end - begin)
-            if f.readinto(buf) != len(buf):
-                raise WeightsFileError(f"{path}: the file ends inside tensor {name!r} (truncated?)")
-            t = torch.frombuffer(buf, dtype=stored) if buf else torch.empty(0, dtype=stored)
-            t = t.reshape(info["shape"])
-            if dtype is not None and t.is_floating_point() and stored != dtype:
-                t = t.to(dtype)
-            out[name] = t
+    for name, t in tensor_reader([path]):
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            t = t.to(dtype)
+        out[name] = t
     return out
+
+
+def tensor_reader(files: list[Path]):
+    """(name, tensor as stored) for every tensor of these safetensors files, one plain read at a time, in the
+    order they lie in each file."""
+    for path in files:
+        with open(path, "rb") as f:
+            header, start = _read_header(f, path)
+            for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                stored = _stored_dtype(path, name, info)
+                begin, end = info["data_offsets"]
+                f.seek(start + begin)
+                buf = bytearray(end - begin)
+                if f.readinto(buf) != len(buf):
+                    raise WeightsFileError(f"{path}: the file ends inside tensor {name!r} (truncated?)")
+                t = torch.frombuffer(buf, dtype=stored) if buf else torch.empty(0, dtype=stored)
+                yield name, t.reshape(info["shape"])
+
+
+def read_tensor_table(files: list[Path]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Each tensor's stored dtype and shape in these safetensors files, from their headers alone."""
+    table = {}
+    for path in files:
+        with open(path, "rb") as f:
+            header, _ = _read_header(f, path)
+        for name, info in header.items():
+            table[name] = (_stored_dtype(path, name, info), tuple(info["shape"]))
+    return table
+
+
+def _stored_dtype(path: Path, name: str, info: dict) -> torch.dtype:
+    stored = _DTYPES.get(info.get("dtype"))
+    if stored is None:
+        raise WeightsFileError(f"{path}: tensor {name!r} has the unsupported dtype {info.get('dtype')!r}")
+    return stored
 
 
 def largest_tensor_bytes(files: list[Path]) -> int:
@@ -84,8 +107,11 @@ def largest_tensor_bytes(files: list[Path]) -> int:
     return largest
 
 
-def local_weight_files(src: str, subfolder: str, variant: str | None, revision: str | None) -> list[Path] | None:
-    """The safetensors files of ``src``'s ``subfolder`` on this machine (one, or a sharded set), or None."""
+def local_weight_files(
+    src: str, subfolder: str, variant: str | None, revision: str | None, weights_name: str = WEIGHTS_NAME
+) -> list[Path] | None:
+    """The safetensors files of ``src``'s ``subfolder`` on this machine (one, or a sharded set), or None.
+    ``weights_name``: the files' stem (diffusers' ``diffusion_pytorch_model``, transformers' ``model``)."""
     folder = Path(src).expanduser() / subfolder
     if not folder.is_dir():
         try:
@@ -94,7 +120,7 @@ def local_weight_files(src: str, subfolder: str, variant: str | None, revision: 
             folder = Path(snapshot_download(src, revision=revision, local_files_only=True)) / subfolder
         except Exception:  # not in the local cache, or not a Hub id: from_pretrained decides
             return None
-    stem = WEIGHTS_NAME if variant is None else f"{WEIGHTS_NAME}.{variant}"
+    stem = weights_name if variant is None else f"{weights_name}.{variant}"
     single = folder / f"{stem}.safetensors"
     if single.is_file():
         return [single]
@@ -105,6 +131,24 @@ def local_weight_files(src: str, subfolder: str, variant: str | None, revision: 
     return None
 
 
+def empty_model(model_cls, src: str, subfolder: str, revision: str | None):
+    """``model_cls`` (a diffusers model, or a transformers one) built from ``src``/``subfolder``'s config with its
+    parameters on the meta device: no memory, for the weights to be assigned (``load_state_dict(assign=True)``).
+    Buffers and plain tensor attributes are real (Qwen-Image's RoPE tables are plain attributes that no state dict
+    sets: under ``torch.device("meta")`` they stayed meta)."""
+    from accelerate import init_empty_weights
+
+    if hasattr(model_cls, "load_config"):  # diffusers
+        config = model_cls.load_config(src, subfolder=subfolder, revision=revision)
+        with init_empty_weights(include_buffers=False):
+            model = model_cls.from_config(config)
+        model.register_to_config(_name_or_path=src)  # as from_pretrained records it
+        return model
+    config = model_cls.config_class.from_pretrained(src, subfolder=subfolder, revision=revision)
+    with init_empty_weights(include_buffers=False):
+        return model_cls._from_config(config)
+
+
 def load_frozen(model_cls, src: str, subfolder: str, dtype: torch.dtype, variant: str | None, revision: str | None):
     """``model_cls`` (a diffusers model) from ``src``/``subfolder`` with its weights in ``dtype``: read tensor by
     tensor where the weights are local safetensors whose names fit the model, else through ``from_pretrained``."""
@@ -113,13 +157,7 @@ def load_frozen(model_cls, src: str, subfolder: str, dtype: torch.dtype, variant
         return model_cls.from_pretrained(
             src, subfolder=subfolder, variant=variant, revision=revision, torch_dtype=dtype
         )
-    config = model_cls.load_config(src, subfolder=subfolder, revision=revision)
-    from accelerate import init_empty_weights
-
-    # parameters on meta; buffers and plain tensor attributes real (Qwen-Image's RoPE tables are plain attributes
-    # that no state dict sets: under torch.device("meta") they stayed meta)
-    with init_empty_weights(include_buffers=False):
-        model = model_cls.from_config(config)
+    model = empty_model(model_cls, src, subfolder, revision)
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(read_safetensors(f, dtype))
@@ -133,7 +171,6 @@ def load_frozen(model_cls, src: str, subfolder: str, dtype: torch.dtype, variant
     model.load_state_dict(state, assign=True)
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         raise WeightsFileError(f"{files[0].parent}: {model_cls.__name__} has tensors the weights do not set")
-    model.register_to_config(_name_or_path=src)  # as from_pretrained records it
     model.eval()
     log.debug("read %s/%s tensor by tensor in %s", src, subfolder, dtype)
     return model
