@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import logging
 import sys
 import time
@@ -48,7 +49,7 @@ from xeonsd.trainer.metrics import MetricsLog, plot_loss, write_summary
 from xeonsd.trainer.models import render_validation
 from xeonsd.trainer.rank_io import setup_logging, start_status
 from xeonsd.trainer.resolution import with_resolution
-from xeonsd.trainer.shared_weights import open_for_job
+from xeonsd.trainer.shared_weights import SharedWeightsError, open_for_job
 from xeonsd.trainer.step import step_loss, sync_gradients, update
 from xeonsd.trainer.step_end import StepEnd
 from xeonsd.trainer.stopping import Interrupted, StopSignals
@@ -58,7 +59,15 @@ from xeonsd.trainer.validation import write_image_grid
 
 log = logging.getLogger("xeonsd.train")
 
-BAD_INPUT = (ConfigError, ModelSourceError, DataError, ConceptError, ckpt.CheckpointError, DistributedError)
+BAD_INPUT = (
+    ConfigError,
+    ModelSourceError,
+    DataError,
+    ConceptError,
+    ckpt.CheckpointError,
+    DistributedError,
+    SharedWeightsError,
+)
 
 
 def run(
@@ -232,6 +241,9 @@ def main(argv: list[str], console: tuple[TextIO, TextIO] | None = None, open_ren
     info = detect_ranks()
     status: RankStatusFile | None = None
     signals = StopSignals()
+    # A write to a weight mapped read-only (--share_weights) ends the rank by SIGSEGV: print the Python line that did.
+    with contextlib.suppress(AttributeError, ValueError, OSError):  # a stderr without a file descriptor
+        faulthandler.enable()
     try:
         signals.install()
         cfg = parse_config(argv)

@@ -34,6 +34,7 @@ import mmap
 import os
 import shutil
 import struct
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -291,8 +292,13 @@ class SharedStore:
             if found is None or found[0]["key"] != comp.key():
                 if path.exists():
                     log.warning("%s: incomplete or stale shared weights; building them again", path)
+                t0 = time.perf_counter()
                 _build(path, comp, model)
                 found = read_header(path)
+                if found is not None:
+                    log.info(
+                        "built %s (%.3f GB) in %.1f s", path, found[0]["data_bytes"] / 1e9, time.perf_counter() - t0
+                    )
                 if found is None:
                     raise SharedWeightsError(f"{path}: the file just written does not read back")
         doc, start = found
