@@ -275,6 +275,15 @@ def test_sdxl_defaults_to_1024_and_full_fine_tuning_does_not_fit_a_24_gb_node(sd
     lora = estimate(cfg(sdxl_configs, "lora", "--resolution=512"), "lora", 5, 1)
     assert lora.activations < full.activations / 4 and check_fits(lora, 1, int(24 * GB)) is None
     print(f"SDXL estimate: full 1024 px {full.describe()}; LoRA 512 px {lora.describe()}")
+    # Per node: 4 LoRA ranks with private copies need 4 x the rank's peak, which a 24 GB node does not have; with
+    # the frozen weights shared (the bf16 UNet, VAE, both CLIPs) once per node they fit. Full fine-tuning shares
+    # no UNet: its UNet trains.
+    assert lora.shared_training > 2.5e9 * 2 and full.shared_loading < lora.shared_loading - 2.5e9 * 2
+    private4, shared4 = lora.per_node(4, False), lora.per_node(4, True)
+    print(f"SDXL LoRA 512 px, 4 ranks on a node: {private4 / GB:.1f} GB private, {shared4 / GB:.1f} GB shared")
+    assert private4 == 4 * lora.total and shared4 < private4 - 3 * lora.shared_training + 1
+    problem = check_fits(lora, 4, int(24 * GB))
+    assert problem and "per rank x 4 rank(s)" in problem and check_fits(lora, 4, int(24 * GB), shared=True) is None
 
 
 # ---- families that are refused --------------------------------------------------------------------------------------

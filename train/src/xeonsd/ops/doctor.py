@@ -148,6 +148,7 @@ def check_memory(cfg, num_images: int, num_prompts: int, ranks_per_node: int) ->
     import dataclasses
 
     from xeonsd.trainer import memory
+    from xeonsd.trainer.shared_weights import shares_weights
 
     if cfg.mixed_precision == "auto":
         cfg = dataclasses.replace(cfg, mixed_precision="bf16" if cpu_info().native_bf16 else "no")
@@ -156,12 +157,19 @@ def check_memory(cfg, num_images: int, num_prompts: int, ranks_per_node: int) ->
     except Exception as exc:  # noqa: BLE001 - reported as a row, not a crash
         return Check("memory", "WARN", f"no estimate: {exc}")
     free = memory.available_memory()
-    problem = memory.check_fits(est, ranks_per_node, free)
+    shared = shares_weights(cfg.share_weights, ranks_per_node)
+    problem = memory.check_fits(est, ranks_per_node, free, shared)
     if problem:
         return Check("memory", "FAIL", problem)
     room = f", {free / memory.GB:.1f} GB free" if free is not None else ""
     at = f" at {cfg.resolution} px" if cfg.resolution else ""
-    return Check("memory", "PASS", f"{est.describe()} per rank x {ranks_per_node} rank(s){at}{room}")
+    node = est.per_node(ranks_per_node, shared)
+    how = " (frozen weights shared)" if shared else ""
+    return Check(
+        "memory",
+        "PASS",
+        f"node {node / memory.GB:.2f} GB for {ranks_per_node} rank(s){how}{at}{room}; per rank {est.describe()}",
+    )
 
 
 def trial_step(train_args: list[str], env: dict[str, str], timeout: float) -> Check:

@@ -250,12 +250,16 @@ def check_memory(cfg: TrainConfig, info: RankInfo, inputs: Inputs) -> None:
         log.warning("no memory estimate (%s); training without the check", exc)
         return
     free = memory.available_memory()
+    shared = shares_weights(cfg.share_weights, info.local_world_size)
     if info.is_main:
         line = f"estimated peak memory per rank: {est.describe()}"
+        node = est.per_node(info.local_world_size, shared)
+        line += f"; this node: {node / memory.GB:.2f} GB for {info.local_world_size} rank(s)"
+        line += " with shared frozen weights" if shared else ""
         if free is not None:
-            line += f"; {info.local_world_size} rank(s) on this node, {free / memory.GB:.1f} GB free"
+            line += f", {free / memory.GB:.1f} GB free"
         (print if cfg.dry_run else log.info)(line)
-    problem = memory.check_fits(est, info.local_world_size, free)
+    problem = memory.check_fits(est, info.local_world_size, free, shared)
     if problem:
         raise ConfigError(problem)
     if info.is_main and not cfg.dry_run:

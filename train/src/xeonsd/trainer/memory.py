@@ -128,19 +128,41 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstim
     prompts = num_prompts * (77 * cross_dim + pooled_dim) * 4 if terms.trains_unet else 0  # the frozen encoder's cache
     runtime = _resident_bytes()
     frozen = runtime + text_bytes + _numel(vae) * wbytes
-    loading = frozen + _unet_loading(cfg, _numel(unet), torch.finfo(unet_dtype).bits // 8, "unet")
+    unet_loading = _unet_loading(cfg, _numel(unet), torch.finfo(unet_dtype).bits // 8, "unet")
+    loading = frozen + unet_loading
+    # What --share_weights maps from the node's file: the frozen UNet (not a UNet that trains), the VAE, and the
+    # text encoders (not with textual inversion, whose resized embedding tables are the rank's own: counted private)
+    shared_text = 0 if method == "textual_inversion" else text_bytes
+    shared_unet = 0 if terms.unet_fp32 else frozen_unet * torch.finfo(unet_dtype).bits // 8
+    held_vae = _numel(vae) * wbytes if cfg.validation_prompt or not cfg.latent_cache else 0
     return MemoryEstimate(
-        weights, gradients, optimizer, activations, latents + prompts, runtime, loading, _allocator(activations)
+        weights,
+        gradients,
+        optimizer,
+        activations,
+        latents + prompts,
+        runtime,
+        loading,
+        _allocator(activations),
+        shared_training=shared_text + shared_unet + held_vae,
+        shared_loading=shared_text + _numel(vae) * wbytes + shared_unet,
+        loading_transient=unet_loading - _numel(unet) * torch.finfo(unet_dtype).bits // 8,
     )
 
 
-def check_fits(est: MemoryEstimate, ranks_on_node: int, available: int | None) -> str | None:
-    """An error message when ``ranks_on_node`` ranks of this estimate do not fit in ``available`` bytes."""
-    if available is None or est.total * ranks_on_node <= available:
+def check_fits(est: MemoryEstimate, ranks_on_node: int, available: int | None, shared: bool = False) -> str | None:
+    """An error message when ``ranks_on_node`` ranks of this estimate do not fit in ``available`` bytes;
+    ``shared``: the ranks map the frozen weights from one file per node (:meth:`MemoryEstimate.per_node`)."""
+    node = est.per_node(ranks_on_node, shared)
+    if available is None or node <= available:
         return None
+    how = (
+        f"{est.shared_loading / GB:.1f} GB of shared frozen weights + {ranks_on_node} rank(s) x their own"
+        if shared
+        else f"{est.total / GB:.1f} GB per rank x {ranks_on_node} rank(s) on this node"
+    )
     return (
-        f"the estimated peak memory is {est.total / GB:.1f} GB per rank x {ranks_on_node} rank(s) on this node = "
-        f"{est.total * ranks_on_node / GB:.1f} GB, but the node has {available / GB:.1f} GB free (MemAvailable); "
-        "use fewer ranks per node, a smaller --train_batch_size or --resolution, --gradient_checkpointing, "
-        "or --mixed_precision bf16"
+        f"the estimated peak memory is {how} = {node / GB:.1f} GB, but the node has {available / GB:.1f} GB free "
+        "(MemAvailable); use fewer ranks per node, a smaller --train_batch_size or --resolution, "
+        "--gradient_checkpointing, or --mixed_precision bf16"
     )

@@ -69,7 +69,13 @@ def flow_estimate(cfg, method: str, family, num_images: int, num_prompts: int) -
     prompts = num_prompts * (long_len * hidden_dim + spec.clip_context_tokens * 2048 + pooled_dim) * wbytes
     runtime = _resident_bytes()
     frozen = runtime + clip_bytes + long_bytes + _numel(vae) * wbytes
-    loading = frozen + _unet_loading(cfg, _numel(denoiser), torch.finfo(dtype).bits // 8, spec.denoiser)
+    denoiser_loading = _unet_loading(cfg, _numel(denoiser), torch.finfo(dtype).bits // 8, spec.denoiser)
+    loading = frozen + denoiser_loading
+    # What --share_weights maps from the node's file: the frozen denoiser (not one that trains), the VAE and every
+    # text encoder
+    shared_denoiser = 0 if terms.unet_fp32 else (_numel(denoiser) - trainable) * torch.finfo(dtype).bits // 8
+    held = clip_bytes + (long_bytes if cfg.shuffle_tags else 0)
+    held += _numel(vae) * wbytes if cfg.validation_prompt or not cfg.latent_cache else 0
     return MemoryEstimate(
         weights,
         trainable * 4,
@@ -79,6 +85,9 @@ def flow_estimate(cfg, method: str, family, num_images: int, num_prompts: int) -
         runtime,
         loading,
         _allocator(activations),
+        shared_training=held + shared_denoiser,
+        shared_loading=clip_bytes + long_bytes + _numel(vae) * wbytes + shared_denoiser,
+        loading_transient=denoiser_loading - _numel(denoiser) * torch.finfo(dtype).bits // 8,
     )
 
 

@@ -27,22 +27,46 @@ class MemoryEstimate:
     runtime: int
     loading: int = 0  # the peak while the models load (see _loading)
     allocator: int = 0  # what glibc's malloc keeps beyond the live activations (0 under tcmalloc): _allocator
+    # Of ``weights`` and ``loading``: the frozen weights that --share_weights maps from one file per node (counted
+    # once per node, not per rank: :meth:`per_node`).
+    shared_training: int = 0
+    shared_loading: int = 0
+    # Of ``loading``: what the rank that reads the denoiser holds beyond it while it does (its largest tensor as
+    # stored, or from_pretrained's stored copy); with shared weights only the rank that builds the file holds it.
+    loading_transient: int = 0
 
     @property
     def training(self) -> int:
-        return sum(getattr(self, f.name) for f in fields(self) if f.name != "loading")
+        return sum(getattr(self, f.name) for f in fields(self) if f.name not in _NOT_TRAINING)
 
     @property
     def total(self) -> int:
         return max(self.training, self.loading)
 
+    def per_node(self, ranks: int, shared: bool) -> int:
+        """The peak of ``ranks`` ranks on one node: each rank's total, or with shared weights the shared bytes
+        once plus each rank's private bytes, in the loading phase and in training (whichever is larger)."""
+        if not shared:
+            return ranks * self.total
+        training = self.shared_training + ranks * (self.training - self.shared_training)
+        own_loading = self.loading - self.shared_loading - self.loading_transient
+        return max(training, self.shared_loading + ranks * own_loading + self.loading_transient)
+
     def describe(self) -> str:
-        parts = ", ".join(f"{f.name} {getattr(self, f.name) / GB:.2f}" for f in fields(self) if f.name != "loading")
-        return f"{self.total / GB:.2f} GB (training {self.training / GB:.2f}: {parts}; loading {self.loading / GB:.2f})"
+        parts = ", ".join(f"{f.name} {getattr(self, f.name) / GB:.2f}" for f in fields(self) if f.name in _TERMS)
+        return (
+            f"{self.total / GB:.2f} GB (training {self.training / GB:.2f}: {parts}; loading {self.loading / GB:.2f}; "
+            f"shareable frozen weights {self.shared_training / GB:.2f} in training, {self.shared_loading / GB:.2f} "
+            "loading)"
+        )
 
     def as_dict(self) -> dict[str, int]:
         """The figures in bytes (``memory_estimate.json``), with the training and total sums."""
         return {**{f.name: getattr(self, f.name) for f in fields(self)}, "training": self.training, "total": self.total}
+
+
+_NOT_TRAINING = ("loading", "shared_training", "shared_loading", "loading_transient")
+_TERMS = ("weights", "gradients", "optimizer", "activations", "caches", "runtime", "allocator")
 
 
 def available_memory() -> int | None:
