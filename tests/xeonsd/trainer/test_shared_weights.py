@@ -68,9 +68,12 @@ def _start(tmp_path: Path, action: str = "read") -> subprocess.Popen:
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     args = [sys.executable, "-X", "faulthandler", str(script), str(tmp_path / "shm"), str(_source(tmp_path)), action]
+    # one thread: when several threads of an in-place op fault at once, faulthandler's dump can be cut short (the
+    # process still dies by SIGSEGV)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if action == "write" else None
     return subprocess.Popen(
         [*args, str(Path(__file__).parent)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
+        text=True, env=env,
     )  # fmt: skip
 
 
@@ -205,3 +208,20 @@ def test_two_ranks_on_shared_weights_learn_bit_for_bit_what_private_copies_learn
 def test_ipex_on_with_shared_weights_is_refused(tiny_model, dataset, tmp_path, cli_env):
     args = method_args("lora", tiny_model, dataset, tmp_path / "o", "--use_ipex=on", "--share_weights=on")
     assert "--use_ipex on rewrites (prepacks)" in refused(args, cli_env)
+
+
+def test_the_last_rank_to_drop_a_component_removes_its_file_during_the_job(tmp_path):
+    """T5 after the prompts are encoded: once every rank of the node has released it, its file goes (a tmpfs gives
+    the memory back), while the job's other files stay until the job ends."""
+    src, root = _source(tmp_path), tmp_path / "shm"
+    with open_store(root, "base", "fp-1", keep=False) as rank0, open_store(root, "base", "fp-1", keep=False) as rank1:
+        path = rank0.directory / "lin.weights"
+        models = [rank0.load(_component(src)), rank1.load(_component(src))]
+        del models
+        rank0.release("lin")
+        assert path.is_file(), "removed while rank 1 still maps it"
+        rank1.release("lin")
+        assert not path.exists() and rank0.directory.is_dir()
+        again = rank0.load(_component(src))  # a later load builds it again
+        assert torch.equal(again.weight, load_file(str(src))["weight"].to(torch.bfloat16))
+    assert not rank0.directory.exists()

@@ -5,7 +5,6 @@ the sampling plan. (This rank's status file and its log prefix exist before the 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import os
 import secrets
@@ -333,8 +332,7 @@ def _prepare_data(
     if inputs.class_images:
         prior = build_prior(cfg, info, models, inputs.class_images, seed, plan, texts.prior)
     if cfg.latent_cache and not cfg.validation_prompt:  # nothing decodes or encodes from here on
-        models.vae = None
-        gc.collect()
+        models.free("vae")
     return TrainingData(
         prompts=prompts,
         text=texts.train,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import inspect
 import logging
 import os
@@ -54,6 +55,17 @@ class Models:
     # flow families, once T5 is freed: the validation prompt's embeddings for the pipeline (the family's
     # conditioning of (validation prompt, ""), with ``pipeline_kwargs()``)
     sample_conditioning: object | None = None
+    # --share_weights: the node's store, and the shared component behind each slot ("vae" -> "vae", …)
+    store: SharedStore | None = None
+    shared_slots: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def free(self, slot: str) -> None:
+        """Drop the frozen model in ``slot`` (``vae``, ``text_encoder_3``, …) that this rank no longer needs; with
+        shared weights the node's last rank to drop it removes its file (:meth:`SharedStore.release`)."""
+        setattr(self, slot, None)
+        gc.collect()
+        if self.store is not None and slot in self.shared_slots:
+            self.store.release(self.shared_slots[slot])
 
     @property
     def text_pairs(self) -> list[tuple[object, torch.nn.Module | None]]:
@@ -148,9 +160,22 @@ def _load_models(cfg: TrainConfig, unet_fp32: bool, family: Family, store: Share
     if cfg.compile:
         unet = torch.compile(unet)
     (tokenizer, text_encoder), (tok2, enc2), (tok3, enc3) = text
-    return Models(
+    models = Models(
         tokenizer, text_encoder, vae, unet, noise_scheduler, weight_dtype, ipex, family, tok2, enc2, tok3, enc3, flow
     )
+    if store is not None:
+        slots = {"vae": "vae", **({} if unet_fp32 else {"unet": spec.denoiser})}
+        slots.update(
+            {
+                slot: encoder
+                for slot, (encoder, _) in zip(_TEXT_SLOTS[: len(spec.text_side)], spec.text_side, strict=True)
+            }
+        )
+        models = dataclasses.replace(models, store=store, shared_slots=slots)
+    return models
+
+
+_TEXT_SLOTS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 def _load_text_encoders(

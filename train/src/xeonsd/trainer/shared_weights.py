@@ -17,10 +17,12 @@ component is written once per node, in the training dtype and memory layout, int
 - A file is checked before it is mapped: its magic, its key (the component's fingerprint, dtype and layout) and
   its size. A truncated or stale file is rebuilt.
 - Each job holds a shared ``flock`` on the directory's ``users`` file while it runs; the rank that ends last (its
-  exclusive lock succeeds) removes the directory, unless ``--keep_shared_weights``.
+  exclusive lock succeeds) removes the directory, unless ``--keep_shared_weights``. Each rank holds one on a
+  component's ``.NAME.weights.users`` while it maps it: the last rank to drop a component it no longer needs (T5
+  once the prompts are encoded, the VAE once the latents are cached) removes that file, so a tmpfs gives its memory
+  back during the job.
 
-The file: 8 bytes of magic, a little-endian u64 header length, the JSON header (key; each tensor's dtype, shape,
-strides and offset; tied names), then the data from the next 4 KiB boundary, each tensor 64-byte aligned.
+The file's layout: :mod:`.shared_file`.
 """
 
 from __future__ import annotations
@@ -28,175 +30,28 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import json
 import logging
-import mmap
 import os
 import shutil
-import struct
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from xeonsd.trainer.weights import _DTYPES, WeightsFileError, read_tensor_table, tensor_reader
+from xeonsd.trainer.shared_file import (
+    NAMES,
+    SharedWeightsError,
+    map_file,
+    plan,
+    read_header,
+    write_file,
+)
+from xeonsd.trainer.weights import read_tensor_table, tensor_reader
 
+__all__ = ["Component", "SharedStore", "SharedWeightsError", "open_for_job", "open_store", "shares_weights"]
 log = logging.getLogger("xeonsd.train")
-MAGIC = b"XSDSW01\0"
-_PAGE = 4096
-_ALIGN = 64
-_NAMES = {v: k for k, v in _DTYPES.items()}
-
-
-class SharedWeightsError(OSError):
-    """The shared weights directory cannot hold a component (no space, not writable)."""
-
-
-@dataclass(frozen=True)
-class Planned:
-    """One tensor of a component's file: where it lies and how it is viewed."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-
-    @property
-    def nbytes(self) -> int:
-        return _storage_numel(self.shape, self.stride) * self.dtype.itemsize
-
-
-def _storage_numel(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
-    if any(s == 0 for s in shape):
-        return 0
-    return 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
-
-
-def layout_stride(shape: tuple[int, ...], channels_last: bool) -> tuple[int, ...]:
-    """The strides a tensor of ``shape`` has in the trainer: channels last for 4-D tensors when asked (what
-    ``Module.to(memory_format=torch.channels_last)`` gives), else contiguous."""
-    fmt = torch.channels_last if channels_last and len(shape) == 4 else torch.contiguous_format
-    return tuple(torch.empty(shape, device="meta").contiguous(memory_format=fmt).stride())
-
-
-def plan(tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]], channels_last: bool) -> tuple[dict, int]:
-    """Each tensor's place in the data (64-byte aligned, in name order) and the data's length."""
-    out, offset = {}, 0
-    for name in sorted(tensors):
-        dtype, shape = tensors[name]
-        p = Planned(dtype, tuple(shape), layout_stride(tuple(shape), channels_last), offset)
-        out[name] = p
-        offset += -(-p.nbytes // _ALIGN) * _ALIGN
-    return out, offset
-
-
-def _header_bytes(key: dict, planned: dict[str, Planned], aliases: dict[str, str], data_bytes: int) -> bytes:
-    table = {
-        n: {"dtype": _NAMES[p.dtype], "shape": list(p.shape), "stride": list(p.stride), "offset": p.offset}
-        for n, p in planned.items()
-    }
-    doc = {"key": key, "tensors": table, "aliases": aliases, "data_bytes": data_bytes}
-    return json.dumps(doc, sort_keys=True).encode()
-
-
-def _data_start(header_len: int) -> int:
-    return -(-(16 + header_len) // _PAGE) * _PAGE
-
-
-def write_file(
-    path: Path,
-    key: dict,
-    planned: dict[str, Planned],
-    aliases: dict[str, str],
-    data_bytes: int,
-    tensors: Iterator[tuple[str, torch.Tensor]],
-) -> None:
-    """Write a component's file at ``path`` (through a temporary name in its directory, renamed when complete):
-    ``tensors`` yields (name, tensor) for every planned name, in any order and any dtype or layout; each is cast
-    and laid out as planned."""
-    header = _header_bytes(key, planned, aliases, data_bytes)
-    start = _data_start(len(header))
-    _check_space(path, start + data_bytes)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    written: set[str] = set()
-    try:
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + struct.pack("<Q", len(header)) + header)
-            f.truncate(start + data_bytes)
-            for name, t in tensors:
-                p = planned[name]
-                t = t.detach().to(p.dtype)
-                dense = torch.empty_strided(p.shape, p.stride, dtype=p.dtype)
-                dense.copy_(t)
-                if p.nbytes:
-                    f.seek(start + p.offset)
-                    flat = dense.as_strided((_storage_numel(p.shape, p.stride),), (1,))
-                    f.write(memoryview(flat.view(torch.uint8).numpy()))
-                written.add(name)
-            missing = sorted(set(planned) - written)
-            if missing:
-                raise WeightsFileError(f"{path.name}: no weights for {', '.join(missing[:5])}")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise SharedWeightsError(f"cannot write the shared weights {path}: {exc}") from exc
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _check_space(path: Path, needed: int) -> None:
-    st = os.statvfs(path.parent)
-    free = st.f_bavail * st.f_frsize
-    if free < needed:
-        raise SharedWeightsError(
-            f"the shared weights {path.name} need {needed / 1e9:.2f} GB in {path.parent}, which has "
-            f"{free / 1e9:.2f} GB free. Fix: --shared_weights_dir on a filesystem with room (the inventory's "
-            "finetune_shared_weights_dir), or --share_weights off"
-        )
-
-
-def read_header(path: Path) -> tuple[dict, int] | None:
-    """The file's header and where its data starts, or None when it is not a complete file of ours (a missing,
-    foreign or truncated file)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(16)
-            if len(head) != 16 or head[:8] != MAGIC:
-                return None
-            (size,) = struct.unpack("<Q", head[8:])
-            doc = json.loads(f.read(size))
-            start = _data_start(size)
-            if os.fstat(f.fileno()).st_size != start + doc["data_bytes"]:
-                return None
-    except (OSError, ValueError, KeyError):
-        return None
-    return doc, start
-
-
-def map_file(path: Path, doc: dict, start: int) -> dict[str, torch.Tensor]:
-    """Every tensor of the file as a read-only view of one shared mapping (tied names included)."""
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-    out: dict[str, torch.Tensor] = {}
-    with warnings.catch_warnings():  # "The given buffer is not writable": read-only on purpose
-        warnings.simplefilter("ignore", UserWarning)
-        for name, info in doc["tensors"].items():
-            dtype, shape, stride = _DTYPES[info["dtype"]], tuple(info["shape"]), tuple(info["stride"])
-            count = _storage_numel(shape, stride)
-            if count == 0:
-                out[name] = torch.empty(shape, dtype=dtype)
-                continue
-            flat = torch.frombuffer(mm, dtype=dtype, count=count, offset=start + info["offset"])
-            out[name] = flat.as_strided(shape, stride)
-    for alias, name in doc["aliases"].items():
-        out[alias] = out[name]
-    return out
 
 
 @dataclass
@@ -217,7 +72,7 @@ class Component:
         return {
             "component": self.name,
             "fingerprint": self.fingerprint,
-            "dtype": _NAMES[self.dtype],
+            "dtype": NAMES[self.dtype],
             "channels_last": self.channels_last,
         }
 
@@ -282,10 +137,14 @@ class SharedStore:
     keep: bool
     _users_fd: int | None = None
     mapped: dict[str, int] = field(default_factory=dict)  # component -> bytes mapped
+    _readers: dict[str, int] = field(default_factory=dict)  # component -> its users file (a shared flock) held
+
+    def _path(self, name: str) -> Path:
+        return self.directory / f"{name.replace('/', '_')}.weights"
 
     def load(self, comp: Component) -> torch.nn.Module:
         """``comp`` with its tensors mapped from the node's file (built first when missing, truncated or stale)."""
-        path = self.directory / f"{comp.name.replace('/', '_')}.weights"
+        path = self._path(comp.name)
         model = comp.empty()
         with _flock(self.directory / f".{path.name}.lock", fcntl.LOCK_EX):
             found = read_header(path)
@@ -295,12 +154,13 @@ class SharedStore:
                 t0 = time.perf_counter()
                 _build(path, comp, model)
                 found = read_header(path)
-                if found is not None:
-                    log.info(
-                        "built %s (%.3f GB) in %.1f s", path, found[0]["data_bytes"] / 1e9, time.perf_counter() - t0
-                    )
                 if found is None:
                     raise SharedWeightsError(f"{path}: the file just written does not read back")
+                log.info("built %s (%.3f GB) in %.1f s", path, found[0]["data_bytes"] / 1e9, time.perf_counter() - t0)
+            if comp.name not in self._readers:  # under the lock: release() cannot remove the file in between
+                fd = os.open(self.directory / f".{path.name}.users", os.O_RDWR | os.O_CREAT, 0o644)
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                self._readers[comp.name] = fd
         doc, start = found
         state = map_file(path, doc, start)
         model.load_state_dict(state, assign=True, strict=True)
@@ -309,30 +169,59 @@ class SharedStore:
         self.mapped[comp.name] = doc["data_bytes"]
         return model
 
+    def release(self, name: str) -> None:
+        """This rank dropped its model of component ``name`` (T5 once the prompts are encoded, the VAE once the
+        latents are cached): the node's last rank to do so removes the file, so a tmpfs gives its memory back
+        (unless kept). A later job on the base builds it again."""
+        fd = self._readers.pop(name, None)
+        if fd is None:
+            return
+        os.close(fd)
+        path = self._path(name)
+        if not self.keep and _remove_if_unused(
+            self.directory / f".{path.name}.lock", self.directory / f".{path.name}.users", path.unlink
+        ):
+            log.info("removed %s: no rank of the node maps it any more", path)
+
     def close(self) -> None:
         """This job no longer uses the directory: the last job to leave removes it (unless kept)."""
+        for fd in self._readers.values():
+            os.close(fd)
+        self._readers.clear()
         if self._users_fd is None:
             return
         os.close(self._users_fd)
         self._users_fd = None
         if self.keep:
             return
-        with _flock(self.directory.with_name(f".{self.directory.name}.lock"), fcntl.LOCK_EX):
-            users = self.directory / "users"
-            try:
-                fd = os.open(users, os.O_RDWR)
-            except FileNotFoundError:
-                return
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return  # another job (or another rank of this one) still maps it
-            finally:
-                os.close(fd)
+
+        def remove() -> None:
             gone = self.directory.with_name(f".{self.directory.name}.gone-{os.getpid()}")
             os.replace(self.directory, gone)
             shutil.rmtree(gone, ignore_errors=True)
+
+        lock = self.directory.with_name(f".{self.directory.name}.lock")
+        if _remove_if_unused(lock, self.directory / "users", remove):
             log.info("removed the shared weights %s (no job uses them now)", self.directory)
+
+
+def _remove_if_unused(lock: Path, users: Path, remove: Callable[[], None]) -> bool:
+    """Under the exclusive ``lock``: when nobody holds ``users`` (its exclusive flock succeeds at once), call
+    ``remove``. True when it did."""
+    with _flock(lock, fcntl.LOCK_EX):
+        try:
+            fd = os.open(users, os.O_RDWR)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # another job, or another rank of this one, still maps it
+        else:
+            remove()
+            return True
+        finally:
+            os.close(fd)
 
 
 def base_directory_name(src: str, fingerprint: str) -> str:

@@ -21,7 +21,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {
+DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -91,7 +91,7 @@ def read_tensor_table(files: list[Path]) -> dict[str, tuple[torch.dtype, tuple[i
 
 
 def _stored_dtype(path: Path, name: str, info: dict) -> torch.dtype:
-    stored = _DTYPES.get(info.get("dtype"))
+    stored = DTYPES.get(info.get("dtype"))
     if stored is None:
         raise WeightsFileError(f"{path}: tensor {name!r} has the unsupported dtype {info.get('dtype')!r}")
     return stored

@@ -11,7 +11,6 @@ FLUX.1 and SD3.5) is freed (:func:`release_long_encoder`), unless ``--shuffle_ta
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 
 import torch
@@ -216,6 +215,5 @@ def release_long_encoder(models: Models, keep: bool) -> None:
         log.info("%s stays loaded: --shuffle_tags encodes each example's caption in the step", name)
         return
     before = _rss_gb()
-    setattr(models, slot, None)
-    gc.collect()
+    models.free(slot)
     log.info("%s freed: every prompt is encoded; resident memory %.2f GB -> %.2f GB", name, before, _rss_gb())
