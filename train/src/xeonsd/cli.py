@@ -174,6 +174,8 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> int:
         from xeonsd.bench.serve import main as bench_main
     elif args.what == "optimizer":
         from xeonsd.bench.optimizer import main as bench_main
+    elif args.what == "memory":
+        from xeonsd.bench.memory import main as bench_main
     else:
         from xeonsd.bench.generate import main as bench_main
     return bench_main(rest)
@@ -271,9 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_job_parsers(sub)  # jobstatus, runjson, slurmjob
 
     p = sub.add_parser(
-        "bench", help="benchmarks (`xeonsd bench train|generate|layout|serve|optimizer --help`)", add_help=False
+        "bench", help="benchmarks (`xeonsd bench train|generate|layout|serve|optimizer|memory --help`)", add_help=False
     )
-    p.add_argument("what", choices=["train", "generate", "layout", "serve", "optimizer"])
+    p.add_argument("what", choices=["train", "generate", "layout", "serve", "optimizer", "memory"])
     return parser
 
 
@@ -296,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         argv
         and argv[0] == "bench"
         and len(argv) > 1
-        and argv[1] in ("train", "generate", "layout", "serve", "optimizer")
+        and argv[1] in ("train", "generate", "layout", "serve", "optimizer", "memory")
     ):
         return _bench(argparse.Namespace(what=argv[1]), argv[2:])
     args = build_parser().parse_args(argv)

@@ -201,7 +201,7 @@ def _checked(args: argparse.Namespace):
             file=sys.stderr,
         )
         return None
-    model = _model(args)
+    model = resolve_model(args)
     if model is None:
         return None
     from xeonsd.modelfiles.families import detect_family
@@ -272,7 +272,7 @@ def _measure(args: argparse.Namespace, model: str | Path, dtype: str, variants: 
     return runs, measured, why
 
 
-def _model(args: argparse.Namespace) -> str | Path | None:
+def resolve_model(args: argparse.Namespace) -> str | Path | None:
     """``--model`` once checked (None after printing why it will not do), else the ``--arch`` model, built once."""
     from xeonsd.assets.flow_models import check_depth, model_name
     from xeonsd.modelfiles.modelsource import ModelSourceError, check_model_source

@@ -46,11 +46,15 @@ class MemoryEstimate:
     def per_node(self, ranks: int, shared: bool) -> int:
         """The peak of ``ranks`` ranks on one node: each rank's total, or with shared weights the shared bytes
         once plus each rank's private bytes, in the loading phase and in training (whichever is larger)."""
+        return max(self.per_node_phases(ranks, shared))
+
+    def per_node_phases(self, ranks: int, shared: bool) -> tuple[int, int]:
+        """(loading, training) peaks of ``ranks`` ranks on one node (:meth:`per_node`)."""
         if not shared:
-            return ranks * self.total
+            return ranks * self.loading, ranks * self.training
         training = self.shared_training + ranks * (self.training - self.shared_training)
         own_loading = self.loading - self.shared_loading - self.loading_transient
-        return max(training, self.shared_loading + ranks * own_loading + self.loading_transient)
+        return self.shared_loading + ranks * own_loading + self.loading_transient, training
 
     def describe(self) -> str:
         parts = ", ".join(f"{f.name} {getattr(self, f.name) / GB:.2f}" for f in fields(self) if f.name in _TERMS)

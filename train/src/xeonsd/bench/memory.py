@@ -1,0 +1,237 @@
+"""``xeonsd bench memory``: what a node holds for 1, 2, 4 … ranks of one training job, with the frozen weights
+shared (``--share_weights on``) and with a private copy per rank (``off``), beside the trainer's per-node estimate.
+
+Each run is a real ``mpirun -n R -ppn R xeonsd train`` on this machine. While it runs, the benchmark samples every
+rank's PSS (``/proc/<pid>/smaps_rollup``, :mod:`xeonsd.cluster.memory`) every ``--sample-s`` and keeps the peak of
+their sum, in the loading phase (until rank 0's status file says ``running``) and in training; the time to the
+first step comes from the run's ``train_summary.json``. The layouts run in interleaved rounds (R=1 off, R=1 on,
+R=2 off, … then again): only figures of one round compare. The last lines are the issue's targets, each with the
+figures it compares and whether it is met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import fields
+from pathlib import Path
+
+from xeonsd.assets.models import arch_names
+from xeonsd.bench import rounds as rnd
+from xeonsd.cluster.memory import MemoryUnavailable, read_memory
+from xeonsd.fsutil import atomic_file
+
+GB = 1e9
+MODES = ("off", "on")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="xeonsd bench memory", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="pipeline directory (default: the --arch model, built once)")
+    p.add_argument("--arch", choices=arch_names(), default="sd15", help="what to build when --model is not given")
+    p.add_argument("--depth", type=int, default=None, help="flow archs only: their blocks cut to D")
+    p.add_argument("--method", choices=("lora", "textual_inversion", "full"), default="lora")
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="ranks on the node, one layout each")
+    p.add_argument("--resolution", type=int, default=512)
+    p.add_argument("--steps", type=int, default=2, help="training steps per run")
+    p.add_argument("--images", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds of every layout")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto", help="auto: bf16 where native")
+    p.add_argument("--sample-s", type=float, default=0.1, help="seconds between PSS samples")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    return p
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid``'s descendant processes (mpirun -> its proxy -> the ranks)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _is_rank(pid: int) -> bool:
+    try:
+        return b"xeonsd.cli" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+class PssSampler(threading.Thread):
+    """The peak of the ranks' summed PSS while ``status`` (rank 0's status file) is not ``running`` (loading) and
+    once it is (training)."""
+
+    def __init__(self, pid: int, status: Path, every_s: float) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.status, self.every_s = pid, status, every_s
+        self.peaks = {"loading": 0, "training": 0}
+        self.done = threading.Event()
+
+    def _phase(self) -> str:
+        try:
+            return "training" if json.loads(self.status.read_text()).get("state") != "starting" else "loading"
+        except (OSError, ValueError):
+            return "loading"
+
+    def run(self) -> None:
+        while not self.done.wait(self.every_s):
+            total = 0
+            for pid in _descendants(self.pid):
+                if _is_rank(pid):
+                    with contextlib.suppress(MemoryUnavailable):  # a rank that just ended
+                        total += read_memory(pid).pss_bytes
+            phase = self._phase()
+            self.peaks[phase] = max(self.peaks[phase], total)
+
+
+def run_layout(ranks: int, mode: str, base: list[str], out: Path, env: dict[str, str], every_s: float) -> dict:
+    """One ``mpirun -n ranks`` run with ``--share_weights mode``: the node's PSS peaks per phase, the time to the
+    first step, the shared files' bytes, and the trainer's per-node estimate for this layout."""
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        raise RuntimeError("mpirun is not on PATH (source the env's env.sh, or install impi-rt)")
+    cmd = [mpirun, "-n", str(ranks), "-ppn", str(ranks), sys.executable, "-m", "xeonsd.cli", "train", *base]
+    cmd += [f"--share_weights={mode}", f"--output_dir={out}", f"--shared_weights_dir={out.parent / 'shm'}"]
+    with open(out.parent / f"{out.name}.log", "w") as logf:
+        proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT)
+        sampler = PssSampler(proc.pid, out / "status" / "rank-0.json", every_s)
+        sampler.start()
+        code = proc.wait()
+        sampler.done.set()
+        sampler.join()
+    if code != 0:
+        tail = (out.parent / f"{out.name}.log").read_text()[-3000:]
+        raise RuntimeError(f"{ranks} rank(s), --share_weights {mode}: exit {code}\n{tail}")
+    summary = json.loads((out / "train_summary.json").read_text())
+    estimate = node_estimate(json.loads((out / "memory_estimate.json").read_text()), ranks, mode == "on")
+    shutil.rmtree(out, ignore_errors=True)
+    return {
+        "ranks": ranks,
+        "share_weights": mode,
+        "loading_peak": sampler.peaks["loading"],
+        "training_peak": sampler.peaks["training"],
+        "first_step_s": summary["startup"]["time_to_first_step_s"],
+        "shared_bytes": sum(summary["startup"].get("shared_weights_bytes", {}).values()),
+        "estimate": estimate,
+    }
+
+
+def node_estimate(saved: dict, ranks: int, shared: bool) -> dict[str, int]:
+    """The trainer's per-node estimate (``memory_estimate.json``) for ``ranks`` ranks, by phase."""
+    from xeonsd.trainer.memory_parts import MemoryEstimate
+
+    est = MemoryEstimate(**{f.name: saved.get(f.name, 0) for f in fields(MemoryEstimate)})
+    loading, training = est.per_node_phases(ranks, shared)
+    return {"loading": loading, "training": training}
+
+
+def format_rows(results: list[dict]) -> list[str]:
+    lines = [
+        f"{'ranks':>5} {'share':>5} {'loading peak':>13} {'(estimate)':>11} {'training peak':>14} {'(estimate)':>11} "
+        f"{'shared files':>13} {'first step':>11}"
+    ]
+    for r in results:
+        lines.append(
+            f"{r['ranks']:>5} {r['share_weights']:>5} {r['loading_peak'] / GB:>10.2f} GB {r['estimate']['loading'] / GB:>8.2f} GB "
+            f"{r['training_peak'] / GB:>11.2f} GB {r['estimate']['training'] / GB:>8.2f} GB {r['shared_bytes'] / GB:>10.3f} GB "
+            f"{r['first_step_s']:>9.1f} s"
+        )
+    return lines
+
+
+def targets(results: list[dict]) -> list[str]:
+    """The targets, from the first round: the most ranks measured shared against the shared bytes + that many
+    times one rank's private bytes (+10 %), and the loading peak of one shared rank against 1.1 x its training
+    peak; and each shared layout against its private one (ratios within the round)."""
+    by = {(r["ranks"], r["share_weights"]): r for r in results}
+    lines = []
+    for n in sorted({r["ranks"] for r in results}):
+        off, on = by.get((n, "off")), by.get((n, "on"))
+        if off and on:
+            peak = lambda r: max(r["loading_peak"], r["training_peak"])  # noqa: E731
+            lines.append(
+                f"{n} rank(s): node peak shared / private = {peak(on) / peak(off):.2f}x "
+                f"({peak(on) / GB:.2f} / {peak(off) / GB:.2f} GB); time to first step {on['first_step_s'] / off['first_step_s']:.2f}x"
+            )
+    one, most = by.get((1, "on")), max((r for r in results if r["share_weights"] == "on"), key=lambda r: r["ranks"])
+    if one is not None and most["ranks"] > 1:
+        shared = most["shared_bytes"]
+        private = max(one["loading_peak"], one["training_peak"]) - shared
+        bound = (shared + most["ranks"] * private) * 1.1
+        peak = max(most["loading_peak"], most["training_peak"])
+        met = "met" if peak <= bound else "NOT met"
+        lines.append(
+            f"target: {most['ranks']} shared ranks <= shared + {most['ranks']} x one rank's private + 10 %: "
+            f"{peak / GB:.2f} GB vs {bound / GB:.2f} GB ({shared / GB:.2f} + {most['ranks']} x {private / GB:.2f}, "
+            f"+10 %): {met}"
+        )
+    if one is not None:
+        ratio = one["loading_peak"] / max(1, one["training_peak"])
+        met = "met" if ratio <= 1.1 else "NOT met"
+        lines.append(f"target: loading peak <= 1.1 x training peak (1 rank, shared): {ratio:.2f}x: {met}")
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.rounds < 1 or args.steps < 1 or min(args.ranks) < 1:
+        print("xeonsd bench memory: error: --rounds, --steps and --ranks must be at least 1", file=sys.stderr)
+        return 2
+    from xeonsd.assets import make_dataset
+    from xeonsd.bench.train import resolve_model
+    from xeonsd.cpu import cpu_info
+
+    model = resolve_model(args)
+    if model is None:
+        return 2
+    cpu = cpu_info()
+    dtype = args.dtype if args.dtype != "auto" else ("bf16" if cpu.native_bf16 else "fp32")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", I_MPI_FABRICS=os.environ.get("I_MPI_FABRICS", "shm"))
+    layouts = [f"{n}:{mode}" for n in args.ranks for mode in MODES]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="xeonsd-bench-memory-") as tmp:
+        data = Path(tmp) / "data"
+        make_dataset(data, count=args.images, size=args.resolution)
+        base = [
+            f"--pretrained_model_name_or_path={model}",
+            f"--train_data_dir={data}",
+            f"--method={args.method}",
+            *(["--placeholder_token=<c>", "--initializer_token=toy"] if args.method == "textual_inversion" else []),
+            *(["--instance_prompt=a photo of a toy"] if args.method != "textual_inversion" else []),
+            f"--resolution={args.resolution}",
+            f"--max_train_steps={args.steps}",
+            f"--mixed_precision={'bf16' if dtype == 'bf16' else 'no'}",
+            "--checkpointing_steps=0",
+            "--stats_every=1",
+        ]
+        for r, name in rnd.schedule(layouts, args.rounds):
+            n, mode = name.split(":")
+            env["MASTER_PORT"] = str(29900 + (os.getpid() + len(results)) % 90)
+            row = run_layout(int(n), mode, base, Path(tmp) / f"r{r}-{n}-{mode}", env, args.sample_s)
+            results.append({**row, "round": r})
+            print(f"round {r + 1}: {n} rank(s), share {mode}: done", file=sys.stderr, flush=True)
+    first = [r for r in results if r["round"] == 0]
+    title = f"{args.method} on {model}, {args.resolution} px, {dtype}, {args.steps} step(s); CPU: {cpu.model}"
+    lines = [title, *format_rows(results), *targets(first)]
+    print("\n".join(lines), flush=True)
+    if args.json:
+        with atomic_file(args.json, "w") as fh:
+            fh.write(json.dumps({"cpu": cpu.model, "dtype": dtype, "results": results, "lines": lines}, indent=2))
+    return 0
