@@ -225,3 +225,14 @@ def test_the_last_rank_to_drop_a_component_removes_its_file_during_the_job(tmp_p
         again = rank0.load(_component(src))  # a later load builds it again
         assert torch.equal(again.weight, load_file(str(src))["weight"].to(torch.bfloat16))
     assert not rank0.directory.exists()
+
+
+def test_a_directory_this_account_cannot_write_is_refused_with_the_fix(tmp_path):
+    from xeonsd.trainer.shared_weights import shared_root
+
+    assert shared_root("/dev/shm/xeonsd-weights-{uid}") == f"/dev/shm/xeonsd-weights-{os.getuid()}"
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    with pytest.raises(SharedWeightsError, match=r"cannot use the shared weights directory .*file.* Fix: "):  # noqa: SIM117
+        with open_store(blocked / "sub", "base", "fp-1", keep=False):
+            pass

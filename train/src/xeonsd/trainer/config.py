@@ -19,7 +19,7 @@ from xeonsd.contracts.straggler_rule import STRAGGLER_RATIO
 from xeonsd.flags import flag
 
 TI, LORA, FULL = METHODS
-SHARED_WEIGHTS_DIR = "/dev/shm/xeonsd-weights"  # a tmpfs on every Linux node
+SHARED_WEIGHTS_DIR = "/dev/shm/xeonsd-weights-{uid}"  # a tmpfs on every Linux node; {uid}: the account's
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 
 
@@ -302,7 +302,8 @@ class TrainConfig:
         choices=("auto", "on", "off"),
     )
     shared_weights_dir: str = _flag(
-        "the node-local directory of --share_weights' files (a tmpfs by default; a local disk directory works too)",
+        "the node-local directory of --share_weights' files ({uid}: the account's user id; a tmpfs by default, a "
+        "local disk directory works too)",
         default=SHARED_WEIGHTS_DIR,
     )
     keep_shared_weights: bool = _flag(

@@ -233,15 +233,19 @@ def base_directory_name(src: str, fingerprint: str) -> str:
 def open_store(root: Path, src: str, fingerprint: str, keep: bool) -> Iterator[SharedStore]:
     """The node's store for the base ``src`` (``fingerprint``: :func:`xeonsd.modelfiles.modelsource.model_fingerprint`)
     under ``root``, held open (a shared lock on its ``users`` file) until the block ends."""
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise SharedWeightsError(f"cannot make the shared weights directory {root}: {exc}") from exc
     directory = root / base_directory_name(src, fingerprint)
-    with _flock(root / f".{directory.name}.lock", fcntl.LOCK_EX):
-        directory.mkdir(exist_ok=True)
-        fd = os.open(directory / "users", os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_SH)
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with _flock(root / f".{directory.name}.lock", fcntl.LOCK_EX):
+            directory.mkdir(exist_ok=True)
+            fd = os.open(directory / "users", os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError as exc:
+        raise SharedWeightsError(
+            f"cannot use the shared weights directory {root}: {exc}. Fix: --shared_weights_dir (the inventory's "
+            "finetune_shared_weights_dir) naming a node-local directory this account can write, or --share_weights "
+            "off"
+        ) from exc
     store = SharedStore(directory, keep, fd)
     try:
         yield store
@@ -262,6 +266,12 @@ def open_for_job(cfg, local_world_size: int) -> contextlib.AbstractContextManage
     from xeonsd.modelfiles.modelsource import model_fingerprint
 
     fingerprint = model_fingerprint(cfg.pretrained_model_name_or_path, cfg.revision)
-    return open_store(
-        Path(cfg.shared_weights_dir), cfg.pretrained_model_name_or_path, fingerprint, cfg.keep_shared_weights
-    )
+    root = Path(shared_root(cfg.shared_weights_dir))
+    return open_store(root, cfg.pretrained_model_name_or_path, fingerprint, cfg.keep_shared_weights)
+
+
+def shared_root(template: str) -> str:
+    """``--shared_weights_dir`` with ``{uid}`` replaced by this account's user id (the default,
+    ``/dev/shm/xeonsd-weights-{uid}``: one directory per account, so a job of another account on the node never
+    finds a directory it cannot write)."""
+    return template.replace("{uid}", str(os.getuid()))
