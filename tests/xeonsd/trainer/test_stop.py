@@ -102,7 +102,8 @@ def test_sigterm_stops_both_ranks_at_one_step_with_a_checkpoint_and_resume_equal
 ):
     out = tmp_path / "stopped"
     cmd = [_hydra(cli_env), "-n", "2", sys.executable, "-m", "xeonsd.cli", "train"]
-    args = train_args(tiny_model, dataset, out, "--log_every=1", steps=100000)  # --checkpointing_steps=0
+    shm = f"--shared_weights_dir={tmp_path / 'shm'}"  # 2 ranks on one node: the frozen weights shared (auto)
+    args = train_args(tiny_model, dataset, out, "--log_every=1", shm, steps=100000)  # --checkpointing_steps=0
     job = subprocess.Popen(
         [*cmd, *args], env=mpi_env(cli_env), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
@@ -126,13 +127,18 @@ def test_sigterm_stops_both_ranks_at_one_step_with_a_checkpoint_and_resume_equal
     assert json.loads((out / "metrics.partial.jsonl").read_text().splitlines()[-1])["step"] == step
     assert _left_behind(out) == []
     assert f"stopped by SIGTERM at step {step} (checkpoint-{step} written)" in output
+    assert "frozen weights mapped from" in output
+    assert not list((tmp_path / "shm").glob("*/*.weights")), "a stopped job removes its shared weights too"
     here = statuses[0]["address"]
     summary = watch.diagnose(statuses, [{"name": "here", "address": here}], 2)["summary"]
     assert summary == f"stopped by SIGTERM at step {step} (checkpoint-{step} written); resume with -e resume=latest"
 
     # Resumed to two steps past the stop, it ends where a run that was never stopped does.
-    resumed = train(train_args(tiny_model, dataset, out, "--resume_from_checkpoint=latest", steps=step + 2), cli_env, 2)
+    resumed = train(
+        train_args(tiny_model, dataset, out, "--resume_from_checkpoint=latest", shm, steps=step + 2), cli_env, 2
+    )
     assert f"resumed from {out / f'checkpoint-{step}'} at step {step}" in resumed.stderr
+    assert "frozen weights mapped from" in resumed.stderr
     full = tmp_path / "full"
     train(train_args(tiny_model, dataset, full, steps=step + 2), cli_env, 2)
     assert_learned(vectors(full), tiny_model)
