@@ -149,4 +149,9 @@ def test_the_report_shows_each_nodes_pss_total_after_loading_and_at_its_highest(
     assert "<h2>Memory per node</h2>" in page
     assert "after loading 4.00 GB (RSS summed 9.00 GB)" in page and "highest 5.50 GB at step 10" in page
     assert "2 rank(s), private 3.00 GB" in page
+    assert "mapped from one file" not in page
+    with_shared = memory_section(rows, {"unet": 1_720_000_000, "vae": 170_000_000})
+    assert (
+        "mapped from one file per node" in with_shared and "unet 1.72 GB, vae 0.17 GB; 1.89 GB per node" in with_shared
+    )
     assert memory_section([{"step": 5, "loss": 0.1}]) == ""

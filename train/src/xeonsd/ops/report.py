@@ -220,7 +220,7 @@ def build_report(run: Path) -> str:
         *_loss_section(run, rows, missing),
         *_method_section(run, rows, missing),
         *(["<h2>Cluster</h2>" + html_table(info["cluster"])] if info.get("cluster") else []),
-        *cluster_sections(rows, figs),
+        *cluster_sections(rows, figs, (read_summary(run) or {}).get("startup", {}).get("shared_weights_bytes")),
         *_phases_section(info, timings),
         *_export_section(run, info),
         *_missing_section(missing),

@@ -25,14 +25,15 @@ def _money(value: float, currency: str) -> str:
     return f"{value:.4g} {currency}".strip()
 
 
-def cluster_sections(rows: list[dict], figs: dict) -> list[str]:
-    """CPU use per node (plot), the time split per node (stacked bars), the straggler verdict, the cost."""
+def cluster_sections(rows: list[dict], figs: dict, shared: dict[str, int] | None = None) -> list[str]:
+    """CPU use per node (plot), the time split per node (stacked bars), the straggler verdict, the memory per node
+    (``shared``: train_summary.json's ``startup.shared_weights_bytes``), the cost."""
     sections: list[str] = []
     if clusterview.stats_rows(rows):
         sections.append(_cpu_use_section(rows, figs))
         sections.append(_time_split_section(rows, figs))
         sections.append(_stragglers_section(rows, figs))
-    memory = memory_section(rows)
+    memory = memory_section(rows, shared)
     if memory:
         sections.append(memory)
     if figs["cost"]:
@@ -44,9 +45,10 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
-def memory_section(rows: list[dict]) -> str:
+def memory_section(rows: list[dict], shared: dict[str, int] | None = None) -> str:
     """Each node's memory as the kernel shares it (xeonsd.cluster.memory): the sum of its ranks' PSS after loading
-    and at its highest over the steps, beside the sum of their RSS, which counts each shared page once per rank."""
+    and at its highest over the steps, beside the sum of their RSS, which counts each shared page once per rank; and
+    the frozen weights the ranks of each node mapped from one shared file (``shared``: component -> bytes)."""
     loaded = {n["node"]: n for r in rows for n in r.get("memory_loaded", {}).get("nodes", [])}
     peak: dict[str, tuple[dict, int]] = {}
     for r in rows:
@@ -70,6 +72,12 @@ def memory_section(rows: list[dict]) -> str:
         "The sum of the PSS of each node's ranks: what the node holds for them, each page shared by several ranks "
         "counted once. The sum of their RSS counts a shared page once per rank that maps it."
     )
+    if shared:
+        parts = ", ".join(f"{name} {_gb(n)}" for name, n in shared.items())
+        caption += (
+            f" The frozen weights were mapped from one file per node that all its ranks share (--share_weights): "
+            f"{parts}; {_gb(sum(shared.values()))} per node instead of per rank."
+        )
     return f"<h2>Memory per node</h2><p>{caption}</p>{html_table(table)}"
 
 
