@@ -178,6 +178,8 @@ TRAINER_LAYERS: list[set[str]] = [
         "metrics",
         "tracking",
         "weights",
+        "shared_file",
+        "shared_weights",
         "libraries",
         "embeddings",
         "step_end",

@@ -11,5 +11,5 @@ job (keeps its records, waits for it, judges how it ended, signals it) is :mod:`
 * :mod:`.job_status`: the ranks' status files, ``attempt.json`` and ``exit.json``, and the exit codes;
 * :mod:`.run_files`: ``train_summary.json`` and ``run.json``; :mod:`.slurm_job`: ``slurm.json``;
 * :mod:`.serve_plan`: what ``serve.yml`` serves (the run, its export, the adapters by name) and its ``xeonsd serve``
-  command line.
+  command line; :mod:`.blend_syntax`: a LoRA blend as ``serve_blends``, ``--blend`` and a request write it.
 """

@@ -228,7 +228,7 @@ def plan(
 
 def blend_args(blends: Any, registered: Sequence[Mapping[str, Any]]) -> list[str]:
     """``serve_blends`` (OVMS composites, ``@NAME:WEIGHT+@NAME:WEIGHT``) checked by ``xeonsd serve --blend``'s own
-    parser (:func:`xeonsd.serve.requests.parse_blends`, standard library only) against the registered adapters'
+    parser (:func:`xeonsd.contracts.blend_syntax.parse_blends`) against the registered adapters'
     names and alphas; each as its normal form (parts sorted by name), for ``--blend``."""
     if blends in (None, ""):
         return []
@@ -237,12 +237,12 @@ def blend_args(blends: Any, registered: Sequence[Mapping[str, Any]]) -> list[str
             f"serve_blends is {blends!r}: it is a list of LoRA blends, e.g. ['@style-a:0.7+@style-b:0.3']. "
             "Fix: set serve_blends to such a list, or []."
         )
-    from xeonsd.serve.requests import RequestError, composite, parse_blends
+    from xeonsd.contracts.blend_syntax import BlendError, composite, parse_blends
 
     alphas = {r["name"]: float(r["alpha"]) for r in registered}
     try:
         keys = parse_blends(tuple(str(b) for b in blends), alphas)
-    except RequestError as e:
+    except BlendError as e:
         raise ServePlanError(
             f"serve_blends: {e}. Fix: blend only the adapters served here ({', '.join(alphas) or 'none'}: "
             "serve_run's LoRA and serve_adapters), each once, weights within -4..4; or add the adapter to "

@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from xeonsd.contracts.blend_syntax import composite
 from xeonsd.modelfiles import families
 from xeonsd.serve.edits import parse_form
 from xeonsd.serve.keys import KeyRing
@@ -31,7 +32,7 @@ from xeonsd.serve.limits import guard
 from xeonsd.serve.metrics import Metrics
 from xeonsd.serve.options import ServedModel, ServeOptions
 from xeonsd.serve.pool import Busy, Cancelled, Job, NotReady, PipelinePool
-from xeonsd.serve.requests import Limits, RequestError, composite, parse_body, validate
+from xeonsd.serve.requests import Limits, RequestError, parse_body, validate
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("xeonsd.serve.access")

@@ -196,7 +196,7 @@ class ServedModel:
     adapters: dict[str, tuple[Path, float]] = field(default_factory=dict)  # name -> (GenAI file, alpha)
     sources: dict[str, Path] = field(default_factory=dict)  # name -> the user's file
     max_sequence_length: int | None = None  # the text encoder's prompt length (the manifest's; CLIP-only: None)
-    blends: tuple[tuple[tuple[str, float], ...], ...] = ()  # --blend's keys (requests.blend_key)
+    blends: tuple[tuple[tuple[str, float], ...], ...] = ()  # --blend's keys (contracts.blend_syntax.blend_key)
 
     @property
     def model_names(self) -> list[str]:
@@ -307,12 +307,12 @@ def check_options(opts: ServeOptions) -> None:
 
 
 def blend_keys(opts: ServeOptions) -> tuple[tuple[tuple[str, float], ...], ...]:
-    """``--blend``'s keys, parsed as requests are (:func:`xeonsd.serve.requests.parse_blends`)."""
-    from xeonsd.serve.requests import RequestError, parse_blends
+    """``--blend``'s keys, parsed as requests are (:func:`xeonsd.contracts.blend_syntax.parse_blends`)."""
+    from xeonsd.contracts.blend_syntax import BlendError, parse_blends
 
     try:
         return parse_blends(opts.blends, {a.name: float(a.alpha) for a in opts.adapters})
-    except RequestError as e:
+    except BlendError as e:
         raise ServeError(str(e)) from None
 
 

@@ -5,7 +5,7 @@
   and each call is given that compile-time ``AdapterConfig``: GenAI never switches adapters on a pipeline, as
   switching is broken in openvino-genai 2026.4.1 (every ``AdapterConfig.Mode``; base, A, base, A gives the base or
   a gray image the second time: docs/serving.md, "LoRA blends"). The cost: a compile and a copy of the models per
-  adapter set and worker. A request runs on its adapter set's pipelines (``requests.blend_key``, the keys).
+  adapter set and worker. A request runs on its adapter set's pipelines (``contracts.blend_syntax.blend_key``, the keys).
 * A request waits for a free worker in a queue of ``--queue`` places; with every worker busy and the queue full
   the answer is :class:`Busy` (429 with ``Retry-After``).
 * GenAI calls a step callback after each denoising step; returning True stops the generation there. Each request's
@@ -38,10 +38,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from xeonsd.contracts.blend_syntax import Chosen
 from xeonsd.openvino.generate_args import PRECISIONS
 from xeonsd.serve.metrics import Metrics
 from xeonsd.serve.options import ServedModel
-from xeonsd.serve.requests import Chosen, ImageRequest
+from xeonsd.serve.requests import ImageRequest
 
 log = logging.getLogger(__name__)
 WARMUP_STEPS = 1

@@ -13,7 +13,7 @@ refuses the OpenAI fields that choose among a hosted model's options (``quality`
 LoRA blends (docs/serving.md, "LoRA blends"): ``model`` may also be a composite in OVMS's ``--source_loras``
 syntax, ``@a:0.7+@b:0.3`` (each ``@NAME[:WEIGHT]`` a registered adapter; no weight: its ``--adapter`` alpha), and
 ``lora_alphas`` (OVMS's field: ``{"NAME": WEIGHT}``) overrides the weights of the adapters ``model`` selects, as
-OVMS allows it: only those adapters. A weight is a finite number in -:data:`MAX_WEIGHT`..:data:`MAX_WEIGHT`. A blend
+OVMS allows it: only those adapters. The syntax and the weights' range: :mod:`xeonsd.contracts.blend_syntax`. A blend
 (or an adapter at another weight than its alpha) runs when it is one of the server's ``--blend`` declarations, in
 any order of its parts (:func:`blend_key`); any other is refused, naming the declared ones.
 
@@ -24,14 +24,20 @@ image-to-image, 1 for inpainting); ``size`` there is the image's.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import random
-import re
 from dataclasses import dataclass
 from typing import Any
 
+from xeonsd.contracts.blend_syntax import (
+    BlendError,
+    Chosen,
+    blend_key,
+    composite,
+)
+from xeonsd.contracts.blend_syntax import checked_weight as _checked_weight
+from xeonsd.contracts.blend_syntax import parse_composite as _parse_composite
 from xeonsd.openvino.manifest import StaticShape
 
 DEFAULT_STEPS = 20
@@ -56,9 +62,6 @@ KNOWN = frozenset(
 )
 EDIT_FIELDS = frozenset({"image", "mask", "strength"})
 DEFAULT_STRENGTH = {"image2image": 0.8, "inpainting": 1.0}  # GenAI's defaults for each pipeline
-MAX_WEIGHT = 4.0  # the largest |weight| of an adapter in a blend or lora_alphas
-COMPOSITE_PART = re.compile(r"^@([A-Za-z0-9][A-Za-z0-9._-]{0,63})(?::(.+))?$")
-Chosen = tuple[tuple[str, float], ...]  # adapters with their weights, sorted by name (blend_key); (): the base
 
 
 class RequestError(ValueError):
@@ -226,68 +229,18 @@ def validate(body: dict[str, Any], limits: Limits, edit: bool = False) -> ImageR
 
 
 def _weight(value: Any, what: str, param: str) -> float:
-    if isinstance(value, str):
-        with contextlib.suppress(ValueError):
-            value = float(value)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise RequestError(f"{what}: the weight must be a number, not {json.dumps(value)}", param)
-    if not -MAX_WEIGHT <= value <= MAX_WEIGHT:
-        raise RequestError(f"{what}: the weight {value:g} is out of range: -{MAX_WEIGHT:g}..{MAX_WEIGHT:g}", param)
-    return float(value)
-
-
-def blend_key(chosen: dict[str, float]) -> Chosen:
-    """The one normal form of an adapter set: the pool's key of its pipelines and a request's lookup of them."""
-    return tuple(sorted((name, float(weight)) for name, weight in chosen.items()))
-
-
-def composite(key: Chosen) -> str:
-    """``@a:0.7+@b:0.3``: an adapter set in OVMS's composite syntax."""
-    return "+".join(
-        f"@{name}:{weight:g}" if float(f"{weight:g}") == weight else f"@{name}:{weight!r}" for name, weight in key
-    )
+    try:
+        return _checked_weight(value, what, param)
+    except BlendError as e:
+        raise RequestError(str(e), e.param) from None
 
 
 def parse_composite(text: str, alphas: dict[str, float], what: str, param: str = "model") -> dict[str, float]:
-    """``@NAME[:WEIGHT]+…`` (OVMS's composite) -> ``{name: weight}`` in the text's order; each NAME a registered
-    adapter (no weight: its alpha), none twice; ``what`` starts each error."""
-    chosen: dict[str, float] = {}
-    for part in text.split("+"):
-        m = COMPOSITE_PART.match(part.strip())
-        if m is None:
-            raise RequestError(f"{what}: {part!r} is not @NAME or @NAME:WEIGHT", param)
-        name, weight = m[1], m[2]
-        if name not in alphas:
-            raise RequestError(f"{what}: no adapter {name!r}; registered: {', '.join(alphas) or 'none'}", param)
-        if name in chosen:
-            raise RequestError(f"{what}: adapter {name!r} is given twice", param)
-        chosen[name] = alphas[name] if weight is None else _weight(weight, f"{what}: @{name}", param)
-    return chosen
-
-
-def parse_blend(text: str, alphas: dict[str, float]) -> Chosen:
-    """``xeonsd serve --blend`` -> its key: two adapters at least, or one at a weight other than its alpha (a
-    "blend of one"); raises :class:`RequestError` naming the flag."""
-    what = f"--blend {text!r}"
-    chosen = parse_composite(text, alphas, what, "blend")
-    if len(chosen) == 1 and all(w == alphas[n] for n, w in chosen.items()):
-        raise RequestError(
-            f"{what}: one adapter at its own --adapter alpha is that adapter, served without a blend; a blend has "
-            "two adapters at least, or one at another weight (@NAME:WEIGHT)",
-            "blend",
-        )
-    return blend_key(chosen)
-
-
-def parse_blends(texts: tuple[str, ...], alphas: dict[str, float]) -> tuple[Chosen, ...]:
-    """Every ``--blend`` (:func:`parse_blend`), none declared twice."""
-    keys: list[Chosen] = []
-    for text in texts:
-        key = parse_blend(text, alphas)
-        if key in keys:
-            raise RequestError(f"--blend {text!r}: the blend {composite(key)} is declared twice", "blend")
-        keys.append(key)
-    return tuple(keys)
+    """:func:`xeonsd.contracts.blend_syntax.parse_composite`, its errors a 400 naming the field."""
+    try:
+        return _parse_composite(text, alphas, what, param)
+    except BlendError as e:
+        raise RequestError(str(e), e.param) from None
 
 
 def _adapters(model: Any, overrides: Any, limits: Limits) -> Chosen:
