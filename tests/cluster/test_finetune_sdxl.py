@@ -22,7 +22,7 @@ def test_sdxl_lora_trains_at_the_familys_resolution_exports_the_sdxl_base_and_ge
     result, run = finetune_other_base(provisioned, "xeonsd/tiny-xl", tiny_xl, "sdxl-lora", steps=6)
     summary = json.loads((run / "train_summary.json").read_text())
     assert (summary["family"], summary["resolution"], summary["steps"]) == ("sdxl", 64, 6), summary
-    assert "--resolution" not in (run / "run.sh").read_text()  # auto: the trainer chose the family's
+    assert "--resolution=auto" in (run / "run.sh").read_text()  # auto: the trainer chose the family's
     assert "model family:      SDXL, trained at 64 px" in result.output
     assert "<td>SDXL, 64 px</td>" in (run / "report.html").read_text()
 

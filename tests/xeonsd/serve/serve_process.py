@@ -49,7 +49,11 @@ class ServeProcess:
         self.url = self._wait_line(LISTENING, deadline)[1]
         with httpx.Client(base_url=self.url, timeout=10) as client:
             while time.monotonic() < deadline:
-                status = client.get("/v2/health/ready").status_code
+                try:
+                    status = client.get("/v2/health/ready").status_code
+                except httpx.TransportError:  # a poll cut off while the loaded machine compiles: poll again
+                    time.sleep(0.5)
+                    continue
                 self.ready_statuses.append(status)
                 if status == 200:
                     return self

@@ -46,9 +46,12 @@ CHILD = textwrap.dedent(
     import json, logging, os, sys
     from pathlib import Path
     import torch
-    sys.path.insert(0, sys.argv[4])
-    from test_shared_weights import _component
-    from xeonsd.trainer.shared_weights import open_store
+    from xeonsd.trainer.shared_weights import Component, open_store
+    def _empty():
+        with torch.device("meta"):
+            return torch.nn.Linear(2048, 4096)
+    def _component(src):
+        return Component("lin", _empty, [src], torch.bfloat16, None, "fp-1")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     root, src, action = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     with open_store(root, "base", "fp-1", keep=False) as store:
@@ -72,7 +75,7 @@ def _start(tmp_path: Path, action: str = "read") -> subprocess.Popen:
     # process still dies by SIGSEGV)
     env = {**os.environ, "OMP_NUM_THREADS": "1"} if action == "write" else None
     return subprocess.Popen(
-        [*args, str(Path(__file__).parent)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, env=env,
     )  # fmt: skip
 

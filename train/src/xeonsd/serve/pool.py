@@ -169,9 +169,9 @@ class PipelinePool:
         shape = self.served.shape
         pipe = cls(str(self.served.export_dir))
         if self.served.max_sequence_length is not None:  # before reshape, as xeonsd generate's genai engine does
-            config = pipe.get_generation_config()
-            config.max_sequence_length = self.served.max_sequence_length
-            pipe.set_generation_config(config)
+            generation = pipe.get_generation_config()
+            generation.max_sequence_length = self.served.max_sequence_length
+            pipe.set_generation_config(generation)
         pipe.reshape(images, shape.height, shape.width, 7.5)
         props = {"INFERENCE_NUM_THREADS": self.threads, **PRECISIONS[self.precision]}
         if config is not None:
