@@ -92,3 +92,12 @@ def _children(pid: int) -> list[int]:
     from xeonsd.bench.memory import _descendants
 
     return _descendants(pid)
+
+
+def test_a_layout_the_trainer_refuses_is_a_row_that_says_so():
+    from xeonsd.bench.memory import format_rows
+
+    refused = {"ranks": 2, "share_weights": "off", "refused": "the estimated peak memory is 15.3 GB per rank x 2"}
+    rows = [_row(1, "on", 3.0, 4.0, shared=2.0), refused, _row(2, "on", 5.0, 6.0, shared=2.0)]
+    assert "    2   off refused by the trainer's estimate: the estimated peak memory is 15.3 GB" in format_rows(rows)[2]
+    assert any(line.startswith("target: 2 shared ranks") for line in targets(rows))

@@ -116,9 +116,13 @@ def run_layout(ranks: int, mode: str, base: list[str], out: Path, env: dict[str,
         code = proc.wait()
         sampler.done.set()
         sampler.join()
+    log_text = (out.parent / f"{out.name}.log").read_text()
+    refusal = next((ln for ln in log_text.splitlines() if "the estimated peak memory is" in ln), None)
+    if code == 2 and refusal is not None:  # the trainer's own check: this layout does not fit this node
+        shutil.rmtree(out, ignore_errors=True)
+        return {"ranks": ranks, "share_weights": mode, "refused": refusal.split("error: ", 1)[-1]}
     if code != 0:
-        tail = (out.parent / f"{out.name}.log").read_text()[-3000:]
-        raise RuntimeError(f"{ranks} rank(s), --share_weights {mode}: exit {code}\n{tail}")
+        raise RuntimeError(f"{ranks} rank(s), --share_weights {mode}: exit {code}\n{log_text[-3000:]}")
     summary = json.loads((out / "train_summary.json").read_text())
     estimate = node_estimate(json.loads((out / "memory_estimate.json").read_text()), ranks, mode == "on")
     shutil.rmtree(out, ignore_errors=True)
@@ -148,6 +152,9 @@ def format_rows(results: list[dict]) -> list[str]:
         f"{'shared files':>13} {'first step':>11}"
     ]
     for r in results:
+        if "refused" in r:
+            lines.append(f"{r['ranks']:>5} {r['share_weights']:>5} refused by the trainer's estimate: {r['refused']}")
+            continue
         lines.append(
             f"{r['ranks']:>5} {r['share_weights']:>5} {r['loading_peak'] / GB:>10.2f} GB {r['estimate']['loading'] / GB:>8.2f} GB "
             f"{r['training_peak'] / GB:>11.2f} GB {r['estimate']['training'] / GB:>8.2f} GB {r['shared_bytes'] / GB:>10.3f} GB "
@@ -160,7 +167,7 @@ def targets(results: list[dict]) -> list[str]:
     """The targets, from the first round: the most ranks measured shared against the shared bytes + that many
     times one rank's private bytes (+10 %), and the loading peak of one shared rank against 1.1 x its training
     peak; and each shared layout against its private one (ratios within the round)."""
-    by = {(r["ranks"], r["share_weights"]): r for r in results}
+    by = {(r["ranks"], r["share_weights"]): r for r in results if "refused" not in r}
     lines = []
     for n in sorted({r["ranks"] for r in results}):
         off, on = by.get((n, "off")), by.get((n, "on"))
@@ -170,8 +177,9 @@ def targets(results: list[dict]) -> list[str]:
                 f"{n} rank(s): node peak shared / private = {peak(on) / peak(off):.2f}x "
                 f"({peak(on) / GB:.2f} / {peak(off) / GB:.2f} GB); time to first step {on['first_step_s'] / off['first_step_s']:.2f}x"
             )
-    one, most = by.get((1, "on")), max((r for r in results if r["share_weights"] == "on"), key=lambda r: r["ranks"])
-    if one is not None and most["ranks"] > 1:
+    shared_runs = [r for r in by.values() if r["share_weights"] == "on"]
+    one, most = by.get((1, "on")), max(shared_runs, key=lambda r: r["ranks"], default=None)
+    if one is not None and most is not None and most["ranks"] > 1:
         shared = most["shared_bytes"]
         private = max(one["loading_peak"], one["training_peak"]) - shared
         bound = (shared + most["ranks"] * private) * 1.1
