@@ -144,7 +144,7 @@ def _load_models(cfg: TrainConfig, unet_fp32: bool, family: Family, store: Share
     for m in (vae, unet):
         m.requires_grad_(False)
         m.eval()
-    if cfg.channels_last and not family.is_flow:
+    if channels_last:  # a no-op on weights mapped from the shared file: stored channels last already
         unet.to(memory_format=torch.channels_last)
     ipex = False
     if cfg.use_ipex != "off" and not unet_fp32 and not family.is_flow and store is None:  # IPEX rewrites weights

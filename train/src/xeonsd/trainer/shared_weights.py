@@ -112,7 +112,7 @@ def _build(path: Path, comp: Component, model: torch.nn.Module) -> None:
         log.info("%s: the weights' names differ from the model's; building its shared file from the model", comp.name)
     whole = comp.load_whole()
     state = whole.state_dict()
-    aliases = {a: n for a, n in _tied_aliases(whole).items() if a in state}
+    aliases = _tied_aliases(whole)  # names of whole's state only
     shapes = {n: (_kept_dtype(t.dtype, comp.dtype), tuple(t.shape)) for n, t in state.items() if n not in aliases}
     planned, data = plan(shapes, comp.channels_last)
     write_file(path, key, planned, aliases, data, ((n, t) for n, t in state.items() if n not in aliases))
