@@ -165,58 +165,19 @@ def test_check_mode_runs_through(provisioned: Cluster) -> None:
     assert set(result.recap) == set(provisioned.nodes)
 
 
-def test_limit_rebuilds_a_wiped_node_without_the_others(provisioned: Cluster) -> None:
-    # Wipe node3 like a reinstalled server (its sshd and host key stay), and forget every cached fact, so the
-    # run can only use the inventory for the other nodes.
-    for d in provisioned.private_dirs:
-        root = provisioned.private_dir("node3", d)
-        for child in root.iterdir():
-            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
-    shutil.rmtree(provisioned.state_dir / "facts", ignore_errors=True)
-    assert provisioned.ssh("node3", f"test -e {ENV}/bin/python", check=False).returncode != 0
-
-    result = run_playbook(
-        "provision.yml", provisioned.inventory, "--limit", "node3", state_dir=provisioned.state_dir, name="limit-node3"
-    )
-    print(f"\nrebuild of one wiped node with --limit: {result.seconds:.1f} s")
-    assert result.rc == 0, result.tail()
-    assert set(result.recap) == {"node3"}, result.recap
-    assert_node_works(provisioned, "node3")
-    out = provisioned.ssh("node1", f"ssh {provisioned.address(3)} cat /etc/xeonsd/nodefile", user="devcloud")
-    assert out.stdout.split()[0] == provisioned.address(1)
-
-    # The rebuilt node trains again in a job across the cluster: one rank per node, node3's among them (training
-    # only; what the rank count changes is the end-to-end test's).
-    # a table: each -e beside its value (ruff would put one item per line)
-    job = run_playbook("playbooks/finetune.yml", provisioned.inventory, "-e", "finetune_max_train_steps=3",
-                       "-e", "mpi_ranks=4", "-e", "ranks_per_node=1", "-e", "finetune_run_id=after-limit",
-                       "-e", f"controller_runs_dir={provisioned.state_dir / 'runs'}",
-                       state_dir=provisioned.state_dir, name="finetune-after-limit", timeout=1200)  # fmt: skip
-    assert job.rc == 0, job.tail(60)
-    log = (provisioned.state_dir / "runs" / "after-limit" / "train.log").read_text()
-    assert f"node={provisioned.address(3)} " in log and "4 ranks (gloo)" in job.output
-
-
-def test_offline_git_builds_diffusers_from_a_staged_archive(provisioned: Cluster, tmp_path: Path) -> None:
-    # An air-gapped site with diffusers_source: git stages a source archive of Diffusers on the controller; the
-    # controller builds its wheel instead of cloning (the test cluster reaches no git hosting, so a clone would
-    # fail) and node3 installs that wheel. The stand-in archive is the pinned sdist, fetched by the controller's pip
-    # from the index the wheelhouse comes from. (A new Diffusers wheel is a new wheelhouse too: its downloads name
-    # the wheel, so this run downloads the wheelhouse again.)
+def test_limit_rebuilds_a_wiped_node_without_the_others_from_a_staged_diffusers_archive(
+    provisioned: Cluster, tmp_path: Path
+) -> None:
+    """node3 wiped like a reinstalled server is rebuilt by provision.yml --limit node3 alone, at an air-gapped site
+    with diffusers_source: git that stages a source archive of Diffusers on the controller: the controller builds
+    its wheel instead of cloning (the test cluster reaches no git hosting, so a clone would fail) and node3 installs
+    that wheel; the stack's role again changes nothing; the rebuilt node trains in a job across the cluster. (One
+    rebuild for both: each costs two minutes on 2 cores.) The stand-in archive is the pinned sdist, fetched by the
+    controller's pip from the index the wheelhouse comes from; a new Diffusers wheel is a new wheelhouse too (its
+    downloads name the wheel), so the rebuild downloads the wheelhouse again."""
     subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--quiet",
-            "--no-deps",
-            "--no-binary",
-            "diffusers",
-            "--dest",
-            str(tmp_path),
-            DIFFUSERS_PIN,
-        ],
+        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", "diffusers"]
+        + ["--dest", str(tmp_path), DIFFUSERS_PIN],
         check=True,
         timeout=600,
     )
@@ -230,31 +191,55 @@ def test_offline_git_builds_diffusers_from_a_staged_archive(provisioned: Cluster
             "diffusers_source_archive_sha256": sha256,
         },
     )
+    # Wipe node3 (its sshd and host key stay), and forget every cached fact, so the run can only use the inventory
+    # for the other nodes.
+    for d in provisioned.private_dirs:
+        root = provisioned.private_dir("node3", d)
+        for child in root.iterdir():
+            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+    shutil.rmtree(provisioned.state_dir / "facts", ignore_errors=True)
+    assert provisioned.ssh("node3", f"test -e {ENV}/bin/python", check=False).returncode != 0
 
-    def stack_on_node3(name: str):  # noqa: ANN202 - runner.PlaybookRun
-        """Only the stack's role (--tags ml_stack; preflight runs always): Diffusers' source is its concern alone."""
-        return run_playbook(
-            "provision.yml",
-            inventory,
-            "--limit",
-            "node3",
-            "--tags",
-            "ml_stack",
-            state_dir=provisioned.state_dir,
-            name=name,
-        )
-
-    first = stack_on_node3("limit-node3-diffusers-archive")
-    assert first.rc == 0, first.tail()
-    # Built once (run_once), or not at all when an earlier session built this archive's wheel (.cache persists).
-    assert wheel_builds(first, "diffusers") in ([], ["node3"]) and "Clone Diffusers" not in first.output
+    result = run_playbook(
+        "provision.yml", inventory, "--limit", "node3", state_dir=provisioned.state_dir, name="limit-node3"
+    )
+    print(f"\nrebuild of one wiped node with --limit (Diffusers from a staged archive): {result.seconds:.1f} s")
+    assert result.rc == 0, result.tail()
+    assert set(result.recap) == {"node3"}, result.recap
+    assert_node_works(provisioned, "node3")
+    out = provisioned.ssh("node1", f"ssh {provisioned.address(3)} cat /etc/xeonsd/nodefile", user="devcloud")
+    assert out.stdout.split()[0] == provisioned.address(1)
+    # Diffusers: built once (run_once), or not at all when an earlier session built this archive's wheel (.cache
+    # persists), never cloned; node3 holds the archive's wheel and no clone.
+    assert wheel_builds(result, "diffusers") in ([], ["node3"]) and "Clone Diffusers" not in result.output
     wid, marker = installed_wheel(provisioned, "node3", "diffusers")
     assert marker.endswith(f" (archive sha256 {sha256})"), marker
     assert (REPO / ".cache" / "wheels" / f"diffusers-{wid}" / ".complete").read_text() == f"archive sha256 {sha256}\n"
     assert provisioned.ssh("node3", "test -e /var/cache/xeonsd/diffusers", check=False).returncode != 0
-    assert_node_works(provisioned, "node3")
 
-    second = stack_on_node3("limit-node3-diffusers-archive-again")
-    assert second.rc == 0, second.tail()
-    assert second.changed() == {"node3": 0}, second.recap
-    assert wheel_builds(second, "diffusers") == []
+    # Only the stack's role again (--tags ml_stack; preflight runs always): nothing to do.
+    again = run_playbook(
+        "provision.yml",
+        inventory,
+        *("--limit", "node3", "--tags", "ml_stack"),
+        state_dir=provisioned.state_dir,
+        name="limit-node3-diffusers-archive-again",
+    )
+    assert again.rc == 0, again.tail()
+    assert again.changed() == {"node3": 0}, again.recap
+    assert wheel_builds(again, "diffusers") == []
+
+    # The rebuilt node trains again in a job across the cluster: one rank per node, node3's among them (training
+    # only; what the rank count changes is the end-to-end test's).
+    job = run_playbook(
+        "playbooks/finetune.yml",
+        provisioned.inventory,
+        *("-e", "finetune_max_train_steps=3", "-e", "mpi_ranks=4", "-e", "ranks_per_node=1"),
+        *("-e", "finetune_run_id=after-limit", "-e", f"controller_runs_dir={provisioned.state_dir / 'runs'}"),
+        state_dir=provisioned.state_dir,
+        name="finetune-after-limit",
+        timeout=1200,
+    )
+    assert job.rc == 0, job.tail(60)
+    log = (provisioned.state_dir / "runs" / "after-limit" / "train.log").read_text()
+    assert f"node={provisioned.address(3)} " in log and "4 ranks (gloo)" in job.output
