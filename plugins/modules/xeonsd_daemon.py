@@ -15,6 +15,8 @@ import signal
 import subprocess
 import tempfile
 import time
+import urllib.error
+import urllib.request
 
 from ansible.module_utils.basic import AnsibleModule
 
@@ -33,6 +35,9 @@ description:
   - C(stopped) sends SIGTERM to ours, waits up to C(stop_timeout) seconds, then SIGKILL, and removes the pid file.
     A pid file that names no process of ours is removed and nothing is signalled.
   - A started process that ends within C(settle) seconds fails the task with the end of its log.
+  - C(ready) changes nothing: it waits up to C(timeout) seconds until C(url) answers 200 while ours runs, and fails
+    at once, with the end of its log, when ours is not running (a server that exits at start-up is named within
+    C(interval) seconds, not after the whole C(timeout)).
   - Check mode says what would happen and does nothing.
 options:
   argv: {description: The command and its arguments., type: list, elements: str}
@@ -45,7 +50,10 @@ options:
   user: {description: The account it runs as (default the task's)., type: str}
   chdir: {description: Its working directory (default the user's home, else /)., type: path}
   env: {description: Environment variables added to the task's., type: dict, default: {}}
-  state: {description: What to make of the process (status looks only)., type: str, choices: [status, started, stopped, restarted], default: started}
+  state: {description: What to make of the process (status and ready look only)., type: str, choices: [status, started, stopped, restarted, ready], default: started}
+  url: {description: What answers 200 once ours is ready (state ready)., type: str}
+  timeout: {description: Seconds state ready waits., type: int, default: 900}
+  interval: {description: Seconds between two looks of state ready., type: float, default: 2.0}
   stop_timeout: {description: Seconds between SIGTERM and SIGKILL., type: int, default: 30}
   settle: {description: Seconds a new process must stay alive., type: float, default: 1.0}
 """
@@ -156,6 +164,33 @@ def start(module: AnsibleModule) -> int:
     return -1  # not reached
 
 
+def wait_ready(module: AnsibleModule, pid: int | None) -> None:
+    """state ready: exit once ``url`` answers 200, fail as soon as ours is gone or ``timeout`` has passed."""
+    p = module.params
+    began = time.monotonic()
+    answer = "none"
+    while True:
+        if not ours(pid, p["match"]):
+            module.fail_json(
+                msg=f"{' '.join(p['match'])} is not running (it ended before it was ready, after "
+                f"{time.monotonic() - began:.0f} s of waiting); the end of {p['log'] or 'its output'}:\n"
+                + log_tail(p["log"]),
+                status=answer,
+            )
+        try:
+            with urllib.request.urlopen(p["url"], timeout=max(p["interval"], 1.0)) as r:
+                answer = str(r.status)
+        except urllib.error.HTTPError as e:
+            answer = f"{e.code} {e.reason}"
+        except (OSError, ValueError) as e:
+            answer = str(getattr(e, "reason", e))
+        if answer == "200":
+            module.exit_json(changed=False, pid=pid, status=200, waited_s=round(time.monotonic() - began, 1))
+        if time.monotonic() - began >= p["timeout"]:
+            module.fail_json(msg=f"{p['url']} did not answer 200 within {p['timeout']} s (last answer: {answer})")
+        time.sleep(p["interval"])
+
+
 def main() -> None:
     module = AnsibleModule(
         argument_spec={
@@ -167,11 +202,18 @@ def main() -> None:
             "user": {"type": "str"},
             "chdir": {"type": "path"},
             "env": {"type": "dict", "default": {}},
-            "state": {"type": "str", "choices": ["status", "started", "stopped", "restarted"], "default": "started"},
+            "state": {
+                "type": "str",
+                "choices": ["status", "started", "stopped", "restarted", "ready"],
+                "default": "started",
+            },
+            "url": {"type": "str"},
+            "timeout": {"type": "int", "default": 900},
+            "interval": {"type": "float", "default": 2.0},
             "stop_timeout": {"type": "int", "default": 30},
             "settle": {"type": "float", "default": 1.0},
         },
-        required_if=[("state", "started", ["argv"]), ("state", "restarted", ["argv"])],
+        required_if=[("state", "started", ["argv"]), ("state", "restarted", ["argv"]), ("state", "ready", ["url"])],
         supports_check_mode=True,
     )
     p = module.params
@@ -186,7 +228,9 @@ def main() -> None:
     running = ours(pid, p["match"])
     current = running and version == p["version"]
     result = {"pid": pid if running else None, "running": running, "current": current}
-    if p["state"] == "status" or (p["state"] == "started" and current):
+    if p["state"] == "ready" and not module.check_mode:
+        wait_ready(module, pid)
+    if p["state"] in ("status", "ready") or (p["state"] == "started" and current):
         module.exit_json(changed=False, **result)
     if p["state"] == "stopped" and not running:
         stale = os.path.exists(p["pid_file"])

@@ -192,6 +192,83 @@ def test_the_daemon_module_keeps_one_current_process_of_ours_and_never_signals_a
                 os.kill(pid, 9)
 
 
+READY_PLAY = """
+- hosts: localhost
+  gather_facts: false
+  tasks:
+    - xeonsd_daemon:
+        state: started
+        argv: "{{ argv }}"
+        match: ["--port", "{{ port }}"]
+        pid_file: "{{ pid_file }}"
+        log: "{{ log }}"
+        settle: 0.2
+    - xeonsd_daemon:
+        state: ready
+        url: "http://127.0.0.1:{{ port }}/v2/health/ready"
+        match: ["--port", "{{ port }}"]
+        pid_file: "{{ pid_file }}"
+        log: "{{ log }}"
+        timeout: 120
+        interval: 0.2
+      register: ready
+    - ansible.builtin.copy: {dest: "{{ out }}", content: "{{ ready | to_json }}", mode: "0644"}
+"""
+# A server that answers 503 until its "pipelines" are compiled (READY_AFTER seconds), then 200; or that exits first.
+SERVER = """
+import http.server, sys, time
+began, ready_after, exit_after = time.monotonic(), float(sys.argv[1]), float(sys.argv[2])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if time.monotonic() - began > ready_after else 503)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+s = http.server.HTTPServer(("127.0.0.1", int(sys.argv[4])), H)
+s.timeout = 0.1
+while time.monotonic() - began < exit_after:
+    s.handle_request()
+print("compile failed: no such export", flush=True)
+raise SystemExit(1)
+"""
+
+
+def test_the_daemon_module_waits_until_ready_and_names_a_server_that_ended_at_once(tmp_path: Path) -> None:
+    """state ready: a server that gets ready after a while is waited for; one that exits while it compiles fails the
+    task within seconds (not after the whole timeout) with the end of its log."""
+    import socket
+
+    (tmp_path / "play.yml").write_text(READY_PLAY)
+    (tmp_path / "server.py").write_text(SERVER)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    def wait(ready_after: float, exit_after: float) -> tuple[subprocess.CompletedProcess, float]:
+        argv = [sys.executable, str(tmp_path / "server.py"), str(ready_after), str(exit_after), "--port", str(port)]
+        values = {"argv": argv, "port": port, "pid_file": str(tmp_path / "s.pid"), "log": str(tmp_path / "s.log")}
+        values["ansible_python_interpreter"] = sys.executable
+        began = time.monotonic()
+        result = local_playbook(tmp_path / "play.yml", values | {"out": str(tmp_path / "out.json")})
+        return result, time.monotonic() - began
+
+    ready, _ = wait(ready_after=3, exit_after=60)
+    try:
+        assert ready.returncode == 0, ready.stdout[-3000:]
+        answer = json.loads((tmp_path / "out.json").read_text())
+        # (How long it waited depends on this machine's load: the server may be ready before the first look.)
+        assert answer["status"] == 200 and answer["waited_s"] >= 0 and not answer["changed"], answer
+    finally:
+        pid = int((tmp_path / "s.pid").read_text().split()[0]) if (tmp_path / "s.pid").exists() else None
+        if pid and alive(pid):
+            os.kill(pid, 9)
+    ended, seconds = wait(ready_after=60, exit_after=1.5)
+    assert ended.returncode != 0, ended.stdout[-3000:]
+    assert f"--port {port} is not running (it ended before it was ready" in ended.stdout, ended.stdout[-3000:]
+    assert "compile failed: no such export" in ended.stdout
+    assert seconds < 60, seconds  # named at once, not after the 120 s timeout
+
+
 def test_api_keys_become_the_key_file_and_a_bad_list_is_named_without_its_keys() -> None:
     good = [{"name": "alice", "key": "a" * 20}, {"name": "ci", "key": "b" * 24}]
     assert serve.serve_key_file(good) == f"alice:{'a' * 20}\nci:{'b' * 24}\n"
