@@ -7,6 +7,7 @@ tests/conftest.py): its base model export is the one test_finetune_methods.py's 
 from __future__ import annotations
 
 import json
+import re
 import time
 
 from harness import Cluster
@@ -93,6 +94,10 @@ def test_finetune_trains_on_16_ranks_then_exports_generates_and_reports(provisio
         " EUR",
     ):
         assert section in page, section
+    # The node totals of the ranks' memory (the sum of their PSS: a page the node's ranks share counted once).
+    memory = page[page.index("<h2>Memory per node</h2>") :]
+    for node in ("node1", "node2", "node3", "node4"):
+        assert re.search(rf"<th>{node}</th><td>PSS after loading [0-9.]+ GB [^<]* 4 rank\(s\)", memory), node
     figures = json.loads((run / "run.json").read_text())["cluster_figures"]
     assert set(figures["cpu_util"]) == {"node1", "node2", "node3", "node4"}
     assert figures["cost"]["currency"] == "EUR" and figures["cost"]["training_cost"] > 0
