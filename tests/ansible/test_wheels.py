@@ -164,8 +164,7 @@ def test_wheels_are_built_once_on_the_controller_and_a_changed_source_gets_a_new
 
     n, again, out = run(site)
     assert n == 0 and built(out) == [] and again == wheels, out[-3000:]
-    n, _, out = run(site, "--check")
-    assert n == 0 and built(out) == [], out[-3000:]
+    # (--check: the offline install test below, and provision.yml --check on the test cluster.)
 
     # A changed xeonsd source: a new xeonsd wheel (new id), the Diffusers wheel left as it is.
     (site["train"] / "src" / "xeonsd" / "__init__.py").write_text(
@@ -180,7 +179,6 @@ def test_wheels_are_built_once_on_the_controller_and_a_changed_source_gets_a_new
     assert Path(changed_source["diffusers"]["node"]).read_bytes() == Path(diffusers["controller"]).read_bytes()
     assert changed_source["xeonsd"]["id"] != xeonsd["id"] and Path(changed_source["xeonsd"]["node"]).is_file()
     assert Path(xeonsd["controller"]).is_file()  # the old build stays: going back needs no rebuild
-    assert run(site)[0] == 0
 
 
 def test_diffusers_is_built_from_a_staged_archive_or_a_git_ref_once_each(site: dict) -> None:
