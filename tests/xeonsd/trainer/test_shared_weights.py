@@ -230,6 +230,26 @@ def test_the_last_rank_to_drop_a_component_removes_its_file_during_the_job(tmp_p
     assert not rank0.directory.exists()
 
 
+def test_two_ranks_that_release_a_component_at_once_remove_its_file_once(tmp_path, caplog):
+    """Both ranks have let go of their users lock before either takes the file's lock (what 8 ranks freeing the VAE
+    after one collective do): the first removes the file, the second finds it gone and goes on."""
+    src, root = _source(tmp_path), tmp_path / "shm"
+    with open_store(root, "base", "fp-1", keep=False) as rank0, open_store(root, "base", "fp-1", keep=False) as rank1:
+        path = rank0.directory / "lin.weights"
+        models = [rank0.load(_component(src)), rank1.load(_component(src))]
+        del models
+        # rank 1 has closed its users file (the first thing release does) but not yet taken the lock: a file
+        # descriptor that holds no lock stands in for the one it closed.
+        os.close(rank1._readers["lin"])
+        rank1._readers["lin"] = os.open(os.devnull, os.O_RDONLY)
+        with caplog.at_level(logging.INFO, logger="xeonsd.train"):
+            rank0.release("lin")
+            assert not path.exists()
+            rank1.release("lin")  # before the fix: FileNotFoundError, and the rank's job failed
+        assert sum("removed " in r.getMessage() and "lin.weights" in r.getMessage() for r in caplog.records) == 1
+    assert not rank0.directory.exists()
+
+
 def test_a_directory_this_account_cannot_write_is_refused_with_the_fix(tmp_path):
     from xeonsd.trainer.shared_weights import shared_root
 

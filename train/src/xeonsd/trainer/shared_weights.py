@@ -178,8 +178,10 @@ class SharedStore:
             return
         os.close(fd)
         path = self._path(name)
+        # Ranks let go of their users lock before they take the file's lock: two of them can both find no user
+        # left, and the second finds the file already removed by the first.
         if not self.keep and _remove_if_unused(
-            self.directory / f".{path.name}.lock", self.directory / f".{path.name}.users", path.unlink
+            self.directory / f".{path.name}.lock", self.directory / f".{path.name}.users", _unlink(path)
         ):
             log.info("removed %s: no rank of the node maps it any more", path)
 
@@ -205,9 +207,9 @@ class SharedStore:
             log.info("removed the shared weights %s (no job uses them now)", self.directory)
 
 
-def _remove_if_unused(lock: Path, users: Path, remove: Callable[[], None]) -> bool:
+def _remove_if_unused(lock: Path, users: Path, remove: Callable[[], bool | None]) -> bool:
     """Under the exclusive ``lock``: when nobody holds ``users`` (its exclusive flock succeeds at once), call
-    ``remove``. True when it did."""
+    ``remove`` (False from it: there was nothing left to remove). True when it removed something."""
     with _flock(lock, fcntl.LOCK_EX):
         try:
             fd = os.open(users, os.O_RDWR)
@@ -218,10 +220,22 @@ def _remove_if_unused(lock: Path, users: Path, remove: Callable[[], None]) -> bo
         except BlockingIOError:
             return False  # another job, or another rank of this one, still maps it
         else:
-            remove()
-            return True
+            return remove() is not False
         finally:
             os.close(fd)
+
+
+def _unlink(path: Path):
+    """A remover for :func:`_remove_if_unused`: False when another rank removed ``path`` first."""
+
+    def remove() -> bool:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+    return remove
 
 
 def base_directory_name(src: str, fingerprint: str) -> str:
