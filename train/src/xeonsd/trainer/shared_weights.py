@@ -181,7 +181,7 @@ class SharedStore:
         # Ranks let go of their users lock before they take the file's lock: two of them can both find no user
         # left, and the second finds the file already removed by the first.
         if not self.keep and _remove_if_unused(
-            self.directory / f".{path.name}.lock", self.directory / f".{path.name}.users", _unlink(path)
+            self.directory / f".{path.name}.lock", self.directory / f".{path.name}.users", lambda: _unlink(path)
         ):
             log.info("removed %s: no rank of the node maps it any more", path)
 
@@ -197,19 +197,20 @@ class SharedStore:
         if self.keep:
             return
 
-        def remove() -> None:
+        def remove() -> bool:
             gone = self.directory.with_name(f".{self.directory.name}.gone-{os.getpid()}")
             os.replace(self.directory, gone)
             shutil.rmtree(gone, ignore_errors=True)
+            return True
 
         lock = self.directory.with_name(f".{self.directory.name}.lock")
         if _remove_if_unused(lock, self.directory / "users", remove):
             log.info("removed the shared weights %s (no job uses them now)", self.directory)
 
 
-def _remove_if_unused(lock: Path, users: Path, remove: Callable[[], bool | None]) -> bool:
+def _remove_if_unused(lock: Path, users: Path, remove: Callable[[], bool]) -> bool:
     """Under the exclusive ``lock``: when nobody holds ``users`` (its exclusive flock succeeds at once), call
-    ``remove`` (False from it: there was nothing left to remove). True when it removed something."""
+    ``remove``, which says whether there was something to remove. True when it removed something."""
     with _flock(lock, fcntl.LOCK_EX):
         try:
             fd = os.open(users, os.O_RDWR)
@@ -220,22 +221,18 @@ def _remove_if_unused(lock: Path, users: Path, remove: Callable[[], bool | None]
         except BlockingIOError:
             return False  # another job, or another rank of this one, still maps it
         else:
-            return remove() is not False
+            return remove()
         finally:
             os.close(fd)
 
 
-def _unlink(path: Path):
-    """A remover for :func:`_remove_if_unused`: False when another rank removed ``path`` first."""
-
-    def remove() -> bool:
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            return False
-        return True
-
-    return remove
+def _unlink(path: Path) -> bool:
+    """Remove ``path``; False when another rank removed it first."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def base_directory_name(src: str, fingerprint: str) -> str:
