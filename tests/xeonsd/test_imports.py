@@ -180,6 +180,7 @@ TRAINER_LAYERS: list[set[str]] = [
         "weights",
         "shared_file",
         "shared_weights",
+        "sharding",
         "libraries",
         "embeddings",
         "step_end",

@@ -153,7 +153,7 @@ def check_memory(cfg, num_images: int, num_prompts: int, ranks_per_node: int) ->
     if cfg.mixed_precision == "auto":
         cfg = dataclasses.replace(cfg, mixed_precision="bf16" if cpu_info().native_bf16 else "no")
     try:
-        est = memory.estimate(cfg, cfg.method, num_images, num_prompts)
+        est = memory.estimate(cfg, cfg.method, num_images, num_prompts, cfg.world_size or ranks_per_node)
     except Exception as exc:  # noqa: BLE001 - reported as a row, not a crash
         return Check("memory", "WARN", f"no estimate: {exc}")
     free = memory.available_memory()

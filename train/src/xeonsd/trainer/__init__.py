@@ -4,7 +4,8 @@ or any cycle, lazy imports included):
 
 1. what everything else stands on: the typed configuration (:mod:`.config`) and the resolution a family trains at
    (:mod:`.resolution`), every random stream (:mod:`.rng`), a rank's status file and log prefix (:mod:`.rank_io`), checkpoints, metrics files, the frozen weights' loading
-   and their node-wide sharing (:mod:`.shared_weights`, :mod:`.shared_file`),
+   and their node-wide sharing (:mod:`.shared_weights`, :mod:`.shared_file`), a full fine-tune's sharding over the
+   ranks (:mod:`.sharding`),
    the loss function (:mod:`.loss`), the stop signals (:mod:`.stopping`) and the step-end order (:mod:`.step_end`);
 2. data and models: the images and the rank-independent sampling plan (:mod:`.data`, :mod:`.buckets`), captions and
    prompt tables (:mod:`.captions`, :mod:`.prompts`), the models (:mod:`.models`), each family's training side (:mod:`.families`), the text conditioning and

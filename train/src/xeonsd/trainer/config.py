@@ -168,6 +168,12 @@ class TrainConfig:
     max_grad_norm: float = _flag("clip the gradient's norm to this (0: no clipping)", methods=(LORA, FULL), default=1.0)
     use_ema: bool = _flag("save an exponential moving average of the UNet's weights", methods=(FULL,), default=False)
     ema_decay: float = _flag("EMA decay per step", methods=(FULL,), default=0.9999)
+    fsdp: bool = _flag(
+        "shard the denoiser's weights, gradients and AdamW state over all the job's ranks (PyTorch FSDP2) instead of "
+        "a whole copy on every rank: a full fine-tune of a model one rank cannot hold (xeonsd.trainer.sharding)",
+        methods=(FULL,),
+        default=False,
+    )
     resolution: int | None = _flag(
         "training image side in pixels (multiple of 8; auto or left out: the model's, 1024 for SDXL, 512 for SD "
         "1.x/2.x)",

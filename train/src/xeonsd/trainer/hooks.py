@@ -63,6 +63,7 @@ class StepObservers:
         if self.progress is not None and self.metrics is not None:  # rank 0
             observers["progress"] = self.progress
             observers["metrics"] = MetricsRows(job, self.metrics, extras, self.validation, self.tracker)
+        if job.is_main or job.sharded:  # sharded (--fsdp): every rank sends its shards, rank 0 writes
             observers["checkpoint"] = Checkpoints(job)
         if cfg.validation_prompt and cfg.validation_steps:
             observers["validation_images"] = ValidationImages(job, self.tracker)
@@ -315,20 +316,26 @@ class Checkpoints:
 
     def on_step_end(self, end: StepEnd) -> None:
         cfg = self.job.run.cfg
-        self.job.training.method.periodic_save(cfg.output_path, end.step)
+        if self.job.is_main:
+            self.job.training.method.periodic_save(cfg.output_path, end.step)
         every = cfg.checkpointing_steps
         if end.stopping or (every and (end.step % every == 0 or end.step == cfg.max_train_steps)):
             self.save(end.step)
 
     def save(self, step: int) -> None:
         run, training = self.job.run, self.job.training
+        with self.job.cluster.timeout.watch("gather of the checkpoint's state"):  # from every rank with --fsdp
+            method_state = training.method.state()
+            optimizer_state = training.method.optimizer_state(training.optimizer)
+        if not self.job.is_main:
+            return
         state = {
             "method": run.cfg.method,
             "base_model": run.base_model,
             "step": step,
             "seed": run.seed,
-            "method_state": training.method.state(),
-            "optimizer": training.optimizer.state_dict(),
+            "method_state": method_state,
+            "optimizer": optimizer_state,
             "lr_scheduler": training.lr_scheduler.state_dict(),
             "global_batch": self.job.global_batch,
             "config": asdict(run.cfg),
@@ -349,10 +356,10 @@ class ValidationImages:
         if end.step % cfg.validation_steps:  # (not after a stop's step: the sequence leaves it out)
             return
         with job.cluster.timeout.scope(job.cluster.timeouts.setup_s):
-            if job.is_main:
-                out = cfg.output_path / "validation" / f"step-{end.step}"
+            if job.is_main or job.sharded:  # sharded (--fsdp): rank 0's denoiser calls need every rank's shards
+                out = cfg.output_path / "validation" / f"step-{end.step}" if job.is_main else None
                 render_validation(cfg, job.training.models, out, job.run.seed)
-                if self.tracker is not None:
+                if self.tracker is not None:  # (rank 0's)
                     self.tracker.log_images(end.step, out)
             with job.cluster.timeout.watch("barrier after the validation images"):
                 barrier(job.world)

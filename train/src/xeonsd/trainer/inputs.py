@@ -243,7 +243,7 @@ def check_memory(cfg: TrainConfig, info: RankInfo, inputs: Inputs) -> None:
 
     prompts = len(inputs.captions.texts) if inputs.captions else 1
     try:
-        est = memory.estimate(cfg, cfg.method, len(inputs.images), prompts)
+        est = memory.estimate(cfg, cfg.method, len(inputs.images), prompts, info.world_size)
     except Exception as exc:  # noqa: BLE001 - an estimate that cannot be made must not stop a run
         if cfg.dry_run:
             raise ConfigError(f"cannot estimate the memory of this run: {exc}") from exc

@@ -133,6 +133,11 @@ class Job:
     def ddp(self) -> bool:
         return self.training.unet is not self.training.models.unet
 
+    @property
+    def sharded(self) -> bool:
+        """--fsdp on 2+ ranks: every denoiser call, checkpoint and save is collective."""
+        return self.training.method.sharded
+
     def loss_inputs(self) -> LossInputs:
         """What the training examples' loss reads (:func:`xeonsd.trainer.step.step_loss`)."""
         cfg = self.run.cfg
@@ -147,8 +152,10 @@ class Job:
         )
 
     def allreduce_bytes(self) -> int:
-        """Bytes each rank all-reduces per optimizer step: the gradients, and the loss."""
-        return (sum(p.numel() for p in self.training.method.parameters()) + 1) * 4
+        """Bytes each rank all-reduces per optimizer step: the gradients, and the loss. Sharded (--fsdp): the
+        whole fp32 weights all-gathered twice (forward and backward) and the gradients reduce-scattered."""
+        whole = sum(p.numel() for p in self.training.method.parameters())  # a shard's DTensor: the whole shape
+        return (whole * (3 if self.sharded else 1) + 1) * 4
 
 
 def setup(
@@ -269,7 +276,7 @@ def _resume(
     """Load a checkpoint's state into the method, the optimizer and the schedule; returns its step."""
     ckpt.check_belongs(state, where or Path("?"), cfg.method, base_model)
     method.load_state(state["method_state"], str(where))
-    optimizer.load_state_dict(state["optimizer"])
+    method.load_optimizer_state(optimizer, state["optimizer"])
     lr_scheduler.load_state_dict(state["lr_scheduler"])
     start_step = int(state["step"])
     global_batch = info.world_size * cfg.train_batch_size

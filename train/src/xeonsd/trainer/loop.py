@@ -37,6 +37,7 @@ from xeonsd.cpu import cpu_info
 from xeonsd.jobs.status_file import RankStatusFile
 from xeonsd.modelfiles.modelsource import ModelSourceError
 from xeonsd.trainer import checkpoint as ckpt
+from xeonsd.trainer import sharding
 from xeonsd.trainer.argv import parse_config
 from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.data import DataError
@@ -174,20 +175,31 @@ def train_step(job: Job, step: int, clock: RankClock, bucket_margin_s: float) ->
                 step, micro, accumulation, job.world, job.cluster.info.rank, cfg.train_batch_size
             )
         last = micro == accumulation - 1
-        with _accumulating(job, last):
+        with _accumulating(job, last), _sharded_collectives(job, bucket_margin_s):
             loss = step_loss(inputs, examples, clock) / accumulation
             with _bucket_allreduce(job, last, bucket_margin_s):
                 loss.backward()
         loss_sum += float(loss.detach())
     with job.cluster.timeout.watch("all-reduce"), clock.phase("allreduce"):
-        mean_loss = sync_gradients(training.method.parameters(), loss_sum, job.world, job.ddp)
+        synced = job.ddp or job.sharded
+        mean_loss = sync_gradients(training.method.parameters(), loss_sum, job.world, synced)
     update(training.method, training.optimizer, training.lr_scheduler, step + 1)
     return mean_loss
 
 
 def _accumulating(job: Job, last: bool):
-    """Under DistributedDataParallel, every micro-batch but the last keeps its gradients on this rank."""
+    """Under DistributedDataParallel or --fsdp, every micro-batch but the last keeps its gradients on this rank."""
+    if job.sharded:
+        sharding.gradient_sync(job.training.unet, last)
     return job.training.unet.no_sync() if job.ddp and not last else contextlib.nullcontext()
+
+
+def _sharded_collectives(job: Job, margin_s: float):
+    """--fsdp: the forward and the backward all-gather each block's weights and reduce-scatter its gradients:
+    watched as one."""
+    if job.sharded:
+        return job.cluster.timeout.watch("all-gathers and reduce-scatters of the sharded UNet", extra_s=margin_s)
+    return contextlib.nullcontext()
 
 
 def _bucket_allreduce(job: Job, last: bool, margin_s: float):
@@ -211,6 +223,10 @@ def save(job: Job, fitted: Fitted) -> dict:
         "output_dir": str(out),
         **method.summary(),
     }
+    if cfg.validation_prompt and job.sharded and not job.is_main:  # rank 0's denoiser calls need this rank's shards
+        render_validation(cfg, job.training.models, None, job.run.seed)
+    if method.sharded and not job.is_main:
+        method.save(out)  # this rank's shards, gathered to rank 0
     if job.is_main:
         if cfg.validation_prompt:
             render_validation(cfg, job.training.models, out / "validation" / "final", job.run.seed)

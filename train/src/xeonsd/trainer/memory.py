@@ -29,6 +29,7 @@ from xeonsd.trainer.memory_parts import (
     _text_encoders,
     _unet_loading,
     available_memory,
+    shard_if_asked,
     step_batch,
     tcmalloc_loaded,
 )
@@ -77,8 +78,8 @@ def _activations(
     return saved.total - inside + sum(i for _, i in saved.blocks) + 2 * largest
 
 
-def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstimate:
-    """Peak bytes of one rank for this configuration (the model's configs must be readable). Without
+def estimate(cfg, method: str, num_images: int, num_prompts: int, world: int = 1) -> MemoryEstimate:
+    """Peak bytes of one rank of ``world`` for this configuration (the model's configs must be readable). Without
     --resolution, at the family's default (:func:`xeonsd.trainer.resolution.with_resolution`)."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
 
@@ -92,7 +93,7 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstim
     if family.is_flow:
         from xeonsd.trainer.memory_flow import flow_estimate
 
-        return flow_estimate(cfg, method, family, num_images, num_prompts)
+        return flow_estimate(cfg, method, family, num_images, num_prompts, world)
     weight_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
     wbytes = torch.finfo(weight_dtype).bits // 8
     with torch.device("meta"):
@@ -135,7 +136,7 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstim
     shared_text = 0 if method == "textual_inversion" else text_bytes
     shared_unet = 0 if terms.unet_fp32 else frozen_unet * torch.finfo(unet_dtype).bits // 8
     held_vae = _numel(vae) * wbytes if cfg.validation_prompt or not cfg.latent_cache else 0
-    return MemoryEstimate(
+    est = MemoryEstimate(
         weights,
         gradients,
         optimizer,
@@ -148,6 +149,7 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int) -> MemoryEstim
         shared_loading=shared_text + _numel(vae) * wbytes + shared_unet,
         loading_transient=unet_loading - _numel(unet) * torch.finfo(unet_dtype).bits // 8,
     )
+    return shard_if_asked(cfg, est, world, unet, trainable)
 
 
 def check_fits(est: MemoryEstimate, ranks_on_node: int, available: int | None, shared: bool = False) -> str | None:

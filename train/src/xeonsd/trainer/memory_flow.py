@@ -18,11 +18,12 @@ from xeonsd.trainer.memory_parts import (
     _SavedBytes,
     _text_encoders,
     _unet_loading,
+    shard_if_asked,
     step_batch,
 )
 
 
-def flow_estimate(cfg, method: str, family, num_images: int, num_prompts: int) -> MemoryEstimate:
+def flow_estimate(cfg, method: str, family, num_images: int, num_prompts: int, world: int = 1) -> MemoryEstimate:
     """:func:`xeonsd.trainer.memory.estimate` for a flow family: the transformer's meta forward at the run's
     resolution; the long text encoder (T5, Qwen) counts while the models load and the prompt tables are built, not
     in training (it is freed then, unless --shuffle_tags keeps it); the CLIP encoders stay (fp32)."""
@@ -76,7 +77,7 @@ def flow_estimate(cfg, method: str, family, num_images: int, num_prompts: int) -
     shared_denoiser = 0 if terms.unet_fp32 else (_numel(denoiser) - trainable) * torch.finfo(dtype).bits // 8
     held = clip_bytes + (long_bytes if cfg.shuffle_tags else 0)
     held += _numel(vae) * wbytes if cfg.validation_prompt or not cfg.latent_cache else 0
-    return MemoryEstimate(
+    est = MemoryEstimate(
         weights,
         trainable * 4,
         terms.memory_optimizer_bytes(cfg, trainable),
@@ -89,6 +90,7 @@ def flow_estimate(cfg, method: str, family, num_images: int, num_prompts: int) -
         shared_loading=clip_bytes + long_bytes + _numel(vae) * wbytes + shared_denoiser,
         loading_transient=denoiser_loading - _numel(denoiser) * torch.finfo(dtype).bits // 8,
     )
+    return shard_if_asked(cfg, est, world, denoiser, trainable)
 
 
 def flow_activations(denoiser, side, cfg, dims: tuple[int, int, int], text_len: int, autocast: bool) -> int:

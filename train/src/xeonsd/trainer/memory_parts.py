@@ -5,6 +5,7 @@ own footprint."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import resource
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -67,6 +68,31 @@ class MemoryEstimate:
     def as_dict(self) -> dict[str, int]:
         """The figures in bytes (``memory_estimate.json``), with the training and total sums."""
         return {**{f.name: getattr(self, f.name) for f in fields(self)}, "training": self.training, "total": self.total}
+
+
+def shard_if_asked(cfg, est: MemoryEstimate, world: int, denoiser: torch.nn.Module, trainable: int) -> MemoryEstimate:
+    """The estimate of one of ``world`` ranks: :func:`sharded_over` when the run shards the trained denoiser (--fsdp
+    on 2+ ranks, a full fine-tune), else ``est``."""
+    if not (getattr(cfg, "fsdp", False) and cfg.method == "full" and world > 1):
+        return est
+    from xeonsd.trainer.sharding import shard_units
+
+    largest = max((_numel(unit) for unit in shard_units(denoiser)), default=0)
+    return sharded_over(est, world, trainable, largest)
+
+
+def sharded_over(est: MemoryEstimate, world: int, trainable: int, largest_unit: int) -> MemoryEstimate:
+    """--fsdp over ``world`` ranks: the trained fp32 weights, their gradients and the optimizer state 1/world per
+    rank, plus the whole weights of two units (:func:`xeonsd.trainer.sharding.shard_units`: the one running and the
+    next, prefetched) and one unit's whole gradients before they are reduce-scattered. The loading phase is
+    unchanged: each rank reads the whole denoiser before it keeps its shards."""
+    own = trainable * 4
+    return dataclasses.replace(
+        est,
+        weights=est.weights - own + own // world + 2 * largest_unit * 4,
+        gradients=est.gradients // world + largest_unit * 4,
+        optimizer=est.optimizer // world,
+    )
 
 
 _NOT_TRAINING = ("loading", "shared_training", "shared_loading", "loading_transient")

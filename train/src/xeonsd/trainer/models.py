@@ -322,10 +322,14 @@ def pipeline_call_kwargs(models: Models, prompt: str) -> dict:
     return {"prompt": prompt, **extra}
 
 
-def render_validation(cfg: TrainConfig, models: Models, target: Path, seed: int) -> None:
+def render_validation(cfg: TrainConfig, models: Models, target: Path | None, seed: int) -> None:
+    """The validation prompt's images into ``target``; None: rendered and dropped (a rank that holds shards of the
+    denoiser (--fsdp) takes part in every denoiser call of rank 0's rendering)."""
     pipe = inference_pipeline(models)
     generator = torch.Generator().manual_seed(seed)
-    with atomic_dir(target, overwrite=True) as tmp, torch.no_grad(), autocast(models.weight_dtype):
+    place = atomic_dir(target, overwrite=True) if target is not None else tempfile.TemporaryDirectory()
+    with place as tmp, torch.no_grad(), autocast(models.weight_dtype):
+        tmp = Path(tmp)
         for i in range(cfg.num_validation_images):
             image = pipe(
                 **pipeline_call_kwargs(models, cfg.validation_prompt),
@@ -335,4 +339,5 @@ def render_validation(cfg: TrainConfig, models: Models, target: Path, seed: int)
                 width=cfg.resolution,
             ).images[0]
             image.save(tmp / f"{i:02d}.png")
-    log.info("validation images in %s", target)
+    if target is not None:
+        log.info("validation images in %s", target)

@@ -30,6 +30,7 @@ import torch
 
 from xeonsd.cluster.distributed import all_reduce_sum_
 from xeonsd.fsutil import atomic_path
+from xeonsd.trainer import sharding
 from xeonsd.trainer.captions import CaptionDraws, Captions, read_captions
 from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.data import DataError, Example, find_images
@@ -181,12 +182,19 @@ def validation_loss(vs: ValidationSet, training: LossInputs, rank: int, world: i
     """The mean loss over the validation examples: this rank's share in batches of ``batch``, summed over the
     ranks in one all-reduce. Every rank calls it. ``training``: the training step's inputs, whose models score the
     held-out prompts and latents; their own UNet, not the DistributedDataParallel wrapper the steps may call
-    (nothing to synchronise here)."""
+    (nothing to synchronise here). A sharded UNet's (--fsdp) every call is collective: every rank makes as many as
+    the rank with the largest share (a rank out of examples scores example 0 again and counts nothing)."""
     held = dataclasses.replace(training, unet=training.models.unet, text=vs.text, latents=vs.latents, prior=None)
     mine = list(range(rank, vs.size, world))
+    sharded = sharding.is_sharded(training.models.unet)
+    calls = -(-len(range(0, vs.size, world)) // batch) if sharded else -(-len(mine) // batch)
     total = torch.zeros(1, dtype=torch.float64)
-    for first in range(0, len(mine), batch):
+    for call in range(calls):
+        first = call * batch
         examples = [vs.example(k) for k in mine[first : first + batch]]
+        if not examples:  # sharded: a call for the others' sake
+            step_loss(held, [vs.example(0)])
+            continue
         total += float(step_loss(held, examples)) * len(examples)
     return float(all_reduce_sum_(total, world)[0]) / vs.size
 

@@ -31,6 +31,9 @@ class Method:
     trains_unet: ClassVar[bool] = True
     #: what the run trains on without captions (the refusal of caption-only flags names it)
     prompt_source: ClassVar[str] = "--instance_prompt"
+    #: the trained weights are sharded over the ranks (--fsdp): every rank runs each denoiser call, and ``state``,
+    #: ``optimizer_state`` and ``save`` are collective (every rank calls them, rank 0 writes)
+    sharded: bool = False
 
     def __init__(self, cfg: TrainConfig, models: Models) -> None:
         self.cfg = cfg
@@ -108,8 +111,15 @@ class Method:
     def load_state(self, state: dict, where: str) -> None:
         raise NotImplementedError
 
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        optimizer.load_state_dict(state)
+
     def save(self, out: Path) -> None:
-        """Rank 0: write the run's result into ``out`` (each file atomically)."""
+        """Rank 0 (every rank when ``sharded``; rank 0 writes): write the run's result into ``out`` (each file
+        atomically)."""
         raise NotImplementedError
 
     def label(self) -> str:
