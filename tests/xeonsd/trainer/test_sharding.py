@@ -5,6 +5,7 @@ the estimate per rank follows the sharding."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import torch
@@ -39,6 +40,9 @@ def test_two_sharded_ranks_learn_what_one_rank_learns_and_resume_on_one(tiny_mod
     train(method_args("full", tiny_model, dataset, one, *FLAGS, batch=2, steps=4), cli_env)
     proc = train(method_args("full", tiny_model, dataset, two, *FLAGS, "--fsdp", steps=4), cli_env, ranks=2)
     assert "sharded over 2 ranks" in proc.stderr, proc.stderr[-3000:]
+    # the node's two ranks mapped one whole copy of the UNet, kept their shards and let go of it at once
+    assert re.search(r"shared by the node's ranks: .*unet \d", proc.stderr), proc.stderr[-3000:]
+    assert re.search(r"removed \S+/unet\.weights: no rank of the node maps it", proc.stderr), proc.stderr[-3000:]
     base = unet_weights(tiny_model)
     assert_same_training(unet_weights(one), unet_weights(two), base)
     rows = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]

@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", choices=arch_names(), default="sd15", help="what to build when --model is not given")
     p.add_argument("--depth", type=int, default=None, help="flow archs only: their blocks cut to D")
     p.add_argument("--method", choices=("lora", "textual_inversion", "full"), default="lora")
+    p.add_argument("--fsdp", action="store_true", help="full only: shard what trains over the ranks (--fsdp)")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="ranks on the node, one layout each")
     p.add_argument("--resolution", type=int, default=512)
     p.add_argument("--steps", type=int, default=2, help="training steps per run")
@@ -202,6 +203,9 @@ def main(argv: list[str]) -> int:
     if args.rounds < 1 or args.steps < 1 or min(args.ranks) < 1:
         print("xeonsd bench memory: error: --rounds, --steps and --ranks must be at least 1", file=sys.stderr)
         return 2
+    if args.fsdp and args.method != "full":
+        print("xeonsd bench memory: error: --fsdp shards a full fine-tune: add --method full", file=sys.stderr)
+        return 2
     from xeonsd.assets import make_dataset
     from xeonsd.bench.train import resolve_model
     from xeonsd.cpu import cpu_info
@@ -228,6 +232,7 @@ def main(argv: list[str]) -> int:
             f"--mixed_precision={'bf16' if dtype == 'bf16' else 'no'}",
             "--checkpointing_steps=0",
             "--stats_every=1",
+            *(["--fsdp"] if args.fsdp else []),
         ]
         for r, name in rnd.schedule(layouts, args.rounds):
             n, mode = name.split(":")
@@ -236,7 +241,7 @@ def main(argv: list[str]) -> int:
             results.append({**row, "round": r})
             print(f"round {r + 1}: {n} rank(s), share {mode}: done", file=sys.stderr, flush=True)
     first = [r for r in results if r["round"] == 0]
-    title = f"{args.method} on {model}, {args.resolution} px, {dtype}, {args.steps} step(s); CPU: {cpu.model}"
+    title = f"{args.method}{' --fsdp' if args.fsdp else ''} on {model}, {args.resolution} px, {dtype}, {args.steps} step(s); CPU: {cpu.model}"
     lines = [title, *format_rows(results), *targets(first)]
     print("\n".join(lines), flush=True)
     if args.json:

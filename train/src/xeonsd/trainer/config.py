@@ -300,6 +300,13 @@ class TrainConfig:
     )
     channels_last: bool = _flag("UNet in channels_last memory format", default=False)
     compile: bool = _flag("torch.compile the UNet", default=False)
+    phased_loading: bool = _flag(
+        "load the denoiser last, after the prompts are encoded and the latents cached, with a long text encoder and "
+        "the VAE freed (LoRA and full fine-tuning without prior preservation); --no-phased_loading: every model at "
+        "once",
+        default=True,
+        negatable=True,
+    )
     share_weights: str = _flag(
         "map the frozen models (the VAE, the text encoders, and the denoiser unless it trains) from one node-local "
         "file that all the node's ranks share, instead of a copy per rank (auto: when the node runs more than one "

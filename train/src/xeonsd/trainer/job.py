@@ -30,7 +30,8 @@ from xeonsd.trainer.inputs import Inputs
 from xeonsd.trainer.latents import LatentTable
 from xeonsd.trainer.loss import parse_timestep_range
 from xeonsd.trainer.methods import Method, for_config
-from xeonsd.trainer.models import Models, load_models
+from xeonsd.trainer.methods.base import PlainText
+from xeonsd.trainer.models import Models, load_denoiser, load_models, loads_in_phases
 from xeonsd.trainer.optim import make_optimizer
 from xeonsd.trainer.prior import ClassRendererOpener, PriorData, build_prior, ensure_class_images
 from xeonsd.trainer.prompts import PromptTable
@@ -169,16 +170,14 @@ def setup(
     open_class_renderer: ClassRendererOpener | None = None,  # --class_export's OpenVINO side, from the CLI
     store: SharedStore | None = None,  # the node's shared frozen weights (--share_weights)
 ) -> Job:
-    """Load the models, make the method and its optimizer, resume, build the caches: the job, on every rank."""
+    """Load the models, make the method and its optimizer, resume, build the caches: the job, on every rank. When
+    the prompts do not need the method (:func:`loads_in_phases`), the denoiser loads last: after the prompts are
+    encoded and the latents cached, once a long text encoder and the VAE are freed."""
     method_cls = for_config(cfg)
+    text_first = method_cls.text_first(cfg)
+    phased = text_first is not None and loads_in_phases(cfg, True, store)
     t0 = time.perf_counter()
-    models = load_models(cfg, unet_fp32=method_cls.unet_fp32, family=inputs.family, store=store)
-    if store is not None and store.mapped:
-        log.info(
-            "frozen weights mapped from %s, shared by the node's ranks: %s",
-            store.directory,
-            ", ".join(f"{n} {b / 1e9:.2f} GB" for n, b in store.mapped.items()),
-        )
+    models = load_models(cfg, method_cls.unet_fp32, inputs.family, store, denoiser=not phased)
     load_s = time.perf_counter() - t0
     _log_placement(cfg, info, backend, placement, models)
     if cfg.with_prior_preservation:  # from the base model, before the method or a checkpoint changes it
@@ -186,6 +185,18 @@ def setup(
     base_model = model_fingerprint(cfg.pretrained_model_name_or_path, cfg.revision)
     resume_state = _shared_resume_state(inputs.resume, info.world_size)
     seed = _shared_seed(cfg, info, resume_state)
+    data = None
+    if phased:
+        data = _prepare_data(cfg, info, models, text_first, inputs, seed, load_s)
+        t1 = time.perf_counter()
+        load_denoiser(cfg, models, method_cls.unet_fp32)
+        log.info("the denoiser loaded in %.1f s, after the prompts and latents", time.perf_counter() - t1)
+    if store is not None and store.mapped:
+        log.info(
+            "frozen weights mapped from %s, shared by the node's ranks: %s",
+            store.directory,
+            ", ".join(f"{n} {b / 1e9:.2f} GB" for n, b in store.mapped.items()),
+        )
     with torch.random.fork_rng():  # new weights (LoRA's) start the same on every rank and in every run of a seed
         torch.manual_seed(stream_seed(seed, Stream.METHOD_INIT))
         method = method_cls(cfg, models)
@@ -194,7 +205,16 @@ def setup(
     if resume_state is not None:
         start_step = _resume(cfg, info, inputs.resume, resume_state, base_model, method, optimizer, lr_scheduler)
     del resume_state
-    data = _prepare_data(cfg, info, models, method, inputs, seed, load_s)
+    if data is None:
+        data = _prepare_data(cfg, info, models, method, inputs, seed, load_s)
+    trainable = sum(p.numel() for p in method.parameters())
+    log.info(
+        "%s: %d trainable parameters; prompts: %d from %s",
+        cfg.method,
+        trainable,
+        len(data.prompts.texts),
+        data.prompts.source,
+    )
     training = Training(
         models=models,
         method=method,
@@ -291,17 +311,19 @@ def _resume(
 
 
 def _prepare_data(
-    cfg: TrainConfig, info: RankInfo, models: Models, method: Method, inputs: Inputs, seed: int, load_s: float
+    cfg: TrainConfig,
+    info: RankInfo,
+    models: Models,
+    method: Method | PlainText,
+    inputs: Inputs,
+    seed: int,
+    load_s: float,
 ) -> TrainingData:
     """The method's prompts and their conditioning (every table before any image is encoded), the latents (the
     VAE dropped when nothing needs it any more), and the sampling plan; logs the start-up's split (the models'
-    load took ``load_s``)."""
+    load took ``load_s``). ``method``: the method, or its prompts' side before it exists (phased loading)."""
     world = info.world_size
     prompts = method.prompts(inputs.captions)
-    trainable = sum(p.numel() for p in method.parameters())
-    log.info(
-        "%s: %d trainable parameters; prompts: %d from %s", cfg.method, trainable, len(prompts.texts), prompts.source
-    )
     t0 = time.perf_counter()
     texts = encode_prompts(cfg, info, models, method, inputs, prompts, seed)
     t1 = time.perf_counter()

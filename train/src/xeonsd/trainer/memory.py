@@ -29,6 +29,7 @@ from xeonsd.trainer.memory_parts import (
     _text_encoders,
     _unet_loading,
     available_memory,
+    in_phases,
     shard_if_asked,
     step_batch,
     tcmalloc_loaded,
@@ -128,14 +129,20 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int, world: int = 1
         latents = 2 * num_images * 3 * cfg.resolution**2 * 4
     prompts = num_prompts * (77 * cross_dim + pooled_dim) * 4 if terms.trains_unet else 0  # the frozen encoder's cache
     runtime = _resident_bytes()
-    frozen = runtime + text_bytes + _numel(vae) * wbytes
+    vae_bytes = _numel(vae) * wbytes
     unet_loading = _unet_loading(cfg, _numel(unet), torch.finfo(unet_dtype).bits // 8, "unet")
-    loading = frozen + unet_loading
     # What --share_weights maps from the node's file: the frozen UNet (not a UNet that trains), the VAE, and the
     # text encoders (not with textual inversion, whose resized embedding tables are the rank's own: counted private)
     shared_text = 0 if method == "textual_inversion" else text_bytes
     shared_unet = 0 if terms.unet_fp32 else frozen_unet * torch.finfo(unet_dtype).bits // 8
-    held_vae = _numel(vae) * wbytes if cfg.validation_prompt or not cfg.latent_cache else 0
+    held_vae = vae_bytes if cfg.validation_prompt or not cfg.latent_cache else 0
+    phases = in_phases(  # the CLIP text encoders stay
+        cfg,
+        method,
+        (runtime + text_bytes + vae_bytes, shared_text + vae_bytes),
+        (runtime + text_bytes + held_vae, shared_text + held_vae),
+        (unet_loading, shared_unet, unet_loading - _numel(unet) * torch.finfo(unet_dtype).bits // 8),
+    )
     est = MemoryEstimate(
         weights,
         gradients,
@@ -143,11 +150,11 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int, world: int = 1
         activations,
         latents + prompts,
         runtime,
-        loading,
+        phases[0],
         _allocator(activations),
         shared_training=shared_text + shared_unet + held_vae,
-        shared_loading=shared_text + _numel(vae) * wbytes + shared_unet,
-        loading_transient=unet_loading - _numel(unet) * torch.finfo(unet_dtype).bits // 8,
+        shared_loading=phases[1],
+        loading_transient=phases[2],
     )
     return shard_if_asked(cfg, est, world, unet, trainable)
 

@@ -18,6 +18,7 @@ from xeonsd.trainer.memory_parts import (
     _SavedBytes,
     _text_encoders,
     _unet_loading,
+    in_phases,
     shard_if_asked,
     step_batch,
 )
@@ -69,14 +70,21 @@ def flow_estimate(cfg, method: str, family, num_images: int, num_prompts: int, w
     long_len = text_len - spec.clip_context_tokens
     prompts = num_prompts * (long_len * hidden_dim + spec.clip_context_tokens * 2048 + pooled_dim) * wbytes
     runtime = _resident_bytes()
-    frozen = runtime + clip_bytes + long_bytes + _numel(vae) * wbytes
+    vae_bytes = _numel(vae) * wbytes
     denoiser_loading = _unet_loading(cfg, _numel(denoiser), torch.finfo(dtype).bits // 8, spec.denoiser)
-    loading = frozen + denoiser_loading
     # What --share_weights maps from the node's file: the frozen denoiser (not one that trains), the VAE and every
     # text encoder
     shared_denoiser = 0 if terms.unet_fp32 else (_numel(denoiser) - trainable) * torch.finfo(dtype).bits // 8
     held = clip_bytes + (long_bytes if cfg.shuffle_tags else 0)
-    held += _numel(vae) * wbytes if cfg.validation_prompt or not cfg.latent_cache else 0
+    held += vae_bytes if cfg.validation_prompt or not cfg.latent_cache else 0
+    first = clip_bytes + long_bytes + vae_bytes  # every text encoder and the VAE, encoding
+    loading, shared_loading, transient = in_phases(
+        cfg,
+        method,
+        (runtime + first, first),
+        (runtime + held, held),  # the long text encoder freed (unless --shuffle_tags), the VAE once cached
+        (denoiser_loading, shared_denoiser, denoiser_loading - _numel(denoiser) * torch.finfo(dtype).bits // 8),
+    )
     est = MemoryEstimate(
         weights,
         trainable * 4,
@@ -87,8 +95,8 @@ def flow_estimate(cfg, method: str, family, num_images: int, num_prompts: int, w
         loading,
         _allocator(activations),
         shared_training=held + shared_denoiser,
-        shared_loading=clip_bytes + long_bytes + _numel(vae) * wbytes + shared_denoiser,
-        loading_transient=denoiser_loading - _numel(denoiser) * torch.finfo(dtype).bits // 8,
+        shared_loading=shared_loading,
+        loading_transient=transient,
     )
     return shard_if_asked(cfg, est, world, denoiser, trainable)
 

@@ -70,28 +70,43 @@ class MemoryEstimate:
         return {**{f.name: getattr(self, f.name) for f in fields(self)}, "training": self.training, "total": self.total}
 
 
+def in_phases(cfg, method: str, first: tuple[int, int], stays: tuple[int, int], denoiser: tuple[int, int, int]):
+    """(loading, of it shareable, of it transient): the models' peak while they load. Every model at once, or with
+    phased loading (:func:`xeonsd.trainer.models.loads_in_phases`) the larger of the text encoders' and the VAE's
+    phase and the denoiser's beside what stays loaded. ``first``, ``stays``: (bytes, of them shareable);
+    ``denoiser``: (its loading bytes, of them shareable, of them transient)."""
+    from xeonsd.trainer.methods import method_class
+    from xeonsd.trainer.models import loads_in_phases
+
+    if loads_in_phases(cfg, method_class(method).text_first(cfg) is not None, None):
+        last = (stays[0] + denoiser[0], stays[1] + denoiser[1])
+        return (*first, 0) if first[0] > last[0] else (*last, denoiser[2])
+    return first[0] + denoiser[0], first[1] + denoiser[1], denoiser[2]
+
+
 def shard_if_asked(cfg, est: MemoryEstimate, world: int, denoiser: torch.nn.Module, trainable: int) -> MemoryEstimate:
     """The estimate of one of ``world`` ranks: :func:`sharded_over` when the run shards the trained denoiser (--fsdp
     on 2+ ranks, a full fine-tune), else ``est``."""
     if not (getattr(cfg, "fsdp", False) and cfg.method == "full" and world > 1):
         return est
-    from xeonsd.trainer.sharding import shard_units
+    from xeonsd.trainer.sharding import unit_sizes
 
-    largest = max((_numel(unit) for unit in shard_units(denoiser)), default=0)
+    largest = max(unit_sizes(denoiser))
     return sharded_over(est, world, trainable, largest)
 
 
 def sharded_over(est: MemoryEstimate, world: int, trainable: int, largest_unit: int) -> MemoryEstimate:
     """--fsdp over ``world`` ranks: the trained fp32 weights, their gradients and the optimizer state 1/world per
     rank, plus the whole weights of two units (:func:`xeonsd.trainer.sharding.shard_units`: the one running and the
-    next, prefetched) and one unit's whole gradients before they are reduce-scattered. The loading phase is
-    unchanged: each rank reads the whole denoiser before it keeps its shards."""
+    next, prefetched) and one unit's whole gradients before they are reduce-scattered. While the models load each
+    rank holds the whole denoiser before it keeps its shards: with --share_weights the node's ranks map one copy."""
     own = trainable * 4
     return dataclasses.replace(
         est,
         weights=est.weights - own + own // world + 2 * largest_unit * 4,
         gradients=est.gradients // world + largest_unit * 4,
         optimizer=est.optimizer // world,
+        shared_loading=est.shared_loading + own,
     )
 
 

@@ -24,6 +24,7 @@ import torch
 from xeonsd.fsutil import atomic_dir
 from xeonsd.modelfiles.families import Family, FamilyError, detect_family, family_spec
 from xeonsd.modelfiles.modelsource import model_fingerprint
+from xeonsd.trainer import sharding
 from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.embeddings import PlaceholderEmbedding
 from xeonsd.trainer.flow import FlowSchedule, resolve_scheme
@@ -42,7 +43,7 @@ class Models:
     tokenizer: object
     text_encoder: torch.nn.Module
     vae: torch.nn.Module | None  # released after the latent cache when nothing else needs it
-    unet: torch.nn.Module
+    unet: torch.nn.Module  # (None only until load_denoiser adds it: loads_in_phases)
     noise_scheduler: object
     weight_dtype: torch.dtype
     ipex: bool
@@ -66,6 +67,12 @@ class Models:
         gc.collect()
         if self.store is not None and slot in self.shared_slots:
             self.store.release(self.shared_slots[slot])
+
+    def unshare(self, slot: str) -> None:
+        """This rank's model in ``slot`` no longer uses its shared file (--fsdp's shards are copies of their own):
+        the node's last rank to let go of it removes the file."""
+        if self.store is not None and slot in self.shared_slots:
+            self.store.release(self.shared_slots.pop(slot))
 
     @property
     def text_pairs(self) -> list[tuple[object, torch.nn.Module | None]]:
@@ -102,18 +109,46 @@ def model_family(cfg: TrainConfig) -> Family:
 
 
 def load_models(
-    cfg: TrainConfig, unet_fp32: bool = False, family: Family | None = None, store: SharedStore | None = None
+    cfg: TrainConfig,
+    unet_fp32: bool = False,
+    family: Family | None = None,
+    store: SharedStore | None = None,
+    denoiser: bool = True,
 ) -> Models:
     """The models in their training dtypes; with ``store`` the frozen ones are mapped from the node's shared files
-    (:mod:`.shared_weights`), a UNet that trains (``unet_fp32``) stays private."""
+    (:mod:`.shared_weights`), a UNet that trains (``unet_fp32``) stays private. ``denoiser`` False: all but the
+    denoiser, which :func:`load_denoiser` adds (:func:`loads_in_phases`)."""
     family = family or model_family(cfg)
     try:
-        return _load_models(cfg, unet_fp32, family, store)
+        models = _load_models(cfg, family, store)
+        if denoiser:
+            _load_denoiser(cfg, models, unet_fp32)
+        return models
     except OSError as exc:  # missing files, or a Hub id that cannot be fetched (offline, gated, wrong name)
         raise ConfigError(f"cannot load the model {cfg.pretrained_model_name_or_path!r}: {exc}") from exc
 
 
-def _load_models(cfg: TrainConfig, unet_fp32: bool, family: Family, store: SharedStore | None) -> Models:
+def load_denoiser(cfg: TrainConfig, models: Models, unet_fp32: bool = False) -> None:
+    """The denoiser into ``models``, which :func:`load_models` loaded without it."""
+    try:
+        _load_denoiser(cfg, models, unet_fp32)
+    except OSError as exc:
+        raise ConfigError(f"cannot load the model {cfg.pretrained_model_name_or_path!r}: {exc}") from exc
+
+
+def loads_in_phases(cfg: TrainConfig, text_first: bool, store: SharedStore | None) -> bool:
+    """Whether the denoiser loads last, after the prompts are encoded (a long text encoder freed) and the latents
+    cached (the VAE freed): the loading peak is then the larger phase's, not every model at once. Not when the
+    method's prompts need the method first (``text_first`` False: textual inversion's new tokens, LoRA on the text
+    encoders), with prior preservation (the whole pipeline renders the class images first), nor when IPEX
+    optimises the UNet and the VAE together."""
+    import importlib.util
+
+    ipex = cfg.use_ipex != "off" and store is None and importlib.util.find_spec("intel_extension_for_pytorch")
+    return cfg.phased_loading and text_first and not cfg.with_prior_preservation and not ipex
+
+
+def _load_models(cfg: TrainConfig, family: Family, store: SharedStore | None) -> Models:
     import diffusers
     from diffusers import DDPMScheduler
 
@@ -137,34 +172,14 @@ def _load_models(cfg: TrainConfig, unet_fp32: bool, family: Family, store: Share
     # Read tensor by tensor into their dtype: no whole fp32 copy beside the cast one (that was the peak memory).
     vae_cls = getattr(diffusers, spec.vae_class)  # Qwen-Image: AutoencoderKLQwenImage
     vae = _frozen(cfg, store, vae_cls, "vae", weight_dtype)
-    unet_dtype = torch.float32 if unet_fp32 else weight_dtype
-    denoiser_cls = getattr(diffusers, spec.denoiser_class)
-    channels_last = cfg.channels_last and not family.is_flow
-    unet = _frozen(cfg, None if unet_fp32 else store, denoiser_cls, spec.denoiser, unet_dtype, channels_last)
-    for m in (vae, unet):
-        m.requires_grad_(False)
-        m.eval()
-    if channels_last:  # a no-op on weights mapped from the shared file: stored channels last already
-        unet.to(memory_format=torch.channels_last)
-    ipex = False
-    if cfg.use_ipex != "off" and not unet_fp32 and not family.is_flow and store is None:  # IPEX rewrites weights
-        try:
-            import intel_extension_for_pytorch as ipex_mod  # type: ignore[import-not-found]
-        except ImportError:
-            if cfg.use_ipex == "on":
-                raise ConfigError("--use_ipex on, but intel_extension_for_pytorch does not import") from None
-        else:
-            unet = ipex_mod.optimize(unet, dtype=weight_dtype, inplace=True)
-            vae = ipex_mod.optimize(vae, dtype=weight_dtype, inplace=True)
-            ipex = True
-    if cfg.compile:
-        unet = torch.compile(unet)
+    vae.requires_grad_(False)
+    vae.eval()
     (tokenizer, text_encoder), (tok2, enc2), (tok3, enc3) = text
     models = Models(
-        tokenizer, text_encoder, vae, unet, noise_scheduler, weight_dtype, ipex, family, tok2, enc2, tok3, enc3, flow
+        tokenizer, text_encoder, vae, None, noise_scheduler, weight_dtype, False, family, tok2, enc2, tok3, enc3, flow
     )
     if store is not None:
-        slots = {"vae": "vae", **({} if unet_fp32 else {"unet": spec.denoiser})}
+        slots = {"vae": "vae"}
         slots.update(
             {
                 slot: encoder
@@ -173,6 +188,39 @@ def _load_models(cfg: TrainConfig, unet_fp32: bool, family: Family, store: Share
         )
         models = dataclasses.replace(models, store=store, shared_slots=slots)
     return models
+
+
+def _load_denoiser(cfg: TrainConfig, models: Models, unet_fp32: bool) -> None:
+    import diffusers
+
+    family, store, weight_dtype = models.family, models.store, models.weight_dtype
+    spec = family.spec
+    unet_dtype = torch.float32 if unet_fp32 else weight_dtype
+    denoiser_cls = getattr(diffusers, spec.denoiser_class)
+    channels_last = cfg.channels_last and not family.is_flow
+    # A denoiser that trains is this rank's own, unless --fsdp shards it: then the node's ranks map one whole copy,
+    # and each keeps its shards of it and lets go of the copy (xeonsd.trainer.methods.full)
+    denoiser_store = store if not unet_fp32 or sharding.shards(cfg) else None
+    unet = _frozen(cfg, denoiser_store, denoiser_cls, spec.denoiser, unet_dtype, channels_last)
+    unet.requires_grad_(False)
+    unet.eval()
+    if denoiser_store is not None:
+        models.shared_slots["unet"] = spec.denoiser
+    if channels_last:  # a no-op on weights mapped from the shared file: stored channels last already
+        unet.to(memory_format=torch.channels_last)
+    if cfg.use_ipex != "off" and not unet_fp32 and not family.is_flow and store is None:  # IPEX rewrites weights
+        try:
+            import intel_extension_for_pytorch as ipex_mod  # type: ignore[import-not-found]
+        except ImportError:
+            if cfg.use_ipex == "on":
+                raise ConfigError("--use_ipex on, but intel_extension_for_pytorch does not import") from None
+        else:  # (the VAE too: loads_in_phases keeps it until now)
+            unet = ipex_mod.optimize(unet, dtype=weight_dtype, inplace=True)
+            models.vae = ipex_mod.optimize(models.vae, dtype=weight_dtype, inplace=True)
+            models.ipex = True
+    if cfg.compile:
+        unet = torch.compile(unet)
+    models.unet = unet
 
 
 _TEXT_SLOTS = ("text_encoder", "text_encoder_2", "text_encoder_3")

@@ -20,22 +20,42 @@ import torch
 
 log = logging.getLogger("xeonsd.train")
 
-# A direct child holding at least this share of the denoiser's weights is a unit of its own even outside a ModuleList
-# (the UNet's mid block); the rest (embeddings, norms, the output projection) stay in the root's unit.
-_OWN_UNIT_SHARE = 0.02
+
+def shards(cfg) -> bool:
+    """Whether the run shards its denoiser: --fsdp, a full fine-tune, 2+ ranks (on one there is nothing to shard)."""
+    import torch.distributed as dist
+
+    return cfg.fsdp and cfg.method == "full" and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def shard_units(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The blocks that are sharded (and gathered) one at a time: every block of the denoiser's block lists (the
-    UNet's down and up blocks, a transformer's blocks) and every other large direct child. The root is the last unit."""
+# A block of any of the denoiser's block lists (at any depth: the UNet's down and up blocks, their resnets and
+# attentions; a transformer's blocks), or a direct child outside them (the UNet's mid block), is a unit of its own
+# when it holds at least this share of the weights; smaller ones stay in the unit around them.
+_UNIT_SHARE = 0.01
+
+
+def shard_units(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The units sharded (and gathered) one at a time, by name, innermost first (nested units are sharded before
+    the units around them, as ``fully_shard`` needs). The root, the last unit, holds what no other unit does."""
     total = sum(p.numel() for p in module.parameters())
-    units: list[torch.nn.Module] = []
-    for child in module.children():
-        if isinstance(child, torch.nn.ModuleList):
-            units += [block for block in child if any(True for _ in block.parameters())]
-        elif sum(p.numel() for p in child.parameters()) >= _OWN_UNIT_SHARE * total:
-            units.append(child)
-    return units
+    names = {id(m): name for name, m in module.named_modules()}
+    found: dict[int, torch.nn.Module] = {}
+    candidates = [*(block for lst in module.modules() if isinstance(lst, torch.nn.ModuleList) for block in lst)]
+    candidates += [child for child in module.children() if not isinstance(child, torch.nn.ModuleList)]
+    for block in candidates:
+        if sum(p.numel() for p in block.parameters()) >= _UNIT_SHARE * total:
+            found[id(block)] = block
+    return sorted(((names[i], m) for i, m in found.items()), key=lambda nm: -nm[0].count("."))
+
+
+def unit_sizes(module: torch.nn.Module) -> list[int]:
+    """The weights each unit gathers at once (its own, not those of the units inside it), the root's last."""
+    units = [name for name, _ in shard_units(module)]
+    sizes = dict.fromkeys([*units, ""], 0)
+    for name, p in module.named_parameters():
+        owner = max((u for u in units if name.startswith(u + ".")), key=len, default="")
+        sizes[owner] += p.numel()
+    return list(sizes.values())
 
 
 def shard(module: torch.nn.Module) -> None:
@@ -46,7 +66,7 @@ def shard(module: torch.nn.Module) -> None:
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     units = shard_units(module)
-    for unit in units:
+    for _, unit in units:
         fully_shard(unit, mesh=mesh)
     fully_shard(module, mesh=mesh)
     log.info(

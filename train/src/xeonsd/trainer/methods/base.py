@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from xeonsd.trainer.config import ConfigError, flag_methods
-from xeonsd.trainer.prompts import PromptTable
+from xeonsd.trainer.prompts import PromptTable, plain_prompts
 
 if TYPE_CHECKING:
     from xeonsd.trainer.captions import Captions
@@ -75,6 +76,13 @@ class Method:
         return trainable * 8
 
     # ---- set-up ------------------------------------------------------------------------------------------------
+    @classmethod
+    def text_first(cls, cfg: TrainConfig) -> PlainText | None:
+        """The prompts' side (``prompts``, ``trains_text_encoder``) before the method exists, when it does not
+        depend on the method: then the prompts are encoded before the denoiser loads
+        (:func:`xeonsd.trainer.models.loads_in_phases`). None: they need the method's instance."""
+        return None
+
     @property
     def trains_text_encoder(self) -> bool:
         """False: the text encoder is frozen, so the prompts' embeddings are computed once before the first step."""
@@ -129,3 +137,16 @@ class Method:
     def summary(self) -> dict:
         """Figures for metrics and the report (trainable parameters, …)."""
         return {"method": self.name, "trainable_params": sum(p.numel() for p in self.parameters())}
+
+
+@dataclass(frozen=True)
+class PlainText:
+    """The prompts of a method that trains the denoiser only: the captions or ``--instance_prompt``, through frozen
+    text encoders (:meth:`Method.text_first`)."""
+
+    method: type[Method]
+    cfg: TrainConfig
+    trains_text_encoder: bool = False
+
+    def prompts(self, captions: Captions | None) -> PromptTable:
+        return plain_prompts(self.cfg, self.method.uses_captions(self.cfg, captions), captions)

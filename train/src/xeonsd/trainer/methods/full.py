@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from xeonsd.cluster.distributed import collective
 from xeonsd.contracts.method_names import result_file
 from xeonsd.modelfiles.families import family_spec
 from xeonsd.trainer import sharding
 from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError
-from xeonsd.trainer.methods.base import Method
+from xeonsd.trainer.methods.base import Method, PlainText
 from xeonsd.trainer.models import save_full_pipeline
 from xeonsd.trainer.prompts import check_prompt_source, plain_prompts
 
@@ -90,14 +91,20 @@ class FullFineTuning(Method):
         if cfg.gradient_checkpointing:
             unet.enable_gradient_checkpointing()
         self.denoiser_class, self.denoiser_config = type(unet), unet.config  # the saved pipeline's plain denoiser
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        self.sharded = cfg.fsdp and world > 1
+        self.sharded = sharding.shards(cfg)
         if self.sharded:  # before the optimizer and the EMA see the parameters: theirs are the shards
             sharding.shard(unet)
+            with collective("barrier before the whole denoiser's shared file is let go"):
+                torch.distributed.barrier()  # (a rank still loading it would build it again)
+            models.unshare("unet")
         elif cfg.fsdp:
             log.info("--fsdp on one rank: nothing to shard, the UNet trains whole")
         self.params = [p for p in unet.parameters() if p.requires_grad]
         self.ema = EMA(self.params, cfg.ema_decay) if cfg.use_ema else None
+
+    @classmethod
+    def text_first(cls, cfg) -> PlainText:
+        return PlainText(cls, cfg)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return self.params

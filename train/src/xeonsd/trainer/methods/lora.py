@@ -24,7 +24,7 @@ from xeonsd.modelfiles.families import family_spec
 from xeonsd.modelfiles.lora_layout import convert
 from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError
-from xeonsd.trainer.methods.base import Method
+from xeonsd.trainer.methods.base import Method, PlainText
 from xeonsd.trainer.models import pipeline_class
 from xeonsd.trainer.prompts import check_prompt_source, plain_prompts
 
@@ -124,6 +124,10 @@ class LoRA(Method):
                 if p.requires_grad:
                     p.data = p.data.float()  # adapters train in fp32 beside the bf16 base
                     self.params.append(p)
+
+    @classmethod
+    def text_first(cls, cfg) -> PlainText | None:
+        return None if cfg.train_text_encoder else PlainText(cls, cfg)
 
     @property
     def trains_text_encoder(self) -> bool:
