@@ -175,7 +175,7 @@ def setup(
     encoded and the latents cached, once a long text encoder and the VAE are freed."""
     method_cls = for_config(cfg)
     text_first = method_cls.text_first(cfg)
-    phased = text_first is not None and loads_in_phases(cfg, True, store)
+    phased = loads_in_phases(cfg, text_first is not None, store)
     t0 = time.perf_counter()
     models = load_models(cfg, method_cls.unet_fp32, inputs.family, store, denoiser=not phased)
     load_s = time.perf_counter() - t0
