@@ -34,14 +34,6 @@ from xeonsd.serve import keys as serve_keys
 ServePlanError = serve_plan.ServePlanError
 
 
-def serve_run_dir(run: Any, runs_dir: str) -> str:
-    return serve_plan.run_dir(run, runs_dir)
-
-
-def serve_adapter_runs(adapters: Any, alpha: Any = 1.0) -> list[dict[str, Any]]:
-    return serve_plan.adapter_runs(adapters, alpha)
-
-
 def _run(result: Mapping[str, Any]) -> dict[str, Any]:
     """``{dir, summary}`` of one item of the serve role's slurp loop over the runs' stat results."""
     st = result["item"]["stat"]
@@ -175,8 +167,8 @@ def serve_key_problem(keys: Any) -> str:
 class FilterModule:
     def filters(self) -> dict:
         return {
-            "xeonsd_serve_run_dir": serve_run_dir,
-            "xeonsd_serve_adapter_runs": serve_adapter_runs,
+            "xeonsd_serve_run_dir": serve_plan.run_dir,
+            "xeonsd_serve_adapter_runs": serve_plan.adapter_runs,
             "xeonsd_serve_plan": serve_plan_of,
             "xeonsd_serve_argv": serve_argv,
             "xeonsd_serve_files": serve_files,

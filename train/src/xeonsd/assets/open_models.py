@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xeonsd.assets.flow_models import _default_dtype
+from xeonsd.assets.flow_models import _default_dtype, check_depth
 from xeonsd.assets.open_text import QwenText, QwenVision, qwen3_encoder, qwen25vl_encoder, qwen_tokenizer
 from xeonsd.assets.parts import vae_of
 from xeonsd.fsutil import atomic_dir
@@ -63,9 +63,8 @@ class OpenArch:
     weights_dtype: str = "float32"
 
     def with_depth(self, depth: int) -> OpenArch:
-        """The widths of ``self`` with ``depth`` denoiser blocks (FLUX.2: and 4x as many single-stream ones)."""
-        if depth < 1:
-            raise ValueError(f"--depth must be at least 1, got {depth}")
+        """The widths of ``self`` with ``depth`` denoiser blocks (FLUX.2: and 4x as many single-stream ones);
+        ``depth`` as :func:`xeonsd.assets.flow_models.check_depth` allows it."""
         return dataclasses.replace(self, layers=depth, single_layers=4 * depth if self.family == "flux2" else 0)
 
 
@@ -177,14 +176,6 @@ OPEN_ARCHS: dict[str, OpenArch] = {
 }
 
 
-def check_open_depth(arch: str, depth: int | None) -> None:
-    """Refuse a ``--depth`` that ``arch`` cannot take: ValueError naming the problem (the one rule,
-    :func:`xeonsd.assets.flow_models.check_depth`)."""
-    from xeonsd.assets.flow_models import check_depth
-
-    check_depth(arch, depth)
-
-
 def make_open_model(out: Path, arch: str, seed: int = 0, depth: int | None = None, configs_only: bool = False) -> Path:
     """Write a random-weight FLUX.2-klein, Z-Image or Qwen-Image pipeline directory of ``arch`` to ``out``.
     ``configs_only``: the same directory without weights (the models built on the meta device, their configs, the
@@ -197,7 +188,7 @@ def make_open_model(out: Path, arch: str, seed: int = 0, depth: int | None = Non
 
     if arch not in OPEN_ARCHS:
         raise ValueError(f"unknown open --arch {arch!r}; choose one of {sorted(OPEN_ARCHS)}")
-    check_open_depth(arch, depth)
+    check_depth(arch, depth)  # (the one rule for --depth)
     a = OPEN_ARCHS[arch] if depth is None else OPEN_ARCHS[arch].with_depth(depth)
     out = Path(out)
     torch.manual_seed(seed)

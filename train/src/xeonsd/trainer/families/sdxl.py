@@ -28,8 +28,6 @@ from xeonsd.trainer.models import autocast
 if TYPE_CHECKING:
     from xeonsd.trainer.buckets import Placement
 
-TIME_IDS = 6  # original (h, w), crop top-left (top, left), target (h, w)
-
 
 def time_ids_for(image: Path, resolution: int, center_crop: bool, placement: Placement | None = None) -> torch.Tensor:
     """The micro-conditioning of an image and of its mirror, [2, 6] float32, for the way
