@@ -128,8 +128,8 @@ class StepCounters:
     @contextlib.contextmanager
     def around(self, step: int) -> Iterator[None]:
         self.flops = FlopCounterMode(display=False) if self.enabled and step == self.first else None
-        self.comm = _comm_profiler() if self.enabled and self.world > 1 and step == self.first + 1 else None
-        self.prof = _step_profiler() if step + 1 == self.profile_step and self.comm is None else None
+        self.comm = _profiler(shapes=True) if self.enabled and self.world > 1 and step == self.first + 1 else None
+        self.prof = _profiler() if step + 1 == self.profile_step and self.comm is None else None
         t0 = time.perf_counter()
         with (
             self.flops or contextlib.nullcontext(),
@@ -155,18 +155,12 @@ class StepCounters:
         return row
 
 
-def _step_profiler():
-    """A profiler of one step's CPU ops (no shapes, no stacks: as little overhead as it can have)."""
+def _profiler(shapes: bool = False):
+    """A profiler of one step's CPU ops; ``shapes``: with their inputs' shapes (what the collectives moved), else no
+    shapes and no stacks (as little overhead as it can have)."""
     from torch.profiler import ProfilerActivity, profile
 
-    return profile(activities=[ProfilerActivity.CPU])
-
-
-def _comm_profiler():
-    """A profiler that records the step's collectives."""
-    from torch.profiler import ProfilerActivity, profile
-
-    return profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+    return profile(activities=[ProfilerActivity.CPU], record_shapes=shapes)
 
 
 class StatusUpdates:
