@@ -99,13 +99,15 @@ def sharded_over(est: MemoryEstimate, world: int, trainable: int, largest_unit: 
     """--fsdp over ``world`` ranks: the trained fp32 weights, their gradients and the optimizer state 1/world per
     rank, plus the whole weights of two units (:func:`xeonsd.trainer.sharding.shard_units`: the one running and the
     next, prefetched) and one unit's whole gradients before they are reduce-scattered. While the models load each
-    rank holds the whole denoiser before it keeps its shards: with --share_weights the node's ranks map one copy."""
+    rank holds the whole denoiser and copies its shards out of it: with --share_weights the node's ranks map one
+    whole copy, and each holds its shards beside it."""
     own = trainable * 4
     return dataclasses.replace(
         est,
         weights=est.weights - own + own // world + 2 * largest_unit * 4,
         gradients=est.gradients // world + largest_unit * 4,
         optimizer=est.optimizer // world,
+        loading=est.loading + own // world,
         shared_loading=est.shared_loading + own,
     )
 
