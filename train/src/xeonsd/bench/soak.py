@@ -68,6 +68,9 @@ backend {backend}
     balance leastconn
     option httpchk GET /v2/health/ready
     http-check expect status 200
+    # A killed server refuses the check's connection at once (out after 2 checks); a live one whose CPUs are busy
+    # generating may answer the check late, which must not take it out: 5 s per check, not the interval's 1 s.
+    timeout check 5s
     default-server inter 1s fall 2 rise 1
 {servers}
 listen xeonsd_serve_stats
