@@ -223,10 +223,10 @@ def save(job: Job, fitted: Fitted) -> dict:
         "output_dir": str(out),
         **method.summary(),
     }
-    if cfg.validation_prompt and job.sharded and not job.is_main:  # rank 0's denoiser calls need this rank's shards
-        render_validation(cfg, job.training.models, None, job.run.seed)
-    if method.sharded and not job.is_main:
-        method.save(out)  # this rank's shards, gathered to rank 0
+    if job.sharded and not job.is_main:  # rank 0's denoiser calls and its save need this rank's shards
+        if cfg.validation_prompt:
+            render_validation(cfg, job.training.models, None, job.run.seed)
+        method.save(out)
     if job.is_main:
         if cfg.validation_prompt:
             render_validation(cfg, job.training.models, out / "validation" / "final", job.run.seed)

@@ -87,10 +87,10 @@ def in_phases(cfg, method: str, first: tuple[int, int], stays: tuple[int, int], 
 def shard_if_asked(cfg, est: MemoryEstimate, world: int, denoiser: torch.nn.Module, trainable: int) -> MemoryEstimate:
     """The estimate of one of ``world`` ranks: :func:`sharded_over` when the run shards the trained denoiser (--fsdp
     on 2+ ranks, a full fine-tune), else ``est``."""
-    if not (getattr(cfg, "fsdp", False) and cfg.method == "full" and world > 1):
-        return est
-    from xeonsd.trainer.sharding import unit_sizes
+    from xeonsd.trainer.sharding import shards, unit_sizes
 
+    if not shards(cfg, world):
+        return est
     largest = max(unit_sizes(denoiser))
     return sharded_over(est, world, trainable, largest)
 

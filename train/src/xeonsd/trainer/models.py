@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,19 +120,24 @@ def load_models(
     (:mod:`.shared_weights`), a UNet that trains (``unet_fp32``) stays private. ``denoiser`` False: all but the
     denoiser, which :func:`load_denoiser` adds (:func:`loads_in_phases`)."""
     family = family or model_family(cfg)
-    try:
+    with _model_files(cfg):
         models = _load_models(cfg, family, store)
-        if denoiser:
-            _load_denoiser(cfg, models, unet_fp32)
-        return models
-    except OSError as exc:  # missing files, or a Hub id that cannot be fetched (offline, gated, wrong name)
-        raise ConfigError(f"cannot load the model {cfg.pretrained_model_name_or_path!r}: {exc}") from exc
+    if denoiser:
+        load_denoiser(cfg, models, unet_fp32)
+    return models
 
 
 def load_denoiser(cfg: TrainConfig, models: Models, unet_fp32: bool = False) -> None:
     """The denoiser into ``models``, which :func:`load_models` loaded without it."""
-    try:
+    with _model_files(cfg):
         _load_denoiser(cfg, models, unet_fp32)
+
+
+@contextlib.contextmanager
+def _model_files(cfg: TrainConfig) -> Iterator[None]:
+    """Missing files, or a Hub id that cannot be fetched (offline, gated, wrong name): a one-line ConfigError."""
+    try:
+        yield
     except OSError as exc:
         raise ConfigError(f"cannot load the model {cfg.pretrained_model_name_or_path!r}: {exc}") from exc
 

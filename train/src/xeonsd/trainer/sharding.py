@@ -21,11 +21,14 @@ import torch
 log = logging.getLogger("xeonsd.train")
 
 
-def shards(cfg) -> bool:
-    """Whether the run shards its denoiser: --fsdp, a full fine-tune, 2+ ranks (on one there is nothing to shard)."""
+def shards(cfg, world: int | None = None) -> bool:
+    """Whether the run shards its denoiser: --fsdp, a full fine-tune, 2+ ranks (on one there is nothing to shard);
+    ``world``: the ranks (None: the process group's, or 1 without one)."""
     import torch.distributed as dist
 
-    return cfg.fsdp and cfg.method == "full" and dist.is_initialized() and dist.get_world_size() > 1
+    if world is None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+    return getattr(cfg, "fsdp", False) and cfg.method == "full" and world > 1
 
 
 # A block of any of the denoiser's block lists (at any depth: the UNet's down and up blocks, their resnets and
