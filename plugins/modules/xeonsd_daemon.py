@@ -13,12 +13,12 @@ import os
 import pwd
 import signal
 import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.request
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.xeonsd_atomic import write_atomic
 
 DOCUMENTATION = r"""
 module: xeonsd_daemon
@@ -90,14 +90,6 @@ def ours(pid: int | None, match: list[str]) -> bool:
     return argv is not None and any(argv[i : i + n] == match for i in range(len(argv) - n + 1))
 
 
-def write_pid(pid_file: str, pid: int, version: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(pid_file)}.", dir=os.path.dirname(pid_file) or ".")
-    with os.fdopen(fd, "w") as f:
-        f.write(f"{pid}\n{version}\n")
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, pid_file)
-
-
 def log_tail(path: str | None, lines: int = 15) -> str:
     if not path:
         return "(no log)"
@@ -151,7 +143,7 @@ def start(module: AnsibleModule) -> int:
     finally:
         if out is not subprocess.DEVNULL:
             out.close()
-    write_pid(p["pid_file"], proc.pid, p["version"])
+    write_atomic(p["pid_file"], f"{proc.pid}\n{p['version']}\n".encode(), 0o644)
     try:
         rc = proc.wait(timeout=p["settle"])
     except subprocess.TimeoutExpired:

@@ -11,9 +11,9 @@ import grp
 import os
 import pwd
 import stat
-import tempfile
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.xeonsd_atomic import write_atomic
 
 DOCUMENTATION = r"""
 module: xeonsd_files
@@ -51,20 +51,6 @@ def _current(path: str) -> tuple[bytes | None, os.stat_result | None]:
             return f.read(), os.fstat(f.fileno())
     except FileNotFoundError:
         return None, None
-
-
-def _write(path: str, data: bytes, mode: int, uid: int, gid: int) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=os.path.dirname(path) or ".")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chown(tmp, uid, gid)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def main() -> None:
@@ -107,7 +93,7 @@ def main() -> None:
             try:
                 # An existing file keeps the owner the item does not name.
                 keep = (st.st_uid, st.st_gid) if st is not None else (-1, -1)
-                _write(path, data, mode, uid if uid != -1 else keep[0], gid if gid != -1 else keep[1])
+                write_atomic(path, data, mode, (uid if uid != -1 else keep[0], gid if gid != -1 else keep[1]))
             except OSError as e:
                 module.fail_json(msg=f"{path}: cannot write it: {e}", written=written[:-1])
     module.exit_json(changed=bool(written), written=written, diff=diffs)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
-import tempfile
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.xeonsd_atomic import write_atomic
 
 DOCUMENTATION = r"""
 module: xeonsd_tls
@@ -42,19 +42,6 @@ CA_DAYS = 3650
 
 def _now() -> datetime.datetime:
     return datetime.datetime.now(datetime.timezone.utc)
-
-
-def _write(path: str, data: bytes, mode: int) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=os.path.dirname(path))
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _general_names(names: list[str]) -> list:
@@ -205,11 +192,11 @@ def main() -> None:
         os.chmod(d, 0o700)
         if new_ca:
             ca_key, ca_cert = make_ca(names[0])
-            _write(files["ca_key"], _pem_key(ca_key), 0o600)
-            _write(files["ca"], ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+            write_atomic(files["ca_key"], _pem_key(ca_key), 0o600)
+            write_atomic(files["ca"], ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
         key, cert = make_server(ca_key, ca_cert, names, p["days"])
-        _write(files["key"], _pem_key(key), 0o600)
-        _write(files["cert"], cert.public_bytes(serialization.Encoding.PEM), 0o644)
+        write_atomic(files["key"], _pem_key(key), 0o600)
+        write_atomic(files["cert"], cert.public_bytes(serialization.Encoding.PEM), 0o644)
     if cert is not None and not (issue and module.check_mode):
         result["not_after"] = cert.not_valid_after_utc.isoformat()
     module.exit_json(changed=issue, **result)
