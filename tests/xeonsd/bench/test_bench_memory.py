@@ -53,6 +53,10 @@ def test_the_targets_say_met_or_not_met_with_their_figures():
                for line in lines)  # fmt: skip
     worse = [*rows[:3], _row(4, "on", 7.0, 12.0, shared=2.0)]
     assert any(line.startswith("target: 4 shared ranks") and line.endswith("NOT met") for line in targets(worse))
+    before = [*rows, _row(4, "before", 14.0, 16.0, first=50.0)]  # private and every model at once
+    assert "4 rank(s): node peak shared / before = 0.62x (10.00 / 16.00 GB); time to first step 0.40x" in targets(
+        before
+    )
     heavy_load = [_row(1, "on", 5.0, 4.0, shared=2.0)]
     assert targets(heavy_load)[-1] == "target: loading peak <= 1.1 x training peak (1 rank, shared): 1.25x: NOT met"
 
@@ -99,5 +103,7 @@ def test_a_layout_the_trainer_refuses_is_a_row_that_says_so():
 
     refused = {"ranks": 2, "share_weights": "off", "refused": "the estimated peak memory is 15.3 GB per rank x 2"}
     rows = [_row(1, "on", 3.0, 4.0, shared=2.0), refused, _row(2, "on", 5.0, 6.0, shared=2.0)]
-    assert "    2   off refused by the trainer's estimate: the estimated peak memory is 15.3 GB" in format_rows(rows)[2]
+    assert (
+        "    2     off refused by the trainer's estimate: the estimated peak memory is 15.3 GB" in format_rows(rows)[2]
+    )
     assert any(line.startswith("target: 2 shared ranks") for line in targets(rows))

@@ -29,7 +29,12 @@ from xeonsd.cluster.memory import MemoryUnavailable, read_memory
 from xeonsd.fsutil import atomic_file
 
 GB = 1e9
-MODES = ("off", "on")
+# How each mode loads: "before" is the loading that issue 42 replaced (a private copy per rank, every model at once)
+MODES = {
+    "off": ["--share_weights=off"],
+    "on": ["--share_weights=on"],
+    "before": ["--share_weights=off", "--no-phased_loading"],
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=2, help="training steps per run")
     p.add_argument("--images", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds of every layout")
+    p.add_argument(
+        "--modes", nargs="+", choices=tuple(MODES), default=["off", "on"],
+        help="loadings to compare for each rank count: shared weights off / on; before: off and every model at once",
+    )  # fmt: skip
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto", help="auto: bf16 where native")
     p.add_argument("--sample-s", type=float, default=0.1, help="seconds between PSS samples")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -103,13 +112,13 @@ class PssSampler(threading.Thread):
 
 
 def run_layout(ranks: int, mode: str, base: list[str], out: Path, env: dict[str, str], every_s: float) -> dict:
-    """One ``mpirun -n ranks`` run with ``--share_weights mode``: the node's PSS peaks per phase, the time to the
+    """One ``mpirun -n ranks`` run loading the ``mode`` way (:data:`MODES`): the node's PSS peaks per phase, the time to the
     first step, the shared files' bytes, and the trainer's per-node estimate for this layout."""
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         raise RuntimeError("mpirun is not on PATH (source the env's env.sh, or install impi-rt)")
     cmd = [mpirun, "-n", str(ranks), "-ppn", str(ranks), sys.executable, "-m", "xeonsd.cli", "train", *base]
-    cmd += [f"--share_weights={mode}", f"--output_dir={out}", f"--shared_weights_dir={out.parent / 'shm'}"]
+    cmd += [*MODES[mode], f"--output_dir={out}", f"--shared_weights_dir={out.parent / 'shm'}"]
     with open(out.parent / f"{out.name}.log", "w") as logf:
         proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT)
         sampler = PssSampler(proc.pid, out / "status" / "rank-0.json", every_s)
@@ -123,7 +132,7 @@ def run_layout(ranks: int, mode: str, base: list[str], out: Path, env: dict[str,
         shutil.rmtree(out, ignore_errors=True)
         return {"ranks": ranks, "share_weights": mode, "refused": refusal.split("error: ", 1)[-1]}
     if code != 0:
-        raise RuntimeError(f"{ranks} rank(s), --share_weights {mode}: exit {code}\n{log_text[-3000:]}")
+        raise RuntimeError(f"{ranks} rank(s), {' '.join(MODES[mode])}: exit {code}\n{log_text[-3000:]}")
     summary = json.loads((out / "train_summary.json").read_text())
     estimate = node_estimate(json.loads((out / "memory_estimate.json").read_text()), ranks, mode == "on")
     shutil.rmtree(out, ignore_errors=True)
@@ -149,15 +158,15 @@ def node_estimate(saved: dict, ranks: int, shared: bool) -> dict[str, int]:
 
 def format_rows(results: list[dict]) -> list[str]:
     lines = [
-        f"{'ranks':>5} {'share':>5} {'loading peak':>13} {'(estimate)':>11} {'training peak':>14} {'(estimate)':>11} "
+        f"{'ranks':>5} {'loading':>7} {'loading peak':>13} {'(estimate)':>11} {'training peak':>14} {'(estimate)':>11} "
         f"{'shared files':>13} {'first step':>11}"
     ]
     for r in results:
         if "refused" in r:
-            lines.append(f"{r['ranks']:>5} {r['share_weights']:>5} refused by the trainer's estimate: {r['refused']}")
+            lines.append(f"{r['ranks']:>5} {r['share_weights']:>7} refused by the trainer's estimate: {r['refused']}")
             continue
         lines.append(
-            f"{r['ranks']:>5} {r['share_weights']:>5} {r['loading_peak'] / GB:>10.2f} GB {r['estimate']['loading'] / GB:>8.2f} GB "
+            f"{r['ranks']:>5} {r['share_weights']:>7} {r['loading_peak'] / GB:>10.2f} GB {r['estimate']['loading'] / GB:>8.2f} GB "
             f"{r['training_peak'] / GB:>11.2f} GB {r['estimate']['training'] / GB:>8.2f} GB {r['shared_bytes'] / GB:>10.3f} GB "
             f"{r['first_step_s']:>9.1f} s"
         )
@@ -167,17 +176,20 @@ def format_rows(results: list[dict]) -> list[str]:
 def targets(results: list[dict]) -> list[str]:
     """The targets, from the first round: the most ranks measured shared against the shared bytes + that many
     times one rank's private bytes (+10 %), and the loading peak of one shared rank against 1.1 x its training
-    peak; and each shared layout against its private one (ratios within the round)."""
+    peak; and each shared layout against its private ones, ``off`` and ``before`` (ratios within the round)."""
     by = {(r["ranks"], r["share_weights"]): r for r in results if "refused" not in r}
     lines = []
     for n in sorted({r["ranks"] for r in results}):
-        off, on = by.get((n, "off")), by.get((n, "on"))
-        if off and on:
-            peak = lambda r: max(r["loading_peak"], r["training_peak"])  # noqa: E731
-            lines.append(
-                f"{n} rank(s): node peak shared / private = {peak(on) / peak(off):.2f}x "
-                f"({peak(on) / GB:.2f} / {peak(off) / GB:.2f} GB); time to first step {on['first_step_s'] / off['first_step_s']:.2f}x"
-            )
+        on = by.get((n, "on"))
+        for base in ("off", "before"):
+            off = by.get((n, base))
+            if off and on:
+                peak = lambda r: max(r["loading_peak"], r["training_peak"])  # noqa: E731
+                lines.append(
+                    f"{n} rank(s): node peak shared / {'private' if base == 'off' else 'before'} = "
+                    f"{peak(on) / peak(off):.2f}x ({peak(on) / GB:.2f} / {peak(off) / GB:.2f} GB); "
+                    f"time to first step {on['first_step_s'] / off['first_step_s']:.2f}x"
+                )
     shared_runs = [r for r in by.values() if r["share_weights"] == "on"]
     one, most = by.get((1, "on")), max(shared_runs, key=lambda r: r["ranks"], default=None)
     if one is not None and most is not None and most["ranks"] > 1:
@@ -216,7 +228,7 @@ def main(argv: list[str]) -> int:
     cpu = cpu_info()
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if cpu.native_bf16 else "fp32")
     env = dict(os.environ, HF_HUB_OFFLINE="1", I_MPI_FABRICS=os.environ.get("I_MPI_FABRICS", "shm"))
-    layouts = [f"{n}:{mode}" for n in args.ranks for mode in MODES]
+    layouts = [f"{n}:{mode}" for n in args.ranks for mode in dict.fromkeys(args.modes)]
     results = []
     with tempfile.TemporaryDirectory(prefix="xeonsd-bench-memory-") as tmp:
         data = Path(tmp) / "data"
