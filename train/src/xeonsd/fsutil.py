@@ -57,17 +57,16 @@ def atomic_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path, mode: str = "wb") -> Iterator:
-    """Open a temporary file beside ``path`` for writing; ``os.replace`` it onto ``path`` on success."""
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path`` for a writer that takes a file name (e.g. safetensors, PIL);
+    ``os.replace`` it onto ``path`` when the block succeeds, remove it when it fails."""
     path = Path(path)
     _check_writable_parent(path)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
     os.chmod(tmp_name, 0o666 & ~_umask())
     try:
-        with os.fdopen(fd, mode) as fh:
-            yield fh
-            fh.flush()
-            os.fsync(fh.fileno())
+        yield Path(tmp_name)
         os.replace(tmp_name, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -75,22 +74,10 @@ def atomic_file(path: Path, mode: str = "wb") -> Iterator:
         raise
 
 
-def atomic_path(path: Path) -> contextlib.AbstractContextManager[Path]:
-    """Yield a temporary path beside ``path`` for a writer that takes a file name (e.g. safetensors, PIL)."""
-
-    @contextlib.contextmanager
-    def _cm() -> Iterator[Path]:
-        p = Path(path)
-        _check_writable_parent(p)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{p.name}.tmp-", suffix=p.suffix, dir=p.parent)
-        os.close(fd)
-        os.chmod(tmp_name, 0o666 & ~_umask())
-        try:
-            yield Path(tmp_name)
-            os.replace(tmp_name, p)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp_name)
-            raise
-
-    return _cm()
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str = "wb") -> Iterator:
+    """:func:`atomic_path` opened for writing (``mode``), flushed to disk before the rename."""
+    with atomic_path(path) as tmp, open(tmp, mode) as fh:
+        yield fh
+        fh.flush()
+        os.fsync(fh.fileno())
