@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resolution", type=int, default=512)
     p.add_argument("--steps", type=int, default=2, help="training steps per run")
     p.add_argument("--images", type=int, default=2)
+    p.add_argument("--batch", type=int, default=1, help="--train_batch_size of every rank")
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds of every layout")
     p.add_argument(
         "--modes", nargs="+", choices=tuple(MODES), default=["off", "on"],
@@ -212,8 +213,8 @@ def targets(results: list[dict]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    if args.rounds < 1 or args.steps < 1 or min(args.ranks) < 1:
-        print("xeonsd bench memory: error: --rounds, --steps and --ranks must be at least 1", file=sys.stderr)
+    if min(args.rounds, args.steps, args.batch, *args.ranks) < 1:
+        print("xeonsd bench memory: error: --rounds, --steps, --batch and --ranks must be at least 1", file=sys.stderr)
         return 2
     if args.fsdp and args.method != "full":
         print("xeonsd bench memory: error: --fsdp shards a full fine-tune: add --method full", file=sys.stderr)
@@ -240,6 +241,7 @@ def main(argv: list[str]) -> int:
             *(["--placeholder_token=<c>", "--initializer_token=toy"] if args.method == "textual_inversion" else []),
             *(["--instance_prompt=a photo of a toy"] if args.method != "textual_inversion" else []),
             f"--resolution={args.resolution}",
+            f"--train_batch_size={args.batch}",
             f"--max_train_steps={args.steps}",
             f"--mixed_precision={'bf16' if dtype == 'bf16' else 'no'}",
             "--checkpointing_steps=0",
@@ -253,7 +255,7 @@ def main(argv: list[str]) -> int:
             results.append({**row, "round": r})
             print(f"round {r + 1}: {n} rank(s), share {mode}: done", file=sys.stderr, flush=True)
     first = [r for r in results if r["round"] == 0]
-    title = f"{args.method}{' --fsdp' if args.fsdp else ''} on {model}, {args.resolution} px, {dtype}, {args.steps} step(s); CPU: {cpu.model}"
+    title = f"{args.method}{' --fsdp' if args.fsdp else ''} on {model}, {args.resolution} px, batch {args.batch}, {dtype}, {args.steps} step(s); CPU: {cpu.model}"
     lines = [title, *format_rows(results), *targets(first)]
     print("\n".join(lines), flush=True)
     if args.json:
