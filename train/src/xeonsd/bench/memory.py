@@ -159,15 +159,17 @@ def node_estimate(saved: dict, ranks: int, shared: bool) -> dict[str, int]:
 
 def format_rows(results: list[dict]) -> list[str]:
     lines = [
-        f"{'ranks':>5} {'loading':>7} {'loading peak':>13} {'(estimate)':>11} {'training peak':>14} {'(estimate)':>11} "
+        f"{'round':>5} {'ranks':>5} {'loading':>7} {'loading peak':>13} {'(estimate)':>11} {'training peak':>14} {'(estimate)':>11} "
         f"{'shared files':>13} {'first step':>11}"
     ]
     for r in results:
         if "refused" in r:
-            lines.append(f"{r['ranks']:>5} {r['share_weights']:>7} refused by the trainer's estimate: {r['refused']}")
+            lines.append(
+                f"{r.get('round', 0) + 1:>5} {r['ranks']:>5} {r['share_weights']:>7} refused by the trainer's estimate: {r['refused']}"
+            )
             continue
         lines.append(
-            f"{r['ranks']:>5} {r['share_weights']:>7} {r['loading_peak'] / GB:>10.2f} GB {r['estimate']['loading'] / GB:>8.2f} GB "
+            f"{r.get('round', 0) + 1:>5} {r['ranks']:>5} {r['share_weights']:>7} {r['loading_peak'] / GB:>10.2f} GB {r['estimate']['loading'] / GB:>8.2f} GB "
             f"{r['training_peak'] / GB:>11.2f} GB {r['estimate']['training'] / GB:>8.2f} GB {r['shared_bytes'] / GB:>10.3f} GB "
             f"{r['first_step_s']:>9.1f} s"
         )
@@ -175,7 +177,7 @@ def format_rows(results: list[dict]) -> list[str]:
 
 
 def targets(results: list[dict]) -> list[str]:
-    """The targets, from the first round: the most ranks measured shared against the shared bytes + that many
+    """The targets, from one round's ``results``: the most ranks measured shared against the shared bytes + that many
     times one rank's private bytes (+10 %), and the loading peak of one shared rank against 1.1 x its training
     peak; and each shared layout against its private ones, ``off`` and ``before`` (ratios within the round)."""
     by = {(r["ranks"], r["share_weights"]): r for r in results if "refused" not in r}
@@ -254,9 +256,10 @@ def main(argv: list[str]) -> int:
             row = run_layout(int(n), mode, base, Path(tmp) / f"r{r}-{n}-{mode}", env, args.sample_s)
             results.append({**row, "round": r})
             print(f"round {r + 1}: {n} rank(s), share {mode}: done", file=sys.stderr, flush=True)
-    first = [r for r in results if r["round"] == 0]
     title = f"{args.method}{' --fsdp' if args.fsdp else ''} on {model}, {args.resolution} px, batch {args.batch}, {dtype}, {args.steps} step(s); CPU: {cpu.model}"
-    lines = [title, *format_rows(results), *targets(first)]
+    lines = [title, *format_rows(results)]
+    for k in range(args.rounds):  # the ratios of one round only: the machine drifts between rounds
+        lines += [f"round {k + 1}:", *(f"  {line}" for line in targets([r for r in results if r["round"] == k]))]
     print("\n".join(lines), flush=True)
     if args.json:
         with atomic_file(args.json, "w") as fh:
