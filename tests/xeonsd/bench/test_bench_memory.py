@@ -21,6 +21,7 @@ def _row(ranks: int, mode: str, loading: float, training: float, shared: float =
         "loading_peak": int(loading * GB),
         "training_peak": int(training * GB),
         "shared_bytes": int(shared * GB),
+        "shared_held_bytes": int(shared * GB),
         "first_step_s": first,
         "estimate": {"loading": 0, "training": 0},
     }
@@ -63,9 +64,11 @@ def test_the_targets_say_met_or_not_met_with_their_figures():
 
 def test_the_sampler_adds_up_the_ranks_pss_by_phase(tmp_path):
     """A parent with two children that look like ranks (their command line names xeonsd.cli): the sampler's peak is
-    about the children's PSS summed, in the phase rank 0's status file says."""
-    status = tmp_path / "rank-0.json"
-    status.write_text('{"state": "starting"}')
+    about the children's PSS summed, in loading while any rank's status file says starting, then in training."""
+    status = tmp_path / "status"
+    status.mkdir()
+    for r in range(2):
+        (status / f"rank-{r}.json").write_text('{"state": "starting"}')
     child = "import sys, time; b = bytearray(64 << 20); b[::4096] = b'x' * len(b[::4096]); time.sleep(30)"
     parent = (
         "import subprocess, sys; "
@@ -73,14 +76,17 @@ def test_the_sampler_adds_up_the_ranks_pss_by_phase(tmp_path):
         "[p.wait() for p in ps]"
     )
     proc = subprocess.Popen([sys.executable, "-c", parent])
-    sampler = PssSampler(proc.pid, status, 0.05)
+    sampler = PssSampler(proc.pid, status, 0.05, ranks=2)
     sampler.start()
     both = 2 * 64 * 2**20
     try:
         deadline = time.monotonic() + 60
         while sampler.peaks["loading"] < both and time.monotonic() < deadline:
             time.sleep(0.1)
-        status.write_text('{"state": "running"}')
+        (status / "rank-0.json").write_text('{"state": "running"}')
+        time.sleep(0.5)
+        assert sampler.peaks["training"] == 0  # rank 1 still loads
+        (status / "rank-1.json").write_text('{"state": "running"}')
         time.sleep(1)
     finally:
         sampler.done.set()

@@ -4,6 +4,8 @@ what the run learns; and the estimate's loading phase is the larger phase's."""
 
 from __future__ import annotations
 
+import json
+
 import torch
 from cli_runs import method_args, train
 from safetensors.torch import load_file
@@ -28,6 +30,10 @@ def test_the_denoiser_loaded_last_learns_bit_for_bit_what_loading_everything_lea
     a, b = load_file(str(phased / LORA_FILE)), load_file(str(whole / LORA_FILE))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(v.abs().max() > 0 for k, v in a.items() if "lora_B" in k), "nothing learned"
+    startup = json.loads((phased / "train_summary.json").read_text())["startup"]
+    mapped, held = startup["shared_weights_bytes"], startup["shared_weights_held_bytes"]
+    assert "text_encoder_3" in mapped and "text_encoder_3" not in held  # T5 released before training
+    assert "transformer" in held and held.items() <= mapped.items()
 
 
 def test_the_estimate_s_loading_phase_is_the_larger_phase_s(tiny_sd3_model):

@@ -69,7 +69,8 @@ def train_summary(
     (``startup``: ``time_to_first_step_s`` from the trainer's start, ``cpu_s_to_first_step`` of rank 0's process
     from its own start, the latent cache's ``latent_inputs``, ``latent_inputs_encoded`` by the VAE, the rest
     read from the disk cache, and ``shared_weights_bytes``: each frozen component mapped from the node's shared file
-    and its bytes, empty when the ranks hold private copies) and DreamBooth prior preservation's settings (``prior``: ``class_prompt``,
+    and its bytes, empty when the ranks hold private copies, and ``shared_weights_held_bytes``: those still mapped
+    when the run ended, the rest released once the prompts were encoded and the latents cached) and DreamBooth prior preservation's settings (``prior``: ``class_prompt``,
     ``class_data_dir``, ``num_class_images``, ``prior_loss_weight``)."""
     return {
         **method_summary,

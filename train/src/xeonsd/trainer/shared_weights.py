@@ -169,6 +169,11 @@ class SharedStore:
         self.mapped[comp.name] = doc["data_bytes"]
         return model
 
+    @property
+    def held(self) -> dict[str, int]:
+        """The components this rank still maps (``mapped`` less those released): component -> bytes."""
+        return {name: n for name, n in self.mapped.items() if name in self._readers}
+
     def release(self, name: str) -> None:
         """This rank dropped its model of component ``name`` (T5 once the prompts are encoded, the VAE once the
         latents are cached): the node's last rank to do so removes the file, so a tmpfs gives its memory back

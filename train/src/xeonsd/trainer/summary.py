@@ -40,6 +40,7 @@ def train_summary(job: Job, first_step_s: float | None = None, first_step_cpu_s:
             "latent_inputs": job.data.latents.count,
             "latent_inputs_encoded": job.data.latents.encoded,
             "shared_weights_bytes": dict(store.mapped) if (store := job.training.models.store) is not None else {},
+            "shared_weights_held_bytes": store.held if store is not None else {},
         },
         prior=prior_record(job),
     )
