@@ -27,6 +27,9 @@ def test_the_denoiser_loaded_last_learns_bit_for_bit_what_loading_everything_lea
     first = train(sd3_args(tiny_sd3_model, dataset, phased), cli_env, ranks=2)
     second = train(sd3_args(tiny_sd3_model, dataset, whole, "--no-phased_loading"), cli_env, ranks=2)
     assert "the denoiser loaded in" in first.stderr and "the denoiser loaded in" not in second.stderr
+    # the CLIP encoders load once T5 is freed, never beside it
+    freed, clip = first.stderr.find("T5EncoderModel freed"), first.stderr.find("after the long text encoder was freed")
+    assert 0 <= freed < clip and "after the long text encoder was freed" not in second.stderr
     a, b = load_file(str(phased / LORA_FILE)), load_file(str(whole / LORA_FILE))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(v.abs().max() > 0 for k, v in a.items() if "lora_B" in k), "nothing learned"
@@ -46,6 +49,12 @@ def test_the_estimate_s_loading_phase_is_the_larger_phase_s(tiny_sd3_model):
     phased = estimate(parse_config(args), "lora", 5, 1)
     whole = estimate(parse_config([*args, "--no-phased_loading"]), "lora", 5, 1)
     assert phased.loading - phased.runtime < whole.loading - whole.runtime
+    from xeonsd.trainer.memory_parts import in_phases
+
+    # in phases the text encoders' phase is the larger of T5's (10 - 4 = 6 of the 10) and the CLIP ones'
+    parts = ((10, 10), (2, 2), (3, 3, 1))
+    assert in_phases(parse_config(args), "lora", *parts, apart=4) == (6, 6, 0)
+    assert in_phases(parse_config([*args, "--no-phased_loading"]), "lora", *parts, apart=4) == (13, 13, 1)
     # with the text encoder trained the prompts need the method first: no phases
     trained = [*args, "--train_text_encoder"]
     on, off = (

@@ -149,6 +149,7 @@ def test_the_transformer_gets_what_the_script_and_pipeline_compute(pipe):
         text_pairs=[(pipe.tokenizer, pipe.text_encoder)],
         weight_dtype=torch.float32,
         text_length=512,
+        text_pending={},  # every encoder loaded
         unet_dtype=torch.float32,
         unet_autocast=False,
         flow=flow,

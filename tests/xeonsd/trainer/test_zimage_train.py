@@ -132,6 +132,7 @@ def test_text_latents_and_loss_are_the_pipeline_s_and_the_script_s(tiny_zimage_m
         text_length=512,
         weight_dtype=torch.float32,
         text_pairs=[(pipe.tokenizer, pipe.text_encoder)],
+        text_pending={},  # every encoder loaded
     )
     table = PromptTable(texts, per_image=False, source="test")
     text = ZIMAGE.conditioning(models, table, trainable=False, rank=0, world=1)

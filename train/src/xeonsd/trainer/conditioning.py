@@ -46,7 +46,14 @@ class PromptConditioning:
             texts.append("")  # the empty caption's row: len(prompts.texts)
         self.ids = self._tokenize(texts)
         self._encode_frozen(rank, world)
-        self.table = None if trainable else self._encode_all(rank, world)
+        self.rank, self.world = rank, world
+        # encoders still to load (a flow family's CLIP ones, loaded in phases): finish() builds the table then
+        self.table = None if trainable or models.text_pending else self._encode_all(rank, world)
+
+    def finish(self) -> None:
+        """The table, once :meth:`Models.load_pending` loaded the encoders it waited for."""
+        if self.table is None and not self.trainable:
+            self.table = self._encode_all(self.rank, self.world)
 
     def _encode_frozen(self, rank: int, world: int) -> None:
         """Encode, whatever the method, what no method trains (FLUX's and SD3's T5); nothing for CLIP-only families."""

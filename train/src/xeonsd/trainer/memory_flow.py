@@ -77,13 +77,14 @@ def flow_estimate(cfg, method: str, family, num_images: int, num_prompts: int, w
     shared_denoiser = 0 if terms.unet_fp32 else (_numel(denoiser) - trainable) * torch.finfo(dtype).bits // 8
     held = clip_bytes + (long_bytes if cfg.shuffle_tags else 0)
     held += vae_bytes if cfg.validation_prompt or not cfg.latent_cache else 0
-    first = clip_bytes + long_bytes + vae_bytes  # every text encoder and the VAE, encoding
+    first = clip_bytes + long_bytes + vae_bytes  # every text encoder and the VAE (in phases: not both encoders)
     loading, shared_loading, transient = in_phases(
         cfg,
         method,
         (runtime + first, first),
         (runtime + held, held),  # the long text encoder freed (unless --shuffle_tags), the VAE once cached
         (denoiser_loading, shared_denoiser, denoiser_loading - _numel(denoiser) * torch.finfo(dtype).bits // 8),
+        apart=min(clip_bytes, long_bytes),  # in phases the CLIP encoders load once the long one is freed
     )
     est = MemoryEstimate(
         weights,

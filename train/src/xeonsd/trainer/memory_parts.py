@@ -70,15 +70,20 @@ class MemoryEstimate:
         return {**{f.name: getattr(self, f.name) for f in fields(self)}, "training": self.training, "total": self.total}
 
 
-def in_phases(cfg, method: str, first: tuple[int, int], stays: tuple[int, int], denoiser: tuple[int, int, int]):
+def in_phases(
+    cfg, method: str, first: tuple[int, int], stays: tuple[int, int], denoiser: tuple[int, int, int], apart: int = 0
+):
     """(loading, of it shareable, of it transient): the models' peak while they load. Every model at once, or with
     phased loading (:func:`xeonsd.trainer.models.loads_in_phases`) the larger of the text encoders' and the VAE's
     phase and the denoiser's beside what stays loaded. ``first``, ``stays``: (bytes, of them shareable);
-    ``denoiser``: (its loading bytes, of them shareable, of them transient)."""
+    ``denoiser``: (its loading bytes, of them shareable, of them transient); ``apart``: of ``first``, the smaller
+    of the two groups of text encoders that load one after the other in phases (a flow family's long encoder,
+    then its CLIP ones), shareable."""
     from xeonsd.trainer.methods import method_class
     from xeonsd.trainer.models import loads_in_phases
 
     if loads_in_phases(cfg, method_class(method).text_first(cfg) is not None, None):
+        first = (first[0] - apart, first[1] - apart)
         last = (stays[0] + denoiser[0], stays[1] + denoiser[1])
         return (*first, 0) if first[0] > last[0] else (*last, denoiser[2])
     return first[0] + denoiser[0], first[1] + denoiser[1], denoiser[2]

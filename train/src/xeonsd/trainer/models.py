@@ -60,6 +60,8 @@ class Models:
     # --share_weights: the node's store, and the shared component behind each slot ("vae" -> "vae", …)
     store: SharedStore | None = None
     shared_slots: dict[str, str] = dataclasses.field(default_factory=dict)
+    # loaded in phases, a flow family's CLIP encoders wait until the long one is freed: slot -> its loader
+    text_pending: dict[str, object] = dataclasses.field(default_factory=dict)
 
     def free(self, slot: str) -> None:
         """Drop the frozen model in ``slot`` (``vae``, ``text_encoder_3``, …) that this rank no longer needs; with
@@ -68,6 +70,13 @@ class Models:
         gc.collect()
         if self.store is not None and slot in self.shared_slots:
             self.store.release(self.shared_slots[slot])
+
+    def load_pending(self) -> None:
+        """Load the text encoders that waited for the long one to be freed (:func:`load_models` in phases)."""
+        for slot, load in self.text_pending.items():
+            setattr(self, slot, load())
+            log.info("%s loaded, after the long text encoder was freed", type(getattr(self, slot)).__name__)
+        self.text_pending.clear()
 
     def unshare(self, slot: str) -> None:
         """This rank's model in ``slot`` no longer uses its shared file (--fsdp's shards are copies of their own):
@@ -118,10 +127,11 @@ def load_models(
 ) -> Models:
     """The models in their training dtypes; with ``store`` the frozen ones are mapped from the node's shared files
     (:mod:`.shared_weights`), a UNet that trains (``unet_fp32``) stays private. ``denoiser`` False: all but the
-    denoiser, which :func:`load_denoiser` adds (:func:`loads_in_phases`)."""
+    denoiser, which :func:`load_denoiser` adds (:func:`loads_in_phases`), and a flow family's CLIP encoders wait
+    in ``text_pending`` until its long text encoder is freed (:meth:`Models.load_pending`)."""
     family = family or model_family(cfg)
     with _model_files(cfg):
-        models = _load_models(cfg, family, store)
+        models = _load_models(cfg, family, store, defer_clip=not denoiser)
     if denoiser:
         load_denoiser(cfg, models, unet_fp32)
     return models
@@ -154,7 +164,7 @@ def loads_in_phases(cfg: TrainConfig, text_first: bool, store: SharedStore | Non
     return cfg.phased_loading and text_first and not cfg.with_prior_preservation and not ipex
 
 
-def _load_models(cfg: TrainConfig, family: Family, store: SharedStore | None) -> Models:
+def _load_models(cfg: TrainConfig, family: Family, store: SharedStore | None, defer_clip: bool = False) -> Models:
     import diffusers
     from diffusers import DDPMScheduler
 
@@ -173,7 +183,7 @@ def _load_models(cfg: TrainConfig, family: Family, store: SharedStore | None) ->
     else:
         noise_scheduler = DDPMScheduler.from_pretrained(src, subfolder="scheduler", **kw)
     weight_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
-    text = _load_text_encoders(cfg, family, weight_dtype, store)
+    text, pending = _load_text_encoders(cfg, family, weight_dtype, store, defer_clip)
     text += [(None, None)] * (3 - len(text))
     # Read tensor by tensor into their dtype: no whole fp32 copy beside the cast one (that was the peak memory).
     vae_cls = getattr(diffusers, spec.vae_class)  # Qwen-Image: AutoencoderKLQwenImage
@@ -184,6 +194,7 @@ def _load_models(cfg: TrainConfig, family: Family, store: SharedStore | None) ->
     models = Models(
         tokenizer, text_encoder, vae, None, noise_scheduler, weight_dtype, False, family, tok2, enc2, tok3, enc3, flow
     )
+    models.text_pending = pending
     if store is not None:
         slots = {"vae": "vae"}
         slots.update(
@@ -233,31 +244,41 @@ _TEXT_SLOTS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 def _load_text_encoders(
-    cfg: TrainConfig, family: Family, weight_dtype: torch.dtype, store: SharedStore | None
-) -> list[tuple[object, torch.nn.Module]]:
+    cfg: TrainConfig, family: Family, weight_dtype: torch.dtype, store: SharedStore | None, defer_clip: bool = False
+) -> tuple[list[tuple[object, torch.nn.Module | None]], dict[str, object]]:
     """(tokenizer, text encoder) of each of the family's text encoders, frozen; the CLIP ones in fp32 (gradients
     may flow through them), the last with its projection when the family conditions on its pooled output
     (SDXL's ``text_embeds``); a long text encoder (T5 in FLUX.1 and SD3, Qwen in FLUX.2 [klein], Z-Image and
-    Qwen-Image) in the training dtype: it never trains, and in fp32 T5-XXL alone is 19 GB, Qwen2.5-VL-7B 33 GB."""
+    Qwen-Image) in the training dtype: it never trains, and in fp32 T5-XXL alone is 19 GB, Qwen2.5-VL-7B 33 GB.
+    ``defer_clip`` (loading in phases) with a long encoder: the CLIP ones are not loaded but returned as loaders
+    (slot -> loader), so that they load once the long one is freed and never beside it."""
     import transformers
     from transformers import AutoTokenizer, CLIPTokenizer
 
     src, kw = cfg.pretrained_model_name_or_path, {"revision": cfg.revision}
-    pairs = []
-    for i, (encoder_name, tokenizer_name) in enumerate(family.spec.text_side):
-        cls_name = family.spec.text_encoder_class(i)
-        cls = getattr(transformers, cls_name)
-        long = not cls_name.startswith("CLIP")
+    spec = family.spec
+    longs = [not spec.text_encoder_class(i).startswith("CLIP") for i in range(len(spec.text_side))]
+    pairs, pending = [], {}
+    for i, (encoder_name, tokenizer_name) in enumerate(spec.text_side):
+        cls = getattr(transformers, spec.text_encoder_class(i))
+        long = longs[i]
         tokenizer = (AutoTokenizer if long else CLIPTokenizer).from_pretrained(src, subfolder=tokenizer_name, **kw)
         dtype = weight_dtype if long else torch.float32
         whole = functools.partial(
             cls.from_pretrained, src, subfolder=encoder_name, variant=cfg.variant, torch_dtype=dtype, **kw
         )
-        encoder = _frozen(cfg, store, cls, encoder_name, dtype, whole=whole)
-        encoder.requires_grad_(False)
-        encoder.eval()
-        pairs.append((tokenizer, encoder if long else encoder.float()))
-    return pairs
+
+        def load(cls=cls, encoder_name=encoder_name, dtype=dtype, whole=whole) -> torch.nn.Module:
+            encoder = _frozen(cfg, store, cls, encoder_name, dtype, whole=whole)
+            encoder.requires_grad_(False)
+            return encoder.eval().float() if dtype == torch.float32 else encoder.eval()
+
+        if defer_clip and not long and any(longs):
+            pending[_TEXT_SLOTS[i]] = load
+            pairs.append((tokenizer, None))
+        else:
+            pairs.append((tokenizer, load()))
+    return pairs, pending
 
 
 def _frozen(

@@ -51,4 +51,9 @@ def encode_prompts(
                 models, table, trainable=method.trains_text_encoder, rank=rank, world=world
             )
         release_long_encoder(models, keep=cfg.shuffle_tags)
+        if models.text_pending:  # loaded in phases: the CLIP encoders load now, the long one gone
+            models.load_pending()
+            for text in (train, held[1] if held else None, models.sample_conditioning):
+                if text is not None:
+                    text.finish()
     return Texts(train=train, held=held, prior=prior)
