@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from xeonsd.cluster.distributed import barrier
 from xeonsd.cluster.launch import RankInfo
 from xeonsd.trainer.captions import CaptionDraws
 from xeonsd.trainer.conditioning import PromptConditioning
@@ -52,6 +53,7 @@ def encode_prompts(
             )
         release_long_encoder(models, keep=cfg.shuffle_tags)
         if models.text_pending:  # loaded in phases: the CLIP encoders load now, the long one gone
+            barrier(world)  # from every rank of the node: none loads them while another still maps T5
             models.load_pending()
             for text in (train, held[1] if held else None, models.sample_conditioning):
                 if text is not None:
