@@ -194,6 +194,7 @@ TRAINER_LAYERS: list[set[str]] = [
         "captions",
         "prompts",
         "models",
+        "pipelines",
         "conditioning",
         "families",
         "latents",

@@ -8,7 +8,8 @@ or any cycle, lazy imports included):
    ranks (:mod:`.sharding`),
    the loss function (:mod:`.loss`), the stop signals (:mod:`.stopping`) and the step-end order (:mod:`.step_end`);
 2. data and models: the images and the rank-independent sampling plan (:mod:`.data`, :mod:`.buckets`), captions and
-   prompt tables (:mod:`.captions`, :mod:`.prompts`), the models (:mod:`.models`), each family's training side (:mod:`.families`), the text conditioning and
+   prompt tables (:mod:`.captions`, :mod:`.prompts`), the models (:mod:`.models`) and the pipelines made of them
+   (:mod:`.pipelines`), each family's training side (:mod:`.families`), the text conditioning and
    latents (:mod:`.conditioning`, :mod:`.latents`), prior preservation's class data
    (:mod:`.prior`), the methods (:mod:`.methods`) and their optimizer (:mod:`.optim`);
 3. the step (:mod:`.step`): the loss of some examples, the gradient all-reduce, the update, each on explicit inputs;

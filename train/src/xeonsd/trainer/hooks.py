@@ -32,7 +32,7 @@ from xeonsd.step_profile import flops_by_class, seconds_by_class
 from xeonsd.trainer import checkpoint as ckpt
 from xeonsd.trainer.job import Job
 from xeonsd.trainer.metrics import MetricsLog
-from xeonsd.trainer.models import render_validation
+from xeonsd.trainer.pipelines import render_validation
 from xeonsd.trainer.step_end import StepEnd, StepEndSequence, StepObserver
 from xeonsd.trainer.stopping import Interrupted, StopDeadline, describe, exit_code, make_stop
 from xeonsd.trainer.tracking import Tracker, open_tracker

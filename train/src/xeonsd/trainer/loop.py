@@ -47,7 +47,7 @@ from xeonsd.trainer.inputs import check_memory, validate
 from xeonsd.trainer.job import ABORT_GRACE_S, Job, setup
 from xeonsd.trainer.libraries import skip_unused_packages
 from xeonsd.trainer.metrics import MetricsLog, plot_loss, write_summary
-from xeonsd.trainer.models import render_validation
+from xeonsd.trainer.pipelines import render_validation
 from xeonsd.trainer.rank_io import setup_logging, start_status
 from xeonsd.trainer.resolution import with_resolution
 from xeonsd.trainer.shared_weights import SharedWeightsError, open_for_job

@@ -1,4 +1,5 @@
-"""The trainer's models: loading them in the training dtype, fingerprinting the base, writing pipelines and previews.
+"""The trainer's models: loading them in the training dtype, in phases or at once, shared by a node's ranks or not
+(what is made of them besides training: :mod:`.pipelines`).
 
 The frozen UNet and VAE are held in bf16 on AMX (``--mixed_precision bf16``); a UNet that trains (``--method
 full``) keeps fp32 master weights and runs under bf16 autocast. The text encoder stays fp32: gradients flow
@@ -11,30 +12,23 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import inspect
 import logging
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from xeonsd.fsutil import atomic_dir
 from xeonsd.modelfiles.families import Family, FamilyError, detect_family, family_spec
 from xeonsd.modelfiles.modelsource import model_fingerprint
 from xeonsd.trainer import sharding
 from xeonsd.trainer.config import ConfigError, TrainConfig
-from xeonsd.trainer.embeddings import PlaceholderEmbedding
 from xeonsd.trainer.flow import FlowSchedule, resolve_scheme
 from xeonsd.trainer.shared_weights import Component, SharedStore
 from xeonsd.trainer.weights import WEIGHTS_NAME, empty_model, load_frozen, local_weight_files
 
 log = logging.getLogger("xeonsd.train")
 
-__all__ = ["ConfigError", "Models", "autocast", "load_models", "save_full_pipeline"]
+__all__ = ["ConfigError", "Models", "autocast", "load_models"]
 
 
 @dataclass
@@ -312,107 +306,7 @@ def _frozen(
     return store.load(component)
 
 
-def pipeline_class(family: Family | None):
-    """The diffusers pipeline class of the family (SD 1.x/2.x when unknown)."""
-    import diffusers
-
-    return getattr(diffusers, family_spec(family).pipeline_class)
-
-
 def autocast(dtype: torch.dtype) -> contextlib.AbstractContextManager:
     if dtype == torch.bfloat16:
         return torch.autocast("cpu", dtype=torch.bfloat16)
     return contextlib.nullcontext()
-
-
-def save_full_pipeline(
-    cfg: TrainConfig, target: Path, family: Family | None = None, **components: torch.nn.Module | object
-) -> None:
-    """A complete pipeline in ``target`` (the output dir loads with ``from_pretrained``): the base model's
-    components, with ``components`` (e.g. ``tokenizer=…, text_encoder=…`` with the concept, or a trained
-    ``unet=…``) in their place; the others are re-read in full precision, not the bf16 training copies.
-
-    Written in a temporary directory first; components are moved in and ``model_index.json`` comes last, so a
-    crash never leaves a directory that looks like a complete pipeline. ``family``: the pipeline class (SDXL's
-    has two text encoders and no safety checker)."""
-    swapped = []  # (text encoder, its placeholder module): the trained vectors merged in for the save
-    for name in ("text_encoder", "text_encoder_2"):
-        encoder = components.get(name)
-        emb = encoder.get_input_embeddings() if encoder is not None else None
-        if isinstance(emb, PlaceholderEmbedding):
-            encoder.set_input_embeddings(emb.merged())
-            swapped.append((encoder, emb))
-    extra = dict(family_spec(family).pipeline_kwargs)
-    try:
-        pipe = pipeline_class(family).from_pretrained(
-            cfg.pretrained_model_name_or_path, revision=cfg.revision, variant=cfg.variant, **extra, **components
-        )
-        target.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix=".pipeline.tmp-", dir=target) as tmp:
-            pipe.save_pretrained(tmp, safe_serialization=True)
-            (target / "model_index.json").unlink(missing_ok=True)
-            for item in sorted(Path(tmp).iterdir(), key=lambda p: p.name == "model_index.json"):
-                dest = target / item.name
-                if dest.is_dir():
-                    shutil.rmtree(dest)
-                os.replace(item, dest)
-    finally:
-        for encoder, emb in swapped:
-            encoder.set_input_embeddings(emb)
-
-
-def inference_pipeline(models: Models):
-    """The family's diffusers pipeline over the loaded models (DPM-Solver, or a flow family's own flow-matching
-    Euler scheduler; no safety checker, quiet): what the validation images and the class images of prior
-    preservation are generated with."""
-    from diffusers import DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler
-
-    spec = family_spec(models.family)
-    sampler = FlowMatchEulerDiscreteScheduler if spec.objective == "flow" else DPMSolverMultistepScheduler
-    parts = {
-        "vae": models.vae,
-        spec.denoiser: models.unet,
-        "scheduler": sampler.from_config(models.noise_scheduler.config),
-        **dict(spec.pipeline_kwargs),
-    }
-    for (encoder_name, tokenizer_name), (tokenizer, encoder) in zip(spec.text_side, models.text_pairs, strict=True):
-        parts.update({encoder_name: encoder, tokenizer_name: tokenizer})
-    cls = pipeline_class(models.family)
-    for name, param in inspect.signature(cls.__init__).parameters.items():  # components training has none of
-        if name != "self" and param.default is inspect.Parameter.empty:
-            parts.setdefault(name, None)
-    pipe = cls(**parts)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def pipeline_call_kwargs(models: Models, prompt: str) -> dict:
-    """The prompt arguments of the pipeline call: the prompt itself, or a flow family's embeddings of it computed
-    before T5 was freed (``models.sample_conditioning``), with its text length."""
-    extra = {}
-    if models.family is not None and models.family.is_flow:
-        extra["max_sequence_length"] = models.text_length
-    if models.sample_conditioning is not None:
-        return {**models.sample_conditioning.pipeline_kwargs(prompt), **extra}
-    return {"prompt": prompt, **extra}
-
-
-def render_validation(cfg: TrainConfig, models: Models, target: Path | None, seed: int) -> None:
-    """The validation prompt's images into ``target``; None: rendered and dropped (a rank that holds shards of the
-    denoiser (--fsdp) takes part in every denoiser call of rank 0's rendering)."""
-    pipe = inference_pipeline(models)
-    generator = torch.Generator().manual_seed(seed)
-    place = atomic_dir(target, overwrite=True) if target is not None else tempfile.TemporaryDirectory()
-    with place as tmp, torch.no_grad(), autocast(models.weight_dtype):
-        tmp = Path(tmp)
-        for i in range(cfg.num_validation_images):
-            image = pipe(
-                **pipeline_call_kwargs(models, cfg.validation_prompt),
-                num_inference_steps=25,
-                generator=generator,
-                height=cfg.resolution,
-                width=cfg.resolution,
-            ).images[0]
-            image.save(tmp / f"{i:02d}.png")
-    if target is not None:
-        log.info("validation images in %s", target)

@@ -137,7 +137,7 @@ def ensure_class_images(
         )
         pipe = None
         if not renderers:  # no node holds an export: every rank renders its share with PyTorch
-            from xeonsd.trainer.models import inference_pipeline
+            from xeonsd.trainer.pipelines import inference_pipeline
 
             pipe, renderers = inference_pipeline(models), list(range(info.world_size))
         for k in range(0, len(todo), GENERATE_CHUNK):

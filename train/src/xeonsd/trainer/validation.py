@@ -13,7 +13,7 @@ and, every ``--validation_steps``, the denoising loss on them at fixed timesteps
 * Every rank evaluates its share of the examples; one all-reduce sums them, so the figure is the same on any world
   size (up to the order of the float additions).
 
-The validation *images* (``--validation_prompt``, rendered by :func:`xeonsd.trainer.models.render_validation` every
+The validation *images* (``--validation_prompt``, rendered by :func:`xeonsd.trainer.pipelines.render_validation` every
 ``--validation_steps`` and at the end) become one picture at the end, :func:`write_image_grid`: a row per image,
 a column per evaluation.
 """

@@ -23,7 +23,7 @@ from xeonsd.trainer import sharding
 from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError
 from xeonsd.trainer.methods.base import Method, PlainText
-from xeonsd.trainer.models import save_full_pipeline
+from xeonsd.trainer.pipelines import save_full_pipeline
 from xeonsd.trainer.prompts import check_prompt_source, plain_prompts
 
 log = logging.getLogger("xeonsd.train")

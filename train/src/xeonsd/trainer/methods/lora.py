@@ -25,7 +25,7 @@ from xeonsd.modelfiles.lora_layout import convert
 from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError
 from xeonsd.trainer.methods.base import Method, PlainText
-from xeonsd.trainer.models import pipeline_class
+from xeonsd.trainer.pipelines import pipeline_class
 from xeonsd.trainer.prompts import check_prompt_source, plain_prompts
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from xeonsd.trainer.config import ConfigError
 from xeonsd.trainer.data import DataError
 from xeonsd.trainer.embeddings import PlaceholderEmbedding, add_concept, save_learned_embeds
 from xeonsd.trainer.methods.base import Method
-from xeonsd.trainer.models import save_full_pipeline
+from xeonsd.trainer.pipelines import save_full_pipeline
 from xeonsd.trainer.prompts import PromptTable
 
 if TYPE_CHECKING:
