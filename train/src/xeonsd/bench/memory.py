@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -93,6 +94,7 @@ class PssSampler(threading.Thread):
         super().__init__(daemon=True)
         self.pid, self.status, self.every_s, self.ranks = pid, status, every_s, ranks
         self.peaks = {"loading": 0, "training": 0}
+        self.series: list[tuple[float, str, list[int]]] = []  # (seconds, phase, each rank's PSS): --json has it
         self.done = threading.Event()
 
     def _phase(self) -> str:
@@ -105,14 +107,16 @@ class PssSampler(threading.Thread):
         return "training"
 
     def run(self) -> None:
+        start = time.monotonic()
         while not self.done.wait(self.every_s):
-            total = 0
+            ranks = []
             for pid in _descendants(self.pid):
                 if _is_rank(pid):
                     with contextlib.suppress(MemoryUnavailable):  # a rank that just ended
-                        total += read_memory(pid).pss_bytes
-            phase = self._phase()
+                        ranks.append(read_memory(pid).pss_bytes)
+            phase, total = self._phase(), sum(ranks)
             self.peaks[phase] = max(self.peaks[phase], total)
+            self.series.append((round(time.monotonic() - start, 2), phase, ranks))
 
 
 def run_layout(ranks: int, mode: str, base: list[str], out: Path, env: dict[str, str], every_s: float) -> dict:
@@ -149,6 +153,7 @@ def run_layout(ranks: int, mode: str, base: list[str], out: Path, env: dict[str,
         "shared_bytes": sum(summary["startup"].get("shared_weights_bytes", {}).values()),
         # what the ranks still mapped in training (T5 and the VAE are released before it)
         "shared_held_bytes": sum(summary["startup"].get("shared_weights_held_bytes", {}).values()),
+        "series": sampler.series,
         "estimate": estimate,
     }
 
