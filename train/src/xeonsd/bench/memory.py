@@ -30,7 +30,8 @@ from xeonsd.cluster.memory import MemoryUnavailable, read_memory
 from xeonsd.fsutil import atomic_file
 
 GB = 1e9
-# How each mode loads: "before" is the loading that issue 42 replaced (a private copy per rank, every model at once)
+# How each mode loads: "before" is how the trainer loaded before shared weights and phases (a private copy per rank,
+# every model at once)
 MODES = {
     "off": ["--share_weights=off"],
     "on": ["--share_weights=on"],
