@@ -192,13 +192,13 @@ def targets(results: list[dict]) -> list[str]:
     times one rank's private bytes (+10 %), and the loading peak of one shared rank against 1.1 x its training
     peak; and each shared layout against its private ones, ``off`` and ``before`` (ratios within the round)."""
     by = {(r["ranks"], r["share_weights"]): r for r in results if "refused" not in r}
+    peak = lambda r: max(r["loading_peak"], r["training_peak"])  # noqa: E731
     lines = []
     for n in sorted({r["ranks"] for r in results}):
         on = by.get((n, "on"))
         for base in ("off", "before"):
             off = by.get((n, base))
             if off and on:
-                peak = lambda r: max(r["loading_peak"], r["training_peak"])  # noqa: E731
                 lines.append(
                     f"{n} rank(s): node peak shared / {'private' if base == 'off' else 'before'} = "
                     f"{peak(on) / peak(off):.2f}x ({peak(on) / GB:.2f} / {peak(off) / GB:.2f} GB); "
@@ -211,11 +211,11 @@ def targets(results: list[dict]) -> list[str]:
         shared = most["shared_held_bytes"]
         private = one["training_peak"] - one["shared_held_bytes"]
         bound = (shared + most["ranks"] * private) * 1.1
-        peak = most["training_peak"]
-        met = "met" if peak <= bound else "NOT met"
+        top = most["training_peak"]
+        met = "met" if top <= bound else "NOT met"
         lines.append(
             f"target: {most['ranks']} shared ranks' training peak <= shared + {most['ranks']} x one rank's private "
-            f"+ 10 %: {peak / GB:.2f} GB vs {bound / GB:.2f} GB ({shared / GB:.2f} + {most['ranks']} x "
+            f"+ 10 %: {top / GB:.2f} GB vs {bound / GB:.2f} GB ({shared / GB:.2f} + {most['ranks']} x "
             f"{private / GB:.2f}, +10 %): {met}"
         )
     if one is not None:

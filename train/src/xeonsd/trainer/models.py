@@ -262,10 +262,10 @@ def _load_text_encoders(
             cls.from_pretrained, src, subfolder=encoder_name, variant=cfg.variant, torch_dtype=dtype, **kw
         )
 
-        def load(cls=cls, encoder_name=encoder_name, dtype=dtype, whole=whole) -> torch.nn.Module:
+        def load(cls=cls, encoder_name=encoder_name, dtype=dtype, whole=whole, long=long) -> torch.nn.Module:
             encoder = _frozen(cfg, store, cls, encoder_name, dtype, whole=whole)
             encoder.requires_grad_(False)
-            return encoder.eval().float() if dtype == torch.float32 else encoder.eval()
+            return encoder.eval() if long else encoder.eval().float()
 
         if defer_clip and not long and any(longs):
             pending[_TEXT_SLOTS[i]] = load

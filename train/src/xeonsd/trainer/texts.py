@@ -53,7 +53,7 @@ def encode_prompts(
             )
         release_long_encoder(models, keep=cfg.shuffle_tags)
         if models.text_pending:  # loaded in phases: the CLIP encoders load now, the long one gone
-            barrier(world)  # from every rank of the node: none loads them while another still maps T5
+            barrier(world)  # every rank has let go of T5: none loads them while another still maps it
             models.load_pending()
             for text in (train, held[1] if held else None, models.sample_conditioning):
                 if text is not None:
