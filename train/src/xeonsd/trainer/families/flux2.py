@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from xeonsd.trainer.families.base import VAEView
-from xeonsd.trainer.families.transformer import FlowFamily, FlowPromptConditioning
+from xeonsd.trainer.families.transformer import FlowFamily, FlowPromptConditioning, held
 
 HIDDEN_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers
 # train_dreambooth_lora_flux2_klein.py's default --lora_layers (None): its single-block names cover klein 9B's 24
@@ -46,21 +46,12 @@ class Flux2PromptConditioning(FlowPromptConditioning):
 
     def _tokenize(self, texts: list[str]) -> list[torch.Tensor]:
         """[ids and mask, [n, 2, L]] of the chat-templated prompts (Flux2KleinPipeline._get_qwen3_prompt_embeds)."""
-        tok = self.models.tokenizer
-        chat = [
-            tok.apply_chat_template(
-                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True, enable_thinking=False
-            )
-            for t in texts
-        ]
-        enc = tok(chat, padding="max_length", truncation=True, max_length=self.models.text_length, return_tensors="pt")
+        enc = self._chat(texts, thinking=False)
         return [torch.stack([enc.input_ids, enc.attention_mask], dim=1)]
 
     def _t5(self, ids: torch.Tensor) -> torch.Tensor:
         """Qwen3's hidden states at HIDDEN_LAYERS, each token's side by side: [n, L, 3 x hidden]."""
-        encoder = self.models.text_encoder
-        if encoder is None:
-            raise RuntimeError("Qwen3 was freed; a caption outside the prompt tables cannot be encoded")
+        encoder = held(self.models.text_encoder, "Qwen3")
         body = getattr(encoder, "model", encoder)  # the decoder without its LM head: the same hidden states
         with torch.no_grad():
             out = body(input_ids=ids[:, 0], attention_mask=ids[:, 1], output_hidden_states=True, use_cache=False)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from xeonsd.trainer.families.base import VAEView
 from xeonsd.trainer.families.flux import pack, unpack
-from xeonsd.trainer.families.transformer import FlowFamily, FlowPromptConditioning
+from xeonsd.trainer.families.transformer import FlowFamily, FlowPromptConditioning, held
 from xeonsd.trainer.models import autocast
 
 # QwenImagePipeline's prompt template and the length of its system prefix (prompt_template_encode(_start_idx)),
@@ -66,9 +66,7 @@ class QwenPromptConditioning(FlowPromptConditioning):
     def _qwen(self, ids: list[torch.Tensor], width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden states, mask) of these rows, each encoded alone (no padding in its forward), padded to
         ``width`` (default: the longest of them)."""
-        encoder = self.models.text_encoder
-        if encoder is None:
-            raise RuntimeError("Qwen2.5-VL was freed; a caption outside the prompt tables cannot be encoded")
+        encoder = held(self.models.text_encoder, "Qwen2.5-VL")
         input_ids, mask = ids
         width = width or self._width(mask)
         rows = []

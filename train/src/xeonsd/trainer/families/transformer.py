@@ -31,6 +31,13 @@ ENCODE_ROWS = 16  # prompts per all-reduce while the tables are built (bounds th
 ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
 
+def held(encoder, name: str):
+    """The long text encoder, still loaded: a caption outside the prompt tables needs it once it was freed."""
+    if encoder is None:
+        raise RuntimeError(f"{name} was freed; a caption outside the prompt tables cannot be encoded")
+    return encoder
+
+
 def _rss_gb() -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -65,11 +72,21 @@ class FlowPromptConditioning(PromptConditioning):
         return [ids[rows] for ids in self.ids]
 
     def _t5(self, ids: torch.Tensor) -> torch.Tensor:
-        encoder = self.models.text_pairs[-1][1]
-        if encoder is None:
-            raise RuntimeError("T5 was freed; a caption outside the prompt tables cannot be encoded")
+        encoder = held(self.models.text_pairs[-1][1], "T5")
         with torch.no_grad():
             return encoder(ids, output_hidden_states=False)[0]
+
+    def _chat(self, texts: list[str], thinking: bool):
+        """Qwen3's tokens of the prompts in its chat template (one user turn, the generation prompt, ``thinking``
+        on or off), padded to the text length: FLUX.2 [klein] and Z-Image prompt it the same way."""
+        tok = self.models.tokenizer
+        chat = [
+            tok.apply_chat_template(
+                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True, enable_thinking=thinking
+            )
+            for t in texts
+        ]
+        return tok(chat, padding="max_length", truncation=True, max_length=self.models.text_length, return_tensors="pt")
 
     def _clip(self, ids: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """What the family's CLIP encoders give for these token ids (each a [n, ...] tensor)."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from xeonsd.trainer.families.base import VAEView
-from xeonsd.trainer.families.transformer import FlowFamily, FlowPromptConditioning
+from xeonsd.trainer.families.transformer import FlowFamily, FlowPromptConditioning, held
 
 
 class ZImagePromptConditioning(FlowPromptConditioning):
@@ -32,21 +32,12 @@ class ZImagePromptConditioning(FlowPromptConditioning):
 
     def _tokenize(self, texts: list[str]) -> list[torch.Tensor]:
         """[input ids, attention mask] of the chat-templated prompts (ZImagePipeline._encode_prompt)."""
-        tok = self.models.tokenizer
-        chat = [
-            tok.apply_chat_template(
-                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True, enable_thinking=True
-            )
-            for t in texts
-        ]
-        enc = tok(chat, padding="max_length", max_length=self.models.text_length, truncation=True, return_tensors="pt")
+        enc = self._chat(texts, thinking=True)
         return [enc.input_ids, enc.attention_mask]
 
     def _qwen(self, ids: list[torch.Tensor]) -> torch.Tensor:
         """The second-last hidden state at each prompt's unpadded tokens, moved to the front of its row."""
-        encoder = self.models.text_encoder
-        if encoder is None:
-            raise RuntimeError("Qwen3 was freed; a caption outside the prompt tables cannot be encoded")
+        encoder = held(self.models.text_encoder, "Qwen3")
         input_ids, mask = ids[0], ids[1].bool()
         with torch.no_grad():
             hidden = encoder(input_ids=input_ids, attention_mask=mask, output_hidden_states=True).hidden_states[-2]
