@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from xeonsd.cluster import memory
-from xeonsd.cluster.memory import MemoryUnavailable, ProcessMemory, RankMemory, node_total, node_totals, read_memory
+from xeonsd.cluster.memory import MemoryUnavailable, ProcessMemory, RankMemory, node_totals, read_memory, total
 from xeonsd.contracts.job_status import RankStatus, StatusFileError, rank_status_path, read_rank_status
 from xeonsd.jobs.status_file import RankStatusFile
 from xeonsd.ops.report_cluster import memory_section
@@ -55,7 +55,7 @@ def test_two_processes_mapping_one_file_count_it_once_in_the_pss_sum_and_twice_i
         for p in procs:
             assert p.stdout is not None and p.stdout.readline().startswith(b"mapped ")
         after = [read_memory(pid) for pid in pids]
-        node = node_total(pids)
+        node = total([read_memory(pid) for pid in pids])
     finally:
         for p in procs:
             p.kill()
@@ -68,7 +68,7 @@ def test_two_processes_mapping_one_file_count_it_once_in_the_pss_sum_and_twice_i
     for a, b in zip(after, before, strict=True):
         assert abs(a.shared_bytes - b.shared_bytes - size) < tolerance, "each process sees the file as shared"
         assert a.rss_bytes == a.shared_bytes + a.private_bytes
-    # node_total read the same processes once more: the same sums, the file counted once in PSS and twice in RSS.
+    # the same processes read once more and added up: the same sums, the file counted once in PSS and twice in RSS.
     assert abs(node.pss_bytes - sum(a.pss_bytes for a in after)) < tolerance
     assert node.rss_bytes - node.pss_bytes > size - tolerance
 

@@ -9,6 +9,7 @@ recomputed, and the four products of the gradients).
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -87,13 +88,5 @@ def count_attention() -> None:
 def allreduced_elements(prof) -> int:
     """Elements all-reduced in a ``torch.profiler`` recording: every ``<backend>:all_reduce`` event (gloo, ccl),
     DistributedDataParallel's buckets included, with the shapes the profiler recorded."""
-    total = 0
-    for e in prof.events():
-        if e.name.endswith(":all_reduce"):
-            for shape in e.input_shapes:
-                if shape:
-                    n = 1
-                    for d in shape:
-                        n *= d
-                    total += n
-    return total
+    events = (e for e in prof.events() if e.name.endswith(":all_reduce"))
+    return sum(math.prod(shape) for e in events for shape in e.input_shapes if shape)

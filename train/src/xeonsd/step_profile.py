@@ -136,7 +136,7 @@ def op_base(name: str) -> str:
 def classify_op(name: str) -> str | None:
     """The class of work of one op or profiler range by its name alone (None: it says nothing, e.g. a view, an
     allocation, a range around the whole step). Pure: the profile and the FLOP counts are both split by it."""
-    if name.startswith("Optimizer.step") or name.startswith("Optimizer.zero_grad"):
+    if name.startswith(("Optimizer.step", "Optimizer.zero_grad")):
         return OPTIMIZER
     base = op_base(name)
     lower = base.lower()

@@ -21,10 +21,10 @@ Nothing can be downloaded in tests, so these stand in for the Hub model and the 
 
 The image set can come with captions in each layout the trainer reads (see :mod:`xeonsd.trainer.captions`).
 
-Modules: :mod:`.vocab` (the CLIP-style vocabulary and tokenizer files), :mod:`.models` (the pipelines, one
+Modules: :mod:`.vocab` (the CLIP-style vocabulary and tokenizer), :mod:`.models` (the pipelines, one
 :class:`~xeonsd.assets.models.Arch` per ``--arch``), :mod:`.flow_models` (the FLUX.1 and SD3 pipelines),
 :mod:`.open_models` and :mod:`.open_text` (the FLUX.2-klein, Z-Image and Qwen-Image pipelines and their Qwen text side),
-:mod:`.parts` (the VAE and CLIP config both use), :mod:`.datasets` (the image sets).
+:mod:`.parts` (the VAE and the CLIP encoders they share), :mod:`.datasets` (the image sets).
 """
 
 from xeonsd.assets.datasets import CAPTION_LAYOUTS, make_dataset

@@ -18,25 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xeonsd.assets.parts import clip_config, vae_of
-from xeonsd.assets.vocab import WORDS, build_clip_vocab, write_tokenizer
+from xeonsd.assets.parts import CLIP_G, CLIP_L, TINY_CLIP, TINY_CLIP_G, Clip, clip_model, default_dtype, vae_of
+from xeonsd.assets.vocab import WORDS, build_clip_vocab, clip_tokenizer
 from xeonsd.fsutil import atomic_dir
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Clip:
-    hidden: int
-    layers: int
-    heads: int
-    intermediate: int
-    act: str = "quick_gelu"
 
 
 @dataclass(frozen=True)
@@ -107,10 +97,7 @@ def model_name(arch: str, depth: int | None) -> str:
     return arch if depth is None else f"{arch}-depth{depth}"
 
 
-_CLIP_L = Clip(hidden=768, layers=12, heads=12, intermediate=3072)
-_CLIP_G = Clip(hidden=1280, layers=32, heads=20, intermediate=5120, act="gelu")
 _T5_XXL = T5(d_model=4096, layers=24, heads=64, d_kv=64, d_ff=10240, vocab_size=32128)
-_TINY_CLIP = Clip(hidden=32, layers=2, heads=4, intermediate=64)
 
 FLOW_ARCHS: dict[str, FlowArch] = {
     # FLUX.1-dev: 19 double + 38 single blocks, 24 heads x 128 (3072 wide, 11.9 B parameters), guidance embedding.
@@ -122,7 +109,7 @@ FLOW_ARCHS: dict[str, FlowArch] = {
         head_dim=128,
         guidance_embeds=True,
         axes_dims_rope=(16, 56, 56),
-        clip_l=_CLIP_L,
+        clip_l=CLIP_L,
         t5=_T5_XXL,
         vae_channels=(128, 256, 512, 512),
         vae_layers=2,
@@ -139,8 +126,8 @@ FLOW_ARCHS: dict[str, FlowArch] = {
         layers=24,
         heads=24,
         head_dim=64,
-        clip_l=_CLIP_L,
-        clip_g=_CLIP_G,
+        clip_l=CLIP_L,
+        clip_g=CLIP_G,
         t5=dataclasses.replace(_T5_XXL, max_length=256),
         dual_attention_layers=tuple(range(13)),
         qk_norm="rms_norm",
@@ -163,7 +150,7 @@ FLOW_ARCHS: dict[str, FlowArch] = {
         head_dim=16,
         guidance_embeds=True,
         axes_dims_rope=(4, 6, 6),
-        clip_l=_TINY_CLIP,
+        clip_l=TINY_CLIP,
         t5=T5(d_model=32, layers=2, heads=4, d_kv=8, d_ff=64, max_length=32),
         vae_channels=(8, 8, 16, 16),
         vae_layers=1,
@@ -177,8 +164,8 @@ FLOW_ARCHS: dict[str, FlowArch] = {
         layers=2,
         heads=2,
         head_dim=16,
-        clip_l=_TINY_CLIP,
-        clip_g=Clip(hidden=32, layers=2, heads=4, intermediate=64, act="gelu"),
+        clip_l=TINY_CLIP,
+        clip_g=TINY_CLIP_G,
         t5=T5(d_model=64, layers=2, heads=4, d_kv=16, d_ff=128, max_length=32),
         dual_attention_layers=(0,),
         qk_norm="rms_norm",
@@ -208,62 +195,32 @@ def make_flow_model(out: Path, arch: str, seed: int = 0, depth: int | None = Non
     torch.manual_seed(seed)
     vocab, merges = build_clip_vocab(list(WORDS), a.clip_vocab_size)
     # Built in this order from one seed: the weights depend on it.
-    with _default_dtype(dtype):
+    with default_dtype(dtype):
         transformer = _flux_transformer(a) if a.family == "flux" else _sd3_transformer(a)
         vae = _vae(a)
-        clip_l = _clip(a.clip_l, vocab, projection=a.family == "sd3")
-        clip_g = _clip(a.clip_g, vocab, projection=True) if a.clip_g is not None else None
+        clip_l = clip_model(a.clip_l, vocab, projection=a.family == "sd3")
+        clip_g = clip_model(a.clip_g, vocab, projection=True) if a.clip_g is not None else None
         t5_tokenizer = _t5_tokenizer(a.t5)
         t5 = _t5(a.t5, len(t5_tokenizer))
-    scheduler = _scheduler(a)
-
+    tokenizer = clip_tokenizer(vocab, merges)
+    parts = {
+        "transformer": transformer,
+        "scheduler": _scheduler(a),
+        "vae": vae,
+        "text_encoder": clip_l,
+        "tokenizer": tokenizer,
+    }
+    if a.family == "flux":
+        pipe = FluxPipeline(**parts, text_encoder_2=t5, tokenizer_2=t5_tokenizer)
+    else:
+        pipe = StableDiffusion3Pipeline(
+            **parts, text_encoder_2=clip_g, tokenizer_2=tokenizer, text_encoder_3=t5, tokenizer_3=t5_tokenizer
+        )
     with atomic_dir(out) as tmp:
-        clip_tokenizer = write_tokenizer(tmp / "_tok_src", vocab, merges)
-        if a.family == "flux":
-            pipe = FluxPipeline(
-                scheduler=scheduler,
-                vae=vae,
-                text_encoder=clip_l,
-                tokenizer=clip_tokenizer,
-                text_encoder_2=t5,
-                tokenizer_2=t5_tokenizer,
-                transformer=transformer,
-            )
-        else:
-            pipe = StableDiffusion3Pipeline(
-                transformer=transformer,
-                scheduler=scheduler,
-                vae=vae,
-                text_encoder=clip_l,
-                tokenizer=clip_tokenizer,
-                text_encoder_2=clip_g,
-                tokenizer_2=clip_tokenizer,
-                text_encoder_3=t5,
-                tokenizer_3=t5_tokenizer,
-            )
         pipe.save_pretrained(tmp, safe_serialization=True)
-        shutil.rmtree(tmp / "_tok_src")
     n = sum(p.numel() for p in transformer.parameters())
     log.info("wrote %s pipeline to %s (transformer %.1fM parameters)", arch, out, n / 1e6)
     return out
-
-
-class _default_dtype:
-    """Build modules directly in ``dtype`` (a bf16 FLUX transformer never exists in fp32 here)."""
-
-    def __init__(self, dtype: Any) -> None:
-        self.dtype = dtype
-
-    def __enter__(self) -> None:
-        import torch
-
-        self.before = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-
-    def __exit__(self, *exc: object) -> None:
-        import torch
-
-        torch.set_default_dtype(self.before)
 
 
 def _flux_transformer(a: FlowArch) -> Any:
@@ -309,28 +266,20 @@ def _sd3_transformer(a: FlowArch) -> Any:
 
 
 def _vae(a: FlowArch) -> Any:
-    return vae_of(
-        a.vae_channels,
-        a.vae_layers,
-        a.norm_groups,
-        a.sample_size * 2 ** (len(a.vae_channels) - 1),
-        a.vae_scaling,
-        latent_channels=16,
-        shift_factor=a.vae_shift,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
-
-
-def _clip(c: Clip | None, vocab: dict[str, int], projection: bool) -> Any:
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection
-
-    assert c is not None
-    config = clip_config(vocab, c.hidden, c.layers, c.heads, c.intermediate, c.act)
-    return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config)
+    sample_px = a.sample_size * 2 ** (len(a.vae_channels) - 1)
+    return vae_of(a.vae_channels, a.vae_layers, a.norm_groups, sample_px, a.vae_scaling, shift=a.vae_shift)
 
 
 PAD, T5_EOS, UNK = "<pad>", "</s>", "<unk>"
+# FLUX.1's scheduler config: the shift grows with the image's token count (FLUX.2-klein's has the same figures)
+FLUX_SHIFT = {
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 1.15,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 4096,
+}
 
 
 def _t5_tokenizer(t: T5) -> Any:
@@ -382,13 +331,6 @@ def _t5(t: T5, vocab_size: int) -> Any:
 def _scheduler(a: FlowArch) -> Any:
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    if a.family == "flux":  # the shift grows with the token count (FLUX.1's scheduler config)
-        return FlowMatchEulerDiscreteScheduler(
-            shift=3.0,
-            use_dynamic_shifting=True,
-            base_shift=0.5,
-            max_shift=1.15,
-            base_image_seq_len=256,
-            max_image_seq_len=4096,
-        )
+    if a.family == "flux":
+        return FlowMatchEulerDiscreteScheduler(**FLUX_SHIFT)
     return FlowMatchEulerDiscreteScheduler(shift=3.0)

@@ -4,33 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xeonsd.assets.parts import clip_config, vae_of
-from xeonsd.assets.vocab import WORDS, build_clip_vocab, write_tokenizer
+from xeonsd.assets.parts import CLIP_G, CLIP_L, TINY_CLIP, TINY_CLIP_G, Clip, clip_model, vae_of
+from xeonsd.assets.vocab import WORDS, build_clip_vocab, clip_tokenizer
 from xeonsd.fsutil import atomic_dir
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class SecondEncoder:
-    """SDXL's second text encoder (OpenCLIP bigG in the real model): a CLIP text model with a projection."""
-
-    hidden: int
-    layers: int
-    heads: int
-    intermediate: int
-
-
-@dataclass(frozen=True)
 class Arch:
-    """Dimensions of a generated pipeline. With ``text2`` it is an SDXL pipeline: two text encoders whose hidden
-    states are concatenated for the cross-attention, and a UNet with ``text_time`` conditioning (the second
-    encoder's pooled output and the six micro-conditioning numbers, each embedded in ``time_embed_dim``)."""
+    """Dimensions of a generated pipeline. With ``text2`` (OpenCLIP bigG in the real model, with its projection) it
+    is an SDXL pipeline: two text encoders whose hidden states are concatenated for the cross-attention, and a UNet
+    with ``text_time`` conditioning (the second encoder's pooled output and the six micro-conditioning numbers,
+    each embedded in ``time_embed_dim``)."""
 
     unet_channels: tuple[int, ...]
     unet_layers: int
@@ -40,16 +30,12 @@ class Arch:
     sample_size: int
     vae_channels: tuple[int, ...]
     vae_layers: int
-    text_hidden: int
-    text_layers: int
-    text_heads: int
-    text_intermediate: int
+    text: Clip
     vocab_size: int | None
     norm_groups: int
     prediction_type: str = "epsilon"
     linear_projection: bool = False
-    text_act: str = "quick_gelu"
-    text2: SecondEncoder | None = None
+    text2: Clip | None = None
     transformer_layers: int | tuple[int, ...] = 1
     time_embed_dim: int = 0
     vae_scaling: float = 0.18215
@@ -69,10 +55,7 @@ ARCHS: dict[str, Arch] = {
         sample_size=8,
         vae_channels=(8, 8, 16, 16),
         vae_layers=1,
-        text_hidden=32,
-        text_layers=2,
-        text_heads=4,
-        text_intermediate=64,
+        text=TINY_CLIP,
         vocab_size=None,
         norm_groups=8,
     ),
@@ -85,10 +68,7 @@ ARCHS: dict[str, Arch] = {
         sample_size=64,
         vae_channels=(128, 256, 512, 512),
         vae_layers=2,
-        text_hidden=768,
-        text_layers=12,
-        text_heads=12,
-        text_intermediate=3072,
+        text=CLIP_L,
         vocab_size=49408,
         norm_groups=32,
     ),
@@ -97,16 +77,16 @@ ARCHS["sd21"] = dataclasses.replace(
     ARCHS["sd15"],
     unet_heads=(5, 10, 20, 20),
     sample_size=96,
-    text_hidden=1024,
-    text_layers=23,
-    text_heads=16,
-    text_intermediate=4096,
+    text=Clip(hidden=1024, layers=23, heads=16, intermediate=4096, act="gelu"),
     prediction_type="v_prediction",
     linear_projection=True,
-    text_act="gelu",
 )
 ARCHS["tiny-v"] = dataclasses.replace(
-    ARCHS["tiny"], unet_heads=(2, 4), prediction_type="v_prediction", linear_projection=True, text_act="gelu"
+    ARCHS["tiny"],
+    unet_heads=(2, 4),
+    prediction_type="v_prediction",
+    linear_projection=True,
+    text=dataclasses.replace(TINY_CLIP, act="gelu"),
 )
 # SDXL base 1.0: UNet 2.57 B parameters (no attention at the first level, 1/2/10 transformer layers below),
 # CLIP-L and OpenCLIP-bigG text encoders (123 M + 695 M), 1024 px, its VAE's scaling factor.
@@ -119,14 +99,11 @@ ARCHS["sdxl"] = Arch(
     sample_size=128,
     vae_channels=(128, 256, 512, 512),
     vae_layers=2,
-    text_hidden=768,
-    text_layers=12,
-    text_heads=12,
-    text_intermediate=3072,
+    text=CLIP_L,
     vocab_size=49408,
     norm_groups=32,
     linear_projection=True,
-    text2=SecondEncoder(hidden=1280, layers=32, heads=20, intermediate=5120),
+    text2=CLIP_G,
     transformer_layers=(1, 2, 10),
     time_embed_dim=256,
     vae_scaling=0.13025,
@@ -138,7 +115,7 @@ ARCHS["tiny-xl"] = dataclasses.replace(
     unet_down=("DownBlock2D", "CrossAttnDownBlock2D"),
     unet_up=("CrossAttnUpBlock2D", "UpBlock2D"),
     linear_projection=True,
-    text2=SecondEncoder(hidden=32, layers=2, heads=4, intermediate=64),
+    text2=TINY_CLIP_G,
     transformer_layers=(1, 2),
     time_embed_dim=8,
     vae_scaling=0.13025,
@@ -183,35 +160,18 @@ def make_tiny_model(
     unet = _unet(a)
     vae = _vae(a)
     vocab, merges = build_clip_vocab(list(WORDS), a.vocab_size)
-    text_encoder = _text_encoder(a, vocab)
-    text_encoder_2 = _text_encoder_2(a.text2, vocab) if a.text2 is not None else None
-    scheduler = _scheduler(a)
-
+    text_encoder = clip_model(a.text, vocab, projection=False)
+    tokenizer = clip_tokenizer(vocab, merges)
+    parts = {"unet": unet, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer, "scheduler": _scheduler(a)}
+    if a.text2 is None:
+        pipe = StableDiffusionPipeline(
+            **parts, safety_checker=None, feature_extractor=None, requires_safety_checker=False
+        )
+    else:
+        text_encoder_2 = clip_model(a.text2, vocab, projection=True)
+        pipe = StableDiffusionXLPipeline(**parts, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer)
     with atomic_dir(out) as tmp:
-        tokenizer = write_tokenizer(tmp / "_tok_src", vocab, merges)
-        if text_encoder_2 is None:
-            pipe = StableDiffusionPipeline(
-                vae=vae,
-                text_encoder=text_encoder,
-                tokenizer=tokenizer,
-                unet=unet,
-                scheduler=scheduler,
-                safety_checker=None,
-                feature_extractor=None,
-                requires_safety_checker=False,
-            )
-        else:
-            pipe = StableDiffusionXLPipeline(
-                vae=vae,
-                text_encoder=text_encoder,
-                text_encoder_2=text_encoder_2,
-                tokenizer=tokenizer,
-                tokenizer_2=tokenizer,
-                unet=unet,
-                scheduler=scheduler,
-            )
         pipe.save_pretrained(tmp, safe_serialization=True)
-        shutil.rmtree(tmp / "_tok_src")
     n_unet = sum(p.numel() for p in unet.parameters())
     log.info("wrote %s pipeline to %s (UNet %.1fM parameters, vocab %d)", arch, out, n_unet / 1e6, len(vocab))
     return out
@@ -228,7 +188,7 @@ def _unet(a: Arch) -> Any:
         layers_per_block=a.unet_layers,
         down_block_types=a.unet_down,
         up_block_types=a.unet_up,
-        cross_attention_dim=a.text_hidden + (a.text2.hidden if a.text2 else 0),
+        cross_attention_dim=a.text.hidden + (a.text2.hidden if a.text2 else 0),
         attention_head_dim=a.unet_heads,
         norm_num_groups=a.norm_groups,
         use_linear_projection=a.linear_projection,
@@ -253,43 +213,14 @@ def _vae(a: Arch) -> Any:
     return vae_of(a.vae_channels, a.vae_layers, a.norm_groups, a.sample_size * 8, a.vae_scaling)
 
 
-def _text_encoder(a: Arch, vocab: dict[str, int]) -> Any:
-    from transformers import CLIPTextModel
-
-    return CLIPTextModel(
-        clip_config(vocab, a.text_hidden, a.text_layers, a.text_heads, a.text_intermediate, a.text_act)
-    )
-
-
-def _text_encoder_2(e: SecondEncoder, vocab: dict[str, int]) -> Any:
-    """SDXL's second encoder (OpenCLIP bigG in the real model): GELU, with the pooled output's projection."""
-    from transformers import CLIPTextModelWithProjection
-
-    return CLIPTextModelWithProjection(clip_config(vocab, e.hidden, e.layers, e.heads, e.intermediate, "gelu"))
-
-
 def _scheduler(a: Arch) -> Any:
     from diffusers import DDPMScheduler, EulerDiscreteScheduler, PNDMScheduler
 
+    betas = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "steps_offset": 1}
     if a.text2 is not None:  # SDXL ships Euler with "leading" spacing
-        scheduler = EulerDiscreteScheduler(
-            beta_start=0.00085,
-            beta_end=0.012,
-            beta_schedule="scaled_linear",
-            prediction_type=a.prediction_type,
-            steps_offset=1,
-            timestep_spacing="leading",
-        )
-        DDPMScheduler.from_config(scheduler.config)
-        return scheduler
-    scheduler = PNDMScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        prediction_type=a.prediction_type,
-        skip_prk_steps=True,
-        steps_offset=1,
-    )
+        scheduler = EulerDiscreteScheduler(**betas, prediction_type=a.prediction_type, timestep_spacing="leading")
+    else:
+        scheduler = PNDMScheduler(**betas, prediction_type=a.prediction_type, skip_prk_steps=True)
     # The training scheduler reads the same config; make sure it is a valid DDPM config too.
     DDPMScheduler.from_config(scheduler.config)
     return scheduler

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xeonsd.assets.flow_models import _default_dtype, check_depth
+from xeonsd.assets.flow_models import FLUX_SHIFT, check_depth
 from xeonsd.assets.open_text import QwenText, QwenVision, qwen3_encoder, qwen25vl_encoder, qwen_tokenizer
-from xeonsd.assets.parts import vae_of
+from xeonsd.assets.parts import default_dtype, vae_of
 from xeonsd.fsutil import atomic_dir
 
 log = logging.getLogger(__name__)
@@ -195,7 +195,7 @@ def make_open_model(out: Path, arch: str, seed: int = 0, depth: int | None = Non
     tokenizer = qwen_tokenizer()
     # Built in this order from one seed: the weights depend on it.
     empty = init_empty_weights() if configs_only else contextlib.nullcontext()
-    with _default_dtype(getattr(torch, a.weights_dtype)), empty:
+    with default_dtype(getattr(torch, a.weights_dtype)), empty:
         transformer = _TRANSFORMERS[a.family](a)
         vae = _VAES[a.family](a)
         encode = qwen25vl_encoder if a.family == "qwenimage" else qwen3_encoder
@@ -320,17 +320,7 @@ def _flux2_vae(a: OpenArch) -> Any:
 
 def _zimage_vae(a: OpenArch) -> Any:
     # FLUX.1's autoencoder: 16 channels, scaling and shift factors, no quant convs.
-    return vae_of(
-        a.vae_channels,
-        a.vae_layers,
-        a.norm_groups,
-        a.sample_px,
-        0.3611,
-        latent_channels=16,
-        shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
+    return vae_of(a.vae_channels, a.vae_layers, a.norm_groups, a.sample_px, 0.3611, shift=0.1159)
 
 
 def _qwenimage_vae(a: OpenArch) -> Any:
@@ -359,15 +349,7 @@ def _scheduler(a: OpenArch) -> Any:
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     if a.family == "flux2":
-        return FlowMatchEulerDiscreteScheduler(
-            shift=3.0,
-            use_dynamic_shifting=True,
-            base_shift=0.5,
-            max_shift=1.15,
-            base_image_seq_len=256,
-            max_image_seq_len=4096,
-            time_shift_type="exponential",
-        )
+        return FlowMatchEulerDiscreteScheduler(**FLUX_SHIFT, time_shift_type="exponential")
     if a.family == "zimage":
         return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
     return FlowMatchEulerDiscreteScheduler(

@@ -122,25 +122,33 @@ def qwen_tokenizer(max_length: int = 32768) -> Any:
     return tok
 
 
+def _text_config(t: QwenText, tokenizer: Any) -> dict[str, Any]:
+    """The language model's config entries that Qwen3 and Qwen2.5-VL share."""
+    ids = tokenizer.convert_tokens_to_ids
+    return {
+        "vocab_size": t.vocab_size or len(tokenizer),
+        "hidden_size": t.hidden,
+        "intermediate_size": t.intermediate,
+        "num_hidden_layers": t.layers,
+        "num_attention_heads": t.heads,
+        "num_key_value_heads": t.kv_heads,
+        "max_position_embeddings": t.max_positions,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": ids(PAD),
+        "eos_token_id": ids(IM_END),
+        "pad_token_id": ids(PAD),
+    }
+
+
 def qwen3_encoder(t: QwenText, tokenizer: Any) -> Any:
     """A random-weight ``Qwen3ForCausalLM`` (the class FLUX.2-klein and Z-Image load) of ``t``'s size."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
-        vocab_size=t.vocab_size or len(tokenizer),
-        hidden_size=t.hidden,
-        intermediate_size=t.intermediate,
-        num_hidden_layers=t.layers,
-        num_attention_heads=t.heads,
-        num_key_value_heads=t.kv_heads,
+        **_text_config(t, tokenizer),
         head_dim=t.head_dim or t.hidden // t.heads,
-        max_position_embeddings=t.max_positions,
-        rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": t.rope_theta},
         tie_word_embeddings=t.tie_embeddings,
-        bos_token_id=tokenizer.convert_tokens_to_ids(PAD),
-        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
-        pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
     )
     return Qwen3ForCausalLM(config).eval()
 
@@ -155,23 +163,9 @@ def qwen25vl_encoder(t: QwenText, tokenizer: Any) -> Any:
     assert sum(t.mrope_section) * 2 == head_dim, "M-RoPE's sections split half the head dimension"
     ids = tokenizer.convert_tokens_to_ids
     text = {
-        "vocab_size": t.vocab_size or len(tokenizer),
-        "hidden_size": t.hidden,
-        "intermediate_size": t.intermediate,
-        "num_hidden_layers": t.layers,
-        "num_attention_heads": t.heads,
-        "num_key_value_heads": t.kv_heads,
-        "max_position_embeddings": t.max_positions,
+        **_text_config(t, tokenizer),
         "max_window_layers": t.layers,
-        "rms_norm_eps": 1e-6,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": t.rope_theta,
-            "mrope_section": list(t.mrope_section),
-        },
-        "bos_token_id": ids(PAD),
-        "eos_token_id": ids(IM_END),
-        "pad_token_id": ids(PAD),
+        "rope_parameters": {"rope_type": "default", "rope_theta": t.rope_theta, "mrope_section": list(t.mrope_section)},
     }
     vision = {
         "depth": v.depth,

@@ -1,9 +1,7 @@
-"""The tiny pipelines' CLIP-style byte-level BPE vocabulary, and the tokenizer written from it."""
+"""The tiny pipelines' CLIP-style byte-level BPE vocabulary, and the tokenizer built from it."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 # Words the tiny tokenizer knows as single tokens: the training templates, the recipe's prompts and
@@ -73,7 +71,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, (chr(c) for c in cs), strict=True))
 
 
-def build_clip_vocab(words: list[str], vocab_size: int | None = None) -> tuple[dict[str, int], list[str]]:
+def build_clip_vocab(words: list[str], vocab_size: int | None = None) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """A CLIP-style byte-level BPE vocabulary in which every word of ``words`` is one token.
 
     ``toy`` gets the first merges, so it is always a single token whatever else is in the vocabulary.
@@ -82,7 +80,7 @@ def build_clip_vocab(words: list[str], vocab_size: int | None = None) -> tuple[d
     """
     chars = list(_bytes_to_unicode().values())
     tokens = chars + [c + "</w>" for c in chars]
-    merges: list[str] = []
+    merges: list[tuple[str, str]] = []
     seen = set(tokens)
     ordered = ["toy"] + [w for w in words if w != "toy"]
     for word in ordered:
@@ -91,7 +89,7 @@ def build_clip_vocab(words: list[str], vocab_size: int | None = None) -> tuple[d
         for piece in pieces[1:]:
             merged = current + piece
             if merged not in seen:
-                merges.append(f"{current} {piece}")
+                merges.append((current, piece))
                 tokens.append(merged)
                 seen.add(merged)
             current = merged
@@ -106,11 +104,8 @@ def build_clip_vocab(words: list[str], vocab_size: int | None = None) -> tuple[d
     return vocab, merges
 
 
-def write_tokenizer(src: Path, vocab: dict[str, int], merges: list[str]) -> Any:
-    """A CLIP tokenizer of ``vocab`` and ``merges``, read from the files it is written to in SRC."""
+def clip_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]) -> Any:
+    """A CLIP tokenizer of ``vocab`` and ``merges``."""
     from transformers import CLIPTokenizer
 
-    src.mkdir()
-    (src / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
-    (src / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
-    return CLIPTokenizer(str(src / "vocab.json"), str(src / "merges.txt"), model_max_length=77, pad_token=EOS)
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77, pad_token=EOS)

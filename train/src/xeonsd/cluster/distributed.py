@@ -205,20 +205,17 @@ def take_the_job_down(info: RankInfo, exit_code: int, grace_s: float = 0.0) -> N
         log.warning("could not ask the launcher to end the job (PMI abort: %s)", exc)
 
 
+def all_reduce_sum_(buf: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Sum ``buf`` over all ranks in place (no-op for a single process)."""
+    if world_size > 1:
+        with collective("all-reduce"):
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+    return buf
+
+
 def all_reduce_mean_(buf: torch.Tensor, world_size: int) -> torch.Tensor:
     """Average ``buf`` over all ranks in place (no-op for a single process)."""
-    if world_size > 1:
-        with collective("all-reduce"):
-            dist.all_reduce(buf, op=dist.ReduceOp.SUM)
-        buf.div_(world_size)
-    return buf
-
-
-def all_reduce_sum_(buf: torch.Tensor, world_size: int) -> torch.Tensor:
-    if world_size > 1:
-        with collective("all-reduce"):
-            dist.all_reduce(buf, op=dist.ReduceOp.SUM)
-    return buf
+    return all_reduce_sum_(buf, world_size).div_(world_size) if world_size > 1 else buf
 
 
 def barrier(world_size: int) -> None:

@@ -86,13 +86,9 @@ def read_memory(pid: int | str = "self") -> ProcessMemory:
     return parse_smaps_rollup(text, str(path))
 
 
-def node_total(pids: list[int]) -> ProcessMemory:
-    """The figures of ``pids`` added up: the PSS sum is what the node holds for them, the RSS sum counts every
-    shared page once per process that maps it."""
-    return total([read_memory(pid) for pid in pids])
-
-
 def total(figures: list[ProcessMemory]) -> ProcessMemory:
+    """The figures added up: the PSS sum is what a node holds for these processes, the RSS sum counts every shared
+    page once per process that maps it."""
     return ProcessMemory(*(sum(getattr(m, f) for m in figures) for f in FIGURES))
 
 
@@ -130,20 +126,15 @@ class RankMemory:
                 log.warning("no memory figures for this job: %s", exc)
             return None
 
-    def gather(self, world: int, nodes: list[str]) -> tuple[ProcessMemory | None, list[dict]]:
-        """Every rank takes part: one all-gather of each rank's figures (-1: none). This rank's figures, and the
-        per-node totals (every rank gets them; rank 0 logs and records them)."""
+    def measure(self, world: int, nodes: list[str], when: str, record: Callable[[int, int, int], None]) -> list[dict]:
+        """Every rank takes part: one all-gather of each rank's figures (-1: none). Its PSS, shared and private bytes
+        go to ``record`` (its status file); rank 0 logs its node's total when it is the highest so far (``when``:
+        'after loading', 'at step 40'). Returns the per-node totals (every rank gets them; rank 0 records them)."""
         from xeonsd.cluster.distributed import all_gather_floats
 
         mine = self.read()
         values = all_gather_floats(mine.as_floats() if mine else [-1.0] * len(FIGURES), world)
-        figures = [ProcessMemory.from_floats(v) if v[0] >= 0 else None for v in values]
-        return mine, node_totals(figures, nodes)
-
-    def measure(self, world: int, nodes: list[str], when: str, record: Callable[[int, int, int], None]) -> list[dict]:
-        """Every rank takes part (:meth:`gather`): its PSS, shared and private bytes go to ``record`` (its status file); rank 0 logs
-        its node's total when it is the highest so far (``when``: 'after loading', 'at step 40'). Returns the per-node rows."""
-        mine, rows = self.gather(world, nodes)
+        rows = node_totals([ProcessMemory.from_floats(v) if v[0] >= 0 else None for v in values], nodes)
         if mine is not None:
             record(mine.pss_bytes, mine.shared_bytes, mine.private_bytes)
         own = [r for r in rows if r["node"] == nodes[0]]

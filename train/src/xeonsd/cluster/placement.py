@@ -44,12 +44,11 @@ def place_rank(info: RankInfo, env: Mapping[str, str] | None = None) -> Placemen
     online = os.cpu_count() or len(allowed)
     user_threads = env.get("OMP_NUM_THREADS")
     narrowed = len(allowed) < online
+    cores = physical_cores(allowed)
     if narrowed or user_threads:
-        cores = physical_cores(allowed)
         threads = int(user_threads) if user_threads else max(1, len(cores))
         torch.set_num_threads(threads)
         return Placement(threads, tuple(sorted(allowed)), "user" if user_threads else "launcher")
-    cores = physical_cores(allowed)
     n = info.local_world_size
     if len(cores) >= n:
         per = len(cores) // n

@@ -62,10 +62,8 @@ class Interval:
 
     @classmethod
     def from_floats(cls, values: list[float]) -> Interval:
-        d = dict(zip(FIELDS, values, strict=True))
-        return cls(
-            int(d["steps"]), d["wall_s"], d["cpu_s"], int(d["threads"]), d["data_s"], d["allreduce_s"], int(d["cores"])
-        )
+        counts = ("steps", "threads", "cores")
+        return cls(**{f: int(v) if f in counts else v for f, v in zip(FIELDS, values, strict=True)})
 
 
 class RankClock:

@@ -58,6 +58,8 @@ def expand_tokens(token: str, num_vectors: int) -> list[str]:
 
 
 def _read_state_dict(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConceptError(f"embeddings file {path} does not exist")
     if path.suffix == ".safetensors":
         from safetensors.numpy import load_file
 
@@ -92,8 +94,6 @@ def _as_array(value: Any, path: Path) -> np.ndarray:
 def load_concept(path: Path, token: str | None = None) -> Concept:
     """Read a learned-embeddings file; ``token`` renames the concept (required for the A1111 formats)."""
     path = Path(path)
-    if not path.is_file():
-        raise ConceptError(f"embeddings file {path} does not exist")
     state = _read_state_dict(path)
     if "string_to_param" in state:  # A1111 .pt
         name, vectors = token, next(iter(state["string_to_param"].values()))
@@ -244,22 +244,32 @@ def is_xl_layout(keys: Any) -> bool:
 
 def save_xl_concept(path: Path, token: str, clip_l: Any, clip_g: Any) -> Path:
     """Write an SDXL concept (``clip_l`` [n, 768], ``clip_g`` [n, 1280], the token in the metadata) atomically."""
-    from safetensors.numpy import save_file
-
-    from xeonsd.fsutil import atomic_path
-
     path = Path(path)
-    arrays = {key: _as_array(value, path) for key, value in (("clip_l", clip_l), ("clip_g", clip_g))}
+    arrays = _xl_arrays(path, clip_l, clip_g)
+    if not token:
+        raise ConceptError(f"{path}: an SDXL concept needs a token to be saved under")
+    return _save(path, arrays, {"format": "pt", XL_TOKEN_METADATA: token})
+
+
+def _xl_arrays(path: Path, clip_l: Any, clip_g: Any) -> dict[str, np.ndarray]:
+    """An SDXL concept's two vector sets as float32 arrays; ConceptError unless they hold as many vectors."""
+    arrays = {"clip_l": _as_array(clip_l, path), "clip_g": _as_array(clip_g, path)}
     if arrays["clip_l"].shape[0] != arrays["clip_g"].shape[0]:
         raise ConceptError(
             f"{path}: clip_l has {arrays['clip_l'].shape[0]} vectors and clip_g {arrays['clip_g'].shape[0]}; "
             "an SDXL concept has the same number in both"
         )
-    if not token:
-        raise ConceptError(f"{path}: an SDXL concept needs a token to be saved under")
-    tensors = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+    return arrays
+
+
+def _save(path: Path, arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> Path:
+    """Write ``arrays`` to the safetensors file ``path`` atomically."""
+    from safetensors.numpy import save_file
+
+    from xeonsd.fsutil import atomic_path
+
     with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt", XL_TOKEN_METADATA: token})
+        save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp), metadata=metadata)
     return path
 
 
@@ -267,25 +277,17 @@ def write_concept_file(path: Path, token: str, vectors: list[Any]) -> Path:
     """Write a concept atomically: one ``[num_vectors, hidden]`` array as ``{token: …}`` (SD 1.x/2.x), or the two
     text encoders' (SDXL) through :func:`save_xl_concept`. float32, ``format: pt`` (what diffusers'
     ``load_textual_inversion`` reads)."""
-    from safetensors.numpy import save_file
-
-    from xeonsd.fsutil import atomic_path
-
     if len(vectors) == len(XL_KEYS):
         return save_xl_concept(path, token, *vectors)
     if len(vectors) != 1:
         raise ConceptError(f"a concept has one vector set per text encoder (1 or 2), got {len(vectors)}")
-    array = np.ascontiguousarray(_as_array(vectors[0], Path(path)))
-    with atomic_path(Path(path)) as tmp:
-        save_file({token: array}, str(tmp), metadata={"format": "pt"})
-    return Path(path)
+    path = Path(path)
+    return _save(path, {token: _as_array(vectors[0], path)}, {"format": "pt"})
 
 
 def load_xl_concept(path: Path, token: str | None = None) -> dict[str, Concept]:
     """Read an SDXL concept file: ``{"text_encoder": Concept(clip_l), "text_encoder_2": Concept(clip_g)}``."""
     path = Path(path)
-    if not path.is_file():
-        raise ConceptError(f"embeddings file {path} does not exist")
     state = _read_state_dict(path)
     if not is_xl_layout(state):
         raise ConceptError(
@@ -297,12 +299,7 @@ def load_xl_concept(path: Path, token: str | None = None) -> dict[str, Concept]:
     name = token or _xl_token(path)
     if not name:
         raise ConceptError(f"{path} does not name its token (no {XL_TOKEN_METADATA!r} metadata); pass --token '<tok>'")
-    arrays = {key: _as_array(state[key], path) for key in XL_KEYS}
-    if arrays["clip_l"].shape[0] != arrays["clip_g"].shape[0]:
-        raise ConceptError(
-            f"{path}: clip_l has {arrays['clip_l'].shape[0]} vectors and clip_g {arrays['clip_g'].shape[0]}; "
-            "an SDXL concept has the same number in both"
-        )
+    arrays = _xl_arrays(path, state["clip_l"], state["clip_g"])
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     tokens = expand_tokens(name, arrays["clip_l"].shape[0])
     return {

@@ -229,7 +229,6 @@ SPECS: dict[str, FamilySpec] = {
             ),
             genai_edits=("image2image",),
             guidance_scale=4.0,
-            weighting_scheme="none",
             resolution_shift=False,
         ),
         # Z-Image (6B): one Qwen3 text encoder, a single-stream transformer with its noise and context refiners.
@@ -256,7 +255,6 @@ SPECS: dict[str, FamilySpec] = {
             genai_adapters=False,  # GenAI 2026.4.1's Z-Image pipeline ignores adapters: no effect, no warning
             genai_edits=("image2image",),
             guidance_scale=5.0,
-            weighting_scheme="none",
         ),
         # Qwen-Image (20B): Qwen2.5-VL's hidden states (the chat template's system prefix dropped), an MMDiT with
         # separate image and text MLPs, the Wan-style 16-channel VAE (AutoencoderKLQwenImage).
@@ -290,7 +288,6 @@ SPECS: dict[str, FamilySpec] = {
             genai_edits=("image2image",),
             guidance_scale=4.0,
             negative_prompt_cfg=False,
-            weighting_scheme="none",
             resolution_shift=False,
         ),
     )

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -115,11 +116,6 @@ def _load(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
             return {k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata() or {}  # noqa: SIM118 - not a dict
     except Exception as exc:  # safetensors raises its own error types (and TypeError for bf16 under numpy)
         raise LoraFormatError(f"LoRA file {path} cannot be read as safetensors: {exc}") from exc
-
-
-def layout_of(path: Path) -> str:
-    """``diffusers`` or ``kohya``: the layout of an adapter file (read as :func:`read_adapter` reads it)."""
-    return "kohya" if all(m.module is None for m in read_adapter(path).values()) else "diffusers"
 
 
 def read_adapter(path: Path) -> dict[str, LoraModule]:
@@ -213,33 +209,26 @@ def check_fits(path: Path, modules: dict[str, LoraModule], weights: dict[str, tu
             )
 
 
-def _parts(unet, text_encoder, text_encoder_2, **more) -> list[tuple[str, object]]:
-    """(component, model) of a UNet and text encoder(s); ``transformer=``, the denoiser of FLUX.1 and SD3 (pass
-    ``unet=None``)."""
+def _weights(unet, text_encoder, text_encoder_2, **more) -> Iterator[tuple[str, str, Any]]:
+    """(component, module, weight) of every weight of a UNet and text encoder(s); ``transformer=``, the denoiser of
+    FLUX.1 and SD3 (pass ``unet=None``)."""
     parts = (("unet", unet), ("text_encoder", text_encoder), ("text_encoder_2", text_encoder_2), *more.items())
-    return [(c, m) for c, m in parts if m is not None]
+    for component, model in parts:
+        if model is not None:
+            for key, value in model.state_dict().items():
+                if key.endswith(".weight"):
+                    yield component, key[: -len(".weight")], value
 
 
 def torch_weight_shapes(unet, text_encoder, text_encoder_2=None, **more) -> dict[str, tuple[int, ...]]:
     """Kohya name -> weight shape of a diffusers pipeline's denoiser and text encoder(s)."""
-    out: dict[str, tuple[int, ...]] = {}
-    for component, model in _parts(unet, text_encoder, text_encoder_2, **more):
-        for key, value in model.state_dict().items():
-            if key.endswith(".weight"):
-                out[kohya_name(component, key[: -len(".weight")])] = tuple(value.shape)
-    return out
+    return {kohya_name(c, m): tuple(w.shape) for c, m, w in _weights(unet, text_encoder, text_encoder_2, **more)}
 
 
 def module_names(unet, text_encoder, text_encoder_2=None, **more) -> dict[str, str]:
     """Kohya name -> dotted module name (``unet.down_blocks.0…``) of every weight of the denoiser and text
     encoder(s)."""
-    out: dict[str, str] = {}
-    for component, model in _parts(unet, text_encoder, text_encoder_2, **more):
-        for key in model.state_dict():
-            if key.endswith(".weight"):
-                module = key[: -len(".weight")]
-                out[kohya_name(component, module)] = f"{component}.{module}"
-    return out
+    return {kohya_name(c, m): f"{c}.{m}" for c, m, _ in _weights(unet, text_encoder, text_encoder_2, **more)}
 
 
 FAMILY_LABELS = {name: spec.label for name, spec in SPECS.items()}
@@ -305,11 +294,6 @@ def kohya_file_name(name: str, sdxl: bool) -> str:
     return SDXL_TE1_PREFIX + name[len(te) :] if sdxl and name.startswith(te) else name
 
 
-def write_kohya(modules: dict[str, LoraModule], out: Path, source: str = "", sdxl_names: bool | None = None) -> Path:
-    """The SD 1.x/2.x or SDXL adapter in the kohya layout (see :func:`_write_kohya`)."""
-    return _write_kohya(modules, out, source, sdxl_names)
-
-
 def write_kohya_flux(modules: dict[str, LoraModule], out: Path, source: str = "") -> Path:
     """A FLUX.1 adapter in the kohya layout ComfyUI and Forge load: the transformer's modules under BFL's names
     (``lora_unet_double_blocks_N_img_attn_qkv`` …, query/key/value fused, see :mod:`xeonsd.modelfiles.lora_flux`),
@@ -324,7 +308,7 @@ def write_kohya_flux(modules: dict[str, LoraModule], out: Path, source: str = ""
     for name, (down, up, scale) in layers.items():
         full = PREFIXES["unet"] + name
         out_modules[full] = LoraModule(full, None, down, up, alpha=scale * down.shape[0])
-    return _write_kohya(out_modules, out, source, sdxl_names=True)
+    return write_kohya(out_modules, out, source, sdxl_names=True)
 
 
 def write_kohya_for(family: str | None) -> Callable[[dict[str, LoraModule], Path, str], Path]:
@@ -344,10 +328,11 @@ def write_kohya_for(family: str | None) -> Callable[[dict[str, LoraModule], Path
     )
 
 
-def _write_kohya(modules: dict[str, LoraModule], out: Path, source: str = "", sdxl_names: bool | None = None) -> Path:
-    """The adapter in the kohya layout (fp32, alpha = rank where it had none), with kohya's dim/alpha metadata
-    when every module shares them. ``sdxl_names``: the text encoders as ``lora_te1_``/``lora_te2_`` (SDXL's); None:
-    when :func:`lora_family` reads the adapter as SDXL's; False: ``lora_te_`` (SD 1.x/2.x, and what GenAI applies)."""
+def write_kohya(modules: dict[str, LoraModule], out: Path, source: str = "", sdxl_names: bool | None = None) -> Path:
+    """The SD 1.x/2.x or SDXL adapter in the kohya layout (fp32, alpha = rank where it had none), with kohya's
+    dim/alpha metadata when every module shares them. ``sdxl_names``: the text encoders as ``lora_te1_``/``lora_te2_``
+    (SDXL's); None: when :func:`lora_family` reads the adapter as SDXL's; False: ``lora_te_`` (SD 1.x/2.x, and what
+    GenAI applies)."""
     if sdxl_names is None:
         sdxl_names = SPECS[(lora_family(modules) or ("sd",))[0]].kohya_te_numbered
     tensors: dict[str, np.ndarray] = {}
