@@ -33,89 +33,20 @@ CLASSES = (ATTN_FWD, ATTN_BWD, CONV, MATMUL, ELEMENTWISE, OPTIMIZER, OTHER, OUTS
 #: The classes whose FLOPs are counted and compared with the matmul peak of the step's dtype.
 MATMUL_LIKE = (ATTN_FWD, ATTN_BWD, CONV, MATMUL)
 
-_MATMULS = {
-    "mm",
-    "addmm",
-    "bmm",
-    "baddbmm",
-    "matmul",
-    "linear",
-    "addmv",
-    "mv",
-    "einsum",
-    "_addmm_activation",
-    "mkldnn_linear",
-    "dot",
-    "addbmm",
-}
-_ELEMENTWISE = {
-    "add",
-    "sub",
-    "mul",
-    "div",
-    "neg",
-    "pow",
-    "sqrt",
-    "rsqrt",
-    "exp",
-    "log",
-    "abs",
-    "sign",
-    "clamp",
-    "clamp_min",
-    "clamp_max",
-    "maximum",
-    "minimum",
-    "where",
-    "lerp",
-    "addcmul",
-    "addcdiv",
-    "silu",
-    "gelu",
-    "relu",
-    "sigmoid",
-    "tanh",
-    "softmax",
-    "_softmax",
-    "log_softmax",
-    "_log_softmax",
-    "dropout",
-    "native_dropout",
-    "mean",
-    "sum",
-    "mse_loss",
-    "copy",
-    "to",
-    "_to_copy",
-    "clone",
-    "contiguous",
-    "cat",
-    "stack",
-    "fill",
-    "zero",
-    "zeros_like",
-    "ones_like",
-    "cos",
-    "sin",
-    "erf",
-    "square",
-    "reciprocal",
-    "upsample_nearest2d",
-    "_unsafe_view_copy",
-    "rsub",
-    "index_select",
-    "embedding",
-    "embedding_dense_backward",
-    "pad",
-    "constant_pad_nd",
-    "threshold_backward",
-    "silu_backward",
-    "gelu_backward",
-    "sigmoid_backward",
-    "tanh_backward",
-    "mse_loss_backward",
-    "norm",
-}
+# op names as word lists (a list literal would be laid out one name a line)
+_MATMULS = frozenset(
+    "mm addmm bmm baddbmm matmul linear addmv mv einsum _addmm_activation mkldnn_linear dot addbmm".split()  # noqa: SIM905
+)
+_ELEMENTWISE = frozenset(
+    """
+    add sub mul div neg pow sqrt rsqrt exp log abs sign clamp clamp_min clamp_max maximum minimum where lerp
+    addcmul addcdiv silu gelu relu sigmoid tanh softmax _softmax log_softmax _log_softmax dropout native_dropout
+    mean sum mse_loss copy to _to_copy clone contiguous cat stack fill zero zeros_like ones_like cos sin erf
+    square reciprocal upsample_nearest2d _unsafe_view_copy rsub index_select embedding embedding_dense_backward
+    pad constant_pad_nd threshold_backward silu_backward gelu_backward sigmoid_backward tanh_backward
+    mse_loss_backward norm
+    """.split()  # noqa: SIM905
+)
 _CONV = re.compile(r"conv(olution|\d|_transpose|_depthwise)|convolution")
 _BACKWARD_NODE = re.compile(r"^(?P<base>\w+?)Backward\d*$")
 
