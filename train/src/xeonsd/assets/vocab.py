@@ -6,53 +6,11 @@ from typing import Any
 
 # Words the tiny tokenizer knows as single tokens: the training templates, the recipe's prompts and
 # initializer ("toy"), and a few common words for tests.
-WORDS = [
-    "toy",
-    "a",
-    "an",
-    "the",
-    "of",
-    "photo",
-    "rendering",
-    "cropped",
-    "clean",
-    "dark",
-    "bright",
-    "good",
-    "close-up",
-    "rendition",
-    "nice",
-    "small",
-    "weird",
-    "large",
-    "cool",
-    "painting",
-    "picture",
-    "in",
-    "style",
-    "by",
-    "artwork",
-    "yellow",
-    "robot",
-    "at",
-    "beach",
-    "high",
-    "quality",
-    "dog",
-    "cat",
-    "red",
-    "blue",
-    "green",
-    "on",
-    "with",
-    "and",
-    ",",
-    ".",
-    "drawing",
-    "image",
-    "object",
-    "thing",
-]
+WORDS = """
+toy a an the of photo rendering cropped clean dark bright good close-up rendition nice small weird large cool
+painting picture in style by artwork yellow robot at beach high quality dog cat red blue green on with and , .
+drawing image object thing
+""".split()  # noqa: SIM905 - a word list, not one word a line
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 
