@@ -1,9 +1,10 @@
 """The closed loop of ``xeonsd bench serve`` and of its soak: clients that send requests back to back (a saturated
-server's images/s), the percentile both report, the prompt they send and the line a ready ``xeonsd serve`` prints."""
+server's images/s), the percentiles both report, the prompt they send and the line a ready ``xeonsd serve`` prints."""
 
 from __future__ import annotations
 
 import re
+import statistics
 import threading
 import time
 from typing import Any, Protocol
@@ -45,6 +46,9 @@ def load(server: Poster, clients: int, requests: int, max_seconds: float, body: 
     return {"wall_s": wall, "images": images, "images_per_s": images / wall, "latencies": latencies, "failed": failures}
 
 
-def percentile(values: list[float], q: float) -> float:
-    vals = sorted(values)
-    return vals[min(len(vals) - 1, max(0, round(q * (len(vals) - 1))))]
+def p50_p95(latencies: list[float]) -> dict[str, float | None]:
+    """The median and the 95th percentile (nearest rank) of ``latencies``; None for both where there are none."""
+    if not latencies:
+        return {"p50_s": None, "p95_s": None}
+    vals = sorted(latencies)
+    return {"p50_s": statistics.median(vals), "p95_s": vals[round(0.95 * (len(vals) - 1))]}

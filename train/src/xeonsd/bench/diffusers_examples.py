@@ -25,6 +25,7 @@ import runpy
 import subprocess
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 
 from xeonsd.fsutil import atomic_file
@@ -131,11 +132,7 @@ def reference_command(
 def step_rows(start: float, ends: list[float]) -> list[dict]:
     """One row per optimizer step: its number, seconds since the previous step ended (the first: since ``start``,
     the first step's start) and the wall clock at its end."""
-    rows, prev = [], start
-    for i, t in enumerate(ends):
-        rows.append({"step": i + 1, "s_per_step": t - prev, "time": t})
-        prev = t
-    return rows
+    return [{"step": i, "s_per_step": t - prev, "time": t} for i, (prev, t) in enumerate(pairwise([start, *ends]), 1)]
 
 
 def _flag(args: list[str], name: str) -> str | None:

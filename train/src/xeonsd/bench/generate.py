@@ -68,21 +68,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ov_precision = str(ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT"))
 
     bench = Bench(args, model, embeds, workdir)
-    g_vs_d = _measure_variants(bench, peaks, flops)
+    _measure_variants(bench, peaks, flops)
     after = _probes(args.probes, 1.0)
     stable = rnd.stability(before, after)
     peaks = {k: v["peak"]["median"] for k, v in stable["by_dtype"].items()}
     cpu = cpu_info()
     timed = {r.key: r.rounds_s for r in bench.results if r.rounds_s}
-    g_over_d = None
-    if "g" in timed and "d" in timed:  # (d) / (g) within each round: (g)'s speed-up
-        speedups = rnd.per_round_ratios(timed["d"], timed["g"])
-        g_over_d = {"speedup_rounds": speedups, "speedup": rnd.spread(speedups)}
-    tome_vs_d = {}
-    for key in ("h", "i"):
+    over_d = {}  # (d) / variant within each round: (g)'s, (h)'s and (i)'s speed-up
+    for key in ("g", "h", "i"):
         if key in timed and "d" in timed:
             speedups = rnd.per_round_ratios(timed["d"], timed[key])
-            tome_vs_d[key] = {"speedup_rounds": speedups, "speedup": rnd.spread(speedups), **bench.pixels.get(key, {})}
+            over_d[key] = {"speedup_rounds": speedups, "speedup": rnd.spread(speedups)}
 
     flow = flow_family(model)
     return {
@@ -102,13 +98,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "matmul_peak_flops": peaks,
         "openvino_cpu_precision": ov_precision,
         "export_seconds": bench.exports,
-        "g_vs_d": g_vs_d,
+        "g_vs_d": bench.pixels.get("g"),
         "cpu": {"model": cpu.model, "native_int8": cpu.native_int8, "amx": cpu.amx_bf16},
         "rounds": args.rounds,
         "schedule": [key for _, key in rnd.schedule([r.key for r in bench.results if r.rounds_s], args.rounds)],
-        "g_over_d": g_over_d,
+        "g_over_d": over_d.get("g"),
         "tome_ratio": args.tome,
-        "tome_vs_d": tome_vs_d,
+        "tome_vs_d": {k: {**over_d[k], **bench.pixels.get(k, {})} for k in ("h", "i") if k in over_d},
         "matmul_probes_flops": {"before": before, "after": after},
         "machine": stable,
     }
@@ -122,9 +118,9 @@ def _probes(repeats: int, seconds: float) -> list[dict]:
     return matmul_probes({"bf16": torch.bfloat16, "fp32": torch.float32}, repeats=repeats, seconds=seconds)
 
 
-def _measure_variants(bench: Bench, peaks: dict[str, float], flops: dict[str, float]) -> dict[str, Any] | None:
-    """(a) to (i) into ``bench.results``; returns how (g)'s image differs from (d)'s when both ran ((h)'s and
-    (i)'s go to ``bench.pixels``)."""
+def _measure_variants(bench: Bench, peaks: dict[str, float], flops: dict[str, float]) -> None:
+    """(a) to (i) into ``bench.results``, and how the images of (g), (h) and (i) differ from (d)'s into
+    ``bench.pixels``."""
     from xeonsd.openvino.manifest import StaticShape
     from xeonsd.openvino.quantize import QuantizeOptions
 
@@ -139,20 +135,18 @@ def _measure_variants(bench: Bench, peaks: dict[str, float], flops: dict[str, fl
             bench.measure("b", "PyTorch bf16 autocast", lambda: time_torch(model, embeds, args, bf16=True))
         else:
             bench.results.append(_bf16_not_run(peaks, flops))
-    image_d: list = []
-    image_g: list = []
-    tome_images: dict[str, list] = {"h": [], "i": []}
+    images: dict[str, list] = {key: [] for key in "dghi"}  # each one's first image
     quantize = QuantizeOptions(samples=args.calibration_samples)
     static_kind = f"static-{size}"
     tome_name, both_name = f"OpenVINO static {size} ToMe {args.tome:g}", f"OpenVINO ToMe {args.tome:g} + hybrid {size}"
     plans = {
         "c": _OvVariant("OpenVINO dynamic shapes", "dynamic", None, "fp32"),
-        "d": _OvVariant(f"OpenVINO static {size}", static_kind, static, "fp32", keep=image_d),
+        "d": _OvVariant(f"OpenVINO static {size}", static_kind, static, "fp32", keep=images["d"]),
         "e": _OvVariant(f"OpenVINO static {size} int8 weights", static_kind, static, "int8"),
         "f": _OvVariant(f"OpenVINO GenAI static {size}", static_kind, static, "fp32", engine="genai"),
-        "g": _OvVariant(f"OpenVINO static {size} hybrid int8", static_kind, static, "int8", quantize, keep=image_g),
-        "h": _OvVariant(tome_name, static_kind, static, "fp32", tome=args.tome, keep=tome_images["h"]),
-        "i": _OvVariant(both_name, static_kind, static, "int8", quantize, tome=args.tome, keep=tome_images["i"]),
+        "g": _OvVariant(f"OpenVINO static {size} hybrid int8", static_kind, static, "int8", quantize, keep=images["g"]),
+        "h": _OvVariant(tome_name, static_kind, static, "fp32", tome=args.tome, keep=images["h"]),
+        "i": _OvVariant(both_name, static_kind, static, "int8", quantize, tome=args.tome, keep=images["i"]),
     }
     for key, v in plans.items():
         if key not in only:
@@ -161,10 +155,9 @@ def _measure_variants(bench: Bench, peaks: dict[str, float], flops: dict[str, fl
         if ov_dir is not None:
             bench.measure(key, v.name, lambda d=ov_dir, v=v: time_ov(d, v.engine, args, v.keep))
     bench.measure_rounds(args.rounds)
-    for key, image in tome_images.items():
-        if image and image_d:
-            bench.pixels[key] = _pixel_difference(image, image_d, args.seed)
-    return _pixel_difference(image_g, image_d, args.seed) if image_d and image_g else None
+    for key in "ghi":
+        if images[key] and images["d"]:
+            bench.pixels[key] = _pixel_difference(images[key], images["d"], args.seed)
 
 
 class _OvVariant(NamedTuple):
@@ -193,10 +186,10 @@ def _bf16_not_run(peaks: dict[str, float], flops: dict[str, float]) -> Result:
     )
 
 
-def _pixel_difference(image_g: list, image_d: list, seed: int) -> dict[str, Any]:
+def _pixel_difference(image: list, image_d: list, seed: int) -> dict[str, Any]:
     import numpy as np
 
-    diff = np.abs(np.asarray(image_g[0], dtype=np.float64) - np.asarray(image_d[0], dtype=np.float64)).mean()
+    diff = np.abs(np.asarray(image[0], dtype=np.float64) - np.asarray(image_d[0], dtype=np.float64)).mean()
     return {"mean_abs_pixel_diff": round(float(diff), 3), "seed": seed}
 
 
@@ -260,12 +253,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _family_resolution(model: str) -> int:
-    from xeonsd.modelfiles.families import detect_family
-
-    return detect_family(model).default_resolution
-
-
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
@@ -275,19 +262,15 @@ def main(argv: list[str]) -> int:
     if args.calibration_samples < 1:
         raise SystemExit("xeonsd bench generate: error: --calibration-samples must be at least 1")
     from xeonsd.assets.flow_models import check_depth
+    from xeonsd.openvino.tome import check_ratio
 
     try:
         check_depth(args.arch, args.depth, args.model)
+        args.tome = check_ratio(args.tome)  # its TomeError is a ValueError
     except ValueError as exc:
         raise SystemExit(f"xeonsd bench generate: error: {exc}") from None
     only = set(args.only) & set("abcdefghi")
     args.only = sorted(only | {"d"} if only & set("ghi") else only)  # (g), (h), (i) are judged against (d)
-    from xeonsd.openvino.tome import TomeError, check_ratio
-
-    try:
-        args.tome = check_ratio(args.tome)
-    except TomeError as exc:
-        raise SystemExit(f"xeonsd bench generate: error: {exc}") from None
     if args.tome == 0 and only & set("hi"):
         raise SystemExit("xeonsd bench generate: error: (h) and (i) need --tome above 0")
     if args.model:
@@ -299,7 +282,9 @@ def main(argv: list[str]) -> int:
             print(f"xeonsd bench generate: error: {exc}", file=sys.stderr)
             return 2
     if not args.quick and (args.height is None or args.width is None):
-        size = ARCH_RESOLUTION.get(args.arch, 512) if not args.model else _family_resolution(args.model)
+        from xeonsd.modelfiles.families import detect_family
+
+        size = detect_family(args.model).default_resolution if args.model else ARCH_RESOLUTION.get(args.arch, 512)
         args.height, args.width = args.height or size, args.width or size
     report = run(args)
     table = format_table(report)

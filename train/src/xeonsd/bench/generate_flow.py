@@ -31,13 +31,6 @@ def flow_family(model: Path) -> Any:
     return family if family.is_flow else None
 
 
-def guidance_scale(family: str) -> float:
-    """The guidance scale ``xeonsd generate`` uses for ``family`` (and so every variant of the bench)."""
-    from xeonsd.modelfiles.families import spec
-
-    return spec(family).guidance_scale
-
-
 def transformer_calls_per_step(family: str) -> int:
     """Transformer calls' worth of work per denoising step: SD3 runs classifier-free guidance at its guidance scale
     (prompt and negative prompt, one call at batch 2); FLUX.1's pipeline runs it only with ``true_cfg_scale`` > 1
@@ -45,7 +38,8 @@ def transformer_calls_per_step(family: str) -> int:
     (``FamilySpec.negative_prompt_cfg``)."""
     from xeonsd.modelfiles.families import spec
 
-    return 2 if spec(family).negative_prompt_cfg and guidance_scale(family) > 1 else 1
+    found = spec(family)
+    return 2 if found.negative_prompt_cfg and found.guidance_scale > 1 else 1
 
 
 def prompt_length(model: Path, family: str) -> int:
@@ -58,11 +52,15 @@ def prompt_length(model: Path, family: str) -> int:
 
 
 def torch_call_kwargs(model: Path, family: str) -> dict[str, Any]:
-    """What the diffusers pipeline of a flow family is called with besides the prompt, size and steps."""
-    return {"guidance_scale": guidance_scale(family), "max_sequence_length": prompt_length(model, family)}
+    """What the diffusers pipeline of a flow family is called with besides the prompt, size and steps: the guidance
+    scale ``xeonsd generate`` uses for ``family`` (and so every variant of the bench) and T5's prompt length."""
+    from xeonsd.modelfiles.families import spec
+
+    return {"guidance_scale": spec(family).guidance_scale, "max_sequence_length": prompt_length(model, family)}
 
 
-def _count(fn: Callable[[], Any]) -> float:
+def flops_of(fn: Callable[[], Any]) -> float:
+    """FLOPs of ``fn()`` run on the meta device (nothing is computed)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -92,17 +90,17 @@ def _transformer(model: Path, family: str) -> Any:
 
 def transformer_call_flops(model: Path, family: str, height: int, width: int, batch: int = 1) -> float:
     """FLOPs of one transformer call at ``batch`` for ``height`` x ``width`` images."""
-    with _meta():
-        transformer = _transformer(model, family)
-        vae, scale = _vae(model, family)
     import torch
 
     from xeonsd.trainer.families import FAMILIES
 
+    with torch.device("meta"):
+        transformer = _transformer(model, family)
+        vae, scale = _vae(model, family)
     side = FAMILIES[family]
     dims = side.latent_dims(vae.config, scale, height, width)
     text = _text_tokens(model, family)
-    return _count(lambda: transformer(**side.meta_inputs(transformer.config, batch, dims, text, torch.float32)))
+    return flops_of(lambda: transformer(**side.meta_inputs(transformer.config, batch, dims, text, torch.float32)))
 
 
 def _text_tokens(model: Path, family: str) -> int:
@@ -113,21 +111,16 @@ def _text_tokens(model: Path, family: str) -> int:
     return prompt_length(model, family) + spec(family).clip_context_tokens
 
 
-def _meta() -> Any:
-    import torch
-
-    return torch.device("meta")
-
-
 def _text_encoders(model: Path, family: str) -> list[tuple[Any, int]]:
     """Each text encoder (meta device) with the token count it is called on."""
+    import torch
     import transformers
 
     from xeonsd.modelfiles.families import spec, tokenizer_limit
 
     found = spec(family)
     out = []
-    with _meta():
+    with torch.device("meta"):
         for i, (encoder, tokenizer) in enumerate(found.text_side):
             cls = found.text_encoder_class(i)
             config = transformers.AutoConfig.from_pretrained(model / encoder)
@@ -146,14 +139,14 @@ def flow_pipeline_flops(model: Path, family: str, height: int, width: int, steps
     import torch
 
     calls = transformer_calls_per_step(family)
-    with _meta():
+    with torch.device("meta"):
         vae, scale = _vae(model, family)
     h, w = height // scale, width // scale
     encoders = _text_encoders(model, family)
     out = {
-        "text_encoder": sum(_count(lambda e=e, n=n: e(torch.zeros(calls, n, dtype=torch.long))) for e, n in encoders),
+        "text_encoder": sum(flops_of(lambda e=e, n=n: e(torch.zeros(calls, n, dtype=torch.long))) for e, n in encoders),
         "transformer": steps * transformer_call_flops(model, family, height, width, batch=calls),
-        "vae_decoder": _count(lambda: vae.decode(torch.randn(1, vae.config.latent_channels, h, w))),
+        "vae_decoder": flops_of(lambda: vae.decode(torch.randn(1, vae.config.latent_channels, h, w))),
     }
     out["total"] = sum(out.values())
     return out

@@ -68,23 +68,23 @@ class Bench:
     planned: dict[str, tuple[str, Callable[[], tuple[float, float]]]] = field(default_factory=dict)
     pixels: dict[str, dict] = field(default_factory=dict)  # variant -> its image's difference to (d)'s
 
-    def export(self, kind: str, shape: Any, fmt: str, quantize: Any = None, tome: float = 0.0) -> Path:
-        name = f"{kind}-{quantize.method if quantize else fmt}" + (f"-tome{tome:g}" if tome else "")
-        out = self.workdir / f"ov-{name}"
-        path, seconds = export_cached(self.model, self.embeds, out, shape, fmt, quantize, tome)
-        self.exports[name] = seconds
-        return path
-
-    def export_or_skip(self, key: str, name: str, *args: Any, **kwargs: Any) -> Path | None:
-        """``export(*args, **kwargs)`` for variant ``key``; None, with ``key`` recorded as skipped and the export's
-        reason printed, where ``xeonsd export`` refuses it for this model."""
+    def export_or_skip(
+        self, key: str, name: str, kind: str, shape: Any, fmt: str, quantize: Any = None, tome: float = 0.0
+    ) -> Path | None:
+        """The export variant ``key`` runs on (cached in the work directory as ``ov-<kind>-<weights>``); None, with
+        ``key`` recorded as skipped and the export's reason printed, where ``xeonsd export`` refuses it for this
+        model."""
+        export = f"{kind}-{quantize.method if quantize else fmt}" + (f"-tome{tome:g}" if tome else "")
         try:
-            return self.export(*args, **kwargs)
+            path, self.exports[export] = export_cached(
+                self.model, self.embeds, self.workdir / f"ov-{export}", shape, fmt, quantize, tome
+            )
         except Refused as exc:
             note = f"skipped: {exc}"
             print(f"({key}) {name}: {note}", flush=True)
             self.results.append(Result(key, name, note=note))
             return None
+        return path
 
     def measure(self, key: str, name: str, fn: Callable[[], tuple[float, float]]) -> None:
         """Plan variant ``key`` (when ``--only`` asks for it): ``fn`` gives load seconds and seconds per image;
@@ -155,14 +155,13 @@ def model_and_concept(args: argparse.Namespace, workdir: Path) -> tuple[Path, Pa
 def torch_pipeline(model: Path, embeds: Path | None) -> Any:
     """The diffusers pipeline of ``model``'s family with the concept loaded (SDXL: into both text encoders; None:
     the plain model)."""
+    import torch
     from safetensors.torch import load_file
 
-    from xeonsd.modelfiles.families import detect_family
+    from xeonsd.modelfiles.families import detect_family, spec
     from xeonsd.openvino.pipelines import load_torch_pipeline
 
     family = detect_family(model).name
-    import torch
-
     # fp32 throughout: transformers loads a text encoder in the dtype it was saved in, and the full-size flux and
     # sd35m archs are written in bf16 (diffusers loads their transformer and VAE in fp32 either way)
     pipe = load_torch_pipeline(str(model), family)
@@ -171,8 +170,6 @@ def torch_pipeline(model: Path, embeds: Path | None) -> Any:
             part.to(dtype=torch.float32)
     if embeds is None:
         return pipe
-    from xeonsd.modelfiles.families import spec
-
     if spec(family).concept_layout == "xl":
         state = load_file(str(embeds))
         pipe.load_textual_inversion(
@@ -205,11 +202,8 @@ def export_cached(
         manifest = read_manifest(out)
         same_shape = manifest["static_shape"] == (None if static is None else asdict(static))
         q = manifest.get("quantization")
-        same_q = (
-            (q is None)
-            if quantize is None
-            else (q is not None and (q["method"], q["calibration"]["samples"]) == (quantize.method, quantize.samples))
-        )
+        made_q = None if q is None else (q["method"], q["calibration"]["samples"])
+        same_q = made_q == (None if quantize is None else (quantize.method, quantize.samples))
         same_tome = (manifest.get("tome") or {}).get("ratio", 0.0) == tome
         same = same_shape and same_q and same_tome and manifest["weight_format"] == weight_format
         if manifest["source"] == str(model) and same:
@@ -267,16 +261,17 @@ def time_ov(ov_dir: Path, engine: str, args: argparse.Namespace, keep: list | No
     from xeonsd.openvino.generate import Call, GenerateOptions, open_engine
     from xeonsd.openvino.manifest import read_manifest
 
-    embeds = read_manifest(ov_dir, verify=False).get("embeds")
-    prompt = prompt_for(None if embeds is None else Path(embeds))
+    manifest = read_manifest(ov_dir, verify=False)
+    prompt = prompt_for(None if manifest.get("embeds") is None else Path(manifest["embeds"]))
+    static = manifest["static_shape"] is not None
     opts = GenerateOptions(
         prompts=(prompt,),
         num_images=args.images,
         steps=args.steps,
         seed=args.seed,
-        height=None if engine_static(ov_dir) else args.height,
-        width=None if engine_static(ov_dir) else args.width,
-        batch_size=None if engine_static(ov_dir) else 1,
+        height=None if static else args.height,
+        width=None if static else args.width,
+        batch_size=None if static else 1,
         engine=engine,
     )
     eng = open_engine(ov_dir, opts)
@@ -296,9 +291,3 @@ def time_ov(ov_dir: Path, engine: str, args: argparse.Namespace, keep: list | No
     finally:
         eng.close()
         gc.collect()
-
-
-def engine_static(ov_dir: Path) -> bool:
-    from xeonsd.openvino.manifest import read_manifest
-
-    return read_manifest(ov_dir, verify=False)["static_shape"] is not None

@@ -9,11 +9,10 @@ and each target judged where it applies.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from xeonsd.bench.generate_flow import flops_line, flow_family, flow_pipeline_flops
+from xeonsd.bench.generate_flow import flops_line, flops_of, flow_family, flow_pipeline_flops
 from xeonsd.bench.rounds import range_text
 
 TARGET_SPEEDUP_D = 6.0
@@ -37,7 +36,6 @@ def pipeline_flops(model: Path, height: int, width: int, steps: int) -> dict[str
     and SD3 the text encoders, ``steps`` x the transformer and the VAE decoder (:mod:`xeonsd.bench.generate_flow`)."""
     import torch
     from diffusers import AutoencoderKL, UNet2DConditionModel
-    from torch.utils.flop_counter import FlopCounterMode
     from transformers import CLIPTextConfig, CLIPTextModel
 
     flow = flow_family(model)
@@ -53,28 +51,23 @@ def pipeline_flops(model: Path, height: int, width: int, steps: int) -> dict[str
 
             text2 = CLIPTextModelWithProjection(CLIPTextConfig.from_pretrained(model / "text_encoder_2"))
 
-    def count(fn: Callable[[], Any]) -> float:
-        with FlopCounterMode(display=False) as counter, torch.no_grad(), torch.device("meta"):
-            fn()
-        return float(counter.get_total_flops())
-
     h, w, hidden = height // 8, width // 8, text.config.hidden_size
     encoders = [text]
     if text2 is not None:  # SDXL: the pooled output of the second encoder and the six micro-conditioning numbers
         hidden += text2.config.hidden_size
         encoders.append(text2)
 
-    def extra() -> dict[str, Any]:  # made inside ``count``, on the meta device
+    def extra() -> dict[str, Any]:  # made inside ``flops_of``, on the meta device
         if text2 is None:
             return {}
         pooled = torch.randn(2, text2.config.projection_dim)
         return {"added_cond_kwargs": {"text_embeds": pooled, "time_ids": torch.randn(2, 6)}}
 
-    unet_call = count(lambda: unet(torch.randn(2, 4, h, w), torch.tensor(1), torch.randn(2, 77, hidden), **extra()))
+    unet_call = flops_of(lambda: unet(torch.randn(2, 4, h, w), torch.tensor(1), torch.randn(2, 77, hidden), **extra()))
     out = {
-        "text_encoder": sum(count(lambda e=e: e(torch.zeros(2, 77, dtype=torch.long))) for e in encoders),
+        "text_encoder": sum(flops_of(lambda e=e: e(torch.zeros(2, 77, dtype=torch.long))) for e in encoders),
         "unet": steps * unet_call,
-        "vae_decoder": count(lambda: vae.decode(torch.randn(1, 4, h, w))),
+        "vae_decoder": flops_of(lambda: vae.decode(torch.randn(1, 4, h, w))),
     }
     out["total"] = sum(out.values())
     return out
@@ -168,13 +161,10 @@ def _hybrid_line(report: dict[str, Any], by_key: dict[str, Any]) -> str | None:
         return None
     rounds = report.get("g_over_d")
     speedup = rounds["speedup"]["median"] if rounds else d / g  # the median of each round's d/g
-    faster = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
-    line = f"(g) hybrid int8 beside (d) static: time g/d {1 / speedup:.2f} = {faster}"
+    line = f"(g) hybrid int8 beside (d) static: time g/d {1 / speedup:.2f} = {_faster(speedup)}"
     if rounds:
         line += f" (per round {range_text(rounds['speedup'])}x)"
-    cmp = report.get("g_vs_d")
-    if cmp:
-        line += f"; mean absolute pixel difference to (d)'s image (seed {cmp['seed']}): {cmp['mean_abs_pixel_diff']:.2f} / 255"
+    line += _pixel_difference(report.get("g_vs_d") or {})
     cpu = report.get("cpu") or {}
     int8 = cpu.get("native_int8")
     target = f"(g) >= {TARGET_SPEEDUP_G_OVER_D}x faster than (d)"
@@ -197,13 +187,10 @@ def _tome_lines(report: dict[str, Any]) -> list[str]:
     names = {"h": "ToMe", "i": "ToMe + hybrid int8"}
     for key, cmp in (report.get("tome_vs_d") or {}).items():
         speedup = cmp["speedup"]["median"]
-        faster = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
         line = (
-            f"({key}) {names[key]} {report['tome_ratio']:g} beside (d) static: {faster} "
-            f"(per round {', '.join(f'{r:.2f}' for r in cmp['speedup_rounds'])})"
+            f"({key}) {names[key]} {report['tome_ratio']:g} beside (d) static: {_faster(speedup)} "
+            f"(per round {', '.join(f'{r:.2f}' for r in cmp['speedup_rounds'])}){_pixel_difference(cmp)}"
         )
-        if "mean_abs_pixel_diff" in cmp:
-            line += f"; mean absolute pixel difference to (d)'s image (seed {cmp['seed']}): {cmp['mean_abs_pixel_diff']:.2f} / 255"
         if key == "i":
             line += "; " + _tome_target(report, speedup)
         lines.append(line)
@@ -218,6 +205,18 @@ def _tome_target(report: dict[str, Any], speedup: float) -> str:
     if (report["height"], report["width"]) != (TARGET_SIZE_I, TARGET_SIZE_I):
         return f"{target}: not judged at {report['width']}x{report['height']}"
     return f"{target}: {speedup:.2f}x ({_met(speedup >= TARGET_SPEEDUP_I_OVER_D)})"
+
+
+def _faster(speedup: float) -> str:
+    return f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
+
+
+def _pixel_difference(cmp: dict[str, Any]) -> str:
+    """How a variant's image differs from (d)'s for the same seed, where that was measured ("" where not)."""
+    if "mean_abs_pixel_diff" not in cmp:
+        return ""
+    diff = cmp["mean_abs_pixel_diff"]
+    return f"; mean absolute pixel difference to (d)'s image (seed {cmp['seed']}): {diff:.2f} / 255"
 
 
 def _met(ok: bool) -> str:

@@ -68,24 +68,9 @@ def trial_env(env: dict[str, str]) -> dict[str, str]:
 
 
 def trial_command(mpirun: str, ranks: int, train_args: list[str], steps: int, out: Path) -> list[str]:
-    args = layout_result.job_args(train_args)
-    return [
-        mpirun,
-        "-n",
-        str(ranks),
-        "-ppn",
-        str(ranks),
-        sys.executable,
-        "-m",
-        "xeonsd.cli",
-        "train",
-        *args,
-        f"--max_train_steps={steps}",
-        "--checkpointing_steps=0",
-        "--log_every=1",
-        f"--output_dir={out}",
-        "--overwrite_output_dir",
-    ]
+    cmd = [mpirun, "-n", str(ranks), "-ppn", str(ranks), sys.executable, "-m", "xeonsd.cli", "train"]
+    cmd += [*layout_result.job_args(train_args), f"--max_train_steps={steps}", "--checkpointing_steps=0"]
+    return [*cmd, "--log_every=1", f"--output_dir={out}", "--overwrite_output_dir"]
 
 
 def images_per_s(metrics: list[dict], warmup: int) -> float:

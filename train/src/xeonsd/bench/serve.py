@@ -18,7 +18,6 @@ the same number of base-only requests; the switch cost is the difference of thei
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import statistics
 import subprocess
@@ -30,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from xeonsd.bench import rounds as rnd
-from xeonsd.bench.closed_loop import PROMPT, SERVING, load, percentile
+from xeonsd.bench.closed_loop import PROMPT, SERVING, load, p50_p95
+from xeonsd.bench.soak_report import Target
 from xeonsd.fsutil import atomic_file
 
 
@@ -41,17 +41,9 @@ class Server:
     port: int = 0
     lines: list[str] = field(default_factory=list)
 
-    def post(self, body: dict[str, Any], timeout: float) -> tuple[int, float]:
-        """One request on a new connection: (status, seconds)."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        t0 = time.perf_counter()
-        try:
-            conn.request("POST", "/v3/images/generations", json.dumps(body), {"Content-Type": "application/json"})
-            answer = conn.getresponse()
-            answer.read()
-            return answer.status, time.perf_counter() - t0
-        finally:
-            conn.close()
+    def post(self, body: dict[str, Any], timeout: float) -> tuple[int | str, float]:
+        """One request on a new connection: (status, or ``error`` without an answer; seconds)."""
+        return Target("127.0.0.1", self.port).post(body, timeout)
 
 
 def start_server(export_dir: Path, workers: int, args: argparse.Namespace) -> Server:
@@ -133,8 +125,7 @@ def _report(args, shape, generate_s, levels, switch, codes, cpu) -> dict[str, An
             {
                 "level": key,
                 "images_per_s": rnd.spread([r["images_per_s"] for r in runs]),
-                "p50_s": statistics.median(lat) if lat else None,
-                "p95_s": percentile(lat, 0.95) if lat else None,
+                **p50_p95(lat),
                 "requests": len(lat),
                 "failed": [f for r in runs for f in r["failed"]],
                 # serving's seconds per image over generate's, within each round
@@ -253,12 +244,7 @@ def soak_main(args: argparse.Namespace) -> int:
         report = soak.run_soak(args)
     except soak_report.SoakError as exc:
         raise SystemExit(f"xeonsd bench serve --soak: error: {exc}") from None
-    table = soak_report.format_report(report)
-    print(table)
-    if args.out:
-        with atomic_file(Path(args.out), "w") as fh:
-            json.dump({**report, "table": table}, fh, indent=2)
-        print(f"results: {args.out}")
+    _print_and_write(report, soak_report.format_report(report), args.out)
     return 0 if report["statuses"]["met"] and report["memory_met"] is not False else 1
 
 
@@ -272,10 +258,14 @@ def main(argv: list[str]) -> int:
     if args.max_seconds <= 0:
         raise SystemExit("xeonsd bench serve: error: --max-seconds must be positive")
     report = run(args)
-    table = format_table(report)
-    print(table)
-    if args.out:
-        with atomic_file(Path(args.out), "w") as fh:
-            json.dump({**report, "table": table}, fh, indent=2)
-        print(f"results: {args.out}")
+    _print_and_write(report, format_table(report), args.out)
     return 0 if all(c == 0 for c in report["server_exit_codes"]) else 1
+
+
+def _print_and_write(report: dict[str, Any], table: str, out: str | None) -> None:
+    """Print the table; with ``--out``, write the report and its table as JSON there too."""
+    print(table)
+    if out:
+        with atomic_file(Path(out), "w") as fh:
+            json.dump({**report, "table": table}, fh, indent=2)
+        print(f"results: {out}")

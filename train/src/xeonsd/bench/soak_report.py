@@ -17,7 +17,6 @@ import random
 import shlex
 import socket
 import ssl
-import statistics
 import subprocess
 import threading
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from xeonsd.bench.closed_loop import percentile
+from xeonsd.bench.closed_loop import p50_p95
 
 # The soak overloads its target on purpose: only loopback and the test cluster's network are allowed.
 ALLOWED = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("10.231.0.0/16"))
@@ -212,9 +211,7 @@ def account(records: Sequence[Record], down: tuple[float, float] | None, allowan
 def latencies(records: Sequence[Record], model: str | None = None) -> dict[str, float | None]:
     """p50/p95 seconds of the 200s (of one model, or all)."""
     lat = [r.done_s - r.sent_s for r in records if r.status == "200" and model in (None, r.model)]
-    if not lat:
-        return {"p50_s": None, "p95_s": None, "count": 0}
-    return {"p50_s": statistics.median(lat), "p95_s": percentile(lat, 0.95), "count": len(lat)}
+    return {**p50_p95(lat), "count": len(lat)}
 
 
 def growth(first: dict[str, int], last: dict[str, int], rss_pct: float, fds: int) -> dict[str, Any]:

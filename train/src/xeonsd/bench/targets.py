@@ -33,14 +33,11 @@ def speed_target(method: str, family: str, optimized: dict | None, reference: di
         return None, f"{name}: not judged: needs the optimized variant and --diffusers-examples (the script's variant)"
     speedup, ours, theirs = reference["x_optimized"], optimized["peak_rss_gb"], reference["peak_rss_gb"]
     met = speedup >= DIFFUSERS_SPEEDUP and ours <= theirs
+    rounds = " ".join(f"{v:.2f}" for v in reference["x_optimized_rounds"])
     return met, (
-        f"{name}: {'met' if met else 'not met'} ({speedup:.2f}x, rounds {_rounds(reference['x_optimized_rounds'])}; "
+        f"{name}: {'met' if met else 'not met'} ({speedup:.2f}x, rounds {rounds}; "
         f"peak RSS {ours:.2f} GB against {theirs:.2f})"
     )
-
-
-def _rounds(values: list[float]) -> str:
-    return " ".join(f"{v:.2f}" for v in values)
 
 
 def bench_targets(

@@ -131,17 +131,15 @@ def main(argv: list[str]) -> int:
     stats = rnd.summarize(
         {n: [step_seconds(r["rows"], args.warmup) for r in rs] for n, rs in runs.items()}, baseline=variants[0].name
     )
-    results = []
-    for v in variants:
-        vdtype = v.name if v.name in ("bf16", "fp32") else dtype
-        results.append(summarize(v.name, runs[v.name], args.warmup, peaks[vdtype], stats[v.name]))
+    dtypes = {v.name: v.name if v.name in ("bf16", "fp32") else dtype for v in variants}  # each one's training dtype
+    results = [summarize(v.name, runs[v.name], args.warmup, peaks[dtypes[v.name]], stats[v.name]) for v in variants]
     print(format_table(results, peaks, dtype, cpu.model, f"{args.method} on {family.label}"), flush=True)
     if args.profile:
         for v, r in zip(variants, results, strict=True):
             if v.name == dx.VARIANT:  # an unchanged script: nothing inside it records its step
                 print(f"{v.name}: not profiled (--profile records xeonsd train's own steps)")
                 continue
-            vdtype = v.name if v.name in ("bf16", "fp32") else dtype
+            vdtype = dtypes[v.name]
             r["profile"] = profile_summary(runs[v.name], peaks[vdtype])
             print(sp.format_profile(v.name, r["profile"]["classes"], r["profile"]["wall_s"], peaks[vdtype], vdtype))
     optimized = results[0] if variants[0].name == "optimized" else None
@@ -185,22 +183,16 @@ def main(argv: list[str]) -> int:
 def _checked(args: argparse.Namespace):
     """The model and its family once every flag is checked; None after printing what is wrong."""
     if args.rounds < 1 or args.probes < 1:
-        print("xeonsd bench train: error: --rounds and --probes must be at least 1", file=sys.stderr)
-        return None
+        return _error("--rounds and --probes must be at least 1")
     if args.profile and args.warmup < 2:
-        print(
-            "xeonsd bench train: error: --profile needs --warmup 2 or more (the first step counts the FLOPs, the "
-            "last warm-up step is profiled)",
-            file=sys.stderr,
+        return _error(
+            "--profile needs --warmup 2 or more (the first step counts the FLOPs, the last warm-up step is profiled)"
         )
-        return None
     if args.diffusers_examples is not None and not args.diffusers_examples.is_dir():
-        print(
-            f"xeonsd bench train: error: --diffusers-examples {args.diffusers_examples}: not a folder (give the "
-            "examples/ folder of a diffusers source checkout)",
-            file=sys.stderr,
+        return _error(
+            f"--diffusers-examples {args.diffusers_examples}: not a folder (give the examples/ folder of a diffusers "
+            "source checkout)"
         )
-        return None
     model = resolve_model(args)
     if model is None:
         return None
@@ -213,17 +205,18 @@ def _checked(args: argparse.Namespace):
             args.reference_script = dx.script_for(args.diffusers_examples, args.method, family.name)
             dx.check_imports(args.method)
         except dx.ExamplesError as exc:
-            print(f"xeonsd bench train: error: {exc}", file=sys.stderr)
-            return None
+            return _error(str(exc))
     if family.is_flow and args.method == "textual_inversion":
-        print(
-            f"xeonsd bench train: error: --method textual_inversion is not supported on {family.label} (the "
-            "trainer refuses it: no trainer trains embeddings for its CLIP + T5 text side); use --method lora or "
-            "full",
-            file=sys.stderr,
+        return _error(
+            f"--method textual_inversion is not supported on {family.label} (the trainer refuses it: no trainer "
+            "trains embeddings for its CLIP + T5 text side); use --method lora or full"
         )
-        return None
     return model, family
+
+
+def _error(message: str) -> None:
+    """Print ``message`` as the command's error (the caller returns None: exit status 2)."""
+    print(f"xeonsd bench train: error: {message}", file=sys.stderr)
 
 
 def _variants(args: argparse.Namespace, family, cpu, dtype: str) -> list[Variant] | None:
@@ -235,8 +228,7 @@ def _variants(args: argparse.Namespace, family, cpu, dtype: str) -> list[Variant
     if args.only:
         unknown = set(args.only) - {v.name for v in variants}
         if unknown:
-            print(f"xeonsd bench train: error: unknown variant(s) {sorted(unknown)}", file=sys.stderr)
-            return None
+            return _error(f"unknown variant(s) {sorted(unknown)}")
         variants = [v for v in variants if v.name in args.only]
     if not cpu.native_bf16 and not args.only:
         log.warning("%s has no AMX or AVX512-BF16: skipping the bf16 variant (pass --only bf16 to force it)", cpu.model)
@@ -280,14 +272,12 @@ def resolve_model(args: argparse.Namespace) -> str | Path | None:
     try:
         check_depth(args.arch, args.depth, args.model)
     except ValueError as exc:
-        print(f"xeonsd bench train: error: {exc}", file=sys.stderr)
-        return None
+        return _error(str(exc))
     if args.model is not None:
         try:  # the variants run with HF_HUB_OFFLINE=1: a Hub id must be in the Hub cache
             check_model_source(str(args.model), flag="--model", offline=True)
         except ModelSourceError as exc:
-            print(f"xeonsd bench train: error: {exc}", file=sys.stderr)
-            return None
+            return _error(str(exc))
         return args.model
     name = model_name(args.arch, args.depth)
     model = DEFAULT_MODEL_CACHE if name == "sd15" else DEFAULT_MODEL_CACHE.with_name(name)
