@@ -86,7 +86,7 @@ def main(argv: list[str]) -> int:
             st = stats[impl]
             print(
                 f"{name:<6}{len(shapes):>9}{n:>10.1f}{impl:>17}{st['seconds']['median']:>10.4f}"
-                f"{st['ratio']['median']:>9.2f}{rnd.range_text(st['ratio']):>12}",
+                f"{st['ratio']['median']:>9.2f} {rnd.range_text(st['ratio']):>11}",
                 flush=True,
             )
     return 0
