@@ -34,22 +34,21 @@ class CallbackModule(CallbackBase):
         self._current: tuple[str, float] | None = None
         self._timings: list[tuple[str, float]] = []
 
-    def _close_current(self) -> None:
+    def _begin(self, name: str | None) -> None:
+        """Close the running task's timing, and start ``name``'s (None: the run is over)."""
         if self._current is not None:
-            name, began = self._current
-            self._timings.append((name, time.monotonic() - began))
-            self._current = None
+            began_name, began = self._current
+            self._timings.append((began_name, time.monotonic() - began))
+        self._current = None if name is None else (name, time.monotonic())
 
     def v2_playbook_on_task_start(self, task, is_conditional):  # noqa: ANN001
-        self._close_current()
-        self._current = (task.get_name(), time.monotonic())
+        self._begin(task.get_name())
 
     def v2_playbook_on_handler_task_start(self, task):  # noqa: ANN001
-        self._close_current()
-        self._current = (f"handler: {task.get_name()}", time.monotonic())
+        self._begin(f"handler: {task.get_name()}")
 
     def v2_playbook_on_stats(self, stats):  # noqa: ANN001
-        self._close_current()
+        self._begin(None)
         top = int(os.environ.get("TASK_TIMINGS_TOP", "12"))
         total = time.monotonic() - self._start
         self._display.display(f"TASK TIMINGS (slowest {top}; run wall time {total:.1f} s)")

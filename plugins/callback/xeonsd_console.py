@@ -49,21 +49,14 @@ class CallbackModule(DefaultCallback):
 
     def v2_runner_retry(self, result) -> None:  # noqa: ANN001
         attempt = result._result
-        if failed_attempt(attempt):
-            task_name = result.task_name or result.task
-            left = attempt["retries"] - attempt["attempts"]
-            msg = f"FAILED - RETRYING: [{self.host_label(result)}]: {task_name} ({left} retries left)."
-            if attempt.get("msg"):
-                msg += f" {attempt['msg']}"
-            if self._run_is_verbose(result, verbosity=2):
-                msg += f" Result was: {self._dump_results(attempt)}"
-            self._display.display(msg, color=C.COLOR_ERROR)
-            return
-        if result._task.action.split(".")[-1] in PROGRESS_MODULES:
+        failed = failed_attempt(attempt)
+        if not failed and result._task.action.split(".")[-1] in PROGRESS_MODULES:
             return  # xeonsd_progress prints the poll's progress line
-        task_name = result.task_name or result.task
         left = attempt["retries"] - attempt["attempts"]
-        msg = f"WAITING: [{self.host_label(result)}]: {task_name} ({left} retries left)."
+        head = "FAILED - RETRYING" if failed else "WAITING"
+        msg = f"{head}: [{self.host_label(result)}]: {result.task_name or result.task} ({left} retries left)."
+        if failed and attempt.get("msg"):
+            msg += f" {attempt['msg']}"
         if self._run_is_verbose(result, verbosity=2):
             msg += f" Result was: {self._dump_results(attempt)}"
-        self._display.display(msg, color=C.COLOR_DEBUG)
+        self._display.display(msg, color=C.COLOR_ERROR if failed else C.COLOR_DEBUG)

@@ -72,13 +72,11 @@ def node_rows(host: str, result: Mapping[str, Any] | None, check_limit_s: int) -
     rc = r["rc"]
     if rc in RC_NO_ENV:
         return [_row(host, "env", "FAIL", str(r.get("stderr", "")).strip())]
-    rows = []
-    found = [line for line in r.get("stdout_lines", []) if line.startswith("{")]
-    if found:
-        rows += [_row(host, c["name"], c["status"], c["detail"]) for c in json.loads(found[-1])["checks"]]
+    report = _report(r)
+    rows = [_row(host, c["name"], c["status"], c["detail"]) for c in report.get("checks", [])]
     if rc in RC_TIMED_OUT:
         rows.append(_row(host, "doctor", "FAIL", f"xeonsd doctor did not finish within {check_limit_s} s"))
-    elif not found or rc not in RC_DOCTOR_REPORTED:
+    elif not report or rc not in RC_DOCTOR_REPORTED:
         last_error = _last_nonempty(r.get("stderr_lines")) or "no output"
         rows.append(_row(host, "doctor", "FAIL", f"xeonsd doctor exited with rc {rc}: {last_error}"))
     return rows

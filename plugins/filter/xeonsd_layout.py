@@ -21,12 +21,7 @@ from collections.abc import Mapping, Sequence
 from xeonsd.contracts import layout_result as result_rules
 
 LayoutError = result_rules.LayoutError
-
-
-def ranks_per_node(value: object, layout_file: str, missing: int | None = None) -> int:
-    """``value`` as a number; ``auto``: the best layout of the tuning result at ``layout_file`` (``missing``: the
-    number while there is no result; None: fail with the fix)."""
-    return result_rules.resolve_ranks_per_node(value, layout_file, missing)
+ranks_per_node = result_rules.resolve_ranks_per_node  # value, layout_file, missing: see its docstring
 
 
 def mpi_ranks(value: object, nodes: Sequence[str], per_node: object) -> int:

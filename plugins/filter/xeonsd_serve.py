@@ -32,6 +32,7 @@ from xeonsd.modelfiles import family_specs
 from xeonsd.serve import keys as serve_keys
 
 ServePlanError = serve_plan.ServePlanError
+serve_argv = serve_plan.serve_argv
 
 
 def _run(result: Mapping[str, Any]) -> dict[str, Any]:
@@ -63,10 +64,6 @@ def serve_plan_of(
         raise ServePlanError(str(e)) from None
     fused = "" if family.genai_adapters else family.label
     return serve_plan.plan(runs[0], export_dir, named, alpha=alpha, fused_family=fused, blends=blends)
-
-
-def serve_argv(plan: Mapping[str, Any], settings: Mapping[str, Any]) -> list[str]:
-    return serve_plan.serve_argv(plan, settings)
 
 
 def serve_files(found: Sequence[Mapping[str, Any]], stats: Sequence[Mapping[str, Any]] = ()) -> dict[str, str]:

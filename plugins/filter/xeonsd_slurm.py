@@ -20,10 +20,10 @@ import re
 import shlex
 from collections.abc import Mapping, Sequence
 
+from xeonsd.contracts.job_status import LOG_FILE  # every rank's lines go to train.log, as under mpirun
+
 # A Slurm name (node, partition, account) the script may hold: no spaces, commas or shell characters.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
-# The log every rank's lines go to (the run directory's train.log, as under mpirun).
-LOG_FILE = "train.log"
 # srun --label's prefix ("  3: ") rewritten to mpirun -l's ("[3] ").
 _RELABEL = r"s/^ *([0-9]+): /[\1] /"
 REQUIRED = ("job_name", "nodes", "ranks_per_node", "cpus_per_task", "time_limit_s", "signal_s", "command")

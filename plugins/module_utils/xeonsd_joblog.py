@@ -12,25 +12,23 @@ from __future__ import annotations
 import json
 
 
+def jobstatus_argv(env_wrapper: str, action: str, run_dir: str) -> list[str]:
+    """``xeonsd jobstatus ACTION RUN_DIR``: ``stop`` (SIGTERM to the job's run.sh, which stops the job cleanly:
+    xeonsd_job ``stop``), ``ranks`` (this node's rank status files) or ``poll`` (with its flags: :func:`poll_argv`)."""
+    return [env_wrapper, "xeonsd", "jobstatus", action, run_dir]
+
+
 def poll_argv(params: dict) -> list[str]:
     """``xeonsd jobstatus poll`` for xeonsd_job's parameters (the gathered rank statuses go on stdin)."""
-    argv = [
-        params["env_wrapper"],
-        "xeonsd",
-        "jobstatus",
-        "poll",
-        params["run_dir"],
-        "--results-file",
-        params["results_file"],
-        "--total-steps",
-        str(params["total_steps"]),
-        "--ranks-per-node",
-        str(params["ranks_per_node"]),
-        "--excerpt-lines",
-        str(params["excerpt_lines"]),
-        "--wait-s",
-        str(params.get("wait_s") or 0),
-    ]
+    argv = jobstatus_argv(params["env_wrapper"], "poll", params["run_dir"])
+    # a table: one flag and its value a line (ruff would put one item per line)
+    argv += [
+        "--results-file", params["results_file"],
+        "--total-steps", str(params["total_steps"]),
+        "--ranks-per-node", str(params["ranks_per_node"]),
+        "--excerpt-lines", str(params["excerpt_lines"]),
+        "--wait-s", str(params.get("wait_s") or 0),
+    ]  # fmt: skip
     for i, name in enumerate(params["node_names"]):  # the module checked that the two lists match
         argv += ["--node", f"{name}={params['node_addresses'][i]}"]
     if params.get("rank_status") is not None:
@@ -40,16 +38,6 @@ def poll_argv(params: dict) -> list[str]:
 
 def poll_stdin(params: dict) -> str | None:
     return None if params.get("rank_status") is None else json.dumps(params["rank_status"])
-
-
-def stop_argv(env_wrapper: str, run_dir: str) -> list[str]:
-    """``xeonsd jobstatus stop``: SIGTERM to the job's run.sh, which stops the job cleanly (xeonsd_job ``stop``)."""
-    return [env_wrapper, "xeonsd", "jobstatus", "stop", run_dir]
-
-
-def ranks_argv(env_wrapper: str, run_dir: str) -> list[str]:
-    """``xeonsd jobstatus ranks``: this node's rank status files."""
-    return [env_wrapper, "xeonsd", "jobstatus", "ranks", run_dir]
 
 
 def answer(argv: list[str], rc: int, stdout: str, stderr: str) -> dict:

@@ -231,9 +231,7 @@ def main() -> None:
         module.exit_json(changed=stale, removed_stale_pid_file=stale, **result)
     if module.check_mode:
         module.exit_json(changed=True, **result)
-    killed = False
-    if running:
-        killed = stop(pid, p["stop_timeout"])
+    killed = running and stop(pid, p["stop_timeout"])
     if os.path.exists(p["pid_file"]):
         os.unlink(p["pid_file"])
     if p["state"] == "stopped":

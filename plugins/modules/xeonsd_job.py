@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.xeonsd_joblog import answer, poll_argv, poll_stdin, stop_argv
+from ansible.module_utils.xeonsd_joblog import answer, jobstatus_argv, poll_argv, poll_stdin
 
 DOCUMENTATION = r"""
 module: xeonsd_job
@@ -101,7 +101,7 @@ def main() -> None:
         module.fail_json(msg=f"run directory {params['run_dir']} does not exist on this node")
     stopped = None
     if params["stop"] and not module.check_mode:
-        argv = stop_argv(params["env_wrapper"], params["run_dir"])
+        argv = jobstatus_argv(params["env_wrapper"], "stop", params["run_dir"])
         rc, out, err = module.run_command(argv)
         try:
             stopped = answer(argv, rc, out, err)

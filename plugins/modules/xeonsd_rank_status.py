@@ -9,7 +9,7 @@ node's ``xeonsd jobstatus ranks``, run in the diffuser env through the mpi role'
 from __future__ import annotations
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.xeonsd_joblog import answer, ranks_argv
+from ansible.module_utils.xeonsd_joblog import answer, jobstatus_argv
 
 DOCUMENTATION = r"""
 module: xeonsd_rank_status
@@ -38,7 +38,7 @@ def main() -> None:
         },
         supports_check_mode=True,
     )
-    argv = ranks_argv(module.params["env_wrapper"], module.params["run_dir"])
+    argv = jobstatus_argv(module.params["env_wrapper"], "ranks", module.params["run_dir"])
     rc, out, err = module.run_command(argv)
     try:
         found = answer(argv, rc, out, err)

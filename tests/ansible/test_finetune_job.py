@@ -82,7 +82,9 @@ def test_the_job_module_s_poll_is_the_package_s_answer(tmp_path: Path, wrapper: 
         "excerpt_lines": 5,
     }
     # xeonsd_rank_status on each node, then xeonsd_job with what they found.
-    gathered = [s for n in NODES for s in _run(joblog.ranks_argv(wrapper, str(tmp_path / n["name"])))["statuses"]]
+    gathered = [
+        s for n in NODES for s in _run(joblog.jobstatus_argv(wrapper, "ranks", str(tmp_path / n["name"])))["statuses"]
+    ]
     assert len(gathered) == 8
     params_gathered = {**params, "rank_status": gathered}
     state = _run(joblog.poll_argv(params_gathered), joblog.poll_stdin(params_gathered))
@@ -91,7 +93,7 @@ def test_the_job_module_s_poll_is_the_package_s_answer(tmp_path: Path, wrapper: 
     assert state["msg"].startswith("finished (rc 2) · starting: 0/8 ranks up")
     # Without the gathered files: this node's own (none here), and a node where no rank started has none.
     assert _run(joblog.poll_argv(params))["failure"]["summary"].startswith("unknown node: no rank of this attempt")
-    assert _run(joblog.ranks_argv(wrapper, str(tmp_path / "node9")))["statuses"] == []
+    assert _run(joblog.jobstatus_argv(wrapper, "ranks", str(tmp_path / "node9")))["statuses"] == []
 
 
 def test_a_poll_that_cannot_read_the_job_says_why(tmp_path: Path, wrapper: str) -> None:

@@ -207,7 +207,8 @@ def _typed_part(cls: type, data: object, where: str, name: str):
     return cls(**{n: data[n] for n in field_names(cls) if n in data})
 
 
-def _read(path: Path) -> object:
+def read_json(path: Path) -> object:
+    """The JSON in the file at ``path``; StatusFileError when it is not JSON."""
     try:
         return json.loads(Path(path).read_text())
     except ValueError as exc:
@@ -215,19 +216,19 @@ def _read(path: Path) -> object:
 
 
 def read_rank_status(path: Path) -> RankStatus:
-    return rank_status_from_dict(_read(path), str(path))
+    return rank_status_from_dict(read_json(path), str(path))
 
 
 def read_attempt(run_dir: Path) -> Attempt | None:
     path = Path(run_dir) / ATTEMPT_FILE
-    return _typed(Attempt, _read(path), str(path)) if path.exists() else None
+    return _typed(Attempt, read_json(path), str(path)) if path.exists() else None
 
 
 def read_exit(run_dir: Path) -> ExitStatus | None:
     path = Path(run_dir) / EXIT_FILE
     if not path.exists():
         return None
-    ended = _typed(ExitStatus, _read(path), str(path))
+    ended = _typed(ExitStatus, read_json(path), str(path))
     if ended.stopped is not None:
         ended = dataclasses.replace(ended, stopped=_typed_part(Stop, ended.stopped, str(path), "stopped"))
     return ended

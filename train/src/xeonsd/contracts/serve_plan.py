@@ -251,11 +251,6 @@ def blend_args(blends: Any, registered: Sequence[Mapping[str, Any]]) -> list[str
     return [composite(k) for k in keys]
 
 
-def adapter_arg(adapter: Mapping[str, Any]) -> str:
-    """``NAME=PATH:ALPHA``, as ``xeonsd serve --adapter`` takes it."""
-    return f"{adapter['name']}={adapter['path']}:{float(adapter['alpha']):g}"
-
-
 def serve_argv(served: Mapping[str, Any], settings: Mapping[str, Any]) -> list[str]:
     """``["serve", EXPORT, "--adapter", "NAME=PATH:ALPHA", …, "--blend", BLEND, …, "--name", …]`` of a plan; ``settings``
     has the flags of :data:`SERVE_FLAGS` (``max-images`` also as ``max_images``); an empty one is left to xeonsd's
@@ -263,7 +258,7 @@ def serve_argv(served: Mapping[str, Any], settings: Mapping[str, Any]) -> list[s
     argv = ["serve", served["export"]]
     settings = {"name": served.get("name") or "", **{k: v for k, v in settings.items() if v not in (None, "")}}
     for adapter in served["adapters"]:
-        argv += ["--adapter", adapter_arg(adapter)]
+        argv += ["--adapter", f"{adapter['name']}={adapter['path']}:{float(adapter['alpha']):g}"]  # NAME=PATH:ALPHA
     for blend in served.get("blends", ()):
         argv += ["--blend", blend]
     unknown = sorted(set(settings) - {*SERVE_FLAGS, *(f.replace("-", "_") for f in SERVE_FLAGS)})

@@ -10,12 +10,11 @@ limit: either it ended it (``TIMEOUT``) or the ranks stopped on the warning sign
 
 from __future__ import annotations
 
-import json
 import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from xeonsd.contracts.job_status import StatusFileError
+from xeonsd.contracts.job_status import StatusFileError, read_json
 
 SLURM_FILE = "slurm.json"
 SCHEMA_VERSION = 1
@@ -44,10 +43,7 @@ def read_slurm_job(run_dir: Path) -> SlurmJob | None:
     path = Path(run_dir) / SLURM_FILE
     if not path.exists():
         return None
-    try:
-        data = json.loads(path.read_text())
-    except ValueError as exc:
-        raise StatusFileError(f"{path}: not JSON ({exc})") from exc
+    data = read_json(path)
     if not isinstance(data, dict) or data.get("schema") != SCHEMA_VERSION:
         raise StatusFileError(f"{path}: not a slurm.json of schema {SCHEMA_VERSION}")
     try:

@@ -5,24 +5,29 @@ the node by :mod:`.watch`."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 METRICS = ("metrics.partial.jsonl", "metrics.jsonl")
 
 
+def metrics_rows(run_dir: str | Path, names: tuple[str, ...] = METRICS) -> list[dict]:
+    """The rows of the first of the metrics files ``names`` in ``run_dir`` that exists (none: []); a line that is
+    not JSON (being written right now, or cut short by a crash) is skipped."""
+    for name in names:
+        path = Path(run_dir) / name
+        if path.is_file():
+            rows = []
+            for line in path.read_text().splitlines():
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    continue
+            return rows
+    return []
+
+
 def read_progress(run_dir: str | Path, total: int) -> dict:
-    rows = []
-    for name in METRICS:
-        path = os.path.join(run_dir, name)
-        if os.path.isfile(path):
-            with open(path) as fh:
-                for line in fh:
-                    try:
-                        rows.append(json.loads(line))
-                    except ValueError:
-                        continue  # a line being written right now
-            break
+    rows = metrics_rows(run_dir)
     if not rows:
         return {"step": 0, "total": total}
     last = rows[-1]

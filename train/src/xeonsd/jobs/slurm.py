@@ -60,10 +60,6 @@ def parse_sacct(text: str, job_id: str) -> SlurmJob | None:
     return None
 
 
-def sacct_argv(job_id: str) -> list[str]:
-    return ["sacct", "-n", "-P", "-j", job_id, "-o", ",".join(SACCT_FIELDS)]
-
-
 def _duration_s(text: str) -> int:
     """scontrol's [DD-]HH:MM:SS (or MM:SS) in seconds."""
     days, _, clock = text.rpartition("-")
@@ -103,9 +99,10 @@ def parse_scontrol(text: str, job_id: str) -> SlurmJob | None:
 def query(job_id: str, wait_s: float = 60, poll_s: float = 2, run=subprocess.run) -> SlurmJob:
     """The ended job's accounting, asked of sacct until it has the final line (slurmctld hands it to slurmdbd a
     moment after the job ends); StatusFileError naming sacct's answer when it never comes."""
+    sacct = ["sacct", "-n", "-P", "-j", job_id, "-o", ",".join(SACCT_FIELDS)]
     deadline = time.monotonic() + wait_s
     while True:
-        proc = run(sacct_argv(job_id), text=True, capture_output=True, check=False)
+        proc = run(sacct, text=True, capture_output=True, check=False)
         if proc.returncode == 0:
             job = parse_sacct(proc.stdout, job_id)
             if job is not None:

@@ -33,29 +33,23 @@ class RankStatusFile:
         self._write()
 
     def update(self, *, state: str | None = None, step: int | None = None, error: LastError | None = None) -> None:
-        changes: dict = {"updated": time.time()}
-        if state is not None:
-            changes["state"] = state
-        if step is not None:
-            changes["step"] = step
-        if error is not None:
-            changes["error"] = error
-        self.status = dataclasses.replace(self.status, **changes)
+        given = {"state": state, "step": step, "error": error}
+        self._change(**{k: v for k, v in given.items() if v is not None})
+
+    def _change(self, **fields: object) -> None:
+        """The status with these fields changed and written now."""
+        self.status = dataclasses.replace(self.status, updated=time.time(), **fields)
         self._write()
 
     def record_memory(self, pss_bytes: int, shared_bytes: int, private_bytes: int) -> None:
         """This rank's memory figures now (:mod:`xeonsd.cluster.memory`): kept until the next ones."""
-        self.status = dataclasses.replace(
-            self.status, pss_bytes=pss_bytes, shared_bytes=shared_bytes, private_bytes=private_bytes
-        )
-        self.update()
+        self._change(pss_bytes=pss_bytes, shared_bytes=shared_bytes, private_bytes=private_bytes)
 
     def fail(self, kind: str, message: str, peer: str | None = None) -> None:
         self.update(state="failed", error=LastError(kind, message, peer))
 
     def interrupt(self, stop: Stop) -> None:
-        self.status = dataclasses.replace(self.status, state="interrupted", step=stop.step, stop=stop)
-        self.update()
+        self._change(state="interrupted", step=stop.step, stop=stop)
 
     def _write(self) -> None:
         # Always in a launched job's attempt (run.sh sets XEONSD_ATTEMPT; the play reads the file, also for a rank

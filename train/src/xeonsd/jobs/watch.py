@@ -280,14 +280,9 @@ def async_state(results_file: str | Path) -> dict:
     try:
         with open(results_file) as fh:
             data = json.load(fh)
-    except FileNotFoundError:
+    except (FileNotFoundError, ValueError):  # not there yet, or being written
         return {"finished": False}
-    except ValueError:
-        return {"finished": False}  # being written
-    if "started" not in data:
-        data["finished"] = True
-    else:
-        data["finished"] = bool(data.get("finished"))
+    data["finished"] = "started" not in data or bool(data.get("finished"))
     return data
 
 

@@ -83,13 +83,8 @@ def check_method(method: str) -> Check:
     """The packages the chosen method needs on this node (LoRA: peft)."""
     found, missing = _import_all(METHOD_FILES[method]["needs"])
     if missing:
-        return Check(
-            "method",
-            "FAIL",
-            f"--method {method} needs "
-            + "; ".join(missing)
-            + ": install requirements.txt into the env (provision.yml)",
-        )
+        fix = "install requirements.txt into the env (provision.yml)"
+        return Check("method", "FAIL", f"--method {method} needs {'; '.join(missing)}: {fix}")
     return Check("method", "PASS", method + (": " + ", ".join(found) if found else ""))
 
 
@@ -111,15 +106,9 @@ def check_inputs(train_args: list[str], ranks_per_node: int = 1) -> list[Check]:
         checks.append(Check("images", "PASS", f"{len(images)} readable images in {cfg.train_data_dir}"))
         captions = read_captions(Path(cfg.train_data_dir), images, cfg.caption_column)
         for_config(cfg).check(cfg, captions)
-        checks.append(
-            Check(
-                "captions",
-                "PASS",
-                f"{len(captions.texts)} from {captions.source}"
-                if captions
-                else f"none ({'templates' if cfg.method == 'textual_inversion' else '--instance_prompt'})",
-            )
-        )
+        instead = "templates" if cfg.method == "textual_inversion" else "--instance_prompt"
+        found = f"{len(captions.texts)} from {captions.source}" if captions else f"none ({instead})"
+        checks.append(Check("captions", "PASS", found))
     except (DataError, ConfigError) as exc:
         checks.append(Check("images" if not images else "captions", "FAIL", str(exc)))
     try:
@@ -223,14 +212,11 @@ def run_checks(
     train_args: list[str], env: dict[str, str], timeout: float, skip_train: bool, ranks_per_node: int = 1
 ) -> list[Check]:
     checks = [check_packages(), check_tcmalloc(env), check_cpu(), *check_inputs(train_args, ranks_per_node)]
-    ready = all(c.status != "FAIL" for c in checks)
     if skip_train:
-        pass
-    elif ready:
-        checks.append(trial_step(train_args, env, timeout))
-    else:
-        checks.append(Check("train 1 step", "FAIL", "skipped: fix the failures above first"))
-    return checks
+        return checks
+    if all(c.status != "FAIL" for c in checks):
+        return [*checks, trial_step(train_args, env, timeout)]
+    return [*checks, Check("train 1 step", "FAIL", "skipped: fix the failures above first")]
 
 
 def format_table(checks: list[Check]) -> str:

@@ -23,11 +23,12 @@ from typing import Any
 from xeonsd.contracts.method_names import METHOD_FILES
 from xeonsd.contracts.run_files import TENSORBOARD_DIR, TRAINING_WALL
 from xeonsd.fsutil import atomic_file
+from xeonsd.jobs.progress import metrics_rows
 from xeonsd.modelfiles.families import SPECS
 from xeonsd.ops import run_view as clusterview
 from xeonsd.ops.report_cluster import cluster_sections, html_table
 from xeonsd.ops.report_status import ended_attempt, status_line, stopped_section
-from xeonsd.trainer.metrics import GRID, VALIDATION_LABEL, loss_curve, read_summary, validation_points
+from xeonsd.trainer.metrics import FINAL, GRID, PARTIAL, VALIDATION_LABEL, loss_curve, read_summary, validation_points
 
 REPORT = "report.html"
 
@@ -37,20 +38,6 @@ def _load_json(path: Path) -> Any:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-
-
-def _metrics(run: Path) -> list[dict]:
-    for name in ("metrics.jsonl", "metrics.partial.jsonl"):
-        path = run / name
-        if path.is_file():
-            rows = []
-            for line in path.read_text().splitlines():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue  # a line cut short by a crash
-            return rows
-    return []
 
 
 def training_summary(rows: list[dict]) -> dict[str, Any]:
@@ -128,9 +115,6 @@ def _find_export_manifest(run: Path) -> dict | None:
     return None
 
 
-RESULT_NAMES = {name: files["what"] for name, files in METHOD_FILES.items()}
-
-
 def _size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1000 or unit == "GB":
@@ -139,9 +123,12 @@ def _size(n: float) -> str:
     raise AssertionError
 
 
-def method_section(summary: dict, rows: list[dict]) -> str:
+def _method_section(summary: dict, rows: list[dict], missing: list[str]) -> list[str]:
     """What trained (train_summary.json): the method, its trainable parameters, the result's size, the prompts
     (captions) used and the bytes each rank all-reduced per step."""
+    if not summary:
+        missing.append("train_summary.json (the method and its result)")
+        return []
     method = summary.get("method", "?")
     data: dict[str, Any] = {"method": method}
     if summary.get("trainable_params") is not None:
@@ -152,7 +139,8 @@ def method_section(summary: dict, rows: list[dict]) -> str:
         data["concept token(s)"] = " ".join(summary["placeholder_tokens"])
     result = summary.get("result") or {}
     if result:
-        data[RESULT_NAMES.get(method, "result")] = f"{result.get('path')} · {_size(result.get('bytes', 0))}"
+        what = METHOD_FILES.get(method, {}).get("what", "result")  # "LoRA adapter", …
+        data[what] = f"{result.get('path')} · {_size(result.get('bytes', 0))}"
     prompts = summary.get("prompts") or {}
     if prompts:
         data["captions used"] = (
@@ -174,7 +162,7 @@ def method_section(summary: dict, rows: list[dict]) -> str:
         data["all-reduced per step (per rank)"] = _size(counted) + (
             f" (measured {_size(measured)})" if measured is not None else ""
         )
-    return "<h2>Method</h2>" + html_table(data)
+    return ["<h2>Method</h2>" + html_table(data)]
 
 
 def flow_sampling(loss: dict) -> str | None:
@@ -206,11 +194,12 @@ def build_report(run: Path) -> str:
     run = Path(run)
     info = _load_json(run / "run.json") or {}
     missing: list[str] = []
-    rows = _metrics(run)
+    rows = metrics_rows(run, (FINAL, PARTIAL))
     images_dir = run / "images"
     timings = _load_json(images_dir / "timings.json") or {}
     figs = _figures(run, info, rows, timings)
     ended = ended_attempt(run)
+    trained = read_summary(run) or {}
     how = _how_it_ran(run, info, missing)  # last, but what it lacks goes into the list before it
     sections = [
         status_line(run, ended, info, rows, figs),
@@ -218,9 +207,9 @@ def build_report(run: Path) -> str:
         *_images_section(images_dir, timings, missing),
         *_validation_section(run),
         *_loss_section(run, rows, missing),
-        *_method_section(run, rows, missing),
+        *_method_section(trained, rows, missing),
         *(["<h2>Cluster</h2>" + html_table(info["cluster"])] if info.get("cluster") else []),
-        *cluster_sections(rows, figs, (read_summary(run) or {}).get("startup", {}).get("shared_weights_bytes")),
+        *cluster_sections(rows, figs, trained.get("startup", {}).get("shared_weights_bytes")),
         *_phases_section(info, timings),
         *_export_section(run, info),
         *_missing_section(missing),
@@ -242,15 +231,6 @@ def _how_it_ran(run: Path, info: dict, missing: list[str]) -> list[str]:
     ]
     body = "".join(f"<details><summary>{name}</summary>{text}</details>" for name, text in folds if text)
     return ["<h2>How it ran</h2>" + body]
-
-
-def _method_section(run: Path, rows: list[dict], missing: list[str]) -> list[str]:
-    """The method and its result."""
-    trained = read_summary(run)
-    if not trained:
-        missing.append("train_summary.json (the method and its result)")
-        return []
-    return [method_section(trained, rows)]
 
 
 def _loss_section(run: Path, rows: list[dict], missing: list[str]) -> list[str]:

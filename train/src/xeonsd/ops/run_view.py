@@ -119,26 +119,29 @@ def figures(rows: list[dict], prices: dict, train_wall_s: float | None, image_s:
     }
 
 
-def _png(fig: Any) -> str:
-    import matplotlib.pyplot as plt
-
-    buf = io.BytesIO()
-    try:
-        fig.savefig(buf, format="png")
-    finally:
-        plt.close(fig)
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def utilisation_png(rows: list[dict]) -> str:
-    """Per-node CPU utilisation over the run, with the warning threshold; a data: URL."""
+def _pyplot() -> Any:
+    """matplotlib.pyplot, drawing without a display."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _png(fig: Any) -> str:
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format="png")
+    finally:
+        _pyplot().close(fig)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def utilisation_png(rows: list[dict]) -> str:
+    """Per-node CPU utilisation over the run, with the warning threshold; a data: URL."""
     util = utilisation(rows)
-    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=100)
+    fig, ax = _pyplot().subplots(figsize=(7, 3.5), dpi=100)
     for node, d in util.items():
         ax.plot(d["steps"], [100 * u for u in d["cpu_util"]], marker="o", ms=3, label=node)
     thresholds = stats_rows(rows)[-1]["rank_stats"].get("thresholds", {})
@@ -155,14 +158,9 @@ def utilisation_png(rows: list[dict]) -> str:
 
 def split_png(rows: list[dict]) -> str:
     """Per node, the mean step split into compute, all-reduce wait and data, as stacked bars; a data: URL."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     split = time_split(rows)
     names = list(split)
-    fig, ax = plt.subplots(figsize=(7, 0.6 * len(names) + 1.4), dpi=100)
+    fig, ax = _pyplot().subplots(figsize=(7, 0.6 * len(names) + 1.4), dpi=100)
     left = [0.0] * len(names)
     for key, label, color in zip(
         SPLIT, ("compute", "waiting in the all-reduce", "data"), ("tab:blue", "tab:orange", "tab:green"), strict=True
