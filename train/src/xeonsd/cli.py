@@ -7,6 +7,7 @@ node that only generates does not need the training stack.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from pathlib import Path
@@ -105,15 +106,9 @@ def _quietly(args: argparse.Namespace, out: str, run) -> int:
         return run(console)
 
 
-def _export(args: argparse.Namespace) -> int:
-    from xeonsd.openvino.export import main_args
-
-    return _quietly(args, args.out, lambda console: main_args(args, console))
-
-
-def _generate(args: argparse.Namespace) -> int:
-    from xeonsd.openvino.generate import main_args
-
+def _openvino(args: argparse.Namespace) -> int:
+    """``xeonsd export`` or ``generate``: ``main_args`` of :mod:`xeonsd.openvino.export` or ``.generate``."""
+    main_args = importlib.import_module(f"xeonsd.openvino.{args.command}").main_args
     return _quietly(args, args.out, lambda console: main_args(args, console))
 
 
@@ -142,7 +137,7 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
 
     add_flags(p, ExportRequest, dashes=True)
     _add_console_flags(p)
-    p.set_defaults(func=_export)
+    p.set_defaults(func=_openvino)
 
 
 def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -151,11 +146,13 @@ def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
         help="generate images from an OpenVINO export",
         description="Generate PNGs, grid.png and timings.json from an `xeonsd export` directory.",
     )
-    from xeonsd.openvino.generate_args import add_generate_arguments
+    from xeonsd.flags import add_flags
+    from xeonsd.openvino.generate_args import GenerateCommand, GenerateOptions
 
-    add_generate_arguments(p)
+    add_flags(p, GenerateCommand, dashes=True)
+    add_flags(p, GenerateOptions, dashes=True)
     _add_console_flags(p)
-    p.set_defaults(func=_generate)
+    p.set_defaults(func=_openvino)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -165,20 +162,11 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace, rest: list[str]) -> int:
-    if args.what == "train":
-        from xeonsd.bench.train import main as bench_main
-    elif args.what == "layout":
-        from xeonsd.bench.layout import main as bench_main
-    elif args.what == "serve":
-        from xeonsd.bench.serve import main as bench_main
-    elif args.what == "optimizer":
-        from xeonsd.bench.optimizer import main as bench_main
-    elif args.what == "memory":
-        from xeonsd.bench.memory import main as bench_main
-    else:
-        from xeonsd.bench.generate import main as bench_main
-    return bench_main(rest)
+BENCHES = ("train", "generate", "layout", "serve", "optimizer", "memory")  # each is xeonsd.bench.<name>.main
+
+
+def _bench(what: str, rest: list[str]) -> int:
+    return importlib.import_module(f"xeonsd.bench.{what}").main(rest)
 
 
 def _add_make_tiny_model(sub: Any) -> None:
@@ -272,10 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_job_parsers(sub)  # jobstatus, runjson, slurmjob
 
-    p = sub.add_parser(
-        "bench", help="benchmarks (`xeonsd bench train|generate|layout|serve|optimizer|memory --help`)", add_help=False
-    )
-    p.add_argument("what", choices=["train", "generate", "layout", "serve", "optimizer", "memory"])
+    p = sub.add_parser("bench", help=f"benchmarks (`xeonsd bench {'|'.join(BENCHES)} --help`)", add_help=False)
+    p.add_argument("what", choices=BENCHES)
     return parser
 
 
@@ -294,13 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         from xeonsd.cluster.hello import main as hello_main
 
         return hello_main(argv[1:])
-    if (
-        argv
-        and argv[0] == "bench"
-        and len(argv) > 1
-        and argv[1] in ("train", "generate", "layout", "serve", "optimizer", "memory")
-    ):
-        return _bench(argparse.Namespace(what=argv[1]), argv[2:])
+    if len(argv) > 1 and argv[0] == "bench" and argv[1] in BENCHES:
+        return _bench(argv[1], argv[2:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

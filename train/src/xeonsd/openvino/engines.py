@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from xeonsd.modelfiles.families import spec
 from xeonsd.openvino import pipelines
 
 if TYPE_CHECKING:
@@ -62,6 +63,18 @@ class Engine(abc.ABC):
     def run(self, call: Call, steps: int | None = None) -> list[Any]:
         """The PIL images of one call (``steps`` overrides the options, e.g. for a warm-up)."""
 
+    def _call_kwargs(self, steps: int | None) -> dict[str, Any]:
+        """What a call of either pipeline is given besides the prompts, their images and the generator."""
+        kwargs: dict[str, Any] = {
+            "num_inference_steps": steps or self.opts.steps,
+            "guidance_scale": self.opts.guidance_scale,
+            "height": self.plan.shape.height,
+            "width": self.plan.shape.width,
+        }
+        if self.max_sequence_length is not None:
+            kwargs["max_sequence_length"] = self.max_sequence_length
+        return kwargs
+
     def close(self) -> None:
         self._pipe = None
         if self._workdir is not None:
@@ -82,7 +95,7 @@ class OptimumEngine(Engine):
             from xeonsd.modelfiles.concept_file import add_to_openvino, load_concepts
 
             concepts = load_concepts(self.opts.embeds, self.opts.token, self.family)
-            for encoder, tokenizer in pipelines.text_side(self.family):
+            for encoder, tokenizer in spec(self.family).text_side:
                 add_to_openvino(getattr(pipe, tokenizer), getattr(pipe, encoder).model, concepts[encoder])
             self.concept_tokens = [*self.concept_tokens, *concepts["text_encoder"].tokens]
         if (
@@ -92,8 +105,8 @@ class OptimumEngine(Engine):
             raise GenerateError(f"--negative-prompt: {type(pipe).__name__} takes no negative prompt; drop it")
         self.load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        encoders = [getattr(pipe, encoder) for encoder, _ in pipelines.text_side(self.family)]
-        denoiser = getattr(pipe, pipelines.denoiser(self.family))
+        encoders = [getattr(pipe, encoder) for encoder, _ in spec(self.family).text_side]
+        denoiser = getattr(pipe, spec(self.family).denoiser)
         for part in (*encoders, denoiser, pipe.vae_decoder):  # the VAE encoder is not used here
             part.compile()
         self.compile_s = time.perf_counter() - t0
@@ -103,21 +116,11 @@ class OptimumEngine(Engine):
     def run(self, call: Call, steps: int | None = None) -> list[Any]:
         import torch
 
-        extra: dict[str, Any] = {}
-        if self.max_sequence_length is not None:
-            extra["max_sequence_length"] = self.max_sequence_length
+        kwargs = self._call_kwargs(steps)
         if self.opts.negative_prompt is not None:  # FLUX.2 [klein]'s pipeline takes no negative_prompt at all
-            extra["negative_prompt"] = [self.opts.negative_prompt] * len(call.prompts)
-        result = self._pipe(
-            **extra,
-            prompt=call.prompts,
-            num_images_per_prompt=call.per_prompt,
-            num_inference_steps=steps or self.opts.steps,
-            guidance_scale=self.opts.guidance_scale,
-            height=self.plan.shape.height,
-            width=self.plan.shape.width,
-            generator=torch.Generator("cpu").manual_seed(call.seed),
-        )
+            kwargs["negative_prompt"] = [self.opts.negative_prompt] * len(call.prompts)
+        generator = torch.Generator("cpu").manual_seed(call.seed)
+        result = self._pipe(prompt=call.prompts, num_images_per_prompt=call.per_prompt, generator=generator, **kwargs)
         return list(result.images)
 
 
@@ -132,6 +135,7 @@ class GenaiEngine(Engine):
         import openvino as ov
 
         from xeonsd.modelfiles.concept_file import load_concepts
+        from xeonsd.openvino.lora_files import PREFIXES
 
         if self._workdir is None:
             self._workdir = tempfile.TemporaryDirectory(prefix="xeonsd-genai-")
@@ -142,7 +146,7 @@ class GenaiEngine(Engine):
             concepts = load_concepts(self.opts.embeds, self.opts.token, self.family)
             self.concept_tokens = [*self.concept_tokens, *concepts["text_encoder"].tokens]
         clip = pipelines.clip_encoders(self.family)
-        sides = [(enc, tok) for enc, tok in pipelines.text_side(self.family) if enc in clip]
+        sides = [(enc, tok) for enc, tok in spec(self.family).text_side if enc in clip]
         edited = {enc for enc, _ in sides}
         edited |= {tok for _, tok in sides} if concepts else set()
         for entry in self.ov_dir.iterdir():
@@ -152,7 +156,7 @@ class GenaiEngine(Engine):
             model = ov.Core().read_model(self.ov_dir / encoder / "openvino_model.xml")
             if concepts is not None:
                 self._add_concept(root, tokenizer, model, concepts[encoder])
-            prefix = loraformat_prefix(encoder)
+            prefix = PREFIXES[encoder]  # the kohya prefix of its LoRA modules: lora_te_, lora_te2_
             for modules, alpha in self._text_loras:
                 pipelines.fuse_into_ir(model, [m for m in modules if m.name.startswith(prefix)], alpha)
             (root / encoder).mkdir()
@@ -181,7 +185,7 @@ class GenaiEngine(Engine):
             self._workdir = tempfile.TemporaryDirectory(prefix="xeonsd-genai-")
         weights = loraformat.ir_weight_shapes(self.ov_dir)
         model = f"{self.ov_dir} (exported from {self.source})"
-        denoiser = loraformat.PREFIXES[pipelines.denoiser(self.family)]
+        denoiser = loraformat.PREFIXES[spec(self.family).denoiser]
         text_apart = len(pipelines.clip_encoders(self.family)) > 1  # GenAI cannot tell them apart (module doc)
         pairs = []
         for i, (path, alpha) in enumerate(self.opts.loras):
@@ -197,7 +201,7 @@ class GenaiEngine(Engine):
                 if not modules:
                     continue
             converted = Path(self._workdir.name) / "lora" / f"{i}-{Path(path).stem}.safetensors"
-            loraformat.convert_for_genai_of(path, modules, converted, pipelines.denoiser(self.family))
+            loraformat.convert_for_genai_of(path, modules, converted, spec(self.family).denoiser)
             pairs.append((openvino_genai.Adapter(str(converted)), float(alpha)))
         return openvino_genai.AdapterConfig(pairs) if pairs else None
 
@@ -208,21 +212,13 @@ class GenaiEngine(Engine):
         adapters = self._adapters() if self.opts.loras else None
         overlay = self.opts.embeds is not None or any(mods for mods, _ in self._text_loras)
         models = self._overlay() if overlay else self.ov_dir
-        pipe = openvino_genai.Text2ImagePipeline(str(models))
-        if self.max_sequence_length is not None:  # before reshape: GenAI fixes T5's length to its config's
-            config = pipe.get_generation_config()
-            config.max_sequence_length = self.max_sequence_length
-            pipe.set_generation_config(config)
+        pipe = genai_pipeline(openvino_genai.Text2ImagePipeline, models, self.max_sequence_length)
         if self.plan.static:
             shape = self.plan.shape
             pipe.reshape(shape.images_per_call, shape.height, shape.width, self.opts.guidance_scale)
         self.load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        properties = self.opts.compile_properties()
-        if adapters is not None:  # GenAI applies adapters only when they are given at compile time
-            pipe.compile("CPU", adapters=adapters, **properties)
-        else:
-            pipe.compile("CPU", **properties)
+        compile_genai(pipe, self.opts.compile_properties(), adapters)
         self.compile_s = time.perf_counter() - t0
         self._pipe = pipe
         return self
@@ -233,26 +229,33 @@ class GenaiEngine(Engine):
 
         from xeonsd.modelfiles.concept_file import expand_prompt
 
-        kwargs: dict[str, Any] = {}
-        if self.max_sequence_length is not None:
-            kwargs["max_sequence_length"] = self.max_sequence_length
+        kwargs = self._call_kwargs(steps)
         if self.opts.negative_prompt is not None:
             kwargs["negative_prompt"] = self.opts.negative_prompt
         tensor = self._pipe.generate(
             expand_prompt(call.prompts[0], self.concept_tokens),
             num_images_per_prompt=len(call.prompts) * call.per_prompt,
-            num_inference_steps=steps or self.opts.steps,
-            guidance_scale=self.opts.guidance_scale,
-            height=self.plan.shape.height,
-            width=self.plan.shape.width,
             generator=openvino_genai.TorchGenerator(call.seed),
             **kwargs,
         )
         return [Image.fromarray(a) for a in tensor.data]
 
 
-def loraformat_prefix(encoder: str) -> str:
-    """The kohya prefix of a text encoder's LoRA modules (``lora_te_``, ``lora_te2_``)."""
-    from xeonsd.openvino.lora_files import PREFIXES
+def genai_pipeline(cls: Any, models: Path, max_sequence_length: int | None) -> Any:
+    """A GenAI pipeline of class ``cls`` over the exported ``models``, given T5's prompt length (FLUX.1/SD3; None:
+    CLIP only) before any reshape: GenAI fixes T5's length to its config's then."""
+    pipe = cls(str(models))
+    if max_sequence_length is not None:
+        config = pipe.get_generation_config()
+        config.max_sequence_length = max_sequence_length
+        pipe.set_generation_config(config)
+    return pipe
 
-    return PREFIXES[encoder]
+
+def compile_genai(pipe: Any, properties: dict[str, Any], adapters: Any = None) -> None:
+    """Compile ``pipe`` on the CPU with ``properties`` and the ``AdapterConfig`` ``adapters`` (None: none); GenAI
+    applies adapters only when they are given at compile time, and never switches them afterwards."""
+    if adapters is not None:
+        pipe.compile("CPU", adapters=adapters, **properties)
+    else:
+        pipe.compile("CPU", **properties)

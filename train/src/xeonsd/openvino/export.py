@@ -171,7 +171,7 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
             pipelines.split_free_matmul_inputs(pipe.transformer.model)
         with atomic_dir(out, overwrite=opts.overwrite) as tmp:
             save_networks(pipe, Path(tmp), out)
-            for _, tokenizer in pipelines.text_side(family.name):
+            for _, tokenizer in family.spec.text_side:
                 ovtokenizer.save(getattr(pipe, tokenizer), tmp, tokenizer)
             manifest = {
                 "source": src,
@@ -246,7 +246,7 @@ def _check_vocab(pipe: Any, family: Family) -> int | None:
     from xeonsd.modelfiles.concept_file import ov_vocab_rows
 
     counts = []
-    for i, (encoder, tokenizer) in enumerate(pipelines.text_side(family.name)):
+    for i, (encoder, tokenizer) in enumerate(family.spec.text_side):
         if not family.spec.text_encoder_class(i).startswith("CLIP"):
             continue
         rows, tokens = ov_vocab_rows(getattr(pipe, encoder).model), len(getattr(pipe, tokenizer))

@@ -29,7 +29,7 @@ from xeonsd.modelfiles.families import spec
 from xeonsd.openvino.engines import Engine, GenaiEngine, GenerateError, OptimumEngine
 from xeonsd.openvino.generate_args import ENGINES, PRECISIONS, GenerateCommand, GenerateOptions
 from xeonsd.openvino.manifest import StaticShape, check_writable_output, read_manifest, static_shape
-from xeonsd.openvino.pipelines import manifest_family, text_side
+from xeonsd.openvino.pipelines import manifest_family
 
 log = logging.getLogger(__name__)
 
@@ -107,14 +107,13 @@ def check_loras(opts: GenerateOptions, family: str = "sd") -> None:
     and existing files; checked before any model is loaded."""
     if not opts.loras:
         return
+    first = opts.loras[0][0]
     if not spec(family).genai_adapters:
-        first = opts.loras[0][0]
         raise GenerateError(
             f"--lora: OpenVINO GenAI has no LoRA adapters for {spec(family).label}; fuse the adapter into an export "
             f"instead: xeonsd export SRC OUT --lora {first} --lora-scale S"
         )
     if opts.engine != "genai":
-        first = opts.loras[0][0]
         raise GenerateError(
             f"--engine {opts.engine} has no runtime LoRA; use --engine genai, or fuse the adapter into an export: "
             f"xeonsd export SRC OUT --lora {first} --lora-scale S"
@@ -135,20 +134,19 @@ def open_engine(ov_dir: Path, opts: GenerateOptions) -> Engine:
     if opts.embeds is not None and spec(family).objective == "flow":
         raise GenerateError(f"--embeds: textual inversion is not served for {spec(family).label}; use a LoRA (--lora)")
     check_loras(opts, family)
-    for _, tokenizer in text_side(manifest_family(manifest)) if opts.engine == "genai" else ():
+    for _, tokenizer in spec(family).text_side if opts.engine == "genai" else ():
         if not (ov_dir / tokenizer / "openvino_tokenizer.xml").is_file():
             raise GenerateError(f"{ov_dir} has no {tokenizer}/openvino_tokenizer.xml, which --engine genai needs")
     if opts.guidance_scale is None:
         opts = replace(opts, guidance_scale=spec(family).guidance_scale)
     cls = OptimumEngine if opts.engine == "optimum" else GenaiEngine
-    tokens = list(manifest.get("concept_tokens", []))
     engine = cls(
         ov_dir=ov_dir,
         plan=plan,
         opts=opts,
-        concept_tokens=tokens,
+        concept_tokens=list(manifest.get("concept_tokens", [])),
         source=str(manifest.get("source")),
-        family=manifest_family(manifest),
+        family=family,
         max_sequence_length=manifest.get("max_sequence_length"),
     )
     try:

@@ -4,11 +4,10 @@ standard library: ``xeonsd --help`` stays instant."""
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from xeonsd.flags import add_flags, flag
+from xeonsd.flags import flag
 
 # --precision: what each choice asks of OpenVINO's CPU plugin at compile (both engines). "auto" leaves its default,
 # which infers in bf16 on a CPU with AMX or AVX512-BF16 (faster; images differ from PyTorch fp32 by bf16 rounding)
@@ -82,8 +81,3 @@ class GenerateCommand:
     ov_dir: Path = flag("directory written by `xeonsd export`", positional=True)
     out: Path = flag("output directory (default: ./images)", default=Path("images"))
     overwrite: bool = flag("replace a non-empty output directory", default=False)
-
-
-def add_generate_arguments(p: argparse.ArgumentParser) -> None:
-    add_flags(p, GenerateCommand, dashes=True)
-    add_flags(p, GenerateOptions, dashes=True)

@@ -25,8 +25,6 @@ FORMAT = "xeonsd-openvino-export/1"
 COMPONENTS = ("unet", "transformer", "vae_decoder", "vae_encoder", "text_encoder", "text_encoder_2", "text_encoder_3")
 REQUIRED = ("vae_decoder", "text_encoder")  # and the family's denoiser
 OV_TOKENIZER = Path("tokenizer") / "openvino_tokenizer.xml"
-OV_TOKENIZER_2 = Path("tokenizer_2") / "openvino_tokenizer.xml"  # SDXL's, FLUX's (T5) and SD3's second tokenizer
-OV_TOKENIZER_3 = Path("tokenizer_3") / "openvino_tokenizer.xml"  # SD3's T5
 VERSIONED = (
     "torch",
     "diffusers",
@@ -84,16 +82,14 @@ def _sha256(path: Path) -> str:
 
 def fingerprint(ov_dir: Path) -> dict[str, dict[str, Any]]:
     """Hash of each component's graph (``.xml``) and size of its weights (``.bin``); hashing the graphs is cheap."""
-    out: dict[str, dict[str, Any]] = {}
-    for name in COMPONENTS:
-        xml = ov_dir / name / "openvino_model.xml"
-        if xml.is_file():
-            out[name] = {"xml_sha256": _sha256(xml), "bin_bytes": xml.with_suffix(".bin").stat().st_size}
-    tokenizers = (("", OV_TOKENIZER), ("_2", OV_TOKENIZER_2), ("_3", OV_TOKENIZER_3))
-    for key, tok in ((f"openvino_tokenizer{n}", ov_dir / path) for n, path in tokenizers):
-        if tok.is_file():
-            out[key] = {"xml_sha256": _sha256(tok), "bin_bytes": tok.with_suffix(".bin").stat().st_size}
-    return out
+    files = {name: ov_dir / name / "openvino_model.xml" for name in COMPONENTS}
+    # tokenizer_2: SDXL's, FLUX's (T5) and SD3's second tokenizer; tokenizer_3: SD3's T5
+    files |= {f"openvino_tokenizer{n}": ov_dir / f"tokenizer{n}" / OV_TOKENIZER.name for n in ("", "_2", "_3")}
+    return {
+        key: {"xml_sha256": _sha256(xml), "bin_bytes": xml.with_suffix(".bin").stat().st_size}
+        for key, xml in files.items()
+        if xml.is_file()
+    }
 
 
 def write_manifest(ov_dir: Path, manifest: dict[str, Any]) -> Path:

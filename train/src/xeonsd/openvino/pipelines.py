@@ -36,24 +36,14 @@ def clip_encoders(family: str) -> tuple[str, ...]:
     return tuple(e for i, e in enumerate(found.text_encoders) if found.text_encoder_class(i).startswith("CLIP"))
 
 
-def denoiser(family: str) -> str:
-    """The component name of ``family``'s denoiser: ``unet`` or ``transformer``."""
-    return spec(family).denoiser
-
-
 def lora_parts(pipe: Any, family: str) -> dict[str, Any]:
     """{component: model} of what a LoRA of ``family`` adapts in a diffusers pipeline, as
     :func:`xeonsd.modelfiles.lora_layout.torch_weight_shapes` takes them (``unet`` is None for a transformer)."""
     parts = {"unet": None, "text_encoder": None, "text_encoder_2": None}
-    parts[denoiser(family)] = getattr(pipe, denoiser(family))
+    parts[spec(family).denoiser] = getattr(pipe, spec(family).denoiser)
     for encoder in clip_encoders(family):
         parts[encoder] = getattr(pipe, encoder)
     return parts
-
-
-def text_side(family: str) -> tuple[tuple[str, str], ...]:
-    """(text encoder, tokenizer) of each text encoder of ``family``, in order."""
-    return spec(family).text_side
 
 
 def ov_pipeline_class(family: str) -> Any:
@@ -85,14 +75,14 @@ def add_concepts_to_torch(pipe: Any, family: str, concepts: dict[str, Any]) -> l
     """Each text encoder's concept (from :func:`xeonsd.modelfiles.concept_file.load_concepts`) into it and its tokenizer."""
     from xeonsd.modelfiles.concept_file import add_to_torch
 
-    for encoder, tokenizer in text_side(family):
+    for encoder, tokenizer in spec(family).text_side:
         add_to_torch(getattr(pipe, tokenizer), getattr(pipe, encoder), concepts[encoder])
     return concepts["text_encoder"].tokens
 
 
 def lora_components(pipe: Any, family: str) -> list[str]:
     """The parts of ``pipe`` that hold adapter layers (the denoiser, CLIP text encoders), for ``fuse_lora``."""
-    parts = [denoiser(family), *clip_encoders(family)]
+    parts = [spec(family).denoiser, *clip_encoders(family)]
     return [p for p in parts if getattr(getattr(pipe, p), "peft_config", None)]
 
 
@@ -105,7 +95,7 @@ def unload_fused_lora(pipe: Any, family: str) -> None:
         return
     from diffusers.utils.peft_utils import recurse_remove_peft_layers
 
-    getattr(pipe, denoiser(family)).unload_lora()
+    getattr(pipe, spec(family).denoiser).unload_lora()
     for encoder in clip_encoders(family):
         te = getattr(pipe, encoder)
         recurse_remove_peft_layers(te)

@@ -120,8 +120,6 @@ class RequireKey:
         access["key"] = name
         self.count(name or "(none)")
         if name is None:
-            from starlette.responses import JSONResponse
-
             self.refused("invalid_api_key")
             message = (
                 "Incorrect API key provided: send Authorization: Bearer KEY with a key of this server's --api-key-file"
@@ -129,7 +127,6 @@ class RequireKey:
                 else "No API key provided: send Authorization: Bearer KEY (the openai client's api_key=)"
             )
             error = RequestError(message, None, status=401, code="invalid_api_key")
-            answer = JSONResponse(error.body(), status_code=error.status, headers={"WWW-Authenticate": "Bearer"})
-            await answer(scope, receive, send)
+            await error.answer(send, close=False, **{"WWW-Authenticate": "Bearer"})
             return
         await self.app(scope, receive, send)

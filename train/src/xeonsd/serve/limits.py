@@ -41,17 +41,6 @@ MAX_KEYS = 65536  # rate-limit buckets kept at most (each ~200 bytes); past it t
 REQUEST_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
 
-async def refuse(send: Callable, error: RequestError, close: bool = True, **headers: str) -> None:
-    """Answer ``error`` as an OpenAI error object (``Connection: close`` unless ``close`` is False)."""
-    from starlette.responses import JSONResponse
-
-    if close:
-        headers["Connection"] = "close"
-    answer = JSONResponse(error.body(), status_code=error.status, headers=headers)
-    await send({"type": "http.response.start", "status": answer.status_code, "headers": answer.raw_headers})
-    await send({"type": "http.response.body", "body": answer.body})
-
-
 def _access(scope: dict) -> dict[str, Any]:
     return scope.setdefault("state", {}).setdefault("access", {})
 
@@ -89,7 +78,7 @@ class AllowFrom:
             kind="permission_denied",
             code="address_not_allowed",
         )
-        await refuse(send, error)
+        await error.answer(send)
 
 
 class ReadBody:
@@ -117,7 +106,7 @@ class ReadBody:
             return
         length = next((v for k, v in scope.get("headers", []) if k == b"content-length"), None)
         if length is not None and int(length) > self.limit:  # h11 has checked that it is a number
-            await refuse(send, self._too_large(f"{int(length)} bytes (Content-Length)"))
+            await self._too_large(f"{int(length)} bytes (Content-Length)").answer(send)
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
@@ -134,14 +123,14 @@ class ReadBody:
                     status=408,
                     code="read_timeout",
                 )
-                await refuse(send, error)
+                await error.answer(send)
                 return
             if message["type"] == "http.disconnect":
                 _access(scope)["status"] = 499  # the client left before its body was read: no one to answer
                 return
             size += len(message.get("body", b""))
             if size > self.limit:
-                await refuse(send, self._too_large(f"more than {self.limit} bytes (chunked, cut off)"))
+                await self._too_large(f"more than {self.limit} bytes (chunked, cut off)").answer(send)
                 return
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
@@ -222,7 +211,7 @@ class RateLimit:
             kind="rate_limit_exceeded",
             code="rate_limit_exceeded",
         )
-        await refuse(send, error, close=False, **{"Retry-After": str(retry)})
+        await error.answer(send, close=False, **{"Retry-After": str(retry)})
 
 
 def guard(app: Any, opts: ServeOptions, metrics: Metrics, keys: KeyRing | None) -> Any:

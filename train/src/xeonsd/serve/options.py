@@ -194,7 +194,6 @@ class ServedModel:
     shape: StaticShape
     concept_tokens: list[str]
     adapters: dict[str, tuple[Path, float]] = field(default_factory=dict)  # name -> (GenAI file, alpha)
-    sources: dict[str, Path] = field(default_factory=dict)  # name -> the user's file
     max_sequence_length: int | None = None  # the text encoder's prompt length (the manifest's; CLIP-only: None)
     blends: tuple[tuple[tuple[str, float], ...], ...] = ()  # --blend's keys (contracts.blend_syntax.blend_key)
 
@@ -235,21 +234,22 @@ def weights_bytes(export_dir: Path) -> int:
     return sum(f.stat().st_size for f in files if f.is_file())
 
 
-def compiled_copies(served: ServedModel) -> int:
-    """The compiled copies of the models one worker holds (what ``--workers auto`` budgets memory for): per served
-    model (the base, each adapter and each --blend) the pipelines ``PipelinePool._compile_model`` (serve/pool.py) compiles; the
-    pipelines made from a compiled one share its models."""
+def compiled_pipelines(family: str, images_per_call: int) -> tuple[str, ...]:
+    """The pipelines (``generation``, ``image2image``, ``inpainting``) a worker compiles for one served model: a UNet
+    family's edits are made from its inpainting pipeline, sharing its models, and so is its text-to-image pipeline
+    where the batch is the edits' one (:mod:`xeonsd.serve.pool`); any other pipeline compiles on its own."""
     from xeonsd.modelfiles.family_specs import spec
 
-    found = spec(served.family)
-    per_model = 1  # the text-to-image pipeline, or the inpainting one it is made from
-    if "inpainting" in found.genai_edits:
-        if found.denoiser != "unet":  # nothing shared: image-to-image and text-to-image compile on their own
-            per_model += ("image2image" in found.genai_edits) + 1
-        elif served.shape.images_per_call != 1:  # the text-to-image pipeline's batch differs from the edits' one
-            per_model += 1
-    elif "image2image" in found.genai_edits:
-        per_model += 1
+    found = spec(family)
+    if "inpainting" in found.genai_edits and found.denoiser == "unet":
+        return ("inpainting",) if images_per_call == 1 else ("inpainting", "generation")
+    return (*found.genai_edits, "generation")
+
+
+def compiled_copies(served: ServedModel) -> int:
+    """The compiled copies of the models one worker holds (what ``--workers auto`` budgets memory for): the
+    :func:`compiled_pipelines` of each served model (the base, each adapter and each --blend)."""
+    per_model = len(compiled_pipelines(served.family, served.shape.images_per_call))
     return per_model * (1 + len(served.adapters) + len(served.blends))
 
 
@@ -263,13 +263,10 @@ def auto_workers(cores: int, weights: int = 0, available: int | None = None, cop
 
 
 def resolve_workers(workers: int | str, cores: int, export_dir: Path | None = None, copies: int = 1) -> int:
-    if workers == "auto":
+    count = parse_workers(workers) if isinstance(workers, str) else workers
+    if count == "auto":
         weights = weights_bytes(export_dir) if export_dir is not None else 0
         return auto_workers(cores, weights, memory_available(), copies)
-    try:
-        count = int(workers)
-    except (TypeError, ValueError):
-        raise ServeError(f"--workers must be a positive count or auto, not {workers!r}") from None
     if count < 1:
         raise ServeError(f"--workers must be at least 1, not {count}")
     if count > cores:
@@ -318,8 +315,9 @@ def blend_keys(opts: ServeOptions) -> tuple[tuple[tuple[str, float], ...], ...]:
 
 def read_export(opts: ServeOptions) -> tuple[dict[str, Any], StaticShape, str]:
     """The manifest, the static shape and the family; refuse an export GenAI cannot serve."""
+    from xeonsd.modelfiles.families import spec
     from xeonsd.openvino.manifest import read_manifest, static_shape
-    from xeonsd.openvino.pipelines import manifest_family, text_side
+    from xeonsd.openvino.pipelines import manifest_family
 
     export_dir = Path(opts.export_dir)
     manifest = read_manifest(export_dir)
@@ -329,7 +327,7 @@ def read_export(opts: ServeOptions) -> tuple[dict[str, Any], StaticShape, str]:
             f"{export_dir} has dynamic shapes; serve needs a static export (xeonsd export SRC OUT --batch-size 1)"
         )
     family = manifest_family(manifest)
-    for _, tokenizer in text_side(family):
+    for _, tokenizer in spec(family).text_side:
         if not (export_dir / tokenizer / "openvino_tokenizer.xml").is_file():
             raise ServeError(f"{export_dir} has no {tokenizer}/openvino_tokenizer.xml, which OpenVINO GenAI needs")
     return manifest, shape, family
@@ -384,5 +382,4 @@ def prepare(opts: ServeOptions, workdir: Path) -> ServedModel:
         converted = workdir / f"{i}-{spec.name}.safetensors"
         lora_files.convert_for_genai_of(spec.path, modules, converted, found.denoiser)
         served.adapters[spec.name] = (converted, float(spec.alpha))
-        served.sources[spec.name] = spec.path
     return served

@@ -39,9 +39,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from xeonsd.contracts.blend_syntax import Chosen
+from xeonsd.openvino.engines import compile_genai, genai_pipeline
 from xeonsd.openvino.generate_args import PRECISIONS
 from xeonsd.serve.metrics import Metrics
-from xeonsd.serve.options import ServedModel
+from xeonsd.serve.options import ServedModel, compiled_pipelines
 from xeonsd.serve.requests import ImageRequest
 
 log = logging.getLogger(__name__)
@@ -158,48 +159,37 @@ class PipelinePool:
         """No request running or waiting for a worker."""
         return not self._jobs and self._waiting == 0
 
-    @property
-    def waiting(self) -> int:
-        return self._waiting
-
     # -- start-up -----------------------------------------------------------------------------------------------
     def _prepared(self, cls: Any, images: int, config: Any) -> Any:
         """A GenAI pipeline of class ``cls`` over the export, reshaped to ``images`` per call and compiled with the
         ``AdapterConfig`` ``config`` (None: no adapters)."""
         shape = self.served.shape
-        pipe = cls(str(self.served.export_dir))
-        if self.served.max_sequence_length is not None:  # before reshape, as xeonsd generate's genai engine does
-            generation = pipe.get_generation_config()
-            generation.max_sequence_length = self.served.max_sequence_length
-            pipe.set_generation_config(generation)
+        pipe = genai_pipeline(cls, self.served.export_dir, self.served.max_sequence_length)
         pipe.reshape(images, shape.height, shape.width, 7.5)
-        props = {"INFERENCE_NUM_THREADS": self.threads, **PRECISIONS[self.precision]}
-        if config is not None:
-            pipe.compile("CPU", adapters=config, **props)
-        else:
-            pipe.compile("CPU", **props)
+        compile_genai(pipe, {"INFERENCE_NUM_THREADS": self.threads, **PRECISIONS[self.precision]}, config)
         return pipe
 
     def _compile_model(self, config: Any) -> Served:
-        """The pipelines of one served model, compiled with ``config``."""
+        """The pipelines of one served model, compiled with ``config`` (:func:`compiled_pipelines`); the others are
+        made from the inpainting pipeline and share its models (see the module's docstring)."""
         import openvino_genai as g
 
         from xeonsd.modelfiles.families import spec
 
-        found = spec(self.served.family)
+        classes = {
+            "generation": g.Text2ImagePipeline,
+            "image2image": g.Image2ImagePipeline,
+            "inpainting": g.InpaintingPipeline,
+        }
         per_call = self.served.shape.images_per_call
-        edits: dict[str, Any] = {}
-        pipe = None
-        if "inpainting" in found.genai_edits:
-            edits["inpainting"] = self._prepared(g.InpaintingPipeline, 1, config)
-            if found.denoiser == "unet":  # models shared (see the module's docstring)
-                edits["image2image"] = g.Image2ImagePipeline(edits["inpainting"])
-                pipe = g.Text2ImagePipeline(edits["inpainting"]) if per_call == 1 else None
-        if "image2image" in found.genai_edits and "image2image" not in edits:
-            edits["image2image"] = self._prepared(g.Image2ImagePipeline, 1, config)
-        if pipe is None:
-            pipe = self._prepared(g.Text2ImagePipeline, per_call, config)
-        return Served(pipe=pipe, config=config, edits=edits)
+        pipes = {
+            kind: self._prepared(classes[kind], per_call if kind == "generation" else 1, config)
+            for kind in compiled_pipelines(self.served.family, per_call)
+        }
+        for kind in ("generation", *spec(self.served.family).genai_edits):
+            if kind not in pipes:
+                pipes[kind] = classes[kind](pipes["inpainting"])
+        return Served(pipe=pipes.pop("generation"), config=config, edits=pipes)
 
     def _compile_one(self, index: int, adapters: dict[str, Any]) -> Worker:
         import openvino_genai as g

@@ -27,17 +27,11 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from xeonsd.contracts.blend_syntax import (
-    BlendError,
-    Chosen,
-    blend_key,
-    composite,
-)
-from xeonsd.contracts.blend_syntax import checked_weight as _checked_weight
-from xeonsd.contracts.blend_syntax import parse_composite as _parse_composite
+from xeonsd.contracts.blend_syntax import BlendError, Chosen, blend_key, checked_weight, composite, parse_composite
 from xeonsd.openvino.manifest import StaticShape
 
 DEFAULT_STEPS = 20
@@ -84,6 +78,16 @@ class RequestError(ValueError):
     def body(self) -> dict[str, Any]:
         """The OpenAI error object."""
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+    async def answer(self, send: Callable, close: bool = True, **headers: str) -> None:
+        """Send the error object as the ASGI response (``Connection: close`` unless ``close`` is False)."""
+        from starlette.responses import JSONResponse
+
+        if close:
+            headers["Connection"] = "close"
+        answer = JSONResponse(self.body(), status_code=self.status, headers=headers)
+        await send({"type": "http.response.start", "status": answer.status_code, "headers": answer.raw_headers})
+        await send({"type": "http.response.body", "body": answer.body})
 
 
 @dataclass(frozen=True)
@@ -175,7 +179,10 @@ def validate(body: dict[str, Any], limits: Limits, edit: bool = False) -> ImageR
     model = body.get("model")
     if model is None:
         model = limits.models[0]
-    adapters = _adapters(model, body.get("lora_alphas"), limits)
+    try:
+        adapters = _adapters(model, body.get("lora_alphas"), limits)
+    except BlendError as e:  # a bad composite or weight: its error names the field
+        raise RequestError(str(e), e.param) from None
     n = _int(body, "n", None, 1, limits.max_images, "--max-images")
     per_prompt = _int(body, "num_images_per_prompt", None, 1, limits.max_images, "--max-images")
     if n is not None and per_prompt is not None and n != per_prompt:
@@ -228,24 +235,10 @@ def validate(body: dict[str, Any], limits: Limits, edit: bool = False) -> ImageR
     )
 
 
-def _weight(value: Any, what: str, param: str) -> float:
-    try:
-        return _checked_weight(value, what, param)
-    except BlendError as e:
-        raise RequestError(str(e), e.param) from None
-
-
-def parse_composite(text: str, alphas: dict[str, float], what: str, param: str = "model") -> dict[str, float]:
-    """:func:`xeonsd.contracts.blend_syntax.parse_composite`, its errors a 400 naming the field."""
-    try:
-        return _parse_composite(text, alphas, what, param)
-    except BlendError as e:
-        raise RequestError(str(e), e.param) from None
-
-
 def _adapters(model: Any, overrides: Any, limits: Limits) -> Chosen:
     """The adapters ``model`` selects with their weights (``lora_alphas`` applied), :func:`blend_key`'s form;
-    () for the base model. A blend, or an adapter at another weight, must be declared (``--blend``)."""
+    () for the base model. A blend, or an adapter at another weight, must be declared (``--blend``). A bad
+    composite or weight raises the blend syntax's :class:`BlendError`."""
     alphas = dict(limits.alphas)
     if not isinstance(model, str):
         raise RequestError(f"model must be a string, not {json.dumps(model)}", "model")
@@ -298,7 +291,7 @@ def _override(chosen: dict[str, float], overrides: Any, model: str) -> None:
                 "blend several with model @NAME:WEIGHT+@NAME:WEIGHT",
                 "lora_alphas",
             )
-        chosen[name] = _weight(weight, f"lora_alphas {name!r}", "lora_alphas")
+        chosen[name] = checked_weight(weight, f"lora_alphas {name!r}", "lora_alphas")
 
 
 def _edit_checks(body: dict[str, Any], limits: Limits, steps: int) -> float:

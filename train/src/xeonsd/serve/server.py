@@ -72,10 +72,8 @@ def _server_class() -> type:
                 loop.call_soon_threadsafe(self._start_drain)
                 return
             log.info("signal %d: cancelling the requests in flight and stopping", sig)
-            if self.pool is not None:
-                loop = getattr(self, "_loop", None)
-                if loop is not None:
-                    loop.call_soon_threadsafe(self.pool.cancel_all, "shutdown")
+            if self.pool is not None and loop is not None:
+                loop.call_soon_threadsafe(self.pool.cancel_all, "shutdown")
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True
             self.should_exit = True
