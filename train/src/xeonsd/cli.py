@@ -7,40 +7,28 @@ node that only generates does not need the training stack.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
+
+from xeonsd.flags import add_flags, flag, from_args
 
 
-def _make_tiny_model(args: argparse.Namespace) -> int:
+def _make_asset(args: argparse.Namespace) -> int:
+    """``xeonsd make-tiny-model`` or ``make-dataset``: :func:`xeonsd.assets.make_tiny_model` or ``make_dataset``
+    with the command's flags; prints what it wrote."""
+
     def run(console: TextIO) -> int:
-        from xeonsd.assets import make_tiny_model
+        from xeonsd import assets
 
-        out = make_tiny_model(
-            Path(args.out), arch=args.arch, seed=args.seed, depth=args.depth, configs_only=args.configs_only
-        )
-        print(out, file=console)
-        return 0
-
-    return _quietly(args, args.out, run)
-
-
-def _make_dataset(args: argparse.Namespace) -> int:
-    def run(console: TextIO) -> int:
-        from xeonsd.assets import make_dataset
-
-        for p in make_dataset(
-            Path(args.out),
-            count=args.count,
-            size=args.size,
-            seed=args.seed,
-            captions=args.captions,
-            token=args.token,
-            sizes=args.sizes,
-        ):
-            print(p, file=console)
+        given = dataclasses.asdict(from_args(args.flags[0], args))
+        written = getattr(assets, args.command.replace("-", "_"))(given.pop("out"), **given)
+        for path in written if isinstance(written, list) else [written]:
+            print(path, file=console)
         return 0
 
     return _quietly(args, args.out, run)
@@ -49,8 +37,7 @@ def _make_dataset(args: argparse.Namespace) -> int:
 def _console_flags(argv: list[str]) -> tuple[bool, str | None, list[str]]:
     """``xeonsd train``'s console flags (-v/--verbose, --log FILE), and the trainer's own arguments without them."""
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    p.add_argument("-v", "--verbose", action="store_true")
-    p.add_argument("--log")
+    _add_console_flags(p)
     known, rest = p.parse_known_args(argv)
     return known.verbose, known.log, rest
 
@@ -97,7 +84,7 @@ def _open_class_renderer(*args):  # noqa: ANN002, ANN202 - xeonsd.trainer.prior.
 COMMAND_ERRORS = (ValueError, FileExistsError, PermissionError, FileNotFoundError, NotADirectoryError)
 
 
-def _quietly(args: argparse.Namespace, out: str, run) -> int:
+def _quietly(args: argparse.Namespace, out: str | Path, run) -> int:
     """Run ``run(console)`` with the libraries' chatter in the log beside ``out`` (``-v``: on the console too)."""
     from xeonsd.console import log_path_beside, quiet_console
 
@@ -124,35 +111,65 @@ def _add_console_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_export_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "export",
-        help="export a pipeline (with its learned concept) to OpenVINO",
-        description="Export SRC (a diffusers pipeline directory or Hub id) to the OpenVINO directory OUT. "
-        "Static shapes by default, the recipe's: batch 5, 1 image per prompt, at the model family's resolution "
-        "(SD 1.5 512x512, SDXL 1024x1024).",
-    )
-    from xeonsd.flags import add_flags
-    from xeonsd.openvino.export_args import ExportRequest
-
-    add_flags(p, ExportRequest, dashes=True)
+def _add_command(sub: argparse._SubParsersAction, name: str, flags: tuple[type, ...], func, **parser_kw) -> None:
+    """A subcommand whose flags are the fields of ``flags`` (:mod:`xeonsd.flags`, dashed), and the console flags."""
+    p = sub.add_parser(name, **parser_kw)
+    for cls in flags:
+        add_flags(p, cls, dashes=True)
     _add_console_flags(p)
-    p.set_defaults(func=_openvino)
+    p.set_defaults(func=func, flags=flags)
 
 
-def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "generate",
-        help="generate images from an OpenVINO export",
-        description="Generate PNGs, grid.png and timings.json from an `xeonsd export` directory.",
+@dataclass(frozen=True)
+class TinyModelArgs:
+    """``xeonsd make-tiny-model OUT``: :func:`xeonsd.assets.make_tiny_model`'s arguments, each a flag."""
+
+    out: Path = flag("output directory (must not exist or be empty)", positional=True)
+    arch: str = flag(
+        "tiny: for tests; tiny-v: SD 2.x-style (v-prediction) for tests; tiny-xl: SDXL-style for tests; "
+        "tiny-flux/tiny-sd3: FLUX.1/SD3.5-style (flow matching) for tests; tiny-flux2/tiny-zimage/tiny-qwenimage: "
+        "FLUX.2-klein/Z-Image/Qwen-Image-style (Qwen text encoders) for tests; sd15/sd21/sdxl/sd35m/flux/"
+        "flux2-klein/zimage/qwenimage: full size (sd35m, flux and the last three are written in bf16)",
+        default="tiny",
+        choices=(
+            *("tiny", "tiny-v", "tiny-xl", "tiny-flux", "tiny-sd3", "tiny-flux2", "tiny-zimage", "tiny-qwenimage"),
+            *("sd15", "sd21", "sdxl", "sd35m", "flux", "flux2-klein", "zimage", "qwenimage"),
+        ),
     )
-    from xeonsd.flags import add_flags
-    from xeonsd.openvino.generate_args import GenerateCommand, GenerateOptions
+    depth: int | None = flag(
+        "the full-size transformers only: --arch flux: D double-stream and 2D single-stream blocks (the real "
+        "model: 19); flux2-klein: D double and 4D single (real: 5); zimage: D main layers (real: 30); qwenimage: D "
+        "blocks (real: 60)",
+        default=None,
+    )
+    configs_only: bool = flag(
+        "flux2-klein/zimage/qwenimage and their tiny archs: write the configs and the tokenizer, no weights "
+        "(for `xeonsd train --dry_run`'s memory estimate of a model that does not fit this machine)",
+        default=False,
+    )
+    seed: int = flag("seed of the random weights", default=0)
 
-    add_flags(p, GenerateCommand, dashes=True)
-    add_flags(p, GenerateOptions, dashes=True)
-    _add_console_flags(p)
-    p.set_defaults(func=_openvino)
+
+@dataclass(frozen=True)
+class DatasetArgs:
+    """``xeonsd make-dataset OUT``: :func:`xeonsd.assets.make_dataset`'s arguments, each a flag."""
+
+    out: Path = flag("output directory (must not exist or be empty)", positional=True)
+    count: int = flag("images to write", default=5)
+    size: int = flag("image side in pixels", default=128)
+    sizes: str = flag(
+        "square: every image --size x --size; mixed: mixed aspect ratios (1:1 to 16:9 and 9:16), each with "
+        "1.25-1.75 x --size as the side of its square of equal area (for --buckets at --resolution --size)",
+        default="square",
+        choices=("square", "mixed"),
+    )
+    seed: int = flag("seed of the images", default=0)
+    captions: str | None = flag(
+        "also write captions: metadata.jsonl, a .txt beside each image, or captions.txt",
+        default=None,
+        choices=("metadata", "sidecar", "txt"),
+    )
+    token: str = flag("the concept's placeholder in the captions", default="<dicoo>")
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -163,46 +180,8 @@ def _report(args: argparse.Namespace) -> int:
 
 
 BENCHES = ("train", "generate", "layout", "serve", "optimizer", "memory")  # each is xeonsd.bench.<name>.main
-
-
-def _bench(what: str, rest: list[str]) -> int:
-    return importlib.import_module(f"xeonsd.bench.{what}").main(rest)
-
-
-def _add_make_tiny_model(sub: Any) -> None:
-    p = sub.add_parser(
-        "make-tiny-model", help="write a random-weight Stable Diffusion (or SDXL) pipeline (offline test model)"
-    )
-    p.add_argument("out", help="output directory (must not exist or be empty)")
-    p.add_argument(
-        "--arch",
-        choices=[
-            *("tiny", "tiny-v", "tiny-xl", "tiny-flux", "tiny-sd3", "tiny-flux2", "tiny-zimage", "tiny-qwenimage"),
-            *("sd15", "sd21", "sdxl", "sd35m", "flux", "flux2-klein", "zimage", "qwenimage"),
-        ],
-        default="tiny",
-        help="tiny: for tests; tiny-v: SD 2.x-style (v-prediction) for tests; tiny-xl: SDXL-style for tests; "
-        "tiny-flux/tiny-sd3: FLUX.1/SD3.5-style (flow matching) for tests; tiny-flux2/tiny-zimage/tiny-qwenimage: "
-        "FLUX.2-klein/Z-Image/Qwen-Image-style (Qwen text encoders) for tests; sd15/sd21/sdxl/sd35m/flux/"
-        "flux2-klein/zimage/qwenimage: full size (sd35m, flux and the last three are written in bf16)",
-    )
-    p.add_argument(
-        "--depth",
-        type=int,
-        default=None,
-        help="the full-size transformers only: --arch flux: D double-stream and 2D single-stream blocks (the real "
-        "model: 19); flux2-klein: D double and 4D single (real: 5); zimage: D main layers (real: 30); qwenimage: D "
-        "blocks (real: 60)",
-    )
-    p.add_argument(
-        "--configs-only",
-        action="store_true",
-        help="flux2-klein/zimage/qwenimage and their tiny archs: write the configs and the tokenizer, no weights "
-        "(for `xeonsd train --dry_run`'s memory estimate of a model that does not fit this machine)",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    _add_console_flags(p)
-    p.set_defaults(func=_make_tiny_model)
+# Commands that parse their own arguments: ``main(argv)`` of these modules.
+OWN_PARSERS = {"doctor": "xeonsd.ops.doctor", "hello": "xeonsd.cluster.hello"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -215,31 +194,41 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
 
-    _add_make_tiny_model(sub)
-
-    p = sub.add_parser("make-dataset", help="write synthetic training images (stand-in for the dicoo images)")
-    p.add_argument("out", help="output directory (must not exist or be empty)")
-    p.add_argument("--count", type=int, default=5)
-    p.add_argument("--size", type=int, default=128, help="image side in pixels")
-    p.add_argument(
-        "--sizes",
-        choices=["square", "mixed"],
-        default="square",
-        help="square: every image --size x --size; mixed: mixed aspect ratios (1:1 to 16:9 and 9:16), each with "
-        "1.25-1.75 x --size as the side of its square of equal area (for --buckets at --resolution --size)",
+    _add_command(
+        sub,
+        "make-tiny-model",
+        (TinyModelArgs,),
+        _make_asset,
+        help="write a random-weight Stable Diffusion (or SDXL) pipeline (offline test model)",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--captions",
-        choices=["metadata", "sidecar", "txt"],
-        help="also write captions: metadata.jsonl, a .txt beside each image, or captions.txt",
+    _add_command(
+        sub,
+        "make-dataset",
+        (DatasetArgs,),
+        _make_asset,
+        help="write synthetic training images (stand-in for the dicoo images)",
     )
-    p.add_argument("--token", default="<dicoo>", help="the concept's placeholder in the captions")
-    _add_console_flags(p)
-    p.set_defaults(func=_make_dataset)
+    from xeonsd.openvino.export_args import ExportRequest  # flags only: cheap to import
+    from xeonsd.openvino.generate_args import GenerateCommand, GenerateOptions
 
-    _add_export_parser(sub)
-    _add_generate_parser(sub)
+    _add_command(
+        sub,
+        "export",
+        (ExportRequest,),
+        _openvino,
+        help="export a pipeline (with its learned concept) to OpenVINO",
+        description="Export SRC (a diffusers pipeline directory or Hub id) to the OpenVINO directory OUT. "
+        "Static shapes by default, the recipe's: batch 5, 1 image per prompt, at the model family's resolution "
+        "(SD 1.5 512x512, SDXL 1024x1024).",
+    )
+    _add_command(
+        sub,
+        "generate",
+        (GenerateCommand, GenerateOptions),
+        _openvino,
+        help="generate images from an OpenVINO export",
+        description="Generate PNGs, grid.png and timings.json from an `xeonsd export` directory.",
+    )
     from xeonsd.serve.command import add_parser as add_serve_parser  # argparse only: cheap to import
 
     add_serve_parser(sub)
@@ -272,16 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     # (which imports modules of the OpenVINO side: a training rank has no use for them).
     if argv and argv[0] == "train":
         return _train(argv[1:])
-    if argv and argv[0] == "doctor":
-        from xeonsd.ops.doctor import main as doctor_main
-
-        return doctor_main(argv[1:])
-    if argv and argv[0] == "hello":
-        from xeonsd.cluster.hello import main as hello_main
-
-        return hello_main(argv[1:])
+    if argv and argv[0] in OWN_PARSERS:
+        return importlib.import_module(OWN_PARSERS[argv[0]]).main(argv[1:])
     if len(argv) > 1 and argv[0] == "bench" and argv[1] in BENCHES:
-        return _bench(argv[1], argv[2:])
+        return importlib.import_module(f"xeonsd.bench.{argv[1]}").main(argv[2:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

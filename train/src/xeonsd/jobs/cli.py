@@ -43,13 +43,10 @@ def _add_jobstatus(sub: argparse._SubParsersAction) -> None:
     )
     what = p.add_subparsers(dest="action", required=True)
     begin = what.add_parser("begin", help="start the next attempt; prints its number")
-    begin.add_argument("run_dir", type=Path)
     begin.add_argument("--time-limit-s", type=int, help="the job's time limit (I_MPI_JOB_TIMEOUT)")
     end = what.add_parser("exit", help="record the attempt's exit code")
-    end.add_argument("run_dir", type=Path)
     end.add_argument("--rc", type=int, required=True, help="mpirun's exit code")
     poll = what.add_parser("poll", help="the job's state as JSON (progress; once it failed, who ended it)")
-    poll.add_argument("run_dir", type=Path)
     poll.add_argument("--results-file", required=True, help="Ansible's async results file of the launch")
     poll.add_argument("--total-steps", type=int, required=True)
     poll.add_argument(
@@ -71,9 +68,9 @@ def _add_jobstatus(sub: argparse._SubParsersAction) -> None:
         "(default: this node's own)",
     )
     stop = what.add_parser("stop", help="stop the running job cleanly (SIGTERM to its run.sh), as JSON")
-    stop.add_argument("run_dir", type=Path)
     ranks = what.add_parser("ranks", help="this node's rank status files of the run, as JSON")
-    ranks.add_argument("run_dir", type=Path)
+    for action in (begin, end, poll, stop, ranks):
+        action.add_argument("run_dir", type=Path)
     what.add_parser("codes", help="the exit codes the playbooks tell apart, as JSON")
     p.set_defaults(func=jobstatus_main)
 
@@ -113,19 +110,22 @@ def _answer(args: argparse.Namespace) -> object:
     return {"status_dir": str(status_dir), "statuses": watch.read_status_dir(status_dir)}
 
 
+def _run_dir(args: argparse.Namespace) -> Path:
+    """The command's RUN_DIR; NotADirectoryError (one line from :func:`xeonsd.cli.main`, exit 2) when it is none."""
+    if not args.run_dir.is_dir():
+        raise NotADirectoryError(f"{args.run_dir} is not a directory")
+    return args.run_dir
+
+
 def jobstatus_main(args: argparse.Namespace) -> int:
+    """``xeonsd jobstatus``; a bad run directory or status file is one line from :func:`xeonsd.cli.main`, exit 2."""
     if args.action == "codes":
         print(json.dumps(EXIT_CODES, sort_keys=True))
         return 0
     # A node where no rank started has no run directory: no status files, not an error.
-    if args.action != "ranks" and not args.run_dir.is_dir():
-        print(f"xeonsd jobstatus: error: {args.run_dir} is not a directory", file=sys.stderr)
-        return 2
-    try:
-        answer = _answer(args)
-    except (StatusFileError, ValueError) as exc:
-        print(f"xeonsd jobstatus: error: {exc}", file=sys.stderr)
-        return 2
+    if args.action != "ranks":
+        _run_dir(args)
+    answer = _answer(args)
     if isinstance(answer, int):
         print(answer)
     elif answer is not None:
@@ -160,11 +160,9 @@ def _add_runjson(sub: argparse._SubParsersAction) -> None:
 
 
 def runjson_main(args: argparse.Namespace) -> int:
-    if not args.run_dir.is_dir():
-        print(f"xeonsd runjson: error: {args.run_dir} is not a directory", file=sys.stderr)
-        return 2
+    run_dir = _run_dir(args)
     try:
-        changed = write_run_json(args.run_dir, json.load(sys.stdin))
+        changed = write_run_json(run_dir, json.load(sys.stdin))
     except (ValueError, KeyError, TypeError) as exc:
         print(f"xeonsd runjson: error: {exc!r}", file=sys.stderr)
         return 2
@@ -189,17 +187,10 @@ def _add_slurmjob(sub: argparse._SubParsersAction) -> None:
 
 
 def slurmjob_main(args: argparse.Namespace) -> int:
-    if not args.run_dir.is_dir():
-        print(f"xeonsd slurmjob: error: {args.run_dir} is not a directory", file=sys.stderr)
-        return 2
+    """``xeonsd slurmjob record``; a bad run directory or job id, or no accounting, is one line (exit 2)."""
+    run_dir = _run_dir(args)
     job_id = args.job_id.split(";")[0].strip()  # --parsable prints "ID" or "ID;CLUSTER"
     if not job_id.isdigit():
-        print(f"xeonsd slurmjob: error: --job-id {args.job_id!r} is not a Slurm job id", file=sys.stderr)
-        return 2
-    try:
-        job = record(args.run_dir, job_id, wait_s=args.wait_s)
-    except StatusFileError as exc:
-        print(f"xeonsd slurmjob: error: {exc}", file=sys.stderr)
-        return 2
-    print(summary(job))
+        raise ValueError(f"--job-id {args.job_id!r} is not a Slurm job id")
+    print(summary(record(run_dir, job_id, wait_s=args.wait_s)))
     return 0

@@ -123,7 +123,5 @@ def check_inputs(src: str, out: Path, opts: ExportOptions) -> tuple[Path | None,
         )
     if opts.lora is not None and not Path(opts.lora).is_file():
         raise ExportError(f"LoRA file {opts.lora} does not exist")
-    check_writable_output(out)
-    if out.is_dir() and any(out.iterdir()) and not opts.overwrite:
-        raise ExportError(f"output {out} already exists and is not empty; remove it or pass --overwrite")
+    check_writable_output(out, opts.overwrite)
     return local, family

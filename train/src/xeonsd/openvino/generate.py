@@ -203,9 +203,7 @@ def make_grid(images: list[Any]) -> Any:
 def generate_to_dir(ov_dir: Path, out: Path, opts: GenerateOptions, overwrite: bool = False) -> dict[str, Any]:
     """Generate and write ``image_NNN.png``, ``grid.png`` and ``timings.json`` to OUT (atomically)."""
     out = Path(out)
-    check_writable_output(out)
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise GenerateError(f"output {out} already exists and is not empty; remove it or pass --overwrite")
+    check_writable_output(out, overwrite)
     images, timings = generate(ov_dir, opts)
     with atomic_dir(out, overwrite=overwrite) as tmp:
         for i, img in enumerate(images):

@@ -17,11 +17,16 @@ ENGINES = ("optimum", "genai")
 RECIPE_PROMPT = "a yellow <dicoo> robot at the beach, high quality"
 
 
-def _lora_spec(spec: str) -> tuple[Path, float]:
-    """``FILE[:ALPHA]`` -> (path, alpha)."""
-    from xeonsd.openvino.lora_files import parse_spec  # numpy: only when a --lora is given
-
-    return parse_spec(spec)
+def parse_spec(spec: str) -> tuple[Path, float]:
+    """``FILE[:ALPHA]`` (``--lora``, and serve's ``--adapter NAME=FILE[:ALPHA]``) -> (path, alpha); alpha defaults to
+    1.0. A path with a colon and no alpha stays whole."""
+    head, sep, tail = spec.rpartition(":")
+    if sep and head:
+        try:
+            return Path(head), float(tail)
+        except ValueError:
+            pass
+    return Path(spec), 1.0
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,7 @@ class GenerateOptions:
         name="--lora",
         action="append",
         metavar="FILE[:ALPHA]",
-        convert=_lora_spec,
+        convert=parse_spec,
     )
     precision: str = flag(
         "auto: OpenVINO's default (bf16 on a CPU with AMX or AVX512-BF16, f32 elsewhere); f32: always f32 "

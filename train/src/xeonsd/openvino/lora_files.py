@@ -43,6 +43,7 @@ from xeonsd.modelfiles.lora_layout import (
     torch_weight_shapes,
     write_kohya,
 )
+from xeonsd.openvino.generate_args import parse_spec
 
 __all__ = [
     "FAMILY_LABELS",
@@ -64,17 +65,6 @@ __all__ = [
 # What a module's weight is called in an optimum-intel OpenVINO IR: a Constant named ``self.<module>.weight``.
 # (optimum-intel wraps the SDXL UNet for export: its weights are ``self.model.<module>.weight``.)
 _IR_WEIGHT = re.compile(r"^self\.(?:model\.)?(?P<module>.+)\.weight$")
-
-
-def parse_spec(spec: str) -> tuple[Path, float]:
-    """``FILE[:ALPHA]`` -> (path, alpha); alpha defaults to 1.0. A path with a colon and no alpha stays whole."""
-    head, sep, tail = spec.rpartition(":")
-    if sep and head:
-        try:
-            return Path(head), float(tail)
-        except ValueError:
-            pass
-    return Path(spec), 1.0
 
 
 def check_genai_limits(path: Path, modules: dict[str, LoraModule]) -> None:

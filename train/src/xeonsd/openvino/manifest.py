@@ -140,8 +140,9 @@ def static_shape(manifest: dict[str, Any]) -> StaticShape | None:
     return None if shape is None else StaticShape(**shape)
 
 
-def check_writable_output(out: Path) -> None:
-    """Fail before any work when ``out`` cannot be created: not a directory, or no write access (even for root)."""
+def check_writable_output(out: Path, overwrite: bool = False) -> None:
+    """Fail before any work when ``out`` cannot be created: not a directory, not empty (unless ``overwrite``), or
+    no write access (even for root)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ExportDirError(f"output {out} exists and is not a directory")
@@ -157,3 +158,5 @@ def check_writable_output(out: Path) -> None:
     os.close(fd)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(probe)
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ExportDirError(f"output {out} already exists and is not empty; remove it or pass --overwrite")

@@ -94,6 +94,8 @@ def check_inputs(train_args: list[str], ranks_per_node: int = 1) -> list[Check]:
     from xeonsd.trainer.config import ConfigError
     from xeonsd.trainer.data import DataError, find_images
     from xeonsd.trainer.methods import for_config
+    from xeonsd.trainer.models import model_family
+    from xeonsd.trainer.resolution import with_resolution
 
     try:
         cfg = parse_config(train_args)
@@ -113,15 +115,9 @@ def check_inputs(train_args: list[str], ranks_per_node: int = 1) -> list[Check]:
         checks.append(Check("images" if not images else "captions", "FAIL", str(exc)))
     try:
         source = check_model_source(cfg.pretrained_model_name_or_path, revision=cfg.revision)
-    except ModelSourceError as exc:
-        checks.append(Check("model", "FAIL", str(exc)))
-        return checks
-    from xeonsd.trainer.models import model_family
-    from xeonsd.trainer.resolution import with_resolution
-
-    try:  # a family we do not serve (SD3, Flux, an SDXL refiner, …) fails here, before the trial step loads it
+        # a family we do not serve (SD3, Flux, an SDXL refiner, …) fails here, before the trial step loads it
         family = model_family(cfg)
-    except ConfigError as exc:
+    except (ModelSourceError, ConfigError) as exc:
         checks.append(Check("model", "FAIL", str(exc)))
         return checks
     # A download on every node at the job's start is what the base_model role exists to avoid.

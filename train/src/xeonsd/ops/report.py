@@ -26,7 +26,7 @@ from xeonsd.fsutil import atomic_file
 from xeonsd.jobs.progress import metrics_rows
 from xeonsd.modelfiles.families import SPECS
 from xeonsd.ops import run_view as clusterview
-from xeonsd.ops.report_cluster import cluster_sections, html_table
+from xeonsd.ops.report_cluster import cluster_sections, figure, html_table
 from xeonsd.ops.report_status import ended_attempt, status_line, stopped_section
 from xeonsd.trainer.metrics import FINAL, GRID, PARTIAL, VALIDATION_LABEL, loss_curve, read_summary, validation_points
 
@@ -253,8 +253,7 @@ def _loss_section(run: Path, rows: list[dict], missing: list[str]) -> list[str]:
             else "The loss per step."
         )
         sections.append(
-            f'<h2>Loss</h2><figure><img src="loss.png" alt="loss per step and its moving average">'
-            f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+            "<h2>Loss</h2>" + figure("loss.png", "loss per step and its moving average", html.escape(caption))
         )
     else:
         missing.append("loss.png")
@@ -275,20 +274,19 @@ def _validation_section(run: Path) -> list[str]:
     """The validation prompt's images over the steps (the trainer's grid), when the run rendered them."""
     if not (run / GRID).is_file():
         return []
-    return [
-        f'<h2>Validation images</h2><figure><img src="{GRID}" alt="validation images over the steps">'
-        "<figcaption>The validation prompt's images (one row per image, the same seed in every column) at "
-        "every --validation_steps evaluation and at the end.</figcaption></figure>"
-    ]
+    caption = (
+        "The validation prompt's images (one row per image, the same seed in every column) at every "
+        "--validation_steps evaluation and at the end."
+    )
+    return ["<h2>Validation images</h2>" + figure(GRID, "validation images over the steps", caption)]
 
 
 def _phases_section(info: dict, timings: dict) -> list[str]:
     """run.json's phase times and the generation's load, compile and throughput figures."""
     phases = dict(info.get("phases") or {})
-    if timings:
-        for key in ("load_s", "compile_s", "first_image_s", "images_per_s"):
-            if key in timings:
-                phases[f"generate: {key}"] = timings[key]
+    for key in ("load_s", "compile_s", "first_image_s", "images_per_s"):
+        if key in timings:
+            phases[f"generate: {key}"] = timings[key]
     return ["<h2>Throughput per phase</h2>" + html_table(phases)] if phases else []
 
 
@@ -311,11 +309,7 @@ def _images_section(images_dir: Path, timings: dict, missing: list[str]) -> list
     if not pictures:
         missing.append("images/*.png")
         return []
-    figs = "".join(
-        f'<figure><img src="images/{html.escape(p.name)}" alt="{html.escape(p.name)}">'
-        f"<figcaption>{html.escape(p.name)}</figcaption></figure>"
-        for p in pictures
-    )
+    figs = "".join(figure(f"images/{name}", name, name) for name in (html.escape(p.name) for p in pictures))
     prompt = timings.get("prompts") or timings.get("prompt")
     prompts = [str(p) for p in prompt] if isinstance(prompt, list) else [str(prompt)] if prompt else []
     quoted = ", ".join(f"<q>{html.escape(p)}</q>" for p in dict.fromkeys(prompts))  # each distinct prompt once

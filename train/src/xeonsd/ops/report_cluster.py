@@ -17,6 +17,11 @@ def html_table(data: dict) -> str:
     return f"<table>{cells}</table>"
 
 
+def figure(src: str, alt: str, caption: str) -> str:
+    """An image with its caption (``caption`` is HTML: the caller escapes what needs it)."""
+    return f'<figure><img src="{src}" alt="{alt}"><figcaption>{caption}</figcaption></figure>'
+
+
 def _pct(value: float) -> str:
     return f"{100 * value:.0f} %"
 
@@ -111,10 +116,7 @@ def _time_split_section(rows: list[dict], figs: dict) -> str:
 
 def _figure_section(title: str, png: str, alt: str, caption: str, table: dict) -> str:
     """A heading, a plot (a data: URL) with its caption, and the per-node table under it."""
-    return (
-        f'<h2>{title}</h2><figure><img src="{png}" alt="{alt}"><figcaption>{caption}</figcaption></figure>'
-        f"{html_table(table)}"
-    )
+    return f"<h2>{title}</h2>{figure(png, alt, caption)}{html_table(table)}"
 
 
 def _stragglers_section(rows: list[dict], figs: dict) -> str:

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 access_log = logging.getLogger("xeonsd.serve.access")
 IMAGE_PATHS = ("/v3/images/generations", "/v1/images/generations")
 EDIT_PATHS = ("/v3/images/edits", "/v1/images/edits")  # multipart: xeonsd.serve.edits
+KNOWN_PATHS = {*IMAGE_PATHS, *EDIT_PATHS, "/v1/models", "/v3/models", "/v2/health/live", "/v2/health/ready", "/metrics"}
 CLIENT_GONE = 499
 
 
@@ -75,7 +76,7 @@ class AccessLog:
         finally:
             code = extra.pop("status", status["code"])
             path = scope["path"]
-            endpoint = path if path in _known_paths() else "other"
+            endpoint = path if path in KNOWN_PATHS else "other"
             seconds = time.perf_counter() - t0
             self.metrics.requests.labels(endpoint, str(code)).inc()
             if path in IMAGE_PATHS or path in EDIT_PATHS:
@@ -84,10 +85,6 @@ class AccessLog:
             line = {"time": round(time.time(), 3), "client": f"{client[0]}:{client[1]}", "method": scope["method"]}
             line.update(path=path, status=code, seconds=round(seconds, 4), **extra)
             access_log.info(json.dumps(line, sort_keys=False))
-
-
-def _known_paths() -> set[str]:
-    return {*IMAGE_PATHS, *EDIT_PATHS, "/v1/models", "/v3/models", "/v2/health/live", "/v2/health/ready", "/metrics"}
 
 
 async def _watch_disconnect(receive: Callable, job: Job) -> None:

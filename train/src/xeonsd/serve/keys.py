@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from xeonsd.serve.requests import RequestError
+from xeonsd.serve.requests import refuse
 
 log = logging.getLogger(__name__)
 MIN_KEY = 16  # characters: a key a person would type by hand is too easy to guess
@@ -120,13 +120,13 @@ class RequireKey:
         access["key"] = name
         self.count(name or "(none)")
         if name is None:
-            self.refused("invalid_api_key")
             message = (
                 "Incorrect API key provided: send Authorization: Bearer KEY with a key of this server's --api-key-file"
                 if header
                 else "No API key provided: send Authorization: Bearer KEY (the openai client's api_key=)"
             )
-            error = RequestError(message, None, status=401, code="invalid_api_key")
-            await error.answer(send, close=False, **{"WWW-Authenticate": "Bearer"})
+            await refuse(
+                send, self.refused, message, 401, "invalid_api_key", close=False, **{"WWW-Authenticate": "Bearer"}
+            )
             return
         await self.app(scope, receive, send)

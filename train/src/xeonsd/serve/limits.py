@@ -34,7 +34,7 @@ from typing import Any
 from xeonsd.serve.keys import KeyRing, RequireKey
 from xeonsd.serve.metrics import Metrics
 from xeonsd.serve.options import Network, ServeOptions
-from xeonsd.serve.requests import RequestError
+from xeonsd.serve.requests import refuse
 
 UNCOUNTED = ("/v2/health/", "/metrics")  # paths the rate limit does not count
 MAX_KEYS = 65536  # rate-limit buckets kept at most (each ~200 bytes); past it the least recently used is forgotten
@@ -69,16 +69,9 @@ class AllowFrom:
         if scope["type"] != "http" or client_allowed(client[0], self.networks):
             await self.app(scope, receive, send)
             return
-        self.refused("address_not_allowed")
         nets = ", ".join(str(n) for n in self.networks)
-        error = RequestError(
-            f"requests from {client[0]} are not allowed here (--allow-from {nets}); call through the front",
-            None,
-            status=403,
-            kind="permission_denied",
-            code="address_not_allowed",
-        )
-        await error.answer(send)
+        message = f"requests from {client[0]} are not allowed here (--allow-from {nets}); call through the front"
+        await refuse(send, self.refused, message, 403, "address_not_allowed", kind="permission_denied")
 
 
 class ReadBody:
@@ -91,14 +84,9 @@ class ReadBody:
         self.timeout = timeout
         self.refused = refused
 
-    def _too_large(self, size: str) -> RequestError:
-        self.refused("body_too_large")
-        return RequestError(
-            f"the request body is {size}; this server takes at most {self.limit} bytes (--max-body-bytes)",
-            None,
-            status=413,
-            code="body_too_large",
-        )
+    async def _too_large(self, send: Callable, size: str) -> None:
+        message = f"the request body is {size}; this server takes at most {self.limit} bytes (--max-body-bytes)"
+        await refuse(send, self.refused, message, 413, "body_too_large")
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -106,7 +94,7 @@ class ReadBody:
             return
         length = next((v for k, v in scope.get("headers", []) if k == b"content-length"), None)
         if length is not None and int(length) > self.limit:  # h11 has checked that it is a number
-            await self._too_large(f"{int(length)} bytes (Content-Length)").answer(send)
+            await self._too_large(send, f"{int(length)} bytes (Content-Length)")
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
@@ -116,21 +104,17 @@ class ReadBody:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
-                self.refused("read_timeout")
-                error = RequestError(
-                    f"the request body did not arrive within {self.timeout:g} s (--read-timeout); {size} bytes came",
-                    None,
-                    status=408,
-                    code="read_timeout",
+                message = (
+                    f"the request body did not arrive within {self.timeout:g} s (--read-timeout); {size} bytes came"
                 )
-                await error.answer(send)
+                await refuse(send, self.refused, message, 408, "read_timeout")
                 return
             if message["type"] == "http.disconnect":
                 _access(scope)["status"] = 499  # the client left before its body was read: no one to answer
                 return
             size += len(message.get("body", b""))
             if size > self.limit:
-                await self._too_large(f"more than {self.limit} bytes (chunked, cut off)").answer(send)
+                await self._too_large(send, f"more than {self.limit} bytes (chunked, cut off)")
                 return
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
@@ -201,17 +185,11 @@ class RateLimit:
         if wait == 0:
             await self.app(scope, receive, send)
             return
-        self.refused("rate_limit_exceeded")
         retry = max(1, math.ceil(wait))
         per = int(self.buckets.capacity)
-        error = RequestError(
-            f"rate limit of {per} requests a minute reached for {who} (--rate-limit); retry after {retry} s",
-            None,
-            status=429,
-            kind="rate_limit_exceeded",
-            code="rate_limit_exceeded",
-        )
-        await error.answer(send, close=False, **{"Retry-After": str(retry)})
+        message = f"rate limit of {per} requests a minute reached for {who} (--rate-limit); retry after {retry} s"
+        code = "rate_limit_exceeded"
+        await refuse(send, self.refused, message, 429, code, kind=code, close=False, **{"Retry-After": str(retry)})
 
 
 def guard(app: Any, opts: ServeOptions, metrics: Metrics, keys: KeyRing | None) -> Any:

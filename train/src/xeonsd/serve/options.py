@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from xeonsd.contracts.serve_plan import ADAPTER_NAME as NAME  # a model's name: the base's or an adapter's
 from xeonsd.flags import flag
-from xeonsd.openvino.generate_args import PRECISIONS
+from xeonsd.openvino.generate_args import PRECISIONS, parse_spec
 
 if TYPE_CHECKING:
     from xeonsd.openvino.manifest import StaticShape
@@ -34,7 +34,6 @@ CORES_PER_WORKER = 1
 PIPELINE_MEMORY = 1.5  # a compiled pipeline's memory over its weights' size (an estimate, not a measurement)
 MEMORY_SHARE = 0.8  # of MemAvailable, for the workers together
 COMPILED = ("unet", "text_encoder", "text_encoder_2", "vae_decoder")  # what a worker compiles
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # Two 1024 px PNGs (an image and a mask) in one multipart edit: at most 4 MiB each (RGBA, incompressible), with
 # room for the form's other fields and a noisy image's PNG overhead: twice that.
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -54,8 +53,6 @@ class AdapterSpec:
 
 def parse_adapter(spec: str) -> AdapterSpec:
     """``NAME=PATH[:ALPHA]`` -> :class:`AdapterSpec`."""
-    from xeonsd.openvino.lora_files import parse_spec
-
     name, sep, rest = spec.partition("=")
     if not sep or not rest:
         raise ServeError(f"--adapter {spec!r}: expected NAME=PATH[:ALPHA]")

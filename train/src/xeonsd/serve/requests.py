@@ -79,15 +79,29 @@ class RequestError(ValueError):
         """The OpenAI error object."""
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
-    async def answer(self, send: Callable, close: bool = True, **headers: str) -> None:
-        """Send the error object as the ASGI response (``Connection: close`` unless ``close`` is False)."""
-        from starlette.responses import JSONResponse
 
-        if close:
-            headers["Connection"] = "close"
-        answer = JSONResponse(self.body(), status_code=self.status, headers=headers)
-        await send({"type": "http.response.start", "status": answer.status_code, "headers": answer.raw_headers})
-        await send({"type": "http.response.body", "body": answer.body})
+async def refuse(
+    send: Callable,
+    refused: Callable[[str], None],
+    message: str,
+    status: int,
+    code: str,
+    kind: str = "invalid_request_error",
+    close: bool = True,
+    **headers: str,
+) -> None:
+    """Refuse a request before it reaches a route (:mod:`xeonsd.serve.limits`, :mod:`xeonsd.serve.keys`): counted by
+    its ``code`` (``refused``), answered with the error object as the ASGI response (``Connection: close`` unless
+    ``close`` is False)."""
+    from starlette.responses import JSONResponse
+
+    refused(code)
+    if close:
+        headers["Connection"] = "close"
+    error = RequestError(message, None, status=status, kind=kind, code=code)
+    answer = JSONResponse(error.body(), status_code=status, headers=headers)
+    await send({"type": "http.response.start", "status": answer.status_code, "headers": answer.raw_headers})
+    await send({"type": "http.response.body", "body": answer.body})
 
 
 @dataclass(frozen=True)
