@@ -24,18 +24,10 @@ class ConceptError(ValueError):
     """The placeholder or initializer token does not fit the tokenizer."""
 
 
-def placeholder_tokens(placeholder: str, num_vectors: int) -> list[str]:
-    """``<tok>``, ``<tok>_1``, … : the names diffusers' ``load_textual_inversion`` gives multi-vector concepts."""
-    if num_vectors < 1:
-        raise ConceptError(f"--num_vectors must be at least 1, got {num_vectors}")
-    return expand_tokens(placeholder, num_vectors)
-
-
 @dataclass(frozen=True)
 class Concept:
     tokens: list[str]
     ids: list[int]
-    initializer_id: int
 
     @property
     def prompt_text(self) -> str:
@@ -44,8 +36,10 @@ class Concept:
 
 
 def add_concept(tokenizer, text_encoder, placeholder: str, initializer: str, num_vectors: int) -> Concept:
-    """Add the placeholder token(s) to tokenizer and text encoder; new rows start as the initializer's embedding."""
-    tokens = placeholder_tokens(placeholder, num_vectors)
+    """Add the placeholder token(s) to tokenizer and text encoder (``<tok>``, ``<tok>_1``, …: the names diffusers'
+    ``load_textual_inversion`` gives multi-vector concepts; ``num_vectors`` >= 1, as --method textual_inversion
+    checks); new rows start as the initializer's embedding."""
+    tokens = expand_tokens(placeholder, num_vectors)
     vocab = tokenizer.get_vocab()
     taken = [t for t in tokens if token_taken(tokenizer, t, vocab)]
     if taken:
@@ -70,7 +64,7 @@ def add_concept(tokenizer, text_encoder, placeholder: str, initializer: str, num
     with torch.no_grad():
         weight = text_encoder.get_input_embeddings().weight
         weight[ids] = weight[init_ids[0]].clone()
-    return Concept(tokens=tokens, ids=ids, initializer_id=init_ids[0])
+    return Concept(tokens=tokens, ids=ids)
 
 
 class PlaceholderEmbedding(torch.nn.Module):

@@ -26,7 +26,7 @@ from xeonsd.trainer.conditioning import PromptConditioning
 from xeonsd.trainer.config import TrainConfig
 from xeonsd.trainer.data import SamplingPlan
 from xeonsd.trainer.families import train_family
-from xeonsd.trainer.inputs import Inputs
+from xeonsd.trainer.inputs import FLOW_FLAGS, Inputs
 from xeonsd.trainer.latents import LatentTable
 from xeonsd.trainer.loss import parse_timestep_range
 from xeonsd.trainer.methods import Method, for_config
@@ -44,20 +44,9 @@ from xeonsd.trainer.validation import ValidationSet, build_validation
 log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name
 # A rank that lost a peer waits this long before ending the job, so that the other survivors report it too.
 ABORT_GRACE_S = 3.0
-# The loss, noise and caption options: a resumed run that changes one continues on another trajectory (a warning).
-LOSS_OPTIONS = (
-    "snr_gamma",
-    "noise_offset",
-    "timestep_range",
-    "caption_dropout",
-    "shuffle_tags",
-    "keep_tokens",
-    "weighting_scheme",
-    "logit_mean",
-    "logit_std",
-    "mode_scale",
-    "guidance_scale",
-)
+# The loss, noise and caption options (and the flow ones, FLOW_FLAGS): a resumed run that changes one continues on
+# another trajectory (a warning).
+LOSS_OPTIONS = ("snr_gamma", "noise_offset", "timestep_range", "caption_dropout", "shuffle_tags", "keep_tokens")
 
 
 @dataclass(frozen=True)
@@ -303,7 +292,7 @@ def _resume(
     if state.get("global_batch") != global_batch:
         log.warning("resuming with global batch %d (checkpoint used %s)", global_batch, state.get("global_batch"))
     saved = state.get("config") or {}
-    for name in LOSS_OPTIONS + BUCKET_OPTIONS:
+    for name in LOSS_OPTIONS + FLOW_FLAGS + BUCKET_OPTIONS:
         if name in saved and saved[name] != getattr(cfg, name):
             log.warning("resuming with --%s %s (checkpoint used %s)", name, getattr(cfg, name), saved[name])
     log.info("resumed from %s at step %d", where, start_step)

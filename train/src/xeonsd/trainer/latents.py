@@ -157,7 +157,6 @@ class LatentTable:
     dtype: torch.dtype = torch.float32
     time_ids: torch.Tensor | None = None  # SDXL: [count, 6] micro-conditioning per input row
     encoded: int = 0  # inputs the VAE encoded for the cache (all ranks)
-    encoded_here: int = 0  # of those, on this rank
 
     def time_ids_of(self, examples) -> torch.Tensor:
         assert self.time_ids is not None, "time ids exist for SDXL models only"
@@ -191,15 +190,14 @@ class LatentTable:
         if places is not None:
             shapes = [family.latent_dims(vae.config, scale, p.bucket[1], p.bucket[0]) for p in places for _ in (0, 1)]
         shift, scaling = family.latent_affine(models.vae)
-        common = {"shape": shape, "count": count, "scaling": scaling, "shift": shift, "dtype": models.weight_dtype}
         # SDXL: each image's micro-conditioning, kept with its latents
         per_image = [
             family.time_ids(p, cfg.resolution, cfg.center_crop, places[k] if places else None)
             for k, p in enumerate(images)
         ]
-        if images and all(t is not None for t in per_image):
-            common["time_ids"] = torch.cat(per_image)
-        time_ids = common.get("time_ids")
+        time_ids = torch.cat(per_image) if images and all(t is not None for t in per_image) else None
+        common = {"shape": shape, "count": count, "scaling": scaling, "shift": shift, "dtype": models.weight_dtype}
+        common["time_ids"] = time_ids  # SDXL's, else None
         if not cfg.latent_cache:
             pixels = load_all_pixels(images, cfg.resolution, cfg.center_crop, cfg.dataloader_num_workers, places)
             return cls(**common, vae=vae, pixels=pixels)
@@ -213,8 +211,8 @@ class LatentTable:
 
         cache_dir = Path(cfg.latent_cache_dir).expanduser() if cfg.latent_cache_dir else None
         if cache_dir is None:
-            mean, std, here = build_bucketed_cache(vae, load, models.weight_dtype, shapes, rank, world)
-            return cls(**common, mean=mean, std=std, encoded=count, encoded_here=here)
+            mean, std, _ = build_bucketed_cache(vae, load, models.weight_dtype, shapes, rank, world)
+            return cls(**common, mean=mean, std=std, encoded=count)
 
         vae_key = model_fingerprint(cfg.pretrained_model_name_or_path, cfg.revision, subfolder="vae")
         vae_key += str(models.weight_dtype)
@@ -243,7 +241,7 @@ class LatentTable:
             len(todo) // 2,
             here,
         )
-        return cls(**common, mean=mean, std=std, encoded=len(todo), encoded_here=here)
+        return cls(**common, mean=mean, std=std, encoded=len(todo))
 
 
 def bucket_placements(images: list[Path], buckets: Buckets | None, center_crop: bool) -> list[Placement] | None:

@@ -223,17 +223,16 @@ def save(job: Job, fitted: Fitted) -> dict:
         "output_dir": str(out),
         **method.summary(),
     }
-    if job.sharded and not job.is_main:  # rank 0's denoiser calls and its save need this rank's shards
+    final = out / "validation" / "final"
+    if job.is_main or job.sharded:  # sharded (--fsdp): rank 0's denoiser calls and its save need every rank's shards
         if cfg.validation_prompt:
-            render_validation(cfg, job.training.models, None, job.run.seed)
+            render_validation(cfg, job.training.models, final if job.is_main else None, job.run.seed)
         method.save(out)
     if job.is_main:
         if cfg.validation_prompt:
-            render_validation(cfg, job.training.models, out / "validation" / "final", job.run.seed)
             write_image_grid(out)
             if fitted.tracker is not None:
-                fitted.tracker.log_images(cfg.max_train_steps, out / "validation" / "final", "validation_final")
-        method.save(out)
+                fitted.tracker.log_images(cfg.max_train_steps, final, "validation_final")
         metrics = fitted.metrics
         assert metrics is not None
         if metrics.rows:

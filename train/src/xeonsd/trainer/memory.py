@@ -12,8 +12,6 @@ quarter of the activations again (the ``allocator`` term).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from xeonsd.trainer.memory_parts import (
@@ -22,40 +20,30 @@ from xeonsd.trainer.memory_parts import (
     GLIBC_ACTIVATION_SHARE,
     MemoryEstimate,
     _allocator,
-    _cpu_attention,
     _numel,
     _resident_bytes,
-    _SavedBytes,
     _text_encoders,
     _unet_loading,
     available_memory,
     in_phases,
+    saved_activations,
     shard_if_asked,
     step_batch,
-    tcmalloc_loaded,
 )
 
 __all__ = [
     "ESTIMATE_FILE",
     "GB",
     "GLIBC_ACTIVATION_SHARE",
-    "MemoryEstimate",
     "available_memory",
     "check_fits",
     "estimate",
-    "step_batch",
-    "tcmalloc_loaded",
 ]
 
 
-def _activations(
-    unet, cfg, cross_dim: int, weight_dtype: torch.dtype, hidden_grad: bool, autocast: bool, pooled_dim: int = 0
-) -> int:
+def _activations(unet, cfg, cross_dim: int, hidden_grad: bool, autocast: bool, pooled_dim: int = 0) -> int:
+    """What autograd keeps in one meta forward of the UNet (:func:`.memory_parts.saved_activations`, per block)."""
     batch = step_batch(cfg)
-    saved = _SavedBytes(list(unet.parameters()))
-    for block in [*unet.down_blocks, unet.mid_block, *unet.up_blocks]:
-        if block is not None:
-            saved.watch(block)
     side = cfg.resolution // 8
     dtype = next(unet.parameters()).dtype
     x = torch.zeros(batch, unet.config.in_channels, side, side, device="meta", dtype=dtype)
@@ -67,16 +55,8 @@ def _activations(
             "text_embeds": torch.zeros(batch, pooled_dim, device="meta", dtype=dtype),
             "time_ids": torch.zeros(batch, 6, device="meta", dtype=dtype),
         }
-    amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), amp, _cpu_attention():
-        unet(x, t, h, added_cond_kwargs=added, return_dict=False)
-    # While the backward pass goes through a block it also holds that block's activation gradients: about the
-    # size of what the block saved. With checkpointing, a block's activations exist only while it is recomputed.
-    largest = max((b for b, _ in saved.blocks), default=0)
-    if not getattr(cfg, "gradient_checkpointing", False):
-        return saved.total + largest
-    inside = sum(b for b, _ in saved.blocks)
-    return saved.total - inside + sum(i for _, i in saved.blocks) + 2 * largest
+    blocks = [b for b in [*unet.down_blocks, unet.mid_block, *unet.up_blocks] if b is not None]
+    return saved_activations(unet, blocks, cfg, autocast, x, t, h, added_cond_kwargs=added, return_dict=False)
 
 
 def estimate(cfg, method: str, num_images: int, num_prompts: int, world: int = 1) -> MemoryEstimate:
@@ -118,9 +98,7 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int, world: int = 1
     autocast = weight_dtype == torch.bfloat16 and unet_dtype == torch.float32
     cross_dim = sum(c.hidden_size for c, _ in encoders)  # SDXL: both encoders' hidden states side by side
     pooled_dim = encoders[-1][0].projection_dim if family.spec.pooled else 0
-    activations = _activations(
-        unet, cfg, cross_dim, weight_dtype, not terms.trains_unet, autocast, pooled_dim=pooled_dim
-    )
+    activations = _activations(unet, cfg, cross_dim, not terms.trains_unet, autocast, pooled_dim=pooled_dim)
     side = cfg.resolution // 8
     if cfg.with_prior_preservation:  # the class images' latents beside the instance ones, and the class prompt
         num_images, num_prompts = num_images + cfg.num_class_images, num_prompts + 1

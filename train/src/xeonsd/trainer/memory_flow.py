@@ -5,20 +5,17 @@ and the blocks whose saved activations repeat."""
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from xeonsd.trainer.memory_parts import (
     MemoryEstimate,
     _allocator,
-    _cpu_attention,
     _numel,
     _resident_bytes,
-    _SavedBytes,
     _text_encoders,
     _unet_loading,
     in_phases,
+    saved_activations,
     shard_if_asked,
     step_batch,
 )
@@ -103,19 +100,9 @@ def flow_estimate(cfg, method: str, family, num_images: int, num_prompts: int, w
 
 
 def flow_activations(denoiser, side, cfg, dims: tuple[int, int, int], text_len: int, autocast: bool) -> int:
-    """What autograd keeps in one meta forward of the transformer (per block, as
-    :func:`xeonsd.trainer.memory._activations`); ``side`` is the family's training side."""
-    saved = _SavedBytes(list(denoiser.parameters()))
-    for block in side.blocks(denoiser):
-        saved.watch(block)
+    """What autograd keeps in one meta forward of the transformer (:func:`.memory_parts.saved_activations`, per
+    block); ``side`` is the family's training side."""
     dtype = next(denoiser.parameters()).dtype
     with torch.device("meta"):
         args = side.meta_inputs(denoiser.config, step_batch(cfg), dims, text_len, dtype)
-    amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), amp, _cpu_attention():
-        denoiser(**args, return_dict=False)
-    largest = max((b for b, _ in saved.blocks), default=0)
-    if not getattr(cfg, "gradient_checkpointing", False):
-        return saved.total + largest
-    inside = sum(b for b, _ in saved.blocks)
-    return saved.total - inside + sum(i for _, i in saved.blocks) + 2 * largest
+    return saved_activations(denoiser, side.blocks(denoiser), cfg, autocast, **args, return_dict=False)

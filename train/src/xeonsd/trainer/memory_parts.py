@@ -165,6 +165,24 @@ class _SavedBytes:
         block.register_forward_hook(post)
 
 
+def saved_activations(model: torch.nn.Module, blocks, cfg, autocast: bool, *args, **kwargs) -> int:
+    """What autograd keeps in one meta forward of ``model(*args, **kwargs)``, watched per block of ``blocks``: every
+    saved tensor, plus the largest block's again for the gradients the backward holds while it passes through that
+    block. With --gradient_checkpointing a block's activations exist only while it is recomputed: each block's
+    input is kept instead, plus the largest block's activations and their gradients."""
+    saved = _SavedBytes(list(model.parameters()))
+    for block in blocks:
+        saved.watch(block)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), amp, _cpu_attention():
+        model(*args, **kwargs)
+    largest = max((b for b, _ in saved.blocks), default=0)
+    if not getattr(cfg, "gradient_checkpointing", False):
+        return saved.total + largest
+    inside = sum(b for b, _ in saved.blocks)
+    return saved.total - inside + sum(i for _, i in saved.blocks) + 2 * largest
+
+
 @contextlib.contextmanager
 def _cpu_attention():
     """On meta tensors SDPA takes the math path, which keeps the whole score matrix for the backward (GBs at

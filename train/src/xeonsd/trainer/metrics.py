@@ -47,12 +47,7 @@ class MetricsLog:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    rows = []
-    for line in Path(path).read_text().splitlines():
-        line = line.strip()
-        if line:
-            rows.append(json.loads(line))
-    return rows
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def ema_window(points: int) -> int:
@@ -163,10 +158,6 @@ def plot_loss(rows: list[dict], path: Path, title: str = "textual inversion") ->
     return Path(path)
 
 
-# What a finished run trained, for export.yml and the report (written by rank 0 beside its result).
-SUMMARY = TRAIN_SUMMARY_FILE
-
-
 def result_bytes(out_dir: Path, result: str) -> int:
     """The size of a run's result (its method's first output): the embedding or adapter file, or for a pipeline
     (``model_index.json``) every component it lists."""
@@ -180,16 +171,17 @@ def result_bytes(out_dir: Path, result: str) -> int:
 
 
 def write_summary(out_dir: Path, summary: dict[str, Any]) -> Path:
-    """``train_summary.json``: the method, its trainable parameters, the base model and its fingerprint, the
-    prompts (captions) used, the bytes all-reduced per step and the result with its size."""
-    path = Path(out_dir) / SUMMARY
+    """``train_summary.json`` (for export.yml and the report; rank 0 writes it beside the result): the method, its
+    trainable parameters, the base model and its fingerprint, the prompts (captions) used, the bytes all-reduced
+    per step and the result with its size."""
+    path = Path(out_dir) / TRAIN_SUMMARY_FILE
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
     return path
 
 
 def read_summary(out_dir: Path) -> dict[str, Any] | None:
-    path = Path(out_dir) / SUMMARY
+    path = Path(out_dir) / TRAIN_SUMMARY_FILE
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):

@@ -62,8 +62,7 @@ class Models:
         shared weights the node's last rank to drop it removes its file (:meth:`SharedStore.release`)."""
         setattr(self, slot, None)
         gc.collect()
-        if self.store is not None and slot in self.shared_slots:
-            self.store.release(self.shared_slots[slot])
+        self.unshare(slot)
 
     def load_pending(self) -> None:
         """Load the text encoders that waited for the long one to be freed (:func:`load_models` in phases)."""
@@ -190,14 +189,8 @@ def _load_models(cfg: TrainConfig, family: Family, store: SharedStore | None, de
     )
     models.text_pending = pending
     if store is not None:
-        slots = {"vae": "vae"}
-        slots.update(
-            {
-                slot: encoder
-                for slot, (encoder, _) in zip(_TEXT_SLOTS[: len(spec.text_side)], spec.text_side, strict=True)
-            }
-        )
-        models = dataclasses.replace(models, store=store, shared_slots=slots)
+        text_slots = zip(_TEXT_SLOTS, (encoder for encoder, _ in spec.text_side), strict=False)
+        models = dataclasses.replace(models, store=store, shared_slots={"vae": "vae", **dict(text_slots)})
     return models
 
 

@@ -126,7 +126,7 @@ def ensure_class_images(
             "copy the class images to every node, or remove them there and let the trainer generate them"
         )
     if todo:
-        render, renderers = _renderer(cfg, models, info, open_renderer)  # renderers: the ranks with an export
+        render, renderers = _renderer(cfg, info, open_renderer)  # renderers: the ranks with an export
         log.info(
             "generating %d of %d class image(s) for %r into %s (%s)",
             len(todo),
@@ -160,7 +160,7 @@ def ensure_class_images(
     return paths
 
 
-def _renderer(cfg: TrainConfig, models, info: RankInfo, open_renderer: ClassRendererOpener | None):
+def _renderer(cfg: TrainConfig, info: RankInfo, open_renderer: ClassRendererOpener | None):
     """(this rank's OpenVINO renderer or None, the ranks that have one): None, [] when no rank has one."""
     from xeonsd.modelfiles.modelsource import model_fingerprint
 

@@ -201,11 +201,8 @@ def validation_loss(vs: ValidationSet, training: LossInputs, rank: int, world: i
 
 def _step_dirs(validation_dir: Path) -> list[tuple[str, Path]]:
     """(column label, directory) of ``validation/step-N`` in step order, then ``validation/final``."""
-    steps = []
-    for d in validation_dir.glob("step-*"):
-        if d.is_dir() and d.name[5:].isdigit():
-            steps.append((int(d.name[5:]), d))
-    columns = [(f"step {n}", d) for n, d in sorted(steps)]
+    steps = sorted((int(d.name[5:]), d) for d in validation_dir.glob("step-*") if d.is_dir() and d.name[5:].isdigit())
+    columns = [(f"step {n}", d) for n, d in steps]
     if (validation_dir / "final").is_dir():
         columns.append(("final", validation_dir / "final"))
     return columns

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import struct
 from pathlib import Path
 
@@ -99,12 +100,8 @@ def _stored_dtype(path: Path, name: str, info: dict) -> torch.dtype:
 
 def largest_tensor_bytes(files: list[Path]) -> int:
     """The bytes of the largest tensor in these safetensors files, as stored (read from their headers)."""
-    largest = 0
-    for path in files:
-        with open(path, "rb") as f:
-            header, _ = _read_header(f, path)
-        largest = max([largest, *(info["data_offsets"][1] - info["data_offsets"][0] for info in header.values())])
-    return largest
+    table = read_tensor_table(files).values()
+    return max((dtype.itemsize * math.prod(shape) for dtype, shape in table), default=0)
 
 
 def local_weight_files(

@@ -103,7 +103,8 @@ class Method:
         return None
 
     def prompts(self, captions: Captions | None) -> PromptTable:
-        raise NotImplementedError
+        """The prompt table the steps condition on: the captions, or ``--instance_prompt``."""
+        return plain_prompts(self.cfg, self.uses_captions(self.cfg, captions), captions)
 
     # ---- the steps ---------------------------------------------------------------------------------------------
     def after_step(self, step: int) -> None:

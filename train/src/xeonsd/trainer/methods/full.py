@@ -24,13 +24,12 @@ from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError
 from xeonsd.trainer.methods.base import Method, PlainText
 from xeonsd.trainer.pipelines import save_full_pipeline
-from xeonsd.trainer.prompts import check_prompt_source, plain_prompts
+from xeonsd.trainer.prompts import check_prompt_source
 
 log = logging.getLogger("xeonsd.train")
 
 if TYPE_CHECKING:
     from xeonsd.trainer.captions import Captions
-    from xeonsd.trainer.prompts import PromptTable
 
 
 class EMA:
@@ -111,9 +110,6 @@ class FullFineTuning(Method):
 
     def ddp_module(self) -> torch.nn.Module | None:
         return None if self.sharded else self.models.unet
-
-    def prompts(self, captions: Captions | None) -> PromptTable:
-        return plain_prompts(self.cfg, self.uses_captions(self.cfg, captions), captions)
 
     def after_step(self, step: int) -> None:
         if self.ema is not None:

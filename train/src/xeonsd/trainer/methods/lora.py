@@ -26,12 +26,11 @@ from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError
 from xeonsd.trainer.methods.base import Method, PlainText
 from xeonsd.trainer.pipelines import pipeline_class
-from xeonsd.trainer.prompts import check_prompt_source, plain_prompts
+from xeonsd.trainer.prompts import check_prompt_source
 
 if TYPE_CHECKING:
     from xeonsd.modelfiles.families import Family
     from xeonsd.trainer.captions import Captions
-    from xeonsd.trainer.prompts import PromptTable
 
 LORA_FILE = result_file("lora")
 TEXT_ENCODER_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
@@ -67,10 +66,23 @@ def _lora_config(rank: int, alpha: float, targets: list[str], fused: bool = True
     return config
 
 
+def _alpha(cfg) -> float:
+    """``--lora_alpha``, by default ``--rank`` (a scale of 1)."""
+    return cfg.lora_alpha if cfg.lora_alpha is not None else cfg.rank
+
+
 def unet_lora_config(cfg, family: Family | None = None):
     """The denoiser adapters' peft config for this run (the trainer and the memory estimate use the same one)."""
-    alpha = cfg.lora_alpha if cfg.lora_alpha is not None else cfg.rank
-    return _lora_config(cfg.rank, alpha, target_modules(cfg, family), cfg.fused_lora)
+    return _lora_config(cfg.rank, _alpha(cfg), target_modules(cfg, family), cfg.fused_lora)
+
+
+def _adapters_in_fp32(modules) -> list[torch.nn.Parameter]:
+    """The trainable parameters of ``modules`` (the adapters), moved to fp32: they train in fp32 beside the bf16
+    base."""
+    params = [p for module in modules for p in module.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.float()
+    return params
 
 
 class LoRA(Method):
@@ -94,11 +106,7 @@ class LoRA(Method):
         """The adapters, added to the meta denoiser in fp32; with --train_text_encoder about the same share of each
         CLIP text encoder's attention (never T5's)."""
         unet.add_adapter(unet_lora_config(cfg, family))
-        trainable = 0
-        for p in unet.parameters():
-            if p.requires_grad:
-                p.data = p.data.float()
-                trainable += p.numel()
+        trainable = sum(p.numel() for p in _adapters_in_fp32([unet]))
         if cfg.train_text_encoder:
             clips = [c for c, _ in encoders if getattr(c, "model_type", "") != "t5"]
             trainable += sum(4 * c.num_hidden_layers * 2 * cfg.rank * c.hidden_size for c in clips)
@@ -106,8 +114,7 @@ class LoRA(Method):
 
     def __init__(self, cfg, models) -> None:
         super().__init__(cfg, models)
-        alpha = cfg.lora_alpha if cfg.lora_alpha is not None else cfg.rank
-        self.alpha = alpha
+        self.alpha = _alpha(cfg)
         try:
             models.unet.add_adapter(unet_lora_config(cfg, models.family))
         except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
@@ -115,15 +122,10 @@ class LoRA(Method):
         encoders = list(self._encoders().values())  # SDXL, SD3: both CLIPs; never T5
         if cfg.train_text_encoder:
             for encoder in encoders:
-                encoder.add_adapter(_lora_config(cfg.rank, alpha, list(TEXT_ENCODER_TARGETS), cfg.fused_lora))
+                encoder.add_adapter(_lora_config(cfg.rank, self.alpha, list(TEXT_ENCODER_TARGETS), cfg.fused_lora))
         if cfg.gradient_checkpointing:
             models.unet.enable_gradient_checkpointing()
-        self.params: list[torch.nn.Parameter] = []
-        for module in (models.unet, *encoders):
-            for p in module.parameters():
-                if p.requires_grad:
-                    p.data = p.data.float()  # adapters train in fp32 beside the bf16 base
-                    self.params.append(p)
+        self.params = _adapters_in_fp32([models.unet, *encoders])
 
     @classmethod
     def text_first(cls, cfg) -> PlainText | None:
@@ -135,9 +137,6 @@ class LoRA(Method):
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return self.params
-
-    def prompts(self, captions: Captions | None) -> PromptTable:
-        return plain_prompts(self.cfg, self.uses_captions(self.cfg, captions), captions)
 
     def _layers(self) -> dict[str, dict[str, torch.Tensor]]:
         from diffusers.utils import convert_state_dict_to_diffusers
@@ -176,22 +175,20 @@ class LoRA(Method):
         allowed = set(_text_encoder_names(self.models.family))
         return {n: e for n, (_, e) in zip(names, self.models.text_pairs, strict=False) if n in allowed}
 
-    def state(self) -> dict:
+    def _settings(self) -> dict:
+        """What the adapters are: a checkpoint of other adapters is refused."""
         return {
-            "adapters": [p.detach().clone() for p in self.params],
             "rank": self.cfg.rank,
             "alpha": self.alpha,
             "targets": target_modules(self.cfg, self.models.family),
             "text_encoder": self.cfg.train_text_encoder,
         }
 
+    def state(self) -> dict:
+        return {"adapters": [p.detach().clone() for p in self.params], **self._settings()}
+
     def load_state(self, state: dict, where: str) -> None:
-        mine = {
-            "rank": self.cfg.rank,
-            "alpha": self.alpha,
-            "targets": target_modules(self.cfg, self.models.family),
-            "text_encoder": self.cfg.train_text_encoder,
-        }
+        mine = self._settings()
         theirs = {k: state.get(k) for k in mine}
         if theirs != mine:
             diff = ", ".join(f"{k} {theirs[k]} (now {mine[k]})" for k in mine if theirs[k] != mine[k])
