@@ -24,11 +24,16 @@ def test_cpu_flash_attention_is_counted_forward_and_backward():
 
 
 def test_both_benchmarks_use_the_same_matmul_peak(monkeypatch):
-    import xeonsd.bench.generate_report as bg
+    """``bench train`` and ``bench generate`` both probe through xeonsd.bench.rounds.probes: fp32 and bf16
+    alternating, each through xeonsd.flops."""
     import xeonsd.flops as flops
+    from xeonsd.bench import rounds
 
     calls = []
-    monkeypatch.setattr(flops, "matmul_peak", lambda dtype, **kw: calls.append(dtype) or 1.0)
-    assert bg.matmul_peak("bfloat16") == 1.0 and calls == [torch.bfloat16]
+    monkeypatch.setattr(flops, "matmul_rates", lambda dtype, n, s: calls.append((dtype, n, s)) or {256: 2.0, 512: 3.0})
+    probes = rounds.probes(2, 0.5, max_n=512)
+    assert [(p["dtype"], p["peak"]) for p in probes] == [("fp32", 3.0), ("bf16", 3.0)] * 2
+    assert calls == [(torch.float32, 512, 0.5), (torch.bfloat16, 512, 0.5)] * 2
+    monkeypatch.undo()
     peak = matmul_peak(torch.float32, max_n=256, seconds=0.1)
     assert 1e8 < peak < 1e15  # a real measurement of a 256 x 256 product, in FLOP/s

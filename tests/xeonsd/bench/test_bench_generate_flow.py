@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from xeonsd import cli
-from xeonsd.bench.generate import ARCH_RESOLUTION, main
+from xeonsd.bench.generate import main
 from xeonsd.bench.generate_flow import PLAIN_PROMPT, transformer_call_flops
 from xeonsd.bench.generate_report import pipeline_flops
 
@@ -60,11 +60,14 @@ def test_sd3_flops_count_two_transformer_calls_per_step_flux_one(tiny_sd3_model:
 def test_bench_generate_offers_every_make_tiny_model_arch_and_depth_only_on_full_transformers(
     tmp_path: Path, monkeypatch
 ) -> None:
-    from xeonsd.assets.models import arch_names
+    from xeonsd.assets.models import arch_names, arch_resolution
+    from xeonsd.bench.generate import build_parser
     from xeonsd.bench.generate_pipelines import model_dir
 
-    assert sorted(ARCH_RESOLUTION) == sorted(arch_names())
-    assert ARCH_RESOLUTION["flux"] == ARCH_RESOLUTION["sd35m"] == 1024 and ARCH_RESOLUTION["tiny-sd3"] == 64
+    assert next(a for a in build_parser()._actions if a.dest == "arch").choices == arch_names()
+    sizes = {arch: arch_resolution(arch) for arch in arch_names()}
+    assert sizes["sd15"] == 512 and sizes["sd21"] == 768 and sizes["sdxl"] == sizes["qwenimage"] == 1024
+    assert sizes["flux"] == sizes["sd35m"] == 1024 and sizes["tiny-sd3"] == sizes["tiny-flux2"] == 64
     monkeypatch.chdir(tmp_path)
     for flags, said in (
         (

@@ -68,6 +68,11 @@ class FlowArch:
     pos_embed_max_size: int = 96
     weights_dtype: str = "float32"  # the big benchmark archs are written in bf16 (their fp32 T5 alone is 19 GB)
 
+    @property
+    def sample_px(self) -> int:
+        """The default image side: the latent side times the VAE's scale (2 per downsampling block)."""
+        return self.sample_size * 2 ** (len(self.vae_channels) - 1)
+
     def with_depth(self, depth: int) -> FlowArch:
         """FLUX.1's widths with ``depth`` double-stream blocks and twice as many single-stream ones (the real model's
         19 + 38), so that a per-block figure scales to the full depth by 19/depth."""
@@ -266,8 +271,7 @@ def _sd3_transformer(a: FlowArch) -> Any:
 
 
 def _vae(a: FlowArch) -> Any:
-    sample_px = a.sample_size * 2 ** (len(a.vae_channels) - 1)
-    return vae_of(a.vae_channels, a.vae_layers, a.norm_groups, sample_px, a.vae_scaling, shift=a.vae_shift)
+    return vae_of(a.vae_channels, a.vae_layers, a.norm_groups, a.sample_px, a.vae_scaling, shift=a.vae_shift)
 
 
 PAD, T5_EOS, UNK = "<pad>", "</s>", "<unk>"

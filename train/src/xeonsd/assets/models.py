@@ -41,8 +41,9 @@ class Arch:
     vae_scaling: float = 0.18215
 
     @property
-    def family(self) -> str:
-        return "sdxl" if self.text2 is not None else "sd"
+    def sample_px(self) -> int:
+        """The default image side: the UNet's sample size times the VAE's 8."""
+        return self.sample_size * 8
 
 
 ARCHS: dict[str, Arch] = {
@@ -130,6 +131,14 @@ def arch_names() -> list[str]:
     return [*ARCHS, *FLOW_ARCHS, *OPEN_ARCHS]
 
 
+def arch_resolution(arch: str) -> int:
+    """The default image side of an ``--arch`` model (its denoiser's sample size x the VAE's scale)."""
+    from xeonsd.assets.flow_models import FLOW_ARCHS
+    from xeonsd.assets.open_models import OPEN_ARCHS
+
+    return {**ARCHS, **FLOW_ARCHS, **OPEN_ARCHS}[arch].sample_px
+
+
 def make_tiny_model(
     out: Path, arch: str = "tiny", seed: int = 0, depth: int | None = None, configs_only: bool = False
 ) -> Path:
@@ -210,7 +219,7 @@ def _text_time(a: Arch) -> dict[str, Any]:
 
 
 def _vae(a: Arch) -> Any:
-    return vae_of(a.vae_channels, a.vae_layers, a.norm_groups, a.sample_size * 8, a.vae_scaling)
+    return vae_of(a.vae_channels, a.vae_layers, a.norm_groups, a.sample_px, a.vae_scaling)
 
 
 def _scheduler(a: Arch) -> Any:

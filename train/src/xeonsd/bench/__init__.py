@@ -14,6 +14,6 @@ accounting and report: :mod:`.soak_report`.
 splits a step per class of work: :mod:`xeonsd.step_profile`; the table: :mod:`.train_report`; the targets it prints:
 :mod:`.targets`); ``bench optimizer`` (:mod:`.optimizer`) times one AdamW update, loop against fused.
 ``bench generate`` is :mod:`.generate` (the command line and the variants in order), :mod:`.generate_pipelines` (the model, the cached exports, each pipeline loaded and timed) and
-:mod:`.generate_report` (FLOPs per image, matmul peaks, the table and its targets). They may import every other
+:mod:`.generate_report` (FLOPs per image, the table and its targets). They may import every other
 part of the package; nothing imports them but the CLI.
 """

@@ -144,20 +144,14 @@ def _flag(args: list[str], name: str) -> str | None:
     return None
 
 
-def _output_dir(args: list[str]) -> Path:
-    out = _flag(args, "--output_dir")
-    if out is None:
-        raise SystemExit("xeonsd.bench.diffusers_examples: error: the script's --output_dir is where the steps go")
-    return Path(out)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or not Path(argv[0]).is_file():
         print("usage: python -m xeonsd.bench.diffusers_examples SCRIPT [ARGS...] (SCRIPT must exist)", file=sys.stderr)
         return 2
     script, args = Path(argv[0]).resolve(), argv[1:]
-    out = _output_dir(args)
+    if (out := _flag(args, "--output_dir")) is None:
+        raise SystemExit("xeonsd.bench.diffusers_examples: error: the script's --output_dir is where the steps go")
     from torch.nn.modules.module import register_module_forward_pre_hook
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -190,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         handle.remove()
         first.remove()
     os.makedirs(out, exist_ok=True)
-    with atomic_file(out / "metrics.jsonl", "w") as fh:
+    with atomic_file(Path(out) / "metrics.jsonl", "w") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in step_rows(starts[0] if starts else time.time(), ends))
     return 0
 

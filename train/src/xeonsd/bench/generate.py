@@ -41,6 +41,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from xeonsd.assets.models import arch_names, arch_resolution
 from xeonsd.bench import rounds as rnd
 from xeonsd.bench.generate_flow import flow_family, transformer_calls_per_step
 from xeonsd.bench.generate_pipelines import Bench, Result, model_and_concept, prompt_for, time_ov, time_torch
@@ -60,8 +61,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     model, embeds = model_and_concept(args, workdir)
-    _probes(1, 0.2)  # warm-up, not kept
-    before = _probes(args.probes, 1.0)
+    rnd.probes(1, 0.2)  # warm-up, not kept
+    before = rnd.probes(args.probes, 1.0)
     peaks = {d: rnd.spread([p["peak"] for p in before if p["dtype"] == d])["median"] for d in ("bf16", "fp32")}
     log.info("matmul peaks: bf16 %.3f TFLOP/s, fp32 %.3f TFLOP/s", peaks["bf16"] / 1e12, peaks["fp32"] / 1e12)
     flops = pipeline_flops(model, args.height, args.width, args.steps)
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     bench = Bench(args, model, embeds, workdir)
     _measure_variants(bench, peaks, flops)
-    after = _probes(args.probes, 1.0)
+    after = rnd.probes(args.probes, 1.0)
     stable = rnd.stability(before, after)
     peaks = {k: v["peak"]["median"] for k, v in stable["by_dtype"].items()}
     cpu = cpu_info()
@@ -108,14 +109,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "matmul_probes_flops": {"before": before, "after": after},
         "machine": stable,
     }
-
-
-def _probes(repeats: int, seconds: float) -> list[dict]:
-    import torch
-
-    from xeonsd.flops import matmul_probes
-
-    return matmul_probes({"bf16": torch.bfloat16, "fp32": torch.float32}, repeats=repeats, seconds=seconds)
 
 
 def _measure_variants(bench: Bench, peaks: dict[str, float], flops: dict[str, float]) -> None:
@@ -193,34 +186,12 @@ def _pixel_difference(image: list, image_d: list, seed: int) -> dict[str, Any]:
     return {"mean_abs_pixel_diff": round(float(diff), 3), "seed": seed}
 
 
-# Every make-tiny-model --arch with its resolution (its denoiser's sample size x the VAE's scale); a test holds the
-# keys to xeonsd.assets.models.arch_names()
-ARCH_RESOLUTION = {
-    "sd15": 512,
-    "sd21": 768,
-    "sdxl": 1024,
-    "flux": 1024,
-    "sd35m": 1024,
-    "tiny": 64,
-    "tiny-v": 64,
-    "tiny-xl": 64,
-    "tiny-flux": 64,
-    "tiny-sd3": 64,
-    "flux2-klein": 1024,
-    "zimage": 1024,
-    "qwenimage": 1024,
-    "tiny-flux2": 64,
-    "tiny-zimage": 64,
-    "tiny-qwenimage": 64,
-}
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="xeonsd bench generate", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="diffusers pipeline directory (default: a random-weight --arch model in --workdir)")
     p.add_argument(
         "--arch",
-        choices=list(ARCH_RESOLUTION),
+        choices=arch_names(),
         default="sd15",
         help="the random-weight model built in --workdir when --model is not given (make-tiny-model --arch)",
     )
@@ -284,7 +255,7 @@ def main(argv: list[str]) -> int:
     if not args.quick and (args.height is None or args.width is None):
         from xeonsd.modelfiles.families import detect_family
 
-        size = detect_family(args.model).default_resolution if args.model else ARCH_RESOLUTION.get(args.arch, 512)
+        size = detect_family(args.model).default_resolution if args.model else arch_resolution(args.arch)
         args.height, args.width = args.height or size, args.width or size
     report = run(args)
     table = format_table(report)

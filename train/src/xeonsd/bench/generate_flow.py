@@ -19,14 +19,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from xeonsd.modelfiles.families import detect_family, spec, tokenizer_limit, vae_scale
+
 PLAIN_PROMPT = "a yellow robot at the beach, high quality"  # the recipe's prompt without the concept's token
 CLIP_LENGTH = 77
 
 
 def flow_family(model: Path) -> Any:
     """The detected family of ``model`` when it is a flow-matching one (FLUX.1, SD3), else None."""
-    from xeonsd.modelfiles.families import detect_family
-
     family = detect_family(str(model))
     return family if family.is_flow else None
 
@@ -36,16 +36,12 @@ def transformer_calls_per_step(family: str) -> int:
     (prompt and negative prompt, one call at batch 2); FLUX.1's pipeline runs it only with ``true_cfg_scale`` > 1
     and a negative prompt (dev's guidance is an embedding, schnell has none), neither of which is given
     (``FamilySpec.negative_prompt_cfg``)."""
-    from xeonsd.modelfiles.families import spec
-
     found = spec(family)
     return 2 if found.negative_prompt_cfg and found.guidance_scale > 1 else 1
 
 
 def prompt_length(model: Path, family: str) -> int:
     """T5's prompt length the export fixes for ``model`` (:meth:`FamilySpec.prompt_length_of`)."""
-    from xeonsd.modelfiles.families import spec
-
     length = spec(family).prompt_length_of(model)
     assert length is not None
     return length
@@ -54,8 +50,6 @@ def prompt_length(model: Path, family: str) -> int:
 def torch_call_kwargs(model: Path, family: str) -> dict[str, Any]:
     """What the diffusers pipeline of a flow family is called with besides the prompt, size and steps: the guidance
     scale ``xeonsd generate`` uses for ``family`` (and so every variant of the bench) and T5's prompt length."""
-    from xeonsd.modelfiles.families import spec
-
     return {"guidance_scale": spec(family).guidance_scale, "max_sequence_length": prompt_length(model, family)}
 
 
@@ -72,51 +66,33 @@ def flops_of(fn: Callable[[], Any]) -> float:
 def _vae(model: Path, family: str) -> tuple[Any, int]:
     import diffusers
 
-    from xeonsd.modelfiles.families import spec, vae_scale
-
     cls = getattr(diffusers, spec(family).vae_class)
     config = cls.load_config(model / "vae")
     return cls.from_config(config), vae_scale(config)
 
 
-def _transformer(model: Path, family: str) -> Any:
-    import diffusers
-
-    from xeonsd.modelfiles.families import spec
-
-    cls = getattr(diffusers, spec(family).denoiser_class)
-    return cls.from_config(cls.load_config(model / "transformer"))
-
-
 def transformer_call_flops(model: Path, family: str, height: int, width: int, batch: int = 1) -> float:
     """FLOPs of one transformer call at ``batch`` for ``height`` x ``width`` images."""
+    import diffusers
     import torch
 
     from xeonsd.trainer.families import FAMILIES
 
+    cls = getattr(diffusers, spec(family).denoiser_class)
     with torch.device("meta"):
-        transformer = _transformer(model, family)
+        transformer = cls.from_config(cls.load_config(model / "transformer"))
         vae, scale = _vae(model, family)
     side = FAMILIES[family]
     dims = side.latent_dims(vae.config, scale, height, width)
-    text = _text_tokens(model, family)
+    # the transformer's text sequence: T5's tokens (FLUX.1), CLIP's 77 followed by T5's (SD3: clip_context_tokens)
+    text = prompt_length(model, family) + spec(family).clip_context_tokens
     return flops_of(lambda: transformer(**side.meta_inputs(transformer.config, batch, dims, text, torch.float32)))
-
-
-def _text_tokens(model: Path, family: str) -> int:
-    """The transformer's text sequence: T5's tokens (FLUX.1), CLIP's 77 followed by T5's (SD3:
-    ``FamilySpec.clip_context_tokens``)."""
-    from xeonsd.modelfiles.families import spec
-
-    return prompt_length(model, family) + spec(family).clip_context_tokens
 
 
 def _text_encoders(model: Path, family: str) -> list[tuple[Any, int]]:
     """Each text encoder (meta device) with the token count it is called on."""
     import torch
     import transformers
-
-    from xeonsd.modelfiles.families import spec, tokenizer_limit
 
     found = spec(family)
     out = []

@@ -126,29 +126,22 @@ def model_and_concept(args: argparse.Namespace, workdir: Path) -> tuple[Path, Pa
     """``--model`` (or a random-weight ``--arch`` model built once in WORKDIR) and a random concept for it (None for
     FLUX.1 and SD3, which take none)."""
     import torch
-    from safetensors.torch import save_file
 
     from xeonsd.assets import make_tiny_model
+    from xeonsd.modelfiles.concept_file import write_concept_file
 
     model = model_dir(args, workdir)
     if not model.is_dir():
         make_tiny_model(model, arch=args.arch, depth=getattr(args, "depth", None))
     if flow_family(model) is not None:
         return model, None
-    hidden = json.loads((model / "text_encoder" / "config.json").read_text())["hidden_size"]
-    gen = torch.Generator().manual_seed(0)
-    if (model / "text_encoder_2").is_dir():  # SDXL: one vector set per text encoder (clip_l, clip_g)
-        from xeonsd.modelfiles.concept_file import save_xl_concept
-
-        hidden_g = json.loads((model / "text_encoder_2" / "config.json").read_text())["hidden_size"]
-        embeds = workdir / f"concept-{hidden}-{hidden_g}.safetensors"
-        if not embeds.is_file():
-            clip_l, clip_g = (torch.randn(1, n, generator=gen) * 0.02 for n in (hidden, hidden_g))
-            save_xl_concept(embeds, TOKEN, clip_l, clip_g)
-        return model, embeds
-    embeds = workdir / f"concept-{hidden}.safetensors"
+    # one vector set per text encoder (SDXL's two: clip_l, clip_g)
+    encoders = [model / e for e in ("text_encoder", "text_encoder_2") if (model / e).is_dir()]
+    hidden = [json.loads((e / "config.json").read_text())["hidden_size"] for e in encoders]
+    embeds = workdir / f"concept-{'-'.join(map(str, hidden))}.safetensors"
     if not embeds.is_file():
-        save_file({TOKEN: torch.randn(1, hidden, generator=gen) * 0.02}, str(embeds))
+        gen = torch.Generator().manual_seed(0)
+        write_concept_file(embeds, TOKEN, [torch.randn(1, n, generator=gen) * 0.02 for n in hidden])
     return model, embeds
 
 

@@ -1,9 +1,9 @@
 """What ``xeonsd bench generate`` measures beside the timings, and the table it prints.
 
-The FLOPs of one image (counted with ``torch.utils.flop_counter`` on the pipeline's own networks), this CPU's
-matmul peaks (measured as ``bench train`` measures them), and the table: seconds per image (the median of the
-interleaved rounds, with their min-max), the ratio to (a) (the median of each round's ratio), the FLOP floor of (d),
-and each target judged where it applies.
+The FLOPs of one image (counted with ``torch.utils.flop_counter`` on the pipeline's own networks), and the table:
+seconds per image (the median of the interleaved rounds, with their min-max), the ratio to (a) (the median of each
+round's ratio), the FLOP floor of (d) at this CPU's matmul peaks (measured as ``bench train`` measures them:
+:func:`xeonsd.bench.rounds.probes`), and each target judged where it applies.
 """
 
 from __future__ import annotations
@@ -20,15 +20,6 @@ TARGET_FLOOR_RATIO_D = 1.25
 TARGET_SPEEDUP_G_OVER_D = 1.4  # on AMX-INT8
 TARGET_SPEEDUP_I_OVER_D = 1.8  # on AMX, at 512 px
 TARGET_SIZE_I = 512
-
-
-def matmul_peak(dtype_name: str) -> float:
-    """This CPU's matmul peak in FLOP/s, measured as ``bench train`` measures it (xeonsd.flops.matmul_peak)."""
-    import torch
-
-    from xeonsd.flops import matmul_peak as peak
-
-    return peak(getattr(torch, dtype_name))
 
 
 def pipeline_flops(model: Path, height: int, width: int, steps: int) -> dict[str, float]:

@@ -235,6 +235,7 @@ def main(argv: list[str]) -> int:
         return 2
     from xeonsd.assets import make_dataset
     from xeonsd.bench.train import resolve_model
+    from xeonsd.bench.train_variants import method_args
     from xeonsd.cpu import cpu_info
 
     model = resolve_model(args)
@@ -251,9 +252,7 @@ def main(argv: list[str]) -> int:
         base = [
             f"--pretrained_model_name_or_path={model}",
             f"--train_data_dir={data}",
-            f"--method={args.method}",
-            *(["--placeholder_token=<c>", "--initializer_token=toy"] if args.method == "textual_inversion" else []),
-            *(["--instance_prompt=a photo of a toy"] if args.method != "textual_inversion" else []),
+            *method_args(args.method),
             f"--resolution={args.resolution}",
             f"--train_batch_size={args.batch}",
             f"--max_train_steps={args.steps}",

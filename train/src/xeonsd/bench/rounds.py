@@ -1,4 +1,5 @@
-"""Interleaved rounds and the statistics both benchmarks report on them (pure functions, no timing here).
+"""Interleaved rounds and the statistics both benchmarks report on them (pure functions, but for ``probes``, which
+measures the matmul peaks).
 
 A shared machine drifts 2x within minutes (docs/benchmarks.md), so a benchmark that runs A, then B, then C
 measures the drift as well as the variants. Both ``bench train`` and ``bench generate`` therefore run rounds of
@@ -49,6 +50,16 @@ def summarize(times: Mapping[str, Sequence[float]], baseline: str, invert: bool 
         ratios = per_round_ratios(base, secs) if invert else per_round_ratios(secs, base)
         out[name] = {"rounds": list(secs), "seconds": spread(secs), "ratio_rounds": ratios, "ratio": spread(ratios)}
     return out
+
+
+def probes(repeats: int, seconds: float, max_n: int = 4096) -> list[dict]:
+    """``repeats`` matmul peak probes of fp32 and bf16, alternating (:func:`xeonsd.flops.matmul_probes`: FLOP/s,
+    several sizes each up to ``max_n``), as both benchmarks take them before and after their variants."""
+    import torch
+
+    from xeonsd.flops import matmul_probes
+
+    return matmul_probes({"fp32": torch.float32, "bf16": torch.bfloat16}, repeats, max_n, seconds)
 
 
 def stability(before: Sequence[Mapping], after: Sequence[Mapping], tolerance: float = TOLERANCE) -> dict:

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,6 @@ class Server:
     workers: int
     proc: subprocess.Popen
     port: int = 0
-    lines: list[str] = field(default_factory=list)
 
     def post(self, body: dict[str, Any], timeout: float) -> tuple[int | str, float]:
         """One request on a new connection: (status, or ``error`` without an answer; seconds)."""
@@ -54,7 +53,6 @@ def start_server(export_dir: Path, workers: int, args: argparse.Namespace) -> Se
     server = Server(workers=workers, proc=proc)
     assert proc.stdout is not None
     for line in proc.stdout:  # the one line it prints, once every pipeline is compiled
-        server.lines.append(line.rstrip("\n"))
         if m := SERVING.match(line.strip()):
             server.port = int(m[1])
             threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain the rest

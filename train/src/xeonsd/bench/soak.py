@@ -200,7 +200,7 @@ class LocalFleet:
         old = self.current[i]
         in_flight = int(self.stats().get(f"s{i}", {}).get("scur") or 0)
         at = self.now()
-        self.last_sample(old)
+        self.sample(last=old)
         old.proc.send_signal(signal.SIGKILL)
         old.proc.wait()
         old.ended, old.ended_s = "SIGKILL", self.now()
@@ -228,7 +228,7 @@ class LocalFleet:
         for i in range(len(self.current)):
             old = self.current[i]
             stop_s = self.now()
-            self.last_sample(old)
+            self.sample(last=old)
             old.proc.terminate()
             rc = old.proc.wait(self.args.drain + self.args.request_timeout + 30)
             old.ended, old.ended_s = f"SIGTERM, exit {rc}", self.now()
@@ -238,22 +238,18 @@ class LocalFleet:
             done.append({"server": i, "stop_s": stop_s, "exit": rc, "back_s": life.in_rotation_s})
         return done
 
-    def sample(self) -> None:
+    def sample(self, last: Life | None = None) -> None:
+        """A sample of every running process; with ``last``, only of that one, about to be signalled: its last."""
         with self.sampling:
-            for life in self.lives:
+            for life in self.lives if last is None else [last]:
                 if not life.stopping and (f := sr.figures(life.proc.pid)) is not None:
                     life.samples.append({"t_s": self.now(), **f})
-
-    def last_sample(self, life: Life) -> None:
-        """The last sample of a process about to be signalled."""
-        with self.sampling:
-            if (f := sr.figures(life.proc.pid)) is not None:
-                life.samples.append({"t_s": self.now(), **f})
-            life.stopping = True
+            if last is not None:
+                last.stopping = True
 
     def close(self) -> list[int]:
         for life in self.current:
-            self.last_sample(life)
+            self.sample(last=life)
             with contextlib.suppress(ProcessLookupError):
                 life.proc.terminate()
         codes = []

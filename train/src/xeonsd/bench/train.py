@@ -23,8 +23,6 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from xeonsd import step_profile as sp
 from xeonsd.assets.models import arch_names
 from xeonsd.bench import diffusers_examples as dx
@@ -34,18 +32,11 @@ from xeonsd.bench.train_report import format_table, profile_summary, step_second
 from xeonsd.bench.train_runs import measure_allreduce, run_rounds
 from xeonsd.bench.train_variants import EXTRA_VARIANTS, Variant, method_args, variants_for
 from xeonsd.contracts.method_names import METHODS
-from xeonsd.flops import matmul_probes
 from xeonsd.fsutil import atomic_file
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_CACHE = Path(os.environ.get("XEONSD_CACHE", Path.home() / ".cache" / "xeonsd")) / "sd15"
-
-
-def probe_peaks(args: argparse.Namespace) -> list[dict]:
-    """Matmul peak probes of both dtypes (FLOP/s, several sizes each), ``--probes`` times each."""
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    return matmul_probes(dtypes, repeats=args.probes, max_n=args.peak_size, seconds=args.probe_seconds)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,10 +111,10 @@ def main(argv: list[str]) -> int:
     variants = _variants(args, family, cpu, dtype)
     if variants is None:
         return 2
-    probe_peaks(argparse.Namespace(**{**vars(args), "probes": 1, "probe_seconds": 0.2}))  # warm-up, not kept
-    before = probe_peaks(args)
+    rnd.probes(1, 0.2, args.peak_size)  # warm-up, not kept
+    before = rnd.probes(args.probes, args.probe_seconds, args.peak_size)
     runs, measured, why = _measure(args, model, dtype, variants)
-    after = probe_peaks(args)
+    after = rnd.probes(args.probes, args.probe_seconds, args.peak_size)
     stable = rnd.stability(before, after)
     # xeonsd.flops gives FLOP/s; this table is in TFLOP/s: the median of every probe, before and after.
     peaks = {k: v["peak"]["median"] / 1e12 for k, v in stable["by_dtype"].items()}

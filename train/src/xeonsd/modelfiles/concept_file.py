@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from xeonsd.modelfiles.lora_layout import save_tensors
+
 log = logging.getLogger(__name__)
 
 # Friendly names the optimum-intel exporter gives the CLIP token-embedding table in the OpenVINO graph.
@@ -88,7 +90,7 @@ def _as_array(value: Any, path: Path) -> np.ndarray:
         raise ConceptError(f"{path}: expected embeddings of shape [num_vectors, hidden], got {list(arr.shape)}")
     if not np.isfinite(arr).all():
         raise ConceptError(f"{path}: the embeddings contain NaN or infinite values")
-    return arr
+    return np.ascontiguousarray(arr)  # what safetensors writes
 
 
 def load_concept(path: Path, token: str | None = None) -> Concept:
@@ -248,7 +250,7 @@ def save_xl_concept(path: Path, token: str, clip_l: Any, clip_g: Any) -> Path:
     arrays = _xl_arrays(path, clip_l, clip_g)
     if not token:
         raise ConceptError(f"{path}: an SDXL concept needs a token to be saved under")
-    return _save(path, arrays, {"format": "pt", XL_TOKEN_METADATA: token})
+    return save_tensors(arrays, path, {"format": "pt", XL_TOKEN_METADATA: token})
 
 
 def _xl_arrays(path: Path, clip_l: Any, clip_g: Any) -> dict[str, np.ndarray]:
@@ -262,17 +264,6 @@ def _xl_arrays(path: Path, clip_l: Any, clip_g: Any) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _save(path: Path, arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> Path:
-    """Write ``arrays`` to the safetensors file ``path`` atomically."""
-    from safetensors.numpy import save_file
-
-    from xeonsd.fsutil import atomic_path
-
-    with atomic_path(path) as tmp:
-        save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp), metadata=metadata)
-    return path
-
-
 def write_concept_file(path: Path, token: str, vectors: list[Any]) -> Path:
     """Write a concept atomically: one ``[num_vectors, hidden]`` array as ``{token: …}`` (SD 1.x/2.x), or the two
     text encoders' (SDXL) through :func:`save_xl_concept`. float32, ``format: pt`` (what diffusers'
@@ -282,7 +273,7 @@ def write_concept_file(path: Path, token: str, vectors: list[Any]) -> Path:
     if len(vectors) != 1:
         raise ConceptError(f"a concept has one vector set per text encoder (1 or 2), got {len(vectors)}")
     path = Path(path)
-    return _save(path, {token: _as_array(vectors[0], path)}, {"format": "pt"})
+    return save_tensors({token: _as_array(vectors[0], path)}, path, {"format": "pt"})
 
 
 def load_xl_concept(path: Path, token: str | None = None) -> dict[str, Concept]:

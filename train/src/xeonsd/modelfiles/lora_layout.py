@@ -261,31 +261,30 @@ def check_family(path: Path, modules: dict[str, LoraModule], family: str, model:
     """Refuse an adapter made for another family (SD 1.x/2.x, SDXL, FLUX.1, SD3), naming both; an adapter of a
     UNet given to a transformer model (or the reverse) is refused even where its exact family does not show."""
     found = lora_family(modules)
-    denoiser = SPECS[family].denoiser
-    other = next((c for c in ("unet", "transformer") if c != denoiser), "")
+    other = "transformer" if SPECS[family].denoiser == "unet" else "unet"
     if found is None and any(n.startswith(PREFIXES[other]) for n in modules):
         of_kind = " or ".join(s.label for s in SPECS.values() if s.denoiser == other)
-        kind = f"a {'UNet' if other == 'unet' else 'transformer'} model ({of_kind})"
-        found = ("", f"it adapts the {other}")
-        label = kind
+        label = f"a {'UNet' if other == 'unet' else 'transformer'} model ({of_kind})"
+        evidence = f"it adapts the {other}"
+    elif found is not None and found[0] != family:
+        label, evidence = FAMILY_LABELS[found[0]], found[1]
     else:
-        label = "" if found is None else FAMILY_LABELS[found[0]]
-    if found is not None and found[0] != family:
-        raise LoraFormatError(
-            f"LoRA file {path} was made for {label} ({found[1]}), and {model} is "
-            f"{FAMILY_LABELS[family]}; use an adapter trained on a model of that family"
-        )
+        return
+    raise LoraFormatError(
+        f"LoRA file {path} was made for {label} ({evidence}), and {model} is "
+        f"{FAMILY_LABELS[family]}; use an adapter trained on a model of that family"
+    )
 
 
 def save_tensors(tensors: dict[str, np.ndarray], out: Path, metadata: dict[str, str]) -> Path:
+    """Write ``tensors`` to the safetensors file ``out`` atomically (its folder made where missing)."""
     from safetensors.numpy import save_file
 
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    tmp.replace(out)
-    return out
+    from xeonsd.fsutil import atomic_path
+
+    with atomic_path(Path(out)) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
+    return Path(out)
 
 
 def kohya_file_name(name: str, sdxl: bool) -> str:
