@@ -58,6 +58,7 @@ defaults
     timeout client {timeout}s
     timeout server {timeout}s
     timeout http-request 30s
+    option http-buffer-request
     retries 3
     option redispatch 1
     retry-on conn-failure empty-response 503
