@@ -187,12 +187,16 @@ def format_rows(results: list[dict]) -> list[str]:
     return lines
 
 
+def _node_peak(result: dict) -> int:
+    """A layout's node peak: the higher of its loading and training peaks."""
+    return max(result["loading_peak"], result["training_peak"])
+
+
 def targets(results: list[dict]) -> list[str]:
     """The targets, from one round's ``results``: the most ranks measured shared against the shared bytes + that many
     times one rank's private bytes (+10 %), and the loading peak of one shared rank against 1.1 x its training
     peak; and each shared layout against its private ones, ``off`` and ``before`` (ratios within the round)."""
     by = {(r["ranks"], r["share_weights"]): r for r in results if "refused" not in r}
-    peak = lambda r: max(r["loading_peak"], r["training_peak"])  # noqa: E731
     lines = []
     for n in sorted({r["ranks"] for r in results}):
         on = by.get((n, "on"))
@@ -201,7 +205,7 @@ def targets(results: list[dict]) -> list[str]:
             if off and on:
                 lines.append(
                     f"{n} rank(s): node peak shared / {'private' if base == 'off' else 'before'} = "
-                    f"{peak(on) / peak(off):.2f}x ({peak(on) / GB:.2f} / {peak(off) / GB:.2f} GB); "
+                    f"{_node_peak(on) / _node_peak(off):.2f}x ({_node_peak(on) / GB:.2f} / {_node_peak(off) / GB:.2f} GB); "
                     f"time to first step {on['first_step_s'] / off['first_step_s']:.2f}x"
                 )
     shared_runs = [r for r in by.values() if r["share_weights"] == "on"]

@@ -196,8 +196,14 @@ class LatentTable:
             for k, p in enumerate(images)
         ]
         time_ids = torch.cat(per_image) if images and all(t is not None for t in per_image) else None
-        common = {"shape": shape, "count": count, "scaling": scaling, "shift": shift, "dtype": models.weight_dtype}
-        common["time_ids"] = time_ids  # SDXL's, else None
+        common = {
+            "shape": shape,
+            "count": count,
+            "scaling": scaling,
+            "shift": shift,
+            "dtype": models.weight_dtype,
+            "time_ids": time_ids,
+        }
         if not cfg.latent_cache:
             pixels = load_all_pixels(images, cfg.resolution, cfg.center_crop, cfg.dataloader_num_workers, places)
             return cls(**common, vae=vae, pixels=pixels)
