@@ -45,3 +45,14 @@ def test_make_dataset_prints_its_images_only(tmp_path: Path, cli_env) -> None:
     assert _chatter(done.stdout + done.stderr) == [], done.stdout + done.stderr
     assert done.stdout.splitlines() == [str(out / "dicoo_00.png"), str(out / "dicoo_01.png")]
     assert "wrote 2 square images" in done.stderr
+
+
+def test_make_tiny_model_offers_every_arch_the_builders_know() -> None:
+    # The CLI spells the --arch choices out (building its parser must not import the builders): they stay in step.
+    import dataclasses
+
+    from xeonsd.assets.models import arch_names
+    from xeonsd.cli import TinyModelArgs
+
+    arch = next(f for f in dataclasses.fields(TinyModelArgs) if f.name == "arch")
+    assert sorted(arch.metadata["argparse"]["choices"]) == sorted(arch_names())
