@@ -26,9 +26,10 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from xeonsd import families
+
 # xeonsd's standard-library-only parts, from the controller's venv (`make install`: see plugins/README.md).
 from xeonsd.contracts import serve_plan
-from xeonsd.modelfiles import family_specs
 from xeonsd.serve import keys as serve_keys
 
 ServePlanError = serve_plan.ServePlanError
@@ -59,8 +60,8 @@ def serve_plan_of(
     runs = [_run(r) for r in summaries]
     named = [{**runs[i + 1], "name": a["name"], "alpha": a["alpha"]} for i, a in enumerate(adapters)]
     try:
-        family = family_specs.run_spec(runs[0]["summary"], runs[0]["dir"])
-    except family_specs.FamilyError as e:
+        family = families.of_run(runs[0]["summary"], runs[0]["dir"])
+    except families.FamilyError as e:
         raise ServePlanError(str(e)) from None
     fused = "" if family.genai_adapters else family.label
     return serve_plan.plan(runs[0], export_dir, named, alpha=alpha, fused_family=fused, blends=blends)

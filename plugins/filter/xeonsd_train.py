@@ -20,7 +20,7 @@ whole pipeline, its `xeonsd generate` flag); xeonsd_result_export: how a run's r
 export it gets and the generate arguments that load the result onto it).
 
 The methods and their files are defined once, in the package's ``train/src/xeonsd/contracts/method_names.py``, and
-what GenAI applies per family in ``train/src/xeonsd/modelfiles/family_specs.py`` (both standard library only),
+what GenAI applies per family in ``train/src/xeonsd/families/`` (the specs and registry: standard library only),
 which this plugin imports from the controller's venv.
 """
 
@@ -32,9 +32,10 @@ from typing import Any
 
 from ansible.module_utils.parsing.convert_bool import boolean
 
+from xeonsd import families
+
 # xeonsd's standard-library-only parts, from the controller's venv (`make install`: see plugins/README.md).
 from xeonsd.contracts import method_names
-from xeonsd.modelfiles import family_specs
 from xeonsd.trainer import config as train_config
 
 METHODS: tuple[str, ...] = method_names.METHODS
@@ -104,8 +105,8 @@ def result_export(summary: Mapping[str, Any], run_dir: str, lora_scale: Any = 1.
     """
     info = method(summary["method"])
     try:
-        found = family_specs.run_spec(summary, run_dir)
-    except family_specs.FamilyError as e:
+        found = families.of_run(summary, run_dir)
+    except families.FamilyError as e:
         raise TrainArgvError(str(e)) from None
     path = f"{run_dir}/{summary['result']['path']}"
     if info["pipeline"]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from xeonsd.modelfiles.families import FamilyError, detect_family
+from xeonsd.families import FamilyError, detect_family
 
 
 def _pipeline(
@@ -150,7 +150,7 @@ def test_the_prompt_length_is_diffusers_default_capped_by_the_tokenizer(tmp_path
 
     import diffusers
 
-    from xeonsd.modelfiles.families import SPECS
+    from xeonsd.families import SPECS
 
     for found in SPECS.values():
         call = inspect.signature(getattr(diffusers, found.pipeline_class).__call__).parameters
@@ -162,3 +162,103 @@ def test_the_prompt_length_is_diffusers_default_capped_by_the_tokenizer(tmp_path
     (tmp_path / "tokenizer_2").mkdir()
     (tmp_path / "tokenizer_2" / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 77}))
     assert flux.prompt_length_of(tmp_path) == 77
+
+
+def _transformer_pipelines(found) -> list[str]:
+    """The diffusers pipeline classes whose ``transformer`` is ``found``'s denoiser class (from their signatures)."""
+    import inspect
+
+    import diffusers
+
+    out = []
+    for name in dir(diffusers):
+        if not name.endswith("Pipeline"):
+            continue
+        try:
+            params = inspect.signature(getattr(diffusers, name).__init__).parameters
+        except (TypeError, ValueError, ImportError, AttributeError):
+            continue
+        hint = params.get("transformer")
+        if hint is not None and found.denoiser_class in str(getattr(hint.annotation, "__name__", hint.annotation)):
+            out.append(name)
+    return sorted(out)
+
+
+def _index_of(found, cls: str) -> tuple[dict, dict]:
+    """model_index.json of a ``cls`` pipeline with ``found``'s components, and its transformer config."""
+    index = {"_class_name": cls, "vae": C, "scheduler": C, "transformer": ["diffusers", found.denoiser_class]}
+    for i, (encoder, tokenizer) in enumerate(found.text_side):
+        index[encoder] = ["transformers", found.text_encoder_class(i)]
+        index[tokenizer] = C
+    return index, {"_class_name": found.denoiser_class}
+
+
+@pytest.mark.parametrize("name", ["flux", "sd3", "flux2", "zimage", "qwenimage"])
+def test_every_pipeline_on_a_known_transformer_trains_or_is_refused_by_name(tmp_path: Path, name: str) -> None:
+    """Each diffusers pipeline class built on the family's transformer is either one the family trains as (detected
+    as it) or a variant that trains otherwise (an edit model, a ControlNet), refused before any weight loads,
+    naming the pipeline and what it is; a pipeline class diffusers adds later fails here until it is classified."""
+    from xeonsd.families import by_name
+
+    found = by_name(name)
+    classes = _transformer_pipelines(found)
+    assert found.pipeline_class in classes
+    unclassified = set(classes) - set(found.pipelines) - dict(found.variants).keys()
+    assert not unclassified, f"classify in xeonsd/families/{name}/__init__.py (pipeline_aliases or variants)"
+    for i, cls in enumerate(classes):
+        index, transformer = _index_of(found, cls)
+        (tmp_path / str(i)).mkdir()
+        d = _pipeline(tmp_path / str(i), index, None, VAE, transformer)
+        if cls in found.pipelines:
+            assert detect_family(d).spec is found, cls
+            continue
+        with pytest.raises(FamilyError) as err:
+            detect_family(d)
+        msg = str(err.value)
+        assert cls in msg and dict(found.variants)[cls] in msg and "not trained here" in msg, msg
+
+
+def test_the_edit_models_users_bring_are_refused_before_loading(tmp_path: Path) -> None:
+    """Qwen-Image-Edit-2511 and FLUX.1 Kontext sit on the text-to-image families' transformers: without the
+    pipeline's class they would train as text-to-image models, silently without their reference images."""
+    from xeonsd.families import by_name
+
+    for i, (name, cls, what) in enumerate(
+        (
+            ("qwenimage", "QwenImageEditPlusPipeline", "Qwen-Image-Edit-2509/2511"),
+            ("flux", "FluxKontextPipeline", "FLUX.1 Kontext"),
+        )
+    ):
+        index, transformer = _index_of(by_name(name), cls)
+        (tmp_path / str(i)).mkdir()
+        d = _pipeline(tmp_path / str(i), index, None, VAE, transformer)
+        with pytest.raises(FamilyError, match=f"{what}, an edit model that takes"):
+            detect_family(d)
+    # a pipeline class no family knows, on a known transformer, is refused too, naming what the family trains as
+    index, transformer = _index_of(by_name("zimage"), "ZImageSomethingNewPipeline")
+    (tmp_path / "new").mkdir()
+    with pytest.raises(FamilyError, match="a ZImageSomethingNewPipeline on Z-Image's transformer: Z-Image trains as"):
+        detect_family(_pipeline(tmp_path / "new", index, None, VAE, transformer))
+
+
+def test_the_readme_family_table_is_the_registry() -> None:
+    """The README's family table is the registry: each family in its order, its pipeline class and its methods
+    (textual inversion where it has a concept layout)."""
+    from repo_code import REPO
+
+    from xeonsd.families import REGISTRY
+
+    lines = (REPO / "README.md").read_text().splitlines()
+    start = lines.index("<!-- families: xeonsd.families.REGISTRY, held equal by tests/xeonsd/test_families.py -->")
+    table = []
+    for line in lines[start + 1 :]:
+        if not line.startswith("|"):
+            if table:
+                break
+            continue
+        table.append([c.strip() for c in line.strip().strip("|").split("|")])
+    want = [
+        [f.label, f"`{f.pipeline_class}`", ("textual inversion, " if f.concept_layout else "") + "LoRA, full"]
+        for f in REGISTRY
+    ]
+    assert table[2:] == want

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from xeonsd.families import by_name
 from xeonsd.modelfiles import lora_layout
 from xeonsd.modelfiles.lora_layout import LoraFormatError, read_adapter
 
@@ -81,7 +82,7 @@ def _deltas(modules: dict[str, lora_layout.LoraModule]) -> dict[str, np.ndarray]
 
 
 def test_flux_kohya_layout_loads_in_diffusers_with_the_same_deltas(flux_parts, tmp_path: Path) -> None:
-    """The diffusers file (transformer + CLIP-L, alpha 4 over rank 2) -> ``convert(..., "kohya", family="flux")``:
+    """The diffusers file (transformer + CLIP-L, alpha 4 over rank 2) -> ``convert(..., "kohya", family=FLUX.1)``:
     BFL names with query/key/value fused, CLIP-L as ``lora_te1_``; diffusers' ``lora_state_dict`` reads it back to
     the same per-module deltas (its loader folds the alphas into the matrices)."""
     from diffusers import FluxPipeline
@@ -92,7 +93,7 @@ def test_flux_kohya_layout_loads_in_diffusers_with_the_same_deltas(flux_parts, t
     _peft_lora(clip, ["q_proj", "out_proj"], 1)
     src = _save(tmp_path / "d", transformer, clip)
     assert {m.scale for m in read_adapter(src).values()} == {2.0}  # alpha 4 over rank 2, from the metadata
-    kohya = lora_layout.convert(src, tmp_path / "k" / LORA_FILE, "kohya", family="flux")
+    kohya = lora_layout.convert(src, tmp_path / "k" / LORA_FILE, "kohya", family=by_name("flux"))
     with safe_open(str(kohya), framework="numpy") as fh:
         keys = set(fh.keys())
     assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in keys
@@ -130,7 +131,7 @@ def test_flux_kohya_fuses_single_block_linear1_and_reads_back(flux_parts, tmp_pa
     fresh = FluxTransformer2DModel.from_config(flux_parts[0].config)
     _peft_lora(fresh, ["attn.to_q", "attn.to_k", "attn.to_v"], 2)
     src = _save(tmp_path / "d", fresh)
-    kohya = lora_layout.convert(src, tmp_path / "k" / LORA_FILE, "kohya", family="flux")
+    kohya = lora_layout.convert(src, tmp_path / "k" / LORA_FILE, "kohya", family=by_name("flux"))
     want, back = _deltas(read_adapter(src)), _deltas(read_adapter(kohya))
     inner = fresh.config.num_attention_heads * fresh.config.attention_head_dim
     linear1 = read_adapter(kohya)["lora_transformer_single_transformer_blocks_0_proj_mlp"]
@@ -158,4 +159,4 @@ def test_flux_kohya_fuses_single_block_linear1_and_reads_back(flux_parts, tmp_pa
 
 def test_sd3_has_no_kohya_layout(tmp_path: Path) -> None:
     with pytest.raises(LoraFormatError, match="SD3/SD3.5 has no kohya layout; ComfyUI and Forge load its adapters"):
-        lora_layout.write_kohya_for("sd3")
+        lora_layout.write_kohya_for(by_name("sd3"))

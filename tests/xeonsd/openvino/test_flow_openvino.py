@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from ov_assets import as_array, cli_error
 
+from xeonsd.families import by_name
 from xeonsd.modelfiles import lora_layout
-from xeonsd.modelfiles.families import spec
 from xeonsd.modelfiles.modelsource import model_fingerprint
 from xeonsd.openvino.class_images import open_class_renderer
 from xeonsd.openvino.generate import GenerateOptions, generate
@@ -50,7 +50,7 @@ def _diffusers(model: Path, family: str, lora: Path | None) -> np.ndarray:
     out = pipe(
         prompt=PROMPT,
         num_inference_steps=STEPS,
-        guidance_scale=spec(family).guidance_scale,
+        guidance_scale=by_name(family).guidance_scale,
         max_sequence_length=T5_LENGTH,
         height=SIZE,
         width=SIZE,
@@ -92,7 +92,7 @@ def test_flux_fused_export_and_genai_adapter_agree_with_diffusers(
     plain = _diffusers(tiny_flux_model, "flux", None)
     fused, fused_genai = _ov(ov_flux_lora, "optimum"), _ov(ov_flux_lora, "genai")
     genai = _ov(ov_flux, "genai", loras=((flux_lora, 1.0),))
-    kohya = lora_layout.convert(flux_lora, tmp_path / "kohya.safetensors", "kohya", family="flux")
+    kohya = lora_layout.convert(flux_lora, tmp_path / "kohya.safetensors", "kohya", family=by_name("flux"))
     figures = {
         "fused export (optimum)": _gap(fused, reference),
         "base export, no adapter (optimum)": _gap(_ov(ov_flux, "optimum"), plain),

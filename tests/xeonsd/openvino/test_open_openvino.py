@@ -19,7 +19,7 @@ import pytest
 import torch
 from ov_assets import as_array, cli_error
 
-from xeonsd.modelfiles.families import spec
+from xeonsd.families import by_name
 from xeonsd.openvino.generate import GenerateOptions, generate
 from xeonsd.openvino.manifest import MANIFEST
 
@@ -99,7 +99,7 @@ class Assets:
             args = ["export", str(self.model(family)), str(out), "--batch-size", "1"]
             if family == "qwenimage":  # its VAE config gives no size: the family's default is 1024
                 args += ["--resolution", str(SIZE)]
-            if not spec(family).genai_adapters:
+            if not by_name(family).genai_adapters:
                 args += ["--lora", str(self.lora(family))]
             assert cli.main(args) == 0
             return out
@@ -119,7 +119,7 @@ class Assets:
         out = pipe(
             prompt=PROMPT,
             num_inference_steps=STEPS,
-            guidance_scale=spec(family).guidance_scale,
+            guidance_scale=by_name(family).guidance_scale,
             max_sequence_length=LENGTH,
             height=SIZE,
             width=SIZE,
@@ -166,7 +166,7 @@ def test_export_and_both_engines_agree_with_diffusers(assets: Assets, family: st
     assert manifest["family"] == family and manifest["max_sequence_length"] == LENGTH
     assert manifest["static_shape"] == {"batch_size": 1, "height": SIZE, "width": SIZE, "num_images_per_prompt": 1}
     assert {"transformer", "text_encoder", "openvino_tokenizer"} <= set(manifest["components"])
-    fused = not spec(family).genai_adapters
+    fused = not by_name(family).genai_adapters
     assert (manifest["lora"] is not None) == fused
     reference = assets.diffusers(family, lora=fused)
     optimum, genai = _ov(ov_dir, "optimum"), _ov(ov_dir, "genai")
@@ -187,9 +187,9 @@ def test_adapter_changes_the_image_or_is_refused_for_the_fused_export(
     effect, no warning), ``generate --lora`` is refused in one line naming ``export --lora``, and the fused export
     differs from the base model in diffusers by more than 8 (measured 17)."""
     ov_dir, lora = assets.export(family), assets.lora(family)
-    if not spec(family).genai_adapters:
+    if not by_name(family).genai_adapters:
         err = cli_error(["generate", str(ov_dir), "--engine", "genai", "--lora", str(lora), "--out", "o"], capfd)
-        assert f"no LoRA adapters for {spec(family).label}" in err and f"xeonsd export SRC OUT --lora {lora}" in err
+        assert f"no LoRA adapters for {by_name(family).label}" in err and f"xeonsd export SRC OUT --lora {lora}" in err
         assert _gap(_ov(ov_dir, "optimum"), assets.diffusers(family, lora=False)) > 8.0
         return
     capfd.readouterr()

@@ -138,10 +138,10 @@ def test_a_json_body_is_refused_as_not_multipart(edit_server: ServeProcess) -> N
 
 def test_a_family_without_inpainting_refuses_the_mask_naming_the_family() -> None:
     """FLUX.2 [klein], Z-Image and Qwen-Image: GenAI 2026.4.1 has image-to-image but no inpainting for them."""
-    from xeonsd.modelfiles.families import spec
+    from xeonsd.families import by_name
 
-    limits = Limits(StaticShape(1, SIZE, SIZE, 1), ("base",), 1, 10, 4.0, family=spec("zimage").label)
-    limits = Limits(**{**limits.__dict__, "edits": spec("zimage").genai_edits})
+    limits = Limits(StaticShape(1, SIZE, SIZE, 1), ("base",), 1, 10, 4.0, family=by_name("zimage").label)
+    limits = Limits(**{**limits.__dict__, "edits": by_name("zimage").genai_edits})
     image = np.zeros((SIZE, SIZE, 3), np.uint8)
     assert validate({"prompt": "p", "image": image}, limits, edit=True).kind == "image2image"
     with pytest.raises(RequestError, match="Z-Image has no inpainting") as caught:

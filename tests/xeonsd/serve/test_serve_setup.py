@@ -82,12 +82,12 @@ def test_ovms_config_serves_the_same_export_and_adapters(ov_base: Path, toy_adap
 def test_a_request_without_guidance_gets_the_family_s_and_a_bad_one_is_refused_by_name() -> None:
     """The served family's guidance scale (FamilySpec.guidance_scale: Z-Image's pipeline uses 5.0) is a request's
     default, not SD's 7.5; a given one is kept, and one GenAI cannot run is refused naming the field."""
-    from xeonsd.modelfiles.families import spec
+    from xeonsd.families import by_name
     from xeonsd.openvino.manifest import StaticShape
     from xeonsd.serve.requests import Limits, RequestError, validate
 
     shape = StaticShape(batch_size=1, height=64, width=64, num_images_per_prompt=1)
-    limits = Limits(shape, ("base",), max_images=2, max_steps=50, guidance_scale=spec("zimage").guidance_scale)
+    limits = Limits(shape, ("base",), max_images=2, max_steps=50, guidance_scale=by_name("zimage").guidance_scale)
     assert validate({"prompt": "a robot"}, limits).guidance_scale == 5.0
     assert validate({"prompt": "a robot", "guidance_scale": 3}, limits).guidance_scale == 3.0
     with pytest.raises(RequestError, match="guidance_scale 1 is out of range"):
@@ -140,13 +140,14 @@ def _genai_stand_in(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
 def test_each_worker_compiles_with_its_threads_and_the_precision(monkeypatch: pytest.MonkeyPatch) -> None:
     """The compile properties GenAI gets (a stand-in records them): INFERENCE_NUM_THREADS, and with --precision f32
     the f32 hint (auto leaves OpenVINO's default: bf16 on AMX or AVX512-BF16)."""
+    from xeonsd.families import by_name
     from xeonsd.openvino.manifest import StaticShape
     from xeonsd.serve.metrics import Metrics
     from xeonsd.serve.options import ServedModel
     from xeonsd.serve.pool import PipelinePool
 
     compiled = _genai_stand_in(monkeypatch)
-    served = ServedModel(Path("/x"), "base", "sd", StaticShape(1, 64, 64, 1), [])
+    served = ServedModel(Path("/x"), "base", by_name("sd"), StaticShape(1, 64, 64, 1), [])
     for precision, hint in (("f32", {"INFERENCE_PRECISION_HINT": "f32"}), ("auto", {})):
         compiled.clear()
         pool = PipelinePool(served, workers=2, threads=3, queue=1, metrics=Metrics(), precision=precision)
@@ -163,7 +164,7 @@ def test_workers_auto_budgets_every_compile_a_worker_makes(monkeypatch: pytest.M
     """--workers auto counts the compiled copies a worker holds (options.compiled_copies) as the pool compiles them,
     for every family, batch, adapter and --blend count (edits' pipelines share models on some), so memory is not
     over-committed."""
-    from xeonsd.modelfiles.family_specs import SPECS
+    from xeonsd.families import REGISTRY
     from xeonsd.openvino.manifest import StaticShape
     from xeonsd.serve.metrics import Metrics
     from xeonsd.serve.options import ServedModel, auto_workers, compiled_copies
@@ -173,7 +174,7 @@ def test_workers_auto_budgets_every_compile_a_worker_makes(monkeypatch: pytest.M
     seen = set()
     two = {"a": (Path("a"), 1.0), "b": (Path("b"), 0.5)}
     blends = ((("a", 0.7), ("b", 0.3)), (("a", 0.5),))  # --blend @a:0.7+@b:0.3 --blend @a:0.5
-    for family in SPECS:
+    for family in REGISTRY:
         for per_prompt in (1, 2):
             for adapters, declared in (({}, ()), (two, ()), (two, blends)):
                 served = ServedModel(Path("/x"), "base", family, StaticShape(1, 64, 64, per_prompt), [])

@@ -127,7 +127,7 @@ def test_the_resize_covers_the_bucket_and_the_crop_is_centred(tmp_path):
 
 
 def test_sdxl_time_ids_come_from_the_bucket_resize(tmp_path):
-    from xeonsd.trainer.families.sdxl import time_ids_for
+    from xeonsd.families.sdxl.training import time_ids_for
 
     Image.new("RGB", (95, 71)).save(tmp_path / "w.png")
     p = placement((95, 71), (64, 64), center_crop=True)

@@ -72,7 +72,7 @@ def test_loss_weights_and_densities_are_diffusers(scheme):
 def test_flux_packing_and_position_ids_are_the_pipelines():
     from diffusers import FluxPipeline
 
-    from xeonsd.trainer.families.flux import image_ids, pack, unpack
+    from xeonsd.families.flux.training import image_ids, pack, unpack
 
     x = torch.randn(2, 16, 6, 8)
     packed = FluxPipeline._pack_latents(x, 2, 16, 6, 8)
@@ -193,7 +193,7 @@ def test_flux_and_sd35_medium_memory_on_a_24_gb_node(real_configs):
     """At 512 px, bf16, on a 24 GB node: FLUX.1 (11.9 B transformer) is refused for full fine-tuning (its fp32
     weights, gradients and AdamW state) and for LoRA too (its bf16 weights alone are ~24 GB), each naming both
     figures; SD3.5-medium LoRA fits. T5 (4.7 B) counts in the loading peak, not in training (it is freed)."""
-    from xeonsd.modelfiles.families import detect_family
+    from xeonsd.families import detect_family
     from xeonsd.trainer.memory import GB, check_fits, estimate
     from xeonsd.trainer.resolution import with_resolution
 

@@ -32,6 +32,8 @@ from safetensors.torch import load_file, save_file
 from test_learning import concept, distance, with_other_sizes  # noqa: F401 - concept: the fixture
 from test_methods import LORA_FILE, assert_same_training
 
+from xeonsd.families import by_name
+
 PROMPT = "a photo of sks toy"
 COMMON = ("--rank=2", "--lora_alpha=4", "--learning_rate=1e-2", "--checkpointing_steps=2")
 SHORT = (
@@ -132,8 +134,9 @@ def bn_normalised(pipe, latents: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def test_the_family_feeds_the_transformer_what_the_pipeline_and_script_compute(pipe):
-    from xeonsd.modelfiles.families import vae_scale
-    from xeonsd.trainer.families.flux2 import FLUX2, Flux2PromptConditioning
+    from xeonsd.families import vae_scale
+    from xeonsd.families.flux2.training import TRAINING as FLUX2
+    from xeonsd.families.flux2.training import Flux2PromptConditioning
 
     prompts = [PROMPT, ""]
     cond = Flux2PromptConditioning.__new__(Flux2PromptConditioning)  # its encoder hooks, without a prompt table
@@ -204,9 +207,9 @@ def test_the_lora_is_diffusers_layout_and_stock_diffusers_loads_it(runs, pipe):
         "single_transformer_blocks.1.attn.to_out." in k for k in keys
     )
     modules = read_adapter(out / LORA_FILE)
-    check_family(out / LORA_FILE, modules, "flux2", "the tiny klein")  # its own family: accepted
+    check_family(out / LORA_FILE, modules, by_name("flux2"), "the tiny klein")  # its own family: accepted
     with pytest.raises(LoraFormatError, match=r"FLUX\.2 \[klein\].*FLUX\.1"):
-        check_family(out / LORA_FILE, modules, "flux", "a FLUX.1 model")
+        check_family(out / LORA_FILE, modules, by_name("flux"), "a FLUX.1 model")
 
     kw = {"num_inference_steps": 4, "height": 64, "width": 64, "output_type": "np"}
     before = pipe(prompt=PROMPT, generator=torch.Generator().manual_seed(0), **kw).images
@@ -229,7 +232,7 @@ def test_another_familys_lora_is_refused_naming_both(tmp_path):
         tensors[f"transformer.single_transformer_blocks.0.{name}.lora_B.weight"] = torch.zeros(32, 2)
     save_file(tensors, str(path))
     with pytest.raises(LoraFormatError) as err:
-        check_family(path, read_adapter(path), "flux2", "the tiny klein")
+        check_family(path, read_adapter(path), by_name("flux2"), "the tiny klein")
     assert "made for FLUX.1" in str(err.value) and "is FLUX.2 [klein]" in str(err.value)
 
 

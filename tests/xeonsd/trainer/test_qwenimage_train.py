@@ -35,6 +35,8 @@ from safetensors.torch import load_file, save_file
 from test_learning import concept, distance, with_other_sizes  # noqa: F401 - concept: the fixture
 from test_methods import LORA_FILE, assert_same_training
 
+from xeonsd.families import by_name
+
 PROMPT = "a photo of sks toy"
 # captions of different lengths: a batch of two pads one and masks it
 CAPTIONS = (
@@ -138,7 +140,8 @@ def test_the_transformer_gets_what_the_script_and_pipeline_compute(pipe):
     instance and class rows, against the pipeline's encode_prompt and the script's concat/pack/call/unpack."""
     from diffusers import QwenImagePipeline
 
-    from xeonsd.trainer.families.qwenimage import QWENIMAGE, QwenPromptConditioning
+    from xeonsd.families.qwenimage.training import TRAINING as QWENIMAGE
+    from xeonsd.families.qwenimage.training import QwenPromptConditioning
     from xeonsd.trainer.flow import FlowSchedule
     from xeonsd.trainer.prompts import PromptTable
 
@@ -264,7 +267,7 @@ def test_another_familys_lora_is_refused_naming_both(tmp_path):
         tensors[f"transformer.single_transformer_blocks.0.{name}.lora_B.weight"] = torch.zeros(32, 2)
     save_file(tensors, str(path))
     with pytest.raises(LoraFormatError) as err:
-        check_family(path, read_adapter(path), "qwenimage", "the tiny Qwen-Image")
+        check_family(path, read_adapter(path), by_name("qwenimage"), "the tiny Qwen-Image")
     assert "made for FLUX.1" in str(err.value) and "is Qwen-Image" in str(err.value)
 
 

@@ -210,7 +210,7 @@ def test_resume_continues_the_same_trajectory(xl_runs, tiny_xl_model, xl_data, t
 def test_time_ids_follow_the_crop_and_the_mirror(tmp_path):
     from PIL import Image
 
-    from xeonsd.trainer.families.sdxl import time_ids_for
+    from xeonsd.families.sdxl.training import time_ids_for
     from xeonsd.trainer.latents import image_cache_key
 
     Image.new("RGB", (120, 80)).save(tmp_path / "wide.png")  # width 120, height 80
@@ -256,7 +256,7 @@ def sdxl_configs(tiny_xl_model, tmp_path_factory) -> Path:
 
 
 def test_sdxl_defaults_to_1024_and_full_fine_tuning_does_not_fit_a_24_gb_node(sdxl_configs, tiny_xl_model, tiny_model):
-    from xeonsd.modelfiles.families import detect_family
+    from xeonsd.families import detect_family
     from xeonsd.trainer.argv import parse_config
     from xeonsd.trainer.memory import GB, check_fits, estimate
     from xeonsd.trainer.resolution import with_resolution

@@ -1,4 +1,4 @@
-"""Z-Image's training side (xeonsd.trainer.families.zimage) on the tiny Z-Image pipeline, the runs under real mpirun
+"""Z-Image's training side (xeonsd.families.zimage.training) on the tiny Z-Image pipeline, the runs under real mpirun
 shared by the tests that read them (one module-scoped cache):
 
 * the text is ZImagePipeline.encode_prompt's (chat template, Qwen3's second-last hidden state, padding removed),
@@ -29,6 +29,8 @@ from cli_runs import method_args, train
 from safetensors.torch import load_file, save_file
 from test_learning import concept, concept_latent, distance  # noqa: F401 - concept: the fixture
 from test_methods import LORA_FILE, assert_same_training
+
+from xeonsd.families import by_name
 
 PROMPT = "a photo of sks toy"
 COMMON = (
@@ -118,12 +120,11 @@ def stock_pipeline(model: Path):
 def test_text_latents_and_loss_are_the_pipeline_s_and_the_script_s(tiny_zimage_model):
     """The prompt table against ZImagePipeline.encode_prompt, and one batch's prediction, target and loss against
     train_dreambooth_lora_z_image.py's lines (its σ and timesteps from a copy of the scheduler)."""
-    from xeonsd.trainer.families import train_family
-    from xeonsd.trainer.families.zimage import ZIMAGE
+    from xeonsd.families.zimage.training import TRAINING as ZIMAGE
     from xeonsd.trainer.flow import FlowSchedule
     from xeonsd.trainer.prompts import PromptTable
 
-    assert train_family(SimpleNamespace(spec=SimpleNamespace(name="zimage"))) is ZIMAGE
+    assert by_name("zimage").training is ZIMAGE
     pipe = stock_pipeline(tiny_zimage_model)
     texts = (PROMPT, "", "red square on a white background, photo")
     models = SimpleNamespace(
@@ -195,13 +196,13 @@ def test_the_file_is_diffusers_layout_and_reads_as_z_image(zimage_runs, tmp_path
     assert {k.split(".attention.")[1].rsplit(".lora_", 1)[0] for k in keys} == {"to_q", "to_k", "to_v", "to_out.0"}
     assert all(k.startswith("transformer.") and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in keys)
     modules = read_adapter(path)
-    assert lora_family(modules)[0] == "zimage"
-    check_family(path, modules, "zimage", "tiny-zimage")
+    assert lora_family(modules)[0] is by_name("zimage")
+    check_family(path, modules, by_name("zimage"), "tiny-zimage")
     flux = tmp_path / "flux.safetensors"
     name = "transformer.single_transformer_blocks.0.attn.to_q"
     save_file({f"{name}.lora_A.weight": torch.zeros(2, 32), f"{name}.lora_B.weight": torch.zeros(32, 2)}, str(flux))
     with pytest.raises(LoraFormatError, match=r"made for FLUX\.1 .* and tiny-zimage is Z-Image"):
-        check_family(flux, read_adapter(flux), "zimage", "tiny-zimage")
+        check_family(flux, read_adapter(flux), by_name("zimage"), "tiny-zimage")
 
 
 @torch.no_grad()

@@ -8,7 +8,9 @@ The package is one subpackage per concern; each ``__init__`` says what it owns a
 * :mod:`xeonsd.jobs`: what acts on a job's files (the ranks' status writer, run.sh's attempt records, the finetune
   role's poll and stop, Slurm's accounting) and ``xeonsd jobstatus`` / ``runjson`` / ``slurmjob``; standard library
   only, run on the nodes;
-* :mod:`xeonsd.modelfiles`: the files a model is made of (its family, its source, concept and LoRA files);
+* :mod:`xeonsd.families`: the model families, one folder each (what the family's pipeline is, how it is detected,
+  how it trains), registered once; the specs and detection standard library only;
+* :mod:`xeonsd.modelfiles`: the files a model is made of (its source, concept and LoRA files);
 * :mod:`xeonsd.cluster`: the runtime of a job's ranks: the process group, rank statistics, ``hello``;
 * :mod:`xeonsd.trainer`: ``xeonsd train``, in layers (its ``__init__`` lists them);
 * :mod:`xeonsd.openvino`: ``xeonsd export`` / ``generate``: the IR export, int8, the export's manifest, LoRA files;

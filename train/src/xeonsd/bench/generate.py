@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": str(model),
         "family": flow.name if flow is not None else None,  # FLUX.1 / SD3 (None: a UNet family)
         "concept": None if embeds is None else str(embeds),
-        "transformer_calls_per_step": None if flow is None else transformer_calls_per_step(flow.name),
+        "transformer_calls_per_step": None if flow is None else transformer_calls_per_step(flow.spec),
         "height": args.height,
         "width": args.width,
         "steps": args.steps,
@@ -253,7 +253,7 @@ def main(argv: list[str]) -> int:
             print(f"xeonsd bench generate: error: {exc}", file=sys.stderr)
             return 2
     if not args.quick and (args.height is None or args.width is None):
-        from xeonsd.modelfiles.families import detect_family
+        from xeonsd.families import detect_family
 
         size = detect_family(args.model).default_resolution if args.model else arch_resolution(args.arch)
         args.height, args.width = args.height or size, args.width or size

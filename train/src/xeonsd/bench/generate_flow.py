@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from xeonsd.modelfiles.families import detect_family, spec, tokenizer_limit, vae_scale
+from xeonsd.families import FamilySpec, detect_family, tokenizer_limit, vae_scale
 
 PLAIN_PROMPT = "a yellow robot at the beach, high quality"  # the recipe's prompt without the concept's token
 CLIP_LENGTH = 77
@@ -31,26 +31,26 @@ def flow_family(model: Path) -> Any:
     return family if family.is_flow else None
 
 
-def transformer_calls_per_step(family: str) -> int:
+def transformer_calls_per_step(family: FamilySpec) -> int:
     """Transformer calls' worth of work per denoising step: SD3 runs classifier-free guidance at its guidance scale
     (prompt and negative prompt, one call at batch 2); FLUX.1's pipeline runs it only with ``true_cfg_scale`` > 1
     and a negative prompt (dev's guidance is an embedding, schnell has none), neither of which is given
     (``FamilySpec.negative_prompt_cfg``)."""
-    found = spec(family)
+    found = family
     return 2 if found.negative_prompt_cfg and found.guidance_scale > 1 else 1
 
 
-def prompt_length(model: Path, family: str) -> int:
+def prompt_length(model: Path, family: FamilySpec) -> int:
     """T5's prompt length the export fixes for ``model`` (:meth:`FamilySpec.prompt_length_of`)."""
-    length = spec(family).prompt_length_of(model)
+    length = family.prompt_length_of(model)
     assert length is not None
     return length
 
 
-def torch_call_kwargs(model: Path, family: str) -> dict[str, Any]:
+def torch_call_kwargs(model: Path, family: FamilySpec) -> dict[str, Any]:
     """What the diffusers pipeline of a flow family is called with besides the prompt, size and steps: the guidance
     scale ``xeonsd generate`` uses for ``family`` (and so every variant of the bench) and T5's prompt length."""
-    return {"guidance_scale": spec(family).guidance_scale, "max_sequence_length": prompt_length(model, family)}
+    return {"guidance_scale": family.guidance_scale, "max_sequence_length": prompt_length(model, family)}
 
 
 def flops_of(fn: Callable[[], Any]) -> float:
@@ -63,38 +63,36 @@ def flops_of(fn: Callable[[], Any]) -> float:
     return float(counter.get_total_flops())
 
 
-def _vae(model: Path, family: str) -> tuple[Any, int]:
+def _vae(model: Path, family: FamilySpec) -> tuple[Any, int]:
     import diffusers
 
-    cls = getattr(diffusers, spec(family).vae_class)
+    cls = getattr(diffusers, family.vae_class)
     config = cls.load_config(model / "vae")
     return cls.from_config(config), vae_scale(config)
 
 
-def transformer_call_flops(model: Path, family: str, height: int, width: int, batch: int = 1) -> float:
+def transformer_call_flops(model: Path, family: FamilySpec, height: int, width: int, batch: int = 1) -> float:
     """FLOPs of one transformer call at ``batch`` for ``height`` x ``width`` images."""
     import diffusers
     import torch
 
-    from xeonsd.trainer.families import FAMILIES
-
-    cls = getattr(diffusers, spec(family).denoiser_class)
+    cls = getattr(diffusers, family.denoiser_class)
     with torch.device("meta"):
         transformer = cls.from_config(cls.load_config(model / "transformer"))
         vae, scale = _vae(model, family)
-    side = FAMILIES[family]
+    side = family.training
     dims = side.latent_dims(vae.config, scale, height, width)
     # the transformer's text sequence: T5's tokens (FLUX.1), CLIP's 77 followed by T5's (SD3: clip_context_tokens)
-    text = prompt_length(model, family) + spec(family).clip_context_tokens
+    text = prompt_length(model, family) + family.clip_context_tokens
     return flops_of(lambda: transformer(**side.meta_inputs(transformer.config, batch, dims, text, torch.float32)))
 
 
-def _text_encoders(model: Path, family: str) -> list[tuple[Any, int]]:
+def _text_encoders(model: Path, family: FamilySpec) -> list[tuple[Any, int]]:
     """Each text encoder (meta device) with the token count it is called on."""
     import torch
     import transformers
 
-    found = spec(family)
+    found = family
     out = []
     with torch.device("meta"):
         for i, (encoder, tokenizer) in enumerate(found.text_side):
@@ -109,7 +107,7 @@ def _text_encoders(model: Path, family: str) -> list[tuple[Any, int]]:
     return out
 
 
-def flow_pipeline_flops(model: Path, family: str, height: int, width: int, steps: int) -> dict[str, float]:
+def flow_pipeline_flops(model: Path, family: FamilySpec, height: int, width: int, steps: int) -> dict[str, float]:
     """FLOPs of one image: text encoders, ``steps`` x the transformer (x 2 under classifier-free guidance), VAE
     decoder."""
     import torch

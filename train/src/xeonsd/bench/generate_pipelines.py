@@ -151,10 +151,10 @@ def torch_pipeline(model: Path, embeds: Path | None) -> Any:
     import torch
     from safetensors.torch import load_file
 
-    from xeonsd.modelfiles.families import detect_family, spec
+    from xeonsd.families import detect_family
     from xeonsd.openvino.pipelines import load_torch_pipeline
 
-    family = detect_family(model).name
+    family = detect_family(model).spec
     # fp32 throughout: transformers loads a text encoder in the dtype it was saved in, and the full-size flux and
     # sd35m archs are written in bf16 (diffusers loads their transformer and VAE in fp32 either way)
     pipe = load_torch_pipeline(str(model), family)
@@ -163,7 +163,7 @@ def torch_pipeline(model: Path, embeds: Path | None) -> Any:
             part.to(dtype=torch.float32)
     if embeds is None:
         return pipe
-    if spec(family).concept_layout == "xl":
+    if family.concept_layout == "xl":
         state = load_file(str(embeds))
         pipe.load_textual_inversion(
             state["clip_l"], token=TOKEN, text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer
@@ -225,7 +225,7 @@ def time_torch(model: Path, embeds: Path | None, args: argparse.Namespace, bf16:
     pipe.set_progress_bar_config(disable=True)
     load_s = time.perf_counter() - t0
     flow = flow_family(model)
-    extra = {} if flow is None else torch_call_kwargs(model, flow.name)
+    extra = {} if flow is None else torch_call_kwargs(model, flow.spec)
 
     def call(seed: int, steps: int) -> None:
         ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()

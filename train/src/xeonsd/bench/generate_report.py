@@ -31,7 +31,7 @@ def pipeline_flops(model: Path, height: int, width: int, steps: int) -> dict[str
 
     flow = flow_family(model)
     if flow is not None:
-        return flow_pipeline_flops(model, flow.name, height, width, steps)
+        return flow_pipeline_flops(model, flow.spec, height, width, steps)
     with torch.device("meta"):
         unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(model / "unet"))
         vae = AutoencoderKL.from_config(AutoencoderKL.load_config(model / "vae"))

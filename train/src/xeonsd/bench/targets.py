@@ -50,7 +50,7 @@ def bench_targets(
 ) -> list[dict]:
     """Each target, whether it was met (True/False, None: cannot be judged here) and the line that says it.
     ``cpu``: a ``xeonsd.cpu.CpuInfo``; ``optimized``: the optimized variant's result (None: not run); ``family``:
-    the benchmarked model's family name (``xeonsd.modelfiles.families``); ``reference``: the result of the variant
+    the benchmarked model's family name (``xeonsd.families``); ``reference``: the result of the variant
     that ran diffusers' example script (None: not run)."""
     name = f"target: at least {AMX_SHARE:.0%} of the bf16 matmul peak on AMX"
     if family not in TARGET_FAMILIES:

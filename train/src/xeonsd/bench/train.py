@@ -187,7 +187,7 @@ def _checked(args: argparse.Namespace):
     model = resolve_model(args)
     if model is None:
         return None
-    from xeonsd.modelfiles.families import detect_family
+    from xeonsd.families import detect_family
 
     family = detect_family(model)
     args.reference_script = None

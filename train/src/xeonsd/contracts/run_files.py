@@ -62,7 +62,7 @@ def train_summary(
     off, ``noise_offset``, ``timestep_range``: the [lo, hi) drawn from; a flow model's: ``objective`` ``flow``,
     ``weighting_scheme``, ``logit_mean``, ``logit_std``, ``mode_scale``, ``shift`` (a number, or "dynamic
     (resolution-dependent)"), ``guidance_scale`` (FLUX.1-dev, else None)), the base model's ``family`` (``sd``,
-    ``sdxl``, ``flux``, ``sd3``: :mod:`xeonsd.modelfiles.families`) and its ``family_label`` (SD 1.x/2.x, SDXL,
+    ``sdxl``, ``flux``, ``sd3``: :mod:`xeonsd.families`) and its ``family_label`` (SD 1.x/2.x, SDXL,
     FLUX.1, SD3/SD3.5: what the play and the report show), the ``resolution`` trained at and the validation loss's held-out images
     (``validation``: ``source``, ``images``, ``timesteps``), the aspect-ratio buckets (``buckets``: ``step``,
     ``min_reso``, ``max_reso``, and ``buckets``: each one's ``width``, ``height`` and ``images``) and the start-up

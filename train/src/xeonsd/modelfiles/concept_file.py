@@ -21,11 +21,14 @@ import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from xeonsd.modelfiles.lora_layout import save_tensors
+
+if TYPE_CHECKING:
+    from xeonsd.families import FamilySpec
 
 log = logging.getLogger(__name__)
 
@@ -308,15 +311,13 @@ def _xl_token(path: Path) -> str | None:
         return (fh.metadata() or {}).get(XL_TOKEN_METADATA)
 
 
-def load_concepts(path: Path, token: str | None, family: str) -> dict[str, Concept]:
+def load_concepts(path: Path, token: str | None, family: FamilySpec) -> dict[str, Concept]:
     """The concept for each text encoder of ``family`` (whose spec's ``concept_layout`` is ``sd``: one vector set,
     or ``xl``: clip_l and clip_g), by component name; a file of the other layout is refused naming both, and a
     family without a concept layout by its name."""
-    from xeonsd.modelfiles.family_specs import spec
-
-    layout = spec(family).concept_layout
+    layout = family.concept_layout
     if layout is None:
-        raise ConceptError(f"{spec(family).label} has no textual-inversion concepts here; use a LoRA")
+        raise ConceptError(f"{family.label} has no textual-inversion concepts here; use a LoRA")
     path = Path(path)
     if not path.is_file():
         raise ConceptError(f"embeddings file {path} does not exist")

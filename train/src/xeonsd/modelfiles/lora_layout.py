@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from xeonsd.families import REGISTRY, FamilySpec
 from xeonsd.modelfiles import lora_flux
-from xeonsd.modelfiles.families import SPECS
 
 LAYOUTS = ("diffusers", "kohya")
 # SDXL's and SD3's second text encoder: kohya's ``lora_te2_`` (its first is ``lora_te1_`` there, read as
@@ -231,10 +231,7 @@ def module_names(unet, text_encoder, text_encoder_2=None, **more) -> dict[str, s
     return {kohya_name(c, m): f"{c}.{m}" for c, m, _ in _weights(unet, text_encoder, text_encoder_2, **more)}
 
 
-FAMILY_LABELS = {name: spec.label for name, spec in SPECS.items()}
-
-
-def lora_family(modules: dict[str, LoraModule]) -> tuple[str, str] | None:
+def lora_family(modules: dict[str, LoraModule]) -> tuple[FamilySpec, str] | None:
     """The family an adapter was made for, read from its module names and shapes, with the evidence; None when
     they do not tell. Each family answers through its spec: among the families of the adapter's denoiser (a
     transformer or a UNet), the first whose ``lora_marks`` match one of its module names (FLUX.1: single-stream
@@ -243,36 +240,36 @@ def lora_family(modules: dict[str, LoraModule]) -> tuple[str, str] | None:
     the width of its cross-attention's key/value input."""
     names = list(modules)
     denoiser = "transformer" if any(n.startswith(PREFIXES["transformer"]) for n in names) else "unet"
-    candidates = [s for s in SPECS.values() if s.denoiser == denoiser]
+    candidates = [s for s in REGISTRY if s.denoiser == denoiser]
     for found in candidates:
         for pattern, evidence in found.lora_marks:
             if any(re.search(pattern, n) for n in names):
-                return found.name, evidence
+                return found, evidence
     for mod in modules.values():
         if re.search(r"_attn2_to_[kv]$", mod.name) and mod.down is not None:
             width = int(mod.down.shape[1])
             found = next((s for s in candidates if width in s.text_widths), None)
             if found is not None:
-                return found.name, f"its cross-attention takes {width}-wide text features"
+                return found, f"its cross-attention takes {width}-wide text features"
     return None
 
 
-def check_family(path: Path, modules: dict[str, LoraModule], family: str, model: str) -> None:
+def check_family(path: Path, modules: dict[str, LoraModule], family: FamilySpec, model: str) -> None:
     """Refuse an adapter made for another family (SD 1.x/2.x, SDXL, FLUX.1, SD3), naming both; an adapter of a
     UNet given to a transformer model (or the reverse) is refused even where its exact family does not show."""
     found = lora_family(modules)
-    other = "transformer" if SPECS[family].denoiser == "unet" else "unet"
+    other = "transformer" if family.denoiser == "unet" else "unet"
     if found is None and any(n.startswith(PREFIXES[other]) for n in modules):
-        of_kind = " or ".join(s.label for s in SPECS.values() if s.denoiser == other)
+        of_kind = " or ".join(s.label for s in REGISTRY if s.denoiser == other)
         label = f"a {'UNet' if other == 'unet' else 'transformer'} model ({of_kind})"
         evidence = f"it adapts the {other}"
-    elif found is not None and found[0] != family:
-        label, evidence = FAMILY_LABELS[found[0]], found[1]
+    elif found is not None and found[0] is not family:
+        label, evidence = found[0].label, found[1]
     else:
         return
     raise LoraFormatError(
         f"LoRA file {path} was made for {label} ({evidence}), and {model} is "
-        f"{FAMILY_LABELS[family]}; use an adapter trained on a model of that family"
+        f"{family.label}; use an adapter trained on a model of that family"
     )
 
 
@@ -310,11 +307,11 @@ def write_kohya_flux(modules: dict[str, LoraModule], out: Path, source: str = ""
     return write_kohya(out_modules, out, source, sdxl_names=True)
 
 
-def write_kohya_for(family: str | None) -> Callable[[dict[str, LoraModule], Path, str], Path]:
+def write_kohya_for(family: FamilySpec | None) -> Callable[[dict[str, LoraModule], Path, str], Path]:
     """The kohya writer of ``family`` (None: SD 1.x/2.x or SDXL, read from the adapter), as its spec's ``kohya``
     says: one function per layout, what the trainer's ``--save_format kohya`` and the converters call. SD3 and the
     Qwen-text families have none: ComfyUI and Forge load their adapters in diffusers' layout."""
-    found = None if family is None else SPECS[family]
+    found = family
     if found is not None and found.kohya == "bfl":
         return write_kohya_flux
     if found is not None and found.kohya is None:
@@ -333,7 +330,8 @@ def write_kohya(modules: dict[str, LoraModule], out: Path, source: str = "", sdx
     (SDXL's); None: when :func:`lora_family` reads the adapter as SDXL's; False: ``lora_te_`` (SD 1.x/2.x, and what
     GenAI applies)."""
     if sdxl_names is None:
-        sdxl_names = SPECS[(lora_family(modules) or ("sd",))[0]].kohya_te_numbered
+        found = lora_family(modules)
+        sdxl_names = found is not None and found[0].kohya_te_numbered
     tensors: dict[str, np.ndarray] = {}
     for mod in modules.values():
         name = kohya_file_name(mod.name, sdxl_names)
@@ -367,7 +365,9 @@ def write_diffusers(modules: dict[str, LoraModule], out: Path, names: dict[str, 
     return save_tensors(tensors, out, {"format": "pt"})
 
 
-def convert(path: Path, out: Path, layout: str, names: dict[str, str] | None = None, family: str | None = None) -> Path:
+def convert(
+    path: Path, out: Path, layout: str, names: dict[str, str] | None = None, family: FamilySpec | None = None
+) -> Path:
     """Write the adapter file ``path`` to ``out`` in ``layout`` (``kohya``, or ``diffusers`` with ``names``);
     ``family`` (``sd``/``sdxl``/``flux``, None: SD or SDXL read from the adapter) chooses the kohya writer."""
     if layout == "kohya":

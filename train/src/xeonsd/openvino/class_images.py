@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from xeonsd.families import of_manifest
 from xeonsd.openvino.manifest import MANIFEST, ExportDirError, read_manifest
 from xeonsd.openvino.pipelines import ov_pipeline_class
 
@@ -53,9 +54,7 @@ def open_class_renderer(root: Path, fingerprint: str, resolution: int, steps: in
     if found is None:
         return None
     path, manifest = found
-    pipe = ov_pipeline_class(manifest.get("family", "sd")).from_pretrained(
-        str(path), dynamic_shapes=False, compile=False
-    )
+    pipe = ov_pipeline_class(of_manifest(manifest)).from_pretrained(str(path), dynamic_shapes=False, compile=False)
     pipe.reshape(batch_size=1, height=resolution, width=resolution, num_images_per_prompt=1)
     pipe.compile()
     pipe.set_progress_bar_config(disable=True)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from xeonsd.modelfiles.families import spec
+from xeonsd.families import FamilySpec, of_manifest
 from xeonsd.openvino import pipelines
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ class Engine(abc.ABC):
     concept_tokens: list[str]
     source: str = "?"  # what the export was made from (the manifest's source)
     max_sequence_length: int | None = None  # FLUX.1/SD3: T5's prompt length (the manifest's)
-    family: str = "sd"  # the manifest's family: sd, sdxl, flux or sd3
+    family: FamilySpec = field(default_factory=lambda: of_manifest({}))  # the manifest's (none: SD 1.x/2.x)
     load_s: float = 0.0
     compile_s: float = 0.0
     _pipe: Any = None
@@ -95,7 +95,7 @@ class OptimumEngine(Engine):
             from xeonsd.modelfiles.concept_file import add_to_openvino, load_concepts
 
             concepts = load_concepts(self.opts.embeds, self.opts.token, self.family)
-            for encoder, tokenizer in spec(self.family).text_side:
+            for encoder, tokenizer in self.family.text_side:
                 add_to_openvino(getattr(pipe, tokenizer), getattr(pipe, encoder).model, concepts[encoder])
             self.concept_tokens = [*self.concept_tokens, *concepts["text_encoder"].tokens]
         if (
@@ -105,8 +105,8 @@ class OptimumEngine(Engine):
             raise GenerateError(f"--negative-prompt: {type(pipe).__name__} takes no negative prompt; drop it")
         self.load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        encoders = [getattr(pipe, encoder) for encoder, _ in spec(self.family).text_side]
-        denoiser = getattr(pipe, spec(self.family).denoiser)
+        encoders = [getattr(pipe, encoder) for encoder, _ in self.family.text_side]
+        denoiser = getattr(pipe, self.family.denoiser)
         for part in (*encoders, denoiser, pipe.vae_decoder):  # the VAE encoder is not used here
             part.compile()
         self.compile_s = time.perf_counter() - t0
@@ -145,8 +145,8 @@ class GenaiEngine(Engine):
         if self.opts.embeds is not None:
             concepts = load_concepts(self.opts.embeds, self.opts.token, self.family)
             self.concept_tokens = [*self.concept_tokens, *concepts["text_encoder"].tokens]
-        clip = pipelines.clip_encoders(self.family)
-        sides = [(enc, tok) for enc, tok in spec(self.family).text_side if enc in clip]
+        clip = self.family.clip_encoders
+        sides = [(enc, tok) for enc, tok in self.family.text_side if enc in clip]
         edited = {enc for enc, _ in sides}
         edited |= {tok for _, tok in sides} if concepts else set()
         for entry in self.ov_dir.iterdir():
@@ -185,8 +185,8 @@ class GenaiEngine(Engine):
             self._workdir = tempfile.TemporaryDirectory(prefix="xeonsd-genai-")
         weights = loraformat.ir_weight_shapes(self.ov_dir)
         model = f"{self.ov_dir} (exported from {self.source})"
-        denoiser = loraformat.PREFIXES[spec(self.family).denoiser]
-        text_apart = len(pipelines.clip_encoders(self.family)) > 1  # GenAI cannot tell them apart (module doc)
+        denoiser = loraformat.PREFIXES[self.family.denoiser]
+        text_apart = len(self.family.clip_encoders) > 1  # GenAI cannot tell them apart (module doc)
         pairs = []
         for i, (path, alpha) in enumerate(self.opts.loras):
             modules = loraformat.read_adapter(path)
@@ -201,7 +201,7 @@ class GenaiEngine(Engine):
                 if not modules:
                     continue
             converted = Path(self._workdir.name) / "lora" / f"{i}-{Path(path).stem}.safetensors"
-            loraformat.convert_for_genai_of(path, modules, converted, spec(self.family).denoiser)
+            loraformat.convert_for_genai_of(path, modules, converted, self.family.denoiser)
             pairs.append((openvino_genai.Adapter(str(converted)), float(alpha)))
         return openvino_genai.AdapterConfig(pairs) if pairs else None
 

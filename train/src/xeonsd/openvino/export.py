@@ -3,7 +3,7 @@
 The recipe's steps, ``OVStableDiffusionPipeline.from_pretrained(model_id, export=True)``,
 ``reshape(batch_size=5, height=512, width=512, num_images_per_prompt=1)`` and ``save_pretrained``, plus:
 
-* the family, read from SRC's config files (:func:`xeonsd.modelfiles.families.detect_family`): SD 1.x/2.x through
+* the family, read from SRC's config files (:func:`xeonsd.families.detect_family`): SD 1.x/2.x through
   ``OVStableDiffusionPipeline``, SDXL through ``OVStableDiffusionXLPipeline`` (both text encoders, both tokenizers;
   see :mod:`xeonsd.openvino.pipelines`); the CLI's default size is the family's resolution (SDXL 1024);
 * the concept: SRC is a full pipeline with the token(s) baked in (``--save_as_full_pipeline``), or a base model
@@ -36,9 +36,9 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, TextIO
 
+from xeonsd.families import Family, detect_family
 from xeonsd.flags import from_args
 from xeonsd.fsutil import atomic_dir
-from xeonsd.modelfiles.families import Family, detect_family
 from xeonsd.openvino import pipelines
 from xeonsd.openvino import tokenizer as ovtokenizer
 from xeonsd.openvino.export_args import ExportRequest
@@ -55,9 +55,9 @@ def _with_concept(src: str, embeds: Path, token: str | None, workdir: Path, fami
     tokens."""
     from xeonsd.modelfiles.concept_file import load_concepts
 
-    concepts = load_concepts(embeds, token, family.name)
-    pipe = pipelines.load_torch_pipeline(src, family.name)
-    tokens = pipelines.add_concepts_to_torch(pipe, family.name, concepts)
+    concepts = load_concepts(embeds, token, family.spec)
+    pipe = pipelines.load_torch_pipeline(src, family.spec)
+    tokens = pipelines.add_concepts_to_torch(pipe, family.spec, concepts)
     out = workdir / "pipeline"
     pipe.save_pretrained(out, safe_serialization=True)
     return out, tokens
@@ -70,9 +70,9 @@ def _with_lora(src: str, lora: Path, scale: float, workdir: Path, family: Family
     from xeonsd.modelfiles import lora_layout
 
     modules = lora_layout.read_adapter(lora)
-    lora_layout.check_family(lora, modules, family.name, f"the source {src}")
-    pipe = pipelines.load_torch_pipeline(src, family.name)
-    parts = pipelines.lora_parts(pipe, family.name)
+    lora_layout.check_family(lora, modules, family.spec, f"the source {src}")
+    pipe = pipelines.load_torch_pipeline(src, family.spec)
+    parts = pipelines.lora_parts(pipe, family.spec)
     weights = lora_layout.torch_weight_shapes(**parts)
     lora_layout.check_fits(lora, modules, weights, f"the source {src}")
     log.info("fusing LoRA %s (scale %g, %d modules) into %s", lora, scale, len(modules), src)
@@ -81,9 +81,9 @@ def _with_lora(src: str, lora: Path, scale: float, workdir: Path, family: Family
         lora = lora_layout.write_diffusers(modules, workdir / "lora" / lora.name, names, lora)
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)  # a file path alone needs the Hub when offline
     # FluxPipeline.fuse_lora fuses only the transformer unless told (diffusers 0.39): name every adapted part
-    pipe.fuse_lora(lora_scale=scale, components=pipelines.lora_components(pipe, family.name))
-    pipelines.unload_fused_lora(pipe, family.name)  # the fused weights stay; the adapter layers go
-    pipelines.fresh_text_encoders(pipe, family.name)
+    pipe.fuse_lora(lora_scale=scale, components=pipelines.lora_components(pipe, family.spec))
+    pipelines.unload_fused_lora(pipe, family.spec)  # the fused weights stay; the adapter layers go
+    pipelines.fresh_text_encoders(pipe, family.spec)
     out = workdir / "pipeline-lora"
     pipe.save_pretrained(out, safe_serialization=True)
     return out
@@ -153,12 +153,12 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
             else export_patch(opts.tome, opts.tome_mlp, _latent_size(source, opts.static))  # type: ignore[arg-type]
         )
         with merging as tome:
-            pipe = pipelines.ov_pipeline_class(family.name).from_pretrained(source, **kwargs)
+            pipe = pipelines.ov_pipeline_class(family.spec).from_pretrained(source, **kwargs)
         if opts.weight_format == "fp16":
             pipe.half()
         if opts.static is not None:
             reshape_static(pipe, opts.static)
-            pipelines.reshape_text_length(pipe, family.name, pipelines.max_sequence_length(pipe, family.name))
+            pipelines.reshape_text_length(pipe, family.spec, pipelines.max_sequence_length(pipe, family.spec))
         rows = _check_vocab(pipe, family)
         if not tokens:
             tokens = ovtokenizer.concept_tokens(pipe.tokenizer)
@@ -184,7 +184,7 @@ def export(src: str, out: Path, options: ExportOptions | None = None) -> Path:
                 "quantization": quantization,
                 "tome": tome.manifest_entry() if tome.blocks else None,
                 "vocab_size": rows,
-                "max_sequence_length": pipelines.max_sequence_length(pipe, family.name),
+                "max_sequence_length": pipelines.max_sequence_length(pipe, family.spec),
                 "export_seconds": round(time.perf_counter() - t0, 1),
                 **_lora_manifest(src, opts),
             }

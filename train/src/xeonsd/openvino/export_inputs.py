@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from xeonsd.modelfiles.families import Family, detect_family
+from xeonsd.families import Family, detect_family
 from xeonsd.modelfiles.modelsource import check_model_source
 from xeonsd.openvino.manifest import StaticShape, check_writable_output
 from xeonsd.openvino.quantize import QuantizeError, QuantizeOptions, check_options

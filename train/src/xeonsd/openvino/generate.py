@@ -23,13 +23,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from xeonsd.families import FamilySpec, of_manifest
 from xeonsd.flags import from_args
 from xeonsd.fsutil import atomic_dir
-from xeonsd.modelfiles.families import spec
 from xeonsd.openvino.engines import Engine, GenaiEngine, GenerateError, OptimumEngine
 from xeonsd.openvino.generate_args import ENGINES, PRECISIONS, GenerateCommand, GenerateOptions
 from xeonsd.openvino.manifest import StaticShape, check_writable_output, read_manifest, static_shape
-from xeonsd.openvino.pipelines import manifest_family
 
 log = logging.getLogger(__name__)
 
@@ -102,15 +101,15 @@ def plan_calls(manifest: dict[str, Any], opts: GenerateOptions) -> Plan:
     return Plan(shape=shape, static=fixed is not None, calls=calls)
 
 
-def check_loras(opts: GenerateOptions, family: str = "sd") -> None:
+def check_loras(opts: GenerateOptions, family: FamilySpec) -> None:
     """``--lora`` needs the genai engine, a family GenAI has adapters for (``FamilySpec.genai_adapters``; not SD3)
     and existing files; checked before any model is loaded."""
     if not opts.loras:
         return
     first = opts.loras[0][0]
-    if not spec(family).genai_adapters:
+    if not family.genai_adapters:
         raise GenerateError(
-            f"--lora: OpenVINO GenAI has no LoRA adapters for {spec(family).label}; fuse the adapter into an export "
+            f"--lora: OpenVINO GenAI has no LoRA adapters for {family.label}; fuse the adapter into an export "
             f"instead: xeonsd export SRC OUT --lora {first} --lora-scale S"
         )
     if opts.engine != "genai":
@@ -130,15 +129,15 @@ def open_engine(ov_dir: Path, opts: GenerateOptions) -> Engine:
     plan = plan_calls(manifest, opts)
     if opts.embeds is not None and not Path(opts.embeds).is_file():
         raise GenerateError(f"embeddings file {opts.embeds} does not exist")
-    family = manifest_family(manifest)
-    if opts.embeds is not None and spec(family).objective == "flow":
-        raise GenerateError(f"--embeds: textual inversion is not served for {spec(family).label}; use a LoRA (--lora)")
+    family = of_manifest(manifest)
+    if opts.embeds is not None and family.objective == "flow":
+        raise GenerateError(f"--embeds: textual inversion is not served for {family.label}; use a LoRA (--lora)")
     check_loras(opts, family)
-    for _, tokenizer in spec(family).text_side if opts.engine == "genai" else ():
+    for _, tokenizer in family.text_side if opts.engine == "genai" else ():
         if not (ov_dir / tokenizer / "openvino_tokenizer.xml").is_file():
             raise GenerateError(f"{ov_dir} has no {tokenizer}/openvino_tokenizer.xml, which --engine genai needs")
     if opts.guidance_scale is None:
-        opts = replace(opts, guidance_scale=spec(family).guidance_scale)
+        opts = replace(opts, guidance_scale=family.guidance_scale)
     cls = OptimumEngine if opts.engine == "optimum" else GenaiEngine
     engine = cls(
         ov_dir=ov_dir,

@@ -30,7 +30,6 @@ from pathlib import Path
 import numpy as np
 
 from xeonsd.modelfiles.lora_layout import (
-    FAMILY_LABELS,
     PREFIXES,
     LoraFormatError,
     LoraModule,
@@ -46,7 +45,6 @@ from xeonsd.modelfiles.lora_layout import (
 from xeonsd.openvino.generate_args import parse_spec
 
 __all__ = [
-    "FAMILY_LABELS",
     "LoraFormatError",
     "LoraModule",
     "check_family",

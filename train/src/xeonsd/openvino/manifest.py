@@ -115,10 +115,10 @@ def read_manifest(ov_dir: Path, verify: bool = True) -> dict[str, Any]:
         raise ExportDirError(f"{path} is not valid JSON: {exc}") from exc
     if manifest.get("format") != FORMAT:
         raise ExportDirError(f"{path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
-    from xeonsd.modelfiles.families import FamilyError, spec
+    from xeonsd.families import FamilyError, of_manifest
 
     try:
-        denoiser = spec(str(manifest.get("family") or "sd")).denoiser
+        denoiser = of_manifest(manifest).denoiser
     except FamilyError as exc:
         raise ExportDirError(f"{path}: {exc}") from exc
     for name in (denoiser, *REQUIRED):

@@ -1,102 +1,89 @@
-"""What differs between the families on the OpenVINO side: SD 1.x/2.x (one text encoder), SDXL (two), FLUX.1
-(CLIP-L and T5, a transformer) and SD3 (CLIP-L, CLIP-G and T5, a transformer), read from their specs
-(:data:`xeonsd.modelfiles.families.SPECS`).
+"""What differs between the families on the OpenVINO side, asked of the family's spec
+(:class:`xeonsd.families.FamilySpec`, handed in by the caller: detected from a model's files, or read from an
+export's manifest with :func:`xeonsd.families.of_manifest`):
 
-* the classes: diffusers' ``StableDiffusionPipeline`` / ``StableDiffusionXLPipeline`` before the export,
-  optimum-intel's ``OVStableDiffusionPipeline`` / ``OVStableDiffusionXLPipeline`` for the export and its engine;
+* the classes: diffusers' pipeline (``spec.pipeline_class``) before the export, optimum-intel's
+  (``spec.ov_pipeline_class``) for the export and its engine;
 * the text side, as (text encoder, tokenizer) pairs: a concept goes into every pair (SDXL: ``clip_l`` into
-  ``text_encoder``, ``clip_g`` into ``text_encoder_2``, see :mod:`xeonsd.modelfiles.concept_file`), the OpenVINO tokenizer
-  model is written for every tokenizer;
-* the parts a LoRA adapts (:func:`lora_parts`): the denoiser and the CLIP text encoders, never T5;
-* a LoRA's text-encoder part for GenAI where a family has two CLIP text encoders (SDXL): OpenVINO GenAI 2026.4.1 applies an adapter's ``lora_te_`` tensors
-  to *both* SDXL text encoders alike and ignores kohya's ``lora_te1_``/``lora_te2_`` ("Unused LoRA tensor", the
-  image does not change; measured on tiny-xl), so one adapter cannot carry the two encoders' different weights.
-  :func:`fuse_into_ir` adds them to the weights of a copy of each text encoder's graph instead
-  (``W += alpha * (file alpha / rank) * up @ down``, the kohya scale GenAI applies), and GenAI gets the UNet part.
-
-The export manifest records the family (``family``); an export written before it did is SD 1.x/2.x.
+  ``text_encoder``, ``clip_g`` into ``text_encoder_2``, see :mod:`xeonsd.modelfiles.concept_file`), the OpenVINO
+  tokenizer model is written for every tokenizer;
+* the parts a LoRA adapts (:func:`lora_parts`): the denoiser and the CLIP text encoders (``spec.clip_encoders``),
+  never T5;
+* a LoRA's text-encoder part for GenAI where a family has two CLIP text encoders (SDXL): OpenVINO GenAI 2026.4.1
+  applies an adapter's ``lora_te_`` tensors to *both* SDXL text encoders alike and ignores kohya's
+  ``lora_te1_``/``lora_te2_`` ("Unused LoRA tensor", the image does not change; measured on tiny-xl), so one adapter
+  cannot carry the two encoders' different weights. :func:`fuse_into_ir` adds them to the weights of a copy of each
+  text encoder's graph instead (``W += alpha * (file alpha / rank) * up @ down``, the kohya scale GenAI applies),
+  and GenAI gets the UNet part.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from xeonsd.modelfiles.families import spec
-
-
-def manifest_family(manifest: dict[str, Any]) -> str:
-    """``sd``, ``sdxl``, ``flux`` or ``sd3``: what the export was made from (exports without the field are SD
-    1.x/2.x)."""
-    return str(manifest.get("family") or "sd")
+if TYPE_CHECKING:
+    from xeonsd.families import FamilySpec
 
 
-def clip_encoders(family: str) -> tuple[str, ...]:
-    """The CLIP text encoders of ``family`` (what a concept or a LoRA can touch; T5 takes neither)."""
-    found = spec(family)
-    return tuple(e for i, e in enumerate(found.text_encoders) if found.text_encoder_class(i).startswith("CLIP"))
-
-
-def lora_parts(pipe: Any, family: str) -> dict[str, Any]:
+def lora_parts(pipe: Any, family: FamilySpec) -> dict[str, Any]:
     """{component: model} of what a LoRA of ``family`` adapts in a diffusers pipeline, as
     :func:`xeonsd.modelfiles.lora_layout.torch_weight_shapes` takes them (``unet`` is None for a transformer)."""
     parts = {"unet": None, "text_encoder": None, "text_encoder_2": None}
-    parts[spec(family).denoiser] = getattr(pipe, spec(family).denoiser)
-    for encoder in clip_encoders(family):
+    parts[family.denoiser] = getattr(pipe, family.denoiser)
+    for encoder in family.clip_encoders:
         parts[encoder] = getattr(pipe, encoder)
     return parts
 
 
-def ov_pipeline_class(family: str) -> Any:
+def ov_pipeline_class(family: FamilySpec) -> Any:
     """optimum-intel's pipeline class of ``family``."""
     import optimum.intel
 
-    return getattr(optimum.intel, spec(family).ov_pipeline_class)
+    return getattr(optimum.intel, family.ov_pipeline_class)
 
 
-def max_sequence_length(pipe: Any, family: str) -> int | None:
+def max_sequence_length(pipe: Any, family: FamilySpec) -> int | None:
     """FLUX.1/SD3: T5's prompt length of a loaded pipeline (:meth:`FamilySpec.prompt_length` with its T5
     tokenizer's limit). A static export fixes it (optimum-intel reshapes FLUX's T5 to it), and every engine passes it
     as ``max_sequence_length``; None for the CLIP-only families."""
-    found = spec(family)
-    if found.max_sequence_length is None:
+    if family.max_sequence_length is None:
         return None
-    return found.prompt_length(getattr(getattr(pipe, found.tokenizers[-1]), "model_max_length", None))
+    return family.prompt_length(getattr(getattr(pipe, family.tokenizers[-1]), "model_max_length", None))
 
 
-def load_torch_pipeline(src: str, family: str) -> Any:
+def load_torch_pipeline(src: str, family: FamilySpec) -> Any:
     """The diffusers pipeline of ``family`` at ``src`` (fp32, no safety checker)."""
     import diffusers
 
-    found = spec(family)
-    return getattr(diffusers, found.pipeline_class).from_pretrained(src, **dict(found.pipeline_kwargs))
+    return getattr(diffusers, family.pipeline_class).from_pretrained(src, **dict(family.pipeline_kwargs))
 
 
-def add_concepts_to_torch(pipe: Any, family: str, concepts: dict[str, Any]) -> list[str]:
+def add_concepts_to_torch(pipe: Any, family: FamilySpec, concepts: dict[str, Any]) -> list[str]:
     """Each text encoder's concept (from :func:`xeonsd.modelfiles.concept_file.load_concepts`) into it and its tokenizer."""
     from xeonsd.modelfiles.concept_file import add_to_torch
 
-    for encoder, tokenizer in spec(family).text_side:
+    for encoder, tokenizer in family.text_side:
         add_to_torch(getattr(pipe, tokenizer), getattr(pipe, encoder), concepts[encoder])
     return concepts["text_encoder"].tokens
 
 
-def lora_components(pipe: Any, family: str) -> list[str]:
+def lora_components(pipe: Any, family: FamilySpec) -> list[str]:
     """The parts of ``pipe`` that hold adapter layers (the denoiser, CLIP text encoders), for ``fuse_lora``."""
-    parts = [spec(family).denoiser, *clip_encoders(family)]
+    parts = [family.denoiser, *family.clip_encoders]
     return [p for p in parts if getattr(getattr(pipe, p), "peft_config", None)]
 
 
-def unload_fused_lora(pipe: Any, family: str) -> None:
+def unload_fused_lora(pipe: Any, family: FamilySpec) -> None:
     """Remove the adapter layers after ``fuse_lora``, keeping the fused weights. FLUX.1's
     ``FluxPipeline.unload_lora_weights`` also undoes the fusion (diffusers 0.39: its images after fuse + unload are
     the base model's again, measured on tiny-flux), so the flow families unload each part on its own."""
-    if spec(family).objective != "flow":
+    if family.objective != "flow":
         pipe.unload_lora_weights()
         return
     from diffusers.utils.peft_utils import recurse_remove_peft_layers
 
-    getattr(pipe, spec(family).denoiser).unload_lora()
-    for encoder in clip_encoders(family):
+    getattr(pipe, family.denoiser).unload_lora()
+    for encoder in family.clip_encoders:
         te = getattr(pipe, encoder)
         recurse_remove_peft_layers(te)
         if hasattr(te, "peft_config"):
@@ -104,10 +91,10 @@ def unload_fused_lora(pipe: Any, family: str) -> None:
             te._hf_peft_config_loaded = None
 
 
-def fresh_text_encoders(pipe: Any, family: str) -> None:
+def fresh_text_encoders(pipe: Any, family: FamilySpec) -> None:
     """Replace each text encoder by a fresh model holding its weights. transformers 5 saves a text encoder that once
     held peft layers under other keys ("text_base_model.model.…"), which load as missing (random) weights."""
-    for encoder in clip_encoders(family):  # T5 never holds peft layers (and is 4.7 B parameters in FLUX.1)
+    for encoder in family.clip_encoders:  # T5 never holds peft layers (and is 4.7 B parameters in FLUX.1)
         te = getattr(pipe, encoder)
         clean = type(te)(te.config)
         clean.load_state_dict(te.state_dict())
@@ -171,16 +158,15 @@ def split_free_matmul_inputs(model: Any) -> int:
     return changed
 
 
-def reshape_text_length(pipe: Any, family: str, length: int | None) -> int:
+def reshape_text_length(pipe: Any, family: FamilySpec, length: int | None) -> int:
     """Give every static Qwen text encoder of a reshaped pipeline the prompt length the engines pass
     (``max_sequence_length``), in place; returns how many were reshaped. optimum-intel 2.2's ``reshape`` fixes a
     text encoder's sequence axis to its tokenizer's ``model_max_length`` (Qwen's: 32768, where FLUX.2 [klein]'s
     pipeline pads its prompt to 512: "Can't set the input tensor", measured on tiny-flux2); a dynamic one
     (Z-Image's, Qwen-Image's) stays dynamic. CLIP and T5 keep optimum's length."""
-    found = spec(family)
     changed = 0
-    for i, encoder in enumerate(found.text_encoders):
-        if length is None or found.text_encoder_class(i).startswith(("CLIP", "T5")):
+    for i, encoder in enumerate(family.text_encoders):
+        if length is None or family.text_encoder_class(i).startswith(("CLIP", "T5")):
             continue
         part = getattr(pipe, encoder)
         shapes = {}

@@ -22,9 +22,9 @@ from typing import Any
 
 from xeonsd.contracts.method_names import METHOD_FILES
 from xeonsd.contracts.run_files import TENSORBOARD_DIR, TRAINING_WALL
+from xeonsd.families import SPECS
 from xeonsd.fsutil import atomic_file
 from xeonsd.jobs.progress import metrics_rows
-from xeonsd.modelfiles.families import SPECS
 from xeonsd.ops import run_view as clusterview
 from xeonsd.ops.report_cluster import cluster_sections, figure, html_table
 from xeonsd.ops.report_status import ended_attempt, status_line, stopped_section

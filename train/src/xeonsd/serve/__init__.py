@@ -7,5 +7,5 @@ GenAI ``Text2ImagePipeline`` copies, a bounded queue, cancellation through GenAI
 :mod:`.metrics` (the Prometheus metrics), :mod:`.app` (the ASGI app: routes, errors, the JSON access log),
 :mod:`.server` (uvicorn, signals, the ``serving on`` line) and :mod:`.ovms` (the OVMS ``graph.pbtxt`` that
 serves the same export). It may import the OpenVINO side (:mod:`xeonsd.openvino`), the model files
-(:mod:`xeonsd.modelfiles`) and the top-level modules.
+(:mod:`xeonsd.modelfiles`), the model families (:mod:`xeonsd.families`) and the top-level modules.
 """

@@ -25,7 +25,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from xeonsd.contracts.blend_syntax import composite
-from xeonsd.modelfiles import families
 from xeonsd.serve.edits import parse_form
 from xeonsd.serve.keys import KeyRing
 from xeonsd.serve.limits import guard
@@ -162,9 +161,9 @@ def create_app(
         max_steps=opts.max_steps,
         guidance_scale=served.guidance_scale,
         alphas=tuple((name, alpha) for name, (_, alpha) in served.adapters.items()),
-        family=families.spec(served.family).label,
-        edits=families.spec(served.family).genai_edits,
-        fused_only=not families.spec(served.family).genai_adapters,
+        family=served.family.label,
+        edits=served.family.genai_edits,
+        fused_only=not served.family.genai_adapters,
         blends=served.blends,
     )
     created = int(time.time())

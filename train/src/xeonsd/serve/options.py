@@ -27,6 +27,7 @@ from xeonsd.flags import flag
 from xeonsd.openvino.generate_args import PRECISIONS, parse_spec
 
 if TYPE_CHECKING:
+    from xeonsd.families import FamilySpec
     from xeonsd.openvino.manifest import StaticShape
 
 # Measured (docs/benchmarks.md, "Serving"): throughput is best with one worker per this many cores.
@@ -187,7 +188,7 @@ class ServedModel:
 
     export_dir: Path
     name: str
-    family: str
+    family: FamilySpec  # the export's (xeonsd.families.of_manifest)
     shape: StaticShape
     concept_tokens: list[str]
     adapters: dict[str, tuple[Path, float]] = field(default_factory=dict)  # name -> (GenAI file, alpha)
@@ -201,9 +202,7 @@ class ServedModel:
     @property
     def guidance_scale(self) -> float:
         """A request's default: the family's pipeline's (``FamilySpec.guidance_scale``)."""
-        from xeonsd.modelfiles import families
-
-        return families.spec(self.family).guidance_scale
+        return self.family.guidance_scale
 
 
 def cpu_count() -> int:
@@ -231,13 +230,10 @@ def weights_bytes(export_dir: Path) -> int:
     return sum(f.stat().st_size for f in files if f.is_file())
 
 
-def compiled_pipelines(family: str, images_per_call: int) -> tuple[str, ...]:
+def compiled_pipelines(found: FamilySpec, images_per_call: int) -> tuple[str, ...]:
     """The pipelines (``generation``, ``image2image``, ``inpainting``) a worker compiles for one served model: a UNet
     family's edits are made from its inpainting pipeline, sharing its models, and so is its text-to-image pipeline
     where the batch is the edits' one (:mod:`xeonsd.serve.pool`); any other pipeline compiles on its own."""
-    from xeonsd.modelfiles.family_specs import spec
-
-    found = spec(family)
     if "inpainting" in found.genai_edits and found.denoiser == "unet":
         return ("inpainting",) if images_per_call == 1 else ("inpainting", "generation")
     return (*found.genai_edits, "generation")
@@ -310,11 +306,10 @@ def blend_keys(opts: ServeOptions) -> tuple[tuple[tuple[str, float], ...], ...]:
         raise ServeError(str(e)) from None
 
 
-def read_export(opts: ServeOptions) -> tuple[dict[str, Any], StaticShape, str]:
+def read_export(opts: ServeOptions) -> tuple[dict[str, Any], StaticShape, FamilySpec]:
     """The manifest, the static shape and the family; refuse an export GenAI cannot serve."""
-    from xeonsd.modelfiles.families import spec
+    from xeonsd.families import of_manifest
     from xeonsd.openvino.manifest import read_manifest, static_shape
-    from xeonsd.openvino.pipelines import manifest_family
 
     export_dir = Path(opts.export_dir)
     manifest = read_manifest(export_dir)
@@ -323,8 +318,8 @@ def read_export(opts: ServeOptions) -> tuple[dict[str, Any], StaticShape, str]:
         raise ServeError(
             f"{export_dir} has dynamic shapes; serve needs a static export (xeonsd export SRC OUT --batch-size 1)"
         )
-    family = manifest_family(manifest)
-    for _, tokenizer in spec(family).text_side:
+    family = of_manifest(manifest)
+    for _, tokenizer in family.text_side:
         if not (export_dir / tokenizer / "openvino_tokenizer.xml").is_file():
             raise ServeError(f"{export_dir} has no {tokenizer}/openvino_tokenizer.xml, which OpenVINO GenAI needs")
     return manifest, shape, family
@@ -332,7 +327,6 @@ def read_export(opts: ServeOptions) -> tuple[dict[str, Any], StaticShape, str]:
 
 def prepare(opts: ServeOptions, workdir: Path) -> ServedModel:
     """Check the export and every adapter against it; write each adapter in GenAI's layout into ``workdir``."""
-    from xeonsd.modelfiles import families
     from xeonsd.openvino import lora_files
 
     check_options(opts)
@@ -352,7 +346,7 @@ def prepare(opts: ServeOptions, workdir: Path) -> ServedModel:
     )
     if not opts.adapters:
         return served
-    found = families.spec(family)
+    found = family
     if not found.genai_adapters:
         raise ServeError(
             f"--adapter: OpenVINO GenAI has no LoRA adapters for {found.label}; fuse the adapter into an export "

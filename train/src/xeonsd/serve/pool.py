@@ -174,8 +174,6 @@ class PipelinePool:
         made from the inpainting pipeline and share its models (see the module's docstring)."""
         import openvino_genai as g
 
-        from xeonsd.modelfiles.families import spec
-
         classes = {
             "generation": g.Text2ImagePipeline,
             "image2image": g.Image2ImagePipeline,
@@ -186,7 +184,7 @@ class PipelinePool:
             kind: self._prepared(classes[kind], per_call if kind == "generation" else 1, config)
             for kind in compiled_pipelines(self.served.family, per_call)
         }
-        for kind in ("generation", *spec(self.served.family).genai_edits):
+        for kind in ("generation", *self.served.family.genai_edits):
             if kind not in pipes:
                 pipes[kind] = classes[kind](pipes["inpainting"])
         return Served(pipe=pipes.pop("generation"), config=config, edits=pipes)

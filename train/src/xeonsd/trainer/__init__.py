@@ -9,7 +9,7 @@ or any cycle, lazy imports included):
    the loss function (:mod:`.loss`), the stop signals (:mod:`.stopping`) and the step-end order (:mod:`.step_end`);
 2. data and models: the images and the rank-independent sampling plan (:mod:`.data`, :mod:`.buckets`), captions and
    prompt tables (:mod:`.captions`, :mod:`.prompts`), the models (:mod:`.models`) and the pipelines made of them
-   (:mod:`.pipelines`), each family's training side (:mod:`.families`), the text conditioning and
+   (:mod:`.pipelines`), the text conditioning and
    latents (:mod:`.conditioning`, :mod:`.latents`), prior preservation's class data
    (:mod:`.prior`), the methods (:mod:`.methods`) and their optimizer (:mod:`.optim`);
 3. the step (:mod:`.step`): the loss of some examples, the gradient all-reduce, the update, each on explicit inputs;
@@ -18,6 +18,7 @@ or any cycle, lazy imports included):
 5. what runs after each step besides training (:mod:`.hooks`) and the run's summary (:mod:`.summary`);
 6. the loop (:mod:`.loop`): ``run`` → ``fit`` → ``save``, and the CLI's ``main``.
 
-It may import the top-level modules, :mod:`xeonsd.contracts`, :mod:`xeonsd.modelfiles` and :mod:`xeonsd.cluster`;
+It may import the top-level modules, :mod:`xeonsd.contracts`, :mod:`xeonsd.modelfiles`, :mod:`xeonsd.cluster` and
+:mod:`xeonsd.families` (whose folders hold each family's training side, reached through the ``Family`` it is given);
 never :mod:`xeonsd.openvino`, :mod:`xeonsd.ops` or :mod:`xeonsd.bench`.
 """

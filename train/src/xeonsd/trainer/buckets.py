@@ -185,9 +185,9 @@ class BucketBatches:
     @classmethod
     def for_run(cls, buckets: Buckets | None, vae, global_batch: int, family=None) -> BucketBatches | None:
         """The batches of a run with ``buckets`` (None without; logs them), the latents of ``vae`` as the family's
-        training side shapes them (``family``: a :class:`xeonsd.trainer.families.TrainFamily`; None: SD's)."""
-        from xeonsd.modelfiles.families import vae_scale
-        from xeonsd.trainer.families.base import TrainFamily
+        training side shapes them (``family``: a :class:`xeonsd.families.training.TrainFamily`; None: SD's)."""
+        from xeonsd.families import vae_scale
+        from xeonsd.families.training import TrainFamily
 
         if buckets is None:
             return None

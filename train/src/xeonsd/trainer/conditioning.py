@@ -25,7 +25,7 @@ ENCODE_BATCH = 16  # prompts per text encoder call while the table is built
 
 class PromptConditioning:
     """The prompt table through the text encoder: ``encode(rows)`` gives the hidden states [n, 77, hidden].
-    :class:`~xeonsd.trainer.families.sdxl.XLPromptConditioning` overrides the four hooks (``_tokenize``, ``_select``,
+    :class:`~xeonsd.families.sdxl.training.XLPromptConditioning` overrides the four hooks (``_tokenize``, ``_select``,
     ``_forward``, ``_encode_all``) for SDXL's two encoders; the caption draws are the same code for both."""
 
     def __init__(

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from xeonsd.cluster.launch import RankInfo
 from xeonsd.contracts.method_names import METHODS
+from xeonsd.families import Family
 from xeonsd.fsutil import atomic_path
-from xeonsd.modelfiles.families import Family
 from xeonsd.modelfiles.modelsource import check_model_source
 from xeonsd.trainer import checkpoint as ckpt
 from xeonsd.trainer.buckets import Buckets, assign

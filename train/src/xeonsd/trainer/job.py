@@ -25,7 +25,6 @@ from xeonsd.trainer.buckets import BUCKET_OPTIONS, BucketBatches, Buckets
 from xeonsd.trainer.conditioning import PromptConditioning
 from xeonsd.trainer.config import TrainConfig
 from xeonsd.trainer.data import SamplingPlan
-from xeonsd.trainer.families import train_family
 from xeonsd.trainer.inputs import FLOW_FLAGS, Inputs
 from xeonsd.trainer.latents import LatentTable
 from xeonsd.trainer.loss import parse_timestep_range
@@ -77,7 +76,7 @@ class TrainingData:
     validation loss's held-out images."""
 
     prompts: PromptTable
-    text: PromptConditioning  # the family's (xeonsd.trainer.families)
+    text: PromptConditioning  # the family's (its FamilySpec.training)
     latents: LatentTable
     plan: SamplingPlan
     validation: ValidationSet | None = None  # the held-out images of the validation loss
@@ -318,9 +317,7 @@ def _prepare_data(
     t1 = time.perf_counter()
     latents = LatentTable.build(cfg, models, inputs.images, info.rank, info.local_rank, world, inputs.buckets)
     t2 = time.perf_counter()
-    batches = BucketBatches.for_run(
-        inputs.buckets, models.vae, world * cfg.train_batch_size, train_family(models.family)
-    )
+    batches = BucketBatches.for_run(inputs.buckets, models.vae, world * cfg.train_batch_size, models.training)
     num_timesteps = models.noise_scheduler.config.num_train_timesteps
     timestep_range = parse_timestep_range(cfg.timestep_range, num_timesteps)
     validation = build_validation(

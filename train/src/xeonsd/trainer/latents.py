@@ -9,7 +9,7 @@ is decoded on one rank, one at a time: no rank holds the decoded set) and one al
 them; with aspect-ratio buckets, one shard and all-reduce per bucket size. With ``--latent_cache_dir`` it is also kept on disk between runs, one file per image keyed by the
 image's bytes, the VAE, the resolution and the crop, so a second run (or a rank on another node that has the
 files) encodes nothing. For SDXL each input also has its micro-conditioning (``time_ids``: original size, crop,
-target size; :func:`xeonsd.trainer.families.sdxl.time_ids_for`), which is part of the key and stored in the file.
+target size; :func:`xeonsd.families.sdxl.training.time_ids_for`), which is part of the key and stored in the file.
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from xeonsd.cluster.distributed import all_reduce_sum_
+from xeonsd.families import vae_scale
 from xeonsd.fsutil import atomic_path
-from xeonsd.modelfiles.families import vae_scale
 from xeonsd.trainer.buckets import Buckets, Placement, image_size, placement
-from xeonsd.trainer.families import train_family
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +179,7 @@ class LatentTable:
         from xeonsd.modelfiles.modelsource import model_fingerprint
         from xeonsd.trainer.data import load_all_pixels, load_pixels
 
-        family = train_family(models.family)
+        family = models.training
         vae = family.latent_vae(models.vae)
         scale = vae_scale(vae.config)
         shape = family.latent_dims(vae.config, scale, cfg.resolution, cfg.resolution)

@@ -64,7 +64,7 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int, world: int = 1
     --resolution, at the family's default (:func:`xeonsd.trainer.resolution.with_resolution`)."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
 
-    from xeonsd.modelfiles.families import detect_family
+    from xeonsd.families import detect_family
     from xeonsd.trainer.methods import method_class
     from xeonsd.trainer.resolution import with_resolution
 

@@ -1,6 +1,6 @@
 """The memory estimate of a flow family (FLUX.1, SD3, FLUX.2 [klein], Z-Image, Qwen-Image): :func:`flow_estimate`,
 what :func:`xeonsd.trainer.memory.estimate` answers for them. The family's training side
-(:mod:`xeonsd.trainer.families`) gives the shapes: its latents, its text input, one call's inputs on the meta device
+(:attr:`xeonsd.families.FamilySpec.training`) gives the shapes: its latents, its text input, one call's inputs on the meta device
 and the blocks whose saved activations repeat."""
 
 from __future__ import annotations
@@ -27,11 +27,10 @@ def flow_estimate(cfg, method: str, family, num_images: int, num_prompts: int, w
     in training (it is freed then, unless --shuffle_tags keeps it); the CLIP encoders stay (fp32)."""
     import diffusers
 
-    from xeonsd.trainer.families import train_family
     from xeonsd.trainer.methods import method_class
 
     src, kw, spec = cfg.pretrained_model_name_or_path, {"revision": cfg.revision}, family.spec
-    side = train_family(family)
+    side = spec.training
     weight_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
     wbytes = torch.finfo(weight_dtype).bits // 8
     denoiser_cls = getattr(diffusers, spec.denoiser_class)

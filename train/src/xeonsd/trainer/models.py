@@ -15,16 +15,20 @@ import gc
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from xeonsd.modelfiles.families import Family, FamilyError, detect_family, family_spec
+from xeonsd.families import Family, FamilyError, detect_family, family_spec
 from xeonsd.modelfiles.modelsource import model_fingerprint
 from xeonsd.trainer import sharding
 from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.flow import FlowSchedule, resolve_scheme
 from xeonsd.trainer.shared_weights import Component, SharedStore
 from xeonsd.trainer.weights import WEIGHTS_NAME, empty_model, load_frozen, local_weight_files
+
+if TYPE_CHECKING:
+    from xeonsd.families.training import TrainFamily
 
 log = logging.getLogger("xeonsd.train")
 
@@ -92,6 +96,12 @@ class Models:
         """A flow family's T5 tokens per prompt: its pipeline's default ``max_sequence_length`` (FLUX.1 512, SD3
         256), at most the tokenizer's own limit (the tiny test models' 32): ``FamilySpec.prompt_length``."""
         return family_spec(self.family).prompt_length(self.text_pairs[-1][0].model_max_length)
+
+    @property
+    def training(self) -> TrainFamily:
+        """The family's training side (:attr:`xeonsd.families.FamilySpec.training`): its conditioning, latents,
+        objective and LoRA targets."""
+        return family_spec(self.family).training
 
     @property
     def unet_dtype(self) -> torch.dtype:

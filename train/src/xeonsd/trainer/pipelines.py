@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
+from xeonsd.families import Family, family_spec
 from xeonsd.fsutil import atomic_dir
-from xeonsd.modelfiles.families import Family, family_spec
 from xeonsd.trainer.config import TrainConfig
 from xeonsd.trainer.embeddings import PlaceholderEmbedding
 from xeonsd.trainer.models import Models, autocast

@@ -240,12 +240,9 @@ def class_text(cfg: TrainConfig, info: RankInfo, models, trainable: bool = False
     """The class prompt's conditioning: encoded once with the frozen encoder (``trainable``: the method trains the
     text encoder, so it is encoded every step, as the instance prompts: a table made at set-up would hold the
     encoder of the step the run started or resumed at). Built with the training prompts, before the VAE encodes."""
-    from xeonsd.trainer.families import train_family
 
     table = PromptTable((cfg.class_prompt,), per_image=False, source="--class_prompt")
-    return train_family(models.family).conditioning(
-        models, table, trainable=trainable, rank=info.rank, world=info.world_size
-    )
+    return models.training.conditioning(models, table, trainable=trainable, rank=info.rank, world=info.world_size)
 
 
 def build_prior(

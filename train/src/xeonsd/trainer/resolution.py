@@ -7,7 +7,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from xeonsd.modelfiles.families import Family
+    from xeonsd.families import Family
     from xeonsd.trainer.config import TrainConfig
 
 

@@ -13,7 +13,6 @@ import torch
 from xeonsd.cluster.distributed import all_reduce_mean_
 from xeonsd.cluster.rank_stats import RankClock
 from xeonsd.trainer.data import Example
-from xeonsd.trainer.families import train_family
 from xeonsd.trainer.methods import Method
 from xeonsd.trainer.models import Models
 from xeonsd.trainer.prior import PriorData, model_inputs
@@ -45,7 +44,7 @@ def step_loss(inputs: LossInputs, examples: list[Example], clock: RankClock | No
         if inputs.prior is not None:  # the class examples join this rank's examples in the one UNet call
             batch = inputs.prior.join(batch, examples)
         latents, noise, timesteps, hidden, added = batch
-    family = train_family(models.family)
+    family = models.training
     pred, target = family.predict(models, inputs.unet, latents, noise, timesteps, hidden, added, inputs.channels_last)
 
     def loss(rows: slice) -> torch.Tensor:

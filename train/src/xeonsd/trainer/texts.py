@@ -12,8 +12,6 @@ from xeonsd.cluster.launch import RankInfo
 from xeonsd.trainer.captions import CaptionDraws
 from xeonsd.trainer.conditioning import PromptConditioning
 from xeonsd.trainer.config import TrainConfig
-from xeonsd.trainer.families import train_family
-from xeonsd.trainer.families.transformer import release_long_encoder
 from xeonsd.trainer.inputs import Inputs
 from xeonsd.trainer.methods import Method
 from xeonsd.trainer.models import Models
@@ -37,7 +35,7 @@ def encode_prompts(
 ) -> Texts:
     """Every prompt the run conditions on, encoded first; then a flow family's T5 is freed, before the VAE
     encodes the images (so the latent caches never hold T5 beside the VAE's activations)."""
-    family = train_family(models.family)
+    family = models.training
     rank, world = info.rank, info.world_size
     draws = CaptionDraws.for_run(cfg, seed)
     train = family.conditioning(
@@ -51,7 +49,7 @@ def encode_prompts(
             models.sample_conditioning = family.conditioning(
                 models, table, trainable=method.trains_text_encoder, rank=rank, world=world
             )
-        release_long_encoder(models, keep=cfg.shuffle_tags)
+        family.release_long_encoder(models, keep=cfg.shuffle_tags)
         if models.text_pending:  # loaded in phases: the CLIP encoders load now, the long one gone
             barrier(world)  # every rank has let go of T5: none loads them while another still maps it
             models.load_pending()

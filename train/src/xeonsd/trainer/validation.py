@@ -120,7 +120,7 @@ class ValidationSet:
 
     held: HeldOut
     prompts: PromptTable
-    text: PromptConditioning  # the family's (xeonsd.trainer.families)
+    text: PromptConditioning  # the family's (its FamilySpec.training)
     latents: LatentTable
     timesteps: tuple[int, ...]
     seed: int
@@ -150,13 +150,10 @@ def validation_text(cfg: TrainConfig, info, models, method, held: HeldOut | None
     encodes, while a flow family's T5 is still loaded."""
     if held is None:
         return None
-    from xeonsd.trainer.families import train_family
 
     prompts = method.prompts(held.captions)
     draws = CaptionDraws(prefix=(cfg.caption_prefix or "").strip())  # the prefix; nothing drawn
-    text = train_family(models.family).conditioning(
-        models, prompts, method.trains_text_encoder, info.rank, info.world_size, draws
-    )
+    text = models.training.conditioning(models, prompts, method.trains_text_encoder, info.rank, info.world_size, draws)
     return prompts, text
 
 

@@ -18,7 +18,7 @@ import torch
 
 from xeonsd.cluster.distributed import collective
 from xeonsd.contracts.method_names import result_file
-from xeonsd.modelfiles.families import family_spec
+from xeonsd.families import family_spec
 from xeonsd.trainer import sharding
 from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from xeonsd.contracts.method_names import result_file
-from xeonsd.modelfiles.families import family_spec
+from xeonsd.families import family_spec
 from xeonsd.modelfiles.lora_layout import convert
 from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError
@@ -29,7 +29,7 @@ from xeonsd.trainer.pipelines import pipeline_class
 from xeonsd.trainer.prompts import check_prompt_source
 
 if TYPE_CHECKING:
-    from xeonsd.modelfiles.families import Family
+    from xeonsd.families import Family
     from xeonsd.trainer.captions import Captions
 
 LORA_FILE = result_file("lora")
@@ -40,17 +40,8 @@ def target_modules(cfg, family: Family | None = None) -> list[str]:
     """The denoiser's layers that get adapters: ``--lora_target_modules`` (``--lora_layers``), or the family's
     default (the attention projections; FLUX.1 and SD3 with their text stream's)."""
     if cfg.lora_target_modules is None:
-        from xeonsd.trainer.families import train_family
-
-        return list(train_family(family).lora_targets)
+        return list(family_spec(family).training.lora_targets)
     return [m.strip() for m in cfg.lora_target_modules.split(",") if m.strip()]
-
-
-def _text_encoder_names(family: Family | None) -> tuple[str, ...]:
-    """The text encoders that may get adapters (--train_text_encoder): every CLIP one, never a long encoder (T5,
-    Qwen)."""
-    spec = family_spec(family)
-    return tuple(n for i, n in enumerate(spec.text_encoders) if spec.text_encoder_class(i).startswith("CLIP"))
 
 
 def _lora_config(rank: int, alpha: float, targets: list[str], fused: bool = True):
@@ -172,7 +163,7 @@ class LoRA(Method):
         """The text encoders that may get adapters, by their pipeline component name (``text_encoder``, SDXL's and
         SD3's ``text_encoder_2``; never T5)."""
         names = family_spec(self.models.family).text_encoders
-        allowed = set(_text_encoder_names(self.models.family))
+        allowed = set(family_spec(self.models.family).clip_encoders)
         return {n: e for n, (_, e) in zip(names, self.models.text_pairs, strict=False) if n in allowed}
 
     def _settings(self) -> dict:
@@ -204,7 +195,7 @@ class LoRA(Method):
                 tmp, safe_serialization=True, **self._layers(), **self._metadata()
             )
             if self.cfg.save_format == "kohya":  # the same adapter in the layout the UIs load (alpha per module)
-                family = family_spec(self.models.family).name  # SDXL's text encoders: lora_te1_, lora_te2_
+                family = family_spec(self.models.family)  # SDXL's text encoders: lora_te1_, lora_te2_
                 convert(Path(tmp) / LORA_FILE, out / LORA_FILE, "kohya", family=family)
             else:
                 os.replace(Path(tmp) / LORA_FILE, out / LORA_FILE)

@@ -1,4 +1,4 @@
-"""SD3/SD3.5's training side (the family strategy :data:`SD3`), as diffusers' ``StableDiffusion3Pipeline.encode_prompt``
+"""SD3/SD3.5's training side (the family strategy :data:`TRAINING`), as diffusers' ``StableDiffusion3Pipeline.encode_prompt``
 conditions the model and ``train_dreambooth_lora_sd3.py`` trains it:
 
 * the text: the penultimate hidden states of CLIP-L and CLIP-G side by side (768 + 1280), zero-padded to T5's
@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from xeonsd.trainer.families.transformer import FlowFamily, FlowPromptConditioning
+from xeonsd.families.flow import FlowFamily, FlowPromptConditioning
+from xeonsd.families.sd3 import SPEC
 
 
 class SD3PromptConditioning(FlowPromptConditioning):
@@ -41,7 +42,7 @@ class SD3PromptConditioning(FlowPromptConditioning):
 class SD3Family(FlowFamily):
     """SD3 and SD3.5 (MMDiT; SD3.5's dual-attention blocks and QK norm are the transformer's own)."""
 
-    name = "sd3"
+    spec = SPEC
     conditioning = SD3PromptConditioning
 
     def denoiser_kwargs(self, config, noisy, sigmas, hidden, pooled, added, flow):
@@ -53,4 +54,4 @@ class SD3Family(FlowFamily):
         }
 
 
-SD3 = SD3Family()
+TRAINING = SD3Family()

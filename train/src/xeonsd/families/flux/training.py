@@ -1,4 +1,4 @@
-"""FLUX.1's training side (the family strategy :data:`FLUX`), as diffusers' ``FluxPipeline`` runs the model and
+"""FLUX.1's training side (the family strategy :data:`TRAINING`), as diffusers' ``FluxPipeline`` runs the model and
 ``train_dreambooth_lora_flux.py`` trains it:
 
 * the text: CLIP-L's pooled output (``pooled_projections``) and T5's hidden states (``encoder_hidden_states``,
@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from xeonsd.trainer.families.transformer import FlowFamily, FlowPromptConditioning
+from xeonsd.families.flow import FlowFamily, FlowPromptConditioning, pack, unpack
+from xeonsd.families.flux import SPEC
 
 
 class FluxPromptConditioning(FlowPromptConditioning):
@@ -22,20 +23,6 @@ class FluxPromptConditioning(FlowPromptConditioning):
 
     def _combine(self, clip, t5):
         return t5, clip[0]
-
-
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """[b, c, h, w] -> [b, h/2 * w/2, 4c]: each 2x2 patch one token (FluxPipeline._pack_latents)."""
-    b, c, h, w = latents.shape
-    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """The inverse of :func:`pack` for a latent of h x w."""
-    b, _, channels = tokens.shape
-    x = tokens.view(b, h // 2, w // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, channels // 4, h, w)
 
 
 def image_ids(h: int, w: int, dtype: torch.dtype) -> torch.Tensor:
@@ -49,7 +36,7 @@ def image_ids(h: int, w: int, dtype: torch.dtype) -> torch.Tensor:
 class FluxFamily(FlowFamily):
     """FLUX.1 dev (guidance embedding) and schnell."""
 
-    name = "flux"
+    spec = SPEC
     conditioning = FluxPromptConditioning
 
     def denoiser_kwargs(self, config, noisy, sigmas, hidden, pooled, added, flow):
@@ -70,4 +57,4 @@ class FluxFamily(FlowFamily):
         return unpack(pred, shape[-2], shape[-1])
 
 
-FLUX = FluxFamily()
+TRAINING = FluxFamily()

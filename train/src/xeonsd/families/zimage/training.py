@@ -1,4 +1,4 @@
-"""Z-Image's training side (the family strategy :data:`ZIMAGE`), as diffusers' ``ZImagePipeline`` conditions the
+"""Z-Image's training side (the family strategy :data:`TRAINING`), as diffusers' ``ZImagePipeline`` conditions the
 model and ``train_dreambooth_lora_z_image.py`` (v0.39.0) trains it:
 
 * the text: each prompt in the tokenizer's chat template (one user turn, the generation prompt, thinking on),
@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from xeonsd.trainer.families.base import VAEView
-from xeonsd.trainer.families.transformer import FlowFamily, FlowPromptConditioning, held
+from xeonsd.families.flow import FlowFamily, FlowPromptConditioning, held
+from xeonsd.families.training import VAEView
+from xeonsd.families.zimage import SPEC
 
 
 class ZImagePromptConditioning(FlowPromptConditioning):
@@ -78,7 +79,7 @@ class ZImageFamily(FlowFamily):
     """Z-Image (Turbo and base): one Qwen3 text encoder, a single-stream transformer with noise and caption
     refiners, taking lists of per-sample tensors."""
 
-    name = "zimage"
+    spec = SPEC
     conditioning = ZImagePromptConditioning
     lora_targets = ("to_k", "to_q", "to_v", "to_out.0")  # train_dreambooth_lora_z_image.py's default
 
@@ -108,4 +109,4 @@ class ZImageFamily(FlowFamily):
         return [*denoiser.noise_refiner, *denoiser.context_refiner, *denoiser.layers]
 
 
-ZIMAGE = ZImageFamily()
+TRAINING = ZImageFamily()

@@ -5,7 +5,7 @@ The text encoders are frozen (a method may put LoRA adapters on the CLIP ones, n
 hidden states are computed once at start-up, each rank encoding its share of the table and one all-reduce per
 chunk of rows giving every rank all of them, kept in the training dtype; the CLIP side is cached the same way,
 or run every step when its adapters train. Once every table the run needs is built, T5 (4.7 B parameters in
-FLUX.1 and SD3.5) is freed (:func:`release_long_encoder`), unless ``--shuffle_tags`` makes captions that no table holds.
+FLUX.1 and SD3.5) is freed (:meth:`FlowFamily.release_long_encoder`), unless ``--shuffle_tags`` makes captions that no table holds.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ import logging
 import torch
 
 from xeonsd.cluster.distributed import all_reduce_sum_
-from xeonsd.modelfiles.family_specs import spec as family_spec_of
+from xeonsd.families.training import TrainFamily
 from xeonsd.trainer.conditioning import PromptConditioning
 from xeonsd.trainer.data import Example
-from xeonsd.trainer.families.base import TrainFamily
 from xeonsd.trainer.flow import flow_loss, noisy_input
 from xeonsd.trainer.models import Models, autocast
 
@@ -44,6 +43,20 @@ def _rss_gb() -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024**2
     return 0.0
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """[b, c, h, w] -> [b, h/2 * w/2, 4c]: each 2x2 patch one token (FluxPipeline._pack_latents)."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """The inverse of :func:`pack` for a latent of h x w."""
+    b, _, channels = tokens.shape
+    x = tokens.view(b, h // 2, w // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, channels // 4, h, w)
 
 
 class FlowPromptConditioning(PromptConditioning):
@@ -170,7 +183,7 @@ class FlowFamily(TrainFamily):
         """σ of a scheduler with use_dynamic_shifting follows the image's token count (FLUX.1: xeonsd.trainer.flow);
         False: the scheduler's unshifted training grid, the sigmas diffusers' Qwen-Image and FLUX.2 scripts index
         (``FamilySpec.resolution_shift``, which the models' loading reads)."""
-        return family_spec_of(self.name).resolution_shift
+        return self.spec.resolution_shift
 
     def predict(self, models, denoiser, latents, noise, t, hidden, added, channels_last=False):
         """(the velocity the transformer predicts, ε − x₀) for latents noised to σ = ``t``."""
@@ -217,20 +230,19 @@ class FlowFamily(TrainFamily):
         """The transformer's repeated blocks (the memory estimate watches each one's saved activations)."""
         return [*denoiser.transformer_blocks, *getattr(denoiser, "single_transformer_blocks", [])]
 
+    def release_long_encoder(self, models: Models, keep: bool) -> None:
+        """Free a flow family's long text encoder (T5, or the one Qwen encoder) once every prompt table is built
+        (``keep``: --shuffle_tags still needs it), logging its class and this process's resident memory before and
+        after."""
+        slot = next(s for s in ("text_encoder_3", "text_encoder_2", "text_encoder") if getattr(models, s) is not None)
+        name = type(getattr(models, slot)).__name__
+        if keep:
+            log.info("%s stays loaded: --shuffle_tags encodes each example's caption in the step", name)
+            return
+        before = _rss_gb()
+        models.free(slot)
+        log.info("%s freed: every prompt is encoded; resident memory %.2f GB -> %.2f GB", name, before, _rss_gb())
+
     def loss(self, models, pred, target, t, snr_gamma):
         assert models.flow is not None
         return flow_loss(pred, target, models.flow.weights(t))
-
-
-def release_long_encoder(models: Models, keep: bool) -> None:
-    """Free a flow family's long text encoder (T5, or the one Qwen encoder) once every prompt table is built
-    (``keep``: --shuffle_tags still needs it), logging its class and this process's resident memory before and
-    after."""
-    slot = next(s for s in ("text_encoder_3", "text_encoder_2", "text_encoder") if getattr(models, s) is not None)
-    name = type(getattr(models, slot)).__name__
-    if keep:
-        log.info("%s stays loaded: --shuffle_tags encodes each example's caption in the step", name)
-        return
-    before = _rss_gb()
-    models.free(slot)
-    log.info("%s freed: every prompt is encoded; resident memory %.2f GB -> %.2f GB", name, before, _rss_gb())

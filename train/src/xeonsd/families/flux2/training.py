@@ -1,4 +1,4 @@
-"""FLUX.2 [klein]'s training side (the family strategy :data:`FLUX2`), as diffusers' ``Flux2KleinPipeline`` runs
+"""FLUX.2 [klein]'s training side (the family strategy :data:`TRAINING`), as diffusers' ``Flux2KleinPipeline`` runs
 the model and ``train_dreambooth_lora_flux2_klein.py`` (v0.39.0) trains it:
 
 * the text: each prompt in the tokenizer's chat template (one user turn, the generation prompt, thinking off),
@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from xeonsd.trainer.families.base import VAEView
-from xeonsd.trainer.families.transformer import FlowFamily, FlowPromptConditioning, held
+from xeonsd.families.flow import FlowFamily, FlowPromptConditioning, held
+from xeonsd.families.flux2 import SPEC
+from xeonsd.families.training import VAEView
 
 HIDDEN_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers
 # train_dreambooth_lora_flux2_klein.py's default --lora_layers (None): its single-block names cover klein 9B's 24
@@ -113,7 +114,7 @@ class Flux2Family(FlowFamily):
     """FLUX.2 [klein] (4B, 9B; distilled and base): one Qwen3 text encoder, a double- and single-stream
     transformer over the patchified latents."""
 
-    name = "flux2"
+    spec = SPEC
     conditioning = Flux2PromptConditioning
     lora_targets = KLEIN_TARGETS
 
@@ -148,4 +149,4 @@ class Flux2Family(FlowFamily):
         return pred[:, : h * w].permute(0, 2, 1).reshape(b, c, h, w)
 
 
-FLUX2 = Flux2Family()
+TRAINING = Flux2Family()

@@ -20,31 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xeonsd.modelfiles.family_specs import SPECS, FamilyError, FamilySpec, spec, tokenizer_limit
+from xeonsd.families.registry import REGISTRY
+from xeonsd.families.spec import FamilyError, FamilySpec
 
-__all__ = [
-    "SPECS",
-    "Family",
-    "FamilyError",
-    "FamilySpec",
-    "detect_family",
-    "family_of",
-    "family_spec",
-    "spec",
-    "tokenizer_limit",
-    "vae_scale",
-]
-
-SUPPORTED = (
-    "SD 1.x/2.x (StableDiffusionPipeline), SDXL base (StableDiffusionXLPipeline), FLUX.1 dev/schnell (FluxPipeline), "
-    "SD3/SD3.5 (StableDiffusion3Pipeline), FLUX.2 [klein] (Flux2KleinPipeline), Z-Image (ZImagePipeline) and "
-    "Qwen-Image (QwenImagePipeline)"
-)
+SUPPORTED = ", ".join(f"{found.label} ({found.pipeline_class})" for found in REGISTRY)
 
 
 def family_spec(family: Family | None) -> FamilySpec:
     """The spec of a detected family; SD 1.x/2.x's for models that were not read from a pipeline (built by hand)."""
-    return family.spec if family is not None else SPECS["sd"]
+    return family.spec if family is not None else REGISTRY[0]
 
 
 @dataclass(frozen=True)
@@ -101,9 +85,10 @@ def components(index: dict[str, Any]) -> set[str]:
     }
 
 
-# The transformer classes we train, by family (from the specs); every other transformer pipeline is refused by its
-# class name.
-TRANSFORMER_FAMILIES = {s.denoiser_class: s.name for s in SPECS.values() if s.denoiser == "transformer"}
+# The UNet families by their UNet's ``addition_embed_type`` (SDXL's "text_time"), the transformer families by their
+# transformer's class (from the specs); every other transformer pipeline is refused by its class name.
+UNET_FAMILIES = {s.addition_embed_type: s for s in REGISTRY if s.denoiser == "unet"}
+TRANSFORMER_FAMILIES = {s.denoiser_class: s for s in REGISTRY if s.denoiser == "transformer"}
 # Transformer classes users ask about, with why they are refused.
 _NOT_SERVED = {"PixArtTransformer2DModel": "PixArt", "SanaTransformer2DModel": "Sana"}
 
@@ -132,18 +117,30 @@ def family_of(
     if unet.get("in_channels", 4) != 4:
         raise refuse(f"a UNet with {unet.get('in_channels')} input channels (inpainting or depth models)")
     missing = {"vae", "scheduler"} - have
-    text_time = unet.get("addition_embed_type") == "text_time"
-    if text_time:
-        found_spec = SPECS["sdxl"]
-    elif unet.get("addition_embed_type") is None and "text_encoder_2" not in have:
-        found_spec = SPECS["sd"]
-    else:
+    found_spec = UNET_FAMILIES.get(unet.get("addition_embed_type"))
+    extra = {c for c in have if c.startswith("text_encoder")} - set(found_spec.text_encoders if found_spec else ())
+    if found_spec is None or extra:
         raise refuse(f"a UNet with addition_embed_type {unet.get('addition_embed_type')!r}")
     missing |= set(found_spec.text_encoders) | set(found_spec.tokenizers)
     missing -= have
     if missing:
         raise refuse(f"a {found_spec.label} pipeline without {', '.join(sorted(missing))}")
+    check_pipeline(index, found_spec, refuse)
     return Family(found_spec, sample_size=int(unet.get("sample_size") or 64), vae_scale=vae_scale(vae))
+
+
+def check_pipeline(index: dict[str, Any], found: FamilySpec, refuse) -> None:
+    """The pipeline class of model_index.json against the ones ``found`` trains as: an edit model on the family's
+    denoiser (Qwen-Image-Edit, FLUX.1 Kontext) would train as text-to-image without its reference images, so it is
+    refused, naming what it is; a pipeline class no family knows is refused too. A model_index.json without a class
+    (written by hand) is taken for the family its components say."""
+    cls = index.get("_class_name")
+    if cls is None or cls in found.pipelines:
+        return
+    what = dict(found.variants).get(cls)
+    if what is not None:
+        raise refuse(f"{what}, on {found.label}'s {found.denoiser}; it is not trained here")
+    raise refuse(f"a {cls} on {found.label}'s {found.denoiser}: {found.label} trains as {', '.join(found.pipelines)}")
 
 
 def vae_scale(vae: Any) -> int:
@@ -163,11 +160,10 @@ def _transformer_family(index, transformer: dict[str, Any], vae, have: set[str],
     where one class serves several models (FLUX.2 [dev]'s Mistral against [klein]'s Qwen3); FLUX.1-dev from its
     guidance embedding."""
     cls = str(transformer.get("_class_name") or (index.get("transformer") or [None, "?"])[1])
-    name = TRANSFORMER_FAMILIES.get(cls)
-    if name is None:
+    found_spec = TRANSFORMER_FAMILIES.get(cls)
+    if found_spec is None:
         what = _NOT_SERVED.get(cls, cls)
         raise refuse(f"a transformer pipeline of {what} ({cls})")
-    found_spec = SPECS[name]
     missing = ({"vae", "scheduler"} | set(found_spec.text_encoders) | set(found_spec.tokenizers)) - have
     if missing:
         raise refuse(f"a {found_spec.label} pipeline without {', '.join(sorted(missing))}")
@@ -176,6 +172,7 @@ def _transformer_family(index, transformer: dict[str, Any], vae, have: set[str],
         # a decoder LLM as text encoder names the model (CLIP and T5 classes are shared by many)
         if not expected.startswith(("CLIP", "T5")) and declared != expected:
             raise refuse(f"a {cls} pipeline whose {name} is {declared}, not {found_spec.label}'s {expected}")
+    check_pipeline(index, found_spec, refuse)
     scale = vae_scale(vae)
     # SD3's transformer config gives its latent size (128: 1024 px); FLUX's has none, its VAE's gives the pixels
     pixels = int((vae or {}).get("sample_size") or 1024)

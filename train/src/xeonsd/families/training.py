@@ -15,6 +15,7 @@ from xeonsd.trainer.loss import denoising_loss
 from xeonsd.trainer.models import autocast
 
 if TYPE_CHECKING:
+    from xeonsd.families.spec import FamilySpec
     from xeonsd.trainer.buckets import Placement
     from xeonsd.trainer.models import Models
 
@@ -39,18 +40,21 @@ class VAEView:
 
 
 class TrainFamily:
-    """A family's training side (its files, classes and export names: :class:`xeonsd.modelfiles.families.FamilySpec`
-    of the same ``name``): how its prompts condition the model (``conditioning``: the prompt table through its
+    """A family's training side (its files, classes and export names: its ``spec``): how its prompts condition the model (``conditioning``: the prompt table through its
     text encoders, and what the denoiser call takes besides the latents), what each training image adds
     (``time_ids``), the training objective (``predict``: the noisy input, the denoiser's call and the target;
     ``loss``) and where LoRA's adapters go by default (``lora_targets``). This base is the ε/v-prediction objective
     of a UNet on a DDPM schedule (SD, SDXL); :mod:`.transformer` is rectified flow (FLUX.1, SD3). The memory
     estimate reads the text encoders from the spec."""
 
-    name: ClassVar[str]
+    spec: ClassVar[FamilySpec]  # the family's own (its folder's SPEC)
     conditioning: ClassVar[type[PromptConditioning]] = PromptConditioning
     lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
     is_flow: ClassVar[bool] = False
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
     def latent_dims(self, vae_config, vae_scale: int, height: int, width: int) -> tuple[int, int, int]:
         """(channels, height, width) of one image's latents as the trainer caches them, from the VAE's own config
@@ -75,6 +79,10 @@ class TrainFamily:
         """The micro-conditioning of an image and of its mirror ([2, n]), kept with the cached latents; None: the
         family has none."""
         return None
+
+    def release_long_encoder(self, models: Models, keep: bool) -> None:
+        """Free the long text encoder once every prompt table is built: none here (the CLIP-only families keep
+        their encoders); the flow families' T5 or Qwen encoder goes (:mod:`.flow`)."""
 
     def predict(
         self,

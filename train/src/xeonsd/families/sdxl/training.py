@@ -1,4 +1,4 @@
-"""SDXL's training side (the family strategy :data:`SDXL`). Its conditioning, as the model was trained (diffusers' ``StableDiffusionXLPipeline.encode_prompt`` and
+"""SDXL's training side (the family strategy :data:`TRAINING`). Its conditioning, as the model was trained (diffusers' ``StableDiffusionXLPipeline.encode_prompt`` and
 ``train_text_to_image_lora_sdxl.py`` follow the same conventions):
 
 * the cross-attention input is the *penultimate* hidden states of both text encoders (CLIP-L, 768 wide, and
@@ -20,9 +20,10 @@ import torch
 from PIL import Image
 
 from xeonsd.cluster.distributed import all_reduce_sum_
+from xeonsd.families.sdxl import SPEC
+from xeonsd.families.training import TrainFamily
 from xeonsd.trainer.conditioning import PromptConditioning
 from xeonsd.trainer.data import Example
-from xeonsd.trainer.families.base import TrainFamily
 from xeonsd.trainer.models import autocast
 
 if TYPE_CHECKING:
@@ -116,11 +117,11 @@ class XLPromptConditioning(PromptConditioning):
 class SDXLFamily(TrainFamily):
     """SDXL base: two text encoders (the second's pooled output too), micro-conditioning per image."""
 
-    name = "sdxl"
+    spec = SPEC
     conditioning = XLPromptConditioning
 
     def time_ids(self, image: Path, resolution: int, center_crop: bool, placement: Placement | None = None):
         return time_ids_for(image, resolution, center_crop, placement)
 
 
-SDXL = SDXLFamily()
+TRAINING = SDXLFamily()

@@ -1,15 +1,15 @@
-"""Qwen-Image's training side (the family strategy :data:`QWENIMAGE`), as diffusers' ``QwenImagePipeline`` runs the
+"""Qwen-Image's training side (the family strategy :data:`TRAINING`), as diffusers' ``QwenImagePipeline`` runs the
 model and ``train_dreambooth_lora_qwen_image.py`` (v0.39.0) trains it:
 
 * the text: each prompt in the pipeline's chat template, through Qwen2.5-VL; its last hidden states without the
   template's system prefix (the first ``drop_idx`` = 34 tokens), at most the pipeline's ``max_sequence_length``
   tokens, with their attention mask (``encoder_hidden_states_mask``, the pipeline's ``prompt_embeds_mask``). Each
   prompt is encoded alone once at start-up (as the script encodes its instance and class prompts), then Qwen is
-  freed (:func:`.transformer.release_long_encoder`). A table holds its rows padded to its longest prompt, with the masks; a
+  freed (:meth:`xeonsd.families.flow.FlowFamily.release_long_encoder`). A table holds its rows padded to its longest prompt, with the masks; a
   step's batch is padded to the longest prompt of the batch, and the mask is dropped where no row has padding (as
   the pipeline's ``encode_prompt`` and the script's ``concat_prompt_embedding_batches`` do). No pooled embedding;
 * the latents: the Wan-style 3D VAE takes [n, c, frames, h, w]: the cache encodes single frames through
-  :class:`~xeonsd.trainer.families.base.VAEView` and normalises them per channel, ``(z - latents_mean) / latents_std``;
+  :class:`~xeonsd.families.training.VAEView` and normalises them per channel, ``(z - latents_mean) / latents_std``;
 * the transformer call: the latents packed 2x2 into tokens (``_pack_latents``), ``img_shapes`` of (1, h/2, w/2),
   the timestep input σ (the pipeline's and the script's ``timestep / 1000``), no guidance input (a guidance-embedding
   config would get ``--guidance_scale``); the prediction unpacked again;
@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from xeonsd.trainer.families.base import VAEView
-from xeonsd.trainer.families.flux import pack, unpack
-from xeonsd.trainer.families.transformer import FlowFamily, FlowPromptConditioning, held
+from xeonsd.families.flow import FlowFamily, FlowPromptConditioning, held, pack, unpack
+from xeonsd.families.qwenimage import SPEC
+from xeonsd.families.training import VAEView
 from xeonsd.trainer.models import autocast
 
 # QwenImagePipeline's prompt template and the length of its system prefix (prompt_template_encode(_start_idx)),
@@ -124,7 +124,7 @@ def trimmed(hidden: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tens
 class QwenImageFamily(FlowFamily):
     """Qwen-Image (MMDiT, Qwen2.5-VL text, Wan-style 3D VAE)."""
 
-    name = "qwenimage"
+    spec = SPEC
     conditioning = QwenPromptConditioning
     lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
 
@@ -161,4 +161,4 @@ class QwenImageFamily(FlowFamily):
         return int(config.joint_attention_dim), 0
 
 
-QWENIMAGE = QwenImageFamily()
+TRAINING = QwenImageFamily()
