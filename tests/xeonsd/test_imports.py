@@ -28,12 +28,12 @@ ALLOWED: dict[str, set[str] | None] = {
     "modelfiles": {"families"},
     "cluster": {"contracts"},
     # a family's folder: its spec (standard library) and its training side, on the trainer's parts
-    "families": {"trainer", "cluster", "contracts", "jobs", "modelfiles"},
+    "families": {"trainer", "cluster", "contracts", "jobs", "modelfiles", "assets"},
     "trainer": {"cluster", "contracts", "jobs", "modelfiles", "families"},
     "openvino": {"contracts", "modelfiles", "families"},
     "ops": {"trainer", "cluster", "contracts", "jobs", "modelfiles", "families"},
     "serve": {"openvino", "contracts", "modelfiles", "families"},
-    "assets": set(),
+    "assets": {"families"},
     "bench": None,
     "cli": None,
 }

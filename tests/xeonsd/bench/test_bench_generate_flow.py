@@ -15,6 +15,7 @@ from xeonsd import cli
 from xeonsd.bench.generate import main
 from xeonsd.bench.generate_flow import PLAIN_PROMPT, transformer_call_flops
 from xeonsd.bench.generate_report import pipeline_flops
+from xeonsd.families import by_name
 
 
 def test_bench_generate_runs_tiny_flux_end_to_end_and_skips_what_the_export_refuses(tmp_path: Path, capsys) -> None:
@@ -49,10 +50,11 @@ def test_bench_generate_runs_tiny_flux_end_to_end_and_skips_what_the_export_refu
 
 def test_sd3_flops_count_two_transformer_calls_per_step_flux_one(tiny_sd3_model: Path, tiny_flux_model: Path) -> None:
     """SD3 runs classifier-free guidance (prompt and negative prompt: batch 2); FLUX.1-dev does not."""
-    for model, family, calls in ((tiny_sd3_model, "sd3", 2), (tiny_flux_model, "flux", 1)):
+    for model, name, calls in ((tiny_sd3_model, "sd3", 2), (tiny_flux_model, "flux", 1)):
+        family = by_name(name)
         one_call = transformer_call_flops(model, family, 64, 64, batch=1)
         flops = pipeline_flops(model, 64, 64, steps=3)
-        assert one_call > 0 and flops["transformer"] == pytest.approx(3 * calls * one_call), family
+        assert one_call > 0 and flops["transformer"] == pytest.approx(3 * calls * one_call), name
         bigger = transformer_call_flops(model, family, 128, 128, batch=1)
         assert bigger > one_call  # 4x the image tokens (beside the same 109 text tokens)
 

@@ -151,14 +151,15 @@ def _configs(arch: str, tiny: Path, out: Path) -> Path:
     """A pipeline directory of ``arch``'s real architecture with config files and no weights."""
     from transformers import CLIPTextConfig, T5Config
 
-    from xeonsd.assets.flow_models import FLOW_ARCHS, _flux_transformer, _sd3_transformer, _vae
+    from xeonsd.assets.flow_models import _vae
+    from xeonsd.assets.models import family_archs
 
-    a = FLOW_ARCHS[arch]
+    family, a = family_archs()[arch]
     out.mkdir()
     shutil.copy(tiny / "model_index.json", out)
     shutil.copytree(tiny / "scheduler", out / "scheduler")
     with torch.device("meta"):
-        (_flux_transformer(a) if a.family == "flux" else _sd3_transformer(a)).save_config(out / "transformer")
+        family.assets.transformer(a).save_config(out / "transformer")
         _vae(a).save_config(out / "vae")
     clips = [a.clip_l] + ([a.clip_g] if a.clip_g else [])
     for i, c in enumerate(clips):

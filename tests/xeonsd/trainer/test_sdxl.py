@@ -232,7 +232,8 @@ def sdxl_configs(tiny_xl_model, tmp_path_factory) -> Path:
     """An SDXL base pipeline directory with the real architecture's config files and no weights."""
     from transformers import CLIPTextConfig
 
-    from xeonsd.assets.models import ARCHS, _unet, _vae
+    from xeonsd.assets.models import _unet, _vae
+    from xeonsd.families.sdxl.assets import ARCHS
 
     out = tmp_path_factory.mktemp("sdxl-configs") / "sdxl"
     out.mkdir()

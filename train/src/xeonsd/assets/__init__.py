@@ -21,14 +21,16 @@ Nothing can be downloaded in tests, so these stand in for the Hub model and the 
 
 The image set can come with captions in each layout the trainer reads (see :mod:`xeonsd.trainer.captions`).
 
-Modules: :mod:`.vocab` (the CLIP-style vocabulary and tokenizer), :mod:`.models` (the pipelines, one
-:class:`~xeonsd.assets.models.Arch` per ``--arch``), :mod:`.flow_models` (the FLUX.1 and SD3 pipelines),
-:mod:`.open_models` and :mod:`.open_text` (the FLUX.2-klein, Z-Image and Qwen-Image pipelines and their Qwen text side),
+Each arch lives in its family's folder (``xeonsd/families/<name>/assets.py``: its ``ARCHS`` and ``make``), built with
+the shared parts here. Modules: :mod:`.vocab` (the CLIP-style vocabulary and tokenizer), :mod:`.models` (the
+``--arch`` lookup, the UNet pipelines' :class:`~xeonsd.assets.models.Arch` and builder), :mod:`.flow_models` (the
+FLUX.1 and SD3 builder), :mod:`.open_models` and :mod:`.open_text` (the builder of the Qwen-encoder families and
+their Qwen text side),
 :mod:`.parts` (the VAE and the CLIP encoders they share), :mod:`.datasets` (the image sets).
 """
 
 from xeonsd.assets.datasets import CAPTION_LAYOUTS, make_dataset
-from xeonsd.assets.models import ARCHS, Arch, make_tiny_model
+from xeonsd.assets.models import Arch, arch_names, make_tiny_model
 from xeonsd.assets.vocab import build_clip_vocab
 
-__all__ = ["ARCHS", "CAPTION_LAYOUTS", "Arch", "build_clip_vocab", "make_dataset", "make_tiny_model"]
+__all__ = ["CAPTION_LAYOUTS", "Arch", "arch_names", "build_clip_vocab", "make_dataset", "make_tiny_model"]

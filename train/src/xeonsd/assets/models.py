@@ -1,16 +1,20 @@
-"""The offline pipelines: one :class:`Arch` per ``make-tiny-model --arch``, built with random weights."""
+"""The offline pipelines: ``make-tiny-model --arch`` finds the arch in a family folder's ``assets`` (its ``ARCHS``
+and its ``make``) and builds it with random weights; the UNet families' :class:`Arch` and builder are here, the
+flow families' in :mod:`.flow_models` and :mod:`.open_models`."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from xeonsd.assets.parts import CLIP_G, CLIP_L, TINY_CLIP, TINY_CLIP_G, Clip, clip_model, vae_of
+from xeonsd.assets.parts import Clip, clip_model, vae_of
 from xeonsd.assets.vocab import WORDS, build_clip_vocab, clip_tokenizer
 from xeonsd.fsutil import atomic_dir
+
+if TYPE_CHECKING:
+    from xeonsd.families import FamilySpec
 
 log = logging.getLogger(__name__)
 
@@ -46,124 +50,66 @@ class Arch:
         return self.sample_size * 8
 
 
-ARCHS: dict[str, Arch] = {
-    "tiny": Arch(
-        unet_channels=(32, 64),
-        unet_layers=1,
-        unet_heads=2,
-        unet_down=("CrossAttnDownBlock2D", "DownBlock2D"),
-        unet_up=("UpBlock2D", "CrossAttnUpBlock2D"),
-        sample_size=8,
-        vae_channels=(8, 8, 16, 16),
-        vae_layers=1,
-        text=TINY_CLIP,
-        vocab_size=None,
-        norm_groups=8,
-    ),
-    "sd15": Arch(
-        unet_channels=(320, 640, 1280, 1280),
-        unet_layers=2,
-        unet_heads=8,
-        unet_down=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
-        unet_up=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-        sample_size=64,
-        vae_channels=(128, 256, 512, 512),
-        vae_layers=2,
-        text=CLIP_L,
-        vocab_size=49408,
-        norm_groups=32,
-    ),
-}
-ARCHS["sd21"] = dataclasses.replace(
-    ARCHS["sd15"],
-    unet_heads=(5, 10, 20, 20),
-    sample_size=96,
-    text=Clip(hidden=1024, layers=23, heads=16, intermediate=4096, act="gelu"),
-    prediction_type="v_prediction",
-    linear_projection=True,
-)
-ARCHS["tiny-v"] = dataclasses.replace(
-    ARCHS["tiny"],
-    unet_heads=(2, 4),
-    prediction_type="v_prediction",
-    linear_projection=True,
-    text=dataclasses.replace(TINY_CLIP, act="gelu"),
-)
-# SDXL base 1.0: UNet 2.57 B parameters (no attention at the first level, 1/2/10 transformer layers below),
-# CLIP-L and OpenCLIP-bigG text encoders (123 M + 695 M), 1024 px, its VAE's scaling factor.
-ARCHS["sdxl"] = Arch(
-    unet_channels=(320, 640, 1280),
-    unet_layers=2,
-    unet_heads=(5, 10, 20),
-    unet_down=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-    unet_up=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-    sample_size=128,
-    vae_channels=(128, 256, 512, 512),
-    vae_layers=2,
-    text=CLIP_L,
-    vocab_size=49408,
-    norm_groups=32,
-    linear_projection=True,
-    text2=CLIP_G,
-    transformer_layers=(1, 2, 10),
-    time_embed_dim=256,
-    vae_scaling=0.13025,
-)
-# The same structure at the tiny pipeline's size (64 px), for the tests.
-ARCHS["tiny-xl"] = dataclasses.replace(
-    ARCHS["tiny"],
-    unet_heads=(2, 4),
-    unet_down=("DownBlock2D", "CrossAttnDownBlock2D"),
-    unet_up=("CrossAttnUpBlock2D", "UpBlock2D"),
-    linear_projection=True,
-    text2=TINY_CLIP_G,
-    transformer_layers=(1, 2),
-    time_embed_dim=8,
-    vae_scaling=0.13025,
-)
+def family_archs() -> dict[str, tuple[FamilySpec, Any]]:
+    """Every ``make-tiny-model --arch``: its name -> (its family, its dimensions), from the ``ARCHS`` of each
+    family folder's ``assets`` module, in the registry's order."""
+    from xeonsd.families import REGISTRY
+
+    return {name: (family, a) for family in REGISTRY for name, a in family.assets.ARCHS.items()}
 
 
 def arch_names() -> list[str]:
-    """Every ``make-tiny-model --arch``: the UNet pipelines here, the FLUX.1/SD3 ones and the Qwen-encoder ones."""
-    from xeonsd.assets.flow_models import FLOW_ARCHS
-    from xeonsd.assets.open_models import OPEN_ARCHS
-
-    return [*ARCHS, *FLOW_ARCHS, *OPEN_ARCHS]
+    """Every ``make-tiny-model --arch`` (the tiny ones for the tests, the real widths for the benchmarks)."""
+    return list(family_archs())
 
 
 def arch_resolution(arch: str) -> int:
     """The default image side of an ``--arch`` model (its denoiser's sample size x the VAE's scale)."""
-    from xeonsd.assets.flow_models import FLOW_ARCHS
-    from xeonsd.assets.open_models import OPEN_ARCHS
+    return family_archs()[arch][1].sample_px
 
-    return {**ARCHS, **FLOW_ARCHS, **OPEN_ARCHS}[arch].sample_px
+
+def check_depth(arch: str, depth: int | None, model: str | None = None) -> None:
+    """Refuse a ``--depth`` that ``arch`` cannot take (its dimensions' ``cuts_depth``), or any with a ``--model`` (a
+    built model's depth is its own): ValueError naming the problem; None: the arch's own depth. The one rule
+    make-tiny-model, ``bench train`` and ``bench generate`` apply."""
+    if depth is None:
+        return
+    cut = [name for name, (_, a) in family_archs().items() if getattr(a, "cuts_depth", False)]
+    if model or arch not in cut:
+        given = f"--model {model}" if model else f"--arch {arch}"
+        raise ValueError(f"--depth applies to --arch {' or '.join(cut)} only, not to {given}")
+    if depth < 1:
+        raise ValueError(f"--depth must be at least 1, got {depth}")
+
+
+def model_name(arch: str, depth: int | None) -> str:
+    """The name of an ``--arch`` model's directory in a benchmark's cache: ``flux-depth2`` for a cut one."""
+    return arch if depth is None else f"{arch}-depth{depth}"
 
 
 def make_tiny_model(
     out: Path, arch: str = "tiny", seed: int = 0, depth: int | None = None, configs_only: bool = False
 ) -> Path:
-    """Write a random-weight pipeline directory of the given architecture to ``out``: a
-    ``StableDiffusionPipeline``, a ``StableDiffusionXLPipeline`` for the SDXL architectures, a FLUX.1 / SD3
-    pipeline for the flow-matching ones (:mod:`xeonsd.assets.flow_models`; ``depth``: FLUX's block count), or a
-    FLUX.2-klein / Z-Image / Qwen-Image one (:mod:`xeonsd.assets.open_models`; ``depth``: the denoiser's blocks;
-    ``configs_only``: their configs without weights)."""
+    """Write a random-weight pipeline directory of the given architecture to ``out``, built by the family the arch
+    belongs to (its folder's ``assets.make``): ``depth`` cuts the denoiser's blocks where the arch allows it
+    (:func:`check_depth`); ``configs_only``: the configs without weights, where the family can (the Qwen-encoder
+    ones, for the estimate of a model this machine cannot hold)."""
+    archs = family_archs()
+    if arch not in archs:
+        raise ValueError(f"unknown --arch {arch!r}; choose one of {list(archs)}")
+    check_depth(arch, depth)
+    family, a = archs[arch]
+    if configs_only and not getattr(family.assets, "CONFIGS_ONLY", False):
+        only = [name for name, (f, _) in archs.items() if getattr(f.assets, "CONFIGS_ONLY", False)]
+        raise ValueError(f"--configs-only is for {', '.join(sorted(only))}, not --arch {arch}")
+    return family.assets.make(Path(out), arch, a, seed=seed, depth=depth, configs_only=configs_only)
+
+
+def make_unet_model(out: Path, arch: str, a: Arch, seed: int = 0) -> Path:
+    """A ``StableDiffusionPipeline``, or a ``StableDiffusionXLPipeline`` where ``a`` has a second text encoder."""
     import torch
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
-    from xeonsd.assets.flow_models import FLOW_ARCHS, check_depth, make_flow_model
-    from xeonsd.assets.open_models import OPEN_ARCHS, make_open_model
-
-    if configs_only and arch not in OPEN_ARCHS:
-        raise ValueError(f"--configs-only is for {', '.join(sorted(OPEN_ARCHS))}, not --arch {arch}")
-    if arch in FLOW_ARCHS:
-        return make_flow_model(out, arch, seed=seed, depth=depth)
-    if arch in OPEN_ARCHS:
-        return make_open_model(out, arch, seed=seed, depth=depth, configs_only=configs_only)
-    if arch not in ARCHS:
-        raise ValueError(f"unknown --arch {arch!r}; choose one of {arch_names()}")
-    check_depth(arch, depth)
-    a = ARCHS[arch]
-    out = Path(out)
     torch.manual_seed(seed)
     # Built in this order from one seed: the weights depend on it.
     unet = _unet(a)

@@ -232,7 +232,7 @@ def main(argv: list[str]) -> int:
         raise SystemExit("xeonsd bench generate: error: --images, --steps, --rounds and --probes must be at least 1")
     if args.calibration_samples < 1:
         raise SystemExit("xeonsd bench generate: error: --calibration-samples must be at least 1")
-    from xeonsd.assets.flow_models import check_depth
+    from xeonsd.assets.models import check_depth
     from xeonsd.openvino.tome import check_ratio
 
     try:

@@ -117,7 +117,7 @@ def model_dir(args: argparse.Namespace, workdir: Path) -> Path:
     """``--model``, or where the random-weight ``--arch`` model is kept in WORKDIR (``--depth`` in its name)."""
     if args.model:
         return Path(args.model)
-    from xeonsd.assets.flow_models import model_name
+    from xeonsd.assets.models import model_name
 
     return workdir / f"model-{model_name(args.arch, getattr(args, 'depth', None))}"
 

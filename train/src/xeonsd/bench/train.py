@@ -257,7 +257,7 @@ def _measure(args: argparse.Namespace, model: str | Path, dtype: str, variants: 
 
 def resolve_model(args: argparse.Namespace) -> str | Path | None:
     """``--model`` once checked (None after printing why it will not do), else the ``--arch`` model, built once."""
-    from xeonsd.assets.flow_models import check_depth, model_name
+    from xeonsd.assets.models import check_depth, model_name
     from xeonsd.modelfiles.modelsource import ModelSourceError, check_model_source
 
     try:

@@ -15,6 +15,7 @@ import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -146,3 +147,9 @@ class FamilySpec:
         """The family's training side: the ``TRAINING`` strategy of ``xeonsd.families.<name>.training``, imported
         on first use (it needs torch and the trainer; the spec itself is the standard library's)."""
         return importlib.import_module(f"xeonsd.families.{self.name}.training").TRAINING
+
+    @property
+    def assets(self) -> ModuleType:
+        """The family's offline pipelines, ``xeonsd.families.<name>.assets``: its ``ARCHS`` (``make-tiny-model
+        --arch``: the tiny ones for the tests, the real widths for the benchmarks) and ``make``."""
+        return importlib.import_module(f"xeonsd.families.{self.name}.assets")
