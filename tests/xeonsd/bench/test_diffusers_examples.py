@@ -108,16 +108,18 @@ def test_step_rows_count_each_step_from_the_previous_one_s_end():
 
 
 def test_each_compared_job_has_its_script_and_the_rest_are_refused_by_name(tmp_path):
-    for (method, family), rel in dx.SCRIPTS.items():
+    from xeonsd.families import REGISTRY, by_name
+
+    compared = [(f, m, rel) for f in REGISTRY for m, rel in f.example_scripts]
+    assert len(compared) == 4  # textual inversion, LoRA and full on SD; LoRA on SDXL
+    for family, method, rel in compared:
         path = _script(tmp_path, rel)
         assert dx.script_for(tmp_path, method, family) == path
-    assert dx.SCRIPTS[("lora", "sdxl")] == "text_to_image/train_text_to_image_lora_sdxl.py"
-    with pytest.raises(
-        dx.ExamplesError, match="no diffusers example script is compared for --method lora on the flux family"
-    ):
-        dx.script_for(tmp_path, "lora", "flux")
+    assert dx.script_for(tmp_path, "lora", by_name("sdxl")).name == "train_text_to_image_lora_sdxl.py"
+    with pytest.raises(dx.ExamplesError, match="no diffusers example script is compared for --method lora on FLUX.1"):
+        dx.script_for(tmp_path, "lora", by_name("flux"))
     with pytest.raises(dx.ExamplesError, match=r"textual_inversion/textual_inversion.py not found there\. Fix: "):
-        dx.script_for(tmp_path / "elsewhere", "textual_inversion", "sd")
+        dx.script_for(tmp_path / "elsewhere", "textual_inversion", by_name("sd"))
 
 
 def test_a_missing_import_is_named_with_its_fix(monkeypatch):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from xeonsd.assets.models import arch_names, depth_archs
 from xeonsd.flags import add_flags, flag, from_args
 
 
@@ -126,24 +127,20 @@ class TinyModelArgs:
 
     out: Path = flag("output directory (must not exist or be empty)", positional=True)
     arch: str = flag(
-        "tiny: for tests; tiny-v: SD 2.x-style (v-prediction) for tests; tiny-xl: SDXL-style for tests; "
-        "tiny-flux/tiny-sd3: FLUX.1/SD3.5-style (flow matching) for tests; tiny-flux2/tiny-zimage/tiny-qwenimage: "
-        "FLUX.2-klein/Z-Image/Qwen-Image-style (Qwen text encoders) for tests; sd15/sd21/sdxl/sd35m/flux/"
-        "flux2-klein/zimage/qwenimage: full size (sd35m, flux and the last three are written in bf16)",
+        "tiny-*: a family's structure at 64 px, for tests (tiny: SD 1.x, tiny-v: SD 2.x, tiny-xl: SDXL); the others: "
+        "a family's released widths with random weights, for benchmarks (the large ones written in bf16); each "
+        "family's folder lists its own (xeonsd/families/<name>/assets.py)",
         default="tiny",
-        choices=(
-            *("tiny", "tiny-v", "tiny-xl", "tiny-flux", "tiny-sd3", "tiny-flux2", "tiny-zimage", "tiny-qwenimage"),
-            *("sd15", "sd21", "sdxl", "sd35m", "flux", "flux2-klein", "zimage", "qwenimage"),
-        ),
+        choices=tuple(arch_names()),
     )
     depth: int | None = flag(
-        "the full-size transformers only: --arch flux: D double-stream and 2D single-stream blocks (the real "
-        "model: 19); flux2-klein: D double and 4D single (real: 5); zimage: D main layers (real: 30); qwenimage: D "
-        "blocks (real: 60)",
+        "the full-size transformers only (" + ", ".join(depth_archs()) + "): D of the denoiser's blocks, the "
+        "single-stream ones in the real model's proportion (--arch flux: the real model has 19; flux2-klein: 5; "
+        "zimage: 30; qwenimage: 60)",
         default=None,
     )
     configs_only: bool = flag(
-        "flux2-klein/zimage/qwenimage and their tiny archs: write the configs and the tokenizer, no weights "
+        "the Qwen-encoder families' archs: write the configs and the tokenizer, no weights "
         "(for `xeonsd train --dry_run`'s memory estimate of a model that does not fit this machine)",
         default=False,
     )

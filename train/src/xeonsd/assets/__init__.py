@@ -29,8 +29,27 @@ their Qwen text side),
 :mod:`.parts` (the VAE and the CLIP encoders they share), :mod:`.datasets` (the image sets).
 """
 
-from xeonsd.assets.datasets import CAPTION_LAYOUTS, make_dataset
-from xeonsd.assets.models import Arch, arch_names, make_tiny_model
-from xeonsd.assets.vocab import build_clip_vocab
+from __future__ import annotations
 
-__all__ = ["CAPTION_LAYOUTS", "Arch", "arch_names", "build_clip_vocab", "make_dataset", "make_tiny_model"]
+from importlib import import_module
+from typing import Any
+
+# What the package offers, by the module that has it: imported on first use, so that the ``--arch`` choices of the
+# command line (:func:`.models.arch_names`) read the family folders' tables without loading numpy and PIL.
+_EXPORTS = {
+    "CAPTION_LAYOUTS": "datasets",
+    "make_dataset": "datasets",
+    "Arch": "models",
+    "arch_names": "models",
+    "make_tiny_model": "models",
+    "build_clip_vocab": "vocab",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"xeonsd.assets.{_EXPORTS[name]}"), name)
+
+
+__all__ = sorted(_EXPORTS)

@@ -68,13 +68,18 @@ def arch_resolution(arch: str) -> int:
     return family_archs()[arch][1].sample_px
 
 
+def depth_archs() -> list[str]:
+    """The archs whose ``--depth`` cuts the denoiser's blocks (their dimensions' ``cuts_depth``)."""
+    return [name for name, (_, a) in family_archs().items() if getattr(a, "cuts_depth", False)]
+
+
 def check_depth(arch: str, depth: int | None, model: str | None = None) -> None:
     """Refuse a ``--depth`` that ``arch`` cannot take (its dimensions' ``cuts_depth``), or any with a ``--model`` (a
     built model's depth is its own): ValueError naming the problem; None: the arch's own depth. The one rule
     make-tiny-model, ``bench train`` and ``bench generate`` apply."""
     if depth is None:
         return
-    cut = [name for name, (_, a) in family_archs().items() if getattr(a, "cuts_depth", False)]
+    cut = depth_archs()
     if model or arch not in cut:
         given = f"--model {model}" if model else f"--arch {arch}"
         raise ValueError(f"--depth applies to --arch {' or '.join(cut)} only, not to {given}")

@@ -27,18 +27,14 @@ import sys
 import time
 from itertools import pairwise
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from xeonsd.fsutil import atomic_file
 
-VARIANT = "diffusers example"
+if TYPE_CHECKING:
+    from xeonsd.families import FamilySpec
 
-# (method, family) -> the script under the checkout's examples/ folder.
-SCRIPTS = {
-    ("textual_inversion", "sd"): "textual_inversion/textual_inversion.py",
-    ("lora", "sd"): "text_to_image/train_text_to_image_lora.py",
-    ("lora", "sdxl"): "text_to_image/train_text_to_image_lora_sdxl.py",
-    ("full", "sd"): "text_to_image/train_text_to_image.py",
-}
+VARIANT = "diffusers example"
 
 # What each method's script imports beyond our stack (its examples/*/requirements.txt).
 NEEDS = {
@@ -56,13 +52,16 @@ class ExamplesError(ValueError):
     """The examples folder or this venv cannot run the reference script; the message says what to fix."""
 
 
-def script_for(examples: Path, method: str, family: str) -> Path:
-    """The example script for ``method`` on ``family`` in ``examples`` (a diffusers checkout's examples/ folder)."""
-    rel = SCRIPTS.get((method, family))
+def script_for(examples: Path, method: str, family: FamilySpec) -> Path:
+    """The example script for ``method`` on ``family`` (its spec's ``example_scripts``) in ``examples`` (a
+    diffusers checkout's examples/ folder)."""
+    rel = dict(family.example_scripts).get(method)
     if rel is None:
-        have = ", ".join(f"{m} on {f}" for m, f in SCRIPTS)
+        from xeonsd.families import REGISTRY
+
+        have = ", ".join(f"{m} on {f.label}" for f in REGISTRY for m, _ in f.example_scripts)
         raise ExamplesError(
-            f"no diffusers example script is compared for --method {method} on the {family} family (compared: {have})"
+            f"no diffusers example script is compared for --method {method} on {family.label} (compared: {have})"
         )
     script = Path(examples) / rel
     if not script.is_file():

@@ -193,7 +193,7 @@ def _checked(args: argparse.Namespace):
     args.reference_script = None
     if args.diffusers_examples is not None:
         try:
-            args.reference_script = dx.script_for(args.diffusers_examples, args.method, family.name)
+            args.reference_script = dx.script_for(args.diffusers_examples, args.method, family.spec)
             dx.check_imports(args.method)
         except dx.ExamplesError as exc:
             return _error(str(exc))

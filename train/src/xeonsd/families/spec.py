@@ -102,6 +102,9 @@ class FamilySpec:
     # reference images), each with what it is: refused before any weight loads
     pipeline_aliases: tuple[str, ...] = ()
     variants: tuple[tuple[str, str], ...] = ()
+    # diffusers' own training script for a method, under a diffusers checkout's examples/ (what `xeonsd bench train
+    # --diffusers-examples` runs beside ours): (method, path)
+    example_scripts: tuple[tuple[str, str], ...] = ()
 
     def prompt_length(self, tokenizer_limit: float | None) -> int | None:
         """T5's prompt length: the pipeline's default, or the T5 tokenizer's ``model_max_length`` where that is

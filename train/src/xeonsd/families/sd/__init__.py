@@ -17,4 +17,9 @@ SPEC = FamilySpec(
     lora_marks=((r"^lora_unet_down_blocks_0_attentions_", "it adapts attention in the UNet's first down block"),),
     text_widths=(768, 1024),
     pipeline_aliases=("StableDiffusionImg2ImgPipeline",),
+    example_scripts=(
+        ("textual_inversion", "textual_inversion/textual_inversion.py"),
+        ("lora", "text_to_image/train_text_to_image_lora.py"),
+        ("full", "text_to_image/train_text_to_image.py"),
+    ),
 )

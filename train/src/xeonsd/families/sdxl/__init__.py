@@ -23,4 +23,5 @@ SPEC = FamilySpec(
     text_widths=(2048,),
     genai_text_adapters=False,
     pipeline_aliases=("StableDiffusionXLImg2ImgPipeline",),
+    example_scripts=(("lora", "text_to_image/train_text_to_image_lora_sdxl.py"),),
 )
