@@ -108,7 +108,7 @@ def test_a_forbidden_import_is_caught(tmp_path: Path) -> None:
     assert not _allowed("xeonsd.trainer.loop", "xeonsd.openvino.export")
     assert not _allowed("xeonsd.cluster.hello", "xeonsd.trainer.config")
     assert not _allowed("xeonsd.openvino.export", "xeonsd.trainer.models")
-    assert not _allowed("xeonsd.openvino.quantize", "xeonsd.trainer.prompts")
+    assert not _allowed("xeonsd.openvino.quantize", "xeonsd.trainer.prompt_tables")
     assert _allowed("xeonsd.openvino.export", "xeonsd.families")
     assert _allowed("xeonsd.trainer.loop", "xeonsd.fsutil")
     bad = tmp_path / "m.py"
@@ -180,12 +180,10 @@ TRAINER_LAYERS: list[set[str]] = [
         "metrics",
         "tracking",
         "weights",
-        "shared_file",
         "shared_weights",
         "sharding",
         "libraries",
         "embeddings",
-        "step_end",
         "loss",
         "flow",
         "stopping",
@@ -194,7 +192,7 @@ TRAINER_LAYERS: list[set[str]] = [
         "data",
         "buckets",
         "captions",
-        "prompts",
+        "prompt_tables",
         "models",
         "pipelines",
         "conditioning",
@@ -204,8 +202,8 @@ TRAINER_LAYERS: list[set[str]] = [
         "optim",
     },
     {"step"},
-    {"inputs", "memory", "memory_flow", "memory_parts", "validation", "texts", "job"},
-    {"hooks", "summary"},
+    {"inputs", "memory", "validation", "encoded_prompts", "job"},
+    {"after_step", "summary"},
     {"loop"},
 ]
 
@@ -301,7 +299,7 @@ def test_each_trainer_layer_imports_only_its_own_and_those_below() -> None:
 def test_the_checkers_catch_a_cycle_and_an_upward_import(tmp_path: Path) -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
-    assert _layer("loop") > _layer("hooks") > _layer("step") > _layer("data") > _layer("config")
+    assert _layer("loop") > _layer("after_step") > _layer("step") > _layer("data") > _layer("config")
     lazy = tmp_path / "m.py"
     lazy.write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from xeonsd.trainer import job\n"

@@ -9,7 +9,7 @@ import sys
 import time
 
 from xeonsd.bench.memory import PssSampler, node_estimate, targets
-from xeonsd.trainer.memory_parts import MemoryEstimate
+from xeonsd.trainer.memory.measure import MemoryEstimate
 
 GB = 1e9
 

@@ -49,7 +49,7 @@ def test_the_estimate_s_loading_phase_is_the_larger_phase_s(tiny_sd3_model):
     phased = estimate(parse_config(args), "lora", 5, 1)
     whole = estimate(parse_config([*args, "--no-phased_loading"]), "lora", 5, 1)
     assert phased.loading - phased.runtime < whole.loading - whole.runtime
-    from xeonsd.trainer.memory_parts import in_phases
+    from xeonsd.trainer.memory.measure import in_phases
 
     # in phases the text encoders' phase is the larger of T5's (10 - 4 = 6 of the 10) and the CLIP ones'
     parts = ((10, 10), (2, 2), (3, 3, 1))

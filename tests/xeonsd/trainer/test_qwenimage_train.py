@@ -143,7 +143,7 @@ def test_the_transformer_gets_what_the_script_and_pipeline_compute(pipe):
     from xeonsd.families.qwenimage.training import TRAINING as QWENIMAGE
     from xeonsd.families.qwenimage.training import QwenPromptConditioning
     from xeonsd.trainer.flow import FlowSchedule
-    from xeonsd.trainer.prompts import PromptTable
+    from xeonsd.trainer.prompt_tables import PromptTable
 
     flow = FlowSchedule.from_config(pipe.scheduler.config, "none", 0.0, 1.0, 1.29)
     models = SimpleNamespace(

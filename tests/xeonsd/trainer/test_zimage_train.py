@@ -122,7 +122,7 @@ def test_text_latents_and_loss_are_the_pipeline_s_and_the_script_s(tiny_zimage_m
     train_dreambooth_lora_z_image.py's lines (its σ and timesteps from a copy of the scheduler)."""
     from xeonsd.families.zimage.training import TRAINING as ZIMAGE
     from xeonsd.trainer.flow import FlowSchedule
-    from xeonsd.trainer.prompts import PromptTable
+    from xeonsd.trainer.prompt_tables import PromptTable
 
     assert by_name("zimage").training is ZIMAGE
     pipe = stock_pipeline(tiny_zimage_model)

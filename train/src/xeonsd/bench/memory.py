@@ -161,7 +161,7 @@ def run_layout(ranks: int, mode: str, base: list[str], out: Path, env: dict[str,
 
 def node_estimate(saved: dict, ranks: int, shared: bool) -> dict[str, int]:
     """The trainer's per-node estimate (``memory_estimate.json``) for ``ranks`` ranks, by phase."""
-    from xeonsd.trainer.memory_parts import MemoryEstimate
+    from xeonsd.trainer.memory.measure import MemoryEstimate
 
     est = MemoryEstimate(**{f.name: saved.get(f.name, 0) for f in fields(MemoryEstimate)})
     loading, training = est.per_node_phases(ranks, shared)

@@ -7,5 +7,5 @@ OpenVINO GenAI pipelines), LoRA files in the layout GenAI applies (:mod:`.lora_f
 converter :mod:`xeonsd.modelfiles.lora_layout`) and what differs between SD 1.x/2.x and SDXL (:mod:`.pipelines`: the classes,
 the text encoders, an SDXL adapter's text-encoder part). It may import the top-level modules, the model families (:mod:`xeonsd.families`) and, from the
 trainer, only the prompt templates that calibrate int8
-(:mod:`xeonsd.trainer.prompts`); nothing here loads the trainer's models or loop.
+(:mod:`xeonsd.trainer.prompt_tables`); nothing here loads the trainer's models or loop.
 """

@@ -18,7 +18,7 @@ from xeonsd.cluster.distributed import all_reduce_sum_
 from xeonsd.trainer.captions import CaptionDraws
 from xeonsd.trainer.data import Example
 from xeonsd.trainer.models import Models, autocast
-from xeonsd.trainer.prompts import PromptTable
+from xeonsd.trainer.prompt_tables import PromptTable
 
 ENCODE_BATCH = 16  # prompts per text encoder call while the table is built
 

@@ -25,6 +25,7 @@ from xeonsd.trainer.buckets import BUCKET_OPTIONS, BucketBatches, Buckets
 from xeonsd.trainer.conditioning import PromptConditioning
 from xeonsd.trainer.config import TrainConfig
 from xeonsd.trainer.data import SamplingPlan
+from xeonsd.trainer.encoded_prompts import encode_prompts
 from xeonsd.trainer.inputs import FLOW_FLAGS, Inputs
 from xeonsd.trainer.latents import LatentTable
 from xeonsd.trainer.loss import parse_timestep_range
@@ -33,11 +34,10 @@ from xeonsd.trainer.methods.base import PlainText
 from xeonsd.trainer.models import Models, load_denoiser, load_models, loads_in_phases
 from xeonsd.trainer.optim import make_optimizer
 from xeonsd.trainer.prior import ClassRendererOpener, PriorData, build_prior, ensure_class_images
-from xeonsd.trainer.prompts import PromptTable
+from xeonsd.trainer.prompt_tables import PromptTable
 from xeonsd.trainer.rng import Stream, stream_seed
 from xeonsd.trainer.shared_weights import SharedStore
 from xeonsd.trainer.step import LossInputs
-from xeonsd.trainer.texts import encode_prompts
 from xeonsd.trainer.validation import ValidationSet, build_validation
 
 log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logger name

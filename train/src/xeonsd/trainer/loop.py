@@ -3,7 +3,7 @@
 One loop for every method (:mod:`xeonsd.trainer.methods`): ``validate`` (:mod:`.inputs`: everything checked before a
 model loads) → ``setup`` (:mod:`.job`: ranks, models, the method's trainable part, the latent and prompt caches,
 optimizer, resume) → ``fit`` (per step: each rank's share of the global batch, loss, backward, gradient all-reduce,
-optimizer; then the observers of :mod:`.hooks`: status, statistics, progress, metrics, checkpoint, validation) →
+optimizer; then the observers of :mod:`.after_step.observers`: status, statistics, progress, metrics, checkpoint, validation) →
 ``save`` (the method's result, metrics, loss plot). Rank 0 writes every file; every rank logs with its rank in the
 prefix and keeps its own status file on its node (``status/rank-<r>.json``, :mod:`xeonsd.contracts.job_status`:
 state, step, and the kind of error that ended it). A job told to stop (SIGTERM, SIGINT, SIGUSR1) stops at the
@@ -38,11 +38,12 @@ from xeonsd.jobs.status_file import RankStatusFile
 from xeonsd.modelfiles.modelsource import ModelSourceError
 from xeonsd.trainer import checkpoint as ckpt
 from xeonsd.trainer import sharding
+from xeonsd.trainer.after_step import StepEnd
+from xeonsd.trainer.after_step.observers import StepObservers
 from xeonsd.trainer.argv import parse_config
 from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.data import DataError
 from xeonsd.trainer.embeddings import ConceptError
-from xeonsd.trainer.hooks import StepObservers
 from xeonsd.trainer.inputs import check_memory, validate
 from xeonsd.trainer.job import ABORT_GRACE_S, Job, setup
 from xeonsd.trainer.libraries import skip_unused_packages
@@ -52,7 +53,6 @@ from xeonsd.trainer.rank_io import setup_logging, start_status
 from xeonsd.trainer.resolution import with_resolution
 from xeonsd.trainer.shared_weights import SharedWeightsError, open_for_job
 from xeonsd.trainer.step import step_loss, sync_gradients, update
-from xeonsd.trainer.step_end import StepEnd
 from xeonsd.trainer.stopping import Interrupted, StopSignals
 from xeonsd.trainer.summary import train_summary
 from xeonsd.trainer.tracking import Tracker
@@ -114,7 +114,7 @@ class Fitted:
 
 def fit(job: Job, signals: StopSignals, started: float | None = None) -> Fitted:
     """The optimizer steps from the job's start step on, each followed by the ranks' agreement on whether to stop
-    (``signals``) and the observers of :mod:`.hooks` (status file, rank statistics, progress, metrics row,
+    (``signals``) and the observers of :mod:`.after_step.observers` (status file, rank statistics, progress, metrics row,
     checkpoint, validation images). Raises Interrupted after the step the ranks agreed to stop at. ``started``:
     the trainer's start (``time.perf_counter``), for the time to the first step."""
     cluster = job.cluster

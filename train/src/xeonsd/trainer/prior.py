@@ -33,7 +33,7 @@ from xeonsd.fsutil import atomic_path
 from xeonsd.trainer.config import PRIOR_NEEDS_WEIGHTS, ConfigError, TrainConfig
 from xeonsd.trainer.data import IMAGE_SUFFIXES, Example, SamplingPlan
 from xeonsd.trainer.methods import method_class
-from xeonsd.trainer.prompts import PromptTable
+from xeonsd.trainer.prompt_tables import PromptTable
 from xeonsd.trainer.rng import CLASS_IMAGE_SEED, Stream, mix, stream_seed
 
 log = logging.getLogger("xeonsd.train")

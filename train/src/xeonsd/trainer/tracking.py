@@ -1,7 +1,7 @@
 """Training curves where ML engineers look: ``--report_to tensorboard|mlflow`` (diffusers' flag name; ``none``, the
 default, adds nothing to the stack).
 
-Rank 0 hands the tracker each row it writes to ``metrics.jsonl`` (:class:`~xeonsd.trainer.hooks.MetricsRows`) and
+Rank 0 hands the tracker each row it writes to ``metrics.jsonl`` (:class:`~xeonsd.trainer.after_step.observers.MetricsRows`) and
 the validation images it renders. :func:`scalars` names a row's values the same way for both backends:
 ``train/loss``, ``train/loss_ema`` (bias-corrected, the smoothing of the loss plot: :class:`~.metrics.RunningEMA`),
 ``train/lr``, ``train/s_per_step``, ``train/images_per_s``, ``train/allreduce_bytes``, ``val/loss`` where the run

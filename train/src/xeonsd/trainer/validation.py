@@ -42,7 +42,7 @@ from xeonsd.trainer.step import LossInputs, step_loss
 if TYPE_CHECKING:
     from xeonsd.trainer.conditioning import PromptConditioning
     from xeonsd.trainer.latents import LatentTable
-    from xeonsd.trainer.prompts import PromptTable
+    from xeonsd.trainer.prompt_tables import PromptTable
 
 TIMESTEPS = 4  # evaluated timesteps per held-out image
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from xeonsd.trainer.config import ConfigError, flag_methods
-from xeonsd.trainer.prompts import PromptTable, plain_prompts
+from xeonsd.trainer.prompt_tables import PromptTable, plain_prompts
 
 if TYPE_CHECKING:
     from xeonsd.trainer.captions import Captions

@@ -24,7 +24,7 @@ from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError
 from xeonsd.trainer.methods.base import Method, PlainText
 from xeonsd.trainer.pipelines import save_full_pipeline
-from xeonsd.trainer.prompts import check_prompt_source
+from xeonsd.trainer.prompt_tables import check_prompt_source
 
 log = logging.getLogger("xeonsd.train")
 

@@ -26,7 +26,7 @@ from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError
 from xeonsd.trainer.methods.base import Method, PlainText
 from xeonsd.trainer.pipelines import pipeline_class
-from xeonsd.trainer.prompts import check_prompt_source
+from xeonsd.trainer.prompt_tables import check_prompt_source
 
 if TYPE_CHECKING:
     from xeonsd.families import Family

@@ -22,7 +22,7 @@ from xeonsd.trainer.data import DataError
 from xeonsd.trainer.embeddings import PlaceholderEmbedding, add_concept, save_learned_embeds
 from xeonsd.trainer.methods.base import Method
 from xeonsd.trainer.pipelines import save_full_pipeline
-from xeonsd.trainer.prompts import PromptTable
+from xeonsd.trainer.prompt_tables import PromptTable
 
 if TYPE_CHECKING:
     from xeonsd.trainer.captions import Captions

@@ -8,13 +8,17 @@ holds while it passes through that block. With ``--gradient_checkpointing`` only
 the largest block's activations (and their gradients) while it is recomputed. The process's own footprint (Python, the
 libraries) is its resident size when the estimate is made. Without tcmalloc preloaded, glibc's malloc keeps about a
 quarter of the activations again (the ``allocator`` term).
+
+Where memory is estimated, in one place: this module (:func:`estimate`, the UNet families' terms and the node-wide
+check), :mod:`.flow` (the flow families' terms, from their training side's shapes) and :mod:`.measure` (the record,
+the meta-device activation counter, the allocator term and the process's own footprint).
 """
 
 from __future__ import annotations
 
 import torch
 
-from xeonsd.trainer.memory_parts import (
+from xeonsd.trainer.memory.measure import (
     ESTIMATE_FILE,
     GB,
     GLIBC_ACTIVATION_SHARE,
@@ -42,7 +46,7 @@ __all__ = [
 
 
 def _activations(unet, cfg, cross_dim: int, hidden_grad: bool, autocast: bool, pooled_dim: int = 0) -> int:
-    """What autograd keeps in one meta forward of the UNet (:func:`.memory_parts.saved_activations`, per block)."""
+    """What autograd keeps in one meta forward of the UNet (:func:`.measure.saved_activations`, per block)."""
     batch = step_batch(cfg)
     side = cfg.resolution // 8
     dtype = next(unet.parameters()).dtype
@@ -72,7 +76,7 @@ def estimate(cfg, method: str, num_images: int, num_prompts: int, world: int = 1
     family = detect_family(src, cfg.revision)
     cfg = with_resolution(cfg, family)
     if family.is_flow:
-        from xeonsd.trainer.memory_flow import flow_estimate
+        from xeonsd.trainer.memory.flow import flow_estimate
 
         return flow_estimate(cfg, method, family, num_images, num_prompts, world)
     weight_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32

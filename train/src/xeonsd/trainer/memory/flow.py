@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from xeonsd.trainer.memory_parts import (
+from xeonsd.trainer.memory.measure import (
     MemoryEstimate,
     _allocator,
     _numel,
@@ -99,7 +99,7 @@ def flow_estimate(cfg, method: str, family, num_images: int, num_prompts: int, w
 
 
 def flow_activations(denoiser, side, cfg, dims: tuple[int, int, int], text_len: int, autocast: bool) -> int:
-    """What autograd keeps in one meta forward of the transformer (:func:`.memory_parts.saved_activations`, per
+    """What autograd keeps in one meta forward of the transformer (:func:`.measure.saved_activations`, per
     block); ``side`` is the family's training side."""
     dtype = next(denoiser.parameters()).dtype
     with torch.device("meta"):

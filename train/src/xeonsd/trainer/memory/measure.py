@@ -1,4 +1,4 @@
-"""What the memory estimates stand on (:mod:`.memory` for the UNet families, :mod:`.memory_flow` for the flow ones):
+"""What the memory estimates stand on (the package for the UNet families, :mod:`.flow` for the flow ones):
 the estimate's record, the meta-device helpers that count saved activations, the allocator term and the process's
 own footprint."""
 

@@ -22,7 +22,7 @@ component is written once per node, in the training dtype and memory layout, int
   once the prompts are encoded, the VAE once the latents are cached) removes that file, so a tmpfs gives its memory
   back during the job.
 
-The file's layout: :mod:`.shared_file`.
+The file's layout: :mod:`.file`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from xeonsd.trainer.shared_file import (
+from xeonsd.trainer.shared_weights.file import (
     NAMES,
     SharedWeightsError,
     map_file,

@@ -1,14 +1,14 @@
 """What ``fit`` does around the training step, apart from the step itself: the step observers.
 
 Before a step the rank clock starts and ``--count_flops``' counters wrap the first two steps. After it the rank
-clock stops and the observers run in the order of :mod:`.step_end`: this rank's status file gets the step; every
+clock stops and the observers run in the order of :mod:`.after_step`: this rank's status file gets the step; every
 ``--stats_every`` steps the ranks' statistics are all-gathered (:mod:`xeonsd.cluster.rank_stats`); every
 ``--validation_steps`` every rank evaluates its share of the validation loss (before the metrics row, which carries
 it); rank 0 draws the progress bar (or, under a pipe, logs a progress line), appends a metrics row every
 ``--log_every`` steps, saves the method's snapshots and a checkpoint every ``--checkpointing_steps``; rank 0
 renders the validation images while the others wait at a barrier. After the step the ranks agreed to stop at
 (:mod:`.stopping`) the observers run once more within the stop's time bound, rank 0's checkpoint first
-(:data:`.step_end.AFTER_STOP`); then every rank records the stop and raises Interrupted.
+(:data:`xeonsd.trainer.after_step.AFTER_STOP`); then every rank records the stop and raises Interrupted.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from xeonsd.cluster.rank_stats import Interval, RankClock, StragglerWatch, node_
 from xeonsd.flops import allreduced_elements, count_attention
 from xeonsd.step_profile import flops_by_class, seconds_by_class
 from xeonsd.trainer import checkpoint as ckpt
+from xeonsd.trainer.after_step import StepEnd, StepEndSequence, StepObserver
 from xeonsd.trainer.job import Job
 from xeonsd.trainer.metrics import MetricsLog
 from xeonsd.trainer.pipelines import render_validation
-from xeonsd.trainer.step_end import StepEnd, StepEndSequence, StepObserver
 from xeonsd.trainer.stopping import Interrupted, StopDeadline, describe, exit_code, make_stop
 from xeonsd.trainer.tracking import Tracker, open_tracker
 from xeonsd.trainer.validation import validation_loss
@@ -67,7 +67,7 @@ class StepObservers:
             observers["checkpoint"] = Checkpoints(job)
         if cfg.validation_prompt and cfg.validation_steps:
             observers["validation_images"] = ValidationImages(job, self.tracker)
-        self.sequence = StepEndSequence(observers)  # the order: xeonsd.trainer.step_end
+        self.sequence = StepEndSequence(observers)  # the order: xeonsd.trainer.after_step
 
     @contextlib.contextmanager
     def around_step(self, step: int) -> Iterator[None]:

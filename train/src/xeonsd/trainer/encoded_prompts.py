@@ -16,7 +16,7 @@ from xeonsd.trainer.inputs import Inputs
 from xeonsd.trainer.methods import Method
 from xeonsd.trainer.models import Models
 from xeonsd.trainer.prior import class_text
-from xeonsd.trainer.prompts import PromptTable
+from xeonsd.trainer.prompt_tables import PromptTable
 from xeonsd.trainer.validation import validation_text
 
 

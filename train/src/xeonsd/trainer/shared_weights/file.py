@@ -1,4 +1,4 @@
-"""The file behind :mod:`.shared_weights`: one frozen component's tensors in their training dtype and strides,
+"""The file behind the shared weights (:mod:`xeonsd.trainer.shared_weights`): one frozen component's tensors in their training dtype and strides,
 laid out to be mapped read-only (``PROT_READ``, ``MAP_SHARED``) and viewed in place, with no copy.
 
 8 bytes of magic, a little-endian u64 header length, the JSON header (the key it was built for; each tensor's

@@ -1,4 +1,4 @@
-"""The step-end sequence (xeonsd.trainer.step_end): one explicit order, and on a stop the checkpoint first.
+"""The step-end sequence (xeonsd.trainer.after_step): one explicit order, and on a stop the checkpoint first.
 
 Before it, a stop ran the observers in the normal order: the validation loss (longer than a step) before rank 0's
 checkpoint, under the stop's deadline, so a stop could end the rank with no checkpoint at the step it stopped at."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from xeonsd.trainer.step_end import AFTER_STEP, StepEnd, StepEndSequence
+from xeonsd.trainer.after_step import AFTER_STEP, StepEnd, StepEndSequence
 
 
 class Recorder:
