@@ -6,7 +6,8 @@ or any cycle, lazy imports included):
    (:mod:`.resolution`), every random stream (:mod:`.rng`), a rank's status file and log prefix (:mod:`.rank_io`), checkpoints, metrics files, the frozen weights' loading
    and their node-wide sharing (:mod:`.shared_weights`, :mod:`.shared_file`), a full fine-tune's sharding over the
    ranks (:mod:`.sharding`),
-   the loss function (:mod:`.loss`), the stop signals (:mod:`.stopping`) and the step-end order (:mod:`.step_end`);
+   the loss function (:mod:`.loss`), the denoiser's attention (:mod:`.attention`), the stop signals
+   (:mod:`.stopping`) and the step-end order (:mod:`.step_end`);
 2. data and models: the images and the rank-independent sampling plan (:mod:`.data`, :mod:`.buckets`), captions and
    prompt tables (:mod:`.captions`, :mod:`.prompts`), the models (:mod:`.models`) and the pipelines made of them
    (:mod:`.pipelines`), each family's training side (:mod:`.families`), the text conditioning and

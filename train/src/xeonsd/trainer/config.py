@@ -20,6 +20,7 @@ from xeonsd.flags import flag
 
 TI, LORA, FULL = METHODS
 SHARED_WEIGHTS_DIR = "/dev/shm/xeonsd-weights-{uid}"  # a tmpfs on every Linux node; {uid}: the account's
+ATTENTION_KINDS = ("fold", "sdpa")  # --attention (xeonsd.trainer.attention)
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 
 
