@@ -101,7 +101,9 @@ def blocks_for(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     b, h, queries, _ = query.shape
     if key.shape[:2] != (b, h) or value.shape[:2] != (b, h):
         return 1
-    blocks = query_blocks(b, h, torch.get_num_threads(), queries)
+    # under --compile, dynamo traces the function (it warns about the cache wrapper and ignores it anyway)
+    choose = query_blocks.__wrapped__ if torch.compiler.is_compiling() else query_blocks
+    blocks = choose(b, h, torch.get_num_threads(), queries)
     if blocks > 1 and not _mask_folds(attn_mask, b, h, queries, key.shape[2]):
         return 1
     return blocks
