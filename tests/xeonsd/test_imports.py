@@ -173,6 +173,7 @@ TRAINER_LAYERS: list[set[str]] = [
     {
         "config",
         "argv",
+        "attention",
         "resolution",
         "rng",
         "rank_io",

@@ -176,7 +176,8 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHES = ("train", "generate", "layout", "serve", "optimizer", "memory")  # each is xeonsd.bench.<name>.main
+# each is xeonsd.bench.<name>.main
+BENCHES = ("train", "generate", "layout", "serve", "optimizer", "memory", "attention")
 # Commands that parse their own arguments: ``main(argv)`` of these modules.
 OWN_PARSERS = {"doctor": "xeonsd.ops.doctor", "hello": "xeonsd.cluster.hello"}
 

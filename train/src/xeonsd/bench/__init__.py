@@ -12,7 +12,9 @@ accounting and report: :mod:`.soak_report`.
 
 ``bench train`` is :mod:`.train` (its variants: :mod:`.train_variants`, run by :mod:`.train_runs`; its ``--profile``
 splits a step per class of work: :mod:`xeonsd.step_profile`; the table: :mod:`.train_report`; the targets it prints:
-:mod:`.targets`); ``bench optimizer`` (:mod:`.optimizer`) times one AdamW update, loop against fused.
+:mod:`.targets`); ``bench optimizer`` (:mod:`.optimizer`) times one AdamW update, loop against fused;
+``bench attention`` (:mod:`.attention`) one attention layer's forward and backward, torch's SDPA against the
+trainer's folded queries (``--attention fold``).
 ``bench generate`` is :mod:`.generate` (the command line and the variants in order), :mod:`.generate_pipelines` (the model, the cached exports, each pipeline loaded and timed) and
 :mod:`.generate_report` (FLOPs per image, the table and its targets). They may import every other
 part of the package; nothing imports them but the CLI.

@@ -74,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--only", nargs="*", default=None, help="variant names to run (default: the four standard ones)")
     p.add_argument(
-        "--extra", action="store_true", help="also try channels_last, the per-tensor AdamW and torch.compile"
+        "--extra",
+        action="store_true",
+        help="also try channels_last, the per-tensor AdamW, torch.compile and torch's SDPA unfolded (--attention sdpa)",
     )
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds: each variant runs once per round")
     p.add_argument("--peak-size", type=int, default=4096, help="largest matrix side of the matmul peak probes")

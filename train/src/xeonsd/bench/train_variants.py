@@ -54,4 +54,5 @@ EXTRA_VARIANTS = (
     Variant("channels_last", ("--channels_last",), "UNet in channels_last"),
     Variant("per-tensor AdamW", ("--no-fused_adamw",), "torch.optim.AdamW's default loop instead of the fused kernel"),
     Variant("torch.compile", ("--compile",), "torch.compile(UNet)"),
+    Variant("sdpa attention", ("--attention=sdpa",), "torch's SDPA, no query blocks folded into the batch"),
 )

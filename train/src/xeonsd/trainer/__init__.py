@@ -6,7 +6,8 @@ or any cycle, lazy imports included):
    (:mod:`.resolution`), every random stream (:mod:`.rng`), a rank's status file and log prefix (:mod:`.rank_io`),
    checkpoints, metrics files, the frozen weights' loading and their node-wide sharing (:mod:`.shared_weights`, its
    file format in :mod:`.shared_weights.file`), a full fine-tune's sharding over the ranks (:mod:`.sharding`), the
-   loss function (:mod:`.loss`) and the stop signals (:mod:`.stopping`);
+   loss function (:mod:`.loss`), the denoiser's attention (:mod:`.attention`) and the stop signals
+   (:mod:`.stopping`);
 2. data and models: the images and the rank-independent sampling plan (:mod:`.data`, :mod:`.buckets`), captions and
    prompt tables (:mod:`.captions`, :mod:`.prompt_tables`), the models (:mod:`.models`) and the pipelines made of them
    (:mod:`.pipelines`), the text conditioning and

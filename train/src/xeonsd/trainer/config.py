@@ -20,6 +20,7 @@ from xeonsd.flags import flag
 
 TI, LORA, FULL = METHODS
 SHARED_WEIGHTS_DIR = "/dev/shm/xeonsd-weights-{uid}"  # a tmpfs on every Linux node; {uid}: the account's
+ATTENTION_KINDS = ("fold", "sdpa")  # --attention (xeonsd.trainer.attention)
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 
 
@@ -299,6 +300,13 @@ class TrainConfig:
         "baseline: train and all-reduce the whole embedding matrix as the recipe did", methods=(TI,), default=False
     )
     channels_last: bool = _flag("UNet in channels_last memory format", default=False)
+    attention: str = _flag(
+        "the denoiser's attention: fold (torch's SDPA, with the queries split into blocks folded into the batch "
+        "where batch x heads leave threads idle in its backward; exact: trainer/attention.py) or sdpa (torch's "
+        "SDPA as it is)",
+        default="fold",
+        choices=ATTENTION_KINDS,
+    )
     compile: bool = _flag("torch.compile the UNet", default=False)
     phased_loading: bool = _flag(
         "load the denoiser last, after the prompts are encoded and the latents cached, with a long text encoder and "

@@ -41,6 +41,7 @@ from xeonsd.trainer import sharding
 from xeonsd.trainer.after_step import StepEnd
 from xeonsd.trainer.after_step.observers import StepObservers
 from xeonsd.trainer.argv import parse_config
+from xeonsd.trainer.attention import routed_attention
 from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.data import DataError
 from xeonsd.trainer.embeddings import ConceptError
@@ -163,8 +164,9 @@ def _bucket_margin_s(job: Job, step_times: list[float]) -> float:
 
 
 def train_step(job: Job, step: int, clock: RankClock, bucket_margin_s: float) -> float:
-    """One optimizer step: this rank's micro-batches sampled, forward and backward, the gradient all-reduce, the
-    update (:mod:`.step`); ``clock`` times the data and the all-reduce. Returns the loss averaged over all ranks."""
+    """One optimizer step: this rank's micro-batches sampled, forward and backward (the attention as --attention
+    says: :mod:`.attention`), the gradient all-reduce, the update (:mod:`.step`); ``clock`` times the data and the
+    all-reduce. Returns the loss averaged over all ranks."""
     cfg, training = job.run.cfg, job.training
     accumulation = cfg.gradient_accumulation_steps
     inputs = job.loss_inputs()
@@ -175,7 +177,8 @@ def train_step(job: Job, step: int, clock: RankClock, bucket_margin_s: float) ->
                 step, micro, accumulation, job.world, job.cluster.info.rank, cfg.train_batch_size
             )
         last = micro == accumulation - 1
-        with _accumulating(job, last), _sharded_collectives(job, bucket_margin_s):
+        # the backward inside routed_attention too: a checkpointed block's forward runs again there
+        with _accumulating(job, last), _sharded_collectives(job, bucket_margin_s), routed_attention(cfg.attention):
             loss = step_loss(inputs, examples, clock) / accumulation
             with _bucket_allreduce(job, last, bucket_margin_s):
                 loss.backward()
