@@ -214,9 +214,12 @@ class FlowFamily(TrainFamily):
         """(width of the text hidden states, width of the pooled embedding; 0: none) the transformer takes."""
         return int(config.joint_attention_dim), int(getattr(config, "pooled_projection_dim", None) or 0)
 
-    def meta_inputs(self, config, batch: int, dims: tuple[int, int, int], text_len: int, dtype) -> dict:
+    def meta_inputs(
+        self, config, batch: int, dims: tuple[int, int, int], text_len: int, dtype, reference: bool = False
+    ) -> dict:
         """One training call's keyword arguments on the meta device (call it under ``torch.device("meta")``), for
-        latents of ``dims`` and ``text_len`` text tokens: what the memory estimate and the FLOP count run."""
+        latents of ``dims`` and ``text_len`` text tokens (``reference``: with a reference image of the same size, edit
+        training): what the memory estimate and the FLOP count run."""
         from xeonsd.trainer.flow import FlowSchedule
 
         hidden_dim, pooled_dim = self.text_dims(config)
@@ -224,7 +227,8 @@ class FlowFamily(TrainFamily):
         hidden = torch.zeros(batch, text_len, hidden_dim, dtype=dtype)
         pooled = torch.zeros(batch, pooled_dim, dtype=dtype) if pooled_dim else None
         flow = FlowSchedule("none", 0.0, 1.0, 1.29, 1000, 1.0, False)
-        return self.denoiser_kwargs(config, noisy, torch.zeros(batch, dtype=dtype), hidden, pooled, {}, flow)
+        added = {"reference": torch.zeros_like(noisy)} if reference else {}
+        return self.denoiser_kwargs(config, noisy, torch.zeros(batch, dtype=dtype), hidden, pooled, added, flow)
 
     def blocks(self, denoiser) -> list[torch.nn.Module]:
         """The transformer's repeated blocks (the memory estimate watches each one's saved activations)."""

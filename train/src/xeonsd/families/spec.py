@@ -102,6 +102,9 @@ class FamilySpec:
     # reference images), each with what it is: refused before any weight loads
     pipeline_aliases: tuple[str, ...] = ()
     variants: tuple[tuple[str, str], ...] = ()
+    # the reference images its pipeline takes beside the prompt (``image=``), and so edit training on image pairs
+    # (--cond_image_column): 0 for a text-to-image-only model
+    reference_images: int = 0
     # diffusers' own training script for a method, under a diffusers checkout's examples/ (what `xeonsd bench train
     # --diffusers-examples` runs beside ours): (method, path)
     example_scripts: tuple[tuple[str, str], ...] = ()

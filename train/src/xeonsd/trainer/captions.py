@@ -53,6 +53,51 @@ def read_captions(data_dir: Path, images: list[Path], column: str = "text") -> C
     return None
 
 
+def read_references(data_dir: Path, images: list[Path], column: str) -> dict[Path, Path]:
+    """Each image's reference image for edit training: ``column`` of its metadata.jsonl row, a path relative to
+    ``data_dir`` (the layout of diffusers' img2img scripts' ``--cond_image_column``, as an image folder). Every image
+    needs one, that decodes, inside ``data_dir`` and not itself a training image; a DataError names what is not."""
+    from PIL import Image, UnidentifiedImageError
+
+    data_dir = Path(data_dir)
+    path = data_dir / METADATA
+    if not path.is_file():
+        raise DataError(
+            f"--cond_image_column {column}: {data_dir} has no {METADATA}; edit training reads each image's reference "
+            f'image from it (one line per image: {{"file_name": "a.png", "text": "...", "{column}": "ref/a.png"}})'
+        )
+    rows: dict[str, tuple[object, str]] = {}
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{n}: not a JSON object ({exc.msg})") from exc
+            if isinstance(row, dict) and "file_name" in row:
+                rows[Path(str(row["file_name"])).name] = (row.get(column), f"{path}:{n}")
+    names = {p.resolve() for p in images}
+    out = {}
+    for image in images:
+        value, where = rows.get(image.name, (None, str(path)))
+        if not isinstance(value, str) or not value.strip():
+            raise DataError(f"{where}: no reference image for {image.name} (the {column!r} field, a relative path)")
+        ref = (data_dir / value).resolve()
+        if not ref.is_relative_to(data_dir.resolve()):
+            raise DataError(f"{where}: the reference image {value!r} of {image.name} is outside {data_dir}")
+        if ref in names:
+            raise DataError(
+                f"{where}: the reference image {value!r} of {image.name} is a training image; keep the reference "
+                "images in a folder of their own (e.g. ref/)"
+            )
+        try:
+            with Image.open(ref) as im:
+                im.load()
+        except (OSError, UnidentifiedImageError) as exc:
+            raise DataError(f"{where}: cannot read the reference image {value!r} of {image.name}: {exc}") from exc
+        out[image] = ref
+    return out
+
+
 def _check_text(text: object, where: str) -> str:
     if not isinstance(text, str):
         raise DataError(f"{where}: the caption is not a string ({type(text).__name__})")

@@ -77,6 +77,14 @@ class TrainConfig:
         choices=("auto", "on", "off"),
     )
     caption_column: str = _flag("the caption field of metadata.jsonl", default="text")
+    cond_image_column: str | None = _flag(
+        "edit training on image pairs: the metadata.jsonl field naming each training image's reference image (a path "
+        "relative to the data dir, outside the training images), which conditions the model (FLUX.2 [klein] "
+        "img2img, as diffusers' train_dreambooth_lora_flux2_klein_img2img.py); the training image is the edited "
+        "result. Unset: text-to-image",
+        methods=(LORA, FULL),
+        default=None,
+    )
     caption_dropout: float = _flag(
         "probability that an example trains on the empty caption (the unconditional case classifier-free guidance "
         "needs; kohya's caption_dropout_rate); 0: off",

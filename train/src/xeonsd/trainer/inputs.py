@@ -12,12 +12,12 @@ from pathlib import Path
 
 from xeonsd.cluster.launch import RankInfo
 from xeonsd.contracts.method_names import METHODS
-from xeonsd.families import Family
+from xeonsd.families import REGISTRY, Family
 from xeonsd.fsutil import atomic_path
 from xeonsd.modelfiles.modelsource import check_model_source
 from xeonsd.trainer import checkpoint as ckpt
 from xeonsd.trainer.buckets import Buckets, assign
-from xeonsd.trainer.captions import Captions, read_captions, short_tag_captions
+from xeonsd.trainer.captions import Captions, read_captions, read_references, short_tag_captions
 from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.data import find_images
 from xeonsd.trainer.flow import resolve_scheme
@@ -45,6 +45,8 @@ class Inputs:
     held_out: HeldOut | None = None  # the validation loss's images
     buckets: Buckets | None = None  # --buckets: each training image's aspect-ratio bucket
     class_images: list[Path] = dataclasses.field(default_factory=list)  # prior preservation's, from set-up
+    # --cond_image_column: each training and held-out image's reference image (edit training on image pairs)
+    references: dict[Path, Path] | None = None
 
 
 def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
@@ -62,17 +64,24 @@ def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
     check_model_source(cfg.pretrained_model_name_or_path, revision=cfg.revision)
     family = model_family(cfg)  # a family we do not serve is refused here, before any weight loads
     check_family_flags(cfg, family)
+    check_reference_flags(cfg, family)
     buckets = None
     if cfg.buckets:
         resolution = cfg.resolution or default_resolution(family)
         buckets = assign(images, resolution, cfg.min_bucket_reso, cfg.max_bucket_reso, cfg.bucket_reso_steps)
+    references = None
+    if cfg.cond_image_column:
+        references = read_references(Path(cfg.train_data_dir), images, cfg.cond_image_column)
+        if held_out is not None:
+            held_dir = Path(cfg.validation_data_dir or cfg.train_data_dir)
+            references |= read_references(held_dir, held_out.images, cfg.cond_image_column)
     resume = None
     # Checkpoints live in rank 0's output dir (on the primary node); rank 0 reads and broadcasts the state.
     if cfg.resume_from_checkpoint and info.is_main:
         resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, cfg.output_path)
     if info.is_main and resume is None and not cfg.overwrite_output_dir:
         check_no_earlier_run(cfg)
-    return Inputs(images, captions, resume, family, held_out, buckets)
+    return Inputs(images, captions, resume, family, held_out, buckets, references=references)
 
 
 FLOW_FLAGS = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale")
@@ -130,6 +139,30 @@ def check_family_flags(cfg: TrainConfig, family: Family) -> None:
         raise ConfigError(
             f"--save_format kohya: {family.label} has no kohya layout; ComfyUI and Forge load its adapters in "
             f"diffusers' layout (the default), which {family.pipeline_class}.load_lora_weights loads"
+        )
+
+
+def check_reference_flags(cfg: TrainConfig, family: Family) -> None:
+    """Edit training on image pairs (``--cond_image_column``): only where the family's model takes a reference
+    image (``FamilySpec.reference_images``), and not with what has no reference to give (prior preservation's class
+    images) or no place for it yet (aspect-ratio buckets)."""
+    if not cfg.cond_image_column:
+        return
+    if not family.spec.reference_images:
+        takes = [f.label for f in REGISTRY if f.reference_images]
+        raise ConfigError(
+            f"--cond_image_column: {family.label} ({family.pipeline_class}) takes no reference image; edit training "
+            f"on image pairs is for {', '.join(takes)}"
+        )
+    if cfg.with_prior_preservation:
+        raise ConfigError(
+            "--with_prior_preservation with --cond_image_column: the class images have no reference images; "
+            "train the pairs without prior preservation"
+        )
+    if cfg.buckets:
+        raise ConfigError(
+            "--buckets with --cond_image_column: a reference image would need its training image's bucket, which "
+            "is not built yet; train the pairs at one --resolution (they are center- or randomly cropped)"
         )
 
 

@@ -315,13 +315,17 @@ def _prepare_data(
     t0 = time.perf_counter()
     texts = encode_prompts(cfg, info, models, method, inputs, prompts, seed)
     t1 = time.perf_counter()
-    latents = LatentTable.build(cfg, models, inputs.images, info.rank, info.local_rank, world, inputs.buckets)
+    latents = LatentTable.build(
+        cfg, models, inputs.images, info.rank, info.local_rank, world, inputs.buckets, inputs.references
+    )
+    if inputs.references:
+        models.sample_reference = inputs.references[inputs.images[0]]
     t2 = time.perf_counter()
     batches = BucketBatches.for_run(inputs.buckets, models.vae, world * cfg.train_batch_size, models.training)
     num_timesteps = models.noise_scheduler.config.num_train_timesteps
     timestep_range = parse_timestep_range(cfg.timestep_range, num_timesteps)
     validation = build_validation(
-        cfg, info, models, inputs.held_out, texts.held, seed, timestep_range or (0, num_timesteps)
+        cfg, info, models, inputs.held_out, texts.held, seed, timestep_range or (0, num_timesteps), inputs.references
     )
     log.info(
         "start-up: models loaded in %.1f s; prepared %d latent inputs in %.1f s and %d prompts in %.1f s (%s)",

@@ -15,6 +15,7 @@ import gc
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,6 +56,9 @@ class Models:
     # flow families, once T5 is freed: the validation prompt's embeddings for the pipeline (the family's
     # conditioning of (validation prompt, ""), with ``pipeline_kwargs()``)
     sample_conditioning: object | None = None
+    # edit training (--cond_image_column): the reference image the validation prompt's images are made from (the
+    # first training image's)
+    sample_reference: Path | None = None
     # --share_weights: the node's store, and the shared component behind each slot ("vae" -> "vae", …)
     store: SharedStore | None = None
     shared_slots: dict[str, str] = dataclasses.field(default_factory=dict)

@@ -158,16 +158,25 @@ def validation_text(cfg: TrainConfig, info, models, method, held: HeldOut | None
 
 
 def build_validation(
-    cfg: TrainConfig, info, models, held: HeldOut | None, text: tuple | None, seed: int, timestep_range: tuple[int, int]
+    cfg: TrainConfig,
+    info,
+    models,
+    held: HeldOut | None,
+    text: tuple | None,
+    seed: int,
+    timestep_range: tuple[int, int],
+    references: dict[Path, Path] | None = None,
 ) -> ValidationSet | None:
     """The validation set, on every rank (its latent table is shared out like the training one); ``text``: its
-    :func:`validation_text`."""
+    :func:`validation_text`; ``references``: the held-out images' reference images (edit training)."""
     if held is None or text is None:
         return None
     from xeonsd.trainer.latents import LatentTable
 
     prompts, text = text
-    latents = LatentTable.build(cfg, models, held.images, info.rank, info.local_rank, info.world_size)
+    latents = LatentTable.build(
+        cfg, models, held.images, info.rank, info.local_rank, info.world_size, references=references
+    )
     sigmas = None
     if models.flow is not None:  # the middles of TIMESTEPS equal bands of u, through the model's own σ schedule
         sigmas = tuple(models.flow.sigma((2 * j + 1) / (2 * TIMESTEPS), latents.shape) for j in range(TIMESTEPS))

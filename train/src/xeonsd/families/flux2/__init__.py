@@ -34,4 +34,5 @@ SPEC = FamilySpec(
         ("Flux2KleinKVPipeline", "FLUX.2 [klein] KV, which conditions on cached reference images"),
     ),
     pipeline_aliases=("Flux2KleinInpaintPipeline",),
+    reference_images=1,  # Flux2KleinPipeline(image=...): trained on pairs as train_dreambooth_lora_flux2_klein_img2img.py
 )

@@ -103,6 +103,14 @@ def latent_ids(b: int, h: int, w: int) -> torch.Tensor:
     return ids.reshape(1, h * w, 4).expand(b, -1, -1)
 
 
+def reference_ids(b: int, h: int, w: int, index: int = 0) -> torch.Tensor:
+    """Reference image ``index``'s (10 + 10 index, row, column, 0) position ids, [b, h*w, 4]: its latents sit a time
+    step apart from the generated image's (Flux2KleinPipeline._prepare_image_ids, scale 10)."""
+    ids = latent_ids(b, h, w).clone()
+    ids[..., 0] = 10 + 10 * index
+    return ids
+
+
 def text_ids(b: int, length: int) -> torch.Tensor:
     """Each text token's (0, 0, 0, l), [b, L, 4] (Flux2KleinPipeline._prepare_text_ids)."""
     ids = torch.zeros(length, 4, dtype=torch.long)
@@ -131,16 +139,25 @@ class Flux2Family(FlowFamily):
         return mean, 1.0 / std
 
     def denoiser_kwargs(self, config, noisy, sigmas, hidden, pooled, added, flow):
+        """The call's arguments; with a reference image (``added["reference"]``: its normalised, patchified latents,
+        edit training) its tokens follow the noisy ones, with their own position ids, as Flux2KleinPipeline passes
+        ``image=``; :meth:`unpack` keeps the predictions of the noisy tokens only."""
         b, _, h, w = noisy.shape
         dtype = noisy.dtype
         guidance = torch.full((b,), flow.guidance, dtype=dtype) if config.guidance_embeds else None
+        tokens, ids = pack(noisy), latent_ids(b, h, w)
+        reference = added.get("reference")
+        if reference is not None:
+            rh, rw = reference.shape[-2:]
+            tokens = torch.cat([tokens, pack(reference.to(dtype))], dim=1)
+            ids = torch.cat([ids, reference_ids(b, rh, rw)], dim=1)
         return {
-            "hidden_states": pack(noisy),
+            "hidden_states": tokens,
             "timestep": sigmas.to(dtype),
             "guidance": guidance,
             "encoder_hidden_states": hidden,
             "txt_ids": text_ids(b, hidden.shape[1]),
-            "img_ids": latent_ids(b, h, w),
+            "img_ids": ids,
         }
 
     def unpack(self, pred, shape):

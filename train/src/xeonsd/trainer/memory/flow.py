@@ -60,6 +60,8 @@ def flow_estimate(cfg, method: str, family, num_images: int, num_prompts: int, w
     latents = 2 * num_images * 2 * dims[0] * dims[1] * dims[2] * 4
     if not cfg.latent_cache:
         latents = 2 * num_images * 3 * cfg.resolution**2 * 4
+    if cfg.cond_image_column:  # each image's reference image, held the same way
+        latents *= 2
     # the tables, in the training dtype: the long encoder's hidden states, and the CLIP part (SD3: hidden states
     # of CLIP-L and CLIP-G side by side, 2048 wide, too)
     hidden_dim, pooled_dim = side.text_dims(denoiser.config)
@@ -103,5 +105,5 @@ def flow_activations(denoiser, side, cfg, dims: tuple[int, int, int], text_len: 
     block); ``side`` is the family's training side."""
     dtype = next(denoiser.parameters()).dtype
     with torch.device("meta"):
-        args = side.meta_inputs(denoiser.config, step_batch(cfg), dims, text_len, dtype)
+        args = side.meta_inputs(denoiser.config, step_batch(cfg), dims, text_len, dtype, bool(cfg.cond_image_column))
     return saved_activations(denoiser, side.blocks(denoiser), cfg, autocast, **args, return_dict=False)

@@ -1,0 +1,219 @@
+"""FLUX.2 [klein] edit training on image pairs (``--cond_image_column``, as diffusers'
+train_dreambooth_lora_flux2_klein_img2img.py): each training image is the edited result of its reference image,
+named in metadata.jsonl, on the tiny pipeline under real mpirun:
+
+* the reference's tokens follow the noisy ones with the position ids Flux2KleinPipeline gives ``image=`` (time 10),
+  from the same normalised, patchified latents, and only the noisy tokens' prediction is kept;
+* 2 ranks x batch 1 learn what 1 rank x batch 2 learns, with the held-out pairs' validation loss and a validation
+  image made from a reference; a resume of the 2-rank run's step-2 checkpoint ends where the uninterrupted run ends;
+* stock ``Flux2KleinPipeline.load_lora_weights`` loads the LoRA, the image changes, and it depends on the reference:
+  another reference with the same prompt and seed gives another image;
+* pairs are refused in one line where they cannot train: a family that takes no reference, prior preservation,
+  buckets, a reference that is missing, outside the data, or itself a training image.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from cli_runs import method_args, refused, train
+from PIL import Image
+from safetensors.torch import load_file
+from test_methods import LORA_FILE, assert_same_training
+
+PROMPT = "make the square blue"
+FLAGS = (
+    "--cond_image_column=cond_image",
+    "--rank=2",
+    "--lora_alpha=4",
+    "--learning_rate=1e-2",
+    "--checkpointing_steps=2",
+    f"--validation_prompt={PROMPT}",
+    "--num_validation_images=1",
+    "--validation_split=0.2",
+    "--validation_steps=2",
+)
+
+
+def write_pairs(root: Path, n: int = 5) -> Path:
+    """``n`` pairs: a red square on black (the reference, in ref/) and the same square blue (the training image),
+    captioned with the instruction, in metadata.jsonl."""
+    (root / "ref").mkdir(parents=True)
+    rows = []
+    for i in range(n):
+        a = np.zeros((64, 64, 3), np.uint8)
+        a[12 + 5 * i : 36 + 5 * i, 14 + 3 * i : 38 + 3 * i] = (230, 30, 30)
+        Image.fromarray(a).save(root / "ref" / f"p{i}.png")
+        a[12 + 5 * i : 36 + 5 * i, 14 + 3 * i : 38 + 3 * i] = (30, 30, 230)
+        Image.fromarray(a).save(root / f"p{i}.png")
+        rows.append({"file_name": f"p{i}.png", "text": PROMPT, "cond_image": f"ref/p{i}.png"})
+    (root / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+@pytest.fixture(scope="module")
+def tiny_flux2_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from xeonsd.assets import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("assets") / "tiny-flux2", arch="tiny-flux2")
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_flux2_model):
+    from diffusers import Flux2KleinPipeline
+
+    p = Flux2KleinPipeline.from_pretrained(tiny_flux2_model)
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_pairs(tmp_path_factory.mktemp("pairs") / "data")
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_flux2_model, pairs, tmp_path_factory):
+    """``runs(ranks, kind)``: the output dir of that run, trained once: 4 steps of FLAGS on 1 rank x batch 2 or 2
+    ranks x batch 1; ``resume``: the 2-rank run's checkpoint-2 resumed on 1 rank x batch 2."""
+    root = tmp_path_factory.mktemp("flux2-edit-runs")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    done: dict[tuple, Path] = {}
+
+    def run(ranks: int, kind: str = "short") -> Path:
+        if (ranks, kind) not in done:
+            out = root / f"{ranks}-{kind}"
+            flags = FLAGS
+            if kind == "resume":
+                out.mkdir()
+                shutil.copytree(run(2) / "checkpoint-2", out / "checkpoint-2")
+                flags += ("--resume_from_checkpoint=latest",)
+            args = method_args("lora", tiny_flux2_model, pairs, out, *flags, steps=4, batch=2 if ranks == 1 else 1)
+            (root / f"{out.name}.log").write_text(train(args, env, ranks=ranks).stderr)
+            done[(ranks, kind)] = out
+        return done[(ranks, kind)]
+
+    run.root = root  # type: ignore[attr-defined]
+    run.env = env  # type: ignore[attr-defined]
+    return run
+
+
+def lora_b(path: Path) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in load_file(str(path / LORA_FILE)).items() if "lora_B" in k}
+
+
+@torch.no_grad()
+def test_the_reference_joins_the_tokens_as_the_pipeline_passes_image(pipe):
+    """The reference's latents (our latent cache's VAE view and affine) and ids against
+    Flux2KleinPipeline.prepare_image_latents, the tokens of the call against the pipeline's concatenation, and the
+    prediction of the noisy tokens only."""
+    from xeonsd.families.flux2.training import TRAINING as FLUX2
+    from xeonsd.families.flux2.training import pack
+
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.rand(2, 3, 64, 64, generator=g) * 2 - 1
+    shift, scaling = FLUX2.latent_affine(pipe.vae)
+    ours = (FLUX2.latent_vae(pipe.vae).encode(pixels[1:]).latent_dist.mean - shift) * scaling
+    theirs, their_ids = pipe.prepare_image_latents([pixels[1:]], 1, g, "cpu", torch.float32)
+    assert torch.allclose(pack(ours), theirs, atol=1e-5)
+
+    noisy = torch.randn(1, 128, 4, 4, generator=g)
+    hidden = torch.randn(1, 8, pipe.transformer.config.joint_attention_dim, generator=g)
+    sigmas = torch.tensor([0.5])
+    kw = FLUX2.denoiser_kwargs(pipe.transformer.config, noisy, sigmas, hidden, None, {"reference": ours}, None)
+    latent_ids = pipe._prepare_latent_ids(noisy)
+    assert torch.allclose(kw["hidden_states"], torch.cat([pipe._pack_latents(noisy), theirs], dim=1), atol=1e-5)
+    assert torch.equal(kw["img_ids"], torch.cat([latent_ids, their_ids], dim=1))
+    out = pipe.transformer(**kw, return_dict=False)[0]
+    assert out.shape[1] == 2 * 16  # the noisy tokens and the reference's
+    assert torch.equal(FLUX2.unpack(out, noisy.shape), pipe._unpack_latents_with_ids(out[:, :16], latent_ids))
+    plain = dict(kw, hidden_states=kw["hidden_states"][:, :16], img_ids=latent_ids)
+    alone = pipe.transformer(**plain, return_dict=False)[0]
+    assert (alone - out[:, :16]).abs().max() > 1e-4, "the reference does not reach the prediction"
+
+
+def test_two_ranks_and_a_resume_learn_what_one_rank_with_double_batch_learns(runs):
+    one, two, resumed = runs(1), runs(2), runs(1, "resume")
+    summary = json.loads((two / "train_summary.json").read_text())
+    assert summary["family"] == "flux2" and summary["ranks"] == 2
+    zero = {k: torch.zeros_like(v) for k, v in lora_b(one).items()}
+    assert_same_training(lora_b(one), lora_b(two), zero)
+    assert "resumed from" in (runs.root / f"{resumed.name}.log").read_text()
+    assert_same_training(lora_b(one), lora_b(resumed), zero)
+    assert (one / "validation" / "final" / "00.png").is_file()  # made from the first pair's reference
+    rows = [[json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (one, two)]
+    val = [[r["val_loss"] for r in rs if "val_loss" in r] for rs in rows]  # the held-out pair, at fixed σ
+    assert len(val[0]) == 2 and val[0] == pytest.approx(val[1], rel=1e-4)
+
+
+def test_stock_diffusers_loads_the_lora_and_the_image_depends_on_the_reference(runs, pipe, pairs):
+    out = runs(1)
+    refs = [Image.open(pairs / "ref" / f"p{i}.png").convert("RGB") for i in (0, 4)]
+    kw = {"prompt": PROMPT, "num_inference_steps": 4, "height": 64, "width": 64, "output_type": "np"}
+
+    def image(ref: Image.Image) -> np.ndarray:
+        return pipe(image=ref, generator=torch.Generator().manual_seed(0), **kw).images[0]
+
+    before = image(refs[0])
+    pipe.load_lora_weights(str(out), weight_name=LORA_FILE, adapter_name="edit")
+    try:
+        after, other = image(refs[0]), image(refs[1])
+    finally:
+        pipe.delete_adapters("edit")
+    assert np.abs(after - before).max() > 1e-3, "the LoRA does not change the image"
+    assert np.abs(after - other).max() > 1e-3, "another reference gives the same image"
+
+
+def test_pairs_are_refused_where_they_cannot_train(tmp_path, tiny_model, tiny_flux2_model, pairs):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+
+    def refusal(model: Path, data: Path, *extra: str) -> str:
+        args = method_args("lora", model, data, tmp_path / "out", "--cond_image_column=cond_image", *extra)
+        return refused(args, env)
+
+    err = refusal(tiny_model, pairs)
+    assert "--cond_image_column: SD 1.x/2.x (StableDiffusionPipeline) takes no reference image" in err
+    assert "FLUX.2 [klein]" in err
+    assert "class images have no reference images" in refusal(
+        tiny_flux2_model,
+        pairs,
+        "--with_prior_preservation",
+        "--class_prompt=a square",
+        "--num_class_images=1",
+        f"--class_data_dir={tmp_path / 'class'}",
+    )
+    assert "--buckets with --cond_image_column" in refusal(tiny_flux2_model, pairs, "--buckets")
+
+
+def test_a_bad_reference_is_named_with_its_metadata_line(tmp_path, pairs):
+    from xeonsd.trainer.captions import read_references
+    from xeonsd.trainer.data import DataError, find_images
+
+    images = find_images(pairs)
+    found = read_references(pairs, images, "cond_image")
+    assert [p.name for p in found] == [p.name for p in images] and {p.parent.name for p in found.values()} == {"ref"}
+    for name, edit, expected in (
+        ("missing", lambda r: r.pop("cond_image"), "no reference image for p0.png"),
+        ("outside", lambda r: r.update(cond_image="../elsewhere.png"), "is outside"),
+        ("training", lambda r: r.update(cond_image="p1.png"), "is a training image"),
+        ("absent", lambda r: r.update(cond_image="ref/none.png"), "cannot read the reference image"),
+    ):
+        data = tmp_path / name
+        shutil.copytree(pairs, data)
+        rows = [json.loads(x) for x in (data / "metadata.jsonl").read_text().splitlines()]
+        edit(rows[0])
+        (data / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        with pytest.raises(DataError) as err:
+            read_references(data, find_images(data), "cond_image")
+        assert expected in str(err.value) and "metadata.jsonl:1" in str(err.value), err.value
+    (tmp_path / "missing" / "metadata.jsonl").unlink()
+    with pytest.raises(DataError, match="has no metadata.jsonl; edit training reads"):
+        read_references(tmp_path / "missing", find_images(tmp_path / "missing"), "cond_image")
