@@ -88,7 +88,10 @@ def components(index: dict[str, Any]) -> set[str]:
 # The UNet families by their UNet's ``addition_embed_type`` (SDXL's "text_time"), the transformer families by their
 # transformer's class (from the specs); every other transformer pipeline is refused by its class name.
 UNET_FAMILIES = {s.addition_embed_type: s for s in REGISTRY if s.denoiser == "unet"}
-TRANSFORMER_FAMILIES = {s.denoiser_class: s for s in REGISTRY if s.denoiser == "transformer"}
+TRANSFORMER_FAMILIES: dict[str, list[FamilySpec]] = {}
+for _found in REGISTRY:
+    if _found.denoiser == "transformer":
+        TRANSFORMER_FAMILIES.setdefault(_found.denoiser_class, []).append(_found)
 # Transformer classes users ask about, with why they are refused.
 _NOT_SERVED = {"PixArtTransformer2DModel": "PixArt", "SanaTransformer2DModel": "Sana"}
 
@@ -137,7 +140,15 @@ def check_pipeline(index: dict[str, Any], found: FamilySpec, refuse) -> None:
     cls = index.get("_class_name")
     if cls is None or cls in found.pipelines:
         return
-    what = dict(found.variants).get(cls)
+    # the variants of every family on this denoiser (FLUX.1 Kontext's inpainting, on FLUX.1's transformer)
+    what = next(
+        (
+            dict(f.variants)[cls]
+            for f in REGISTRY
+            if f.denoiser_class == found.denoiser_class and cls in dict(f.variants)
+        ),
+        None,
+    )
     if what is not None:
         raise refuse(f"{what}, on {found.label}'s {found.denoiser}; it is not trained here")
     raise refuse(f"a {cls} on {found.label}'s {found.denoiser}: {found.label} trains as {', '.join(found.pipelines)}")
@@ -156,14 +167,16 @@ def vae_scale(vae: Any) -> int:
 
 
 def _transformer_family(index, transformer: dict[str, Any], vae, have: set[str], refuse) -> Family:
-    """The transformer family from the transformer's class, checked against the text encoder the pipeline declares
-    where one class serves several models (FLUX.2 [dev]'s Mistral against [klein]'s Qwen3); FLUX.1-dev from its
-    guidance embedding."""
+    """The transformer family from the transformer's class, and the pipeline's class where several families share
+    it (FLUX.1 and FLUX.1 Kontext); checked against the text encoder the pipeline declares where one class serves
+    several models (FLUX.2 [dev]'s Mistral against [klein]'s Qwen3); FLUX.1-dev from its guidance embedding."""
     cls = str(transformer.get("_class_name") or (index.get("transformer") or [None, "?"])[1])
-    found_spec = TRANSFORMER_FAMILIES.get(cls)
-    if found_spec is None:
+    candidates = TRANSFORMER_FAMILIES.get(cls)
+    if candidates is None:
         what = _NOT_SERVED.get(cls, cls)
         raise refuse(f"a transformer pipeline of {what} ({cls})")
+    # families on one transformer class (FLUX.1 and FLUX.1 Kontext) are told apart by the pipeline's class
+    found_spec = next((c for c in candidates if index.get("_class_name") in c.pipelines), candidates[0])
     missing = ({"vae", "scheduler"} | set(found_spec.text_encoders) | set(found_spec.tokenizers)) - have
     if missing:
         raise refuse(f"a {found_spec.label} pipeline without {', '.join(sorted(missing))}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from xeonsd.families import flux, flux2, qwenimage, sd, sd3, sdxl, zimage
+from xeonsd.families import flux, flux2, flux_kontext, qwenimage, sd, sd3, sdxl, zimage
 from xeonsd.families.spec import FamilyError, FamilySpec
 
 REGISTRY: tuple[FamilySpec, ...] = (
@@ -18,6 +18,7 @@ REGISTRY: tuple[FamilySpec, ...] = (
     flux2.SPEC,
     zimage.SPEC,
     qwenimage.SPEC,
+    flux_kontext.SPEC,
 )
 SPECS: dict[str, FamilySpec] = {found.name: found for found in REGISTRY}
 

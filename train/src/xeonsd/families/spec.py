@@ -47,7 +47,7 @@ class FamilySpec:
     name: str
     label: str
     pipeline_class: str  # diffusers
-    ov_pipeline_class: str  # optimum.intel
+    ov_pipeline_class: str  # optimum.intel's; empty: optimum-intel exports no such pipeline
     text_encoders: tuple[str, ...]
     tokenizers: tuple[str, ...]
     pooled: bool = False
@@ -80,6 +80,9 @@ class FamilySpec:
     # over its kohya module names with the evidence they give, and the widths of its cross-attention's text input
     lora_marks: tuple[tuple[str, str], ...] = ()
     text_widths: tuple[int, ...] = ()
+    # its adapters are those of the other family on its denoiser class, and it takes theirs (FLUX.1 Kontext: FLUX.1's
+    # transformer; its files cannot be told apart)
+    shared_adapters: bool = False
     # OpenVINO GenAI 2026.4.1 applies this family's adapters at generation time (SD3: it has none), and their
     # text-encoder part per request (SDXL: not; the generate CLI fuses that part into a copy of the encoders)
     genai_adapters: bool = True

@@ -254,16 +254,25 @@ def lora_family(modules: dict[str, LoraModule]) -> tuple[FamilySpec, str] | None
     return None
 
 
+def shares_adapters(a: FamilySpec, b: FamilySpec) -> bool:
+    """Whether adapters of ``a`` apply to ``b``: one denoiser class, and one of them says its adapters are that
+    denoiser's (``FamilySpec.shared_adapters``: FLUX.1 Kontext's are FLUX.1's; SD and SDXL share a UNet class, not
+    adapters)."""
+    return a.denoiser_class == b.denoiser_class and (a.shared_adapters or b.shared_adapters)
+
+
 def check_family(path: Path, modules: dict[str, LoraModule], family: FamilySpec, model: str) -> None:
     """Refuse an adapter made for another family (SD 1.x/2.x, SDXL, FLUX.1, SD3), naming both; an adapter of a
-    UNet given to a transformer model (or the reverse) is refused even where its exact family does not show."""
+    UNet given to a transformer model (or the reverse) is refused even where its exact family does not show.
+    A family built on another's denoiser (FLUX.1 Kontext on FLUX.1's transformer) takes its adapters
+    (:func:`shares_adapters`)."""
     found = lora_family(modules)
     other = "transformer" if family.denoiser == "unet" else "unet"
     if found is None and any(n.startswith(PREFIXES[other]) for n in modules):
         of_kind = " or ".join(s.label for s in REGISTRY if s.denoiser == other)
         label = f"a {'UNet' if other == 'unet' else 'transformer'} model ({of_kind})"
         evidence = f"it adapts the {other}"
-    elif found is not None and found[0] is not family:
+    elif found is not None and found[0] is not family and not shares_adapters(found[0], family):
         label, evidence = found[0].label, found[1]
     else:
         return

@@ -104,6 +104,11 @@ def check_inputs(src: str, out: Path, opts: ExportOptions) -> tuple[Path | None,
     check_export_options(opts)
     local = check_source(src)
     family = detect_family(str(local) if local is not None else src)
+    if not family.spec.ov_pipeline_class:
+        raise ExportError(
+            f"source {src} is {family.label} ({family.pipeline_class}), which optimum-intel has no OpenVINO export "
+            "for; generate with its diffusers pipeline"
+        )
     if opts.embeds is not None and not Path(opts.embeds).is_file():
         raise ExportError(f"embeddings file {opts.embeds} does not exist")
     if opts.quantize is not None and family.is_flow:

@@ -109,16 +109,21 @@ def render_validation(cfg: TrainConfig, models: Models, target: Path | None, see
     place = atomic_dir(target, overwrite=True) if target is not None else tempfile.TemporaryDirectory()
     with place as tmp, torch.no_grad(), autocast(models.weight_dtype):
         tmp = Path(tmp)
-        reference = {}
+        extra = {}
+        takes = inspect.signature(pipe.__call__).parameters
+        if "max_area" in takes:  # FLUX.1 Kontext scales to ~1 MP by default: keep --resolution's pixels
+            extra["max_area"] = cfg.resolution * cfg.resolution
+        if "_auto_resize" in takes:  # and the reference at the size it trained at (its --resolution crop)
+            extra["_auto_resize"] = False
         if models.sample_reference is not None:  # edit training: the images are edits of a reference image
             from PIL import Image
 
             with Image.open(models.sample_reference) as im:
-                reference = {"image": im.convert("RGB")}
+                extra["image"] = im.convert("RGB")
         for i in range(cfg.num_validation_images):
             image = pipe(
                 **pipeline_call_kwargs(models, cfg.validation_prompt),
-                **reference,
+                **extra,
                 num_inference_steps=25,
                 generator=generator,
                 height=cfg.resolution,

@@ -30,8 +30,6 @@ SPEC = FamilySpec(
     negative_prompt_cfg=False,
     pipeline_aliases=("FluxImg2ImgPipeline", "FluxInpaintPipeline"),
     variants=(
-        ("FluxKontextPipeline", "FLUX.1 Kontext, an edit model that takes a reference image"),
-        ("FluxKontextInpaintPipeline", "FLUX.1 Kontext's inpainting, an edit model that takes a reference image"),
         ("FluxFillPipeline", "FLUX.1 Fill, an inpainting model whose input carries the image and the mask"),
         ("FluxControlPipeline", "FLUX.1 Canny/Depth, whose input carries a control image"),
         ("FluxControlImg2ImgPipeline", "FLUX.1 Canny/Depth, whose input carries a control image"),

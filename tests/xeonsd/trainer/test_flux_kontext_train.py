@@ -1,0 +1,168 @@
+"""FLUX.1 Kontext (``families/flux_kontext/``) on its tiny pipeline (``make-tiny-model --arch tiny-flux-kontext``:
+FLUX.1's tiny structure in a ``FluxKontextPipeline``), trained on image pairs under real mpirun:
+
+* it is told from FLUX.1 by the pipeline's class (one transformer class, two families);
+* the reference's tokens and position ids are what FluxKontextPipeline passes for ``image=`` (first coordinate 1),
+  and the prediction keeps the noisy tokens only;
+* 2 ranks x batch 1 learn what 1 rank x batch 2 learns, with the held-out pairs' validation loss and a validation
+  image at --resolution; a resume of the 2-rank run's step-2 checkpoint ends where the uninterrupted run ends;
+* stock ``FluxKontextPipeline.load_lora_weights`` loads the LoRA, the image changes and depends on the reference;
+* ``xeonsd export`` says in one line that optimum-intel has no export for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from cli_runs import method_args, run_cli, train
+from PIL import Image
+from safetensors.torch import load_file
+from test_flux2_edit_train import PROMPT, write_pairs
+from test_methods import LORA_FILE, assert_same_training
+
+FLAGS = (
+    "--cond_image_column=cond_image",
+    "--rank=2",
+    "--lora_alpha=4",
+    "--learning_rate=1e-2",
+    "--checkpointing_steps=2",
+    "--validation_split=0.2",
+    "--validation_steps=2",
+    f"--validation_prompt={PROMPT}",
+    "--num_validation_images=1",
+)
+
+
+@pytest.fixture(scope="module")
+def kontext_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from xeonsd.assets import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("assets") / "tiny-flux-kontext", arch="tiny-flux-kontext")
+
+
+@pytest.fixture(scope="module")
+def pipe(kontext_model):
+    from diffusers import FluxKontextPipeline
+
+    p = FluxKontextPipeline.from_pretrained(kontext_model)
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_pairs(tmp_path_factory.mktemp("kontext-pairs") / "data")
+
+
+@pytest.fixture(scope="module")
+def runs(kontext_model, pairs, tmp_path_factory):
+    """``runs(ranks, kind)``: 4 steps of FLAGS on 1 rank x batch 2 or 2 ranks x batch 1, trained once;
+    ``resume``: the 2-rank run's checkpoint-2 resumed on 1 rank x batch 2."""
+    root = tmp_path_factory.mktemp("kontext-runs")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    done: dict[tuple, Path] = {}
+
+    def run(ranks: int, kind: str = "short") -> Path:
+        if (ranks, kind) not in done:
+            out = root / f"{ranks}-{kind}"
+            flags = FLAGS
+            if kind == "resume":
+                out.mkdir()
+                shutil.copytree(run(2) / "checkpoint-2", out / "checkpoint-2")
+                flags += ("--resume_from_checkpoint=latest",)
+            args = method_args("lora", kontext_model, pairs, out, *flags, steps=4, batch=2 if ranks == 1 else 1)
+            (root / f"{out.name}.log").write_text(train(args, env, ranks=ranks).stderr)
+            done[(ranks, kind)] = out
+        return done[(ranks, kind)]
+
+    run.root = root  # type: ignore[attr-defined]
+    run.env = env  # type: ignore[attr-defined]
+    return run
+
+
+def lora_b(path: Path) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in load_file(str(path / LORA_FILE)).items() if "lora_B" in k}
+
+
+def test_kontext_is_told_from_flux1_by_its_pipeline(kontext_model, tiny_flux_model):
+    from xeonsd.families import by_name, detect_family
+
+    kontext, flux = detect_family(kontext_model), detect_family(tiny_flux_model)
+    assert kontext.spec is by_name("flux_kontext") and flux.spec is by_name("flux")
+    assert kontext.spec.denoiser_class == flux.spec.denoiser_class == "FluxTransformer2DModel"
+    assert kontext.guidance_embeds and kontext.default_resolution == 64
+
+
+@torch.no_grad()
+def test_the_reference_joins_the_tokens_as_the_pipeline_passes_image(pipe):
+    from xeonsd.families.flow import pack
+    from xeonsd.families.flux_kontext.training import TRAINING as KONTEXT
+
+    g = torch.Generator().manual_seed(0)
+    reference = torch.randn(1, 16, 8, 8, generator=g)
+    noisy = torch.randn(1, 16, 8, 8, generator=g)
+    latents, image_latents, latent_ids, image_ids = pipe.prepare_latents(
+        reference, 1, 16, 64, 64, torch.float32, "cpu", g
+    )
+    assert torch.equal(pack(reference), image_latents)
+    hidden = torch.randn(1, 8, pipe.transformer.config.joint_attention_dim, generator=g)
+    pooled = torch.randn(1, pipe.transformer.config.pooled_projection_dim, generator=g)
+    flow = type("Flow", (), {"guidance": 3.5})()
+    kw = KONTEXT.denoiser_kwargs(
+        pipe.transformer.config, noisy, torch.tensor([0.5]), hidden, pooled, {"reference": reference}, flow
+    )
+    assert torch.equal(kw["hidden_states"], torch.cat([pack(noisy), image_latents], dim=1))
+    assert torch.equal(kw["img_ids"], torch.cat([latent_ids, image_ids], dim=0))
+    out = pipe.transformer(**kw, return_dict=False)[0]
+    assert out.shape[1] == 32  # the noisy tokens and the reference's
+    assert torch.equal(KONTEXT.unpack(out, noisy.shape), pipe._unpack_latents(out[:, :16], 64, 64, 8))
+
+
+def test_two_ranks_and_a_resume_learn_what_one_rank_with_double_batch_learns(runs):
+    one, two, resumed = runs(1), runs(2), runs(1, "resume")
+    summary = json.loads((two / "train_summary.json").read_text())
+    assert summary["family"] == "flux_kontext" and summary["ranks"] == 2
+    zero = {k: torch.zeros_like(v) for k, v in lora_b(one).items()}
+    assert_same_training(lora_b(one), lora_b(two), zero)
+    assert "resumed from" in (runs.root / f"{resumed.name}.log").read_text()
+    assert_same_training(lora_b(one), lora_b(resumed), zero)
+    with Image.open(one / "validation" / "final" / "00.png") as im:  # an edit of the first pair's reference
+        assert im.size == (64, 64)  # at --resolution, not Kontext's default of 1 MP
+    rows = [[json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (one, two)]
+    val = [[r["val_loss"] for r in rs if "val_loss" in r] for rs in rows]
+    assert len(val[0]) == 2 and val[0] == pytest.approx(val[1], rel=1e-4)
+
+
+def test_stock_diffusers_loads_the_lora_and_the_image_depends_on_the_reference(runs, pipe, pairs):
+    out = runs(1)
+    refs = [Image.open(pairs / "ref" / f"p{i}.png").convert("RGB") for i in (0, 4)]
+    kw = {"prompt": PROMPT, "num_inference_steps": 4, "height": 64, "width": 64, "output_type": "np"}
+
+    def image(ref: Image.Image) -> np.ndarray:
+        # Kontext's pipeline scales the image and the reference to ~1 MP by default; the tiny model works at 64 px
+        pixels = {"max_area": 64 * 64, "_auto_resize": False}
+        return pipe(image=ref, generator=torch.Generator().manual_seed(0), **pixels, **kw).images[0]
+
+    before = image(refs[0])
+    pipe.load_lora_weights(str(out), weight_name=LORA_FILE, adapter_name="edit")
+    try:
+        after, other = image(refs[0]), image(refs[1])
+    finally:
+        pipe.delete_adapters("edit")
+    assert np.abs(after - before).max() > 1e-3, "the LoRA does not change the image"
+    assert np.abs(after - other).max() > 1e-3, "another reference gives the same image"
+
+
+def test_export_says_optimum_intel_has_none(kontext_model, tmp_path):
+    proc = run_cli(["export", str(kontext_model), str(tmp_path / "ov")], dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "FLUX.1 Kontext (FluxKontextPipeline), which optimum-intel has no OpenVINO export for" in proc.stderr
+    assert not (tmp_path / "ov").exists()
