@@ -73,6 +73,24 @@ def test_the_plan_asks_the_run_s_family_whether_its_lora_is_an_adapter_or_fused(
         serve.serve_plan_of([_slurped("/r/x", {**lora, "family": "wan"})], [], "/r/x/openvino")
 
 
+def test_a_textual_inversion_run_is_planned_with_its_embeddings_as_a_file_every_node_needs() -> None:
+    """What the serve role hands on for an SDXL textual inversion run: the base model's export, the run's concept as
+    --embeds (and its token), the embeddings among the files pushed to each node, the run's name for the base."""
+    ti = {
+        "method": "textual_inversion",
+        "base_model": "/m/b",
+        "base_model_fingerprint": "f",
+        "result": {"path": "learned_embeds.safetensors"},
+        "placeholder_tokens": ["<c>"],
+        "family": "sdxl",
+    }
+    plan = serve.serve_plan_of([_slurped("/r/t", ti)], [], "/h/openvino-base/f")
+    assert (plan["name"], plan["files"]) == ("t", ["/r/t/learned_embeds.safetensors"])
+    argv = serve.serve_argv(plan, {"port": 8000})
+    assert argv == ["serve", "/h/openvino-base/f", "--embeds", "/r/t/learned_embeds.safetensors", "--token", "<c>",
+                    "--name", "t", "--port", "8000"]  # fmt: skip
+
+
 def test_serve_blends_become_blend_flags_and_a_blend_of_an_unserved_adapter_says_what_to_fix() -> None:
     """serve_blends: each a --blend in its normal form (parts by name), checked by xeonsd serve's own parser against
     the served adapters (serve_run's LoRA k at serve_lora_alpha 0.8, serve_adapters' s at 1) on the controller."""

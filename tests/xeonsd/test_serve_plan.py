@@ -1,5 +1,6 @@
-"""What serve.yml serves (xeonsd.contracts.serve_plan): the run it deploys, the adapters it registers by name, the
-runs it refuses with the variable to fix, and the xeonsd serve command line that carries them."""
+"""What serve.yml serves (xeonsd.contracts.serve_plan): the run it deploys (LoRA, full, textual inversion), the
+adapters it registers by name, the runs it refuses with the variable to fix, and the xeonsd serve command line that
+carries them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ LORA = {
     "base_model": "base",
     "base_model_fingerprint": "fp1",
     "result": {"path": "pytorch_lora_weights.safetensors"},
+}
+TI = {
+    "method": "textual_inversion",
+    "base_model": "base",
+    "base_model_fingerprint": "fp1",
+    "result": {"path": "learned_embeds.safetensors"},
+    "placeholder_tokens": ["<dicoo>"],
 }
 FULL = {"method": "full", "base_model": "base", "base_model_fingerprint": "fp1", "result": {"path": "model_index.json"}}
 
@@ -87,10 +95,38 @@ def test_a_fused_lora_run_serves_its_own_export_alone_and_refuses_other_adapters
         plan({"dir": "/r/zl", "summary": LORA}, "/r/zl/openvino", other, fused_family="Z-Image")
 
 
+def test_a_textual_inversion_run_serves_the_base_export_with_its_concept_under_the_run_s_name() -> None:
+    """The base model's export (the run's openvino link) with the run's embeddings and token on the command line,
+    the embeddings among the files every node needs, the run's name for the base holding the concept, and LoRA runs
+    of the same base registered beside it."""
+    served = {"dir": "/r/ti/", "summary": TI}
+    p = plan(served, "/h/openvino-base/fp1-5x1-64x64-fp32")
+    assert (p["export"], p["name"], p["method"]) == ("/h/openvino-base/fp1-5x1-64x64-fp32", "ti", "textual_inversion")
+    assert (p["embeds"], p["token"], p["adapters"]) == ("/r/ti/learned_embeds.safetensors", "<dicoo>", [])
+    assert p["files"] == ["/r/ti/learned_embeds.safetensors"]
+    assert serve_argv(p, {"port": 8000}) == [
+        "serve", "/h/openvino-base/fp1-5x1-64x64-fp32",
+        "--embeds", "/r/ti/learned_embeds.safetensors", "--token", "<dicoo>",
+        "--name", "ti", "--port", "8000",
+    ]  # fmt: skip
+    # a summary without placeholder_tokens (the file names its token): no --token
+    unnamed = plan({"dir": "/r/ti", "summary": {k: v for k, v in TI.items() if k != "placeholder_tokens"}}, "/h/b")
+    assert unnamed["token"] is None and "--token" not in serve_argv(unnamed, {})
+    style = [{"name": "style", "dir": "/r/lora", "summary": LORA, "alpha": 0.5}]
+    p = plan(served, "/h/b", style, blends=["@style:0.7"])
+    assert (p["name"], [a["name"] for a in p["adapters"]], p["blends"]) == ("ti", ["style"], ["@style:0.7"])
+    assert p["files"] == ["/r/lora/pytorch_lora_weights.safetensors", "/r/ti/learned_embeds.safetensors"]
+    assert serve_argv(p, {})[2:6] == ["--embeds", "/r/ti/learned_embeds.safetensors", "--token", "<dicoo>"]
+    with pytest.raises(ServePlanError, match="ti is registered twice \\(serve_run's concept takes its run's name"):
+        plan(served, "/h/b", [{"name": "ti", "dir": "/r/lora", "summary": LORA}])
+    with pytest.raises(ServePlanError, match="has no OpenVINO export .*export.yml -e openvino_export_run_dir=/r/ti"):
+        plan({"dir": "/r/ti", "summary": TI}, "")
+    other_base = {**LORA, "base_model_fingerprint": "fp2"}
+    with pytest.raises(ServePlanError, match="s \\(/r/o\\) was trained on another base model"):
+        plan(served, "/h/b", [{"name": "s", "dir": "/r/o", "summary": other_base}])
+
+
 def test_runs_that_cannot_be_served_are_refused_naming_the_fix() -> None:
-    ti = {**LORA, "method": "textual_inversion"}
-    with pytest.raises(ServePlanError, match="textual inversion run: xeonsd serve registers LoRA adapters"):
-        plan({"dir": "/r/ti", "summary": ti}, "/h/base")
     with pytest.raises(ServePlanError, match="has no OpenVINO export .*export.yml -e openvino_export_run_dir=/r/l"):
         plan({"dir": "/r/l", "summary": LORA}, "")
     other_base = {**LORA, "base_model": "other", "base_model_fingerprint": "fp2"}
@@ -102,3 +138,5 @@ def test_runs_that_cannot_be_served_are_refused_naming_the_fix() -> None:
         plan({"dir": "/r/l", "summary": LORA}, "/h/base", [{"name": "l", "dir": "/r/m", "summary": LORA}])
     with pytest.raises(ServePlanError, match="names no known method"):
         plan({"dir": "/r/x", "summary": {}}, "/h/base")
+    with pytest.raises(ServePlanError, match="names no known method \\('dreambooth'\\)"):
+        plan({"dir": "/r/x", "summary": {**TI, "method": "dreambooth"}}, "/h/base")

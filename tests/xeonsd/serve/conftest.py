@@ -1,5 +1,6 @@
-"""The served model: the OpenVINO tests' session export ``ov_base`` (tiny SD, static batch 5 at 64 px) and a LoRA
-adapter for it, made the way our trainer writes one (tests/xeonsd/openvino/ov_assets.py)."""
+"""The served model: the OpenVINO tests' session export ``ov_base`` (tiny SD, static batch 5 at 64 px), a LoRA
+adapter for it, made the way our trainer writes one, and their learned concept ``embeds`` (tests/xeonsd/openvino/
+ov_assets.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "openvino"))  # ov_assets: the shared exports
 
-from ov_assets import ov_base, peft_adapter  # noqa: E402, F401
+from ov_assets import embeds, ov_base, peft_adapter  # noqa: E402, F401
 
 
 @pytest.fixture(scope="session")

@@ -43,6 +43,67 @@ def test_bad_options_are_refused_before_anything_is_compiled(
     assert "made for SDXL" in _refusal(capsys, str(ov_base), f"--adapter=x={xl}")
 
 
+def test_a_concept_that_cannot_be_served_is_refused_before_anything_is_compiled(
+    ov_base: Path, embeds: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--embeds: a missing or unreadable file, an SDXL concept on the SD export, vectors of another model's width, a
+    token the tokenizer already knows, an adapter of another family beside it, --token alone, and OVMS's config
+    (which would load the export without the concept) are each one line and exit 2, with no overlay left behind."""
+    import torch
+    from safetensors.torch import save_file as save_torch
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # where xeonsd serve writes its overlay
+    (tmp_path / "tmp").mkdir()
+    export = str(ov_base)
+    missing = tmp_path / "none.safetensors"
+    assert f"--embeds: embeddings file {missing} does not exist" in _refusal(capsys, export, f"--embeds={missing}")
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"not a safetensors file")
+    assert "is not a readable safetensors file" in _refusal(capsys, export, f"--embeds={garbage}")
+    xl = tmp_path / "xl.safetensors"
+    save_torch({"clip_l": torch.zeros(1, 32), "clip_g": torch.zeros(1, 32)}, str(xl))
+    assert "is an SDXL embedding" in _refusal(capsys, export, f"--embeds={xl}")
+    wide = tmp_path / "wide.safetensors"  # a concept of a model with a wider text encoder (SD 2.x's 1024)
+    save_torch({"<wide>": torch.zeros(1, 64)}, str(wide))
+    assert "vectors have 64 values but this text encoder's hidden size is 32" in _refusal(
+        capsys, export, f"--embeds={wide}"
+    )
+    assert "token 'toy' collides with an existing token" in _refusal(
+        capsys, export, f"--embeds={embeds}", "--token=toy"
+    )
+    xl_lora = tmp_path / "xl-lora.safetensors"
+    te2 = "lora_te2_text_model_encoder_layers_0_self_attn_q_proj"
+    save_file({f"{te2}.lora_down.weight": _ones(2, 8), f"{te2}.lora_up.weight": _ones(8, 2)}, xl_lora)
+    assert "made for SDXL" in _refusal(capsys, export, f"--embeds={embeds}", f"--adapter=x={xl_lora}")
+    assert "--token names the --embeds concept" in _refusal(capsys, export, "--token=<dicoo>")
+    refused = _refusal(capsys, export, f"--embeds={embeds}", f"--write-ovms-config={tmp_path / 'ovms'}")
+    assert f"xeonsd export SRC OUT --embeds {embeds}" in refused and not (tmp_path / "ovms").exists()
+    assert list((tmp_path / "tmp").iterdir()) == []  # each refusal cleaned its working directory
+
+
+def test_a_concept_on_a_family_without_textual_inversion_is_refused_before_it_is_read(
+    ov_base: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FLUX.1 (no concept_layout: a flow family) is refused by the family's name before the file is even read (it
+    does not exist here)."""
+    from xeonsd.families import by_name
+    from xeonsd.serve import options
+
+    read_export = options.read_export
+    monkeypatch.setattr(options, "read_export", lambda o: (*read_export(o)[:2], by_name("flux")))
+    line = _refusal(capsys, str(ov_base), "--embeds=/nowhere/learned_embeds.safetensors")
+    assert "--embeds: FLUX.1 has no textual-inversion concepts" in line and "serve a LoRA" in line
+
+
+def test_an_sd_concept_on_an_sdxl_export_is_refused_naming_the_layout(embeds: Path) -> None:
+    from xeonsd.families import by_name
+    from xeonsd.serve.concept import read_concepts
+    from xeonsd.serve.options import ServeError, ServeOptions
+
+    with pytest.raises(ServeError, match="--embeds: .* is an embedding for SD 1.x/2.x .* this model is SDXL"):
+        read_concepts(ServeOptions(export_dir=Path("x"), embeds=embeds), by_name("sdxl"))
+
+
 def _ones(*shape: int):
     import numpy as np
 

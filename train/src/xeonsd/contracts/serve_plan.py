@@ -7,10 +7,12 @@ run's ``openvino`` link names. It gets back the plan, or a :class:`ServePlanErro
 
 * :func:`run_dir`: ``serve_run`` (``latest``, a run's name under ``runs_dir``, or an absolute path) as a path;
 * :func:`adapter_runs`: ``serve_adapters`` (``{name: run}`` or ``{name: {run, alpha}}``) checked and in order;
-* :func:`plan`: the export to serve, the base model's name in requests and the LoRA files to register by name
-  (``{export, name, method, base_model_fingerprint, adapters: [{name, run, path, alpha}], blends, files}``);
-  ``blends`` are ``serve_blends`` checked (:func:`blend_args`); ``files`` what every serving node needs;
-* :func:`serve_argv`: ``xeonsd serve EXPORT --adapter NAME=PATH:ALPHA … --blend … --host … --port …`` of a plan.
+* :func:`plan`: the export to serve, the base model's name in requests, a textual inversion run's concept and the
+  LoRA files to register by name (``{export, name, method, base_model_fingerprint, embeds, token, adapters: [{name,
+  run, path, alpha}], blends, files}``); ``blends`` are ``serve_blends`` checked (:func:`blend_args`); ``files``
+  what every serving node needs besides the export;
+* :func:`serve_argv`: ``xeonsd serve EXPORT --embeds FILE --token TOKEN --adapter NAME=PATH:ALPHA … --blend …
+  --host … --port …`` of a plan.
 
 Standard library only (the filter plugins import it; so is :mod:`xeonsd.serve.requests`, whose blend parser
 :func:`blend_args` uses).
@@ -163,28 +165,31 @@ def plan(
     the real directory of its OpenVINO export (empty: not exported); ``adapters``: ``{name, dir, summary, alpha}``
     of each serve_adapters entry (:func:`adapter_runs`, with the run's directory and summary read). A LoRA run is
     registered under its directory's name with ``alpha``; a full fine-tune serves its own export and takes no
-    adapters (they were trained on the base model); textual inversion is not served (xeonsd serve loads LoRA
-    adapters only). ``fused_family``: the family's name where GenAI applies no adapters to it (SD3, Z-Image): a
+    adapters (they were trained on the base model). A textual inversion run serves the base model's export (its
+    ``openvino`` link, as a LoRA run's) with its learned embeddings (``embeds``, and the ``token`` its summary
+    records) added at start-up (``xeonsd serve --embeds``): the base with the concept answers under the run's name,
+    and serve_adapters' LoRA runs of the same base are registered beside it (each knows the concept too).
+    ``fused_family``: the family's name where GenAI applies no adapters to it (SD3, Z-Image): a
     LoRA run's export then has its adapter fused in (export.yml), and it is served alone, like a full fine-tune's.
     ``blends``: ``serve_blends``, checked against the registered adapters (:func:`blend_args`)."""
     where = served["dir"]
     method = _method(served["summary"], where)
-    if method == "textual_inversion":
-        raise ServePlanError(
-            f"serve_run {where} is a textual inversion run: xeonsd serve registers LoRA adapters, not learned "
-            "embeddings. Fix: serve a LoRA or full fine-tuning run (-e serve_run=RUN)."
-        )
     if not export_dir:
         raise ServePlanError(
             f"serve_run {where} has no OpenVINO export ({where}/openvino): run export.yml on it first "
             f"(ansible-playbook export.yml -e openvino_export_run_dir={where})."
         )
     fingerprint = served["summary"].get("base_model_fingerprint", "")
+    run_name = posixpath.basename(where.rstrip("/"))
     registered: list[dict[str, Any]] = []
-    if method == "lora" and not fused_family:
+    embeds, token = None, None
+    if method == "textual_inversion":  # the concept on the base model's export; LoRA runs of that base beside it
+        embeds = posixpath.join(where, served["summary"]["result"]["path"])
+        token = next(iter(served["summary"].get("placeholder_tokens") or ()), None)
+    elif method == "lora" and not fused_family:
         registered.append(
             {
-                "name": adapter_name(posixpath.basename(where.rstrip("/")), "serve_run's name"),
+                "name": adapter_name(run_name, "serve_run's name"),
                 "run": where,
                 "path": posixpath.join(where, served["summary"]["result"]["path"]),
                 "alpha": _alpha(alpha, "serve_run"),
@@ -202,28 +207,35 @@ def plan(
             "on the base model. Fix: serve a LoRA run of that base (-e serve_run=RUN), or serve_adapters={}."
         )
     for adapter in adapters:
-        if adapter["name"] in (r["name"] for r in registered):
+        if adapter["name"] in (r["name"] for r in registered) or (embeds and adapter["name"] == run_name):
             raise ServePlanError(
-                f"serve_adapters: {adapter['name']} is registered twice (serve_run's adapter takes its run's name). "
-                "Fix: rename it."
+                f"serve_adapters: {adapter['name']} is registered twice (serve_run's "
+                f"{'concept' if embeds else 'adapter'} takes its run's name). Fix: rename it."
             )
         registered.append(_adapter(adapter, served, alpha))
-    # The base's name in requests: the base model's (its directory or Hub name) under a LoRA run's adapters, the run's
-    # own for its own export (a full fine-tune, a fused LoRA); None (xeonsd serve's default, the export directory's
-    # name) where it is no valid model name.
-    base = posixpath.basename(str(served["summary"].get("base_model", "")).rstrip("/"))
-    name = base if registered else posixpath.basename(where.rstrip("/"))
-    if not ADAPTER_NAME.match(name) or name in (r["name"] for r in registered):
-        name = None
     return {
         "export": export_dir,
-        "name": name,
+        "name": _base_name(served["summary"], run_name, registered, concept=embeds is not None),
         "method": method,
         "base_model_fingerprint": fingerprint,
+        "embeds": embeds,
+        "token": token,
         "adapters": registered,
         "blends": blend_args(blends, registered),
-        "files": sorted({r["path"] for r in registered}),
+        "files": sorted({r["path"] for r in registered} | ({embeds} if embeds else set())),
     }
+
+
+def _base_name(
+    summary: Mapping[str, Any], run_name: str, registered: Sequence[Mapping[str, Any]], concept: bool
+) -> str | None:
+    """The base's name in requests: the base model's (its directory or Hub name) under a LoRA run's adapters, the
+    run's own for its own export (a full fine-tune, a fused LoRA) and for the base holding a textual inversion run's
+    concept (the concept is what is served); None (xeonsd serve's default, the export directory's name) where it is
+    no valid model name."""
+    base = posixpath.basename(str(summary.get("base_model", "")).rstrip("/"))
+    name = base if registered and not concept else run_name
+    return name if ADAPTER_NAME.match(name) and name not in (r["name"] for r in registered) else None
 
 
 def blend_args(blends: Any, registered: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -252,10 +264,14 @@ def blend_args(blends: Any, registered: Sequence[Mapping[str, Any]]) -> list[str
 
 
 def serve_argv(served: Mapping[str, Any], settings: Mapping[str, Any]) -> list[str]:
-    """``["serve", EXPORT, "--adapter", "NAME=PATH:ALPHA", …, "--blend", BLEND, …, "--name", …]`` of a plan; ``settings``
-    has the flags of :data:`SERVE_FLAGS` (``max-images`` also as ``max_images``); an empty one is left to xeonsd's
-    default (``name``: the plan's)."""
+    """``["serve", EXPORT, "--embeds", FILE, "--token", TOKEN, "--adapter", "NAME=PATH:ALPHA", …, "--blend", BLEND, …,
+    "--name", …]`` of a plan; ``settings`` has the flags of :data:`SERVE_FLAGS` (``max-images`` also as
+    ``max_images``); an empty one is left to xeonsd's default (``name``: the plan's)."""
     argv = ["serve", served["export"]]
+    if served.get("embeds"):
+        argv += ["--embeds", served["embeds"]]
+        if served.get("token"):
+            argv += ["--token", served["token"]]
     settings = {"name": served.get("name") or "", **{k: v for k, v in settings.items() if v not in (None, "")}}
     for adapter in served["adapters"]:
         argv += ["--adapter", f"{adapter['name']}={adapter['path']}:{float(adapter['alpha']):g}"]  # NAME=PATH:ALPHA

@@ -236,6 +236,13 @@ def expand_prompt(prompt: str, tokens: list[str]) -> str:
     return prompt
 
 
+def prompt_tokens(tokens: list[str]) -> list[str]:
+    """The tokens a prompt names, of a model's concept ``tokens``: each concept's own (``<tok>``), not the
+    ``<tok>_1`` … that :func:`expand_prompt` adds after it."""
+    known = set(tokens)
+    return [t for t in tokens if not (t.rpartition("_")[0] in known and t.rpartition("_")[2].isdigit())]
+
+
 # --- SDXL: one vector set per text encoder ----------------------------------------------------------------------
 
 XL_KEYS = {"clip_l": "text_encoder", "clip_g": "text_encoder_2"}  # file key -> the SDXL pipeline component

@@ -4,7 +4,7 @@
   diffusers for the scheduler and the pipeline logic, OpenVINO runs the networks).
 * ``genai`` (:class:`GenaiEngine`): ``openvino_genai.Text2ImagePipeline``, OpenVINO's own C++ pipeline; without
   ``--embeds`` it needs neither PyTorch nor diffusers nor transformers. ``--embeds`` is added to a copy of the text
-  encoder and tokenizers, ``--lora`` adapters are converted to the layout GenAI applies and blended in at compile
+  encoder and tokenizers (an overlay of the export, :mod:`xeonsd.openvino.overlay`), ``--lora`` adapters are converted to the layout GenAI applies and blended in at compile
   time. Where a family has two CLIP text encoders (SDXL) the adapters' text-encoder part is added to copies of the
   text encoders' weights instead (GenAI cannot tell them apart in an adapter; see :mod:`xeonsd.openvino.pipelines`).
   The transformer families' adapters (FLUX.1, FLUX.2 [klein], Qwen-Image) are written in the names GenAI applies
@@ -19,7 +19,6 @@ from __future__ import annotations
 import abc
 import inspect
 import logging
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -131,49 +130,17 @@ class GenaiEngine(Engine):
 
     def _overlay(self) -> Path:
         """A directory like OV_DIR whose text encoders (and tokenizers) also hold the ``--embeds`` concept and, on
-        SDXL, the text-encoder part of the ``--lora`` adapters."""
-        import openvino as ov
-
+        SDXL, the text-encoder part of the ``--lora`` adapters (:func:`xeonsd.openvino.overlay.write_overlay`)."""
         from xeonsd.modelfiles.concept_file import load_concepts
-        from xeonsd.openvino.lora_files import PREFIXES
+        from xeonsd.openvino.overlay import write_overlay
 
         if self._workdir is None:
             self._workdir = tempfile.TemporaryDirectory(prefix="xeonsd-genai-")
-        root = Path(self._workdir.name) / "models"
-        root.mkdir()
         concepts = None
         if self.opts.embeds is not None:
             concepts = load_concepts(self.opts.embeds, self.opts.token, self.family)
             self.concept_tokens = [*self.concept_tokens, *concepts["text_encoder"].tokens]
-        clip = self.family.clip_encoders
-        sides = [(enc, tok) for enc, tok in self.family.text_side if enc in clip]
-        edited = {enc for enc, _ in sides}
-        edited |= {tok for _, tok in sides} if concepts else set()
-        for entry in self.ov_dir.iterdir():
-            if entry.name not in edited:
-                (root / entry.name).symlink_to(entry.resolve())
-        for encoder, tokenizer in sides:
-            model = ov.Core().read_model(self.ov_dir / encoder / "openvino_model.xml")
-            if concepts is not None:
-                self._add_concept(root, tokenizer, model, concepts[encoder])
-            prefix = PREFIXES[encoder]  # the kohya prefix of its LoRA modules: lora_te_, lora_te2_
-            for modules, alpha in self._text_loras:
-                pipelines.fuse_into_ir(model, [m for m in modules if m.name.startswith(prefix)], alpha)
-            (root / encoder).mkdir()
-            ov.save_model(model, root / encoder / "openvino_model.xml", compress_to_fp16=False)
-            shutil.copy(self.ov_dir / encoder / "config.json", root / encoder / "config.json")
-        return root
-
-    def _add_concept(self, root: Path, tokenizer_dir: str, model: Any, concept: Any) -> None:
-        from transformers import CLIPTokenizer
-
-        from xeonsd.modelfiles.concept_file import add_to_openvino
-        from xeonsd.openvino import tokenizer as ovtokenizer
-
-        tokenizer = CLIPTokenizer.from_pretrained(self.ov_dir / tokenizer_dir)
-        add_to_openvino(tokenizer, model, concept)
-        tokenizer.save_pretrained(root / tokenizer_dir)
-        ovtokenizer.save(tokenizer, root, tokenizer_dir)
+        return write_overlay(self.ov_dir, Path(self._workdir.name) / "models", self.family, concepts, self._text_loras)
 
     def _adapters(self) -> Any:
         """The ``--lora`` adapters, checked against the export and converted to the layout GenAI applies."""

@@ -29,6 +29,13 @@ def parse_spec(spec: str) -> tuple[Path, float]:
     return Path(spec), 1.0
 
 
+def token_flag() -> str | None:
+    """``--token``, as ``xeonsd generate`` and ``xeonsd serve`` take it: the name the ``--embeds`` concept is loaded
+    under (default: the file's own, its key or, SDXL, its metadata; an A1111 file, or an SDXL file without the
+    metadata, needs it)."""
+    return flag("load the --embeds concept under this token (default: the token the file names)", default=None)
+
+
 @dataclass(frozen=True)
 class GenerateOptions:
     """What to generate; each field is a flag of ``xeonsd generate``."""
@@ -57,7 +64,7 @@ class GenerateOptions:
         choices=ENGINES,
     )
     embeds: Path | None = flag("learned_embeds.safetensors to load into the exported text encoder", default=None)
-    token: str | None = flag("load the --embeds concept under this token", default=None)
+    token: str | None = token_flag()
     loras: tuple[tuple[Path, float], ...] = flag(
         "LoRA adapter applied at load time, no re-export (genai engine; repeat to blend several; ALPHA default 1.0); "
         "for --engine optimum fuse it instead: xeonsd export SRC OUT --lora FILE",

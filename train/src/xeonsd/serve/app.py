@@ -2,7 +2,8 @@
 
 Routes: ``POST /v3/images/generations`` and ``POST /v1/images/generations`` (one handler: OVMS's and OpenAI's
 path), ``POST /v3/images/edits`` and ``/v1/images/edits`` (multipart: :mod:`xeonsd.serve.edits`),
-``GET /v1/models`` and ``GET /v3/models`` (the base model, the adapters, then each ``--blend`` as its composite),
+``GET /v1/models`` and ``GET /v3/models`` (the base model, the adapters, then each ``--blend`` as its composite;
+each with the ``concept_tokens`` a prompt may name, where the export or ``--embeds`` holds a concept),
 ``GET /v2/health/live`` (200 while the process serves), ``GET /v2/health/ready`` (200 once every pipeline is
 compiled, 503 before), ``GET /metrics`` (Prometheus text format). With ``--api-key-file`` every route but the health checks needs a key
 (:mod:`xeonsd.serve.keys`: 401 without one); :func:`guard` puts the access rules and limits before the routes
@@ -25,6 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from xeonsd.contracts.blend_syntax import composite
+from xeonsd.modelfiles.concept_file import prompt_tokens
 from xeonsd.serve.edits import parse_form
 from xeonsd.serve.keys import KeyRing
 from xeonsd.serve.limits import guard
@@ -171,9 +173,11 @@ def create_app(
     edits = _images_handler(limits, opts.timeout, pool, metrics, edit=True)
 
     ids = [*limits.models, *(composite(key) for key in limits.blends)]
+    # every model answers to the export's concept(s) and --embeds': its text encoders are the pipelines' own
+    concepts = {"concept_tokens": prompt_tokens(served.concept_tokens)} if served.concept_tokens else {}
 
     async def models(request: Request) -> Response:
-        rows = [{"id": name, "object": "model", "created": created, "owned_by": "xeonsd"} for name in ids]
+        rows = [{"id": name, "object": "model", "created": created, "owned_by": "xeonsd", **concepts} for name in ids]
         return JSONResponse({"object": "list", "data": rows})
 
     async def live(request: Request) -> Response:

@@ -1,11 +1,5 @@
-"""What ``xeonsd serve`` serves, checked before anything is compiled: the options, the export and its adapters.
-
-``--adapter NAME=PATH[:ALPHA]`` registers a LoRA file (either layout ``xeonsd generate --lora`` takes) under NAME;
-a request's ``model`` picks the base (the export's name, or no ``model``) or one adapter. Every adapter is checked
-against the export as ``generate --lora`` checks it (family, what GenAI can apply, module names and shapes) and
-converted to the kohya layout GenAI applies (:mod:`xeonsd.openvino.lora_files`). On SDXL an adapter's
-text-encoder part cannot be switched per request (GenAI applies ``lora_te_`` to both text encoders alike, see
-:mod:`xeonsd.openvino.pipelines`), so such an adapter is refused with the fused export as the way out.
+"""What ``xeonsd serve`` serves, checked before anything is compiled: the options, the export, its concept
+(``--embeds``: :mod:`xeonsd.serve.concept`) and its adapters (``--adapter``: :mod:`xeonsd.serve.adapters`).
 
 ``--workers auto`` is :func:`auto_workers`: one worker per :data:`CORES_PER_WORKER` core(s), the count that gave
 the most images/s in ``xeonsd bench serve`` here (docs/benchmarks.md, "Serving"), and no more workers than the
@@ -24,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from xeonsd.contracts.serve_plan import ADAPTER_NAME as NAME  # a model's name: the base's or an adapter's
 from xeonsd.flags import flag
-from xeonsd.openvino.generate_args import PRECISIONS, parse_spec
+from xeonsd.openvino.generate_args import PRECISIONS, parse_spec, token_flag
 
 if TYPE_CHECKING:
     from xeonsd.families import FamilySpec
@@ -109,6 +103,14 @@ class ServeOptions:
         action="append",
         metavar="@A:W+@B:W",
     )
+    embeds: Path | None = flag(
+        "a learned concept (textual inversion: learned_embeds.safetensors, as xeonsd generate --embeds takes it) "
+        "added at start-up to an overlay of the export's text encoder(s) and tokenizer(s), which every worker "
+        "compiles from: the base and every adapter know its token (docs/serving.md, Textual inversion)",
+        default=None,
+        metavar="FILE",
+    )
+    token: str | None = token_flag()
     host: str = flag("address to listen on (default 127.0.0.1)", default="127.0.0.1")
     api_key_file: Path | None = flag(
         "one key per line, KEY or NAME:KEY: every route but /v2/health/* then needs Authorization: Bearer KEY "
@@ -194,10 +196,16 @@ class ServedModel:
     adapters: dict[str, tuple[Path, float]] = field(default_factory=dict)  # name -> (GenAI file, alpha)
     max_sequence_length: int | None = None  # the text encoder's prompt length (the manifest's; CLIP-only: None)
     blends: tuple[tuple[tuple[str, float], ...], ...] = ()  # --blend's keys (contracts.blend_syntax.blend_key)
+    overlay: Path | None = None  # --embeds: the export with the concept added (xeonsd.openvino.overlay)
 
     @property
     def model_names(self) -> list[str]:
         return [self.name, *self.adapters]
+
+    @property
+    def models_dir(self) -> Path:
+        """What every worker compiles: the overlay holding ``--embeds``' concept, else the export."""
+        return self.overlay or self.export_dir
 
     @property
     def guidance_scale(self) -> float:
@@ -293,6 +301,14 @@ def check_options(opts: ServeOptions) -> None:
         raise ServeError(f"--precision {opts.precision!r}: choose one of {', '.join(PRECISIONS)}")
     if opts.name is not None and not NAME.match(opts.name):
         raise ServeError(f"--name {opts.name!r}: letters, digits, '.', '_' or '-' (at most 64)")
+    if opts.token is not None and opts.embeds is None:
+        raise ServeError("--token names the --embeds concept; give --embeds FILE too")
+    if opts.embeds is not None and opts.write_ovms_config is not None:
+        raise ServeError(
+            "--write-ovms-config does not take --embeds: OVMS loads the export as it is (GenAI adds no embeddings "
+            f"per request); bake the concept into an export, xeonsd export SRC OUT --embeds {opts.embeds}, and "
+            "write OVMS's configuration for that"
+        )
     blend_keys(opts)
 
 
@@ -326,11 +342,14 @@ def read_export(opts: ServeOptions) -> tuple[dict[str, Any], StaticShape, Family
 
 
 def prepare(opts: ServeOptions, workdir: Path) -> ServedModel:
-    """Check the export and every adapter against it; write each adapter in GenAI's layout into ``workdir``."""
-    from xeonsd.openvino import lora_files
+    """Check the export, ``--embeds`` and every adapter against it; write each adapter in GenAI's layout, and the
+    overlay holding the concept, into ``workdir``."""
+    from xeonsd.serve.adapters import add_adapters
+    from xeonsd.serve.concept import add_concepts, read_concepts
 
     check_options(opts)
     manifest, shape, family = read_export(opts)
+    concepts = read_concepts(opts, family)
     export_dir = Path(opts.export_dir)
     name = opts.name or export_dir.resolve().name
     if not NAME.match(name):
@@ -344,33 +363,8 @@ def prepare(opts: ServeOptions, workdir: Path) -> ServedModel:
         max_sequence_length=manifest.get("max_sequence_length"),
         blends=blend_keys(opts),
     )
-    if not opts.adapters:
-        return served
-    found = family
-    if not found.genai_adapters:
-        raise ServeError(
-            f"--adapter: OpenVINO GenAI has no LoRA adapters for {found.label}; fuse the adapter into an export "
-            f"and serve that: xeonsd export SRC OUT --lora {opts.adapters[0].path}"
-        )
-    weights = lora_files.ir_weight_shapes(export_dir)
-    label = f"{export_dir} (exported from {manifest.get('source')})"
-    for i, spec in enumerate(opts.adapters):
-        if spec.name == name:
-            raise ServeError(f"--adapter {spec.name}: that is the base model's name; choose another")
-        if not spec.path.is_file():
-            raise ServeError(f"--adapter {spec.name}: LoRA file {spec.path} does not exist")
-        modules = lora_files.read_adapter(spec.path)
-        lora_files.check_family(spec.path, modules, family, label)
-        lora_files.check_genai_limits(spec.path, modules)
-        lora_files.check_fits(spec.path, modules, weights, label)
-        unet = lora_files.PREFIXES[found.denoiser]
-        if not found.genai_text_adapters and any(not k.startswith(unet) for k in modules):
-            raise ServeError(
-                f"--adapter {spec.name}: {spec.path} also adapts the text encoders, which OpenVINO GenAI cannot "
-                f"switch per request on {found.label}; fuse it into an export instead: "
-                f"xeonsd export SRC OUT --lora {spec.path}"
-            )
-        converted = workdir / f"{i}-{spec.name}.safetensors"
-        lora_files.convert_for_genai_of(spec.path, modules, converted, found.denoiser)
-        served.adapters[spec.name] = (converted, float(spec.alpha))
+    if opts.adapters:
+        add_adapters(served, opts, manifest, workdir)
+    if concepts is not None:
+        add_concepts(served, concepts, workdir / "models")
     return served

@@ -161,10 +161,10 @@ class PipelinePool:
 
     # -- start-up -----------------------------------------------------------------------------------------------
     def _prepared(self, cls: Any, images: int, config: Any) -> Any:
-        """A GenAI pipeline of class ``cls`` over the export, reshaped to ``images`` per call and compiled with the
-        ``AdapterConfig`` ``config`` (None: no adapters)."""
+        """A GenAI pipeline of class ``cls`` over the export (with ``--embeds``: its overlay holding the concept),
+        reshaped to ``images`` per call and compiled with the ``AdapterConfig`` ``config`` (None: no adapters)."""
         shape = self.served.shape
-        pipe = genai_pipeline(cls, self.served.export_dir, self.served.max_sequence_length)
+        pipe = genai_pipeline(cls, self.served.models_dir, self.served.max_sequence_length)
         pipe.reshape(images, shape.height, shape.width, 7.5)
         compile_genai(pipe, {"INFERENCE_NUM_THREADS": self.threads, **PRECISIONS[self.precision]}, config)
         return pipe

@@ -7,7 +7,9 @@ SIGTERM or SIGINT cancel the requests in flight through the step callback (each 
 the connections, the workers' threads end, and the process exits 0. With ``--drain S`` a SIGTERM first drains: the
 server reports not ready (a balancer's health check takes it out of rotation) and answers every request for S
 seconds, then waits for the requests in flight (at most ``--timeout``), then stops as above; so a rolling restart
-behind a balancer loses no request. A second signal stops at once. A compile that fails ends it with exit 1.
+behind a balancer loses no request. A second signal stops at once. A compile that fails ends it with exit 1. The
+adapters in GenAI's layout and the ``--embeds`` overlay are written to a temporary directory (``TMPDIR``), removed
+when the server stops, a refusal or a failed compile included.
 """
 
 from __future__ import annotations
@@ -161,12 +163,13 @@ def serve(opts: ServeOptions, console: TextIO | None = None) -> int:
         server.pool = pool
         server.drain_s, server.drain_limit_s = opts.drain, opts.timeout
         server.listening = lambda: log.info(
-            "listening on %s; compiling %d worker(s) of %s (%s), models: %s",
+            "listening on %s; compiling %d worker(s) of %s (%s), models: %s%s",
             bound_address(server, opts.host),
             workers,
             served.export_dir,
             served.shape.describe(),
             ", ".join(served.model_names),
+            f"; concept tokens: {', '.join(served.concept_tokens)}" if served.concept_tokens else "",
         )
         hangup = signal.signal(signal.SIGHUP, lambda *_: keys.reload()) if keys is not None else None
         try:
