@@ -8,7 +8,7 @@ and the tokenizer a pipeline is built from. :func:`write_overlay` writes exactly
 IR, its ``config.json``, and with a concept its tokenizer, in both the transformers and OpenVINO tokenizer files)
 and links every other entry to the export's own (the denoiser and the VAE are not copied). ``xeonsd generate
 --engine genai --embeds`` (:class:`xeonsd.openvino.engines.GenaiEngine`) and ``xeonsd serve --embeds``
-(:func:`xeonsd.serve.options.prepare`) build their pipelines from it.
+(:func:`xeonsd.serve.prepare.prepare`) build their pipelines from it.
 """
 
 from __future__ import annotations

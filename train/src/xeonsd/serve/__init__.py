@@ -2,7 +2,8 @@
 
 One concern per module: :mod:`.options` (the command's typed options and the served model, checked before anything
 is compiled), :mod:`.adapters` (the ``--adapter NAME=PATH[:ALPHA]`` registry), :mod:`.concept` (``--embeds``: a
-textual inversion concept in an overlay of the export), :mod:`.requests` (one request's validation: each bad input is a
+textual inversion concept in an overlay of the export), :mod:`.prepare` (the three put together before anything
+compiles), :mod:`.requests` (one request's validation: each bad input is a
 :class:`~xeonsd.serve.requests.RequestError` naming its field), :mod:`.pool` (the worker pool: ``--workers``
 GenAI ``Text2ImagePipeline`` copies, a bounded queue, cancellation through GenAI's step callback),
 :mod:`.metrics` (the Prometheus metrics), :mod:`.app` (the ASGI app: routes, errors, the JSON access log),

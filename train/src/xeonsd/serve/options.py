@@ -1,5 +1,6 @@
-"""What ``xeonsd serve`` serves, checked before anything is compiled: the options, the export, its concept
-(``--embeds``: :mod:`xeonsd.serve.concept`) and its adapters (``--adapter``: :mod:`xeonsd.serve.adapters`).
+"""What ``xeonsd serve`` serves, checked before anything is compiled: the options and the export (its concept,
+``--embeds``, in :mod:`xeonsd.serve.concept`, its adapters, ``--adapter``, in :mod:`xeonsd.serve.adapters`; the
+three put together by :func:`xeonsd.serve.prepare.prepare`).
 
 ``--workers auto`` is :func:`auto_workers`: one worker per :data:`CORES_PER_WORKER` core(s), the count that gave
 the most images/s in ``xeonsd bench serve`` here (docs/benchmarks.md, "Serving"), and no more workers than the
@@ -339,32 +340,3 @@ def read_export(opts: ServeOptions) -> tuple[dict[str, Any], StaticShape, Family
         if not (export_dir / tokenizer / "openvino_tokenizer.xml").is_file():
             raise ServeError(f"{export_dir} has no {tokenizer}/openvino_tokenizer.xml, which OpenVINO GenAI needs")
     return manifest, shape, family
-
-
-def prepare(opts: ServeOptions, workdir: Path) -> ServedModel:
-    """Check the export, ``--embeds`` and every adapter against it; write each adapter in GenAI's layout, and the
-    overlay holding the concept, into ``workdir``."""
-    from xeonsd.serve.adapters import add_adapters
-    from xeonsd.serve.concept import add_concepts, read_concepts
-
-    check_options(opts)
-    manifest, shape, family = read_export(opts)
-    concepts = read_concepts(opts, family)
-    export_dir = Path(opts.export_dir)
-    name = opts.name or export_dir.resolve().name
-    if not NAME.match(name):
-        raise ServeError(f"the export's name {name!r} is not a model name; give one with --name")
-    served = ServedModel(
-        export_dir=export_dir,
-        name=name,
-        family=family,
-        shape=shape,
-        concept_tokens=list(manifest.get("concept_tokens", [])),
-        max_sequence_length=manifest.get("max_sequence_length"),
-        blends=blend_keys(opts),
-    )
-    if opts.adapters:
-        add_adapters(served, opts, manifest, workdir)
-    if concepts is not None:
-        add_concepts(served, concepts, workdir / "models")
-    return served

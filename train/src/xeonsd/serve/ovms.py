@@ -23,7 +23,8 @@ from pathlib import Path
 
 from xeonsd.fsutil import atomic_dir
 from xeonsd.openvino.generate_args import PRECISIONS
-from xeonsd.serve.options import ServedModel, ServeOptions, prepare
+from xeonsd.serve.options import ServedModel, ServeOptions
+from xeonsd.serve.prepare import prepare
 from xeonsd.serve.requests import DEFAULT_STEPS
 
 

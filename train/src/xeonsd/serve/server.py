@@ -25,7 +25,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from xeonsd.serve.options import ServeError, ServeOptions, compiled_copies, cpu_count, prepare, resolve_workers
+from xeonsd.serve.options import ServeError, ServeOptions, compiled_copies, cpu_count, resolve_workers
+from xeonsd.serve.prepare import prepare
 
 log = logging.getLogger(__name__)
 GRACE_S = 10  # seconds uvicorn waits for the connections of cancelled requests to close
