@@ -26,6 +26,7 @@ import torch
 from cli_runs import method_args, refused, train
 from PIL import Image
 from safetensors.torch import load_file
+from test_flux2_train import pipe, tiny_flux2_model  # noqa: F401 - the fixtures
 from test_methods import LORA_FILE, assert_same_training
 
 PROMPT = "make the square blue"
@@ -59,31 +60,14 @@ def write_pairs(root: Path, n: int = 5) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny_flux2_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from xeonsd.assets import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("assets") / "tiny-flux2", arch="tiny-flux2")
-
-
-@pytest.fixture(scope="module")
-def pipe(tiny_flux2_model):
-    from diffusers import Flux2KleinPipeline
-
-    p = Flux2KleinPipeline.from_pretrained(tiny_flux2_model)
-    p.set_progress_bar_config(disable=True)
-    return p
-
-
-@pytest.fixture(scope="module")
 def pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_pairs(tmp_path_factory.mktemp("pairs") / "data")
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_flux2_model, pairs, tmp_path_factory):
-    """``runs(ranks, kind)``: the output dir of that run, trained once: 4 steps of FLAGS on 1 rank x batch 2 or 2
-    ranks x batch 1; ``resume``: the 2-rank run's checkpoint-2 resumed on 1 rank x batch 2."""
-    root = tmp_path_factory.mktemp("flux2-edit-runs")
+def pair_runs(model: Path, pairs: Path, root: Path, flags: tuple[str, ...]):
+    """``run(ranks, kind)``: the output dir of that run of ``model`` on ``pairs``, trained once: 4 steps of ``flags``
+    on 1 rank x batch 2 or 2 ranks x batch 1; ``resume``: the 2-rank run's checkpoint-2 resumed on 1 rank x batch 2.
+    (Shared with the other edit families' tests.)"""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     done: dict[tuple, Path] = {}
@@ -91,19 +75,23 @@ def runs(tiny_flux2_model, pairs, tmp_path_factory):
     def run(ranks: int, kind: str = "short") -> Path:
         if (ranks, kind) not in done:
             out = root / f"{ranks}-{kind}"
-            flags = FLAGS
+            more = flags
             if kind == "resume":
                 out.mkdir()
                 shutil.copytree(run(2) / "checkpoint-2", out / "checkpoint-2")
-                flags += ("--resume_from_checkpoint=latest",)
-            args = method_args("lora", tiny_flux2_model, pairs, out, *flags, steps=4, batch=2 if ranks == 1 else 1)
+                more += ("--resume_from_checkpoint=latest",)
+            args = method_args("lora", model, pairs, out, *more, steps=4, batch=2 if ranks == 1 else 1)
             (root / f"{out.name}.log").write_text(train(args, env, ranks=ranks).stderr)
             done[(ranks, kind)] = out
         return done[(ranks, kind)]
 
     run.root = root  # type: ignore[attr-defined]
-    run.env = env  # type: ignore[attr-defined]
     return run
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_flux2_model, pairs, tmp_path_factory):  # noqa: F811 - the imported fixture
+    return pair_runs(tiny_flux2_model, pairs, tmp_path_factory.mktemp("flux2-edit-runs"), FLAGS)
 
 
 def lora_b(path: Path) -> dict[str, torch.Tensor]:
@@ -111,7 +99,7 @@ def lora_b(path: Path) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def test_the_reference_joins_the_tokens_as_the_pipeline_passes_image(pipe):
+def test_the_reference_joins_the_tokens_as_the_pipeline_passes_image(pipe):  # noqa: F811
     """The reference's latents (our latent cache's VAE view and affine) and ids against
     Flux2KleinPipeline.prepare_image_latents, the tokens of the call against the pipeline's concatenation, and the
     prediction of the noisy tokens only."""
@@ -154,7 +142,7 @@ def test_two_ranks_and_a_resume_learn_what_one_rank_with_double_batch_learns(run
     assert len(val[0]) == 2 and val[0] == pytest.approx(val[1], rel=1e-4)
 
 
-def test_stock_diffusers_loads_the_lora_and_the_image_depends_on_the_reference(runs, pipe, pairs):
+def test_stock_diffusers_loads_the_lora_and_the_image_depends_on_the_reference(runs, pipe, pairs):  # noqa: F811
     out = runs(1)
     refs = [Image.open(pairs / "ref" / f"p{i}.png").convert("RGB") for i in (0, 4)]
     kw = {"prompt": PROMPT, "num_inference_steps": 4, "height": 64, "width": 64, "output_type": "np"}
@@ -172,7 +160,7 @@ def test_stock_diffusers_loads_the_lora_and_the_image_depends_on_the_reference(r
     assert np.abs(after - other).max() > 1e-3, "another reference gives the same image"
 
 
-def test_pairs_are_refused_where_they_cannot_train(tmp_path, tiny_model, tiny_flux2_model, pairs):
+def test_pairs_are_refused_where_they_cannot_train(tmp_path, tiny_model, tiny_flux2_model, pairs):  # noqa: F811
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 
     def refusal(model: Path, data: Path, *extra: str) -> str:

@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from cli_runs import method_args, run_cli, train
+from cli_runs import run_cli
 from PIL import Image
 from safetensors.torch import load_file
-from test_flux2_edit_train import PROMPT, write_pairs
+from test_flux2_edit_train import PROMPT, pair_runs, write_pairs
 from test_methods import LORA_FILE, assert_same_training
 
 FLAGS = (
@@ -63,29 +61,7 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(kontext_model, pairs, tmp_path_factory):
-    """``runs(ranks, kind)``: 4 steps of FLAGS on 1 rank x batch 2 or 2 ranks x batch 1, trained once;
-    ``resume``: the 2-rank run's checkpoint-2 resumed on 1 rank x batch 2."""
-    root = tmp_path_factory.mktemp("kontext-runs")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    done: dict[tuple, Path] = {}
-
-    def run(ranks: int, kind: str = "short") -> Path:
-        if (ranks, kind) not in done:
-            out = root / f"{ranks}-{kind}"
-            flags = FLAGS
-            if kind == "resume":
-                out.mkdir()
-                shutil.copytree(run(2) / "checkpoint-2", out / "checkpoint-2")
-                flags += ("--resume_from_checkpoint=latest",)
-            args = method_args("lora", kontext_model, pairs, out, *flags, steps=4, batch=2 if ranks == 1 else 1)
-            (root / f"{out.name}.log").write_text(train(args, env, ranks=ranks).stderr)
-            done[(ranks, kind)] = out
-        return done[(ranks, kind)]
-
-    run.root = root  # type: ignore[attr-defined]
-    run.env = env  # type: ignore[attr-defined]
-    return run
+    return pair_runs(kontext_model, pairs, tmp_path_factory.mktemp("kontext-runs"), FLAGS)
 
 
 def lora_b(path: Path) -> dict[str, torch.Tensor]:
