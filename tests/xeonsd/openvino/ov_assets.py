@@ -137,9 +137,10 @@ def flow_lora(model: Path, family: str, out: Path, scale: float = 2.0) -> Path:
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
 
+    from xeonsd.families import by_name
     from xeonsd.openvino.pipelines import load_torch_pipeline
 
-    pipe = load_torch_pipeline(str(model), family)
+    pipe = load_torch_pipeline(str(model), by_name(family))
     gen = torch.Generator().manual_seed(0)
     for part, targets in ((pipe.transformer, FLOW_TARGETS), (pipe.text_encoder, CLIP_TARGETS)):
         part.add_adapter(LoraConfig(r=2, lora_alpha=4, init_lora_weights="gaussian", target_modules=targets))

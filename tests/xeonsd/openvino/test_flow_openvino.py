@@ -43,7 +43,7 @@ def _diffusers(model: Path, family: str, lora: Path | None) -> np.ndarray:
     the family's guidance scale, T5's prompt length of the export, seed SEED."""
     from xeonsd.openvino.pipelines import load_torch_pipeline
 
-    pipe = load_torch_pipeline(str(model), family)
+    pipe = load_torch_pipeline(str(model), by_name(family))
     pipe.set_progress_bar_config(disable=True)
     if lora is not None:
         pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)

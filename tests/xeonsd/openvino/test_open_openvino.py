@@ -71,7 +71,7 @@ class Assets:
 
             from xeonsd.openvino.pipelines import load_torch_pipeline
 
-            pipe = load_torch_pipeline(str(self.model(family)), family)
+            pipe = load_torch_pipeline(str(self.model(family)), by_name(family))
             part = pipe.transformer
             part.add_adapter(
                 LoraConfig(r=2, lora_alpha=4, init_lora_weights="gaussian", target_modules=TARGETS[family])
@@ -111,7 +111,7 @@ class Assets:
         (or the initial ``latents``)."""
         from xeonsd.openvino.pipelines import load_torch_pipeline
 
-        pipe = load_torch_pipeline(str(self.model(family)), family)
+        pipe = load_torch_pipeline(str(self.model(family)), by_name(family))
         pipe.set_progress_bar_config(disable=True)
         if lora:
             path = self.lora(family)

@@ -87,10 +87,10 @@ def test_a_concept_on_a_family_without_textual_inversion_is_refused_before_it_is
     """FLUX.1 (no concept_layout: a flow family) is refused by the family's name before the file is even read (it
     does not exist here)."""
     from xeonsd.families import by_name
-    from xeonsd.serve import options
+    from xeonsd.serve import prepare
 
-    read_export = options.read_export
-    monkeypatch.setattr(options, "read_export", lambda o: (*read_export(o)[:2], by_name("flux")))
+    read_export = prepare.read_export
+    monkeypatch.setattr(prepare, "read_export", lambda o: (*read_export(o)[:2], by_name("flux")))
     line = _refusal(capsys, str(ov_base), "--embeds=/nowhere/learned_embeds.safetensors")
     assert "--embeds: FLUX.1 has no textual-inversion concepts" in line and "serve a LoRA" in line
 
