@@ -26,7 +26,8 @@ pytestmark = pytest.mark.xdist_group("xeonsd-serve")  # one server, its tests in
 
 SIZE = 64
 PER_CALL = 5
-TIMEOUT_S = 6  # --timeout: the 3-step requests take a fraction of it, the LONG ones many times it
+TIMEOUT_S = 3  # --timeout: the 3-step requests take a fraction of it, the LONG ones many times it (1000 tiny steps
+# took under 6 s on an idle 2-core Zen 4)
 LONG = 1000  # steps of a request that runs until it is cancelled (--max-steps allows it)
 
 
