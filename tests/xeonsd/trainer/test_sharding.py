@@ -44,7 +44,9 @@ def test_two_sharded_ranks_learn_what_one_rank_learns_and_resume_on_one(tiny_mod
     assert re.search(r"shared by the node's ranks: .*unet \d", proc.stderr), proc.stderr[-3000:]
     assert re.search(r"removed \S+/unet\.weights: no rank of the node maps it", proc.stderr), proc.stderr[-3000:]
     base = unet_weights(tiny_model)
-    assert_same_training(unet_weights(one), unet_weights(two), base)
+    # FSDP's reduce-scatter adds the gradients in another order than one rank's backward: on a 2-core Zen 4 one
+    # element with a near-zero gradient moved 5.7 % of the largest update (the mean stays under 1e-4 of the mean)
+    assert_same_training(unet_weights(one), unet_weights(two), base, largest=0.1)
     rows = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
     n_unet = sum(v.numel() for v in base.values())
     assert rows[0]["allreduce_bytes"] == (3 * n_unet + 1) * 4  # two all-gathers of the weights, one reduce-scatter
@@ -59,7 +61,7 @@ def test_two_sharded_ranks_learn_what_one_rank_learns_and_resume_on_one(tiny_mod
     )
     proc = train(args, cli_env)
     assert "resumed from" in proc.stderr and "global batch" not in proc.stderr
-    assert_same_training(unet_weights(one), unet_weights(resumed), base)
+    assert_same_training(unet_weights(one), unet_weights(resumed), base, largest=0.1)
     state = torch.load(two / "checkpoint-4" / "trainer_state.pt", weights_only=False)
     assert state["method_state"]["unet"].keys() == base.keys()  # whole weights by name, not this rank's shards
     assert all(isinstance(k, str) for k in state["optimizer"]["state"])
