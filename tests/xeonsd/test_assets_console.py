@@ -48,7 +48,8 @@ def test_make_dataset_prints_its_images_only(tmp_path: Path, cli_env) -> None:
 
 
 def test_make_tiny_model_offers_every_arch_the_builders_know() -> None:
-    # The CLI spells the --arch choices out (building its parser must not import the builders): they stay in step.
+    # The CLI reads the --arch choices from the family folders only when make-tiny-model runs (building its parser
+    # must not import the builders): they are the registry's.
     import dataclasses
 
     from xeonsd.assets.models import arch_names

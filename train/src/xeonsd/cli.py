@@ -15,8 +15,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from xeonsd.assets.models import arch_names, depth_archs
 from xeonsd.flags import add_flags, flag, from_args
+
+
+class _ArchNames:
+    """``make-tiny-model --arch``'s choices: the family folders' archs (:func:`xeonsd.assets.models.arch_names`),
+    read only when that command parses or prints its help, so that building the parser imports no family."""
+
+    def __iter__(self):
+        from xeonsd.assets.models import arch_names
+
+        return iter(arch_names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in list(self)
 
 
 def _make_asset(args: argparse.Namespace) -> int:
@@ -131,12 +143,11 @@ class TinyModelArgs:
         "a family's released widths with random weights, for benchmarks (the large ones written in bf16); each "
         "family's folder lists its own (xeonsd/families/<name>/assets.py)",
         default="tiny",
-        choices=tuple(arch_names()),
+        choices=_ArchNames(),
     )
     depth: int | None = flag(
-        "the full-size transformers only (" + ", ".join(depth_archs()) + "): D of the denoiser's blocks, the "
-        "single-stream ones in the real model's proportion (--arch flux: the real model has 19; flux2-klein: 5; "
-        "zimage: 30; qwenimage: 60)",
+        "the full-size transformers only: D of the denoiser's blocks, the single-stream ones in the real model's "
+        "proportion (--arch flux: the real model has 19; flux2-klein: 5; zimage: 30; qwenimage: 60)",
         default=None,
     )
     configs_only: bool = flag(
