@@ -123,18 +123,22 @@ def test_folded_attention_is_sdpa_in_fp32(mask, threads):
 
 @pytest.mark.parametrize("mask", ["none", "key padding [b,1,1,keys] bool"])
 def test_folded_attention_is_sdpa_within_bf16_rounding(mask, threads):
-    """bf16: against an fp64 reference, the folded call is no further off than torch's own bf16 SDPA."""
+    """bf16: against an fp64 reference, the folded call is off by torch's own bf16 SDPA's error plus the rounding of
+    each block's key and value gradients to bf16 before the blocks are summed (at most 2^-8 of the largest gradient
+    per block, and the sum's own rounding). Over 150 seeds the excess measured at most 2.14 of these units."""
     qkv = _qkv(1, 2, 1024, 1024, 16, torch.bfloat16)
     attn_mask = _masks(1, 2, 1024, 1024)[mask]
-    assert blocks_for(*qkv, attn_mask=attn_mask) == 2
-    grad_out = torch.randn(1, 1024, 2, 16).transpose(1, 2)
+    blocks = blocks_for(*qkv, attn_mask=attn_mask)
+    assert blocks == 2
+    grad_out = torch.randn(1, 1024, 2, 16, generator=torch.Generator().manual_seed(2)).transpose(1, 2)
     ref_qkv = [t.detach().double().requires_grad_() for t in qkv]
     ref = _run(F.scaled_dot_product_attention, ref_qkv, grad_out.double(), attn_mask=attn_mask)
     ours = _run(attention, qkv, grad_out.bfloat16(), attn_mask=attn_mask)
     plain = _run(F.scaled_dot_product_attention, qkv, grad_out.bfloat16(), attn_mask=attn_mask)
     for name, a, b, r in zip(("output", "query grad", "key grad", "value grad"), ours, plain, ref, strict=True):
         ours_off, plain_off = (float((x.double() - r).abs().max()) for x in (a, b))
-        assert ours_off <= 2 * plain_off + 1e-3, f"{name}: folded {ours_off:.4f} off, torch's SDPA {plain_off:.4f}"
+        rounding = (blocks + 1) * 2**-8 * float(r.abs().max())
+        assert ours_off <= plain_off + rounding, f"{name}: folded {ours_off:.4f} off, torch's SDPA {plain_off:.4f}"
 
 
 def test_causal_attention_is_left_to_sdpa_unchanged(threads):
