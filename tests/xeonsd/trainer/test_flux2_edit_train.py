@@ -116,7 +116,7 @@ def test_the_reference_joins_the_tokens_as_the_pipeline_passes_image(pipe):  # n
     noisy = torch.randn(1, 128, 4, 4, generator=g)
     hidden = torch.randn(1, 8, pipe.transformer.config.joint_attention_dim, generator=g)
     sigmas = torch.tensor([0.5])
-    kw = FLUX2.denoiser_kwargs(pipe.transformer.config, noisy, sigmas, hidden, None, {"reference": ours}, None)
+    kw = FLUX2.denoiser_kwargs(pipe.transformer.config, noisy, sigmas, hidden, None, {"references": (ours,)}, None)
     latent_ids = pipe._prepare_latent_ids(noisy)
     assert torch.allclose(kw["hidden_states"], torch.cat([pipe._pack_latents(noisy), theirs], dim=1), atol=1e-5)
     assert torch.equal(kw["img_ids"], torch.cat([latent_ids, their_ids], dim=1))
@@ -187,12 +187,25 @@ def test_a_bad_reference_is_named_with_its_metadata_line(tmp_path, pairs):
 
     images = find_images(pairs)
     found = read_references(pairs, images, "cond_image")
-    assert [p.name for p in found] == [p.name for p in images] and {p.parent.name for p in found.values()} == {"ref"}
+    assert [p.name for p in found] == [p.name for p in images]
+    assert {len(refs) for refs in found.values()} == {1} and {r.parent.name for (r,) in found.values()} == {"ref"}
+    listed = tmp_path / "listed"  # the field as a list: one or more references per image, 1 to what the model takes
+    shutil.copytree(pairs, listed)
+    rows = [json.loads(x) for x in (listed / "metadata.jsonl").read_text().splitlines()]
+    for r in rows:
+        r["cond_image"] = [r["cond_image"], "ref/p4.png"]
+    (listed / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    two = read_references(listed, find_images(listed), "cond_image", most=3)
+    assert [[r.name for r in refs] for refs in two.values()][:2] == [["p0.png", "p4.png"], ["p1.png", "p4.png"]]
+    with pytest.raises(DataError, match="2 reference images for p0.png; this model takes at most 1"):
+        read_references(listed, find_images(listed), "cond_image")
     for name, edit, expected in (
         ("missing", lambda r: r.pop("cond_image"), "no reference image for p0.png"),
+        ("empty list", lambda r: r.update(cond_image=[]), "no reference image for p0.png"),
         ("outside", lambda r: r.update(cond_image="../elsewhere.png"), "is outside"),
         ("training", lambda r: r.update(cond_image="p1.png"), "is a training image"),
         ("absent", lambda r: r.update(cond_image="ref/none.png"), "cannot read the reference image"),
+        ("uneven", lambda r: r.update(cond_image=["ref/p0.png", "ref/p1.png"]), "every training image needs the same"),
     ):
         data = tmp_path / name
         shutil.copytree(pairs, data)
@@ -200,8 +213,9 @@ def test_a_bad_reference_is_named_with_its_metadata_line(tmp_path, pairs):
         edit(rows[0])
         (data / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         with pytest.raises(DataError) as err:
-            read_references(data, find_images(data), "cond_image")
-        assert expected in str(err.value) and "metadata.jsonl:1" in str(err.value), err.value
+            read_references(data, find_images(data), "cond_image", most=3)
+        line = 2 if name == "uneven" else 1  # p1's line: its one reference against p0's two
+        assert expected in str(err.value) and f"metadata.jsonl:{line}" in str(err.value), err.value
     (tmp_path / "missing" / "metadata.jsonl").unlink()
     with pytest.raises(DataError, match="has no metadata.jsonl; edit training reads"):
         read_references(tmp_path / "missing", find_images(tmp_path / "missing"), "cond_image")

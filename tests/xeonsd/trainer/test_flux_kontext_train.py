@@ -93,7 +93,7 @@ def test_the_reference_joins_the_tokens_as_the_pipeline_passes_image(pipe):
     pooled = torch.randn(1, pipe.transformer.config.pooled_projection_dim, generator=g)
     flow = type("Flow", (), {"guidance": 3.5})()
     kw = KONTEXT.denoiser_kwargs(
-        pipe.transformer.config, noisy, torch.tensor([0.5]), hidden, pooled, {"reference": reference}, flow
+        pipe.transformer.config, noisy, torch.tensor([0.5]), hidden, pooled, {"references": (reference,)}, flow
     )
     assert torch.equal(kw["hidden_states"], torch.cat([pack(noisy), image_latents], dim=1))
     assert torch.equal(kw["img_ids"], torch.cat([latent_ids, image_ids], dim=0))

@@ -97,6 +97,9 @@ class OpenParts:
     scheduler: Callable[[OpenArch], Any]
     text_encoder: Callable[[QwenText, Any], Any]
     pipeline: Callable[..., Any]
+    # what the pipeline directory holds besides what save_pretrained writes: ``finish(directory, tokenizer)``
+    # (Qwen-Image-Edit's processor/ folder)
+    finish: Callable[[Path, Any], None] | None = None
 
 
 def make_open_model(
@@ -137,6 +140,8 @@ def make_open_model(
             _save_configs(pipe, tmp)
         else:
             pipe.save_pretrained(tmp, safe_serialization=True)
+        if parts.finish is not None:
+            parts.finish(Path(tmp), tokenizer)
     n = sum(p.numel() for p in transformer.parameters())
     what = "configs" if configs_only else "pipeline"
     log.info("wrote %s %s to %s (transformer %.1fM parameters)", arch, what, out, n / 1e6)

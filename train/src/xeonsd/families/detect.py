@@ -177,7 +177,8 @@ def _transformer_family(index, transformer: dict[str, Any], vae, have: set[str],
         raise refuse(f"a transformer pipeline of {what} ({cls})")
     # families on one transformer class (FLUX.1 and FLUX.1 Kontext) are told apart by the pipeline's class
     found_spec = next((c for c in candidates if index.get("_class_name") in c.pipelines), candidates[0])
-    missing = ({"vae", "scheduler"} | set(found_spec.text_encoders) | set(found_spec.tokenizers)) - have
+    needed = {"vae", "scheduler", *found_spec.text_encoders, *found_spec.tokenizers}
+    missing = (needed | ({found_spec.processor} if found_spec.processor else set())) - have
     if missing:
         raise refuse(f"a {found_spec.label} pipeline without {', '.join(sorted(missing))}")
     for name, expected in zip(found_spec.text_encoders, found_spec.encoder_classes, strict=False):

@@ -215,11 +215,11 @@ class FlowFamily(TrainFamily):
         return int(config.joint_attention_dim), int(getattr(config, "pooled_projection_dim", None) or 0)
 
     def meta_inputs(
-        self, config, batch: int, dims: tuple[int, int, int], text_len: int, dtype, reference: bool = False
+        self, config, batch: int, dims: tuple[int, int, int], text_len: int, dtype, references: int = 0
     ) -> dict:
         """One training call's keyword arguments on the meta device (call it under ``torch.device("meta")``), for
-        latents of ``dims`` and ``text_len`` text tokens (``reference``: with a reference image of the same size, edit
-        training): what the memory estimate and the FLOP count run."""
+        latents of ``dims`` and ``text_len`` text tokens (``references``: with that many reference images of the
+        same size, edit training): what the memory estimate and the FLOP count run."""
         from xeonsd.trainer.flow import FlowSchedule
 
         hidden_dim, pooled_dim = self.text_dims(config)
@@ -227,7 +227,7 @@ class FlowFamily(TrainFamily):
         hidden = torch.zeros(batch, text_len, hidden_dim, dtype=dtype)
         pooled = torch.zeros(batch, pooled_dim, dtype=dtype) if pooled_dim else None
         flow = FlowSchedule("none", 0.0, 1.0, 1.29, 1000, 1.0, False)
-        added = {"reference": torch.zeros_like(noisy)} if reference else {}
+        added = {"references": tuple(torch.zeros_like(noisy) for _ in range(references))} if references else {}
         return self.denoiser_kwargs(config, noisy, torch.zeros(batch, dtype=dtype), hidden, pooled, added, flow)
 
     def blocks(self, denoiser) -> list[torch.nn.Module]:

@@ -108,6 +108,11 @@ class FamilySpec:
     # the reference images its pipeline takes beside the prompt (``image=``), and so edit training on image pairs
     # (--cond_image_column): 0 for a text-to-image-only model
     reference_images: int = 0
+    # its pipeline cannot run without a reference image (Qwen-Image-Edit-2511): it trains on pairs only
+    reference_required: bool = False
+    # the pipeline's processor component, loaded beside the tokenizers: the image side of a text encoder that reads
+    # the reference images (Qwen-Image-Edit's Qwen2VLProcessor); None: none
+    processor: str | None = None
     # diffusers' own training script for a method, under a diffusers checkout's examples/ (what `xeonsd bench train
     # --diffusers-examples` runs beside ours): (method, path)
     example_scripts: tuple[tuple[str, str], ...] = ()

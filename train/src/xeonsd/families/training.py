@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from xeonsd.families.spec import FamilySpec
     from xeonsd.trainer.buckets import Placement
     from xeonsd.trainer.models import Models
+    from xeonsd.trainer.prompt_tables import PromptTable
 
 
 class VAEView:
@@ -51,6 +52,9 @@ class TrainFamily:
     conditioning: ClassVar[type[PromptConditioning]] = PromptConditioning
     lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
     is_flow: ClassVar[bool] = False
+    # the text encoder reads the reference images beside the prompt (Qwen-Image-Edit's Qwen2.5-VL), so a prompt
+    # table of edit training has a row per image, with its references (PromptTable.with_references)
+    text_reads_references: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
@@ -79,6 +83,20 @@ class TrainFamily:
         """The micro-conditioning of an image and of its mirror ([2, n]), kept with the cached latents; None: the
         family has none."""
         return None
+
+    def with_references(self, table: PromptTable, references: list[tuple[Path, ...]]) -> PromptTable:
+        """The prompt table of edit training on these images' reference images: with them where the text encoder
+        reads them (``text_reads_references``), else unchanged (the references reach the denoiser as latents)."""
+        return table.with_references(references) if self.text_reads_references else table
+
+    def rendering(self, resolution: int):
+        """A context the validation images render in, so that the pipeline runs as the run trained (Qwen-Image-
+        Edit: the reference at ``resolution``'s area); nothing here."""
+        return contextlib.nullcontext()
+
+    def load_processor(self, src, subfolder: str, tokenizer, **kw):
+        """The pipeline's processor (``FamilySpec.processor``), over the loaded ``tokenizer``: none here."""
+        raise NotImplementedError(f"{self.spec.label} has no processor")
 
     def release_long_encoder(self, models: Models, keep: bool) -> None:
         """Free the long text encoder once every prompt table is built: none here (the CLIP-only families keep

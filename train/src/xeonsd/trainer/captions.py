@@ -53,12 +53,12 @@ def read_captions(data_dir: Path, images: list[Path], column: str = "text") -> C
     return None
 
 
-def read_references(data_dir: Path, images: list[Path], column: str) -> dict[Path, Path]:
-    """Each image's reference image for edit training: ``column`` of its metadata.jsonl row, a path relative to
-    ``data_dir`` (the layout of diffusers' img2img scripts' ``--cond_image_column``, as an image folder). Every image
-    needs one, that decodes, inside ``data_dir`` and not itself a training image; a DataError names what is not."""
-    from PIL import Image, UnidentifiedImageError
-
+def read_references(data_dir: Path, images: list[Path], column: str, most: int = 1) -> dict[Path, tuple[Path, ...]]:
+    """Each image's reference images for edit training: ``column`` of its metadata.jsonl row, a path relative to
+    ``data_dir`` or a list of such paths (the layout of diffusers' img2img scripts' ``--cond_image_column`` as an
+    image folder; a list as a datasets ``Sequence(Image)`` column). Every image has the same number of them, 1 to
+    ``most`` (what the family's pipeline takes), each decoding, inside ``data_dir`` and not itself a training image;
+    a DataError names what is not."""
     data_dir = Path(data_dir)
     path = data_dir / METADATA
     if not path.is_file():
@@ -76,26 +76,47 @@ def read_references(data_dir: Path, images: list[Path], column: str) -> dict[Pat
             if isinstance(row, dict) and "file_name" in row:
                 rows[Path(str(row["file_name"])).name] = (row.get(column), f"{path}:{n}")
     names = {p.resolve() for p in images}
-    out = {}
+    out: dict[Path, tuple[Path, ...]] = {}
     for image in images:
         value, where = rows.get(image.name, (None, str(path)))
-        if not isinstance(value, str) or not value.strip():
-            raise DataError(f"{where}: no reference image for {image.name} (the {column!r} field, a relative path)")
-        ref = (data_dir / value).resolve()
-        if not ref.is_relative_to(data_dir.resolve()):
-            raise DataError(f"{where}: the reference image {value!r} of {image.name} is outside {data_dir}")
-        if ref in names:
+        values = value if isinstance(value, list) else [value]
+        if not values or not all(isinstance(v, str) and v.strip() for v in values):
             raise DataError(
-                f"{where}: the reference image {value!r} of {image.name} is a training image; keep the reference "
-                "images in a folder of their own (e.g. ref/)"
+                f"{where}: no reference image for {image.name} (the {column!r} field: a relative path, or a list "
+                "of them)"
             )
-        try:
-            with Image.open(ref) as im:
-                im.load()
-        except (OSError, UnidentifiedImageError) as exc:
-            raise DataError(f"{where}: cannot read the reference image {value!r} of {image.name}: {exc}") from exc
-        out[image] = ref
+        if len(values) > most:
+            raise DataError(
+                f"{where}: {len(values)} reference images for {image.name}; this model takes at most {most}"
+            )
+        first = next(iter(out.values()), None)
+        if first is not None and len(values) != len(first):
+            raise DataError(
+                f"{where}: {len(values)} reference image(s) for {image.name}, {len(first)} for {images[0].name}; "
+                "every training image needs the same number (a batch stacks them)"
+            )
+        out[image] = tuple(_reference(data_dir, str(v), image, where, names) for v in values)
     return out
+
+
+def _reference(data_dir: Path, value: str, image: Path, where: str, names: set[Path]) -> Path:
+    """The reference image ``value`` of ``image``, checked: inside ``data_dir``, not a training image, decoding."""
+    from PIL import Image, UnidentifiedImageError
+
+    ref = (data_dir / value).resolve()
+    if not ref.is_relative_to(data_dir.resolve()):
+        raise DataError(f"{where}: the reference image {value!r} of {image.name} is outside {data_dir}")
+    if ref in names:
+        raise DataError(
+            f"{where}: the reference image {value!r} of {image.name} is a training image; keep the reference "
+            "images in a folder of their own (e.g. ref/)"
+        )
+    try:
+        with Image.open(ref) as im:
+            im.load()
+    except (OSError, UnidentifiedImageError) as exc:
+        raise DataError(f"{where}: cannot read the reference image {value!r} of {image.name}: {exc}") from exc
+    return ref
 
 
 def _check_text(text: object, where: str) -> str:

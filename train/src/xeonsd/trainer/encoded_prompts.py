@@ -41,11 +41,13 @@ def encode_prompts(
     train = family.conditioning(
         models, prompts, trainable=method.trains_text_encoder, rank=rank, world=world, draws=draws
     )
-    held = validation_text(cfg, info, models, method, inputs.held_out)
+    held = validation_text(cfg, info, models, method, inputs.held_out, inputs.references)
     prior = class_text(cfg, info, models, method.trains_text_encoder) if inputs.class_images else None
     if family.is_flow:  # the validation prompt's table too, then T5 goes
         if cfg.validation_prompt:
             table = PromptTable((cfg.validation_prompt, ""), per_image=False, source="--validation_prompt")
+            if models.sample_reference and family.text_reads_references:  # edits of the first image's references
+                table = PromptTable(table.texts, True, table.source, (models.sample_reference,) * 2)
             models.sample_conditioning = family.conditioning(
                 models, table, trainable=method.trains_text_encoder, rank=rank, world=world
             )

@@ -19,7 +19,7 @@ from xeonsd.trainer import checkpoint as ckpt
 from xeonsd.trainer.buckets import Buckets, assign
 from xeonsd.trainer.captions import Captions, read_captions, read_references, short_tag_captions
 from xeonsd.trainer.config import ConfigError, TrainConfig
-from xeonsd.trainer.data import find_images
+from xeonsd.trainer.data import DataError, find_images
 from xeonsd.trainer.flow import resolve_scheme
 from xeonsd.trainer.loss import local_num_train_timesteps, parse_timestep_range
 from xeonsd.trainer.methods import for_config, method_class
@@ -46,7 +46,7 @@ class Inputs:
     buckets: Buckets | None = None  # --buckets: each training image's aspect-ratio bucket
     class_images: list[Path] = dataclasses.field(default_factory=list)  # prior preservation's, from set-up
     # --cond_image_column: each training and held-out image's reference image (edit training on image pairs)
-    references: dict[Path, Path] | None = None
+    references: dict[Path, tuple[Path, ...]] | None = None
 
 
 def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
@@ -71,10 +71,18 @@ def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
         buckets = assign(images, resolution, cfg.min_bucket_reso, cfg.max_bucket_reso, cfg.bucket_reso_steps)
     references = None
     if cfg.cond_image_column:
-        references = read_references(Path(cfg.train_data_dir), images, cfg.cond_image_column)
+        most = family.spec.reference_images
+        references = read_references(Path(cfg.train_data_dir), images, cfg.cond_image_column, most)
         if held_out is not None:
             held_dir = Path(cfg.validation_data_dir or cfg.train_data_dir)
-            references |= read_references(held_dir, held_out.images, cfg.cond_image_column)
+            held = read_references(held_dir, held_out.images, cfg.cond_image_column, most)
+            train_count, held_count = len(references[images[0]]), len(next(iter(held.values())))
+            if held_count != train_count:
+                raise DataError(
+                    f"{held_dir}: the held-out images have {held_count} reference image(s) each, the training "
+                    f"images {train_count}; give them the same number"
+                )
+            references |= held
     resume = None
     # Checkpoints live in rank 0's output dir (on the primary node); rank 0 reads and broadcasts the state.
     if cfg.resume_from_checkpoint and info.is_main:
@@ -147,6 +155,11 @@ def check_reference_flags(cfg: TrainConfig, family: Family) -> None:
     image (``FamilySpec.reference_images``), and not with what has no reference to give (prior preservation's class
     images) or no place for it yet (aspect-ratio buckets)."""
     if not cfg.cond_image_column:
+        if family.spec.reference_required:
+            raise ConfigError(
+                f"{family.label} ({family.pipeline_class}) edits reference images and cannot run without one: train "
+                "it on image pairs, --cond_image_column naming each image's reference in metadata.jsonl"
+            )
         return
     if not family.spec.reference_images:
         takes = [f.label for f in REGISTRY if f.reference_images]
@@ -164,6 +177,13 @@ def check_reference_flags(cfg: TrainConfig, family: Family) -> None:
             "--buckets with --cond_image_column: a reference image would need its training image's bucket, which "
             "is not built yet; train the pairs at one --resolution (they are center- or randomly cropped)"
         )
+    if family.spec.training.text_reads_references:
+        drawn = [f"--{n}" for n in ("caption_dropout", "shuffle_tags") if getattr(cfg, n)]
+        if drawn:
+            raise ConfigError(
+                f"{' and '.join(drawn)} with --cond_image_column: {family.label}'s text encoder reads each prompt "
+                "with its reference images, encoded once per image; captions drawn per step have no such row"
+            )
 
 
 def check_flags(cfg: TrainConfig, info: RankInfo) -> None:

@@ -312,14 +312,15 @@ def _prepare_data(
     load took ``load_s``). ``method``: the method, or its prompts' side before it exists (phased loading)."""
     world = info.world_size
     prompts = method.prompts(inputs.captions)
+    if inputs.references:  # edit training: the validation images are edits of the first image's references
+        models.sample_reference = inputs.references[inputs.images[0]]
+        prompts = models.training.with_references(prompts, [inputs.references[p] for p in inputs.images])
     t0 = time.perf_counter()
     texts = encode_prompts(cfg, info, models, method, inputs, prompts, seed)
     t1 = time.perf_counter()
     latents = LatentTable.build(
         cfg, models, inputs.images, info.rank, info.local_rank, world, inputs.buckets, inputs.references
     )
-    if inputs.references:
-        models.sample_reference = inputs.references[inputs.images[0]]
     t2 = time.perf_counter()
     batches = BucketBatches.for_run(inputs.buckets, models.vae, world * cfg.train_batch_size, models.training)
     num_timesteps = models.noise_scheduler.config.num_train_timesteps

@@ -142,8 +142,9 @@ def image_cache_key(
 @dataclass
 class LatentTable:
     """The latent distribution of every training input (row ``2*i`` image i, ``2*i+1`` its mirror), or the VAE and
-    the pixels to encode them every step (``--no-latent_cache``); with ``--cond_image_column``, ``references``: the
-    same table of each image's reference image, row for row (a mirrored example sees its reference mirrored)."""
+    the pixels to encode them every step (``--no-latent_cache``); with ``--cond_image_column``, ``references``: one
+    such table per reference image (an image's first, its second, …), row for row (a mirrored example sees its
+    references mirrored)."""
 
     shape: tuple[int, int, int]
     count: int
@@ -157,7 +158,7 @@ class LatentTable:
     dtype: torch.dtype = torch.float32
     time_ids: torch.Tensor | None = None  # SDXL: [count, 6] micro-conditioning per input row
     encoded: int = 0  # inputs the VAE encoded for the cache (all ranks)
-    references: LatentTable | None = None
+    references: list[LatentTable] | None = None
 
     def time_ids_of(self, examples) -> torch.Tensor:
         assert self.time_ids is not None, "time ids exist for SDXL models only"
@@ -182,14 +183,17 @@ class LatentTable:
         local_rank: int,
         world: int,
         buckets: Buckets | None = None,
-        references: dict[Path, Path] | None = None,
+        references: dict[Path, tuple[Path, ...]] | None = None,
     ) -> LatentTable:
         """The table of ``images`` at ``--resolution`` or, with ``buckets``, each in its bucket; from the disk
-        cache where every rank has an image's file. ``references``: each image's reference image (edit training),
-        whose table is built the same way and kept in ``references``."""
+        cache where every rank has an image's file. ``references``: each image's reference images (edit training),
+        whose tables (one per place in the list) are built the same way and kept in ``references``."""
         table = cls._build(cfg, models, images, rank, local_rank, world, buckets)
-        if references is not None:
-            table.references = cls._build(cfg, models, [references[p] for p in images], rank, local_rank, world)
+        if references is not None and images:
+            table.references = [
+                cls._build(cfg, models, [references[p][k] for p in images], rank, local_rank, world)
+                for k in range(len(references[images[0]]))
+            ]
         return table
 
     @classmethod

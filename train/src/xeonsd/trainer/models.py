@@ -56,9 +56,11 @@ class Models:
     # flow families, once T5 is freed: the validation prompt's embeddings for the pipeline (the family's
     # conditioning of (validation prompt, ""), with ``pipeline_kwargs()``)
     sample_conditioning: object | None = None
-    # edit training (--cond_image_column): the reference image the validation prompt's images are made from (the
+    # edit training (--cond_image_column): the reference images the validation prompt's images are made from (the
     # first training image's)
-    sample_reference: Path | None = None
+    sample_reference: tuple[Path, ...] | None = None
+    # the pipeline's processor, where its text encoder reads images (Qwen-Image-Edit: FamilySpec.processor)
+    processor: object | None = None
     # --share_weights: the node's store, and the shared component behind each slot ("vae" -> "vae", …)
     store: SharedStore | None = None
     shared_slots: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -202,6 +204,8 @@ def _load_models(cfg: TrainConfig, family: Family, store: SharedStore | None, de
         tokenizer, text_encoder, vae, None, noise_scheduler, weight_dtype, False, family, tok2, enc2, tok3, enc3, flow
     )
     models.text_pending = pending
+    if spec.processor:  # the vision side of the text encoder's inputs (Qwen-Image-Edit's reference images)
+        models.processor = spec.training.load_processor(src, spec.processor, tokenizer, **kw)
     if store is not None:
         text_slots = zip(_TEXT_SLOTS, (encoder for encoder, _ in spec.text_side), strict=False)
         models = dataclasses.replace(models, store=store, shared_slots={"vae": "vae", **dict(text_slots)})

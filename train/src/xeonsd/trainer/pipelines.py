@@ -81,6 +81,8 @@ def inference_pipeline(models: Models):
     }
     for (encoder_name, tokenizer_name), (tokenizer, encoder) in zip(spec.text_side, models.text_pairs, strict=True):
         parts.update({encoder_name: encoder, tokenizer_name: tokenizer})
+    if spec.processor:
+        parts[spec.processor] = models.processor
     cls = pipeline_class(models.family)
     for name, param in inspect.signature(cls.__init__).parameters.items():  # components training has none of
         if name != "self" and param.default is inspect.Parameter.empty:
@@ -107,7 +109,7 @@ def render_validation(cfg: TrainConfig, models: Models, target: Path | None, see
     pipe = inference_pipeline(models)
     generator = torch.Generator().manual_seed(seed)
     place = atomic_dir(target, overwrite=True) if target is not None else tempfile.TemporaryDirectory()
-    with place as tmp, torch.no_grad(), autocast(models.weight_dtype):
+    with place as tmp, torch.no_grad(), autocast(models.weight_dtype), models.training.rendering(cfg.resolution):
         tmp = Path(tmp)
         extra = {}
         takes = inspect.signature(pipe.__call__).parameters
@@ -115,11 +117,14 @@ def render_validation(cfg: TrainConfig, models: Models, target: Path | None, see
             extra["max_area"] = cfg.resolution * cfg.resolution
         if "_auto_resize" in takes:  # and the reference at the size it trained at (its --resolution crop)
             extra["_auto_resize"] = False
-        if models.sample_reference is not None:  # edit training: the images are edits of a reference image
+        if models.sample_reference:  # edit training: the images are edits of the reference images
             from PIL import Image
 
-            with Image.open(models.sample_reference) as im:
-                extra["image"] = im.convert("RGB")
+            images = []
+            for path in models.sample_reference:
+                with Image.open(path) as im:
+                    images.append(im.convert("RGB"))
+            extra["image"] = images[0] if len(images) == 1 else images
         for i in range(cfg.num_validation_images):
             image = pipe(
                 **pipeline_call_kwargs(models, cfg.validation_prompt),

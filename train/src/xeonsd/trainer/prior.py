@@ -226,11 +226,11 @@ class PriorData:
 
 def model_inputs(text, latents, examples: list[Example]) -> tuple:
     """(sampled latents, noise, timesteps (σ for flow models), text hidden states, the added conditioning or None)
-    of these examples; the added conditioning holds their reference images' latents (``reference``) when the run
-    trains on image pairs."""
+    of these examples; the added conditioning holds their reference images' latents (``references``, a tuple of
+    [b, c, h, w], one per reference image) when the run trains on image pairs."""
     hidden, added = text.unet_inputs(latents, examples)
-    if getattr(latents, "references", None) is not None:  # edit training: each example's reference image's latents
-        added = {**(added or {}), "reference": latents.references.sample(examples)}
+    if getattr(latents, "references", None):  # edit training: each example's reference images' latents
+        added = {**(added or {}), "references": tuple(t.sample(examples) for t in latents.references)}
     noise = torch.stack([e.noise for e in examples])
     if examples[0].sigma is not None:  # rectified flow: each example's σ
         timesteps = torch.tensor([e.sigma for e in examples], dtype=torch.float32)

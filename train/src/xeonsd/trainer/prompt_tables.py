@@ -3,7 +3,9 @@ instance prompt for all), built per method from the captions and the flags."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from xeonsd.trainer.config import ConfigError
@@ -21,6 +23,22 @@ class PromptTable:
     texts: tuple[str, ...]
     per_image: bool
     source: str  # "captions.txt", "templates", "--instance_prompt", …
+    # where the text encoder reads reference images beside the prompt (Qwen-Image-Edit): each row's
+    references: tuple[tuple[Path, ...], ...] | None = None
+
+    def with_references(self, references: list[tuple[Path, ...]]) -> PromptTable:
+        """This table with each image's reference images (``references[i]``: image i's), one row per image: a
+        caption per image keeps its rows, one instance prompt becomes that prompt on every image's row (an example
+        draws the same text, so the sampling plan does not change)."""
+        if self.per_image:
+            assert len(self.texts) == len(references), "a caption per image"
+            return dataclasses.replace(self, references=tuple(references))
+        if len(self.texts) != 1:
+            raise ConfigError(
+                f"{self.source}: {len(self.texts)} prompts that every image draws from; a model whose text encoder "
+                "reads the reference images trains on one prompt per image (captions, or one --instance_prompt)"
+            )
+        return PromptTable(self.texts * len(references), True, self.source, tuple(references))
 
     @property
     def num_templates(self) -> int:

@@ -145,13 +145,18 @@ def fixed_timesteps(lo: int, hi: int, count: int = TIMESTEPS) -> tuple[int, ...]
     return tuple(lo + (hi - lo) * (2 * j + 1) // (2 * count) for j in range(count))
 
 
-def validation_text(cfg: TrainConfig, info, models, method, held: HeldOut | None) -> tuple | None:
+def validation_text(
+    cfg: TrainConfig, info, models, method, held: HeldOut | None, references: dict | None = None
+) -> tuple | None:
     """(the held-out captions' prompt table, its conditioning), built with the training prompts: before the VAE
-    encodes, while a flow family's T5 is still loaded."""
+    encodes, while a flow family's T5 is still loaded. ``references``: every image's reference images (edit
+    training), which a family whose text encoder reads them gets in the table."""
     if held is None:
         return None
 
     prompts = method.prompts(held.captions)
+    if references:
+        prompts = models.training.with_references(prompts, [references[p] for p in held.images])
     draws = CaptionDraws(prefix=(cfg.caption_prefix or "").strip())  # the prefix; nothing drawn
     text = models.training.conditioning(models, prompts, method.trains_text_encoder, info.rank, info.world_size, draws)
     return prompts, text
@@ -165,7 +170,7 @@ def build_validation(
     text: tuple | None,
     seed: int,
     timestep_range: tuple[int, int],
-    references: dict[Path, Path] | None = None,
+    references: dict[Path, tuple[Path, ...]] | None = None,
 ) -> ValidationSet | None:
     """The validation set, on every rank (its latent table is shared out like the training one); ``text``: its
     :func:`validation_text`; ``references``: the held-out images' reference images (edit training)."""

@@ -139,18 +139,17 @@ class Flux2Family(FlowFamily):
         return mean, 1.0 / std
 
     def denoiser_kwargs(self, config, noisy, sigmas, hidden, pooled, added, flow):
-        """The call's arguments; with a reference image (``added["reference"]``: its normalised, patchified latents,
-        edit training) its tokens follow the noisy ones, with their own position ids, as Flux2KleinPipeline passes
-        ``image=``; :meth:`unpack` keeps the predictions of the noisy tokens only."""
+        """The call's arguments; with reference images (``added["references"]``: their normalised, patchified
+        latents, edit training) their tokens follow the noisy ones, each image with its own position ids, as
+        Flux2KleinPipeline passes ``image=``; :meth:`unpack` keeps the predictions of the noisy tokens only."""
         b, _, h, w = noisy.shape
         dtype = noisy.dtype
         guidance = torch.full((b,), flow.guidance, dtype=dtype) if config.guidance_embeds else None
         tokens, ids = pack(noisy), latent_ids(b, h, w)
-        reference = added.get("reference")
-        if reference is not None:
+        for k, reference in enumerate(added.get("references", ())):
             rh, rw = reference.shape[-2:]
             tokens = torch.cat([tokens, pack(reference.to(dtype))], dim=1)
-            ids = torch.cat([ids, reference_ids(b, rh, rw)], dim=1)
+            ids = torch.cat([ids, reference_ids(b, rh, rw, k)], dim=1)
         return {
             "hidden_states": tokens,
             "timestep": sigmas.to(dtype),

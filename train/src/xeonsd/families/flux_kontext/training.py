@@ -27,8 +27,7 @@ class FluxKontextFamily(FluxFamily):
 
     def denoiser_kwargs(self, config, noisy, sigmas, hidden, pooled, added, flow):
         kwargs = super().denoiser_kwargs(config, noisy, sigmas, hidden, pooled, added, flow)
-        reference = added.get("reference")
-        if reference is not None:
+        for reference in added.get("references", ()):  # one: FluxKontextPipeline takes one image
             rh, rw = reference.shape[-2:]
             kwargs["hidden_states"] = torch.cat([kwargs["hidden_states"], pack(reference.to(noisy.dtype))], dim=1)
             kwargs["img_ids"] = torch.cat([kwargs["img_ids"], reference_ids(rh, rw, noisy.dtype)], dim=0)

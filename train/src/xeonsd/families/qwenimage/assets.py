@@ -46,7 +46,8 @@ ARCHS: dict[str, OpenArch] = {
 }
 
 
-def transformer(a: OpenArch) -> Any:
+def transformer(a: OpenArch, **extra: Any) -> Any:
+    """Qwen-Image's transformer of ``a`` (``extra``: more of its config, Qwen-Image-Edit-2511's ``zero_cond_t``)."""
     from diffusers import QwenImageTransformer2DModel
 
     assert sum(a.axes_dims_rope) == a.head_dim, "Qwen-Image's rotary axes split the head dimension"
@@ -60,6 +61,7 @@ def transformer(a: OpenArch) -> Any:
         joint_attention_dim=a.text.hidden,
         guidance_embeds=False,
         axes_dims_rope=a.axes_dims_rope,
+        **extra,
     )
 
 

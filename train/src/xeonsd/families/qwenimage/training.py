@@ -47,12 +47,15 @@ class QwenPromptConditioning(FlowPromptConditioning):
     longest of these rows; ``unet_inputs`` gives the hidden states padded to the model's text length with the mask
     in ``added["mask"]`` (so the prior-preservation batch joins the class rows to the instance rows)."""
 
+    template = TEMPLATE  # the pipeline's prompt template, and the length of its system prefix
+    drop_idx = DROP_IDX
+
     # ---- the token ids: [input ids, attention mask], right-padded to the table's longest templated prompt ----
     def _tokenize(self, texts: list[str]) -> list[torch.Tensor]:
         tok = self.models.tokenizer
         out = tok(
-            [TEMPLATE.format(t) for t in texts],
-            max_length=TOKENIZER_MAX_LENGTH + DROP_IDX,
+            [self.template.format(t) for t in texts],
+            max_length=TOKENIZER_MAX_LENGTH + self.drop_idx,
             padding=True,
             truncation=True,
             return_tensors="pt",
@@ -61,22 +64,24 @@ class QwenPromptConditioning(FlowPromptConditioning):
 
     def _width(self, mask: torch.Tensor) -> int:
         """Text tokens a row of these masks gives at most: after the prefix, at most the text length."""
-        return max(1, min(int(mask.sum(dim=1).max()) - DROP_IDX, self.models.text_length))
+        return max(1, min(int(mask.sum(dim=1).max()) - self.drop_idx, self.models.text_length))
 
-    def _qwen(self, ids: list[torch.Tensor], width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _qwen(self, ids: list, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden states, mask) of these rows, each encoded alone (no padding in its forward), padded to
-        ``width`` (default: the longest of them)."""
+        ``width`` (default: the longest of them). ``ids[2]``, where there is one: each row's images for the vision
+        tower (``pixel_values``, ``image_grid_thw``; Qwen-Image-Edit's reference images)."""
         encoder = held(self.models.text_encoder, "Qwen2.5-VL")
-        input_ids, mask = ids
+        input_ids, mask = ids[:2]
+        images = ids[2] if len(ids) > 2 else [{}] * len(input_ids)
         width = width or self._width(mask)
         rows = []
         with torch.no_grad():
-            for one, m in zip(input_ids, mask, strict=True):
+            for one, m, seen in zip(input_ids, mask, images, strict=True):
                 n = int(m.sum())
                 one = one[m.bool()][None]  # the row's own tokens (right or left padding alike)
                 body = getattr(encoder, "model", encoder)  # the decoder without the LM head: the same states
-                out = body(input_ids=one, attention_mask=torch.ones_like(one), output_hidden_states=True)
-                rows.append(out.hidden_states[-1][0, DROP_IDX:n][:width])
+                out = body(input_ids=one, attention_mask=torch.ones_like(one), output_hidden_states=True, **seen)
+                rows.append(out.hidden_states[-1][0, self.drop_idx : n][:width])
         hidden = torch.stack([F.pad(r, (0, 0, 0, width - r.shape[0])) for r in rows])
         lengths = torch.tensor([r.shape[0] for r in rows])
         return hidden, (torch.arange(width)[None] < lengths[:, None]).to(hidden.dtype)

@@ -54,14 +54,14 @@ def flow_estimate(cfg, method: str, family, num_images: int, num_prompts: int, w
     autocast = weight_dtype == torch.bfloat16 and dtype == torch.float32
     dims = side.latent_dims(vae.config, family.vae_scale, cfg.resolution, cfg.resolution)
     text_len = spec.clip_context_tokens + (spec.prompt_length_of(src) or 0)
-    activations = flow_activations(denoiser, side, cfg, dims, text_len, autocast)
+    references = family.spec.reference_images if cfg.cond_image_column else 0  # at most this many per image
+    activations = flow_activations(denoiser, side, cfg, dims, text_len, autocast, references)
     if cfg.with_prior_preservation:
         num_images, num_prompts = num_images + cfg.num_class_images, num_prompts + 1
     latents = 2 * num_images * 2 * dims[0] * dims[1] * dims[2] * 4
     if not cfg.latent_cache:
         latents = 2 * num_images * 3 * cfg.resolution**2 * 4
-    if cfg.cond_image_column:  # each image's reference image, held the same way
-        latents *= 2
+    latents *= 1 + references  # each image's reference images, held the same way
     # the tables, in the training dtype: the long encoder's hidden states, and the CLIP part (SD3: hidden states
     # of CLIP-L and CLIP-G side by side, 2048 wide, too)
     hidden_dim, pooled_dim = side.text_dims(denoiser.config)
@@ -100,10 +100,12 @@ def flow_estimate(cfg, method: str, family, num_images: int, num_prompts: int, w
     return shard_if_asked(cfg, est, world, denoiser, trainable)
 
 
-def flow_activations(denoiser, side, cfg, dims: tuple[int, int, int], text_len: int, autocast: bool) -> int:
+def flow_activations(
+    denoiser, side, cfg, dims: tuple[int, int, int], text_len: int, autocast: bool, references: int = 0
+) -> int:
     """What autograd keeps in one meta forward of the transformer (:func:`.measure.saved_activations`, per
-    block); ``side`` is the family's training side."""
+    block); ``side`` is the family's training side, ``references`` the reference images beside the latents."""
     dtype = next(denoiser.parameters()).dtype
     with torch.device("meta"):
-        args = side.meta_inputs(denoiser.config, step_batch(cfg), dims, text_len, dtype, bool(cfg.cond_image_column))
+        args = side.meta_inputs(denoiser.config, step_batch(cfg), dims, text_len, dtype, references)
     return saved_activations(denoiser, side.blocks(denoiser), cfg, autocast, **args, return_dict=False)
