@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from xeonsd.families import flux, flux2, flux_kontext, qwenimage, sd, sd3, sdxl, zimage
+from xeonsd.families import flux, flux2, flux_kontext, qwenimage, qwenimage_edit, sd, sd3, sdxl, zimage
 from xeonsd.families.spec import FamilyError, FamilySpec
 
 REGISTRY: tuple[FamilySpec, ...] = (
@@ -19,6 +19,7 @@ REGISTRY: tuple[FamilySpec, ...] = (
     zimage.SPEC,
     qwenimage.SPEC,
     flux_kontext.SPEC,
+    qwenimage_edit.SPEC,
 )
 SPECS: dict[str, FamilySpec] = {found.name: found for found in REGISTRY}
 

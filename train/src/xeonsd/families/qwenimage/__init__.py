@@ -39,7 +39,6 @@ SPEC = FamilySpec(
     pipeline_aliases=("QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline"),
     variants=(
         ("QwenImageEditPipeline", "Qwen-Image-Edit, an edit model that takes a reference image"),
-        ("QwenImageEditPlusPipeline", "Qwen-Image-Edit-2509/2511, an edit model that takes 1-3 reference images"),
         ("QwenImageEditInpaintPipeline", "Qwen-Image-Edit's inpainting, an edit model that takes a reference image"),
         ("QwenImageLayeredPipeline", "Qwen-Image-Layered, which decomposes an image into layers"),
         ("QwenImageControlNetPipeline", "a ControlNet beside the transformer, which conditions on a control image"),

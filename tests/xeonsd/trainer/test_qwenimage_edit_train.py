@@ -1,0 +1,214 @@
+"""Qwen-Image-Edit-2511 (``families/qwenimage_edit/``) on its tiny pipeline (``make-tiny-model --arch
+tiny-qwenimage-edit``: Qwen-Image's tiny structure with 2511's ``zero_cond_t`` transformer in a
+``QwenImageEditPlusPipeline``), trained on image pairs under real mpirun:
+
+* it is told from Qwen-Image by the pipeline's class, and a pipeline without its processor is refused;
+* a prompt table row is what the pipeline's own ``encode_prompt`` gives for the instruction and its reference
+  images (Qwen2.5-VL's vision tower included; our processor expands the image tokens as Qwen2VLProcessor does);
+* the references' tokens follow the noisy ones, ``img_shapes`` lists them after the target, both reach the
+  prediction, and only the noisy tokens' prediction is kept;
+* 2 ranks x batch 1 learn what 1 rank x batch 2 learns, with the held-out pairs' validation loss and a validation
+  image made from the first pair's reference; a resume of the 2-rank run's checkpoint ends where the uninterrupted
+  run ends;
+* stock ``QwenImageEditPlusPipeline.load_lora_weights`` loads the LoRA, the image changes and depends on the
+  reference;
+* two references per image train; what cannot is refused in one line: no pairs, more references than the pipeline
+  takes, caption draws.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from cli_runs import method_args, refused, train
+from PIL import Image
+from safetensors.torch import load_file
+from test_flux2_edit_train import PROMPT, pair_runs, write_pairs
+from test_methods import LORA_FILE, assert_same_training
+
+FLAGS = (
+    "--cond_image_column=cond_image",
+    "--rank=2",
+    "--lora_alpha=4",
+    "--learning_rate=1e-2",
+    "--checkpointing_steps=2",
+    "--validation_split=0.2",
+    "--validation_steps=2",
+    f"--validation_prompt={PROMPT}",
+    "--num_validation_images=1",
+)
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+
+
+@pytest.fixture(scope="module")
+def edit_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from xeonsd.assets import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("assets") / "tiny-qwenimage-edit", arch="tiny-qwenimage-edit")
+
+
+@pytest.fixture(scope="module")
+def pipe(edit_model):
+    from diffusers import QwenImageEditPlusPipeline
+
+    from xeonsd.families.qwenimage_edit.processor import VisionProcessor
+
+    p = QwenImageEditPlusPipeline.from_pretrained(edit_model, processor=VisionProcessor.from_pretrained(edit_model))
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_pairs(tmp_path_factory.mktemp("qwen-edit-pairs") / "data")
+
+
+@pytest.fixture(scope="module")
+def runs(edit_model, pairs, tmp_path_factory):
+    return pair_runs(edit_model, pairs, tmp_path_factory.mktemp("qwen-edit-runs"), FLAGS)
+
+
+def lora_b(path: Path) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in load_file(str(path / LORA_FILE)).items() if "lora_B" in k}
+
+
+def test_the_edit_model_is_told_from_qwen_image_by_its_pipeline(edit_model, tmp_path):
+    from xeonsd.families import FamilyError, by_name, detect_family
+
+    found = detect_family(edit_model)
+    assert found.spec is by_name("qwenimage_edit") and found.spec.denoiser_class == "QwenImageTransformer2DModel"
+    index = json.loads((edit_model / "model_index.json").read_text())
+    assert index["_class_name"] == "QwenImageEditPlusPipeline" and index["processor"][1] == "Qwen2VLProcessor"
+    no_processor = tmp_path / "no-processor"
+    no_processor.mkdir()
+    (no_processor / "model_index.json").write_text(json.dumps({k: v for k, v in index.items() if k != "processor"}))
+    for part in ("transformer", "vae"):
+        shutil.copytree(edit_model / part, no_processor / part)
+    with pytest.raises(FamilyError, match="a Qwen-Image-Edit-2511 pipeline without processor"):
+        detect_family(no_processor)
+
+
+@torch.no_grad()
+def test_a_prompt_row_is_the_pipelines_encoding_of_the_instruction_and_its_references(pipe, pairs):
+    """Our table (the instruction with each reference through Qwen2.5-VL, encoded alone) against
+    QwenImageEditPlusPipeline.encode_prompt with the same condition images, for one and for two references."""
+    from xeonsd.families import by_name
+    from xeonsd.families.qwenimage_edit.training import QwenEditPromptConditioning, condition_size
+    from xeonsd.trainer.prompt_tables import PromptTable
+
+    spec = by_name("qwenimage_edit")
+    refs = [pairs / "ref" / "p0.png", pairs / "ref" / "p3.png"]
+    models = SimpleNamespace(
+        tokenizer=pipe.tokenizer,
+        text_encoder=pipe.text_encoder,
+        processor=pipe.processor,
+        text_length=1024,
+        weight_dtype=torch.float32,
+        family=SimpleNamespace(label=spec.label),
+        text_pending={},
+    )
+    table = PromptTable((PROMPT, "turn it around"), True, "test", ((refs[0],), tuple(refs)))
+    ours = QwenEditPromptConditioning(models, table, trainable=False, rank=0, world=1)
+    for row, n in ((0, 1), (1, 2)):
+        images = []
+        for path in refs[:n]:
+            with Image.open(path) as im:
+                im = im.convert("RGB")
+                images.append(pipe.image_processor.resize(im, *condition_size(*im.size)[::-1]))
+        theirs, _ = pipe.encode_prompt(prompt=table.texts[row], image=images, device="cpu")
+        hidden, mask = ours.encode([row])
+        assert hidden.shape == theirs.shape and bool(mask.all()), (hidden.shape, theirs.shape)
+        torch.testing.assert_close(hidden, theirs, rtol=1e-4, atol=1e-5)
+    one, two = ours.encode([0])[0], ours.encode([1])[0]
+    assert two.shape[1] > one.shape[1]  # the second picture's vision tokens
+
+
+@torch.no_grad()
+def test_the_references_join_the_tokens_as_the_pipeline_passes_image(pipe):
+    from xeonsd.families.flow import pack
+    from xeonsd.families.qwenimage_edit.training import TRAINING as EDIT
+
+    g = torch.Generator().manual_seed(0)
+    noisy = torch.randn(1, 16, 8, 8, generator=g)
+    refs = tuple(torch.randn(1, 16, 8, 8, generator=g) for _ in range(2))
+    hidden = torch.randn(1, 12, pipe.transformer.config.joint_attention_dim, generator=g)
+    config = pipe.transformer.config
+    flow = SimpleNamespace(guidance=1.0)
+    kw = EDIT.denoiser_kwargs(config, noisy, torch.tensor([0.5]), hidden, None, {"references": refs}, flow)
+    assert torch.equal(kw["hidden_states"], torch.cat([pack(noisy), *map(pack, refs)], dim=1))
+    assert kw["img_shapes"] == [[(1, 4, 4), (1, 4, 4), (1, 4, 4)]]  # the pipeline's: the target's, then each one's
+    out = pipe.transformer(**kw, return_dict=False)[0]
+    assert out.shape[1] == 48
+    assert torch.equal(EDIT.unpack(out, noisy.shape), pipe._unpack_latents(out[:, :16], 64, 64, 8)[:, :, 0])
+    swapped = EDIT.denoiser_kwargs(config, noisy, torch.tensor([0.5]), hidden, None, {"references": refs[::-1]}, flow)
+    other = pipe.transformer(**swapped, return_dict=False)[0]
+    assert (other[:, :16] - out[:, :16]).abs().max() > 1e-4, "the references' order does not reach the prediction"
+
+
+def test_two_ranks_and_a_resume_learn_what_one_rank_with_double_batch_learns(runs):
+    one, two, resumed = runs(1), runs(2), runs(1, "resume")
+    summary = json.loads((two / "train_summary.json").read_text())
+    assert summary["family"] == "qwenimage_edit" and summary["ranks"] == 2
+    zero = {k: torch.zeros_like(v) for k, v in lora_b(one).items()}
+    assert_same_training(lora_b(one), lora_b(two), zero)
+    assert "resumed from" in (runs.root / f"{resumed.name}.log").read_text()
+    assert_same_training(lora_b(one), lora_b(resumed), zero)
+    with Image.open(one / "validation" / "final" / "00.png") as im:  # an edit of the first pair's reference
+        assert im.size == (64, 64)
+    rows = [[json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (one, two)]
+    val = [[r["val_loss"] for r in rs if "val_loss" in r] for rs in rows]
+    assert len(val[0]) == 2 and val[0] == pytest.approx(val[1], rel=1e-4)
+
+
+def test_stock_diffusers_loads_the_lora_and_the_image_depends_on_the_reference(runs, pipe, pairs):
+    from xeonsd.families.qwenimage_edit.training import TRAINING as EDIT
+
+    out = runs(1)
+    refs = [Image.open(pairs / "ref" / f"p{i}.png").convert("RGB") for i in (0, 4)]
+    kw = {"prompt": PROMPT, "num_inference_steps": 3, "height": 64, "width": 64, "output_type": "np"}
+
+    def image(ref: Image.Image) -> np.ndarray:
+        # the pipeline encodes a reference at ~1 MP; as the run's validation does, at the 64 px it trained at
+        with EDIT.rendering(64):
+            return pipe(image=ref, generator=torch.Generator().manual_seed(0), **kw).images[0]
+
+    before = image(refs[0])
+    pipe.load_lora_weights(str(out), weight_name=LORA_FILE, adapter_name="edit")
+    try:
+        after, other = image(refs[0]), image(refs[1])
+    finally:
+        pipe.delete_adapters("edit")
+    assert np.abs(after - before).max() > 1e-3, "the LoRA does not change the image"
+    assert np.abs(after - other).max() > 1e-3, "another reference gives the same image"
+
+
+def test_two_references_per_image_train_and_what_cannot_train_is_refused(edit_model, pairs, tmp_path):
+    two = tmp_path / "two"
+    shutil.copytree(pairs, two)
+    rows = [json.loads(x) for x in (two / "metadata.jsonl").read_text().splitlines()]
+    for r in rows:
+        r["cond_image"] = [r["cond_image"], "ref/p4.png"]
+    (two / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    args = method_args("lora", edit_model, two, out, "--cond_image_column=cond_image", "--rank=2", steps=2)
+    proc = train(args, dict(ENV))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / LORA_FILE).is_file()
+
+    def refusal(data: Path, *extra: str) -> str:
+        return refused(method_args("lora", edit_model, data, tmp_path / "refused", *extra), dict(ENV))
+
+    assert "Qwen-Image-Edit-2511 (QwenImageEditPlusPipeline) edits reference images" in refusal(pairs)
+    for r in rows:
+        r["cond_image"] = ["ref/p0.png", "ref/p1.png", "ref/p2.png", "ref/p3.png"]
+    (two / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "4 reference images for p0.png; this model takes at most 3" in refusal(two, "--cond_image_column=cond_image")
+    err = refusal(pairs, "--cond_image_column=cond_image", "--caption_dropout=0.1")
+    assert "--caption_dropout with --cond_image_column: Qwen-Image-Edit-2511's text encoder reads" in err
