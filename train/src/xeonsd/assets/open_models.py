@@ -152,6 +152,8 @@ def _save_configs(pipe: Any, out: Path) -> None:
     """A pipeline directory without weights: model_index.json, each component's config, the tokenizer."""
     pipe.save_config(out)  # model_index.json
     for name, part in pipe.components.items():
+        if part is None:  # a component the family writes itself (OpenParts.finish)
+            continue
         if hasattr(part, "save_config"):  # diffusers models and schedulers
             part.save_config(out / name)
         elif hasattr(part, "save_pretrained") and not hasattr(part, "parameters"):  # tokenizers
