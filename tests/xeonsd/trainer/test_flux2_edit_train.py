@@ -9,7 +9,8 @@ named in metadata.jsonl, on the tiny pipeline under real mpirun:
 * stock ``Flux2KleinPipeline.load_lora_weights`` loads the LoRA, the image changes, and it depends on the reference:
   another reference with the same prompt and seed gives another image;
 * pairs are refused in one line where they cannot train: a family that takes no reference, prior preservation,
-  buckets, a reference that is missing, outside the data, or itself a training image.
+  a reference that is missing, outside the data, or itself a training image;
+* with --buckets, each reference is in its training image's bucket.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -178,7 +180,6 @@ def test_pairs_are_refused_where_they_cannot_train(tmp_path, tiny_model, tiny_fl
         "--num_class_images=1",
         f"--class_data_dir={tmp_path / 'class'}",
     )
-    assert "--buckets with --cond_image_column" in refusal(tiny_flux2_model, pairs, "--buckets")
 
 
 def test_a_bad_reference_is_named_with_its_metadata_line(tmp_path, pairs):
@@ -219,3 +220,42 @@ def test_a_bad_reference_is_named_with_its_metadata_line(tmp_path, pairs):
     (tmp_path / "missing" / "metadata.jsonl").unlink()
     with pytest.raises(DataError, match="has no metadata.jsonl; edit training reads"):
         read_references(tmp_path / "missing", find_images(tmp_path / "missing"), "cond_image")
+
+
+def test_pairs_of_mixed_aspect_train_in_buckets(tmp_path, tiny_flux2_model):  # noqa: F811
+    """--buckets with pairs: each reference goes into its training image's bucket (landscape and portrait pairs,
+    the reference of another size than its image), so a batch of one bucket stacks the references too."""
+    from diffusers import AutoencoderKLFlux2
+
+    from xeonsd.families.flux2.training import TRAINING as FLUX2
+    from xeonsd.trainer.buckets import assign
+    from xeonsd.trainer.latents import LatentTable
+
+    data = tmp_path / "data"
+    (data / "ref").mkdir(parents=True)
+    rows = []
+    for i, (w, h) in enumerate([(96, 64), (96, 64), (64, 96), (64, 96)]):
+        a = np.zeros((h, w, 3), np.uint8)
+        a[h // 4 : h // 2, w // 4 : w // 2] = (230, 30, 30)
+        Image.fromarray(a).resize((w * 2, h * 2)).save(data / "ref" / f"p{i}.png")  # twice the size
+        a[h // 4 : h // 2, w // 4 : w // 2] = (30, 30, 230)
+        Image.fromarray(a).save(data / f"p{i}.png")
+        rows.append({"file_name": f"p{i}.png", "text": PROMPT, "cond_image": f"ref/p{i}.png"})
+    (data / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    images = sorted(data.glob("p*.png"))
+    buckets = assign(images, 64, 48, 80, 16)
+    assert len(set(buckets.of_image)) == 2  # a landscape and a portrait bucket
+    cfg = SimpleNamespace(resolution=64, center_crop=True, latent_cache=True, latent_cache_dir=None)
+    vae = AutoencoderKLFlux2.from_pretrained(tiny_flux2_model, subfolder="vae")
+    models = SimpleNamespace(training=FLUX2, vae=vae, weight_dtype=torch.float32)
+    refs = {p: (data / "ref" / p.name,) for p in images}
+    table = LatentTable.build(cfg, models, images, 0, 0, 1, buckets, refs)
+    for k in range(len(images)):  # an image's rows and its reference's: the image's bucket, mirrored alike
+        assert table.mean[2 * k].shape == table.references[0].mean[2 * k].shape == table.mean[2 * k + 1].shape
+    assert table.mean[0].shape != table.mean[4].shape
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    flags = ("--cond_image_column=cond_image", "--buckets", "--min_bucket_reso=48", "--max_bucket_reso=80")
+    out = tmp_path / "out"
+    train(method_args("lora", tiny_flux2_model, data, out, *flags, "--bucket_reso_steps=16", steps=2, batch=2), env)
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert len(summary["buckets"]["buckets"]) == 2 and (out / LORA_FILE).is_file(), summary["buckets"]

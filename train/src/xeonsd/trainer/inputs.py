@@ -153,7 +153,7 @@ def check_family_flags(cfg: TrainConfig, family: Family) -> None:
 def check_reference_flags(cfg: TrainConfig, family: Family) -> None:
     """Edit training on image pairs (``--cond_image_column``): only where the family's model takes a reference
     image (``FamilySpec.reference_images``), and not with what has no reference to give (prior preservation's class
-    images) or no place for it yet (aspect-ratio buckets)."""
+    images, the caption draws of a text encoder that reads the references)."""
     if not cfg.cond_image_column:
         if family.spec.reference_required:
             raise ConfigError(
@@ -171,11 +171,6 @@ def check_reference_flags(cfg: TrainConfig, family: Family) -> None:
         raise ConfigError(
             "--with_prior_preservation with --cond_image_column: the class images have no reference images; "
             "train the pairs without prior preservation"
-        )
-    if cfg.buckets:
-        raise ConfigError(
-            "--buckets with --cond_image_column: a reference image would need its training image's bucket, which "
-            "is not built yet; train the pairs at one --resolution (they are center- or randomly cropped)"
         )
     if family.spec.training.text_reads_references:
         drawn = [f"--{n}" for n in ("caption_dropout", "shuffle_tags") if getattr(cfg, n)]

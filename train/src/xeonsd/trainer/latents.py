@@ -187,11 +187,12 @@ class LatentTable:
     ) -> LatentTable:
         """The table of ``images`` at ``--resolution`` or, with ``buckets``, each in its bucket; from the disk
         cache where every rank has an image's file. ``references``: each image's reference images (edit training),
-        whose tables (one per place in the list) are built the same way and kept in ``references``."""
+        whose tables (one per place in the list) are built the same way and kept in ``references``: a reference
+        goes into its training image's bucket (resized and cropped by the same rule), so a batch stacks both."""
         table = cls._build(cfg, models, images, rank, local_rank, world, buckets)
         if references is not None and images:
             table.references = [
-                cls._build(cfg, models, [references[p][k] for p in images], rank, local_rank, world)
+                cls._build(cfg, models, [references[p][k] for p in images], rank, local_rank, world, buckets)
                 for k in range(len(references[images[0]]))
             ]
         return table
