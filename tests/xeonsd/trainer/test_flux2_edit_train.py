@@ -130,36 +130,50 @@ def test_the_reference_joins_the_tokens_as_the_pipeline_passes_image(pipe):  # n
     assert (alone - out[:, :16]).abs().max() > 1e-4, "the reference does not reach the prediction"
 
 
-def test_two_ranks_and_a_resume_learn_what_one_rank_with_double_batch_learns(runs):
+def assert_pair_runs_agree(runs, family: str) -> None:
+    """2 ranks x batch 1 trained what 1 rank x batch 2 trained, and so did the resumed run, with the held-out
+    pairs' validation losses equal; the validation image is an edit of the first pair's reference, at
+    --resolution. (Shared with the other edit families' tests.)"""
     one, two, resumed = runs(1), runs(2), runs(1, "resume")
     summary = json.loads((two / "train_summary.json").read_text())
-    assert summary["family"] == "flux2" and summary["ranks"] == 2
+    assert summary["family"] == family and summary["ranks"] == 2
     zero = {k: torch.zeros_like(v) for k, v in lora_b(one).items()}
     assert_same_training(lora_b(one), lora_b(two), zero)
     assert "resumed from" in (runs.root / f"{resumed.name}.log").read_text()
     assert_same_training(lora_b(one), lora_b(resumed), zero)
-    assert (one / "validation" / "final" / "00.png").is_file()  # made from the first pair's reference
+    with Image.open(one / "validation" / "final" / "00.png") as im:
+        assert im.size == (64, 64)
     rows = [[json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (one, two)]
     val = [[r["val_loss"] for r in rs if "val_loss" in r] for rs in rows]  # the held-out pair, at fixed σ
     assert len(val[0]) == 2 and val[0] == pytest.approx(val[1], rel=1e-4)
 
 
-def test_stock_diffusers_loads_the_lora_and_the_image_depends_on_the_reference(runs, pipe, pairs):  # noqa: F811
-    out = runs(1)
+def assert_edit_depends_on_the_reference(pipeline, out: Path, pairs: Path, image) -> None:
+    """Stock diffusers' ``load_lora_weights`` loads the run's LoRA; ``image(pipe, reference)`` (the edit, a fixed
+    seed) changes with it, and another reference gives another image. (Shared with the other edit families.)"""
     refs = [Image.open(pairs / "ref" / f"p{i}.png").convert("RGB") for i in (0, 4)]
-    kw = {"prompt": PROMPT, "num_inference_steps": 4, "height": 64, "width": 64, "output_type": "np"}
-
-    def image(ref: Image.Image) -> np.ndarray:
-        return pipe(image=ref, generator=torch.Generator().manual_seed(0), **kw).images[0]
-
-    before = image(refs[0])
-    pipe.load_lora_weights(str(out), weight_name=LORA_FILE, adapter_name="edit")
+    before = image(pipeline, refs[0])
+    pipeline.load_lora_weights(str(out), weight_name=LORA_FILE, adapter_name="edit")
     try:
-        after, other = image(refs[0]), image(refs[1])
+        after, other = image(pipeline, refs[0]), image(pipeline, refs[1])
     finally:
-        pipe.delete_adapters("edit")
+        pipeline.delete_adapters("edit")
     assert np.abs(after - before).max() > 1e-3, "the LoRA does not change the image"
     assert np.abs(after - other).max() > 1e-3, "another reference gives the same image"
+
+
+def edit(pipeline, ref: Image.Image, **extra) -> np.ndarray:
+    """The pipeline's edit of ``ref`` with the pairs' instruction: 4 steps at 64 px, seed 0."""
+    kw = {"prompt": PROMPT, "num_inference_steps": 4, "height": 64, "width": 64, "output_type": "np"}
+    return pipeline(image=ref, generator=torch.Generator().manual_seed(0), **kw, **extra).images[0]
+
+
+def test_two_ranks_and_a_resume_learn_what_one_rank_with_double_batch_learns(runs):
+    assert_pair_runs_agree(runs, "flux2")
+
+
+def test_stock_diffusers_loads_the_lora_and_the_image_depends_on_the_reference(runs, pipe, pairs):  # noqa: F811
+    assert_edit_depends_on_the_reference(pipe, runs(1), pairs, edit)
 
 
 def test_pairs_are_refused_where_they_cannot_train(tmp_path, tiny_model, tiny_flux2_model, pairs):  # noqa: F811

@@ -31,8 +31,15 @@ import torch
 from cli_runs import method_args, refused, train
 from PIL import Image
 from safetensors.torch import load_file
-from test_flux2_edit_train import PROMPT, pair_runs, write_pairs
-from test_methods import LORA_FILE, assert_same_training
+from test_flux2_edit_train import (
+    PROMPT,
+    assert_edit_depends_on_the_reference,
+    assert_pair_runs_agree,
+    edit,
+    pair_runs,
+    write_pairs,
+)
+from test_methods import LORA_FILE
 
 FLAGS = (
     "--cond_image_column=cond_image",
@@ -168,40 +175,18 @@ def test_the_references_join_the_tokens_as_the_pipeline_passes_image(pipe):
 
 
 def test_two_ranks_and_a_resume_learn_what_one_rank_with_double_batch_learns(runs):
-    one, two, resumed = runs(1), runs(2), runs(1, "resume")
-    summary = json.loads((two / "train_summary.json").read_text())
-    assert summary["family"] == "qwenimage_edit" and summary["ranks"] == 2
-    zero = {k: torch.zeros_like(v) for k, v in lora_b(one).items()}
-    assert_same_training(lora_b(one), lora_b(two), zero)
-    assert "resumed from" in (runs.root / f"{resumed.name}.log").read_text()
-    assert_same_training(lora_b(one), lora_b(resumed), zero)
-    with Image.open(one / "validation" / "final" / "00.png") as im:  # an edit of the first pair's reference
-        assert im.size == (64, 64)
-    rows = [[json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (one, two)]
-    val = [[r["val_loss"] for r in rs if "val_loss" in r] for rs in rows]
-    assert len(val[0]) == 2 and val[0] == pytest.approx(val[1], rel=1e-4)
+    assert_pair_runs_agree(runs, "qwenimage_edit")
 
 
 def test_stock_diffusers_loads_the_lora_and_the_image_depends_on_the_reference(runs, pipe, pairs):
     from xeonsd.families.qwenimage_edit.training import TRAINING as EDIT
 
-    out = runs(1)
-    refs = [Image.open(pairs / "ref" / f"p{i}.png").convert("RGB") for i in (0, 4)]
-    kw = {"prompt": PROMPT, "num_inference_steps": 3, "height": 64, "width": 64, "output_type": "np"}
-
-    def image(ref: Image.Image) -> np.ndarray:
+    def image(pipeline, ref: Image.Image) -> np.ndarray:
         # the pipeline encodes a reference at ~1 MP; as the run's validation does, at the 64 px it trained at
         with EDIT.rendering(64):
-            return pipe(image=ref, generator=torch.Generator().manual_seed(0), **kw).images[0]
+            return edit(pipeline, ref)
 
-    before = image(refs[0])
-    pipe.load_lora_weights(str(out), weight_name=LORA_FILE, adapter_name="edit")
-    try:
-        after, other = image(refs[0]), image(refs[1])
-    finally:
-        pipe.delete_adapters("edit")
-    assert np.abs(after - before).max() > 1e-3, "the LoRA does not change the image"
-    assert np.abs(after - other).max() > 1e-3, "another reference gives the same image"
+    assert_edit_depends_on_the_reference(pipe, runs(1), pairs, image)
 
 
 def test_two_references_per_image_train_and_what_cannot_train_is_refused(edit_model, pairs, tmp_path):
