@@ -39,6 +39,9 @@ class Family:
     sample_size: int  # the denoiser's latent size at the model's resolution
     vae_scale: int  # pixels per latent
     guidance_embeds: bool = False  # FLUX.1-dev's guidance input (schnell has none)
+    # the entries of model_index.json the spec names in ``pipeline_config`` (lists as tuples), as the pipeline's
+    # constructor takes them
+    pipeline_config: tuple[tuple[str, Any], ...] = ()
 
     @property
     def name(self) -> str:
@@ -191,7 +194,13 @@ def _transformer_family(index, transformer: dict[str, Any], vae, have: set[str],
     # SD3's transformer config gives its latent size (128: 1024 px); FLUX's has none, its VAE's gives the pixels
     pixels = int((vae or {}).get("sample_size") or 1024)
     sample = int(transformer.get("sample_size") or pixels // scale)
-    return Family(found_spec, sample, scale, guidance_embeds=bool(transformer.get("guidance_embeds")))
+    settings = tuple(
+        (key, tuple(value) if isinstance(value, list) else value)
+        for key, value in ((k, index[k]) for k in found_spec.pipeline_config if k in index)
+    )
+    return Family(
+        found_spec, sample, scale, guidance_embeds=bool(transformer.get("guidance_embeds")), pipeline_config=settings
+    )
 
 
 def detect_family(src: str | Path, revision: str | None = None) -> Family:

@@ -78,6 +78,7 @@ def inference_pipeline(models: Models):
         spec.denoiser: models.unet,
         "scheduler": sampler.from_config(models.noise_scheduler.config),
         **dict(spec.pipeline_kwargs),
+        **(dict(models.family.pipeline_config) if models.family is not None else {}),
     }
     for (encoder_name, tokenizer_name), (tokenizer, encoder) in zip(spec.text_side, models.text_pairs, strict=True):
         parts.update({encoder_name: encoder, tokenizer_name: tokenizer})
@@ -129,7 +130,7 @@ def render_validation(cfg: TrainConfig, models: Models, target: Path | None, see
             image = pipe(
                 **pipeline_call_kwargs(models, cfg.validation_prompt),
                 **extra,
-                num_inference_steps=25,
+                **models.training.sampling(dict(models.family.pipeline_config) if models.family is not None else {}),
                 generator=generator,
                 height=cfg.resolution,
                 width=cfg.resolution,
