@@ -385,15 +385,6 @@ class TrainConfig:
         return Path(self.output_dir)
 
 
-GROUPS = (
-    ((), "all methods"),
-    ((TI,), "textual inversion (--method textual_inversion)"),
-    ((LORA, FULL), "LoRA and full fine-tuning"),
-    ((LORA,), "LoRA (--method lora)"),
-    ((FULL,), "full fine-tuning of the UNet (--method full)"),
-)
-
-
 def flag_methods(name: str) -> tuple[str, ...]:
     """The methods a field belongs to (empty: all)."""
     return next(f.metadata["methods"] for f in dataclasses.fields(TrainConfig) if f.name == name)
