@@ -14,8 +14,8 @@
   script's ``(z - latents_mean) / latents_std``), as :mod:`xeonsd.families.qwenimage.training`;
 * the transformer call: the latents packed 2x2 into tokens (``_pack_latents``), the position ids of
   ``Krea2Pipeline.prepare_position_ids`` (text at the origin, image tokens at (0, row, column)), the timestep
-  input σ (the script's ``timesteps / 1000``), the boolean text mask; the prediction is the velocity ε − x₀,
-  unpacked again;
+  input σ in fp32 (the script's ``timesteps / 1000``), the boolean text mask; the prediction is the velocity
+  ε − x₀, unpacked again;
 * σ: the script draws it from the scheduler's unshifted training grid (``noise_scheduler_copy.sigmas``: the
   released scheduler shifts dynamically, by resolution, at inference only), hence ``resolution_shift=False``;
   its default weighting ``none``;
@@ -167,7 +167,7 @@ class Krea2Family(QwenImageFamily):
         return {
             "hidden_states": pack(noisy),
             "encoder_hidden_states": hidden,
-            "timestep": sigmas.to(noisy.dtype),
+            "timestep": sigmas.float(),  # the script's timesteps / 1000, in fp32 (the time embedding's dtype)
             "position_ids": position_ids(hidden.shape[1], h, w).to(noisy.device),
             "encoder_attention_mask": None if mask is None else mask.bool(),
         }
