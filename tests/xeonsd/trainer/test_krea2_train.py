@@ -12,7 +12,8 @@ a two-layer Qwen3VLModel whose two layers are tapped, Qwen-Image's VAE), trained
 * stock ``Krea2Pipeline.load_lora_weights`` loads the LoRA and the image changes; the file reads as Krea 2's;
 * ``--inference_model`` (train on RAW, validate on Turbo; the 1-rank run's): the validation images are the Turbo
   stand-in's with the adapters (what stock diffusers renders with the LoRA on it, 8 steps without guidance);
-  another family's model, a missing validation prompt and textual inversion are refused in one line.
+  another family's model, one whose transformer has another shape, a missing validation prompt and textual inversion
+  are refused in one line.
 """
 
 from __future__ import annotations
@@ -268,6 +269,12 @@ def test_what_does_not_apply_is_refused_in_one_line(runs, krea2_model, tmp_path)
     from xeonsd.assets import make_tiny_model
 
     qwen = make_tiny_model(tmp_path / "qwen", arch="tiny-qwenimage", configs_only=True)
+    deeper = tmp_path / "deeper"  # a Krea 2 whose transformer has a block more: the configs are what is read
+    for name in ("model_index.json", "vae/config.json", "transformer/config.json"):
+        (deeper / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(krea2_model / name, deeper / name)
+    config = json.loads((deeper / "transformer/config.json").read_text())
+    (deeper / "transformer/config.json").write_text(json.dumps({**config, "num_layers": 3}))
     base = [f"--pretrained_model_name_or_path={krea2_model}", f"--train_data_dir={runs.data}"]
     base += ["--resolution=64", f"--output_dir={tmp_path / 'out'}"]
     for flags, said in (
@@ -278,6 +285,10 @@ def test_what_does_not_apply_is_refused_in_one_line(runs, krea2_model, tmp_path)
         (
             ("--method=lora", f"--inference_model={qwen}", f"--validation_prompt={PROMPT}"),
             f"--inference_model {qwen} is a Qwen-Image pipeline (QwenImagePipeline), but the base model is Krea 2",
+        ),
+        (
+            ("--method=lora", f"--inference_model={deeper}", f"--validation_prompt={PROMPT}"),
+            "its transformer is not the base model's shape (num_layers 3 against 2)",
         ),
         (("--method=lora", f"--inference_model={krea2_model}"), "--inference_model renders the validation images"),
     ):

@@ -215,6 +215,13 @@ def detect_family(src: str | Path, revision: str | None = None) -> Family:
     return family_of(index, unet, vae, where, transformer)
 
 
+def denoiser_config(src: str | Path, spec: FamilySpec, revision: str | None = None) -> dict[str, Any]:
+    """The denoiser's config of a pipeline of ``spec``'s family (its ``config.json`` less the ``_`` entries: its
+    architecture), read as detection reads it."""
+    config = _read(src, f"{spec.denoiser}/config.json", revision, required=True) or {}
+    return {k: v for k, v in config.items() if not k.startswith("_")}
+
+
 def _read(src: str | Path, name: str, revision: str | None, required: bool) -> dict[str, Any] | None:
     if not required:
         return None

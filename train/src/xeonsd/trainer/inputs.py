@@ -13,6 +13,7 @@ from pathlib import Path
 from xeonsd.cluster.launch import RankInfo
 from xeonsd.contracts.method_names import METHODS
 from xeonsd.families import REGISTRY, Family, FamilyError, detect_family
+from xeonsd.families.detect import denoiser_config
 from xeonsd.fsutil import atomic_path
 from xeonsd.modelfiles.modelsource import check_model_source
 from xeonsd.trainer import checkpoint as ckpt
@@ -167,6 +168,14 @@ def check_inference_model(cfg: TrainConfig, family: Family) -> None:
             f"--inference_model {cfg.inference_model} is a {found.label} pipeline ({found.pipeline_class}), but the "
             f"base model is {family.label} ({family.pipeline_class}): the adapters trained on it apply to a "
             f"{family.label} model only"
+        )
+    ours = denoiser_config(cfg.pretrained_model_name_or_path, family.spec, cfg.revision)
+    theirs = denoiser_config(cfg.inference_model, found.spec)
+    differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+    if differ:
+        raise ConfigError(
+            f"--inference_model {cfg.inference_model}: its {found.spec.denoiser} is not the base model's shape "
+            f"({', '.join(f'{k} {theirs.get(k)} against {ours.get(k)}' for k in differ)}), so the adapters do not fit it"
         )
 
 
