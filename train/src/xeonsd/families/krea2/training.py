@@ -83,7 +83,8 @@ class Krea2PromptConditioning(QwenPromptConditioning):
         tok = self.models.tokenizer
         limit = self.models.text_length + DROP_IDX - SUFFIX_TOKENS
         body = tok([PREFIX + t for t in texts], max_length=limit, truncation=True).input_ids
-        rows = [torch.tensor(ids + self._suffix()) for ids in body]
+        suffix = self._suffix()
+        rows = [torch.tensor(ids + suffix) for ids in body]
         width = max(len(r) for r in rows)
         pad = tok.pad_token_id
         input_ids = torch.stack([F.pad(r, (0, width - len(r)), value=pad) for r in rows])
@@ -97,7 +98,7 @@ class Krea2PromptConditioning(QwenPromptConditioning):
         """(stacked hidden states, mask) of these rows, each encoded alone, padded to ``width`` (default: the
         longest of them)."""
         encoder = held(self.models.text_encoder, "Qwen3-VL")
-        input_ids, mask = ids
+        input_ids, mask = ids[:2]
         width = width or self._width(mask)
         layers = self._layers
         rows = []
