@@ -199,7 +199,7 @@ def _index_of(found, cls: str) -> tuple[dict, dict]:
     return index, {"_class_name": found.denoiser_class}
 
 
-@pytest.mark.parametrize("name", ["flux", "sd3", "flux2", "zimage", "qwenimage"])
+@pytest.mark.parametrize("name", ["flux", "sd3", "flux2", "zimage", "qwenimage", "krea2"])
 def test_every_pipeline_on_a_known_transformer_trains_or_is_refused_by_name(tmp_path: Path, name: str) -> None:
     """Each diffusers pipeline class built on the family's transformer is either one the family trains as (detected
     as it) or a variant that trains otherwise (an edit model, a ControlNet), refused before any weight loads,

@@ -12,6 +12,8 @@ Z-Image (``ZImagePipeline``) and Qwen-Image (``QwenImagePipeline``), one :class:
 * ``tiny-qwenimage`` / ``qwenimage``: Qwen-Image (20B MMDiT). ``QwenImageTransformer2DModel``, the Wan-style causal
   3D ``AutoencoderKLQwenImage`` (16 channels, per-channel latent mean/std), ``Qwen2_5_VLForConditionalGeneration``
   (vision tower included) whose last hidden state, less the 34-token system prompt, is the context.
+* ``tiny-krea2`` / ``krea2`` (:mod:`xeonsd.families.krea2.assets`): Krea 2 (12B single-stream DiT) on Qwen-Image's
+  VAE, with a ``Qwen3VLModel`` (vision tower included) whose tapped layers' hidden states are the context.
 
 The tiny archs make 64 px images in a few seconds on two cores (latent 8x8, 16 image tokens) and take a few MB.
 The full archs have the released widths in bf16; ``--depth D`` cuts the denoiser's blocks (FLUX.2-klein: D

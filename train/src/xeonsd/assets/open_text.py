@@ -6,8 +6,9 @@
   tokens long, which the pipeline drops. It has Qwen's special tokens (``<|im_start|>``, ``<|im_end|>``,
   ``<|endoftext|>`` as padding, the vision markers) and a chat template that renders a plain conversation as
   Qwen3's does, ``enable_thinking`` included (FLUX.2-klein asks for ``False``, Z-Image for ``True``).
-* :func:`qwen3_encoder` (``Qwen3ForCausalLM``) and :func:`qwen25vl_encoder` (``Qwen2_5_VLForConditionalGeneration``,
-  with its vision tower): random-weight encoders of a :class:`QwenText` size. Their embedding has the real model's
+* :func:`qwen3_encoder` (``Qwen3ForCausalLM``), :func:`qwen25vl_encoder` (``Qwen2_5_VLForConditionalGeneration``,
+  with its vision tower) and :func:`qwen3vl_encoder` (``Qwen3VLModel``, Krea 2's, with its vision tower):
+  random-weight encoders of a :class:`QwenText` size. Their embedding has the real model's
   row count where one is given (151,936 / 152,064, more than the tokenizer fills, as in the released models).
 """
 
@@ -52,6 +53,19 @@ class QwenVision:
 
 
 @dataclass(frozen=True)
+class Qwen3VLVision:
+    """Qwen3-VL's vision tower (a ViT whose merged patches land in the text width, some of its layers' features
+    added to the first text layers: ``deepstack``)."""
+
+    depth: int
+    hidden: int
+    intermediate: int
+    heads: int
+    deepstack: tuple[int, ...]
+    position_embeddings: int = 2304
+
+
+@dataclass(frozen=True)
 class QwenText:
     """A Qwen3 or Qwen2.5-VL language model's sizes; ``vision``: Qwen2.5-VL's tower (None: a Qwen3)."""
 
@@ -65,7 +79,7 @@ class QwenText:
     rope_theta: float = 1_000_000.0
     max_positions: int = 40960
     mrope_section: tuple[int, int, int] = (0, 0, 0)  # Qwen2.5-VL's (t, h, w) split of half the head dimension
-    vision: QwenVision | None = None
+    vision: QwenVision | Qwen3VLVision | None = None
     tie_embeddings: bool = False
 
 
@@ -186,3 +200,35 @@ def qwen25vl_encoder(t: QwenText, tokenizer: Any) -> Any:
         tie_word_embeddings=t.tie_embeddings,
     )
     return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def qwen3vl_encoder(t: QwenText, tokenizer: Any) -> Any:
+    """A random-weight ``Qwen3VLModel`` (Krea 2's encoder: the model without the LM head), vision tower included."""
+    from transformers import Qwen3VLConfig, Qwen3VLModel
+
+    v = t.vision
+    assert isinstance(v, Qwen3VLVision), "Qwen3-VL has its own vision tower"
+    head_dim = t.head_dim or t.hidden // t.heads
+    assert sum(t.mrope_section) * 2 == head_dim, "M-RoPE's sections split half the head dimension"
+    ids = tokenizer.convert_tokens_to_ids
+    rope = {"rope_type": "default", "rope_theta": t.rope_theta, "mrope_section": list(t.mrope_section)}
+    text = {**_text_config(t, tokenizer), "head_dim": head_dim, "rope_parameters": {**rope, "mrope_interleaved": True}}
+    vision = {
+        "depth": v.depth,
+        "hidden_size": v.hidden,
+        "intermediate_size": v.intermediate,
+        "num_heads": v.heads,
+        "out_hidden_size": t.hidden,
+        "deepstack_visual_indexes": list(v.deepstack),
+        "num_position_embeddings": v.position_embeddings,
+    }
+    config = Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        tie_word_embeddings=t.tie_embeddings,
+    )
+    return Qwen3VLModel(config).eval()

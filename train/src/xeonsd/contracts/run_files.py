@@ -54,6 +54,7 @@ def train_summary(
     buckets: dict | None = None,
     startup: dict | None = None,
     prior: dict | None = None,
+    inference_model: str | None = None,
 ) -> dict:
     """train_summary.json: the method's own figures (``method``, ``trainable_params``, …), the base model and its
     fingerprint, the steps and ranks, the bytes all-reduced per step, the prompts (source, count, per_image, and when
@@ -71,7 +72,9 @@ def train_summary(
     read from the disk cache, and ``shared_weights_bytes``: each frozen component mapped from the node's shared file
     and its bytes, empty when the ranks hold private copies, and ``shared_weights_held_bytes``: those still mapped
     when the run ended, the rest released once the prompts were encoded and the latents cached) and DreamBooth prior preservation's settings (``prior``: ``class_prompt``,
-    ``class_data_dir``, ``num_class_images``, ``prior_loss_weight``)."""
+    ``class_data_dir``, ``num_class_images``, ``prior_loss_weight``) and the model the validation images were
+    rendered with, where another model of the family than the base renders them (``inference_model``: Krea 2
+    Turbo for a LoRA trained on RAW)."""
     return {
         **method_summary,
         "base_model": base_model,
@@ -89,6 +92,7 @@ def train_summary(
         **({"buckets": dict(buckets)} if buckets is not None else {}),
         **({"startup": dict(startup)} if startup is not None else {}),
         **({"prior": dict(prior)} if prior is not None else {}),
+        **({"inference_model": inference_model} if inference_model is not None else {}),
     }
 
 

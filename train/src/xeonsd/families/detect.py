@@ -39,6 +39,9 @@ class Family:
     sample_size: int  # the denoiser's latent size at the model's resolution
     vae_scale: int  # pixels per latent
     guidance_embeds: bool = False  # FLUX.1-dev's guidance input (schnell has none)
+    # the entries of model_index.json the spec names in ``pipeline_config`` (lists as tuples), as the pipeline's
+    # constructor takes them
+    pipeline_config: tuple[tuple[str, Any], ...] = ()
 
     @property
     def name(self) -> str:
@@ -191,7 +194,13 @@ def _transformer_family(index, transformer: dict[str, Any], vae, have: set[str],
     # SD3's transformer config gives its latent size (128: 1024 px); FLUX's has none, its VAE's gives the pixels
     pixels = int((vae or {}).get("sample_size") or 1024)
     sample = int(transformer.get("sample_size") or pixels // scale)
-    return Family(found_spec, sample, scale, guidance_embeds=bool(transformer.get("guidance_embeds")))
+    settings = tuple(
+        (key, tuple(value) if isinstance(value, list) else value)
+        for key, value in ((k, index[k]) for k in found_spec.pipeline_config if k in index)
+    )
+    return Family(
+        found_spec, sample, scale, guidance_embeds=bool(transformer.get("guidance_embeds")), pipeline_config=settings
+    )
 
 
 def detect_family(src: str | Path, revision: str | None = None) -> Family:
@@ -204,6 +213,13 @@ def detect_family(src: str | Path, revision: str | None = None) -> Family:
     vae = _read(src, "vae/config.json", revision, required="vae" in have)
     transformer = _read(src, "transformer/config.json", revision, required="transformer" in have)
     return family_of(index, unet, vae, where, transformer)
+
+
+def denoiser_config(src: str | Path, spec: FamilySpec, revision: str | None = None) -> dict[str, Any]:
+    """The denoiser's config of a pipeline of ``spec``'s family (its ``config.json`` less the ``_`` entries: its
+    architecture), read as detection reads it."""
+    config = _read(src, f"{spec.denoiser}/config.json", revision, required=True) or {}
+    return {k: v for k, v in config.items() if not k.startswith("_")}
 
 
 def _read(src: str | Path, name: str, revision: str | None, required: bool) -> dict[str, Any] | None:

@@ -53,6 +53,10 @@ class FamilySpec:
     pooled: bool = False
     # extra keyword arguments of the diffusers pipeline's from_pretrained / constructor
     pipeline_kwargs: tuple[tuple[str, Any], ...] = ()
+    # the pipeline's own settings in model_index.json (not components) that its constructor takes and training reads
+    # (Krea 2: the text encoder's tapped layers, whether the checkpoint is the distilled Turbo): detection reads
+    # them into ``Family.pipeline_config``
+    pipeline_config: tuple[str, ...] = ()
     # the denoiser's component name and diffusers class, and the VAE's; a UNet family's ``addition_embed_type`` in
     # its UNet config (SDXL: "text_time"), which tells the UNet families apart
     denoiser: str = "unet"

@@ -98,6 +98,11 @@ class TrainFamily:
         """The pipeline's processor (``FamilySpec.processor``), over the loaded ``tokenizer``: none here."""
         raise NotImplementedError(f"{self.spec.label} has no processor")
 
+    def sampling(self, pipeline_config: dict) -> dict:
+        """The validation images' sampler arguments for a pipeline with these settings (``Family.pipeline_config``):
+        25 steps at the pipeline's own guidance; a distilled checkpoint (Krea 2 Turbo) asks for its own."""
+        return {"num_inference_steps": 25}
+
     def release_long_encoder(self, models: Models, keep: bool) -> None:
         """Free the long text encoder once every prompt table is built: none here (the CLIP-only families keep
         their encoders); the flow families' T5 or Qwen encoder goes (:mod:`.flow`)."""

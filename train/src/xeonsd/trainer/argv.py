@@ -8,7 +8,16 @@ import argparse
 import dataclasses
 
 from xeonsd.flags import add_flags, from_args
-from xeonsd.trainer.config import GROUPS, PRIOR_NEEDS_WEIGHTS, ConfigError, TrainConfig, flag_methods
+from xeonsd.trainer.config import FULL, LORA, PRIOR_NEEDS_WEIGHTS, TI, ConfigError, TrainConfig, flag_methods
+
+# --help's groups: the flags of every method, then each method's own (a field's ``methods``)
+GROUPS = (
+    ((), "all methods"),
+    ((TI,), "textual inversion (--method textual_inversion)"),
+    ((LORA, FULL), "LoRA and full fine-tuning"),
+    ((LORA,), "LoRA (--method lora)"),
+    ((FULL,), "full fine-tuning of the UNet (--method full)"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

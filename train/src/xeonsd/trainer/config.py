@@ -275,6 +275,13 @@ class TrainConfig:
         default=None,
     )
     validation_prompt: str | None = _flag("prompt for validation images", default=None)
+    inference_model: str | None = _flag(
+        "diffusers pipeline directory or Hub id of another model of the base model's family whose denoiser, with "
+        "the adapters being trained, renders the validation images (Krea 2: train on RAW, validate on Turbo, as "
+        "diffusers' --validation_model_path); recorded in train_summary.json. Unset: the base model renders them",
+        methods=(LORA,),
+        default=None,
+    )
     num_validation_images: int = _flag("images per validation", default=4)
     validation_steps: int = _flag("validation images and validation loss every N steps", default=100)
     validation_split: float = _flag(
@@ -376,15 +383,6 @@ class TrainConfig:
     @property
     def output_path(self) -> Path:
         return Path(self.output_dir)
-
-
-GROUPS = (
-    ((), "all methods"),
-    ((TI,), "textual inversion (--method textual_inversion)"),
-    ((LORA, FULL), "LoRA and full fine-tuning"),
-    ((LORA,), "LoRA (--method lora)"),
-    ((FULL,), "full fine-tuning of the UNet (--method full)"),
-)
 
 
 def flag_methods(name: str) -> tuple[str, ...]:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from xeonsd.cluster.launch import RankInfo
 from xeonsd.contracts.method_names import METHODS
-from xeonsd.families import REGISTRY, Family
+from xeonsd.families import REGISTRY, Family, FamilyError, detect_family
+from xeonsd.families.detect import denoiser_config
 from xeonsd.fsutil import atomic_path
 from xeonsd.modelfiles.modelsource import check_model_source
 from xeonsd.trainer import checkpoint as ckpt
@@ -65,6 +66,7 @@ def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
     family = model_family(cfg)  # a family we do not serve is refused here, before any weight loads
     check_family_flags(cfg, family)
     check_reference_flags(cfg, family)
+    check_inference_model(cfg, family)
     buckets = None
     if cfg.buckets:
         resolution = cfg.resolution or default_resolution(family)
@@ -147,6 +149,33 @@ def check_family_flags(cfg: TrainConfig, family: Family) -> None:
         raise ConfigError(
             f"--save_format kohya: {family.label} has no kohya layout; ComfyUI and Forge load its adapters in "
             f"diffusers' layout (the default), which {family.pipeline_class}.load_lora_weights loads"
+        )
+
+
+def check_inference_model(cfg: TrainConfig, family: Family) -> None:
+    """``--inference_model``: a pipeline of the base model's family (told by the same detection, from its config
+    files), since the adapters trained on the base go onto its denoiser; and a validation prompt for it to render."""
+    if cfg.inference_model is None:
+        return
+    if not cfg.validation_prompt:
+        raise ConfigError("--inference_model renders the validation images: give --validation_prompt too")
+    try:
+        found = detect_family(cfg.inference_model)
+    except FamilyError as exc:
+        raise ConfigError(f"--inference_model: {exc}") from exc
+    if found.spec is not family.spec:
+        raise ConfigError(
+            f"--inference_model {cfg.inference_model} is a {found.label} pipeline ({found.pipeline_class}), but the "
+            f"base model is {family.label} ({family.pipeline_class}): the adapters trained on it apply to a "
+            f"{family.label} model only"
+        )
+    ours = denoiser_config(cfg.pretrained_model_name_or_path, family.spec, cfg.revision)
+    theirs = denoiser_config(cfg.inference_model, found.spec)
+    differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+    if differ:
+        raise ConfigError(
+            f"--inference_model {cfg.inference_model}: its {found.spec.denoiser} is not the base model's shape "
+            f"({', '.join(f'{k} {theirs.get(k)} against {ours.get(k)}' for k in differ)}), so the adapters do not fit it"
         )
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from xeonsd.families import Family, family_spec
+from xeonsd.families import Family, detect_family, family_spec
 from xeonsd.fsutil import atomic_dir
 from xeonsd.trainer.config import TrainConfig
 from xeonsd.trainer.embeddings import PlaceholderEmbedding
@@ -65,19 +65,22 @@ def save_full_pipeline(
             encoder.set_input_embeddings(emb)
 
 
-def inference_pipeline(models: Models):
+def inference_pipeline(models: Models, denoiser: torch.nn.Module | None = None, family: Family | None = None):
     """The family's diffusers pipeline over the loaded models (DPM-Solver, or a flow family's own flow-matching
     Euler scheduler; no safety checker, quiet): what the validation images and the class images of prior
-    preservation are generated with."""
+    preservation are generated with. ``denoiser`` and ``family``: another model's denoiser and settings in the
+    place of the base model's (:func:`inference_denoiser`)."""
     from diffusers import DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler
 
     spec = family_spec(models.family)
+    family = family or models.family
     sampler = FlowMatchEulerDiscreteScheduler if spec.objective == "flow" else DPMSolverMultistepScheduler
     parts = {
         "vae": models.vae,
-        spec.denoiser: models.unet,
+        spec.denoiser: models.unet if denoiser is None else denoiser,
         "scheduler": sampler.from_config(models.noise_scheduler.config),
         **dict(spec.pipeline_kwargs),
+        **(dict(family.pipeline_config) if family is not None else {}),
     }
     for (encoder_name, tokenizer_name), (tokenizer, encoder) in zip(spec.text_side, models.text_pairs, strict=True):
         parts.update({encoder_name: encoder, tokenizer_name: tokenizer})
@@ -90,6 +93,26 @@ def inference_pipeline(models: Models):
     pipe = cls(**parts)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def inference_denoiser(cfg: TrainConfig, models: Models, family: Family) -> torch.nn.Module:
+    """``--inference_model``'s denoiser (of ``family``, the base model's) in the training dtype, with a copy of the
+    adapters being trained: what its validation images are rendered with (loaded for each rendering, beside the
+    training denoiser, and dropped after it)."""
+    import diffusers
+    from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+
+    from xeonsd.trainer.weights import load_frozen
+
+    spec = family.spec
+    cls = getattr(diffusers, spec.denoiser_class)
+    denoiser = load_frozen(cls, cfg.inference_model, spec.denoiser, models.unet_dtype, None, None)
+    denoiser.requires_grad_(False)
+    for name, config in getattr(models.unet, "peft_config", {}).items():  # the run's adapters: their config, weights
+        denoiser.add_adapter(config, adapter_name=name)
+        set_peft_model_state_dict(denoiser, get_peft_model_state_dict(models.unet, adapter_name=name), name)
+    log.info("validation images on %s's %s, with the adapters being trained", cfg.inference_model, spec.denoiser)
+    return denoiser.eval()
 
 
 def pipeline_call_kwargs(models: Models, prompt: str) -> dict:
@@ -106,7 +129,13 @@ def pipeline_call_kwargs(models: Models, prompt: str) -> dict:
 def render_validation(cfg: TrainConfig, models: Models, target: Path | None, seed: int) -> None:
     """The validation prompt's images into ``target``; None: rendered and dropped (a rank that holds shards of the
     denoiser (--fsdp) takes part in every denoiser call of rank 0's rendering)."""
-    pipe = inference_pipeline(models)
+    family = models.family
+    if cfg.inference_model is None:
+        pipe = inference_pipeline(models)
+    else:
+        family = detect_family(cfg.inference_model)
+        pipe = inference_pipeline(models, inference_denoiser(cfg, models, family), family)
+    sampling = models.training.sampling(dict(family.pipeline_config) if family is not None else {})
     generator = torch.Generator().manual_seed(seed)
     place = atomic_dir(target, overwrite=True) if target is not None else tempfile.TemporaryDirectory()
     with place as tmp, torch.no_grad(), autocast(models.weight_dtype), models.training.rendering(cfg.resolution):
@@ -129,7 +158,7 @@ def render_validation(cfg: TrainConfig, models: Models, target: Path | None, see
             image = pipe(
                 **pipeline_call_kwargs(models, cfg.validation_prompt),
                 **extra,
-                num_inference_steps=25,
+                **sampling,
                 generator=generator,
                 height=cfg.resolution,
                 width=cfg.resolution,

@@ -43,6 +43,7 @@ def train_summary(job: Job, first_step_s: float | None = None, first_step_cpu_s:
             "shared_weights_held_bytes": store.held if store is not None else {},
         },
         prior=prior_record(job),
+        inference_model=cfg.inference_model,
     )
 
 

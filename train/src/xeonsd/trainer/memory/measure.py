@@ -197,8 +197,10 @@ def _cpu_attention():
     def flash(q=None, k=None, v=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
         # diffusers' attention dispatch (the transformers') passes them by name, with enable_gqa=False
         q, k, v = kw.pop("query", q), kw.pop("key", k), kw.pop("value", v)
-        if not kw.get("enable_gqa", True):
-            kw.pop("enable_gqa")
+        if kw.pop("enable_gqa", False) and k.shape[-3] != q.shape[-3]:
+            # grouped-query attention (Krea 2): the CPU flash kernel takes it too; here each query head gets its
+            # keys and values, which keeps a little more than the real step (k and v at the query heads' count)
+            k, v = (t.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3) for t in (k, v))
         if attn_mask is not None or dropout_p or kw:
             return plain(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)[0]
