@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from xeonsd.assets.mistral_text import MistralText
 from xeonsd.assets.open_text import QwenText, QwenVision, qwen_tokenizer
 from xeonsd.assets.parts import default_dtype
 from xeonsd.fsutil import atomic_dir
@@ -48,7 +49,7 @@ class OpenArch:
     heads: int
     head_dim: int
     axes_dims_rope: tuple[int, ...]
-    text: QwenText
+    text: QwenText | MistralText  # FLUX.2 [dev]: a Mistral3 (:mod:`.mistral_text`)
     vae_channels: tuple[int, ...]  # Qwen-Image: base_dim * dim_mult
     vae_layers: int
     norm_groups: int = 32
@@ -92,16 +93,18 @@ TINY_VISION = QwenVision(depth=2, hidden=16, intermediate=32, heads=2, fullatt_b
 @dataclass(frozen=True)
 class OpenParts:
     """What a Qwen-encoder family builds of its pipeline (its folder's ``assets``): the denoiser, the VAE and the
-    scheduler of an :class:`OpenArch`, its text encoder from the tokenizer, and the pipeline of them."""
+    scheduler of an :class:`OpenArch`, its text encoder from the tokenizer, and the pipeline of them; ``tokenizer``:
+    Qwen's, unless the family's text side is another (FLUX.2 [dev]'s Mistral: :mod:`.mistral_text`)."""
 
     transformer: Callable[[OpenArch], Any]
     vae: Callable[[OpenArch], Any]
     scheduler: Callable[[OpenArch], Any]
-    text_encoder: Callable[[QwenText, Any], Any]
+    text_encoder: Callable[[Any, Any], Any]
     pipeline: Callable[..., Any]
     # what the pipeline directory holds besides what save_pretrained writes: ``finish(directory, tokenizer)``
     # (Qwen-Image-Edit's processor/ folder)
     finish: Callable[[Path, Any], None] | None = None
+    tokenizer: Callable[[], Any] = qwen_tokenizer
 
 
 def make_open_model(
@@ -114,7 +117,7 @@ def make_open_model(
     configs_only: bool = False,
 ) -> Path:
     """Write a random-weight pipeline of ``a`` to ``out``, its parts built by the family (``parts``: its folder's
-    ``assets``), the Qwen tokenizer here.
+    ``assets``), the Qwen tokenizer here unless the family builds its own (``parts.tokenizer``).
     ``configs_only``: the same directory without weights (the models built on the meta device, their configs, the
     tokenizer and model_index.json written): what ``xeonsd train --dry_run`` and doctor's memory row read, for the
     architectures this machine cannot hold (Qwen-Image: 20 B + 8 B parameters)."""
@@ -127,7 +130,7 @@ def make_open_model(
         a = a.with_depth(depth)
     out = Path(out)
     torch.manual_seed(seed)
-    tokenizer = qwen_tokenizer()
+    tokenizer = parts.tokenizer()
     # Built in this order from one seed: the weights depend on it.
     empty = init_empty_weights() if configs_only else contextlib.nullcontext()
     with default_dtype(getattr(torch, a.weights_dtype)), empty:

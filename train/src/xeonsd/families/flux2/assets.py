@@ -43,7 +43,8 @@ ARCHS: dict[str, OpenArch] = {
 }
 
 
-def transformer(a: OpenArch) -> Any:
+def transformer(a: OpenArch, guidance_embeds: bool = False) -> Any:
+    """FLUX.2's transformer of ``a`` (``guidance_embeds``: FLUX.2 [dev]'s, guidance-distilled)."""
     from diffusers import Flux2Transformer2DModel
 
     assert sum(a.axes_dims_rope) == a.head_dim, "FLUX.2's rotary axes split the head dimension"
@@ -60,7 +61,7 @@ def transformer(a: OpenArch) -> Any:
         axes_dims_rope=a.axes_dims_rope,
         rope_theta=2000,
         eps=1e-6,
-        guidance_embeds=False,
+        guidance_embeds=guidance_embeds,
     )
 
 

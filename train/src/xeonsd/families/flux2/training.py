@@ -43,7 +43,12 @@ KLEIN_TARGETS = (
 class Flux2PromptConditioning(FlowPromptConditioning):
     """The prompt table through Qwen3: ``encode(rows)`` gives (the stacked hidden states [n, L, 3 x hidden], None:
     no pooled embedding). A row's token ids and attention mask travel together as one [2, L] tensor, so the table
-    machinery of :class:`FlowPromptConditioning` (the long encoder: ``ids[-1]``; no CLIP part) serves unchanged."""
+    machinery of :class:`FlowPromptConditioning` (the long encoder: ``ids[-1]``; no CLIP part) serves unchanged.
+    ``hidden_layers``: the encoder's layers that are stacked, ``encoder``: its name in messages (FLUX.2 [dev]'s
+    subclass: Mistral3's layers 10, 20, 30)."""
+
+    hidden_layers: tuple[int, ...] = HIDDEN_LAYERS
+    encoder: str = "Qwen3"
 
     def _tokenize(self, texts: list[str]) -> list[torch.Tensor]:
         """[ids and mask, [n, 2, L]] of the chat-templated prompts (Flux2KleinPipeline._get_qwen3_prompt_embeds)."""
@@ -51,12 +56,12 @@ class Flux2PromptConditioning(FlowPromptConditioning):
         return [torch.stack([enc.input_ids, enc.attention_mask], dim=1)]
 
     def _t5(self, ids: torch.Tensor) -> torch.Tensor:
-        """Qwen3's hidden states at HIDDEN_LAYERS, each token's side by side: [n, L, 3 x hidden]."""
-        encoder = held(self.models.text_encoder, "Qwen3")
+        """The encoder's hidden states at ``hidden_layers``, each token's side by side: [n, L, 3 x hidden]."""
+        encoder = held(self.models.text_encoder, self.encoder)
         body = getattr(encoder, "model", encoder)  # the decoder without its LM head: the same hidden states
         with torch.no_grad():
             out = body(input_ids=ids[:, 0], attention_mask=ids[:, 1], output_hidden_states=True, use_cache=False)
-        stacked = torch.stack([out.hidden_states[k] for k in HIDDEN_LAYERS], dim=1)
+        stacked = torch.stack([out.hidden_states[k] for k in self.hidden_layers], dim=1)
         n, layers, length, width = stacked.shape
         return stacked.permute(0, 2, 1, 3).reshape(n, length, layers * width)
 
