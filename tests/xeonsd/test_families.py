@@ -209,14 +209,15 @@ def test_every_pipeline_on_a_known_transformer_trains_or_is_refused_by_name(tmp_
     found = by_name(name)
     classes = _transformer_pipelines(found)
     assert found.pipeline_class in classes
-    # the families on this transformer class (FLUX.1 and FLUX.1 Kontext) share its pipelines out between them
+    # the families on this transformer class (FLUX.1 and FLUX.1 Kontext; FLUX.2 [klein] and [dev]) share its
+    # pipelines out between them
     sharing = [f for f in REGISTRY if f.denoiser_class == found.denoiser_class]
     trained = {cls: f for f in sharing for cls in f.pipelines}
     refused = {cls: what for f in sharing for cls, what in f.variants}
     unclassified = set(classes) - set(trained) - set(refused)
     assert not unclassified, f"classify in xeonsd/families/{name}/__init__.py (pipeline_aliases or variants)"
     for i, cls in enumerate(classes):
-        index, transformer = _index_of(trained.get(cls, found), cls)
+        index, transformer = _index_of(trained.get(cls, found), cls)  # with the text encoders of its family
         (tmp_path / str(i)).mkdir()
         d = _pipeline(tmp_path / str(i), index, None, VAE, transformer)
         if cls in trained:
@@ -231,8 +232,8 @@ def test_every_pipeline_on_a_known_transformer_trains_or_is_refused_by_name(tmp_
 def test_the_edit_models_users_bring_are_refused_before_loading(tmp_path: Path) -> None:
     """Qwen-Image-Edit (the first release) and FLUX.1 Fill sit on the text-to-image families' transformers: without
     the pipeline's class they would train as text-to-image models, silently without their reference images or masks.
-    (FLUX.1 Kontext and Qwen-Image-Edit-2511, on the same transformers, are families of their own:
-    test_flux_kontext_train.py, test_qwenimage_edit_train.py.)"""
+    (FLUX.1 Kontext, Qwen-Image-Edit-2511 and FLUX.2 [dev], on the same transformers, are families of their own:
+    test_flux_kontext_train.py, test_qwenimage_edit_train.py, test_flux2_dev_train.py.)"""
     from xeonsd.families import by_name
 
     for i, (name, cls, what) in enumerate(

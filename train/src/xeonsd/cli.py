@@ -147,11 +147,11 @@ class TinyModelArgs:
     )
     depth: int | None = flag(
         "the full-size transformers only: D of the denoiser's blocks, the single-stream ones in the real model's "
-        "proportion (--arch flux: the real model has 19; flux2-klein: 5; zimage: 30; qwenimage: 60)",
+        "proportion (--arch flux: the real model has 19; flux2-klein: 5; zimage: 30; qwenimage: 60; flux2-dev: 8)",
         default=None,
     )
     configs_only: bool = flag(
-        "the Qwen-encoder families' archs: write the configs and the tokenizer, no weights "
+        "the Qwen- and Mistral-encoder families' archs: write the configs and the tokenizer, no weights "
         "(for `xeonsd train --dry_run`'s memory estimate of a model that does not fit this machine)",
         default=False,
     )

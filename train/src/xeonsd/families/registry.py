@@ -7,7 +7,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from xeonsd.families import flux, flux2, flux_kontext, krea2, qwenimage, qwenimage_edit, sd, sd3, sdxl, zimage
+from xeonsd.families import (
+    flux,
+    flux2,
+    flux2_dev,
+    flux_kontext,
+    krea2,
+    qwenimage,
+    qwenimage_edit,
+    sd,
+    sd3,
+    sdxl,
+    zimage,
+)
 from xeonsd.families.spec import FamilyError, FamilySpec
 
 REGISTRY: tuple[FamilySpec, ...] = (
@@ -21,6 +33,7 @@ REGISTRY: tuple[FamilySpec, ...] = (
     flux_kontext.SPEC,
     qwenimage_edit.SPEC,
     krea2.SPEC,
+    flux2_dev.SPEC,
 )
 SPECS: dict[str, FamilySpec] = {found.name: found for found in REGISTRY}
 

@@ -4,6 +4,7 @@ model source, the checkpoint to resume, an earlier run in ``--output_dir``, and 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import logging
 import os
@@ -67,6 +68,7 @@ def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
     check_family_flags(cfg, family)
     check_reference_flags(cfg, family)
     check_inference_model(cfg, family)
+    check_full_pipeline_loads(cfg)
     buckets = None
     if cfg.buckets:
         resolution = cfg.resolution or default_resolution(family)
@@ -207,6 +209,30 @@ def check_reference_flags(cfg: TrainConfig, family: Family) -> None:
             raise ConfigError(
                 f"{' and '.join(drawn)} with --cond_image_column: {family.label}'s text encoder reads each prompt "
                 "with its reference images, encoded once per image; captions drawn per step have no such row"
+            )
+
+
+def check_full_pipeline_loads(cfg: TrainConfig) -> None:
+    """--method full saves a complete pipeline, re-reading the base's other components with ``from_pretrained``: a
+    component whose class cannot be imported here (a library's placeholder for a missing backend: FLUX.2 [dev]'s
+    ``model_index.json`` names a ``PixtralProcessor``, which transformers builds only with torchvision) would fail
+    that save after the training, so it is refused now. A local pipeline directory's (a Hub id's is read then)."""
+    index_file = Path(cfg.pretrained_model_name_or_path) / "model_index.json"
+    if cfg.method != "full" or not index_file.is_file():
+        return
+    for name, entry in sorted(json.loads(index_file.read_text()).items()):
+        if name.startswith("_") or not isinstance(entry, list) or len(entry) != 2 or None in entry:
+            continue
+        library, cls = entry
+        try:
+            found = getattr(importlib.import_module(library), cls, None)
+        except ImportError:
+            continue  # a pipeline-local module: from_pretrained says what it needs
+        backends = getattr(found, "_backends", None) if type(found).__name__ == "DummyObject" else None
+        if backends:
+            raise ConfigError(
+                f"--method full saves a complete pipeline, reading the base's {name} ({cls}, from {library}) again, "
+                f"which needs {', '.join(backends)}, not installed here: install it, or train a LoRA (--method lora)"
             )
 
 

@@ -1,5 +1,8 @@
 """FLUX.2 [klein]: what its pipeline is (:data:`SPEC`, detected from its config files) and, in :mod:`.training`, how it
-trains. FLUX.2 [klein] (4B, 9B): one Qwen3 text encoder whose hidden states at three layers are stacked, a FLUX.2 transformer over 2x2 patchified tokens of a 32-channel VAE (AutoencoderKLFlux2, batch-normalised latents). FLUX.2 [dev] (a Mistral text encoder) is refused by its text encoder's class."""
+trains. FLUX.2 [klein] (4B, 9B): one Qwen3 text encoder whose hidden states at three layers are stacked, a FLUX.2
+transformer over 2x2 patchified tokens of a 32-channel VAE (AutoencoderKLFlux2, batch-normalised latents). FLUX.2
+[dev] (``Flux2Pipeline`` with a Mistral text encoder, on the same transformer class) is a family of its own
+(:mod:`xeonsd.families.flux2_dev`), told apart by the pipeline's class."""
 
 from __future__ import annotations
 
@@ -29,10 +32,7 @@ SPEC = FamilySpec(
     genai_edits=("image2image",),
     guidance_scale=4.0,
     resolution_shift=False,
-    variants=(
-        ("Flux2Pipeline", "FLUX.2 [dev], a Mistral-encoder model of its own"),
-        ("Flux2KleinKVPipeline", "FLUX.2 [klein] KV, which conditions on cached reference images"),
-    ),
+    variants=(("Flux2KleinKVPipeline", "FLUX.2 [klein] KV, which conditions on cached reference images"),),
     pipeline_aliases=("Flux2KleinInpaintPipeline",),
     reference_images=1,  # Flux2KleinPipeline(image=...): trained on pairs as train_dreambooth_lora_flux2_klein_img2img.py
 )
