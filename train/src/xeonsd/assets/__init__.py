@@ -17,15 +17,16 @@ Nothing can be downloaded in tests, so these stand in for the Hub model and the 
 * ``tiny-flux2`` / ``tiny-zimage`` / ``tiny-qwenimage``: FLUX.2-klein-4B, Z-Image-Turbo and Qwen-Image in miniature
   (flow matching, Qwen3 or Qwen2.5-VL text encoders, a Qwen tokenizer built from the tiny word list), for the
   tests; ``flux2-klein``, ``zimage``, ``qwenimage`` (each with ``--depth``): their full widths in bf16, for
-  benchmarks (:mod:`.open_models`).
+  benchmarks (:mod:`.open_models`); ``tiny-flux2-dev`` / ``flux2-dev``: FLUX.2 [dev] the same way, with a Mistral3
+  text encoder and a Tekken-style tokenizer (:mod:`.mistral_text`).
 
 The image set can come with captions in each layout the trainer reads (see :mod:`xeonsd.trainer.captions`).
 
 Each arch lives in its family's folder (``xeonsd/families/<name>/assets.py``: its ``ARCHS`` and ``make``), built with
 the shared parts here. Modules: :mod:`.vocab` (the CLIP-style vocabulary and tokenizer), :mod:`.models` (the
 ``--arch`` lookup, the UNet pipelines' :class:`~xeonsd.assets.models.Arch` and builder), :mod:`.flow_models` (the
-FLUX.1 and SD3 builder), :mod:`.open_models` and :mod:`.open_text` (the builder of the Qwen-encoder families and
-their Qwen text side),
+FLUX.1 and SD3 builder), :mod:`.open_models`, :mod:`.open_text` and :mod:`.mistral_text` (the builder of the
+Qwen-encoder families and FLUX.2 [dev], their Qwen and Mistral text sides),
 :mod:`.parts` (the VAE and the CLIP encoders they share), :mod:`.datasets` (the image sets).
 """
 

@@ -1,6 +1,7 @@
 """The offline pipelines of the open-weight families with Qwen text encoders: FLUX.2-klein (``Flux2KleinPipeline``),
 Z-Image (``ZImagePipeline``) and Qwen-Image (``QwenImagePipeline``), one :class:`OpenArch` per
-``make-tiny-model --arch``, built with random weights.
+``make-tiny-model --arch``, built with random weights; FLUX.2 [dev] (``Flux2Pipeline``: ``tiny-flux2-dev`` /
+``flux2-dev``) is built here too, with its Mistral text side (:mod:`.mistral_text`, ``OpenParts.tokenizer``).
 
 * ``tiny-flux2`` / ``flux2-klein``: FLUX.2-klein-4B (distilled). ``Flux2Transformer2DModel`` (double- then
   single-stream blocks, 4-axis rotary positions, no guidance embedding), ``AutoencoderKLFlux2`` (32 latent

@@ -1,5 +1,6 @@
 """The model families, one folder each (``sd/``, ``sdxl/``, ``flux/``, ``sd3/``, ``flux2/``, ``zimage/``,
-``qwenimage/``, ``flux_kontext/``, ``qwenimage_edit/``, ``krea2/``), registered once in :mod:`.registry`:
+``qwenimage/``, ``flux_kontext/``, ``qwenimage_edit/``, ``krea2/``, ``flux2_dev/``), registered once in
+:mod:`.registry`:
 
 * a folder's ``__init__`` is its :class:`FamilySpec` (``SPEC``): files, classes, text side, objective, LoRA and
   concept layouts, what OpenVINO GenAI applies, the pipeline's defaults, the pipelines it trains as and the edit

@@ -3,12 +3,13 @@
 Every command that takes a model (``train``, ``export``, ``generate``, ``doctor``, ``bench``) asks
 :func:`detect_family` and gets a :class:`Family`: what the pipeline's text side looks like (one text encoder, or
 SDXL's two with the second's pooled output), its default resolution and its diffusers class. A family we do not
-serve (FLUX.2 [dev], PixArt, an SDXL refiner, an inpainting UNet, …) is refused in one line that names what was found and what
-is supported, instead of a traceback after minutes of loading.
+serve (PixArt, an SDXL refiner, an inpainting UNet, …) is refused in one line that names what was found and what is
+supported, instead of a traceback after minutes of loading.
 
 The rules read ``model_index.json`` (the pipeline's class and components), ``unet/config.json`` (``text_time``
 conditioning, input channels, sample size) or ``transformer/config.json`` (the transformer families by its class,
-FLUX.1-dev's guidance embedding; FLUX.2 [klein] against [dev] by the text encoder's class in ``model_index.json``)
+FLUX.1-dev's guidance embedding; FLUX.2 [klein] and [dev] by the pipeline's class, each checked against the text
+encoder's class in ``model_index.json``)
 and ``vae/config.json`` (its scale factor), from a local directory or, for a Hub id, from the Hub (its cache when
 offline): three small files.
 """
@@ -171,8 +172,9 @@ def vae_scale(vae: Any) -> int:
 
 def _transformer_family(index, transformer: dict[str, Any], vae, have: set[str], refuse) -> Family:
     """The transformer family from the transformer's class, and the pipeline's class where several families share
-    it (FLUX.1 and FLUX.1 Kontext); checked against the text encoder the pipeline declares where one class serves
-    several models (FLUX.2 [dev]'s Mistral against [klein]'s Qwen3); FLUX.1-dev from its guidance embedding."""
+    it (FLUX.1 and FLUX.1 Kontext, FLUX.2 [klein] and [dev]); checked against the text encoder the pipeline declares
+    where one class serves several models ([dev]'s Mistral3 against [klein]'s Qwen3); FLUX.1-dev from its guidance
+    embedding."""
     cls = str(transformer.get("_class_name") or (index.get("transformer") or [None, "?"])[1])
     candidates = TRANSFORMER_FAMILIES.get(cls)
     if candidates is None:
