@@ -192,6 +192,7 @@ TRAINER_LAYERS: list[set[str]] = [
     {
         "data",
         "buckets",
+        "masks",
         "captions",
         "prompt_tables",
         "models",

@@ -247,6 +247,6 @@ class FlowFamily(TrainFamily):
         models.free(slot)
         log.info("%s freed: every prompt is encoded; resident memory %.2f GB -> %.2f GB", name, before, _rss_gb())
 
-    def loss(self, models, pred, target, t, snr_gamma):
+    def loss(self, models, pred, target, t, snr_gamma, mask=None):
         assert models.flow is not None
-        return flow_loss(pred, target, models.flow.weights(t))
+        return flow_loss(pred, target, models.flow.weights(t), mask)

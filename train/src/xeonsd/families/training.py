@@ -138,9 +138,16 @@ class TrainFamily:
         raise ConfigError(f"unsupported prediction type {prediction_type!r} in the model's scheduler")
 
     def loss(
-        self, models: Models, pred: torch.Tensor, target: torch.Tensor, t: torch.Tensor, snr_gamma: float | None
+        self,
+        models: Models,
+        pred: torch.Tensor,
+        target: torch.Tensor,
+        t: torch.Tensor,
+        snr_gamma: float | None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The loss of these examples' predictions (min-SNR-γ weighted with ``snr_gamma``)."""
+        """The loss of these examples' predictions (min-SNR-γ weighted with ``snr_gamma``; ``mask`` [b, 1, h, w]:
+        ``--masks``' latent masks, each example's errors weighted by its mask and normalised by its sum)."""
         scheduler = models.noise_scheduler
         return denoising_loss(
             pred,
@@ -149,4 +156,5 @@ class TrainFamily:
             snr_gamma=snr_gamma,
             alphas_cumprod=scheduler.alphas_cumprod,
             prediction_type=scheduler.config.prediction_type,
+            mask=mask,
         )

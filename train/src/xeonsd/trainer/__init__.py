@@ -8,7 +8,8 @@ or any cycle, lazy imports included):
    file format in :mod:`.shared_weights.file`), a full fine-tune's sharding over the ranks (:mod:`.sharding`), the
    loss function (:mod:`.loss`), the denoiser's attention (:mod:`.attention`) and the stop signals
    (:mod:`.stopping`);
-2. data and models: the images and the rank-independent sampling plan (:mod:`.data`, :mod:`.buckets`), captions and
+2. data and models: the images and the rank-independent sampling plan (:mod:`.data`, :mod:`.buckets`), the masked
+   loss's masks (:mod:`.masks`), captions and
    prompt tables (:mod:`.captions`, :mod:`.prompt_tables`), the models (:mod:`.models`) and the pipelines made of them
    (:mod:`.pipelines`), the text conditioning and
    latents (:mod:`.conditioning`, :mod:`.latents`), prior preservation's class data

@@ -61,24 +61,34 @@ def find_images(data_dir: Path) -> list[Path]:
     return images
 
 
+def place(
+    im: Image.Image,
+    resolution: int,
+    center_crop: bool,
+    placement: Placement | None = None,
+    resample: Image.Resampling = Image.Resampling.BICUBIC,
+) -> Image.Image:
+    """The resize and crop of a training input: the ``resolution`` square (with ``center_crop``, of the centre
+    square), or a bucket's ``placement`` (:func:`xeonsd.trainer.buckets.placement`). Its mask (:mod:`.masks`)
+    goes through the same, with another ``resample``."""
+    if placement is not None:
+        (bw, bh), (top, left) = placement.bucket, (placement.top, placement.left)
+        return im.resize(placement.resized, resample=resample).crop((left, top, left + bw, top + bh))
+    if center_crop:
+        w, h = im.size
+        side = min(h, w)
+        top, left = (h - side) // 2, (w - side) // 2
+        im = im.crop((left, top, left + side, top + side))
+    return im.resize((resolution, resolution), resample=resample)
+
+
 def load_pixels(
     path: Path, resolution: int, center_crop: bool, placement: Placement | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """An image as a [3, R, R] tensor in [-1, 1], and its horizontal mirror (as the recipe prepares it); with a
     bucket's ``placement`` (:func:`xeonsd.trainer.buckets.placement`), [3, bucket height, bucket width]."""
     with Image.open(path) as im:
-        img = np.array(im.convert("RGB")).astype(np.uint8)
-    if placement is not None:
-        (bw, bh), (top, left) = placement.bucket, (placement.top, placement.left)
-        pil = Image.fromarray(img).resize(placement.resized, resample=Image.Resampling.BICUBIC)
-        pil = pil.crop((left, top, left + bw, top + bh))
-    else:
-        if center_crop:
-            h, w = img.shape[:2]
-            side = min(h, w)
-            top, left = (h - side) // 2, (w - side) // 2
-            img = img[top : top + side, left : left + side]
-        pil = Image.fromarray(img).resize((resolution, resolution), resample=Image.Resampling.BICUBIC)
+        pil = place(im.convert("RGB"), resolution, center_crop, placement)
     flipped = pil.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
 
     def to_tensor(p: Image.Image) -> torch.Tensor:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from xeonsd.trainer.config import ConfigError
+from xeonsd.trainer.loss import squared_error
 
 # --weighting_scheme: the σ densities and the loss weights, as diffusers' scripts name them ("uniform" = "none").
 DENSITIES = ("logit_normal", "mode")
@@ -120,7 +121,10 @@ def noisy_input(latents: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor
     return (1.0 - s) * latents + s * noise
 
 
-def flow_loss(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The batch mean of each example's weighted mean squared error (as diffusers' scripts reduce it)."""
-    per_example = ((pred.float() - target.float()) ** 2).reshape(pred.shape[0], -1).mean(dim=1)
+def flow_loss(
+    pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The batch mean of each example's weighted mean squared error (as diffusers' scripts reduce it); ``mask``
+    ([b, 1, h, w], ``--masks``): each example's errors weighted by it and normalised by its sum."""
+    per_example = squared_error(pred, target, mask).reshape(pred.shape[0], -1).mean(dim=1)
     return (per_example * weights.to(per_example.dtype)).mean()

@@ -63,6 +63,22 @@ def min_snr_weights(
     raise ConfigError(f"--snr_gamma: unsupported prediction type {prediction_type!r} in the model's scheduler")
 
 
+def mask_weights(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``--masks``: each example's latent mask ([b, 1, h, w], :mod:`.masks`) as weights of the squared errors
+    ``like`` [b, c, h, w]: the mask over its mean per example, so that the mean of the weighted errors is each
+    example's error weighted by its mask and normalised by the mask's sum (a small subject does not get a small
+    loss). An all-white mask weighs every element 1 exactly."""
+    m = mask.to(like.dtype)
+    mean = m.mean(dim=tuple(range(1, m.ndim)), keepdim=True)
+    return (m / mean.clamp_min(torch.finfo(m.dtype).tiny)).expand_as(like)
+
+
+def squared_error(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The element-wise squared error in float32, weighted by ``mask`` (:func:`mask_weights`) when given."""
+    se = F.mse_loss(pred.float(), target.float(), reduction="none")
+    return se if mask is None else se * mask_weights(mask, se)
+
+
 def denoising_loss(
     pred: torch.Tensor,
     target: torch.Tensor,
@@ -71,13 +87,17 @@ def denoising_loss(
     snr_gamma: float | None = None,
     alphas_cumprod: torch.Tensor | None = None,
     prediction_type: str = "epsilon",
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MSE of ``pred`` against ``target`` (mean over every element); with ``snr_gamma``, the batch mean of
-    each example's MSE times its min-SNR-γ weight (as diffusers' train scripts compute it)."""
+    each example's MSE times its min-SNR-γ weight (as diffusers' train scripts compute it). ``mask`` ([b, 1, h,
+    w], ``--masks``): each example's errors weighted by it and normalised by its sum."""
     pred, target = pred.float(), target.float()
     if snr_gamma is None:
-        return F.mse_loss(pred, target, reduction="mean")
+        if mask is None:
+            return F.mse_loss(pred, target, reduction="mean")
+        return squared_error(pred, target, mask).mean()
     assert alphas_cumprod is not None, "min-SNR weighting needs the scheduler's alphas_cumprod"
-    per_example = F.mse_loss(pred, target, reduction="none").mean(dim=tuple(range(1, pred.ndim)))
+    per_example = squared_error(pred, target, mask).mean(dim=tuple(range(1, pred.ndim)))
     weights = min_snr_weights(alphas_cumprod, timesteps, snr_gamma, prediction_type).to(per_example.dtype)
     return (per_example * weights).mean()
