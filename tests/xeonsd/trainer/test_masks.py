@@ -22,7 +22,7 @@ def _mask(path: Path, size: tuple[int, int], white_left_of: int) -> Path:
     """A mask of ``size`` (width, height), white in the columns left of ``white_left_of``, black elsewhere."""
     grey = np.zeros((size[1], size[0]), dtype=np.uint8)
     grey[:, :white_left_of] = 255
-    Image.fromarray(grey, mode="L").save(path)
+    Image.fromarray(grey).save(path)
     return path
 
 

@@ -242,6 +242,12 @@ class TrainConfig:
         "(default: the whole range)",
         default=None,
     )
+    masks: str | None = _flag(
+        "masked loss: a directory with one grey-scale mask per training image, of its file stem and size "
+        "(DIR/p0.png for p0.jpg); white counts, black does not, grey weighs between (each example's loss "
+        "normalised by its mask's area); the validation loss stays unmasked. Default: off",
+        default=None,
+    )
     weighting_scheme: str | None = _flag(
         "flow models (FLUX.1, SD3): how sigma is drawn and weighted, as diffusers' scripts: logit_normal, mode "
         "(sigma's density), uniform or none (uniform sigma, no weight), sigma_sqrt or cosmap (uniform sigma, "

@@ -23,7 +23,9 @@ from xeonsd.trainer.captions import Captions, read_captions, read_references, sh
 from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.data import DataError, find_images
 from xeonsd.trainer.flow import resolve_scheme
+from xeonsd.trainer.latents import bucket_placements
 from xeonsd.trainer.loss import local_num_train_timesteps, parse_timestep_range
+from xeonsd.trainer.masks import find_masks
 from xeonsd.trainer.methods import for_config, method_class
 from xeonsd.trainer.models import model_family
 from xeonsd.trainer.prior import check_prior_flags
@@ -49,6 +51,7 @@ class Inputs:
     class_images: list[Path] = dataclasses.field(default_factory=list)  # prior preservation's, from set-up
     # --cond_image_column: each training and held-out image's reference image (edit training on image pairs)
     references: dict[Path, tuple[Path, ...]] | None = None
+    masks: dict[Path, Path] | None = None  # --masks: each training image's mask file (masked loss)
 
 
 def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
@@ -73,6 +76,11 @@ def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
     if cfg.buckets:
         resolution = cfg.resolution or default_resolution(family)
         buckets = assign(images, resolution, cfg.min_bucket_reso, cfg.max_bucket_reso, cfg.bucket_reso_steps)
+    masks = None
+    if cfg.masks:
+        resolution = cfg.resolution or default_resolution(family)
+        places = bucket_placements(images, buckets, cfg.center_crop)
+        masks = find_masks(Path(cfg.masks), images, resolution, cfg.center_crop, places)
     references = None
     if cfg.cond_image_column:
         most = family.spec.reference_images
@@ -93,7 +101,7 @@ def validate(cfg: TrainConfig, info: RankInfo) -> Inputs:
         resume = ckpt.resolve_resume(cfg.resume_from_checkpoint, cfg.output_path)
     if info.is_main and resume is None and not cfg.overwrite_output_dir:
         check_no_earlier_run(cfg)
-    return Inputs(images, captions, resume, family, held_out, buckets, references=references)
+    return Inputs(images, captions, resume, family, held_out, buckets, references=references, masks=masks)
 
 
 FLOW_FLAGS = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "guidance_scale")

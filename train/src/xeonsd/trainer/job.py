@@ -45,7 +45,15 @@ log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logg
 ABORT_GRACE_S = 3.0
 # The loss, noise and caption options (and the flow ones, FLOW_FLAGS): a resumed run that changes one continues on
 # another trajectory (a warning).
-LOSS_OPTIONS = ("snr_gamma", "noise_offset", "timestep_range", "caption_dropout", "shuffle_tags", "keep_tokens")
+LOSS_OPTIONS = (
+    "snr_gamma",
+    "noise_offset",
+    "timestep_range",
+    "caption_dropout",
+    "shuffle_tags",
+    "keep_tokens",
+    "masks",
+)
 
 
 @dataclass(frozen=True)
@@ -319,9 +327,16 @@ def _prepare_data(
     texts = encode_prompts(cfg, info, models, method, inputs, prompts, seed)
     t1 = time.perf_counter()
     latents = LatentTable.build(
-        cfg, models, inputs.images, info.rank, info.local_rank, world, inputs.buckets, inputs.references
+        cfg, models, inputs.images, info.rank, info.local_rank, world, inputs.buckets, inputs.references, inputs.masks
     )
     t2 = time.perf_counter()
+    if inputs.masks:
+        log.info(
+            "masked loss: %d mask(s) from %s at the latents' size, mirrored with their images; the validation loss "
+            "stays unmasked",
+            len(inputs.masks),
+            cfg.masks,
+        )
     batches = BucketBatches.for_run(inputs.buckets, models.vae, world * cfg.train_batch_size, models.training)
     num_timesteps = models.noise_scheduler.config.num_train_timesteps
     timestep_range = parse_timestep_range(cfg.timestep_range, num_timesteps)

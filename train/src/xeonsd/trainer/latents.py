@@ -159,6 +159,15 @@ class LatentTable:
     time_ids: torch.Tensor | None = None  # SDXL: [count, 6] micro-conditioning per input row
     encoded: int = 0  # inputs the VAE encoded for the cache (all ranks)
     references: list[LatentTable] | None = None
+    # --masks: each row's latent mask [1, h, w] (:mod:`.masks`; made from the files at start-up, never cached on
+    # disk), stacked [count, 1, h, w] or, with buckets of several sizes, a list; None: unmasked
+    mask: torch.Tensor | list[torch.Tensor] | None = None
+
+    def mask_of(self, examples) -> torch.Tensor | None:
+        """The examples' latent masks [b, 1, h, w] (``--masks``), or None."""
+        if self.mask is None:
+            return None
+        return torch.stack([self.mask[e.input_id] for e in examples])
 
     def time_ids_of(self, examples) -> torch.Tensor:
         assert self.time_ids is not None, "time ids exist for SDXL models only"
@@ -184,12 +193,14 @@ class LatentTable:
         world: int,
         buckets: Buckets | None = None,
         references: dict[Path, tuple[Path, ...]] | None = None,
+        masks: dict[Path, Path] | None = None,
     ) -> LatentTable:
         """The table of ``images`` at ``--resolution`` or, with ``buckets``, each in its bucket; from the disk
         cache where every rank has an image's file. ``references``: each image's reference images (edit training),
         whose tables (one per place in the list) are built the same way and kept in ``references``: a reference
-        goes into its training image's bucket (resized and cropped by the same rule), so a batch stacks both."""
-        table = cls._build(cfg, models, images, rank, local_rank, world, buckets)
+        goes into its training image's bucket (resized and cropped by the same rule), so a batch stacks both.
+        ``masks``: each image's mask file (``--masks``), whose latent masks the table keeps (``mask``)."""
+        table = cls._build(cfg, models, images, rank, local_rank, world, buckets, masks)
         if references is not None and images:
             table.references = [
                 cls._build(cfg, models, [references[p][k] for p in images], rank, local_rank, world, buckets)
@@ -199,10 +210,19 @@ class LatentTable:
 
     @classmethod
     def _build(
-        cls, cfg, models, images: list[Path], rank: int, local_rank: int, world: int, buckets: Buckets | None = None
+        cls,
+        cfg,
+        models,
+        images: list[Path],
+        rank: int,
+        local_rank: int,
+        world: int,
+        buckets: Buckets | None = None,
+        masks: dict[Path, Path] | None = None,
     ) -> LatentTable:
         from xeonsd.modelfiles.modelsource import model_fingerprint
         from xeonsd.trainer.data import load_all_pixels, load_pixels
+        from xeonsd.trainer.masks import mask_rows
 
         family = models.training
         vae = family.latent_vae(models.vae)
@@ -228,6 +248,8 @@ class LatentTable:
             "dtype": models.weight_dtype,
             "time_ids": time_ids,
         }
+        if masks is not None:
+            common["mask"] = mask_rows([masks[p] for p in images], cfg.resolution, cfg.center_crop, places, shapes)
         if not cfg.latent_cache:
             pixels = load_all_pixels(images, cfg.resolution, cfg.center_crop, cfg.dataloader_num_workers, places)
             return cls(**common, vae=vae, pixels=pixels)

@@ -30,7 +30,7 @@ def read_mask(path: Path) -> Image.Image:
     """A mask file as a float image ("F") in [0, 1]: its grey levels over 255."""
     with Image.open(path) as im:
         grey = np.asarray(im.convert("L"), dtype=np.float32) / 255.0
-    return Image.fromarray(grey, mode="F")
+    return Image.fromarray(grey)  # float32: mode "F"
 
 
 def find_masks(

@@ -37,7 +37,8 @@ def step_loss(inputs: LossInputs, examples: list[Example], clock: RankClock | No
     """The denoising loss of these examples (mean over them; the family's objective: :meth:`TrainFamily.predict`
     and ``loss``); ``clock`` times the latent lookup as data. With prior preservation each example is paired with
     a class example in the same denoiser call (:mod:`.prior`): the loss is the instance mean plus
-    ``--prior_loss_weight`` times the class mean."""
+    ``--prior_loss_weight`` times the class mean. With ``--masks`` the instance examples' loss is masked
+    (:mod:`.masks`)."""
     models = inputs.models
     with clock.phase("data") if clock else contextlib.nullcontext():
         batch = model_inputs(inputs.text, inputs.latents, examples)
@@ -47,13 +48,17 @@ def step_loss(inputs: LossInputs, examples: list[Example], clock: RankClock | No
     family = models.training
     pred, target = family.predict(models, inputs.unet, latents, noise, timesteps, hidden, added, inputs.channels_last)
 
-    def loss(rows: slice) -> torch.Tensor:
-        return family.loss(models, pred[rows], target[rows], timesteps[rows], inputs.snr_gamma)
+    # --masks: the instance examples' latent masks (None: unmasked; the class examples and a held-out table's
+    # examples have none, so the prior's loss and the validation loss stay unmasked)
+    mask = inputs.latents.mask_of(examples)
+
+    def loss(rows: slice, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return family.loss(models, pred[rows], target[rows], timesteps[rows], inputs.snr_gamma, mask)
 
     if inputs.prior is None:
-        return loss(slice(None))
+        return loss(slice(None), mask)
     n = len(examples)
-    return loss(slice(0, n)) + inputs.prior.weight * loss(slice(n, None))
+    return loss(slice(0, n), mask) + inputs.prior.weight * loss(slice(n, None))
 
 
 def sync_gradients(params: list[torch.nn.Parameter], loss_sum: float, world: int, ddp: bool) -> float:
