@@ -10,6 +10,8 @@ them; with aspect-ratio buckets, one shard and all-reduce per bucket size. With 
 image's bytes, the VAE, the resolution and the crop, so a second run (or a rank on another node that has the
 files) encodes nothing. For SDXL each input also has its micro-conditioning (``time_ids``: original size, crop,
 target size; :func:`xeonsd.families.sdxl.training.time_ids_for`), which is part of the key and stored in the file.
+``--masks``' latent masks (:mod:`.masks`) sit beside the latents in the table, made from their files at start-up:
+neither in the disk cache's files nor in its key.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The loss and noise options of every method: min-SNR-γ weighting (Hang et al. 2023, ``--snr_gamma``), the
-timesteps' range (``--timestep_range``) and offset noise (``--noise_offset``, drawn in :mod:`.data`'s plan).
+timesteps' range (``--timestep_range``), offset noise (``--noise_offset``, drawn in :mod:`.data`'s plan) and the
+masked loss's weights (``--masks``: :func:`mask_weights`, the masks from :mod:`.masks`).
 
 Pure functions of tensors and the scheduler's ``alphas_cumprod``; the loop calls :func:`denoising_loss`.
 """
