@@ -153,13 +153,16 @@ def test_flux2_klein_trains_with_masks_at_its_patchified_latent_size(tiny_flux2_
     assert all(torch.equal(runs["none"][k], runs["white"][k]) for k in runs["none"])
 
 
-def test_missing_misfit_and_black_masks_are_refused_in_one_line_naming_the_file(tiny_model, dataset, tmp_path, cli_env):
+def test_a_missing_or_misfit_mask_is_refused_in_one_line_naming_the_file(tiny_model, dataset, tmp_path, cli_env):
+    """Before any model loads (exit 2; the unreadable and all-black masks: test_masks.py)."""
     masks = write_masks(dataset, tmp_path / "masks")
     (masks / "dicoo_03.png").unlink()
     args = method_args("lora", tiny_model, dataset, tmp_path / "out", PROMPT, f"--masks={masks}")
-    err = refused(args, cli_env)
-    assert f"no mask for training image {dataset / 'dicoo_03.png'}: expected {masks / 'dicoo_03.png'}" in err
-    Image.new("L", (32, 32), 255).save(masks / "dicoo_03.png")
-    assert f"mask {masks / 'dicoo_03.png'} is 32x32, its image {dataset / 'dicoo_03.png'} 64x64" in refused(
-        args, cli_env
-    )
+    image, mask = dataset / "dicoo_03.png", masks / "dicoo_03.png"
+    assert refused(args, cli_env).strip().splitlines() == [
+        f"xeonsd train: error: --masks: no mask for training image {image}: expected {mask}"
+    ]
+    Image.new("L", (32, 32), 255).save(mask)
+    assert refused(args, cli_env).strip().splitlines() == [
+        f"xeonsd train: error: --masks: mask {mask} is 32x32, its image {image} 64x64; a mask has its image's size"
+    ]
