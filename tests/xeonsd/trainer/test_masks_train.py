@@ -141,6 +141,23 @@ def test_every_method_trains_with_masks_in_buckets(method, tiny_model, tmp_path,
     assert "masked loss: 4 mask(s)" in proc.stderr and "aspect-ratio buckets" in proc.stderr
 
 
+def test_prior_preservation_and_the_validation_loss_run_unmasked_beside_masks(tiny_model, dataset, tmp_path, cli_env):
+    """The class images' and the held-out images' tables have no masks: their losses are unmasked (a held-out
+    image needs no mask), while the instance examples train masked."""
+    import hashlib
+
+    masks = write_masks(dataset, tmp_path / "masks")
+    # --validation_split 0.2 holds out 1 of the 5: the first by the hash of its name (validation.hold_out)
+    held = min(dataset.glob("*.png"), key=lambda p: hashlib.sha256(p.name.encode()).hexdigest())
+    (masks / f"{held.stem}.png").unlink()  # a held-out image needs no mask
+    flags = (PROMPT, f"--masks={masks}", "--with_prior_preservation", "--class_prompt=a photo of a toy")
+    flags += (f"--class_data_dir={tmp_path / 'class'}", "--num_class_images=2")
+    flags += ("--validation_split=0.2", "--validation_steps=2")
+    out = tmp_path / "out"
+    proc = train(method_args("lora", tiny_model, dataset, out, *flags, steps=2), cli_env)
+    assert "masked loss: 4 mask(s)" in proc.stderr and "validation loss at step 2" in proc.stderr
+
+
 def test_flux2_klein_trains_with_masks_at_its_patchified_latent_size(tiny_flux2_model, dataset, tmp_path, cli_env):  # noqa: F811
     """FLUX.2 [klein]'s latents are 2x2-patchified (latent_dims: 4 x 4 at 64 px): the flow objective with masks;
     all-white masks train what no masks train, bit for bit."""
