@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 
 from xeonsd.flags import add_flags, from_args
-from xeonsd.trainer.config import FULL, LORA, PRIOR_NEEDS_WEIGHTS, TI, ConfigError, TrainConfig, flag_methods
+from xeonsd.trainer.config import FULL, LORA, PRIOR_NEEDS_WEIGHTS, TI, ConfigError, TrainConfig
 
 # --help's groups: the flags of every method, then each method's own (a field's ``methods``)
 GROUPS = (
@@ -18,6 +18,11 @@ GROUPS = (
     ((LORA,), "LoRA (--method lora)"),
     ((FULL,), "full fine-tuning of the UNet (--method full)"),
 )
+
+
+def flag_methods(name: str) -> tuple[str, ...]:
+    """The methods a TrainConfig field belongs to (empty: all)."""
+    return next(f.metadata["methods"] for f in dataclasses.fields(TrainConfig) if f.name == name)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,7 +9,6 @@ another method than ``--method`` is refused: :mod:`.argv` makes the command line
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -389,11 +388,6 @@ class TrainConfig:
     @property
     def output_path(self) -> Path:
         return Path(self.output_dir)
-
-
-def flag_methods(name: str) -> tuple[str, ...]:
-    """The methods a field belongs to (empty: all)."""
-    return next(f.metadata["methods"] for f in dataclasses.fields(TrainConfig) if f.name == name)
 
 
 # Why --with_prior_preservation is refused with textual inversion (the config's check and the prior's say it alike).

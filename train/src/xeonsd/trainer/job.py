@@ -45,15 +45,8 @@ log = logging.getLogger("xeonsd.train")  # the trainer's log lines keep one logg
 ABORT_GRACE_S = 3.0
 # The loss, noise and caption options (and the flow ones, FLOW_FLAGS): a resumed run that changes one continues on
 # another trajectory (a warning).
-LOSS_OPTIONS = (
-    "snr_gamma",
-    "noise_offset",
-    "timestep_range",
-    "caption_dropout",
-    "shuffle_tags",
-    "keep_tokens",
-    "masks",
-)
+LOSS_OPTIONS = ("snr_gamma", "noise_offset", "timestep_range", "caption_dropout", "shuffle_tags", "keep_tokens")
+LOSS_OPTIONS += ("masks",)
 
 
 @dataclass(frozen=True)

@@ -222,7 +222,6 @@ class LatentTable:
         buckets: Buckets | None = None,
         masks: dict[Path, Path] | None = None,
     ) -> LatentTable:
-        from xeonsd.modelfiles.modelsource import model_fingerprint
         from xeonsd.trainer.data import load_all_pixels, load_pixels
         from xeonsd.trainer.masks import mask_rows
 
@@ -268,20 +267,7 @@ class LatentTable:
             mean, std, _ = build_bucketed_cache(vae, load, models.weight_dtype, shapes, rank, world)
             return cls(**common, mean=mean, std=std, encoded=count)
 
-        vae_key = model_fingerprint(cfg.pretrained_model_name_or_path, cfg.revision, subfolder="vae")
-        vae_key += str(models.weight_dtype)
-        keys = [
-            image_cache_key(
-                p,
-                vae_key,
-                cfg.resolution,
-                cfg.center_crop,
-                time_ids[2 * k : 2 * k + 2] if time_ids is not None else None,
-                places[k].bucket if places else None,
-            )
-            for k, p in enumerate(images)
-        ]
-        files = [cache_dir / f"{k}.safetensors" for k in keys]
+        files = _cache_files(cfg, models, cache_dir, images, time_ids, places)
         have = torch.tensor([int(f.is_file()) for f in files], dtype=torch.int64)
         everywhere = all_reduce_sum_(have.clone(), world)  # an image is reused only where every rank has it
         todo = [i for i in range(count) if everywhere[i // 2] < world]
@@ -296,6 +282,27 @@ class LatentTable:
             here,
         )
         return cls(**common, mean=mean, std=std, encoded=len(todo))
+
+
+def _cache_files(cfg, models, cache_dir: Path, images: list[Path], time_ids, places) -> list[Path]:
+    """Each image's file in the disk cache ``cache_dir`` (:func:`image_cache_key`: its bytes, the VAE and the
+    training dtype, the resolution and crop, SDXL's time ids, the bucket)."""
+    from xeonsd.modelfiles.modelsource import model_fingerprint
+
+    vae_key = model_fingerprint(cfg.pretrained_model_name_or_path, cfg.revision, subfolder="vae")
+    vae_key += str(models.weight_dtype)
+    keys = [
+        image_cache_key(
+            p,
+            vae_key,
+            cfg.resolution,
+            cfg.center_crop,
+            time_ids[2 * k : 2 * k + 2] if time_ids is not None else None,
+            places[k].bucket if places else None,
+        )
+        for k, p in enumerate(images)
+    ]
+    return [cache_dir / f"{k}.safetensors" for k in keys]
 
 
 def bucket_placements(images: list[Path], buckets: Buckets | None, center_crop: bool) -> list[Placement] | None:

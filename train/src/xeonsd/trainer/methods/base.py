@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from xeonsd.trainer.config import ConfigError, flag_methods
+from xeonsd.trainer.argv import flag_methods
+from xeonsd.trainer.config import ConfigError
 from xeonsd.trainer.prompt_tables import PromptTable, plain_prompts
 
 if TYPE_CHECKING:
