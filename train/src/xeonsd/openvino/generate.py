@@ -88,8 +88,8 @@ def resolve_engine(src: Path, opts: GenerateOptions) -> tuple[GenerateOptions, d
                 f"({spec.pipeline_class}); use --engine torch (or auto)"
             )
         raise GenerateError(
-            f"{src} is a diffusers pipeline of {spec.label}, and --engine {opts.engine} runs an OpenVINO export: "
-            f"run `xeonsd export {src} OUT` and generate from OUT, or give --engine torch"
+            f"{src} is not an xeonsd OpenVINO export but a diffusers pipeline of {spec.label} (--engine "
+            f"{opts.engine} runs an export): run `xeonsd export {src} OUT` and generate from OUT, or give --engine torch"
         )
     manifest = {
         "family": spec.name,
