@@ -32,8 +32,9 @@ def test_a_qwen_image_edit_lora_on_pairs_runs_through_to_images_made_by_pytorch(
         timeout=600,
     )
     assert staged.rc == 0, staged.tail(60)
-    for node in ("node1", "node4"):  # the references' subfolder too (dataset_recurse, on for pairs)
-        assert provisioned.ssh(node, "test -f /home/devcloud/pairs/ref/p4.png").returncode == 0, node
+    for node in ("node1", "node4"):  # the references' subfolder too (dataset_recurse), readable by the job's user
+        readable = "su -s /bin/sh devcloud -c 'test -r /home/devcloud/pairs/ref/p4.png'"
+        assert provisioned.ssh(node, readable, check=False).returncode == 0, node
     result, run = finetune_other_base(
         provisioned,
         "xeonsd/tiny-qwenimage-edit",
