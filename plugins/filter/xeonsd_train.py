@@ -101,7 +101,8 @@ def result_export(
     images: ``{"export", "own", "source", "args", "generate_args", "why"}``.
 
     * a family optimum-intel has no OpenVINO export for (``FamilySpec.ov_pipeline_class`` empty: FLUX.1 Kontext,
-      Qwen-Image-Edit): no ``export``; ``xeonsd generate SOURCE`` runs the family's diffusers pipeline with
+      Qwen-Image-Edit, FLUX.2 [dev], Krea 2): no ``export``; ``xeonsd generate SOURCE`` (the base model, or the
+      ``inference_model`` the run rendered its validation images on) runs the family's diffusers pipeline with
       ``generate_args`` ``--engine torch``, ``torch_args`` (the size and calls an export would have had:
       xeonsd_generate_shape_args), the result's flag (a full fine-tune is ``source`` itself) and ``--image`` for
       each reference image the run's validation images were edits of (train_summary.json's ``sample_references``);
@@ -124,7 +125,8 @@ def result_export(
         return {
             "export": False,
             "own": False,
-            "source": run_dir if info["pipeline"] else str(summary["base_model"]),
+            # the model the run's validation images were rendered on (Krea 2: Turbo for a LoRA trained on RAW)
+            "source": run_dir if info["pipeline"] else str(summary.get("inference_model") or summary["base_model"]),
             "args": [],
             "generate_args": [
                 "--engine",

@@ -249,6 +249,8 @@ def test_a_run_of_a_family_without_an_openvino_export_goes_to_the_torch_engine()
     route = xeonsd_train.result_export(full, "/r", 1.0, shape)
     assert (route["export"], route["source"], route["generate_args"]) == (False, "/r", ["--engine", "torch", *shape])
     assert xeonsd_train.result_export({**lora, "family": "flux"}, "/r")["export"] is True  # FLUX.1 has one
+    turbo = {**lora, "family": "krea2", "inference_model": "/m/turbo"}  # a LoRA trained on RAW, rendered on Turbo
+    assert xeonsd_train.result_export(turbo, "/r", 1.0, shape)["source"] == "/m/turbo"
 
     from xeonsd.cli import build_parser  # the arguments are xeonsd generate's
 
