@@ -4,6 +4,7 @@ pipelines, the families optimum-intel has no OpenVINO export for:
 * its image is the one the family's own diffusers pipeline makes with the same seed and call, with and without a
   LoRA (loaded by diffusers' ``load_lora_weights`` on both sides), and the LoRA changes it;
 * an edit model's image depends on its reference image (``--image``);
+* Krea 2 runs on it too, a Turbo checkpoint at its own guidance;
 * what it cannot do is refused in one line: ``--engine openvino`` for a family without an export, more reference
   images than the family takes, none where it needs one, references for a text-to-image family.
 
@@ -193,3 +194,23 @@ def test_what_the_torch_engine_cannot_do_is_refused_in_one_line(
         check_references(GenerateOptions(references=(refs[0],), engine="torch"), by_name("flux"))
     with pytest.raises(GenerateError, match="--engine genai makes images from text only"):
         check_references(GenerateOptions(references=(refs[0],), engine="genai"), by_name("flux2"))
+
+
+def test_krea2_runs_on_torch_and_turbo_gets_its_own_guidance(tmp_path: Path):
+    """Krea 2 (no export) makes its image on the torch engine; a Turbo checkpoint (``is_distilled``) gets the
+    guidance its validation images use (0), RAW the family's (4.5)."""
+    import shutil
+
+    from xeonsd.assets import make_tiny_model
+    from xeonsd.openvino.generate import GenerateOptions, resolve_engine
+
+    raw = make_tiny_model(tmp_path / "tiny-krea2", arch="tiny-krea2")
+    turbo = tmp_path / "turbo"
+    shutil.copytree(raw, turbo)
+    index = json.loads((turbo / "model_index.json").read_text())
+    (turbo / "model_index.json").write_text(json.dumps({**index, "is_distilled": True}))
+    for model, want in ((raw, None), (turbo, 0.0)):
+        opts, manifest = resolve_engine(model, GenerateOptions(engine="auto"))
+        assert (opts.engine, manifest["guidance_scale"]) == ("torch", want), model
+    image = _generate(turbo, tmp_path / "images", "--height", "64", "--width", "64")
+    assert image.shape == (64, 64, 3)

@@ -97,6 +97,9 @@ def resolve_engine(src: Path, opts: GenerateOptions) -> tuple[GenerateOptions, d
         "default_resolution": found.default_resolution,
         "pixel_multiple": found.pixel_multiple,
         "max_sequence_length": spec.prompt_length_of(src),
+        # the guidance its checkpoint asks for, as the trainer's validation images (Krea 2 Turbo: 0; None: the
+        # family's)
+        "guidance_scale": spec.training.sampling(dict(found.pipeline_config)).get("guidance_scale"),
     }
     return replace(opts, engine=TORCH), manifest
 
@@ -211,7 +214,8 @@ def open_engine(ov_dir: Path, opts: GenerateOptions) -> Engine:
         if not (ov_dir / tokenizer / "openvino_tokenizer.xml").is_file():
             raise GenerateError(f"{ov_dir} has no {tokenizer}/openvino_tokenizer.xml, which --engine genai needs")
     if opts.guidance_scale is None:
-        opts = replace(opts, guidance_scale=family.guidance_scale)
+        given = manifest.get("guidance_scale")  # a pipeline directory's own (torch engine), where it has one
+        opts = replace(opts, guidance_scale=family.guidance_scale if given is None else float(given))
     if opts.engine == TORCH:
         from xeonsd.torch_engine import TorchEngine
 
