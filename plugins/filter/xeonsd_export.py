@@ -1,5 +1,6 @@
 """xeonsd_export_args and xeonsd_export_key: the openvino_export role's `xeonsd export` settings as the command's
-flags, and as the name of the base model's export kept on the primary (openvino_export_base_cache_dir).
+flags, and as the name of the base model's export kept on the primary (openvino_export_base_cache_dir);
+xeonsd_generate_shape_args: the same shape as `xeonsd generate` flags, for a run whose family has no export.
 
 The settings are the role's variables without their prefix: batch_size, num_images_per_prompt, height and width
 (the static shape; auto: resolution, the one the run trained at), weight_format (auto, fp32, fp16 or int8; auto is xeonsd export's own
@@ -101,6 +102,14 @@ def export_args(values: Mapping[str, Any]) -> list[str]:
     return args
 
 
+def generate_shape_args(values: Mapping[str, Any]) -> list[str]:
+    """The `xeonsd generate` flags that give a run made without an export (the PyTorch engine) the calls and size
+    the export's static shape would have had: images per call, height and width."""
+    s = settings(values)
+    per_call = int(s["batch_size"]) * int(s["num_images_per_prompt"])
+    return ["--batch-size", str(per_call), "--height", str(s["height"]), "--width", str(s["width"])]
+
+
 def export_key(values: Mapping[str, Any], fingerprint: str) -> str:
     """The directory name of the base model's export with these settings (see the module's docstring)."""
     s = settings(values)
@@ -118,4 +127,8 @@ def export_key(values: Mapping[str, Any], fingerprint: str) -> str:
 
 class FilterModule:
     def filters(self) -> dict:
-        return {"xeonsd_export_args": export_args, "xeonsd_export_key": export_key}
+        return {
+            "xeonsd_export_args": export_args,
+            "xeonsd_export_key": export_key,
+            "xeonsd_generate_shape_args": generate_shape_args,
+        }

@@ -17,7 +17,8 @@ trainer's table: the prior-preservation group, --keep_tokens) is left out while 
 
 xeonsd_method: what a method leaves in the run directory (its result file, what people call it, whether it is a
 whole pipeline, its `xeonsd generate` flag); xeonsd_result_export: how a run's result reaches its images (the
-export it gets and the generate arguments that load the result onto it).
+export it gets and the generate arguments that load the result onto it, or, for a family optimum-intel has no
+OpenVINO export for, no export and the PyTorch engine's generate arguments).
 
 The methods and their files are defined once, in the package's ``train/src/xeonsd/contracts/method_names.py``, and
 what GenAI applies per family in ``train/src/xeonsd/families/`` (the specs and registry: standard library only),
@@ -93,10 +94,18 @@ def method(name: str) -> dict:
     return {"name": name, **METHOD_FILES[name]}
 
 
-def result_export(summary: Mapping[str, Any], run_dir: str, lora_scale: Any = 1.0) -> dict[str, Any]:
+def result_export(
+    summary: Mapping[str, Any], run_dir: str, lora_scale: Any = 1.0, torch_args: Sequence[str] = ()
+) -> dict[str, Any]:
     """How a finished run (train_summary.json names its method, result file, base model and family) reaches its
-    images: ``{"own", "source", "args", "generate_args", "why"}``.
+    images: ``{"export", "own", "source", "args", "generate_args", "why"}``.
 
+    * a family optimum-intel has no OpenVINO export for (``FamilySpec.ov_pipeline_class`` empty: FLUX.1 Kontext,
+      Qwen-Image-Edit, FLUX.2 [dev], Krea 2): no ``export``; ``xeonsd generate SOURCE`` (the base model, or the
+      ``inference_model`` the run rendered its validation images on) runs the family's diffusers pipeline with
+      ``generate_args`` ``--engine torch``, ``torch_args`` (the size and calls an export would have had:
+      xeonsd_generate_shape_args), the result's flag (a full fine-tune is ``source`` itself) and ``--image`` for
+      each reference image the run's validation images were edits of (train_summary.json's ``sample_references``);
     * a whole pipeline (full) is exported itself: ``own``, ``source`` the run;
     * a LoRA of a family whose adapters GenAI does not apply (``FamilySpec.genai_adapters``: SD3, Z-Image) is fused
       into an export of its own: ``own``, ``source`` the base model, ``args`` ``--lora FILE --lora-scale S``;
@@ -109,19 +118,52 @@ def result_export(summary: Mapping[str, Any], run_dir: str, lora_scale: Any = 1.
     except families.FamilyError as e:
         raise TrainArgvError(str(e)) from None
     path = f"{run_dir}/{summary['result']['path']}"
-    if info["pipeline"]:
-        return {"own": True, "source": run_dir, "args": [], "generate_args": [], "why": "its own pipeline"}
-    if info["generate_flag"] == "--lora" and not found.genai_adapters:
+    flag = info["generate_flag"]
+    arg = f"{path}:{lora_scale}" if flag == "--lora" else path
+    if not found.ov_pipeline_class:
+        references = [a for ref in summary.get("sample_references") or () for a in ("--image", str(ref))]
         return {
+            "export": False,
+            "own": False,
+            # the model the run's validation images were rendered on (Krea 2: Turbo for a LoRA trained on RAW)
+            "source": run_dir if info["pipeline"] else str(summary.get("inference_model") or summary["base_model"]),
+            "args": [],
+            "generate_args": [
+                "--engine",
+                "torch",
+                *map(str, torch_args),
+                *([] if info["pipeline"] else [flag, arg]),
+                *references,
+            ],  # fmt: skip
+            "why": f"no OpenVINO export: optimum-intel has none for {found.label}; the images are its diffusers "
+            "pipeline's, in PyTorch",
+        }
+    if info["pipeline"]:
+        return {
+            "export": True,
+            "own": True,
+            "source": run_dir,
+            "args": [],
+            "generate_args": [],
+            "why": "its own pipeline",
+        }
+    if flag == "--lora" and not found.genai_adapters:
+        return {
+            "export": True,
             "own": True,
             "source": str(summary["base_model"]),
             "args": ["--lora", path, "--lora-scale", str(lora_scale)],
             "generate_args": [],
             "why": f"the LoRA fused into the base model: GenAI applies no adapters to {found.label}",
         }
-    flag = info["generate_flag"]
-    arg = f"{path}:{lora_scale}" if flag == "--lora" else path
-    return {"own": False, "source": str(summary["base_model"]), "args": [], "generate_args": [flag, arg], "why": ""}
+    return {
+        "export": True,
+        "own": False,
+        "source": str(summary["base_model"]),
+        "args": [],
+        "generate_args": [flag, arg],
+        "why": "",
+    }
 
 
 class FilterModule:

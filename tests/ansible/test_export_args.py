@@ -174,3 +174,54 @@ def test_the_role_exports_with_the_inventorys_quantization_under_its_key_once(tm
     assert (tmp_path / "controller" / "r1" / "openvino" / "xeonsd_export.json").exists()
     assert changed(local_playbook(tmp_path / "play.yml", extra)) == 0
     assert len((tmp_path / "calls").read_text().splitlines()) == 2  # both kept: nothing ran again
+
+
+def test_a_family_without_an_openvino_export_skips_it_and_generates_with_torch(tmp_path: Path) -> None:
+    """A Qwen-Image-Edit LoRA run (optimum-intel has no export for it): no export, no link, no manifest fetched;
+    `xeonsd generate BASE --engine torch` with the export's shape, the LoRA and the run's reference image; a second
+    run changes nothing; check mode runs through first."""
+    generate_shape_args = xeonsd_export.generate_shape_args
+    run = tmp_path / "runs" / "r1"
+    run.mkdir(parents=True)
+    summary = {
+        "method": "lora",
+        "family": "qwenimage_edit",
+        "base_model": "/m/tiny-edit",
+        "base_model_fingerprint": "0123abcd",
+        "resolution": 64,
+        "result": {"path": "pytorch_lora_weights.safetensors"},
+        "sample_references": ["/data/ref/p0.png"],
+    }
+    (run / "train_summary.json").write_text(json.dumps(summary))
+    wrapper = tmp_path / "run"
+    wrapper.write_text(FAKE_XEONSD)
+    wrapper.chmod(0o755)
+    play = [{"hosts": "localhost", "gather_facts": False, "roles": ["openvino_export"]}]
+    (tmp_path / "play.yml").write_text(yaml.safe_dump(play))
+    extra = {
+        "ansible_become": False,
+        "ansible_python_interpreter": sys.executable,
+        "cluster_user": "root",
+        "openvino_export_run_dir": str(run),
+        "controller_runs_dir": str(tmp_path / "controller"),
+        "openvino_export_env_wrapper": str(wrapper),
+        "cluster_user_home": str(tmp_path / "home"),
+        "finetune_resolution": "auto",
+        "finetune_placeholder_token": "<dicoo>",
+        "finetune_seed": 7,
+    }
+    check = local_playbook(tmp_path / "play.yml", extra, "--check")  # check mode runs through, running nothing
+    assert check.returncode == 0 and not (tmp_path / "calls").exists(), check.stdout[-3000:]
+    assert changed(local_playbook(tmp_path / "play.yml", extra)) > 0
+    (generate,) = [json.loads(line) for line in (tmp_path / "calls").read_text().splitlines()]
+    assert generate[:2] == ["generate", "/m/tiny-edit"], generate
+    from xeonsd.cli import build_parser
+
+    gen = build_parser().parse_args(generate)
+    assert (gen.engine, gen.batch_size, gen.height, gen.width) == ("torch", 5, 64, 64), generate
+    assert generate_shape_args({**DEFAULTS, "resolution": 64})[1::2] == ["5", "64", "64"]
+    assert gen.lora == [f"{run}/pytorch_lora_weights.safetensors:1.0"] and gen.image == ["/data/ref/p0.png"]
+    assert not (run / "openvino").exists() and not (tmp_path / "home" / "openvino-base").exists()
+    assert (tmp_path / "controller" / "r1" / "images" / "timings.json").exists()
+    assert not (tmp_path / "controller" / "r1" / "openvino").exists()
+    assert changed(local_playbook(tmp_path / "play.yml", extra)) == 0

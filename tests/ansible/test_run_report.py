@@ -69,10 +69,22 @@ def _render_facts(tmp_path: Path, play_vars: dict) -> dict:
     return json.loads((tmp_path / "facts.json").read_text())
 
 
-@pytest.mark.parametrize("exported", [False, True])
-def test_the_role_s_facts_are_what_runjson_reads(tmp_path: Path, exported: bool) -> None:
+@pytest.mark.parametrize("exported", [False, True, "skipped"])
+def test_the_role_s_facts_are_what_runjson_reads(tmp_path: Path, exported: bool | str) -> None:
+    """Without export.yml, with an export, and with the export skipped (a family without one: the images are the
+    torch engine's), which records no export and no export phase."""
     play_vars = {}
-    if exported:
+    if exported == "skipped":
+        play_vars = {
+            "openvino_export_ov_dir": "/b/x",
+            "openvino_export_export": {
+                "changed": False,
+                "skipped": True,
+                "skip_reason": "Conditional result was False",
+            },
+            "openvino_export_generate": {"changed": True, "delta": "0:00:30.5", "rc": 0},
+        }
+    elif exported:
         play_vars = {
             "openvino_export_ov_dir": "/b/x",
             "openvino_export_export": {"changed": True, "delta": "0:01:00.04", "rc": 0},
@@ -93,7 +105,10 @@ def test_the_role_s_facts_are_what_runjson_reads(tmp_path: Path, exported: bool)
         "primary": "node1",
     }
     assert "cost" not in info
-    if exported:
+    if exported == "skipped":
+        assert facts["export"] is None and "export" not in info
+        assert info["phases"] == {"training job, wall (s)": 90, "generate, whole command (s)": 30.5}
+    elif exported:
         assert info["phases"] == {
             "training job, wall (s)": 90,
             "OpenVINO export (s)": 60.0,

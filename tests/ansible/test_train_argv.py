@@ -210,6 +210,7 @@ def test_a_run_s_result_reaches_its_images_by_its_method_and_family() -> None:
     lora = {"method": "lora", "base_model": "/m/b", "result": {"path": "pytorch_lora_weights.safetensors"}}
     route = xeonsd_train.result_export({**lora, "family": "flux2"}, "/runs/r1", 0.8)
     assert route == {
+        "export": True,
         "own": False,
         "source": "/m/b",
         "args": [],
@@ -228,6 +229,35 @@ def test_a_run_s_result_reaches_its_images_by_its_method_and_family() -> None:
         assert label in fused["why"]
     with pytest.raises(TrainArgvError, match="/r/train_summary.json: .*wan"):
         xeonsd_train.result_export({**lora, "family": "wan"}, "/r")
+
+
+def test_a_run_of_a_family_without_an_openvino_export_goes_to_the_torch_engine() -> None:
+    """FLUX.1 Kontext and Qwen-Image-Edit (no optimum-intel export): no export; `xeonsd generate` runs the base model
+    (a full fine-tune: the run's own pipeline) on the torch engine with the shape the export would have had, the
+    LoRA, and the run's sample references as --image."""
+    shape = ["--batch-size", "5", "--height", "512", "--width", "512"]
+    lora = {"method": "lora", "base_model": "/m/b", "result": {"path": "pytorch_lora_weights.safetensors"}}
+    refs = {"sample_references": ["/data/ref/p0.png", "/data/ref/p0b.png"]}
+    route = xeonsd_train.result_export({**lora, "family": "qwenimage_edit", **refs}, "/r", 0.8, shape)
+    assert route["export"] is False and (route["own"], route["source"], route["args"]) == (False, "/m/b", [])
+    assert route["generate_args"] == [
+        "--engine", "torch", *shape, "--lora", "/r/pytorch_lora_weights.safetensors:0.8",
+        "--image", "/data/ref/p0.png", "--image", "/data/ref/p0b.png",
+    ]  # fmt: skip
+    assert "Qwen-Image-Edit-2511" in route["why"]
+    full = {"method": "full", "base_model": "/m/b", "result": {"path": "x"}, "family": "flux_kontext"}
+    route = xeonsd_train.result_export(full, "/r", 1.0, shape)
+    assert (route["export"], route["source"], route["generate_args"]) == (False, "/r", ["--engine", "torch", *shape])
+    assert xeonsd_train.result_export({**lora, "family": "flux"}, "/r")["export"] is True  # FLUX.1 has one
+    turbo = {**lora, "family": "krea2", "inference_model": "/m/turbo"}  # a LoRA trained on RAW, rendered on Turbo
+    assert xeonsd_train.result_export(turbo, "/r", 1.0, shape)["source"] == "/m/turbo"
+
+    from xeonsd.cli import build_parser  # the arguments are xeonsd generate's
+
+    args = build_parser().parse_args(
+        ["generate", "/m/b", *xeonsd_train.result_export(full, "/r", 1, shape)["generate_args"]]
+    )
+    assert (args.engine, args.batch_size, args.height, args.width) == ("torch", 5, 512, 512)
 
 
 def test_no_role_or_plugin_names_a_result_file_again() -> None:

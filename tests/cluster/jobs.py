@@ -29,11 +29,12 @@ def controller_runs(cluster: Cluster) -> Path:
 
 
 def finetune_other_base(
-    cluster: Cluster, model_id: str, source: Path, run_id: str, steps: int
+    cluster: Cluster, model_id: str, source: Path, run_id: str, steps: int, *extra: str
 ) -> tuple[PlaybookRun, Path]:
     """Stage ``source`` as base model ``model_id`` (tests/cluster/stage_base_model.yml), then finetune.yml: a LoRA at
     the family's resolution, ``steps`` steps (one checkpoint at the end) on 4 ranks, one per node, and a 4-step
-    export. The play (its rc checked) and the run's directory on the controller."""
+    export; ``extra``: more of finetune.yml's arguments (they win). The play (its rc checked) and the run's directory
+    on the controller."""
     runs = controller_runs(cluster)
     base = ("-e", f"base_model_id={model_id}", "-e", f"base_model_source_dir={source}")
     name = model_id.rsplit("/", 1)[-1]
@@ -54,6 +55,7 @@ def finetune_other_base(
         *("-e", "finetune_resolution=auto", "-e", f"finetune_max_train_steps={steps}"),
         *("-e", f"finetune_checkpointing_steps={steps}"),
         *("-e", "ranks_per_node=1", "-e", "mpi_ranks=4", "-e", "openvino_export_steps=4"),
+        *extra,
         state_dir=cluster.state_dir,
         name=f"finetune-{run_id}",
         timeout=1800,

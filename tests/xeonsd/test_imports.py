@@ -30,7 +30,9 @@ ALLOWED: dict[str, set[str] | None] = {
     # a family's folder: its spec (standard library) and its training side, on the trainer's parts
     "families": {"trainer", "cluster", "contracts", "jobs", "modelfiles", "assets"},
     "trainer": {"cluster", "contracts", "jobs", "modelfiles", "families"},
-    "openvino": {"contracts", "modelfiles", "families"},
+    # generate hands a pipeline directory to the PyTorch engine, which has the OpenVINO engines' interface
+    "openvino": {"contracts", "modelfiles", "families", "torch_engine"},
+    "torch_engine": {"openvino", "modelfiles", "families"},
     "ops": {"trainer", "cluster", "contracts", "jobs", "modelfiles", "families"},
     "serve": {"openvino", "contracts", "modelfiles", "families"},
     "assets": {"families"},

@@ -7,11 +7,13 @@ FLUX.1's tiny structure in a ``FluxKontextPipeline``), trained on image pairs un
 * 2 ranks x batch 1 learn what 1 rank x batch 2 learns, with the held-out pairs' validation loss and a validation
   image at --resolution; a resume of the 2-rank run's step-2 checkpoint ends where the uninterrupted run ends;
 * stock ``FluxKontextPipeline.load_lora_weights`` loads the LoRA, the image changes and depends on the reference;
-* ``xeonsd export`` says in one line that optimum-intel has no export for it.
+* ``xeonsd export`` says in one line that optimum-intel has no export for it, and export.yml's route instead (no
+  export, ``xeonsd generate --engine torch`` with the LoRA and the run's sample reference) makes the run's image.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -118,6 +120,27 @@ def test_stock_diffusers_loads_the_lora_and_the_image_depends_on_the_reference(r
         return edit(pipeline, ref, max_area=64 * 64, _auto_resize=False)
 
     assert_edit_depends_on_the_reference(pipe, runs(1), pairs, image)
+
+
+def test_export_yml_s_route_makes_the_run_s_images_with_the_torch_engine(runs, kontext_model, pairs, tmp_path):
+    """What export.yml does with the run (optimum-intel has no export for Kontext): train_summary.json names the
+    reference the validation images were edits of; the filter's route is `xeonsd generate BASE --engine torch` with
+    the LoRA and that reference, and it makes the run's image."""
+    from repo_code import ansible_code
+
+    from xeonsd import cli
+
+    out = runs(1)
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["sample_references"] == [str((pairs / "ref" / "p0.png").resolve())]
+    shape = ["--batch-size", "1", "--height", "64", "--width", "64"]
+    route = ansible_code("xeonsd_train").result_export(summary, str(out), 1.0, shape)
+    assert route["export"] is False and route["source"] == str(kontext_model)
+    images = tmp_path / "images"
+    argv = ["generate", route["source"], *route["generate_args"], "--steps", "2", "--num-images", "1"]
+    assert cli.main([*argv, "--out", str(images)]) == 0
+    timings = json.loads((images / "timings.json").read_text())
+    assert (timings["engine"], timings["num_images"]) == ("torch", 1) and (images / "image_000.png").is_file()
 
 
 def test_export_says_optimum_intel_has_none(kontext_model, tmp_path):

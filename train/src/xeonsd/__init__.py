@@ -14,6 +14,8 @@ The package is one subpackage per concern; each ``__init__`` says what it owns a
 * :mod:`xeonsd.cluster`: the runtime of a job's ranks: the process group, rank statistics, ``hello``;
 * :mod:`xeonsd.trainer`: ``xeonsd train``, in layers (its ``__init__`` lists them);
 * :mod:`xeonsd.openvino`: ``xeonsd export`` / ``generate``: the IR export, int8, the export's manifest, LoRA files;
+* :mod:`xeonsd.torch_engine`: ``generate --engine torch``: a family's diffusers pipeline in PyTorch with a run's
+  LoRA or concept, for the families with no OpenVINO export (FLUX.1 Kontext, Qwen-Image-Edit);
 * :mod:`xeonsd.serve`: ``xeonsd serve``: the OpenAI/OVMS images API over an export, LoRA adapters per request;
 * :mod:`xeonsd.ops`: ``xeonsd doctor`` / ``report``: checking a node and reading a finished run;
 * :mod:`xeonsd.bench`: ``xeonsd bench train`` / ``generate`` / ``layout`` / ``serve`` / ``optimizer``;

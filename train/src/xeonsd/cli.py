@@ -235,8 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         (GenerateCommand, GenerateOptions),
         _openvino,
-        help="generate images from an OpenVINO export",
-        description="Generate PNGs, grid.png and timings.json from an `xeonsd export` directory.",
+        help="generate images from an OpenVINO export (or a diffusers pipeline in PyTorch)",
+        description="Generate PNGs, grid.png and timings.json from an `xeonsd export` directory, or with --engine "
+        "torch (auto: for a family without an OpenVINO export) from a diffusers pipeline directory.",
     )
     from xeonsd.serve.command import add_parser as add_serve_parser  # argparse only: cheap to import
 

@@ -55,6 +55,7 @@ def train_summary(
     startup: dict | None = None,
     prior: dict | None = None,
     inference_model: str | None = None,
+    sample_references: list[str] | None = None,
 ) -> dict:
     """train_summary.json: the method's own figures (``method``, ``trainable_params``, …), the base model and its
     fingerprint, the steps and ranks, the bytes all-reduced per step, the prompts (source, count, per_image, and when
@@ -72,9 +73,11 @@ def train_summary(
     read from the disk cache, and ``shared_weights_bytes``: each frozen component mapped from the node's shared file
     and its bytes, empty when the ranks hold private copies, and ``shared_weights_held_bytes``: those still mapped
     when the run ended, the rest released once the prompts were encoded and the latents cached) and DreamBooth prior preservation's settings (``prior``: ``class_prompt``,
-    ``class_data_dir``, ``num_class_images``, ``prior_loss_weight``) and the model the validation images were
+    ``class_data_dir``, ``num_class_images``, ``prior_loss_weight``), the model the validation images were
     rendered with, where another model of the family than the base renders them (``inference_model``: Krea 2
-    Turbo for a LoRA trained on RAW)."""
+    Turbo for a LoRA trained on RAW) and, for edit training on image pairs, the reference images the validation
+    images are edits of (``sample_references``: the first training image's, as absolute paths; the openvino_export
+    role gives them to ``xeonsd generate --image``)."""
     return {
         **method_summary,
         "base_model": base_model,
@@ -93,6 +96,7 @@ def train_summary(
         **({"startup": dict(startup)} if startup is not None else {}),
         **({"prior": dict(prior)} if prior is not None else {}),
         **({"inference_model": inference_model} if inference_model is not None else {}),
+        **({"sample_references": list(sample_references)} if sample_references else {}),
     }
 
 

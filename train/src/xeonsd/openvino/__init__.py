@@ -8,5 +8,7 @@ LoRA files in the layout GenAI applies (:mod:`.lora_files`, through the top-leve
 :mod:`xeonsd.modelfiles.lora_layout`) and what differs between SD 1.x/2.x and SDXL (:mod:`.pipelines`: the classes,
 the text encoders, an SDXL adapter's text-encoder part). It may import the top-level modules, the model families
 (:mod:`xeonsd.families`) and, from the trainer, only the prompt templates that calibrate int8
-(:mod:`xeonsd.trainer.prompt_tables`); nothing here loads the trainer's models or loop.
+(:mod:`xeonsd.trainer.prompt_tables`); nothing here loads the trainer's models or loop. ``generate`` hands a
+diffusers pipeline directory to the PyTorch engine (:mod:`xeonsd.torch_engine`), which has the OpenVINO engines'
+interface.
 """

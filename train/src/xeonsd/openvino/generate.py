@@ -1,8 +1,14 @@
-"""``xeonsd generate``: images from an OpenVINO export, through optimum-intel or OpenVINO GenAI.
+"""``xeonsd generate``: images from an OpenVINO export, through optimum-intel or OpenVINO GenAI, or from a diffusers
+pipeline through PyTorch.
 
 This module holds the request's plan of calls, the choice of engine and the output (the request,
 :class:`GenerateOptions`, is defined with its flags in :mod:`xeonsd.openvino.generate_args`);
-the two engines, ``optimum`` and ``genai``, and what each needs are in :mod:`xeonsd.openvino.engines`.
+the two OpenVINO engines, ``optimum`` and ``genai``, and what each needs are in :mod:`xeonsd.openvino.engines`, the
+PyTorch engine (``torch``: the family's diffusers pipeline, for the families optimum-intel has no export for) in
+:mod:`xeonsd.torch_engine`. ``--engine auto`` (the command line's default) runs an export on ``genai`` and a
+pipeline directory of a family without an OpenVINO export (FLUX.1 Kontext, Qwen-Image-Edit) on ``torch``; a pipeline
+directory of a family that has one is refused, naming ``xeonsd export`` and ``--engine torch``
+(:func:`resolve_engine`).
 
 A static export makes images in calls of exactly ``batch_size x num_images_per_prompt``; a request that does not
 fit is refused with the shape the model has. ``--embeds`` adds a learned concept to the exported text encoder
@@ -23,12 +29,19 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from xeonsd.families import FamilySpec, of_manifest
+from xeonsd.families import FamilySpec, detect_family, of_manifest
 from xeonsd.flags import from_args
 from xeonsd.fsutil import atomic_dir
 from xeonsd.openvino.engines import Engine, GenaiEngine, GenerateError, OptimumEngine
-from xeonsd.openvino.generate_args import ENGINES, PRECISIONS, GenerateCommand, GenerateOptions
-from xeonsd.openvino.manifest import StaticShape, check_writable_output, read_manifest, static_shape
+from xeonsd.openvino.generate_args import (
+    ENGINE_CHOICES,
+    ENGINES,
+    PRECISIONS,
+    TORCH,
+    GenerateCommand,
+    GenerateOptions,
+)
+from xeonsd.openvino.manifest import MANIFEST, StaticShape, check_writable_output, read_manifest, static_shape
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +64,50 @@ class Plan:
     calls: list[Call]
 
 
+def resolve_engine(src: Path, opts: GenerateOptions) -> tuple[GenerateOptions, dict[str, Any]]:
+    """``opts`` with ``--engine auto``/``openvino`` made concrete for SRC, and what the request is planned on: the
+    export's manifest, or for the torch engine a dynamic one made from the pipeline directory (its family, default
+    size, pixel multiple and long prompt length). Refuses an engine that cannot run SRC, in one line."""
+    src = Path(src)
+    if opts.engine not in ENGINE_CHOICES:
+        raise GenerateError(f"unknown engine {opts.engine!r}; choose one of {', '.join(ENGINE_CHOICES)}")
+    if (src / MANIFEST).is_file() or not (src / "model_index.json").is_file():
+        if opts.engine == TORCH and (src / MANIFEST).is_file():
+            raise GenerateError(
+                f"--engine torch runs a diffusers pipeline, and {src} is an OpenVINO export: give the pipeline it "
+                "was exported from (a base model with --lora/--embeds, or a full fine-tune's output)"
+            )
+        manifest = read_manifest(src)  # says what is wrong with a directory that is neither
+        return replace(opts, engine="genai" if opts.engine in ("auto", "openvino") else opts.engine), manifest
+    found = detect_family(src)
+    spec = found.spec
+    if opts.engine != TORCH and not (opts.engine == "auto" and not spec.ov_pipeline_class):
+        if not spec.ov_pipeline_class:
+            raise GenerateError(
+                f"--engine {opts.engine}: optimum-intel has no OpenVINO export for {spec.label} "
+                f"({spec.pipeline_class}); use --engine torch (or auto)"
+            )
+        raise GenerateError(
+            f"{src} is not an xeonsd OpenVINO export but a diffusers pipeline of {spec.label} (--engine "
+            f"{opts.engine} runs an export): run `xeonsd export {src} OUT` and generate from OUT, or give --engine torch"
+        )
+    manifest = {
+        "family": spec.name,
+        "source": str(src),
+        "default_resolution": found.default_resolution,
+        "pixel_multiple": found.pixel_multiple,
+        "max_sequence_length": spec.prompt_length_of(src),
+        # the guidance its checkpoint asks for, as the trainer's validation images (Krea 2 Turbo: 0; None: the
+        # family's)
+        "guidance_scale": spec.training.sampling(dict(found.pipeline_config)).get("guidance_scale"),
+    }
+    return replace(opts, engine=TORCH), manifest
+
+
 def plan_calls(manifest: dict[str, Any], opts: GenerateOptions) -> Plan:
     """Split the request into calls of the export's shape; refuse what a static export cannot do."""
-    if opts.engine not in ENGINES:
-        raise GenerateError(f"unknown engine {opts.engine!r}; choose one of {', '.join(ENGINES)}")
+    if opts.engine not in (*ENGINES, TORCH):
+        raise GenerateError(f"unknown engine {opts.engine!r}; choose one of {', '.join((*ENGINES, TORCH))}")
     if not opts.prompts or any(not p.strip() for p in opts.prompts):
         raise GenerateError("give at least one non-empty --prompt")
     if opts.num_images < 1 or opts.steps < 1:
@@ -81,8 +134,9 @@ def plan_calls(manifest: dict[str, Any], opts: GenerateOptions) -> Plan:
     else:
         size = int(manifest.get("default_resolution") or DEFAULT_SIZE)  # the family's (SDXL 1024)
         height, width = opts.height or size, opts.width or size
-        if height % 8 or width % 8:
-            raise GenerateError(f"--height/--width must be multiples of 8, got {height}x{width}")
+        multiple = int(manifest.get("pixel_multiple") or 8)  # a pipeline directory's (FLUX: 16); an export's 8
+        if height % multiple or width % multiple:
+            raise GenerateError(f"--height/--width must be multiples of {multiple}, got {height}x{width}")
         batch = opts.batch_size or opts.num_images
         if opts.num_images % batch:
             raise GenerateError(f"--num-images {opts.num_images} is not a multiple of --batch-size {batch}")
@@ -102,17 +156,18 @@ def plan_calls(manifest: dict[str, Any], opts: GenerateOptions) -> Plan:
 
 
 def check_loras(opts: GenerateOptions, family: FamilySpec) -> None:
-    """``--lora`` needs the genai engine, a family GenAI has adapters for (``FamilySpec.genai_adapters``; not SD3)
-    and existing files; checked before any model is loaded."""
+    """``--lora`` needs the torch engine (diffusers' ``load_lora_weights`` reads every family's adapters) or the genai
+    engine on a family GenAI has adapters for (``FamilySpec.genai_adapters``; not SD3), and existing files; checked
+    before any model is loaded."""
     if not opts.loras:
         return
     first = opts.loras[0][0]
-    if not family.genai_adapters:
+    if opts.engine != TORCH and not family.genai_adapters:
         raise GenerateError(
             f"--lora: OpenVINO GenAI has no LoRA adapters for {family.label}; fuse the adapter into an export "
             f"instead: xeonsd export SRC OUT --lora {first} --lora-scale S"
         )
-    if opts.engine != "genai":
+    if opts.engine not in ("genai", TORCH):
         raise GenerateError(
             f"--engine {opts.engine} has no runtime LoRA; use --engine genai, or fuse the adapter into an export: "
             f"xeonsd export SRC OUT --lora {first} --lora-scale S"
@@ -122,23 +177,51 @@ def check_loras(opts: GenerateOptions, family: FamilySpec) -> None:
             raise GenerateError(f"LoRA file {path} does not exist")
 
 
+def check_references(opts: GenerateOptions, family: FamilySpec) -> None:
+    """``--image``: an edit model's reference images, as many as its pipeline takes (``FamilySpec.
+    reference_images``; one at least where it needs one), on the torch engine; checked before any model loads."""
+    given, most = len(opts.references), family.reference_images
+    if given and not most:
+        raise GenerateError(f"--image: {family.label} takes no reference images (it is not an edit model)")
+    if given > most:
+        raise GenerateError(f"--image given {given} times: {family.label} takes at most {most} reference image(s)")
+    if given and opts.engine != TORCH:
+        raise GenerateError(
+            f"--image: --engine {opts.engine} makes images from text only; give --engine torch, which passes "
+            "reference images to the family's pipeline"
+        )
+    if family.reference_required and not given:
+        raise GenerateError(f"{family.label} edits reference images: give one with --image PATH (up to {most})")
+    for path in opts.references:
+        if not Path(path).is_file():
+            raise GenerateError(f"reference image {path} does not exist")
+
+
 def open_engine(ov_dir: Path, opts: GenerateOptions) -> Engine:
-    """Check OV_DIR and the request, then load and compile the pipeline of ``opts.engine``."""
+    """Check SRC (an export, or a pipeline directory for the torch engine) and the request, then load (and compile)
+    the pipeline of the engine :func:`resolve_engine` chooses."""
     ov_dir = Path(ov_dir)
-    manifest = read_manifest(ov_dir)
+    opts, manifest = resolve_engine(ov_dir, opts)
     plan = plan_calls(manifest, opts)
     if opts.embeds is not None and not Path(opts.embeds).is_file():
         raise GenerateError(f"embeddings file {opts.embeds} does not exist")
     family = of_manifest(manifest)
-    if opts.embeds is not None and family.objective == "flow":
+    if opts.embeds is not None and (family.objective == "flow" or family.concept_layout is None):
         raise GenerateError(f"--embeds: textual inversion is not served for {family.label}; use a LoRA (--lora)")
     check_loras(opts, family)
+    check_references(opts, family)
     for _, tokenizer in family.text_side if opts.engine == "genai" else ():
         if not (ov_dir / tokenizer / "openvino_tokenizer.xml").is_file():
             raise GenerateError(f"{ov_dir} has no {tokenizer}/openvino_tokenizer.xml, which --engine genai needs")
     if opts.guidance_scale is None:
-        opts = replace(opts, guidance_scale=family.guidance_scale)
-    cls = OptimumEngine if opts.engine == "optimum" else GenaiEngine
+        given = manifest.get("guidance_scale")  # a pipeline directory's own (torch engine), where it has one
+        opts = replace(opts, guidance_scale=family.guidance_scale if given is None else float(given))
+    if opts.engine == TORCH:
+        from xeonsd.torch_engine import TorchEngine
+
+        cls: type[Engine] = TorchEngine
+    else:
+        cls = OptimumEngine if opts.engine == "optimum" else GenaiEngine
     engine = cls(
         ov_dir=ov_dir,
         plan=plan,
@@ -169,8 +252,9 @@ def generate(ov_dir: Path, opts: GenerateOptions) -> tuple[list[Any], dict[str, 
     finally:
         engine.close()
     timings = {
-        "engine": opts.engine,
+        "engine": engine.opts.engine,  # the one that ran (auto and openvino resolved)
         "precision": opts.precision,
+        **({"torch_dtype": str(dtype).removeprefix("torch.")} if (dtype := getattr(engine, "dtype", None)) else {}),
         "load_s": round(engine.load_s, 3),
         "compile_s": round(engine.compile_s, 3),
         "first_image_s": round(latencies[0], 3),

@@ -13,7 +13,11 @@ from xeonsd.flags import flag
 # which infers in bf16 on a CPU with AMX or AVX512-BF16 (faster; images differ from PyTorch fp32 by bf16 rounding)
 # and in f32 elsewhere.
 PRECISIONS: dict[str, dict[str, str]] = {"auto": {}, "f32": {"INFERENCE_PRECISION_HINT": "f32"}}
-ENGINES = ("optimum", "genai")
+ENGINES = ("optimum", "genai")  # the OpenVINO engines, on an export
+TORCH = "torch"  # the family's diffusers pipeline in PyTorch (xeonsd.torch_engine), on a pipeline directory
+# --engine: auto (an export: OpenVINO's genai; a pipeline of a family with no OpenVINO export: torch), openvino
+# (genai: OpenVINO's default engine), the two OpenVINO engines by name, torch
+ENGINE_CHOICES = ("auto", "openvino", *ENGINES, TORCH)
 RECIPE_PROMPT = "a yellow <dicoo> robot at the beach, high quality"
 
 
@@ -58,25 +62,37 @@ class GenerateOptions:
     width: int | None = flag("dynamic exports only (default: the family's resolution)", default=None)
     batch_size: int | None = flag("images per call for a dynamic export (default: all)", default=None)
     engine: str = flag(
-        "genai: openvino_genai.Text2ImagePipeline; optimum: OVStableDiffusionPipeline",
+        "auto (default): an export runs on OpenVINO (genai), a diffusers pipeline of a family optimum-intel has no "
+        "OpenVINO export for (FLUX.1 Kontext, Qwen-Image-Edit) on PyTorch; openvino: genai; genai: "
+        "openvino_genai.Text2ImagePipeline; optimum: OVStableDiffusionPipeline; torch: the family's diffusers "
+        "pipeline in PyTorch (bf16 on a CPU with AMX or AVX512-BF16, fp32 elsewhere)",
         default="optimum",
-        cli_default="genai",
-        choices=ENGINES,
+        cli_default="auto",
+        choices=ENGINE_CHOICES,
     )
     embeds: Path | None = flag("learned_embeds.safetensors to load into the exported text encoder", default=None)
     token: str | None = token_flag()
     loras: tuple[tuple[Path, float], ...] = flag(
-        "LoRA adapter applied at load time, no re-export (genai engine; repeat to blend several; ALPHA default 1.0); "
-        "for --engine optimum fuse it instead: xeonsd export SRC OUT --lora FILE",
+        "LoRA adapter applied at load time, no re-export (genai and torch engines; repeat to blend several; ALPHA "
+        "default 1.0); for --engine optimum fuse it instead: xeonsd export SRC OUT --lora FILE",
         default=(),
         name="--lora",
         action="append",
         metavar="FILE[:ALPHA]",
         convert=parse_spec,
     )
+    references: tuple[Path, ...] = flag(
+        "reference image of an edit model (FLUX.1 Kontext: 1, Qwen-Image-Edit: up to 3; repeat for several; torch "
+        "engine)",
+        default=(),
+        name="--image",
+        action="append",
+        metavar="PATH",
+        convert=Path,
+    )
     precision: str = flag(
-        "auto: OpenVINO's default (bf16 on a CPU with AMX or AVX512-BF16, f32 elsewhere); f32: always f32 "
-        "(slower there; the images then match PyTorch fp32 closely)",
+        "auto: OpenVINO's default (bf16 on a CPU with AMX or AVX512-BF16, f32 elsewhere; the torch engine alike); "
+        "f32: always f32 (slower there; the images then match PyTorch fp32 closely)",
         default="auto",
         choices=tuple(PRECISIONS),
     )
@@ -88,8 +104,13 @@ class GenerateOptions:
 
 @dataclass(frozen=True)
 class GenerateCommand:
-    """The command's own arguments around the request: where the export is and where the images go."""
+    """The command's own arguments around the request: the export (or pipeline) and where the images go."""
 
-    ov_dir: Path = flag("directory written by `xeonsd export`", positional=True)
+    ov_dir: Path = flag(
+        "directory written by `xeonsd export`, or for --engine torch a diffusers pipeline directory (the base model, "
+        "or a full fine-tune's output)",
+        positional=True,
+        metavar="SRC",
+    )
     out: Path = flag("output directory (default: ./images)", default=Path("images"))
     overwrite: bool = flag("replace a non-empty output directory", default=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from xeonsd.contracts import run_files
 from xeonsd.trainer.job import Job
 from xeonsd.trainer.metrics import result_bytes
@@ -44,6 +46,7 @@ def train_summary(job: Job, first_step_s: float | None = None, first_step_cpu_s:
         },
         prior=prior_record(job),
         inference_model=cfg.inference_model,
+        sample_references=[str(Path(p).resolve()) for p in job.training.models.sample_reference or ()],
     )
 
 
