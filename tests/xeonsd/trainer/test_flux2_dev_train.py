@@ -26,6 +26,7 @@ import torch
 from cli_runs import method_args, refused, run_cli
 from safetensors.torch import load_file
 from test_flux2_edit_train import (
+    FLAGS,
     PROMPT,
     assert_edit_depends_on_the_reference,
     assert_pair_runs_agree,
@@ -34,18 +35,6 @@ from test_flux2_edit_train import (
     write_pairs,
 )
 from test_methods import LORA_FILE
-
-FLAGS = (
-    "--cond_image_column=cond_image",
-    "--rank=2",
-    "--lora_alpha=4",
-    "--learning_rate=1e-2",
-    "--checkpointing_steps=2",
-    "--validation_split=0.2",
-    "--validation_steps=2",
-    f"--validation_prompt={PROMPT}",
-    "--num_validation_images=1",
-)
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ from test_flux2_train import pipe, tiny_flux2_model  # noqa: F401 - the fixtures
 from test_methods import LORA_FILE, assert_same_training
 
 PROMPT = "make the square blue"
+# The pair runs' flags (shared with the other edit families' tests)
 FLAGS = (
     "--cond_image_column=cond_image",
     "--rank=2",

@@ -32,6 +32,7 @@ from cli_runs import method_args, refused, train
 from PIL import Image
 from safetensors.torch import load_file
 from test_flux2_edit_train import (
+    FLAGS,
     PROMPT,
     assert_edit_depends_on_the_reference,
     assert_pair_runs_agree,
@@ -41,17 +42,6 @@ from test_flux2_edit_train import (
 )
 from test_methods import LORA_FILE
 
-FLAGS = (
-    "--cond_image_column=cond_image",
-    "--rank=2",
-    "--lora_alpha=4",
-    "--learning_rate=1e-2",
-    "--checkpointing_steps=2",
-    "--validation_split=0.2",
-    "--validation_steps=2",
-    f"--validation_prompt={PROMPT}",
-    "--num_validation_images=1",
-)
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 # The learning proof's LoRA (Qwen-Image's: test_qwenimage_train.py) and margin: trained on the pairs, the edit of a
 # reference lands at most this fraction of the base model's distance from that pair's edited image (measured 0.81
