@@ -111,8 +111,10 @@ def test_the_edit_model_is_told_from_qwen_image_by_its_pipeline(edit_model, tmp_
 def test_a_prompt_row_is_the_pipelines_encoding_of_the_instruction_and_its_references(pipe, pairs):
     """Our table (the instruction with each reference through Qwen2.5-VL, encoded alone) against
     QwenImageEditPlusPipeline.encode_prompt with the same condition images, for one and for two references."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import CONDITION_IMAGE_SIZE, calculate_dimensions
+
     from xeonsd.families import by_name
-    from xeonsd.families.qwenimage_edit.training import QwenEditPromptConditioning, condition_size
+    from xeonsd.families.qwenimage_edit.training import QwenEditPromptConditioning
     from xeonsd.trainer.prompt_tables import PromptTable
 
     spec = by_name("qwenimage_edit")
@@ -133,7 +135,8 @@ def test_a_prompt_row_is_the_pipelines_encoding_of_the_instruction_and_its_refer
         for path in refs[:n]:
             with Image.open(path) as im:
                 im = im.convert("RGB")
-                images.append(pipe.image_processor.resize(im, *condition_size(*im.size)[::-1]))
+                w, h = calculate_dimensions(CONDITION_IMAGE_SIZE, im.size[0] / im.size[1])
+                images.append(pipe.image_processor.resize(im, h, w))
         theirs, _ = pipe.encode_prompt(prompt=table.texts[row], image=images, device="cpu")
         hidden, mask = ours.encode([row])
         assert hidden.shape == theirs.shape and bool(mask.all()), (hidden.shape, theirs.shape)

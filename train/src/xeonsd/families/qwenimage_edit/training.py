@@ -20,8 +20,6 @@ at ``--resolution 1024`` the two agree. The vision tower sees the whole referenc
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -30,9 +28,8 @@ from xeonsd.families.qwenimage.training import QwenImageFamily, QwenPromptCondit
 from xeonsd.families.qwenimage_edit import SPEC
 from xeonsd.trainer.config import ConfigError
 
-# QwenImageEditPlusPipeline's prompt template, its system prefix's length, one reference's place in the prompt and
-# the pixel area a reference is resized to for the vision tower (prompt_template_encode(_start_idx),
-# img_prompt_template, CONDITION_IMAGE_SIZE)
+# QwenImageEditPlusPipeline's prompt template, its system prefix's length and one reference's place in the prompt
+# (prompt_template_encode(_start_idx), img_prompt_template: set in its __init__, so not readable without a pipeline)
 TEMPLATE = (
     "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
     "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
@@ -41,14 +38,6 @@ TEMPLATE = (
 )
 DROP_IDX = 64
 PICTURE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
-CONDITION_AREA = 384 * 384
-
-
-def condition_size(width: int, height: int, area: int = CONDITION_AREA) -> tuple[int, int]:
-    """(width, height) of ``area`` pixels at the image's aspect, each a multiple of 32 (the pipeline's
-    ``calculate_dimensions``)."""
-    w = math.sqrt(area * width / height)
-    return round(w / 32) * 32, round(w * height / width / 32) * 32
 
 
 class QwenEditPromptConditioning(QwenPromptConditioning):
@@ -60,6 +49,10 @@ class QwenEditPromptConditioning(QwenPromptConditioning):
 
     def _tokenize(self, texts: list[str]) -> list:
         from diffusers.image_processor import VaeImageProcessor
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
+            CONDITION_IMAGE_SIZE,
+            calculate_dimensions,
+        )
         from PIL import Image
 
         references = self.prompts.references
@@ -76,7 +69,7 @@ class QwenEditPromptConditioning(QwenPromptConditioning):
             for path in refs:
                 with Image.open(path) as im:
                     im = im.convert("RGB")
-                w, h = condition_size(*im.size)
+                w, h = calculate_dimensions(CONDITION_IMAGE_SIZE, im.size[0] / im.size[1])  # the pipeline's sizing
                 pictures.append(resize(im, h, w))
             prompt = self.template.format("".join(PICTURE.format(k + 1) for k in range(len(refs))) + text)
             out = processor(text=[prompt], images=pictures, padding=True, return_tensors="pt")
