@@ -22,7 +22,6 @@ import pytest
 import torch
 from cli_runs import run_cli
 from PIL import Image
-from safetensors.torch import load_file
 from test_flux2_edit_train import (
     FLAGS,
     assert_edit_depends_on_the_reference,
@@ -31,7 +30,6 @@ from test_flux2_edit_train import (
     pair_runs,
     write_pairs,
 )
-from test_methods import LORA_FILE
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +56,6 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def runs(kontext_model, pairs, tmp_path_factory):
     return pair_runs(kontext_model, pairs, tmp_path_factory.mktemp("kontext-runs"), FLAGS)
-
-
-def lora_b(path: Path) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in load_file(str(path / LORA_FILE)).items() if "lora_B" in k}
 
 
 def test_kontext_is_told_from_flux1_by_its_pipeline(kontext_model, tiny_flux_model):

@@ -30,7 +30,6 @@ import pytest
 import torch
 from cli_runs import method_args, refused, train
 from PIL import Image
-from safetensors.torch import load_file
 from test_flux2_edit_train import (
     FLAGS,
     PROMPT,
@@ -85,10 +84,6 @@ def learned(edit_model, pairs, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("qwen-edit-learn") / "out"
     train(method_args("lora", edit_model, pairs, out, *LEARN, f"--lora_layers={LEARN_LAYERS}", steps=30, batch=4), ENV)
     return out
-
-
-def lora_b(path: Path) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in load_file(str(path / LORA_FILE)).items() if "lora_B" in k}
 
 
 def test_the_edit_model_is_told_from_qwen_image_by_its_pipeline(edit_model, tmp_path):
