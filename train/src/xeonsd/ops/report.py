@@ -148,6 +148,11 @@ def _method_section(summary: dict, rows: list[dict], missing: list[str]) -> list
             if prompts.get("per_image")
             else f"none: {prompts['count']} prompt(s) from {prompts['source']}"
         )
+    if column := summary.get("cond_image_column"):
+        data["edit training on image pairs"] = (
+            f"{len(summary.get('sample_references') or [])} reference image(s) per image (the metadata.jsonl field "
+            f"{column})"
+        )
     if summary.get("base_model"):
         data["base model"] = f"{summary['base_model']} (fingerprint {summary.get('base_model_fingerprint')})"
     if summary.get("family"):
