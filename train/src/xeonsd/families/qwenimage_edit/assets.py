@@ -13,7 +13,6 @@ from typing import Any
 from xeonsd.assets.open_models import OpenArch, OpenParts, make_open_model
 from xeonsd.assets.open_text import qwen25vl_encoder
 from xeonsd.families.qwenimage import assets as qwen
-from xeonsd.families.qwenimage_edit.processor import write_processor
 
 CONFIGS_ONLY = True  # make-tiny-model --configs-only: the configs without weights
 ARCHS: dict[str, OpenArch] = {
@@ -30,6 +29,8 @@ def pipeline(**parts: Any) -> Any:
 
 def finish(out: Path, tokenizer: Any) -> None:
     """The ``processor/`` folder, named in model_index.json as the released pipelines name it."""
+    from xeonsd.families.qwenimage_edit.processor import write_processor  # transformers: only when one is made
+
     write_processor(out / "processor", tokenizer)
     index = json.loads((out / "model_index.json").read_text())
     index["processor"] = ["transformers", "Qwen2VLProcessor"]
