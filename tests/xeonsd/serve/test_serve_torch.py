@@ -190,3 +190,55 @@ def test_a_request_of_the_wrong_kind_is_a_400_naming_what_the_family_takes(serve
     assert words in error["message"], error
     text = httpx.post(f"{server.url}/v1/images/generations", json={"prompt": PROMPT}, timeout=30)
     assert text.status_code == 400 and "makes no image from text alone" in text.json()["error"]["message"]
+
+
+def test_a_client_that_goes_away_stops_its_request_at_the_next_step(server):
+    """The step callback sets diffusers' _interrupt once the job is cancelled: a 100-step request whose client gives
+    up after a second ends far short of its steps (the access line counts them), and the worker serves again."""
+    import json
+    import time
+
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(
+            f"{server.url}/v1/images/edits",
+            data={"prompt": PROMPT, "num_inference_steps": "100"},
+            files=[("image[]", ("ref.png", RED, "image/png"))],
+            timeout=1.5,
+        )
+    deadline = time.monotonic() + 60
+    while not (lines := [json.loads(x) for x in list(server.lines) if '"cancelled": "disconnect"' in x]):
+        assert time.monotonic() < deadline, "\n".join(server.lines[-20:])
+        time.sleep(0.05)
+    print(f"\ncancelled by the client after {lines[0]['steps_done']} of 100 steps")
+    assert lines[0]["steps_done"] < 100
+    assert _post(server, [("image[]", ("ref.png", RED, "image/png"))]).status_code == 200
+
+
+def test_what_an_engine_cannot_serve_is_refused_before_anything_loads(qwen_edit: Path, tmp_path: Path):
+    from xeonsd.assets import make_tiny_model
+    from xeonsd.openvino.manifest import MANIFEST
+    from xeonsd.serve.metrics import Metrics
+    from xeonsd.serve.options import ServeError, ServeOptions
+    from xeonsd.serve.prepare import choose_engine, prepare
+    from xeonsd.serve.server import open_pool
+
+    klein = make_tiny_model(tmp_path / "tiny-flux2", arch="tiny-flux2")
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / MANIFEST).write_text("{}")
+    assert choose_engine(ServeOptions(export_dir=qwen_edit))[0] == "torch"  # no OpenVINO export: auto is torch
+    assert choose_engine(ServeOptions(export_dir=klein, engine="torch"))[0] == "torch"  # any family, when asked
+    for opts, words in (
+        (ServeOptions(export_dir=klein), "run `xeonsd export"),
+        (ServeOptions(export_dir=qwen_edit, engine="genai"), "or give --engine torch"),
+        (ServeOptions(export_dir=export, engine="torch"), "serves a diffusers pipeline directory"),
+        (ServeOptions(export_dir=export, size="64x64"), "--size is the torch engine's"),
+    ):
+        with pytest.raises(ServeError, match=words):
+            choose_engine(opts)
+    with pytest.raises(ServeError, match="each side must be a positive multiple of 16"):
+        prepare(ServeOptions(export_dir=qwen_edit, size="60x64"), tmp_path)
+    served = prepare(ServeOptions(export_dir=qwen_edit, size="64x64"), tmp_path)
+    assert (served.engine, served.references, served.edits) == ("torch", 3, ())
+    with pytest.raises(ServeError, match="the torch engine runs one request at a time"):
+        open_pool(served, ServeOptions(export_dir=qwen_edit, workers=2), Metrics(), cores=2)

@@ -124,7 +124,7 @@ def _images_handler(limits: Limits, timeout: float, pool: WorkerPool, metrics: M
             metrics.refuse("queue_full")
             return _error(429, str(exc), kind="rate_limit_exceeded", **{"Retry-After": str(exc.retry_after)})
         except Cancelled as exc:
-            access["cancelled"] = exc.reason
+            access.update(cancelled=exc.reason, steps_done=job.steps_done)  # the steps it ran before it stopped
             if exc.reason == "disconnect":
                 access["status"] = CLIENT_GONE
                 return Response(status_code=CLIENT_GONE)
