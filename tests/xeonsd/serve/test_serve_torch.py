@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import base64
 import io
-import sys
+import struct
+import zlib
 from pathlib import Path
 from unittest import mock
 
@@ -26,12 +27,9 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from ov_assets import FLOW_TARGETS  # conftest.py puts the OpenVINO tests' helpers on the path
 from PIL import Image
 from serve_process import ServeProcess
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "openvino"))  # ov_assets: the shared helpers
-
-from ov_assets import FLOW_TARGETS  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("xeonsd-serve-torch")
 
@@ -56,6 +54,18 @@ def _ref(box: tuple[int, int, int, int], color: tuple[int, int, int]) -> bytes:
 RED = _ref((10, 40, 10, 40), (230, 30, 30))
 GREEN = _ref((40, 60, 5, 60), (30, 200, 30))
 WHITE = _png(np.full((SIZE, SIZE, 3), 255, np.uint8))
+
+
+def _claims(width: int, height: int) -> bytes:
+    """A PNG whose header claims ``width`` x ``height`` pixels (its data is a few bytes: it is never decoded)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -179,9 +189,10 @@ def _post(server: ServeProcess, files: list[tuple[str, tuple[str, bytes, str]]],
     [
         ([("image[]", RED)] * 4, "image[]", "Qwen-Image-Edit-2511 edits by instruction from 1 to 3 reference image"),
         ([("image[]", RED), ("image[]", b"not a png")], "image[]", "image[] is not a PNG or JPEG image"),
+        ([("image[]", RED), ("image[]", _claims(5000, 5000))], "image[]", "image[] is 5000x5000 pixels, more than"),
         ([("image", RED), ("mask", RED)], "mask", "takes no mask"),
     ],
-    ids=["four-references", "not-an-image", "a-mask"],
+    ids=["four-references", "not-an-image", "too-large", "a-mask"],
 )
 def test_a_request_of_the_wrong_kind_is_a_400_naming_what_the_family_takes(server, parts, param, words):
     answer = _post(server, [(key, (f"{key}.png", data, "image/png")) for key, data in parts])

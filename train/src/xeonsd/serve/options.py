@@ -167,7 +167,7 @@ class ServeOptions:
     port: int = flag("port (default 8000; 0: any free port)", default=8000)
     workers: int | str = flag(
         "pipelines generating at once, each on its share of the cores (auto: one per core, as many as "
-        "the memory holds; docs/serving.md)",
+        "the memory holds; --engine torch: one, on every core; docs/serving.md)",
         default="auto",
         metavar="N|auto",
         convert=parse_workers,
