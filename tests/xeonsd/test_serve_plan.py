@@ -140,3 +140,12 @@ def test_runs_that_cannot_be_served_are_refused_naming_the_fix() -> None:
         plan({"dir": "/r/x", "summary": {}}, "/h/base")
     with pytest.raises(ServePlanError, match="names no known method \\('dreambooth'\\)"):
         plan({"dir": "/r/x", "summary": {**TI, "method": "dreambooth"}}, "/h/base")
+
+
+@pytest.mark.parametrize("kind", ["dora", "lokr", "loha"])
+def test_another_adapter_type_than_lora_is_refused_naming_why(kind) -> None:
+    other = {**LORA, "adapter": kind}
+    with pytest.raises(ServePlanError, match=f"b \\(/r/k\\) is a {kind} run: GenAI applies plain LoRA per request"):
+        plan({"dir": "/r/l", "summary": LORA}, "/h/base", [{"name": "b", "dir": "/r/k", "summary": other}])
+    with pytest.raises(ServePlanError, match=f"serve_run /r/k is a {kind} run: GenAI applies plain LoRA only"):
+        plan({"dir": "/r/k", "summary": other}, "/h/base")

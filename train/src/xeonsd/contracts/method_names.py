@@ -10,8 +10,11 @@ nothing but the standard library.
 from __future__ import annotations
 
 METHODS = ("textual_inversion", "lora", "full")
-# --method lora's adapter types (--adapter; xeonsd.trainer.methods.adapters), the first the default.
+# --method lora's adapter types (--adapter; xeonsd.trainer.methods.adapters), the first the default; those saved in
+# peft's layout (diffusers' loaders do not read them), and that layout's files, the first the result.
 ADAPTERS = ("lora", "lokr", "loha", "dora")
+PEFT_ADAPTERS = ("lokr", "loha")
+PEFT_FILES = ("adapter_model.safetensors", "adapter_config.json")
 
 # What each method saves (the first output is its result, train_summary.json's ``result.path``), how people call
 # it, whether it is a whole pipeline (which stays on the primary and is exported itself: no base-model export), and

@@ -19,15 +19,15 @@ from pathlib import Path
 
 import torch
 
+from xeonsd.contracts.method_names import PEFT_ADAPTERS, PEFT_FILES
 from xeonsd.trainer.config import ConfigError
 
-PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
-PEFT_FILES = (PEFT_WEIGHTS, PEFT_CONFIG)
+PEFT_WEIGHTS, PEFT_CONFIG = PEFT_FILES
 
 
 def in_peft_layout(adapter: str) -> bool:
     """Whether ``adapter`` is saved in peft's layout (diffusers' loaders do not read it)."""
-    return adapter in ("lokr", "loha")
+    return adapter in PEFT_ADAPTERS
 
 
 def check_adapter(cfg) -> None:
