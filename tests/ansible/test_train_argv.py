@@ -323,6 +323,7 @@ def test_ansible_renders_the_method_filters() -> None:
         "pipeline": False,
         "generate_flag": "--lora",
         "needs": ["peft"],
+        "files": ["pytorch_lora_weights.safetensors"],
     }
     assert (args["own"], args["generate_args"]) == (False, ["--embeds", "/r/e.safetensors"])
 
