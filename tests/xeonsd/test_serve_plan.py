@@ -156,3 +156,12 @@ def test_a_family_without_an_openvino_export_is_served_on_torch_from_its_pipelin
     assert "--engine" not in serve_argv(plan({"dir": "/r/l", "summary": LORA}, "/h/base"), {})
     with pytest.raises(ServePlanError, match="its base_model 'base' is no absolute path. Fix: train from a local"):
         plan({"dir": "/r/ql", "summary": LORA}, "", torch_family="Qwen-Image-Edit-2511")
+
+
+@pytest.mark.parametrize("kind", ["dora", "lokr", "loha"])
+def test_another_adapter_type_than_lora_is_refused_naming_why(kind) -> None:
+    other = {**LORA, "adapter": kind}
+    with pytest.raises(ServePlanError, match=f"b \\(/r/k\\) is a {kind} run: GenAI applies plain LoRA per request"):
+        plan({"dir": "/r/l", "summary": LORA}, "/h/base", [{"name": "b", "dir": "/r/k", "summary": other}])
+    with pytest.raises(ServePlanError, match=f"serve_run /r/k is a {kind} run: GenAI applies plain LoRA only"):
+        plan({"dir": "/r/k", "summary": other}, "/h/base")

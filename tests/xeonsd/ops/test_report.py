@@ -71,6 +71,7 @@ def test_report_shows_a_lora_runs_method_adapter_captions_all_reduce_and_the_reu
             {
                 "method": "lora",
                 "trainable_params": 797184,
+                "adapter": "dora",
                 "lora_rank": 4,
                 "lora_alpha": 4,
                 "base_model": "/m/sd15",
@@ -99,6 +100,7 @@ def test_report_shows_a_lora_runs_method_adapter_captions_all_reduce_and_the_reu
         "<h2>Method</h2>",
         "<td>lora</td>",
         "<td>797,184</td>",
+        "<th>adapter type</th><td>dora</td>",
         "<th>LoRA adapter</th>",
         "pytorch_lora_weights.safetensors · 3.2 MB",
         "5 captions from metadata.jsonl",

@@ -136,6 +136,11 @@ def _adapter(adapter: Mapping[str, Any], served: Mapping[str, Any], alpha: Any) 
         raise ServePlanError(
             f"serve_adapters: {name} names {adir}, a {summary['method']} run, not LoRA. Fix: name a LoRA run."
         )
+    if (kind := summary.get("adapter", "lora")) != "lora":
+        raise ServePlanError(
+            f"serve_adapters: {name} ({adir}) is a {kind} run: GenAI applies plain LoRA per request, not {kind}. "
+            "Fix: name runs trained with finetune_adapter=lora."
+        )
     if summary.get("base_model_fingerprint", "") != served["summary"].get("base_model_fingerprint", ""):
         raise ServePlanError(
             f"serve_adapters: {name} ({adir}) was trained on another base model than serve_run {served['dir']} "
@@ -148,6 +153,15 @@ def _adapter(adapter: Mapping[str, Any], served: Mapping[str, Any], alpha: Any) 
         "path": posixpath.join(adir, summary["result"]["path"]),
         "alpha": _alpha(adapter.get("alpha", alpha), name),
     }
+
+
+def _check_plain_lora(summary: Mapping[str, Any], where: str) -> None:
+    """A served run of another adapter type than plain LoRA (``--adapter``) is refused: GenAI applies B A only."""
+    if summary.get("method") == "lora" and (kind := summary.get("adapter", "lora")) != "lora":
+        raise ServePlanError(
+            f"serve_run {where} is a {kind} run: GenAI applies plain LoRA only, and export.yml does not fuse {kind} "
+            "into an export yet. Fix: serve a run trained with finetune_adapter=lora."
+        )
 
 
 def plan(
@@ -180,6 +194,7 @@ def plan(
     where = served["dir"]
     method = _method(served["summary"], where)
     export_dir = _served_dir(served, export_dir, method, torch_family)
+    _check_plain_lora(served["summary"], where)
     fingerprint = served["summary"].get("base_model_fingerprint", "")
     run_name = posixpath.basename(where.rstrip("/"))
     registered: list[dict[str, Any]] = []

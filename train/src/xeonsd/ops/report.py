@@ -134,6 +134,7 @@ def _method_section(summary: dict, rows: list[dict], missing: list[str]) -> list
     if summary.get("trainable_params") is not None:
         data["trainable parameters"] = f"{summary['trainable_params']:,}"
     if method == "lora":
+        data["adapter type"] = summary.get("adapter", "lora")  # --adapter (a run before it: plain LoRA)
         data["LoRA rank, alpha"] = f"{summary.get('lora_rank')}, {summary.get('lora_alpha')}"
     if summary.get("placeholder_tokens"):
         data["concept token(s)"] = " ".join(summary["placeholder_tokens"])
