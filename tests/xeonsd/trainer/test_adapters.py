@@ -82,7 +82,10 @@ def denoiser(pipe) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize(
-    ("family", "adapter"), [("sd", "dora"), ("sd", "lokr"), ("sd", "loha"), ("flux", "dora"), ("flux", "lokr")]
+    # each type once (the suite's time): DoRA on a flow transformer, LoKr and LoHa on a UNet; the layers are peft's
+    # either way, and the LoKr run is also the 2-rank and resume test's 1-rank run
+    ("family", "adapter"),
+    [("flux", "dora"), ("sd", "lokr"), ("sd", "loha")],
 )
 def test_each_adapter_loads_back_with_its_trained_weights_and_changes_the_output(
     family, adapter, adapter_runs, tiny_model, tiny_flux_model
@@ -97,10 +100,8 @@ def test_each_adapter_loads_back_with_its_trained_weights_and_changes_the_output
         pipe.load_lora_weights(out, weight_name=LORA_FILE)
         loaded = {n: p for n, p in denoiser(pipe).named_parameters() if "lora_magnitude_vector" in n}
         assert saved and len(loaded) == len(saved)
-        for (
-            key,
-            value,
-        ) in saved.items():  # unet.<module>.lora_magnitude_vector -> <module>.lora_magnitude_vector.<name>.weight
+        # <denoiser>.<module>.lora_magnitude_vector -> <module>.lora_magnitude_vector.<name>.weight
+        for key, value in saved.items():
             module = key.split(".", 1)[1].removesuffix(".lora_magnitude_vector")
             (name,) = [n for n in loaded if n.startswith(f"{module}.lora_magnitude_vector.")]
             assert torch.equal(loaded[name].detach(), value), key
