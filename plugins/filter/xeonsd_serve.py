@@ -63,8 +63,11 @@ def serve_plan_of(
         family = families.of_run(runs[0]["summary"], runs[0]["dir"])
     except families.FamilyError as e:
         raise ServePlanError(str(e)) from None
-    fused = "" if family.genai_adapters else family.label
-    return serve_plan.plan(runs[0], export_dir, named, alpha=alpha, fused_family=fused, blends=blends)
+    torch_family = "" if family.ov_pipeline_class else family.label  # no OpenVINO export: the PyTorch engine
+    fused = "" if family.genai_adapters or torch_family else family.label
+    return serve_plan.plan(
+        runs[0], export_dir, named, alpha=alpha, fused_family=fused, blends=blends, torch_family=torch_family
+    )
 
 
 def serve_files(found: Sequence[Mapping[str, Any]], stats: Sequence[Mapping[str, Any]] = ()) -> dict[str, str]:

@@ -87,11 +87,19 @@ def train_argv(values: Iterable[Any], method: str, extra: Sequence[str] = ()) ->
     return argv + [str(a) for a in extra]
 
 
-def method(name: str) -> dict:
-    """``{"name", "result", "what", "pipeline", "generate_flag"}`` of the method ``name``."""
+def method(name: str, adapter: str = "lora") -> dict:
+    """``{"name", "result", "what", "pipeline", "generate_flag", "files"}`` of the method ``name`` (``files``: what
+    is fetched; LoRA's ``adapter`` lokr or loha leaves peft's layout, its weights the result)."""
     if name not in METHODS:
         raise TrainArgvError(f"finetune_method {name!r}: choose one of {', '.join(METHODS)}")
-    return {"name": name, **METHOD_FILES[name]}
+    if adapter not in method_names.ADAPTERS:
+        raise TrainArgvError(f"finetune_adapter {adapter!r}: choose one of {', '.join(method_names.ADAPTERS)}")
+    info = {"name": name, **METHOD_FILES[name]}
+    info["files"] = [info["result"]]
+    if name == "lora" and adapter in method_names.PEFT_ADAPTERS:
+        files = list(method_names.PEFT_FILES)
+        info.update(result=files[0], files=files, what=f"{adapter} adapter (peft layout)", generate_flag=None)
+    return info
 
 
 def result_export(
@@ -113,6 +121,11 @@ def result_export(
       ``--embeds FILE`` or ``--lora FILE:SCALE``.
     """
     info = method(summary["method"])
+    if (kind := summary.get("adapter", "lora")) != "lora":  # --adapter: GenAI and xeonsd's exports apply B A only
+        raise TrainArgvError(
+            f"{run_dir}/train_summary.json: a {kind} adapter; xeonsd export and OpenVINO GenAI take plain LoRA only. "
+            "Fix: load it with diffusers/peft (docs/trainer.md#adapter-types), or train with finetune_adapter=lora"
+        )
     try:
         found = families.of_run(summary, run_dir)
     except families.FamilyError as e:

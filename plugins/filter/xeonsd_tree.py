@@ -2,8 +2,8 @@
 
 roles/verified_tree puts one tree from the controller on every node (the dataset, base_model and wheelhouse roles
 use it): the controller's tree and each node's are listed with ``ansible.builtin.find`` (``get_checksum: true``)
-and compared with these filters. ``xeonsd_sha256_by_name`` pairs files with their expected sha256 by name (the
-dataset's images with dataset_sha256) for the xeonsd_sha256 module (plugins/modules/xeonsd_sha256.py).
+and compared with these filters. ``xeonsd_sha256_by_name`` pairs files with their expected sha256 by name or
+relative path (the dataset's images with dataset_sha256) for the xeonsd_sha256 module (plugins/modules/xeonsd_sha256.py).
 """
 
 from __future__ import annotations
@@ -46,10 +46,14 @@ def tree_diff(found: Mapping[str, str], expected: Mapping[str, str]) -> str:
     return "; ".join(f"{what}: {', '.join(names)}" for what, names in parts)
 
 
-def sha256_by_name(paths: Sequence[str], by_name: Mapping[str, str]) -> list[dict[str, str]]:
-    """Files and the sha256 that ``by_name`` (``{file name: sha256}``, e.g. dataset_sha256) gives their names, as
-    the xeonsd_sha256 module takes them: ``[{"path", "sha256"}, …]`` ("" where it has none)."""
-    return [{"path": p, "sha256": by_name.get(posixpath.basename(p), "")} for p in paths]
+def sha256_by_name(paths: Sequence[str], by_name: Mapping[str, str], root: str = "") -> list[dict[str, str]]:
+    """Files and the sha256 that ``by_name`` gives their names, as the xeonsd_sha256 module takes them:
+    ``[{"path", "sha256"}, …]`` ("" where it has none). A name is the file's name, or with ``root`` its path
+    relative to ``root`` (dataset_sha256: ``p0.png`` at the top level, ``ref/p0.png`` in a subfolder)."""
+    return [
+        {"path": p, "sha256": by_name.get(posixpath.relpath(p, root) if root else posixpath.basename(p), "")}
+        for p in paths
+    ]
 
 
 class FilterModule:

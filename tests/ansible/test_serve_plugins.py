@@ -71,6 +71,9 @@ def test_the_plan_asks_the_run_s_family_whether_its_lora_is_an_adapter_or_fused(
     assert (plan["adapters"], plan["name"]) == ([], "z")
     with pytest.raises(serve.ServePlanError, match="/r/x/train_summary.json: .*wan"):
         serve.serve_plan_of([_slurped("/r/x", {**lora, "family": "wan"})], [], "/r/x/openvino")
+    # no OpenVINO export for the family: the base model's pipeline on the PyTorch engine, the adapter registered
+    plan = serve.serve_plan_of([_slurped("/r/q", {**lora, "family": "qwenimage_edit"})], [], "")
+    assert (plan["export"], plan["engine"], [a["name"] for a in plan["adapters"]]) == ("/m/b", "torch", ["q"])
 
 
 def test_a_textual_inversion_run_is_planned_with_its_embeddings_as_a_file_every_node_needs() -> None:

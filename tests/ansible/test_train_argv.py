@@ -204,6 +204,20 @@ def test_the_plugin_s_methods_and_results_are_the_package_s() -> None:
         xeonsd_train.method("dreambooth")
 
 
+def test_a_lokr_or_loha_run_fetches_peft_s_files_and_is_not_exported_as_lora() -> None:
+    from xeonsd.trainer.methods.adapters import PEFT_FILES
+
+    assert xeonsd_train.method("lora", "dora")["files"] == ["pytorch_lora_weights.safetensors"]
+    for kind in ("lokr", "loha"):
+        info = xeonsd_train.method("lora", kind)
+        assert (info["result"], info["files"], info["generate_flag"]) == (PEFT_FILES[0], list(PEFT_FILES), None)
+    with pytest.raises(TrainArgvError, match="finetune_adapter 'oft': choose one of lora, lokr, loha, dora"):
+        xeonsd_train.method("lora", "oft")
+    lokr = {"method": "lora", "adapter": "lokr", "base_model": "/m/b", "result": {"path": PEFT_FILES[0]}}
+    with pytest.raises(TrainArgvError, match="/r/train_summary.json: a lokr adapter; xeonsd export and OpenVINO"):
+        xeonsd_train.result_export(lokr, "/r")
+
+
 def test_a_run_s_result_reaches_its_images_by_its_method_and_family() -> None:
     """The base model's shared export with --embeds or --lora at generation time; a full fine-tune's own export; and
     a LoRA fused into an export of its own where GenAI applies no adapters to the family (SD3, Z-Image)."""
@@ -309,6 +323,7 @@ def test_ansible_renders_the_method_filters() -> None:
         "pipeline": False,
         "generate_flag": "--lora",
         "needs": ["peft"],
+        "files": ["pytorch_lora_weights.safetensors"],
     }
     assert (args["own"], args["generate_args"]) == (False, ["--embeds", "/r/e.safetensors"])
 

@@ -47,3 +47,11 @@ def test_the_difference_names_missing_extra_and_changed_files() -> None:
 def test_files_are_paired_with_the_sha256_their_name_has_and_an_unknown_name_with_none() -> None:
     pairs = xeonsd_tree.sha256_by_name(["/c/dicoo/1.jpeg", "/c/dicoo/2.jpeg"], {"1.jpeg": "ab" * 32})
     assert pairs == [{"path": "/c/dicoo/1.jpeg", "sha256": "ab" * 32}, {"path": "/c/dicoo/2.jpeg", "sha256": ""}]
+
+
+def test_under_a_root_a_file_is_paired_by_its_relative_path_so_a_reference_is_not_its_image() -> None:
+    by_path = {"p0.png": "ab" * 32, "ref/p0.png": "cd" * 32}
+    pairs = xeonsd_tree.sha256_by_name(
+        ["/c/pairs/p0.png", "/c/pairs/ref/p0.png", "/c/pairs/ref/p1.png"], by_path, "/c/pairs"
+    )
+    assert [p["sha256"] for p in pairs] == ["ab" * 32, "cd" * 32, ""]

@@ -34,7 +34,7 @@ ALLOWED: dict[str, set[str] | None] = {
     "openvino": {"contracts", "modelfiles", "families", "torch_engine"},
     "torch_engine": {"openvino", "modelfiles", "families"},
     "ops": {"trainer", "cluster", "contracts", "jobs", "modelfiles", "families"},
-    "serve": {"openvino", "contracts", "modelfiles", "families"},
+    "serve": {"openvino", "torch_engine", "contracts", "modelfiles", "families"},
     "assets": {"families"},
     "bench": None,
     "cli": None,

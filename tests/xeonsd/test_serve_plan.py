@@ -140,3 +140,28 @@ def test_runs_that_cannot_be_served_are_refused_naming_the_fix() -> None:
         plan({"dir": "/r/x", "summary": {}}, "/h/base")
     with pytest.raises(ServePlanError, match="names no known method \\('dreambooth'\\)"):
         plan({"dir": "/r/x", "summary": {**TI, "method": "dreambooth"}}, "/h/base")
+
+
+def test_a_family_without_an_openvino_export_is_served_on_torch_from_its_pipeline() -> None:
+    """FLUX.1 Kontext, Qwen-Image-Edit, Krea 2 (no optimum-intel export): a LoRA run serves the base model's pipeline
+    directory with its adapter, a full fine-tune its own pipeline, on xeonsd serve --engine torch; a base model that
+    is not a directory is refused naming the fix. The export link is not read."""
+    lora = {**LORA, "base_model": "/models/qwen-edit/"}
+    p = plan({"dir": "/r/ql", "summary": lora}, "", torch_family="Qwen-Image-Edit-2511")
+    assert (p["export"], p["engine"], [a["name"] for a in p["adapters"]]) == ("/models/qwen-edit", "torch", ["ql"])
+    assert serve_argv(p, {})[:4] == ["serve", "/models/qwen-edit", "--engine", "torch"]
+    full = plan({"dir": "/r/qf", "summary": FULL}, "", torch_family="FLUX.1 Kontext")
+    assert (full["export"], full["engine"], full["adapters"]) == ("/r/qf", "torch", [])
+    assert plan({"dir": "/r/l", "summary": LORA}, "/h/base")["engine"] == "genai"
+    assert "--engine" not in serve_argv(plan({"dir": "/r/l", "summary": LORA}, "/h/base"), {})
+    with pytest.raises(ServePlanError, match="its base_model 'base' is no absolute path. Fix: train from a local"):
+        plan({"dir": "/r/ql", "summary": LORA}, "", torch_family="Qwen-Image-Edit-2511")
+
+
+@pytest.mark.parametrize("kind", ["dora", "lokr", "loha"])
+def test_another_adapter_type_than_lora_is_refused_naming_why(kind) -> None:
+    other = {**LORA, "adapter": kind}
+    with pytest.raises(ServePlanError, match=f"b \\(/r/k\\) is a {kind} run: GenAI applies plain LoRA per request"):
+        plan({"dir": "/r/l", "summary": LORA}, "/h/base", [{"name": "b", "dir": "/r/k", "summary": other}])
+    with pytest.raises(ServePlanError, match=f"serve_run /r/k is a {kind} run: GenAI applies plain LoRA only"):
+        plan({"dir": "/r/k", "summary": other}, "/h/base")

@@ -71,6 +71,7 @@ def test_report_shows_a_lora_runs_method_adapter_captions_all_reduce_and_the_reu
             {
                 "method": "lora",
                 "trainable_params": 797184,
+                "adapter": "dora",
                 "lora_rank": 4,
                 "lora_alpha": 4,
                 "base_model": "/m/sd15",
@@ -99,6 +100,7 @@ def test_report_shows_a_lora_runs_method_adapter_captions_all_reduce_and_the_reu
         "<h2>Method</h2>",
         "<td>lora</td>",
         "<td>797,184</td>",
+        "<th>adapter type</th><td>dora</td>",
         "<th>LoRA adapter</th>",
         "pytorch_lora_weights.safetensors · 3.2 MB",
         "5 captions from metadata.jsonl",
@@ -112,6 +114,22 @@ def test_report_shows_a_lora_runs_method_adapter_captions_all_reduce_and_the_reu
     ):
         assert text in page, text
     assert "Not in this run directory" not in page
+
+
+def test_report_says_a_run_trained_on_image_pairs_and_from_which_field(tmp_path):
+    """train_summary.json's cond_image_column (edit training): the Method table names the references per image
+    (sample_references) and the metadata.jsonl field; a text-to-image run has no such row."""
+    from xeonsd.ops.report import build_report
+
+    run = _run_dir(tmp_path)
+    assert "reference image(s) per image" not in build_report(run)
+    summary = json.loads((run / "train_summary.json").read_text())
+    summary |= {"cond_image_column": "cond_image", "sample_references": ["/data/ref/p0.png"]}
+    (run / "train_summary.json").write_text(json.dumps(summary))
+    assert (
+        "<th>edit training on image pairs</th><td>1 reference image(s) per image (the metadata.jsonl field "
+        "cond_image)</td>"
+    ) in build_report(run)
 
 
 def test_training_summary_from_metrics():

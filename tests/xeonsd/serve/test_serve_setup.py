@@ -203,9 +203,9 @@ def test_each_worker_compiles_with_its_threads_and_the_precision(monkeypatch: py
     the f32 hint (auto leaves OpenVINO's default: bf16 on AMX or AVX512-BF16)."""
     from xeonsd.families import by_name
     from xeonsd.openvino.manifest import StaticShape
+    from xeonsd.serve.genai_pool import PipelinePool
     from xeonsd.serve.metrics import Metrics
     from xeonsd.serve.options import ServedModel
-    from xeonsd.serve.pool import PipelinePool
 
     compiled = _genai_stand_in(monkeypatch)
     served = ServedModel(Path("/x"), "base", by_name("sd"), StaticShape(1, 64, 64, 1), [])
@@ -227,9 +227,9 @@ def test_workers_auto_budgets_every_compile_a_worker_makes(monkeypatch: pytest.M
     over-committed."""
     from xeonsd.families import REGISTRY
     from xeonsd.openvino.manifest import StaticShape
+    from xeonsd.serve.genai_pool import PipelinePool
     from xeonsd.serve.metrics import Metrics
     from xeonsd.serve.options import ServedModel, auto_workers, compiled_copies
-    from xeonsd.serve.pool import PipelinePool
 
     compiled = _genai_stand_in(monkeypatch)
     seen = set()

@@ -11,7 +11,7 @@ from peft import inject_adapter_in_model
 from peft.tuners.lora.layer import Linear as PeftLinear
 from peft.utils import get_peft_model_state_dict
 
-from xeonsd.trainer.methods.lora import _lora_config
+from xeonsd.trainer.methods.adapters import adapter_config
 from xeonsd.trainer.methods.lora_layer import FusedLoraLinear
 
 
@@ -31,7 +31,9 @@ def _pair(dtype: torch.dtype, **config) -> tuple[torch.nn.Module, torch.nn.Modul
     base = Attention()
     models = []
     for fused in (False, True):
-        model = inject_adapter_in_model(_lora_config(4, 8, ["to_q", "to_out"], fused=fused), copy.deepcopy(base))
+        model = inject_adapter_in_model(
+            adapter_config("lora", 4, 8, ["to_q", "to_out"], fused=fused), copy.deepcopy(base)
+        )
         for k, v in config.items():
             setattr(model.to_q, k, v)
         models.append(model)

@@ -10,6 +10,11 @@ nothing but the standard library.
 from __future__ import annotations
 
 METHODS = ("textual_inversion", "lora", "full")
+# --method lora's adapter types (--adapter; xeonsd.trainer.methods.adapters), the first the default; those saved in
+# peft's layout (diffusers' loaders do not read them), and that layout's files, the first the result.
+ADAPTERS = ("lora", "lokr", "loha", "dora")
+PEFT_ADAPTERS = ("lokr", "loha")
+PEFT_FILES = ("adapter_model.safetensors", "adapter_config.json")
 
 # What each method saves (the first output is its result, train_summary.json's ``result.path``), how people call
 # it, whether it is a whole pipeline (which stays on the primary and is exported itself: no base-model export), and
@@ -42,3 +47,10 @@ METHOD_FILES: dict[str, dict] = {
 
 def result_file(method: str) -> str:
     return METHOD_FILES[method]["result"]
+
+
+# Why --with_prior_preservation is refused with textual inversion (the config's check and the prior's say it alike).
+PRIOR_NEEDS_WEIGHTS = (
+    "--with_prior_preservation works with --method lora or full: textual inversion trains only the concept's "
+    "new token vectors and leaves every weight of the model as it was, so the class keeps its prior anyway"
+)

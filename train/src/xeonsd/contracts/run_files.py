@@ -56,6 +56,7 @@ def train_summary(
     prior: dict | None = None,
     inference_model: str | None = None,
     sample_references: list[str] | None = None,
+    cond_image_column: str | None = None,
 ) -> dict:
     """train_summary.json: the method's own figures (``method``, ``trainable_params``, …), the base model and its
     fingerprint, the steps and ranks, the bytes all-reduced per step, the prompts (source, count, per_image, and when
@@ -77,7 +78,8 @@ def train_summary(
     rendered with, where another model of the family than the base renders them (``inference_model``: Krea 2
     Turbo for a LoRA trained on RAW) and, for edit training on image pairs, the reference images the validation
     images are edits of (``sample_references``: the first training image's, as absolute paths; the openvino_export
-    role gives them to ``xeonsd generate --image``)."""
+    role gives them to ``xeonsd generate --image``) and the metadata.jsonl field that named each image's references
+    (``cond_image_column``)."""
     return {
         **method_summary,
         "base_model": base_model,
@@ -97,6 +99,7 @@ def train_summary(
         **({"prior": dict(prior)} if prior is not None else {}),
         **({"inference_model": inference_model} if inference_model is not None else {}),
         **({"sample_references": list(sample_references)} if sample_references else {}),
+        **({"cond_image_column": cond_image_column} if cond_image_column else {}),
     }
 
 

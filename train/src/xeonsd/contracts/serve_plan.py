@@ -8,10 +8,10 @@ run's ``openvino`` link names. It gets back the plan, or a :class:`ServePlanErro
 * :func:`run_dir`: ``serve_run`` (``latest``, a run's name under ``runs_dir``, or an absolute path) as a path;
 * :func:`adapter_runs`: ``serve_adapters`` (``{name: run}`` or ``{name: {run, alpha}}``) checked and in order;
 * :func:`plan`: the export to serve, the base model's name in requests, a textual inversion run's concept and the
-  LoRA files to register by name (``{export, name, method, base_model_fingerprint, embeds, token, adapters: [{name,
+  LoRA files to register by name (``{export, engine, name, method, base_model_fingerprint, embeds, token, adapters: [{name,
   run, path, alpha}], blends, files}``); ``blends`` are ``serve_blends`` checked (:func:`blend_args`); ``files``
   what every serving node needs besides the export;
-* :func:`serve_argv`: ``xeonsd serve EXPORT --embeds FILE --token TOKEN --adapter NAME=PATH:ALPHA … --blend …
+* :func:`serve_argv`: ``xeonsd serve EXPORT [--engine torch] --embeds FILE --token TOKEN --adapter NAME=PATH:ALPHA … --blend …
   --host … --port …`` of a plan.
 
 Standard library only (the filter plugins import it; so is :mod:`xeonsd.serve.requests`, whose blend parser
@@ -136,6 +136,11 @@ def _adapter(adapter: Mapping[str, Any], served: Mapping[str, Any], alpha: Any) 
         raise ServePlanError(
             f"serve_adapters: {name} names {adir}, a {summary['method']} run, not LoRA. Fix: name a LoRA run."
         )
+    if (kind := summary.get("adapter", "lora")) != "lora":
+        raise ServePlanError(
+            f"serve_adapters: {name} ({adir}) is a {kind} run: GenAI applies plain LoRA per request, not {kind}. "
+            "Fix: name runs trained with finetune_adapter=lora."
+        )
     if summary.get("base_model_fingerprint", "") != served["summary"].get("base_model_fingerprint", ""):
         raise ServePlanError(
             f"serve_adapters: {name} ({adir}) was trained on another base model than serve_run {served['dir']} "
@@ -150,6 +155,15 @@ def _adapter(adapter: Mapping[str, Any], served: Mapping[str, Any], alpha: Any) 
     }
 
 
+def _check_plain_lora(summary: Mapping[str, Any], where: str) -> None:
+    """A served run of another adapter type than plain LoRA (``--adapter``) is refused: GenAI applies B A only."""
+    if summary.get("method") == "lora" and (kind := summary.get("adapter", "lora")) != "lora":
+        raise ServePlanError(
+            f"serve_run {where} is a {kind} run: GenAI applies plain LoRA only, and export.yml does not fuse {kind} "
+            "into an export yet. Fix: serve a run trained with finetune_adapter=lora."
+        )
+
+
 def plan(
     served: Mapping[str, Any],
     export_dir: str,
@@ -158,6 +172,7 @@ def plan(
     alpha: Any = 1.0,
     fused_family: str = "",
     blends: Any = (),
+    torch_family: str = "",
 ) -> dict[str, Any]:
     """The plan of a served run and its adapters.
 
@@ -171,14 +186,15 @@ def plan(
     and serve_adapters' LoRA runs of the same base are registered beside it (each knows the concept too).
     ``fused_family``: the family's name where GenAI applies no adapters to it (SD3, Z-Image): a
     LoRA run's export then has its adapter fused in (export.yml), and it is served alone, like a full fine-tune's.
-    ``blends``: ``serve_blends``, checked against the registered adapters (:func:`blend_args`)."""
+    ``blends``: ``serve_blends``, checked against the registered adapters (:func:`blend_args`).
+    ``torch_family``: the family's label where optimum-intel has no OpenVINO export for it (FLUX.1 Kontext,
+    Qwen-Image-Edit-2511, Krea 2; ``FamilySpec.ov_pipeline_class`` empty): the run is served on the PyTorch engine
+    (``engine``: ``torch``) from a pipeline directory, the base model's (a LoRA or textual inversion run) or the
+    run's own (a full fine-tune), as export.yml made its images; ``export_dir`` is not read."""
     where = served["dir"]
     method = _method(served["summary"], where)
-    if not export_dir:
-        raise ServePlanError(
-            f"serve_run {where} has no OpenVINO export ({where}/openvino): run export.yml on it first "
-            f"(ansible-playbook export.yml -e openvino_export_run_dir={where})."
-        )
+    export_dir = _served_dir(served, export_dir, method, torch_family)
+    _check_plain_lora(served["summary"], where)
     fingerprint = served["summary"].get("base_model_fingerprint", "")
     run_name = posixpath.basename(where.rstrip("/"))
     registered: list[dict[str, Any]] = []
@@ -215,6 +231,7 @@ def plan(
         registered.append(_adapter(adapter, served, alpha))
     return {
         "export": export_dir,
+        "engine": "torch" if torch_family else "genai",
         "name": _base_name(served["summary"], run_name, registered, concept=embeds is not None),
         "method": method,
         "base_model_fingerprint": fingerprint,
@@ -224,6 +241,34 @@ def plan(
         "blends": blend_args(blends, registered),
         "files": sorted({r["path"] for r in registered} | ({embeds} if embeds else set())),
     }
+
+
+def _served_dir(served: Mapping[str, Any], export_dir: str, method: str, torch_family: str) -> str:
+    """What ``xeonsd serve`` is given: the export, or for a family without one the pipeline (:func:`_pipeline_dir`)."""
+    where = served["dir"]
+    if torch_family:
+        return _pipeline_dir(served["summary"], where, method, torch_family)
+    if not export_dir:
+        raise ServePlanError(
+            f"serve_run {where} has no OpenVINO export ({where}/openvino): run export.yml on it first "
+            f"(ansible-playbook export.yml -e openvino_export_run_dir={where})."
+        )
+    return export_dir
+
+
+def _pipeline_dir(summary: Mapping[str, Any], where: str, method: str, label: str) -> str:
+    """The diffusers pipeline directory the torch engine serves: a full fine-tune's own, else the base model's, which
+    must be a directory (every node gets a copy at the same path)."""
+    if method == "full":
+        return posixpath.dirname(posixpath.join(where, summary["result"]["path"]))
+    base = str(summary.get("base_model", ""))
+    if not base.startswith("/"):
+        raise ServePlanError(
+            f"serve_run {where} is a {label} run, which the PyTorch engine serves from its base model's pipeline "
+            f"directory (optimum-intel has no OpenVINO export for {label}), and its base_model {base!r} is no "
+            "absolute path. Fix: train from a local copy of the base model (finetune.yml's base model as a directory)."
+        )
+    return posixpath.normpath(base)
 
 
 def _base_name(
@@ -268,6 +313,8 @@ def serve_argv(served: Mapping[str, Any], settings: Mapping[str, Any]) -> list[s
     "--name", …]`` of a plan; ``settings`` has the flags of :data:`SERVE_FLAGS` (``max-images`` also as
     ``max_images``); an empty one is left to xeonsd's default (``name``: the plan's)."""
     argv = ["serve", served["export"]]
+    if served.get("engine", "genai") != "genai":
+        argv += ["--engine", served["engine"]]
     if served.get("embeds"):
         argv += ["--embeds", served["embeds"]]
         if served.get("token"):

@@ -118,6 +118,10 @@ def _load(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         raise LoraFormatError(f"LoRA file {path} cannot be read as safetensors: {exc}") from exc
 
 
+# The key parts of the adapter types that are not plain LoRA (peft's names, kohya's DoRA name): named when refused.
+_OTHER_ADAPTERS = (("lora_magnitude_vector", "DoRA"), ("dora_scale", "DoRA"), ("lokr_", "LoKr"), ("hada_", "LoHa"))
+
+
 def read_adapter(path: Path) -> dict[str, LoraModule]:
     """The adapter's modules by kohya name, from a file in the diffusers/peft or the kohya layout."""
     path = Path(path)
@@ -146,6 +150,12 @@ def read_adapter(path: Path) -> dict[str, LoraModule]:
             mod.down = value
         else:
             mod.up = value
+    if kind := next((k for part, k in _OTHER_ADAPTERS if any(part in key for key in unknown)), None):
+        raise LoraFormatError(
+            f"{path} is a {kind} adapter, not plain LoRA: OpenVINO GenAI and xeonsd's LoRA loaders (generate --lora, "
+            f"serve --adapter, export --lora) apply B A only. Fix: train with --adapter lora, or load the {kind} "
+            "file with diffusers/peft (docs/trainer.md#adapter-types)"
+        )
     if unknown:
         raise LoraFormatError(
             f"LoRA file {path} has tensors of a layout xeonsd does not know, e.g. {unknown[0]!r} "

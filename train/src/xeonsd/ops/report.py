@@ -134,6 +134,7 @@ def _method_section(summary: dict, rows: list[dict], missing: list[str]) -> list
     if summary.get("trainable_params") is not None:
         data["trainable parameters"] = f"{summary['trainable_params']:,}"
     if method == "lora":
+        data["adapter type"] = summary.get("adapter", "lora")  # --adapter (a run before it: plain LoRA)
         data["LoRA rank, alpha"] = f"{summary.get('lora_rank')}, {summary.get('lora_alpha')}"
     if summary.get("placeholder_tokens"):
         data["concept token(s)"] = " ".join(summary["placeholder_tokens"])
@@ -147,6 +148,11 @@ def _method_section(summary: dict, rows: list[dict], missing: list[str]) -> list
             f"{prompts['count']} captions from {prompts['source']}"
             if prompts.get("per_image")
             else f"none: {prompts['count']} prompt(s) from {prompts['source']}"
+        )
+    if column := summary.get("cond_image_column"):
+        data["edit training on image pairs"] = (
+            f"{len(summary.get('sample_references') or [])} reference image(s) per image (the metadata.jsonl field "
+            f"{column})"
         )
     if summary.get("base_model"):
         data["base model"] = f"{summary['base_model']} (fingerprint {summary.get('base_model_fingerprint')})"

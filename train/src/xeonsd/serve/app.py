@@ -32,7 +32,7 @@ from xeonsd.serve.keys import KeyRing
 from xeonsd.serve.limits import guard
 from xeonsd.serve.metrics import Metrics
 from xeonsd.serve.options import ServedModel, ServeOptions
-from xeonsd.serve.pool import Busy, Cancelled, Job, NotReady, PipelinePool
+from xeonsd.serve.pool import Busy, Cancelled, Job, NotReady, WorkerPool
 from xeonsd.serve.requests import Limits, RequestError, parse_body, validate
 
 log = logging.getLogger(__name__)
@@ -97,9 +97,7 @@ async def _watch_disconnect(receive: Callable, job: Job) -> None:
             return
 
 
-def _images_handler(
-    limits: Limits, timeout: float, pool: PipelinePool, metrics: Metrics, edit: bool = False
-) -> Callable:
+def _images_handler(limits: Limits, timeout: float, pool: WorkerPool, metrics: Metrics, edit: bool = False) -> Callable:
     """The handler of both image paths (``edit``: of both edit paths): validate, queue, generate, answer (or
     cancel)."""
     from starlette.requests import Request
@@ -109,7 +107,7 @@ def _images_handler(
         arrived = time.monotonic()
         access = request.scope["state"]["access"]
         try:
-            body = await parse_form(request, limits.shape) if edit else parse_body(await request.body())
+            body = await parse_form(request, limits) if edit else parse_body(await request.body())
             req = validate(body, limits, edit)
         except RequestError as exc:
             metrics.rejected.labels(exc.param or "body").inc()
@@ -126,7 +124,7 @@ def _images_handler(
             metrics.refuse("queue_full")
             return _error(429, str(exc), kind="rate_limit_exceeded", **{"Retry-After": str(exc.retry_after)})
         except Cancelled as exc:
-            access["cancelled"] = exc.reason
+            access.update(cancelled=exc.reason, steps_done=job.steps_done)  # the steps it ran before it stopped
             if exc.reason == "disconnect":
                 access["status"] = CLIENT_GONE
                 return Response(status_code=CLIENT_GONE)
@@ -146,7 +144,7 @@ def _images_handler(
 def create_app(
     served: ServedModel,
     opts: ServeOptions,
-    pool: PipelinePool,
+    pool: WorkerPool,
     metrics: Metrics,
     on_ready: Callable[[], None],
     keys: KeyRing | None = None,
@@ -164,9 +162,12 @@ def create_app(
         guidance_scale=served.guidance_scale,
         alphas=tuple((name, alpha) for name, (_, alpha) in served.adapters.items()),
         family=served.family.label,
-        edits=served.family.genai_edits,
-        fused_only=not served.family.genai_adapters,
+        edits=served.edits,
+        fused_only=served.engine == "genai" and not served.family.genai_adapters,
         blends=served.blends,
+        references=served.references,
+        reference_required=served.references > 0 and served.family.reference_required,
+        engine="the PyTorch engine" if served.engine == "torch" else Limits.engine,
     )
     created = int(time.time())
     images = _images_handler(limits, opts.timeout, pool, metrics)

@@ -20,8 +20,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
         help="serve an export over HTTP: the OpenAI/OVMS images API with per-request LoRA (docs/serving.md)",
-        description="Serve EXPORT_DIR (written by `xeonsd export`, static shape) on POST /v3/images/generations and "
-        "/v1/images/generations, with GET /v1/models, /v2/health/live, /v2/health/ready and /metrics.",
+        description="Serve EXPORT_DIR (written by `xeonsd export`, static shape; or, --engine torch, a diffusers "
+        "pipeline directory) on POST /v3/images/generations and /v1/images/generations, with the edits at "
+        "/v3/images/edits and /v1/images/edits, GET /v1/models, /v2/health/live, /v2/health/ready and /metrics.",
     )
     add_flags(p, ServeOptions, dashes=True)
     p.set_defaults(func=_serve)

@@ -9,9 +9,13 @@ it, turned into the fields :func:`xeonsd.serve.requests.validate` checks.
 * The mask marks what is repainted. Two conventions are read: OVMS's and GenAI's, white (repaint) on black
   (keep), and OpenAI's, a PNG whose fully transparent pixels are repainted. A mask with any transparent pixel is
   read as OpenAI's (alpha 0: repaint), any other as OVMS's (gray level, so white is repaint).
+* An edit family on the torch engine (``Limits.references``) takes its reference images as ``image`` or OpenAI's
+  multi-image field ``image[]`` (repeated parts, in order), each checked as ``image`` is (not an image, too large,
+  truncated, a mode that cannot be RGB: a 400 naming its field) and of any size: the family's pipeline sizes them
+  itself. Any other family takes one ``image``; more is refused, naming the family.
 * The other fields are text: ``n``, ``num_inference_steps``, ``rng_seed`` become integers, ``strength`` and
   ``guidance_scale`` numbers, ``lora_alphas`` a JSON object; a field that does not parse is refused by name.
-  Fields given twice, and any file but ``image`` and ``mask``, are refused.
+  Fields given twice (but ``image[]``), and any file but ``image``, ``image[]`` and ``mask``, are refused.
 """
 
 from __future__ import annotations
@@ -21,13 +25,15 @@ import json
 from typing import Any
 
 from xeonsd.openvino.manifest import StaticShape
-from xeonsd.serve.requests import RequestError
+from xeonsd.serve.requests import Limits, RequestError
 
 MAX_PIXELS = 4096 * 4096  # OVMS's default max_resolution; Pillow's own bomb limit is 89 M pixels
 FORMATS = ("PNG", "JPEG")
 INTEGERS = ("n", "num_images_per_prompt", "num_inference_steps", "rng_seed", "height", "width")
 NUMBERS = ("strength", "guidance_scale")
-FILES = ("image", "mask")
+IMAGES = ("image", "image[]")  # image[]: OpenAI's multi-image edits field, one part per image
+FILES = (*IMAGES, "mask")
+MAX_FILES = 8  # a mask and more reference images than any family takes, so that the count is refused by name
 MAX_FIELDS = 32
 
 
@@ -114,10 +120,9 @@ def _scalar(key: str, text: str) -> Any:
     return text
 
 
-async def parse_form(request: Any, shape: StaticShape) -> dict[str, Any]:
-    """The multipart body of ``request`` as the fields :func:`validate` takes (``image``/``mask`` as arrays)."""
-    from starlette.datastructures import UploadFile
-
+async def parse_form(request: Any, limits: Limits) -> dict[str, Any]:
+    """The multipart body of ``request`` as the fields :func:`validate` takes (``image``/``mask`` as arrays; an edit
+    family's references as a list of arrays in ``image``)."""
     kind = request.headers.get("content-type", "")
     if not kind.startswith("multipart/form-data"):
         raise RequestError(
@@ -125,27 +130,52 @@ async def parse_form(request: Any, shape: StaticShape) -> dict[str, Any]:
             None,
         )
     try:
-        form = await request.form(max_files=len(FILES), max_fields=MAX_FIELDS)
+        form = await request.form(max_files=MAX_FILES, max_fields=MAX_FIELDS)
     except Exception as exc:  # starlette's MultiPartException, a malformed body  # noqa: BLE001
         raise RequestError(f"the multipart body cannot be read: {exc}", None) from None
     try:
-        body: dict[str, Any] = {}
-        files: dict[str, bytes] = {}
-        for key, value in form.multi_items():
-            if key in body or key in files:
-                raise RequestError(f"{key} is given twice; give it once", key)
-            if isinstance(value, UploadFile):
-                if key not in FILES:
-                    raise RequestError(f"{key} is a file; only image and mask may be", key)
-                files[key] = await value.read()
-            elif key in FILES:
-                raise RequestError(f"{key} must be a file (multipart filename=...), not a text field", key)
-            else:
-                body[key] = _scalar(key, value)
+        body, files, images = await _read_form(form)
     finally:
         await form.close()
-    if "image" in files:
-        body["image"] = image_array(files["image"], shape)
+    shape = limits.shape
+    if limits.references:
+        if images:
+            body["image"] = [_rgb(read_image(data, key), key) for key, data in images]
+        if "mask" in files:
+            body["mask"] = files["mask"]  # refused by validate, naming what the family takes
+        return body
+    if len(images) > 1:
+        raise RequestError(
+            f"{limits.family} takes one image to edit (image2image, or inpainting with a mask), not {len(images)}: "
+            "it takes no reference images",
+            images[1][0],
+        )
+    if images:
+        body["image"] = image_array(images[0][1], shape)
     if "mask" in files:
         body["mask"] = mask_array(files["mask"], (shape.width, shape.height))
     return body
+
+
+async def _read_form(form: Any) -> tuple[dict[str, Any], dict[str, bytes], list[tuple[str, bytes]]]:
+    """The text fields (parsed), the mask, and the image parts in order as (field, bytes)."""
+    from starlette.datastructures import UploadFile
+
+    body: dict[str, Any] = {}
+    files: dict[str, bytes] = {}
+    images: list[tuple[str, bytes]] = []
+    for key, value in form.multi_items():
+        if key in IMAGES and isinstance(value, UploadFile):
+            images.append((key, await value.read()))
+            continue
+        if key in body or key in files:
+            raise RequestError(f"{key} is given twice; give it once", key)
+        if isinstance(value, UploadFile):
+            if key not in FILES:
+                raise RequestError(f"{key} is a file; only image, image[] and mask may be", key)
+            files[key] = await value.read()
+        elif key in FILES:
+            raise RequestError(f"{key} must be a file (multipart filename=...), not a text field", key)
+        else:
+            body[key] = _scalar(key, value)
+    return body, files, images

@@ -34,6 +34,7 @@ COMPILED = ("unet", "text_encoder", "text_encoder_2", "vae_decoder")  # what a w
 # room for the form's other fields and a noisy image's PNG overhead: twice that.
 MAX_BODY_BYTES = 16 * 1024 * 1024
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+SERVE_ENGINES = ("auto", "genai", "torch")  # --engine: xeonsd.serve.genai_pool, xeonsd.serve.torch_pool
 
 
 class ServeError(ValueError):
@@ -85,7 +86,23 @@ def parse_workers(text: str) -> int | str:
 class ServeOptions:
     """What ``xeonsd serve`` serves and how; each field is its flag (:mod:`xeonsd.flags`, dashed names)."""
 
-    export_dir: Path = flag("directory written by `xeonsd export`", positional=True)
+    export_dir: Path = flag(
+        "directory written by `xeonsd export`, or for --engine torch a diffusers pipeline directory (the base model, "
+        "or a full fine-tune's output)",
+        positional=True,
+    )
+    engine: str = flag(
+        "auto: an export on genai, a pipeline directory of a family OpenVINO cannot export (FLUX.1 Kontext, "
+        "Qwen-Image-Edit, Krea 2) on torch; genai: OpenVINO GenAI over an export; torch: the family's diffusers "
+        "pipeline, any family (docs/serving.md, Engines)",
+        default="auto",
+        choices=SERVE_ENGINES,
+    )
+    size: str | None = flag(
+        "--engine torch: the images' WxH (default: the model's own resolution); an export's size is its static shape",
+        default=None,
+        metavar="WxH",
+    )
     adapters: tuple[AdapterSpec, ...] = flag(
         "register a LoRA file under NAME (a request's model picks it; repeat for several; ALPHA default 1.0)",
         default=(),
@@ -150,7 +167,7 @@ class ServeOptions:
     port: int = flag("port (default 8000; 0: any free port)", default=8000)
     workers: int | str = flag(
         "pipelines generating at once, each on its share of the cores (auto: one per core, as many as "
-        "the memory holds; docs/serving.md)",
+        "the memory holds; --engine torch: one, on every core; docs/serving.md)",
         default="auto",
         metavar="N|auto",
         convert=parse_workers,
@@ -198,6 +215,8 @@ class ServedModel:
     max_sequence_length: int | None = None  # the text encoder's prompt length (the manifest's; CLIP-only: None)
     blends: tuple[tuple[tuple[str, float], ...], ...] = ()  # --blend's keys (contracts.blend_syntax.blend_key)
     overlay: Path | None = None  # --embeds: the export with the concept added (xeonsd.openvino.overlay)
+    engine: str = "genai"  # the pool that serves it: genai (an export) or torch (a diffusers pipeline directory)
+    concepts: dict[str, Any] | None = None  # torch: --embeds' concept per text encoder, added at load
 
     @property
     def model_names(self) -> list[str]:
@@ -207,6 +226,17 @@ class ServedModel:
     def models_dir(self) -> Path:
         """What every worker compiles: the overlay holding ``--embeds``' concept, else the export."""
         return self.overlay or self.export_dir
+
+    @property
+    def references(self) -> int:
+        """The reference images an edit takes: the torch engine runs an edit family's instruction edits
+        (``FamilySpec.reference_images``); 0: its edits are image-to-image and inpainting (:attr:`edits`)."""
+        return self.family.reference_images if self.engine == "torch" else 0
+
+    @property
+    def edits(self) -> tuple[str, ...]:
+        """The image-to-image and inpainting edits served: GenAI's for the family; none on the torch engine."""
+        return self.family.genai_edits if self.engine == "genai" else ()
 
     @property
     def guidance_scale(self) -> float:

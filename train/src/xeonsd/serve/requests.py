@@ -19,7 +19,11 @@ any order of its parts (:func:`blend_key`); any other is refused, naming the dec
 
 Edits (``POST /v3/images/edits``, :mod:`xeonsd.serve.edits`) take the same fields plus ``image``, ``mask`` and
 ``strength`` (0 < strength <= 1, at least one of the steps run; absent: GenAI's default, 0.8 for
-image-to-image, 1 for inpainting); ``size`` there is the image's.
+image-to-image, 1 for inpainting); ``size`` there is the image's. On the torch engine an edit family
+(``FamilySpec.reference_images``: Qwen-Image-Edit-2511 1 to 3, FLUX.1 Kontext and FLUX.2 [klein] 1) edits by
+instruction instead: ``image`` or OpenAI's ``image[]`` (repeated parts) are its reference images, the prompt is the
+instruction, and neither ``mask`` nor ``strength`` is taken; a family that needs a reference
+(``FamilySpec.reference_required``) makes no images from text alone.
 """
 
 from __future__ import annotations
@@ -116,6 +120,9 @@ class Limits:
     edits: tuple[str, ...] = ()  # the edits the family's GenAI pipelines run (FamilySpec.genai_edits)
     fused_only: bool = False  # the family takes no GenAI adapters: its LoRA is fused into the export
     blends: tuple[Chosen, ...] = ()  # the --blend keys (blend_key), compiled at start-up
+    references: int = 0  # the reference images an edit takes (torch engine, edit family); 0: img2img/inpainting
+    reference_required: bool = False  # the family makes no image without a reference (Qwen-Image-Edit-2511)
+    engine: str = "OpenVINO GenAI 2026.4.1"  # what runs the requests, for the errors
 
 
 @dataclass(frozen=True)
@@ -130,11 +137,15 @@ class ImageRequest:
     adapters: Chosen = ()  # the adapters applied with their weights (blend_key); (): the base model
     image: Any = None  # an edit's image: uint8 [height, width, 3]
     mask: Any = None  # an inpainting's mask: uint8 [height, width, 3], white where the image is repainted
-    strength: float | None = None  # an edit's strength (None: a generation)
+    strength: float | None = None  # an edit's strength (None: a generation, or an edit by references)
+    references: tuple[Any, ...] = ()  # an edit family's reference images: uint8 [h, w, 3] each, any size
 
     @property
     def kind(self) -> str:
-        """``generation``, ``image2image`` or ``inpainting``: the pipeline that runs the request."""
+        """``generation``, ``image2image``, ``inpainting`` or ``reference`` (an edit family's instruction edit): the
+        pipeline that runs the request."""
+        if self.references:
+            return "reference"
         if self.image is None:
             return "generation"
         return "image2image" if self.mask is None else "inpainting"
@@ -233,7 +244,15 @@ def validate(body: dict[str, Any], limits: Limits, edit: bool = False) -> ImageR
             f"guidance_scale {guidance} is out of range: above 1 (the export runs classifier-free guidance) up to 50",
             "guidance_scale",
         )
+    if not edit and limits.reference_required:
+        raise RequestError(
+            f"{limits.family} edits reference images and makes no image from text alone: POST /v1/images/edits with "
+            f"1 to {limits.references} image[] part(s) and the instruction as the prompt",
+            None,
+            code="unsupported",
+        )
     strength = None if not edit else _edit_checks(body, limits, int(steps))  # type: ignore[arg-type]
+    references = tuple(body["image"]) if edit and limits.references else ()
     return ImageRequest(
         prompt=prompt,
         model=str(model),
@@ -243,9 +262,10 @@ def validate(body: dict[str, Any], limits: Limits, edit: bool = False) -> ImageR
         guidance_scale=float(guidance),
         negative_prompt=_text(body, "negative_prompt"),
         adapters=adapters,
-        image=body.get("image") if edit else None,
-        mask=body.get("mask") if edit else None,
+        image=body.get("image") if edit and not references else None,
+        mask=body.get("mask") if edit and not references else None,
         strength=strength,
+        references=references,
     )
 
 
@@ -308,15 +328,19 @@ def _override(chosen: dict[str, float], overrides: Any, model: str) -> None:
         chosen[name] = checked_weight(weight, f"lora_alphas {name!r}", "lora_alphas")
 
 
-def _edit_checks(body: dict[str, Any], limits: Limits, steps: int) -> float:
-    """An edit's family support and ``strength``."""
+def _edit_checks(body: dict[str, Any], limits: Limits, steps: int) -> float | None:
+    """An edit's family support and ``strength`` (None: an edit by reference images, :func:`_reference_checks`)."""
     kind, param = ("inpainting", "mask") if body.get("mask") is not None else ("image2image", "image")
     if body.get("image") is None:
-        raise RequestError("image is required: the PNG or JPEG to edit", "image")
+        what = f"1 to {limits.references} reference image(s) (image[])" if limits.references else "the PNG or JPEG"
+        raise RequestError(f"image is required: {what} to edit", "image")
+    if limits.references:
+        _reference_checks(body, limits)
+        return None
     if kind not in limits.edits:
-        runs = f"only {' and '.join(limits.edits)}" if limits.edits else "no edits"
+        runs = f"only {' and '.join(limits.edits)}" if limits.edits else "no edits: it takes a prompt only"
         raise RequestError(
-            f"{limits.family} has no {kind} in OpenVINO GenAI 2026.4.1 (it runs {runs})", param, code="unsupported"
+            f"{limits.family} has no {kind} in {limits.engine} (it runs {runs})", param, code="unsupported"
         )
     strength = body.get("strength", DEFAULT_STRENGTH[kind])
     if isinstance(strength, bool) or not isinstance(strength, int | float) or not math.isfinite(strength):
@@ -330,3 +354,15 @@ def _edit_checks(body: dict[str, Any], limits: Limits, steps: int) -> float:
             "strength",
         )
     return float(strength)
+
+
+def _reference_checks(body: dict[str, Any], limits: Limits) -> None:
+    """An edit family's request: 1 to ``limits.references`` reference images, no mask, no strength."""
+    takes = f"{limits.family} edits by instruction from 1 to {limits.references} reference image(s) (image[])"
+    if body.get("mask") is not None:
+        raise RequestError(f"{takes} and takes no mask; drop the mask", "mask", code="unsupported")
+    if body.get("strength") is not None:
+        raise RequestError(f"{takes} and takes no strength; drop it", "strength", code="unsupported")
+    given = len(body["image"])
+    if given > limits.references:
+        raise RequestError(f"{takes}; this request gives {given}", "image[]")

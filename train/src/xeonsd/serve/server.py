@@ -1,8 +1,9 @@
 """``xeonsd serve``'s process: check everything, listen, compile in the background, serve, stop cleanly.
 
 Order: the options, the export and every adapter are checked (a bad one is a one-line error and exit 2, before
-anything is compiled); uvicorn binds the address and logs ``listening on http://HOST:PORT``; the pool compiles its
-workers (``/v2/health/ready`` answers 503 meanwhile); then one line ``serving on http://HOST:PORT`` goes to stdout.
+anything is compiled); the engine's pool is chosen (:func:`open_pool`); uvicorn binds the address and logs
+``listening on http://HOST:PORT``; the pool compiles (or, torch, loads) its workers (``/v2/health/ready`` answers
+503 meanwhile); then one line ``serving on http://HOST:PORT`` goes to stdout.
 SIGTERM or SIGINT cancel the requests in flight through the step callback (each is answered 503), uvicorn closes
 the connections, the workers' threads end, and the process exits 0. With ``--drain S`` a SIGTERM first drains: the
 server reports not ready (a balancer's health check takes it out of rotation) and answers every request for S
@@ -25,7 +26,15 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from xeonsd.serve.options import ServeError, ServeOptions, compiled_copies, cpu_count, resolve_workers
+from xeonsd.serve.options import (
+    ServedModel,
+    ServeError,
+    ServeOptions,
+    compiled_copies,
+    cpu_count,
+    resolve_workers,
+)
+from xeonsd.serve.pool import WorkerPool
 from xeonsd.serve.prepare import prepare
 
 log = logging.getLogger(__name__)
@@ -111,13 +120,31 @@ def bound_address(server: Any, host: str) -> str:
     return f"http://{host}:{server.config.port}"
 
 
+def open_pool(served: ServedModel, opts: ServeOptions, metrics: Any, cores: int) -> WorkerPool:
+    """The served model's engine's pool (:mod:`xeonsd.serve.pool`): the torch engine runs one worker on every core;
+    GenAI ``--workers`` workers, each on its share."""
+    if served.engine == "torch":
+        from xeonsd.serve.torch_pool import TorchPool
+
+        if opts.workers not in ("auto", 1):
+            raise ServeError(
+                f"--workers {opts.workers}: the torch engine runs one request at a time on all {cores} core(s) "
+                "(PyTorch's operators use every thread); give --workers 1 or auto"
+            )
+        return TorchPool(served, workers=1, threads=cores, queue=opts.queue, metrics=metrics, precision=opts.precision)
+    from xeonsd.serve.genai_pool import PipelinePool
+
+    workers = resolve_workers(opts.workers, cores, Path(opts.export_dir), compiled_copies(served))
+    threads = max(1, cores // workers)
+    return PipelinePool(served, workers, threads, opts.queue, metrics, precision=opts.precision)
+
+
 def serve(opts: ServeOptions, console: TextIO | None = None) -> int:
     import uvicorn
 
     from xeonsd.serve.app import create_app
     from xeonsd.serve.limits import header_deadline
     from xeonsd.serve.metrics import Metrics
-    from xeonsd.serve.pool import PipelinePool
 
     console = console or sys.stdout
     _access_logging()
@@ -125,12 +152,9 @@ def serve(opts: ServeOptions, console: TextIO | None = None) -> int:
     cores = cpu_count()
     with tempfile.TemporaryDirectory(prefix="xeonsd-serve-") as workdir:
         served = prepare(opts, Path(workdir))
-        workers = resolve_workers(opts.workers, cores, Path(opts.export_dir), compiled_copies(served))
-        threads = max(1, cores // workers)
         metrics = Metrics()
-        pool = PipelinePool(
-            served, workers=workers, threads=threads, queue=opts.queue, metrics=metrics, precision=opts.precision
-        )
+        pool = open_pool(served, opts, metrics, cores)
+        workers, threads = pool.workers, pool.threads
         state: dict[str, Any] = {"rc": 0}
 
         def on_ready() -> None:

@@ -56,6 +56,16 @@ def load_pipeline(src: str | Path, family: Any, dtype: Any) -> Any:
     return pipe
 
 
+def add_concepts(pipe: Any, family: Any, concepts: dict[str, Any]) -> list[str]:
+    """A textual-inversion concept (per text encoder, :func:`~xeonsd.modelfiles.concept_file.load_concepts`) added
+    to the pipeline's tokenizer(s) and text encoder(s); returns its tokens."""
+    from xeonsd.modelfiles.concept_file import add_to_torch
+
+    for encoder, tokenizer in family.text_side:
+        add_to_torch(getattr(pipe, tokenizer), getattr(pipe, encoder), concepts[encoder])
+    return list(concepts["text_encoder"].tokens)
+
+
 def fit_area(image: Any, area: int, multiple: int) -> Any:
     """``image`` resized to about ``area`` pixels at its aspect, each side a multiple of ``multiple``."""
     w, h = image.size
@@ -104,12 +114,10 @@ class TorchEngine(Engine):
         t0 = time.perf_counter()
         pipe = load_pipeline(self.ov_dir, self.family, self.dtype)
         if self.opts.embeds is not None:
-            from xeonsd.modelfiles.concept_file import add_to_torch, load_concepts
+            from xeonsd.modelfiles.concept_file import load_concepts
 
             concepts = load_concepts(self.opts.embeds, self.opts.token, self.family)
-            for encoder, tokenizer in self.family.text_side:
-                add_to_torch(getattr(pipe, tokenizer), getattr(pipe, encoder), concepts[encoder])
-            self.concept_tokens = [*self.concept_tokens, *concepts["text_encoder"].tokens]
+            self.concept_tokens = [*self.concept_tokens, *add_concepts(pipe, self.family, concepts)]
         if self.opts.loras:
             names = []
             for i, (path, _alpha) in enumerate(self.opts.loras):

@@ -7,8 +7,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from xeonsd.contracts.method_names import PRIOR_NEEDS_WEIGHTS
 from xeonsd.flags import add_flags, from_args
-from xeonsd.trainer.config import FULL, LORA, PRIOR_NEEDS_WEIGHTS, TI, ConfigError, TrainConfig
+from xeonsd.trainer.config import FULL, LORA, TI, ConfigError, TrainConfig
 
 # --help's groups: the flags of every method, then each method's own (a field's ``methods``)
 GROUPS = (

@@ -13,7 +13,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from xeonsd.contracts.method_names import METHODS
+from xeonsd.contracts.method_names import ADAPTERS, METHODS
 from xeonsd.contracts.straggler_rule import STRAGGLER_RATIO
 from xeonsd.flags import flag
 
@@ -148,8 +148,15 @@ class TrainConfig:
         needs="with_prior_preservation",
         default=None,
     )
-    rank: int = _flag("LoRA rank (the adapters' inner dimension)", methods=(LORA,), default=4)
-    lora_alpha: float | None = _flag("LoRA alpha (scale alpha/rank; default: --rank)", methods=(LORA,), default=None)
+    adapter: str = _flag(
+        "lora, dora (+ a magnitude per output), lokr (Kronecker), loha (Hadamard product); lokr and loha save peft's "
+        "layout: adapter_model.safetensors + adapter_config.json (trainer/methods/adapters.py)",
+        methods=(LORA,),
+        default="lora",
+        choices=ADAPTERS,
+    )
+    rank: int = _flag("LoRA/DoRA's inner dim, LoHa's of both products, LoKr's of w2", methods=(LORA,), default=4)
+    lora_alpha: float | None = _flag("adapter alpha (scale alpha/rank; default: --rank)", methods=(LORA,), default=None)
     lora_target_modules: str | None = _flag(
         "comma-separated names of the linear layers that get adapters (default: the attention projections, "
         "to_q,to_k,to_v,to_out.0; FLUX.1 and SD3 also their context stream's add_q_proj,add_k_proj,add_v_proj,"
@@ -388,10 +395,3 @@ class TrainConfig:
     @property
     def output_path(self) -> Path:
         return Path(self.output_dir)
-
-
-# Why --with_prior_preservation is refused with textual inversion (the config's check and the prior's say it alike).
-PRIOR_NEEDS_WEIGHTS = (
-    "--with_prior_preservation works with --method lora or full: textual inversion trains only the concept's "
-    "new token vectors and leaves every weight of the model as it was, so the class keeps its prior anyway"
-)

@@ -337,7 +337,7 @@ def check_no_earlier_run(cfg: TrainConfig) -> None:
     """Refuse an ``--output_dir`` that holds another run's results, metrics or checkpoints."""
     earlier = {"metrics.jsonl", "metrics.partial.jsonl"}
     for name in METHODS:
-        earlier.update(method_class(name).outputs)
+        earlier.update(method_class(name).outputs, getattr(method_class(name), "other_outputs", ()))
     found = [n for n in sorted(earlier) if (cfg.output_path / n).exists()]
     found += [p.name for _, p in ckpt.list_checkpoints(cfg.output_path)]
     if found:

@@ -29,8 +29,9 @@ from PIL import Image
 
 from xeonsd.cluster.distributed import all_reduce_sum_, barrier, collective
 from xeonsd.cluster.launch import RankInfo
+from xeonsd.contracts.method_names import PRIOR_NEEDS_WEIGHTS
 from xeonsd.fsutil import atomic_path
-from xeonsd.trainer.config import PRIOR_NEEDS_WEIGHTS, ConfigError, TrainConfig
+from xeonsd.trainer.config import ConfigError, TrainConfig
 from xeonsd.trainer.data import IMAGE_SUFFIXES, Example, SamplingPlan
 from xeonsd.trainer.methods import method_class
 from xeonsd.trainer.prompt_tables import PromptTable

@@ -47,6 +47,7 @@ def train_summary(job: Job, first_step_s: float | None = None, first_step_cpu_s:
         prior=prior_record(job),
         inference_model=cfg.inference_model,
         sample_references=[str(Path(p).resolve()) for p in job.training.models.sample_reference or ()],
+        cond_image_column=cfg.cond_image_column,
     )
 
 

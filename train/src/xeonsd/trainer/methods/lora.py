@@ -7,6 +7,7 @@ are fp32, and the adapters compute in the training dtype from those fp32 weights
 ``--save_format kohya`` the same file in the kohya layout AUTOMATIC1111, Forge and ComfyUI load (diffusers reads it
 too), through :mod:`xeonsd.modelfiles.lora_layout`. On SDXL ``--train_text_encoder`` puts adapters on both text encoders, saved
 as ``text_encoder.*`` and ``text_encoder_2.*`` (the layout ``StableDiffusionXLPipeline.load_lora_weights`` reads).
+``--adapter dora|lokr|loha`` trains another adapter type on the same layers (:mod:`.adapters`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from xeonsd.families import family_spec
 from xeonsd.modelfiles.lora_layout import convert
 from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError
+from xeonsd.trainer.methods.adapters import PEFT_FILES, adapter_config, check_adapter, in_peft_layout, save_peft_layout
 from xeonsd.trainer.methods.base import Method, PlainText
 from xeonsd.trainer.pipelines import pipeline_class
 from xeonsd.trainer.prompt_tables import check_prompt_source
@@ -44,19 +46,6 @@ def target_modules(cfg, family: Family | None = None) -> list[str]:
     return [m.strip() for m in cfg.lora_target_modules.split(",") if m.strip()]
 
 
-def _lora_config(rank: int, alpha: float, targets: list[str], fused: bool = True):
-    """peft's config; ``fused``: the adapted linears are :class:`.lora_layer.FusedLoraLinear` (peft's layer with
-    the forward in the compute dtype; same parameters and files), else peft's own."""
-    from peft import LoraConfig
-
-    config = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets)
-    if fused:
-        from xeonsd.trainer.methods.lora_layer import FusedLoraLinear
-
-        config._register_custom_module({torch.nn.Linear: FusedLoraLinear})  # peft's (experimental) custom layers
-    return config
-
-
 def _alpha(cfg) -> float:
     """``--lora_alpha``, by default ``--rank`` (a scale of 1)."""
     return cfg.lora_alpha if cfg.lora_alpha is not None else cfg.rank
@@ -64,7 +53,7 @@ def _alpha(cfg) -> float:
 
 def unet_lora_config(cfg, family: Family | None = None):
     """The denoiser adapters' peft config for this run (the trainer and the memory estimate use the same one)."""
-    return _lora_config(cfg.rank, _alpha(cfg), target_modules(cfg, family), cfg.fused_lora)
+    return adapter_config(cfg.adapter, cfg.rank, _alpha(cfg), target_modules(cfg, family), cfg.fused_lora)
 
 
 def _adapters_in_fp32(modules) -> list[torch.nn.Parameter]:
@@ -79,6 +68,7 @@ def _adapters_in_fp32(modules) -> list[torch.nn.Parameter]:
 class LoRA(Method):
     name = "lora"
     outputs = (LORA_FILE,)
+    other_outputs = PEFT_FILES  # --adapter lokr|loha: peft's layout (the instance's outputs)
 
     @classmethod
     def check(cls, cfg, captions: Captions | None) -> None:
@@ -90,6 +80,7 @@ class LoRA(Method):
             raise ConfigError("--lora_target_modules names no module")
         if importlib.util.find_spec("peft") is None:
             raise ConfigError("--method lora needs the peft package (pip install -r requirements.txt)")
+        check_adapter(cfg)
         check_prompt_source(cls.name, cfg, cls.uses_captions(cfg, captions))
 
     @classmethod
@@ -106,6 +97,7 @@ class LoRA(Method):
     def __init__(self, cfg, models) -> None:
         super().__init__(cfg, models)
         self.alpha = _alpha(cfg)
+        self.outputs = PEFT_FILES if in_peft_layout(cfg.adapter) else (LORA_FILE,)
         try:
             models.unet.add_adapter(unet_lora_config(cfg, models.family))
         except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
@@ -113,7 +105,8 @@ class LoRA(Method):
         encoders = list(self._encoders().values())  # SDXL, SD3: both CLIPs; never T5
         if cfg.train_text_encoder:
             for encoder in encoders:
-                encoder.add_adapter(_lora_config(cfg.rank, self.alpha, list(TEXT_ENCODER_TARGETS), cfg.fused_lora))
+                config = adapter_config("lora", cfg.rank, self.alpha, list(TEXT_ENCODER_TARGETS), cfg.fused_lora)
+                encoder.add_adapter(config)
         if cfg.gradient_checkpointing:
             models.unet.enable_gradient_checkpointing()
         self.params = _adapters_in_fp32([models.unet, *encoders])
@@ -169,6 +162,7 @@ class LoRA(Method):
     def _settings(self) -> dict:
         """What the adapters are: a checkpoint of other adapters is refused."""
         return {
+            "adapter": self.cfg.adapter,
             "rank": self.cfg.rank,
             "alpha": self.alpha,
             "targets": target_modules(self.cfg, self.models.family),
@@ -180,7 +174,7 @@ class LoRA(Method):
 
     def load_state(self, state: dict, where: str) -> None:
         mine = self._settings()
-        theirs = {k: state.get(k) for k in mine}
+        theirs = {k: state.get(k, "lora" if k == "adapter" else None) for k in mine}  # before --adapter: lora
         if theirs != mine:
             diff = ", ".join(f"{k} {theirs[k]} (now {mine[k]})" for k in mine if theirs[k] != mine[k])
             raise CheckpointError(f"checkpoint {where} holds other adapters: {diff}")
@@ -189,6 +183,9 @@ class LoRA(Method):
                 p.copy_(saved)
 
     def save(self, out: Path) -> None:
+        if in_peft_layout(self.cfg.adapter):  # diffusers' loaders do not read peft's LoKr/LoHa weights
+            save_peft_layout(self.models.unet, out)
+            return
         # save_lora_weights writes into a directory: write it beside the result, then move the file in.
         with tempfile.TemporaryDirectory(prefix=".lora.tmp-", dir=out) as tmp:
             pipeline_class(self.models.family).save_lora_weights(
@@ -201,4 +198,4 @@ class LoRA(Method):
                 os.replace(Path(tmp) / LORA_FILE, out / LORA_FILE)
 
     def summary(self) -> dict:
-        return {**super().summary(), "lora_rank": self.cfg.rank, "lora_alpha": self.alpha}
+        return {**super().summary(), "adapter": self.cfg.adapter, "lora_rank": self.cfg.rank, "lora_alpha": self.alpha}
