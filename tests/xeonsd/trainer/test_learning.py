@@ -20,6 +20,7 @@ the trained distance below the base's.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -180,3 +181,26 @@ def test_the_concept_is_learned_with_prior_preservation(method, models, concept,
     )
     before, after, cosine = closer_than_base(models["tiny"], concept, method, out)
     assert_learned(f"tiny {method} prior preservation", method, before, after, cosine)
+
+
+INT8_STEPS = 15  # the dtype run's length: its losses are the int8 run's first steps' (same seed, same draws)
+INT8_LOSS_TOLERANCE = 0.02  # relative, per step (measured at most 0.010)
+
+
+def _losses(run: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [row["loss"] for row in rows if "loss" in row]
+
+
+def test_lora_on_int8_frozen_layers_learns_along_the_dtype_run(models, concept, tmp_path, cli_env):
+    """--base_precision int8: the concept is learned, and each loss of the first INT8_STEPS steps is the training
+    dtype's to INT8_LOSS_TOLERANCE."""
+    out = train_concept(models["tiny"], concept, tmp_path / "int8", "lora", cli_env, "--base_precision=int8")
+    before, after, cosine = closer_than_base(models["tiny"], concept, "lora", out)
+    assert_learned("tiny lora --base_precision int8", "lora", before, after, cosine)
+    ref = train_concept(models["tiny"], concept, tmp_path / "dtype", "lora", cli_env, f"--max_train_steps={INT8_STEPS}")
+    theirs, ours = _losses(ref), _losses(out)[:INT8_STEPS]
+    gaps = [abs(a - b) / b for a, b in zip(ours, theirs, strict=True)]
+    print(f"int8 against dtype losses, largest relative gap {max(gaps):.4f}")
+    assert len(theirs) == INT8_STEPS and max(gaps) <= INT8_LOSS_TOLERANCE, (ours, theirs)
+    assert ours != theirs  # the layers were int8: not the same arithmetic
