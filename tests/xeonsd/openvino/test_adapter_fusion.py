@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 from cli_runs import method_args
-from ov_assets import BATCH, SIZE, STEPS, _export, as_array
+from ov_assets import BATCH, SIZE, STEPS, _export, as_array, torch_images
 
 from xeonsd import cli
 from xeonsd.openvino.generate import GenerateOptions, generate
@@ -93,19 +93,7 @@ def _torch_pipeline(tiny_model: Path, kind: str, run: Path):
 
 @pytest.fixture(scope="module")
 def references(tiny_model: Path, runs: dict[str, Path]) -> dict[str, np.ndarray]:
-    return {kind: _torch_images(_torch_pipeline(tiny_model, kind, run)) for kind, run in runs.items()}
-
-
-def _torch_images(pipe) -> np.ndarray:
-    out = pipe(
-        prompt=[PROMPT] * BATCH,
-        num_inference_steps=STEPS,
-        height=SIZE,
-        width=SIZE,
-        generator=torch.Generator().manual_seed(SEED),
-        output_type="np",
-    )
-    return np.round(out.images.astype(np.float64) * 255.0)
+    return {kind: torch_images(_torch_pipeline(tiny_model, kind, run), PROMPT, SEED) for kind, run in runs.items()}
 
 
 @pytest.mark.parametrize("kind", ["dora", "lokr"])
