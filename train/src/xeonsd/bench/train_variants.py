@@ -56,5 +56,7 @@ EXTRA_VARIANTS = (
     Variant("per-tensor AdamW", ("--no-fused_adamw",), "torch.optim.AdamW's default loop instead of the fused kernel"),
     Variant("torch.compile", ("--compile",), "torch.compile(UNet)"),
     Variant("sdpa attention", ("--attention=sdpa",), "torch's SDPA, no query blocks folded into the batch"),
-    Variant("int8 base", ("--base_precision=int8",), "frozen linears in int8 (AMX-INT8), adapters bf16", ("lora",)),
+    Variant(
+        "int8 base", ("--base_precision=int8",), "frozen linears in int8 (AMX-INT8), adapters bf16", methods=("lora",)
+    ),
 )
