@@ -112,26 +112,25 @@ def result_export(
       Qwen-Image-Edit, FLUX.2 [dev], Krea 2): no ``export``; ``xeonsd generate SOURCE`` (the base model, or the
       ``inference_model`` the run rendered its validation images on) runs the family's diffusers pipeline with
       ``generate_args`` ``--engine torch``, ``torch_args`` (the size and calls an export would have had:
-      xeonsd_generate_shape_args), the result's flag (a full fine-tune is ``source`` itself) and ``--image`` for
+      xeonsd_generate_shape_args), the result's flag (``--lora`` for every adapter type: the engine merges a LoKr or
+      LoHa; a full fine-tune is ``source`` itself) and ``--image`` for
       each reference image the run's validation images were edits of (train_summary.json's ``sample_references``);
     * a whole pipeline (full) is exported itself: ``own``, ``source`` the run;
-    * a LoRA of a family whose adapters GenAI does not apply (``FamilySpec.genai_adapters``: SD3, Z-Image) is fused
-      into an export of its own: ``own``, ``source`` the base model, ``args`` ``--lora FILE --lora-scale S``;
+    * a LoRA of a family whose adapters GenAI does not apply (``FamilySpec.genai_adapters``: SD3, Z-Image), and a
+      DoRA, LoKr or LoHa run of any family (``adapter`` in the summary; GenAI applies plain LoRA only), is fused into
+      an export of its own: ``own``, ``source`` the base model, ``args`` ``--lora FILE --lora-scale S`` (FILE a
+      LoKr/LoHa run's ``adapter_model.safetensors``, beside its config);
     * otherwise the result loads onto the base model's shared export at generation time: ``generate_args``
       ``--embeds FILE`` or ``--lora FILE:SCALE``.
     """
-    info = method(summary["method"])
-    if (kind := summary.get("adapter", "lora")) != "lora":  # --adapter: GenAI and xeonsd's exports apply B A only
-        raise TrainArgvError(
-            f"{run_dir}/train_summary.json: a {kind} adapter; xeonsd export and OpenVINO GenAI take plain LoRA only. "
-            "Fix: load it with diffusers/peft (docs/trainer.md#adapter-types), or train with finetune_adapter=lora"
-        )
+    kind = summary.get("adapter", "lora") if summary["method"] == "lora" else "lora"
+    info = method(summary["method"], kind)
     try:
         found = families.of_run(summary, run_dir)
     except families.FamilyError as e:
         raise TrainArgvError(str(e)) from None
     path = f"{run_dir}/{summary['result']['path']}"
-    flag = info["generate_flag"]
+    flag = info["generate_flag"] or ("--lora" if summary["method"] == "lora" else None)  # LoKr/LoHa: peft's file
     arg = f"{path}:{lora_scale}" if flag == "--lora" else path
     if not found.ov_pipeline_class:
         references = [a for ref in summary.get("sample_references") or () for a in ("--image", str(ref))]
@@ -160,14 +159,16 @@ def result_export(
             "generate_args": [],
             "why": "its own pipeline",
         }
-    if flag == "--lora" and not found.genai_adapters:
+    if flag == "--lora" and (kind != "lora" or not found.genai_adapters):
         return {
             "export": True,
             "own": True,
             "source": str(summary["base_model"]),
             "args": ["--lora", path, "--lora-scale", str(lora_scale)],
             "generate_args": [],
-            "why": f"the LoRA fused into the base model: GenAI applies no adapters to {found.label}",
+            "why": f"the LoRA fused into the base model: GenAI applies no adapters to {found.label}"
+            if kind == "lora"
+            else f"the {kind} adapter fused into the base model: GenAI applies plain LoRA only",
         }
     return {
         "export": True,

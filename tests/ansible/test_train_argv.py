@@ -204,7 +204,10 @@ def test_the_plugin_s_methods_and_results_are_the_package_s() -> None:
         xeonsd_train.method("dreambooth")
 
 
-def test_a_lokr_or_loha_run_fetches_peft_s_files_and_is_not_exported_as_lora() -> None:
+def test_a_lokr_or_loha_run_fetches_peft_s_files_and_every_other_type_is_fused_into_its_own_export() -> None:
+    """GenAI applies plain LoRA only: a DoRA, LoKr or LoHa run of a family with an OpenVINO export gets an export of
+    its own with the adapter fused in (--lora FILE --lora-scale S; a LoKr/LoHa's FILE is peft's weights, beside the
+    config); one without goes to the torch engine with --lora (which loads DoRA and merges LoKr/LoHa)."""
     from xeonsd.trainer.methods.adapters import PEFT_FILES
 
     assert xeonsd_train.method("lora", "dora")["files"] == ["pytorch_lora_weights.safetensors"]
@@ -213,9 +216,21 @@ def test_a_lokr_or_loha_run_fetches_peft_s_files_and_is_not_exported_as_lora() -
         assert (info["result"], info["files"], info["generate_flag"]) == (PEFT_FILES[0], list(PEFT_FILES), None)
     with pytest.raises(TrainArgvError, match="finetune_adapter 'oft': choose one of lora, lokr, loha, dora"):
         xeonsd_train.method("lora", "oft")
-    lokr = {"method": "lora", "adapter": "lokr", "base_model": "/m/b", "result": {"path": PEFT_FILES[0]}}
-    with pytest.raises(TrainArgvError, match="/r/train_summary.json: a lokr adapter; xeonsd export and OpenVINO"):
-        xeonsd_train.result_export(lokr, "/r")
+    for kind, result in (
+        ("dora", "pytorch_lora_weights.safetensors"),
+        ("lokr", PEFT_FILES[0]),
+        ("loha", PEFT_FILES[0]),
+    ):
+        run = {"method": "lora", "adapter": kind, "base_model": "/m/b", "result": {"path": result}}
+        for family in ("sd", "sdxl", "flux", "sd3"):
+            route = xeonsd_train.result_export({**run, "family": family}, "/r", "0.7")
+            assert (route["export"], route["own"], route["source"], route["generate_args"]) == (True, True, "/m/b", [])
+            assert route["args"] == ["--lora", f"/r/{result}", "--lora-scale", "0.7"]
+            assert f"the {kind} adapter fused into the base model" in route["why"]
+        shape = ["--batch-size", "1"]
+        route = xeonsd_train.result_export({**run, "family": "flux_kontext"}, "/r", 0.5, shape)
+        assert (route["export"], route["own"], route["args"]) == (False, False, [])
+        assert route["generate_args"] == ["--engine", "torch", *shape, "--lora", f"/r/{result}:0.5"]
 
 
 def test_a_run_s_result_reaches_its_images_by_its_method_and_family() -> None:

@@ -159,9 +159,22 @@ def test_a_family_without_an_openvino_export_is_served_on_torch_from_its_pipelin
 
 
 @pytest.mark.parametrize("kind", ["dora", "lokr", "loha"])
-def test_another_adapter_type_than_lora_is_refused_naming_why(kind) -> None:
+def test_another_adapter_type_than_lora_is_served_alone_as_its_fused_export(kind) -> None:
+    """GenAI applies plain LoRA only: a DoRA, LoKr or LoHa run is served from its own export (export.yml fused it
+    in) under the run's name, registers no adapter and refuses serve_adapters; as a serve_adapters entry it is
+    refused. On the PyTorch engine a DoRA is registered as LoRA is; a LoKr or LoHa cannot be switched per request."""
     other = {**LORA, "adapter": kind}
     with pytest.raises(ServePlanError, match=f"b \\(/r/k\\) is a {kind} run: GenAI applies plain LoRA per request"):
         plan({"dir": "/r/l", "summary": LORA}, "/h/base", [{"name": "b", "dir": "/r/k", "summary": other}])
-    with pytest.raises(ServePlanError, match=f"serve_run /r/k is a {kind} run: GenAI applies plain LoRA only"):
-        plan({"dir": "/r/k", "summary": other}, "/h/base")
+    p = plan({"dir": "/r/k", "summary": other}, "/r/k/openvino")
+    assert (p["export"], p["name"], p["adapters"], p["files"], p["engine"]) == ("/r/k/openvino", "k", [], [], "genai")
+    assert "--adapter" not in serve_argv(p, {})
+    with pytest.raises(ServePlanError, match=f"/r/k is a {kind} run: GenAI applies plain LoRA only, so its export"):
+        plan({"dir": "/r/k", "summary": other}, "/r/k/openvino", [{"name": "a", "dir": "/r/l", "summary": LORA}])
+    torch_run = {"dir": "/r/k", "summary": {**other, "base_model": "/m/q"}}
+    if kind == "dora":
+        p = plan(torch_run, "", torch_family="FLUX.1 Kontext")
+        assert p["engine"] == "torch" and [a["name"] for a in p["adapters"]] == ["k"]
+    else:
+        with pytest.raises(ServePlanError, match=f"{kind} run of FLUX.1 Kontext, which the PyTorch engine serves"):
+            plan(torch_run, "", torch_family="FLUX.1 Kontext")

@@ -153,3 +153,24 @@ def test_bench_train_refuses_depth_on_an_arch_without_blocks_to_cut(capsys):
         "--depth applies to --arch flux or flux2-klein or zimage or qwenimage or qwenimage-edit or krea2 or flux2-dev only, not to --model /nowhere"
         in capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize("method", ["lora", "full", "textual_inversion"])
+def test_extra_variants_are_the_method_s_own(method):
+    """``--extra`` adds the int8 frozen layers to LoRA only (a flag the other methods refuse), channels_last to the
+    UNet families only; each variant runs ``xeonsd train`` with its flags (no command of its own)."""
+    import argparse
+
+    from xeonsd.bench.train import _variants
+    from xeonsd.cpu import CpuInfo
+    from xeonsd.families import Family, by_name
+
+    args = argparse.Namespace(method=method, extra=True, only=None, reference_script=None)
+    cpu = CpuInfo("test", frozenset({"avx512_bf16", "avx512_vnni"}))
+    sd = {v.name: v for v in _variants(args, Family(by_name("sd"), 64, 8), cpu, "bf16")}
+    flux = {v.name for v in _variants(args, Family(by_name("flux"), 64, 16), cpu, "bf16")}
+    assert ("int8 base" in sd) == (method == "lora") and ("int8 base" in flux) == (method == "lora")
+    assert "channels_last" in sd and "channels_last" not in flux
+    assert all(not v.command for v in sd.values())
+    if method == "lora":
+        assert sd["int8 base"].flags == ("--base_precision=int8",)

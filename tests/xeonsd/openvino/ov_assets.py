@@ -99,6 +99,21 @@ def as_array(images: list) -> np.ndarray:
     return np.stack([np.asarray(img, dtype=np.float64) for img in images])
 
 
+def torch_images(pipe, prompt: str, seed: int) -> np.ndarray:
+    """A stock diffusers pipeline's BATCH images of ``prompt`` at SIZE, STEPS steps, seeded: uint8 levels as floats."""
+    import torch
+
+    out = pipe(
+        prompt=[prompt] * BATCH,
+        num_inference_steps=STEPS,
+        height=SIZE,
+        width=SIZE,
+        generator=torch.Generator().manual_seed(seed),
+        output_type="np",
+    )
+    return np.round(out.images.astype(np.float64) * 255.0)
+
+
 def linear_weight_types(ov_dir: Path) -> set[str]:
     """The element types of the constants behind the weights of the UNet's attention and feed-forward linear layers
     in the export ``ov_dir``: only float types when they are stored as exported, i8/u8 when compressed to int8."""

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from cli_runs import method_args, train
-from ov_assets import BATCH, SIZE, STEPS, as_array, peft_adapter
+from ov_assets import BATCH, SIZE, STEPS, as_array, peft_adapter, torch_images
 
 from xeonsd import cli
 from xeonsd.openvino import lora_files as loraformat
@@ -160,15 +159,7 @@ def _diffusers_images(tiny_model: Path, lora: Path) -> np.ndarray:
     pipe = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None, requires_safety_checker=False)
     pipe.set_progress_bar_config(disable=True)
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)
-    out = pipe(
-        prompt=[PROMPT] * BATCH,
-        num_inference_steps=STEPS,
-        height=SIZE,
-        width=SIZE,
-        generator=torch.Generator().manual_seed(SEED),
-        output_type="np",
-    )
-    return np.round(out.images.astype(np.float64) * 255.0)
+    return torch_images(pipe, PROMPT, SEED)
 
 
 def test_the_kohya_file_gives_the_diffusers_files_images_in_diffusers_and_genai(

@@ -20,6 +20,7 @@ the trained distance below the base's.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -180,3 +181,38 @@ def test_the_concept_is_learned_with_prior_preservation(method, models, concept,
     )
     before, after, cosine = closer_than_base(models["tiny"], concept, method, out)
     assert_learned(f"tiny {method} prior preservation", method, before, after, cosine)
+
+
+INT8_STEPS = 15
+INT8_LOSS_TOLERANCE = 0.02  # relative, per step (measured at most 0.010)
+INT8_ADAPTER_TOLERANCE = 0.25  # relative distance of the learned up weights (measured 0.12)
+
+
+def _losses(run: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [row["loss"] for row in rows if "loss" in row]
+
+
+def _up_weights(run: Path) -> torch.Tensor:
+    """The adapters' up (B) weights, which start at zero: all of them is what the run learned."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(run / "pytorch_lora_weights.safetensors"))
+    return torch.cat([weights[k].flatten().float() for k in sorted(weights) if ".lora.up." in k])
+
+
+def test_lora_on_int8_frozen_layers_learns_what_the_dtype_run_learns(models, concept, tmp_path, cli_env):
+    """--base_precision int8 against the training dtype, same seed and draws: each loss within INT8_LOSS_TOLERANCE,
+    and the adapters' up weights it learned (they start at zero) within INT8_ADAPTER_TOLERANCE of the dtype run's,
+    relative: the int8 run learns what the dtype run learns (whose learning the cases above prove)."""
+    runs = {}
+    for name, flags in {"dtype": [], "int8": ["--base_precision=int8"]}.items():
+        runs[name] = tmp_path / name
+        train_concept(models["tiny"], concept, runs[name], "lora", cli_env, f"--max_train_steps={INT8_STEPS}", *flags)
+    theirs, ours = _losses(runs["dtype"]), _losses(runs["int8"])
+    gaps = [abs(a - b) / b for a, b in zip(ours, theirs, strict=True)]
+    mine, reference = _up_weights(runs["int8"]), _up_weights(runs["dtype"])
+    apart = float((mine - reference).norm() / reference.norm())
+    print(f"int8 against dtype: largest loss gap {max(gaps):.4f}, adapters {apart:.4f} apart")
+    assert len(theirs) == INT8_STEPS and max(gaps) <= INT8_LOSS_TOLERANCE, (ours, theirs)
+    assert 0 < apart <= INT8_ADAPTER_TOLERANCE

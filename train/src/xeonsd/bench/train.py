@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--extra",
         action="store_true",
-        help="also try channels_last, the per-tensor AdamW, torch.compile and torch's SDPA unfolded (--attention sdpa)",
+        help="also try channels_last, the per-tensor AdamW, torch.compile, torch's SDPA unfolded (--attention sdpa) "
+        "and, for LoRA, the frozen linears in int8 (--base_precision int8)",
     )
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds: each variant runs once per round")
     p.add_argument("--peak-size", type=int, default=4096, help="largest matrix side of the matmul peak probes")
@@ -215,7 +216,12 @@ def _error(message: str) -> None:
 
 def _variants(args: argparse.Namespace, family, cpu, dtype: str) -> list[Variant] | None:
     """The variants this run measures (``--only``, ``--extra``, the CPU's bf16); None after printing an unknown name."""
-    extra = [v for v in EXTRA_VARIANTS if not (family.is_flow and v.name == "channels_last")] if args.extra else []
+    extra = [
+        v
+        for v in EXTRA_VARIANTS
+        if not (family.is_flow and v.name == "channels_last") and args.method in (v.methods or (args.method,))
+    ]
+    extra = extra if args.extra else []
     variants = list(variants_for(args.method, dtype)) + extra
     if args.reference_script is not None:
         variants.append(Variant(dx.VARIANT, (), f"diffusers' {args.reference_script.name}, unchanged"))

@@ -13,6 +13,7 @@ class Variant:
     what: str
     # The whole command when the variant is not ``xeonsd train`` (diffusers' example script); ``--output_dir`` is added.
     command: tuple[str, ...] = ()
+    methods: tuple[str, ...] = ()  # the methods it applies to (none: every method)
 
 
 def variants_for(method: str, dtype: str) -> tuple[Variant, ...]:
@@ -55,4 +56,7 @@ EXTRA_VARIANTS = (
     Variant("per-tensor AdamW", ("--no-fused_adamw",), "torch.optim.AdamW's default loop instead of the fused kernel"),
     Variant("torch.compile", ("--compile",), "torch.compile(UNet)"),
     Variant("sdpa attention", ("--attention=sdpa",), "torch's SDPA, no query blocks folded into the batch"),
+    Variant(
+        "int8 base", ("--base_precision=int8",), "frozen linears in int8 (AMX-INT8), adapters bf16", methods=("lora",)
+    ),
 )

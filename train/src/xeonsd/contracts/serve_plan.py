@@ -139,7 +139,8 @@ def _adapter(adapter: Mapping[str, Any], served: Mapping[str, Any], alpha: Any) 
     if (kind := summary.get("adapter", "lora")) != "lora":
         raise ServePlanError(
             f"serve_adapters: {name} ({adir}) is a {kind} run: GenAI applies plain LoRA per request, not {kind}. "
-            "Fix: name runs trained with finetune_adapter=lora."
+            f"Fix: name runs trained with finetune_adapter=lora, and serve the {kind} run on its own (-e "
+            f"serve_run={adir}: export.yml fused it into its own export)."
         )
     if summary.get("base_model_fingerprint", "") != served["summary"].get("base_model_fingerprint", ""):
         raise ServePlanError(
@@ -155,13 +156,21 @@ def _adapter(adapter: Mapping[str, Any], served: Mapping[str, Any], alpha: Any) 
     }
 
 
-def _check_plain_lora(summary: Mapping[str, Any], where: str) -> None:
-    """A served run of another adapter type than plain LoRA (``--adapter``) is refused: GenAI applies B A only."""
-    if summary.get("method") == "lora" and (kind := summary.get("adapter", "lora")) != "lora":
+def _fused_adapter(summary: Mapping[str, Any], where: str, torch_family: str) -> str:
+    """A LoRA run's adapter type where it is not plain LoRA (``--adapter`` dora, lokr, loha), else ''. GenAI applies
+    B A only, so export.yml fuses such a run into an export of its own, served alone; the PyTorch engine loads a
+    DoRA per request as diffusers does, and cannot switch peft's LoKr/LoHa (it merges them: export.yml's images)."""
+    kind = summary.get("adapter", "lora") if summary.get("method") == "lora" else "lora"
+    if kind == "lora" or (torch_family and kind == "dora"):
+        return ""
+    if torch_family:
         raise ServePlanError(
-            f"serve_run {where} is a {kind} run: GenAI applies plain LoRA only, and export.yml does not fuse {kind} "
-            "into an export yet. Fix: serve a run trained with finetune_adapter=lora."
+            f"serve_run {where} is a {kind} run of {torch_family}, which the PyTorch engine serves with its "
+            f"adapters switched per request by diffusers, which reads no {kind} (peft's layout); export.yml's images "
+            "have it merged (xeonsd generate --engine torch --lora). Fix: serve a run trained with "
+            "finetune_adapter=lora or dora."
         )
+    return kind
 
 
 def plan(
@@ -185,7 +194,9 @@ def plan(
     records) added at start-up (``xeonsd serve --embeds``): the base with the concept answers under the run's name,
     and serve_adapters' LoRA runs of the same base are registered beside it (each knows the concept too).
     ``fused_family``: the family's name where GenAI applies no adapters to it (SD3, Z-Image): a
-    LoRA run's export then has its adapter fused in (export.yml), and it is served alone, like a full fine-tune's.
+    LoRA run's export then has its adapter fused in (export.yml), and it is served alone, like a full fine-tune's;
+    so is a DoRA, LoKr or LoHa run's (``adapter`` in its summary) of every family GenAI serves: GenAI applies plain
+    LoRA only, and export.yml fused it.
     ``blends``: ``serve_blends``, checked against the registered adapters (:func:`blend_args`).
     ``torch_family``: the family's label where optimum-intel has no OpenVINO export for it (FLUX.1 Kontext,
     Qwen-Image-Edit-2511, Krea 2; ``FamilySpec.ov_pipeline_class`` empty): the run is served on the PyTorch engine
@@ -194,7 +205,7 @@ def plan(
     where = served["dir"]
     method = _method(served["summary"], where)
     export_dir = _served_dir(served, export_dir, method, torch_family)
-    _check_plain_lora(served["summary"], where)
+    fused_kind = _fused_adapter(served["summary"], where, torch_family)
     fingerprint = served["summary"].get("base_model_fingerprint", "")
     run_name = posixpath.basename(where.rstrip("/"))
     registered: list[dict[str, Any]] = []
@@ -202,7 +213,7 @@ def plan(
     if method == "textual_inversion":  # the concept on the base model's export; LoRA runs of that base beside it
         embeds = posixpath.join(where, served["summary"]["result"]["path"])
         token = next(iter(served["summary"].get("placeholder_tokens") or ()), None)
-    elif method == "lora" and not fused_family:
+    elif method == "lora" and not fused_family and not fused_kind:
         registered.append(
             {
                 "name": adapter_name(run_name, "serve_run's name"),
@@ -211,17 +222,8 @@ def plan(
                 "alpha": _alpha(alpha, "serve_run"),
             }
         )
-    elif adapters and method == "lora":
-        raise ServePlanError(
-            f"serve_run {where} is a {fused_family} LoRA run: GenAI applies no adapters to {fused_family}, so its "
-            "export has the run's adapter fused in and serves no others. Fix: serve_adapters={}, and serve each "
-            f"{fused_family} LoRA run on its own (-e serve_run=RUN)."
-        )
     elif adapters:
-        raise ServePlanError(
-            f"serve_run {where} is a full fine-tune (its own pipeline); serve_adapters' LoRA adapters were trained "
-            "on the base model. Fix: serve a LoRA run of that base (-e serve_run=RUN), or serve_adapters={}."
-        )
+        _refuse_adapters(where, method, fused_family, fused_kind)
     for adapter in adapters:
         if adapter["name"] in (r["name"] for r in registered) or (embeds and adapter["name"] == run_name):
             raise ServePlanError(
@@ -241,6 +243,26 @@ def plan(
         "blends": blend_args(blends, registered),
         "files": sorted({r["path"] for r in registered} | ({embeds} if embeds else set())),
     }
+
+
+def _refuse_adapters(where: str, method: str, fused_family: str, fused_kind: str) -> None:
+    """serve_adapters beside a run served alone from its own export: a fused LoRA's, a full fine-tune's."""
+    if fused_kind:
+        raise ServePlanError(
+            f"serve_run {where} is a {fused_kind} run: GenAI applies plain LoRA only, so its export has the run's "
+            f"{fused_kind} adapter fused in and serves no others. Fix: serve_adapters={{}}, and serve each "
+            f"{fused_kind} run on its own (-e serve_run=RUN)."
+        )
+    if method == "lora":
+        raise ServePlanError(
+            f"serve_run {where} is a {fused_family} LoRA run: GenAI applies no adapters to {fused_family}, so its "
+            "export has the run's adapter fused in and serves no others. Fix: serve_adapters={}, and serve each "
+            f"{fused_family} LoRA run on its own (-e serve_run=RUN)."
+        )
+    raise ServePlanError(
+        f"serve_run {where} is a full fine-tune (its own pipeline); serve_adapters' LoRA adapters were trained "
+        "on the base model. Fix: serve a LoRA run of that base (-e serve_run=RUN), or serve_adapters={}."
+    )
 
 
 def _served_dir(served: Mapping[str, Any], export_dir: str, method: str, torch_family: str) -> str:

@@ -119,11 +119,12 @@ def _load(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
 
 
 # The key parts of the adapter types that are not plain LoRA (peft's names, kohya's DoRA name): named when refused.
-_OTHER_ADAPTERS = (("lora_magnitude_vector", "DoRA"), ("dora_scale", "DoRA"), ("lokr_", "LoKr"), ("hada_", "LoHa"))
+OTHER_ADAPTERS = (("lora_magnitude_vector", "DoRA"), ("dora_scale", "DoRA"), ("lokr_", "LoKr"), ("hada_", "LoHa"))
 
 
-def read_adapter(path: Path) -> dict[str, LoraModule]:
-    """The adapter's modules by kohya name, from a file in the diffusers/peft or the kohya layout."""
+def read_adapter(path: Path, dora: bool = False) -> dict[str, LoraModule]:
+    """The adapter's modules by kohya name, from a file in the diffusers/peft or the kohya layout; DoRA, LoKr and LoHa
+    are refused by name, but with ``dora`` DoRA's magnitude vectors pass, unread (export fusion hands them to peft)."""
     path = Path(path)
     tensors, metadata = _load(path)
     alphas = _component_alphas(path, metadata)
@@ -144,17 +145,17 @@ def read_adapter(path: Path) -> dict[str, LoraModule]:
                 continue
             down = m["part"] in _DOWN
         else:
-            unknown.append(key)
+            unknown += [] if dora and key.endswith(".lora_magnitude_vector") else [key]
             continue
         if down:
             mod.down = value
         else:
             mod.up = value
-    if kind := next((k for part, k in _OTHER_ADAPTERS if any(part in key for key in unknown)), None):
+    if kind := next((k for part, k in OTHER_ADAPTERS if any(part in key for key in unknown)), None):
         raise LoraFormatError(
-            f"{path} is a {kind} adapter, not plain LoRA: OpenVINO GenAI and xeonsd's LoRA loaders (generate --lora, "
-            f"serve --adapter, export --lora) apply B A only. Fix: train with --adapter lora, or load the {kind} "
-            "file with diffusers/peft (docs/trainer.md#adapter-types)"
+            f"{path} is a {kind} adapter, not plain LoRA: OpenVINO GenAI and xeonsd's runtime LoRA (generate --lora, "
+            f"serve --adapter) apply B A only. Fix: fuse it into an export of its own (xeonsd export SRC OUT --lora "
+            f"{path}; docs/trainer.md#adapter-types), or train with --adapter lora"
         )
     if unknown:
         raise LoraFormatError(

@@ -11,8 +11,10 @@ The recipe's steps, ``OVStableDiffusionPipeline.from_pretrained(model_id, export
 * a VAE decoder reshaped to the number of images a call produces. optimum-intel 2.2 reshapes it to
   ``num_images_per_prompt`` only, so ``reshape(batch_size=5, num_images_per_prompt=1)`` followed by 5 prompts
   fails in the decoder; here it gets ``batch_size * num_images_per_prompt``;
-* ``--lora FILE --lora-scale S``: a LoRA adapter fused into the weights before the export (diffusers'
+* ``--lora FILE --lora-scale S``: a LoRA or DoRA adapter fused into the weights before the export (diffusers'
   ``load_lora_weights`` + ``fuse_lora``), for ``--engine optimum`` (no runtime LoRA) or one self-contained directory;
+  a LoKr or LoHa run (peft's layout: FILE its ``adapter_model.safetensors`` or directory) merged by peft, see
+  :mod:`xeonsd.openvino.adapter_fusion` (GenAI applies plain LoRA only: these reach OpenVINO this way alone);
 * ``--weight-format int8``: NNCF data-free 8-bit weight compression; ``fp16``: weights stored in half precision;
 * ``--quantize hybrid|hybrid-compact``: NNCF int8, calibrated offline on our prompts (see :mod:`xeonsd.openvino.quantize`);
 * the OpenVINO tokenizer model ``openvino_genai.Text2ImagePipeline`` needs (optimum-intel does not write one for
@@ -64,19 +66,29 @@ def _with_concept(src: str, embeds: Path, token: str | None, workdir: Path, fami
 
 
 def _with_lora(src: str, lora: Path, scale: float, workdir: Path, family: Family) -> Path:
-    """Write SRC with the LoRA adapter fused into its denoiser (and CLIP text encoders) into ``workdir``; return it.
-    A kohya file, and every adapter of a transformer family, is handed to diffusers as our diffusers-layout copy
-    (exact; diffusers' own FLUX kohya reader assumes FLUX.1's widths)."""
+    """Write SRC with the adapter fused into its denoiser (and CLIP text encoders) into ``workdir``; return it.
+    A LoRA or DoRA file goes through diffusers (``load_lora_weights`` + ``fuse_lora``); a kohya file, and every plain
+    LoRA of a transformer family, as our diffusers-layout copy (exact; diffusers' own FLUX kohya reader assumes
+    FLUX.1's widths). A LoKr or LoHa run (peft's layout) is merged by peft (:mod:`xeonsd.openvino.adapter_fusion`)."""
     from xeonsd.modelfiles import lora_layout
+    from xeonsd.openvino import adapter_fusion
 
-    modules = lora_layout.read_adapter(lora)
-    lora_layout.check_family(lora, modules, family.spec, f"the source {src}")
+    adapter = adapter_fusion.adapter_kind(lora)
+    model = f"the source {src}"
+    if adapter.peft:
+        pipe = pipelines.load_torch_pipeline(src, family.spec)
+        count = adapter_fusion.fuse_peft(pipe, family.spec, adapter.path, scale, model)
+        log.info("fused %s %s (scale %g, %d modules) into %s", adapter.kind, adapter.path, scale, count, src)
+        return _save(pipe, workdir / "pipeline-lora")
+    modules = lora_layout.read_adapter(lora, dora=adapter.kind == "dora")
+    lora_layout.check_family(lora, modules, family.spec, model)
     pipe = pipelines.load_torch_pipeline(src, family.spec)
     parts = pipelines.lora_parts(pipe, family.spec)
     weights = lora_layout.torch_weight_shapes(**parts)
-    lora_layout.check_fits(lora, modules, weights, f"the source {src}")
-    log.info("fusing LoRA %s (scale %g, %d modules) into %s", lora, scale, len(modules), src)
-    if family.is_flow or any(m.module is None for m in modules.values()):
+    lora_layout.check_fits(lora, modules, weights, model)
+    log.info("fusing %s %s (scale %g, %d modules) into %s", adapter.kind, lora, scale, len(modules), src)
+    # DoRA's magnitudes are read by diffusers only: its file (always diffusers' layout) goes as it is
+    if adapter.kind == "lora" and (family.is_flow or any(m.module is None for m in modules.values())):
         names = lora_layout.module_names(**parts)
         lora = lora_layout.write_diffusers(modules, workdir / "lora" / lora.name, names, lora)
     pipe.load_lora_weights(str(lora.parent), weight_name=lora.name)  # a file path alone needs the Hub when offline
@@ -84,7 +96,10 @@ def _with_lora(src: str, lora: Path, scale: float, workdir: Path, family: Family
     pipe.fuse_lora(lora_scale=scale, components=pipelines.lora_components(pipe, family.spec))
     pipelines.unload_fused_lora(pipe, family.spec)  # the fused weights stay; the adapter layers go
     pipelines.fresh_text_encoders(pipe, family.spec)
-    out = workdir / "pipeline-lora"
+    return _save(pipe, workdir / "pipeline-lora")
+
+
+def _save(pipe: Any, out: Path) -> Path:
     pipe.save_pretrained(out, safe_serialization=True)
     return out
 
@@ -95,8 +110,11 @@ def _lora_manifest(src: str, opts: ExportOptions) -> dict[str, Any]:
     from xeonsd.openvino.manifest import _sha256
 
     lora = None
-    if opts.lora is not None:
-        lora = {"file": str(opts.lora), "scale": opts.lora_scale, "sha256": _sha256(Path(opts.lora))}
+    if opts.lora is not None:  # a LoKr/LoHa run's directory: its weights file
+        from xeonsd.openvino.adapter_fusion import adapter_kind
+
+        path = adapter_kind(Path(opts.lora)).path
+        lora = {"file": str(path), "scale": opts.lora_scale, "sha256": _sha256(path)}
     return {"source_fingerprint": model_fingerprint(src), "lora": lora}
 
 

@@ -62,8 +62,9 @@ class ExportRequest:
     tome_mlp: bool = flag("--tome: merge before those blocks' feed-forward too", default=False)
     overwrite: bool = flag("replace an existing OUT (only once the new one is done)", default=False)
     lora: Path | None = flag(
-        "LoRA file (e.g. pytorch_lora_weights.safetensors) fused into the weights before export: "
-        "one self-contained directory, usable with --engine optimum",
+        "adapter fused into the weights before export: a LoRA or DoRA file (pytorch_lora_weights.safetensors), "
+        "or a LoKr/LoHa run's adapter_model.safetensors or directory; one self-contained directory, usable with "
+        "--engine optimum",
         default=None,
         metavar="FILE",
     )

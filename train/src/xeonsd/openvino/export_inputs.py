@@ -126,7 +126,9 @@ def check_inputs(src: str, out: Path, opts: ExportOptions) -> tuple[Path | None,
             f"--embeds: {src} is {family.label}, and textual inversion is not served for it (no trainer trains it "
             "for these models); fine-tune a LoRA and export it with --lora"
         )
-    if opts.lora is not None and not Path(opts.lora).is_file():
-        raise ExportError(f"LoRA file {opts.lora} does not exist")
+    if opts.lora is not None:  # a file, or a LoKr/LoHa run's directory: missing files fail before any model loads
+        from xeonsd.openvino.adapter_fusion import adapter_kind
+
+        adapter_kind(Path(opts.lora))
     check_writable_output(out, opts.overwrite)
     return local, family

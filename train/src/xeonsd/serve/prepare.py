@@ -114,7 +114,10 @@ def torch_shape(size: str | None, found: Family) -> StaticShape:
 
 def prepare_torch(opts: ServeOptions, found: Family) -> ServedModel:
     """The pipeline directory served on the torch engine: its adapters are loaded as they are by diffusers'
-    ``load_lora_weights`` at start-up, ``--embeds``' concept added to its text encoder(s) there."""
+    ``load_lora_weights`` at start-up (LoRA and DoRA: a LoKr or LoHa is refused), ``--embeds``' concept added to its
+    text encoder(s) there."""
+    from xeonsd.openvino.adapter_fusion import adapter_kind
+
     family = found.spec
     concepts = read_concepts(opts, family)
     src = Path(opts.export_dir)
@@ -134,5 +137,11 @@ def prepare_torch(opts: ServeOptions, found: Family) -> ServedModel:
             raise ServeError(f"--adapter {spec.name}: that is the base model's name; choose another")
         if not spec.path.is_file():
             raise ServeError(f"--adapter {spec.name}: LoRA file {spec.path} does not exist")
+        if (kind := adapter_kind(spec.path).kind) in ("lokr", "loha"):
+            raise ServeError(
+                f"--adapter {spec.name}: {spec.path} is a {kind} adapter (peft's layout), which diffusers cannot "
+                f"switch per request; generate with it merged instead: xeonsd generate {src} --engine torch --lora "
+                f"{spec.path}"
+            )
         served.adapters[spec.name] = (spec.path, float(spec.alpha))
     return served

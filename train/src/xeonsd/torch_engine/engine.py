@@ -119,12 +119,7 @@ class TorchEngine(Engine):
             concepts = load_concepts(self.opts.embeds, self.opts.token, self.family)
             self.concept_tokens = [*self.concept_tokens, *add_concepts(pipe, self.family, concepts)]
         if self.opts.loras:
-            names = []
-            for i, (path, _alpha) in enumerate(self.opts.loras):
-                names.append(f"lora{i}")
-                pipe.load_lora_weights(str(Path(path).parent), weight_name=Path(path).name, adapter_name=names[-1])
-                log.info("LoRA %s loaded as %s", path, names[-1])
-            pipe.set_adapters(names, [float(alpha) for _path, alpha in self.opts.loras])
+            self._add_adapters(pipe)
         if (
             self.opts.negative_prompt is not None
             and "negative_prompt" not in inspect.signature(pipe.__call__).parameters
@@ -134,6 +129,25 @@ class TorchEngine(Engine):
         self._pipe = pipe
         log.info("%s loaded from %s in %s (%.1f s)", type(pipe).__name__, self.ov_dir, self.dtype, self.load_s)
         return self
+
+    def _add_adapters(self, pipe: Any) -> None:
+        """Each ``--lora``: a LoRA or DoRA file loaded by diffusers as a named adapter, at its alpha; a LoKr or LoHa run
+        (peft's layout, which diffusers does not read) merged into the denoiser at its alpha."""
+        from xeonsd.openvino.adapter_fusion import adapter_kind, fuse_peft
+
+        names, alphas = [], []
+        for path, alpha in self.opts.loras:
+            adapter = adapter_kind(Path(path))
+            if adapter.peft:
+                fuse_peft(pipe, self.family, adapter.path, float(alpha), str(self.ov_dir))
+                log.info("%s adapter %s merged at %g", adapter.kind, path, float(alpha))
+                continue
+            names.append(f"lora{len(names)}")
+            pipe.load_lora_weights(str(Path(path).parent), weight_name=Path(path).name, adapter_name=names[-1])
+            alphas.append(float(alpha))
+            log.info("%s %s loaded as %s", adapter.kind, path, names[-1])
+        if names:
+            pipe.set_adapters(names, alphas)
 
     def run(self, call: Call, steps: int | None = None) -> list[Any]:
         import torch

@@ -20,6 +20,7 @@ from xeonsd.flags import flag
 TI, LORA, FULL = METHODS
 SHARED_WEIGHTS_DIR = "/dev/shm/xeonsd-weights-{uid}"  # a tmpfs on every Linux node; {uid}: the account's
 ATTENTION_KINDS = ("fold", "sdpa")  # --attention (xeonsd.trainer.attention)
+BASE_PRECISIONS = ("dtype", "int8")  # --base_precision (xeonsd.trainer.methods.int8_base)
 LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 
 
@@ -225,6 +226,13 @@ class TrainConfig:
     fused_adamw: bool = _flag(
         "fused CPU AdamW; --no-fused_adamw: torch's per-tensor loop", default=True, negatable=True
     )
+    base_precision: str = _flag(
+        "the denoiser's frozen linear layers: dtype (the training dtype) or int8 (int8 weights per channel and "
+        "inputs per token, on AMX-INT8 where the CPU has it; adapters keep the dtype: trainer/methods/int8_base.py)",
+        methods=(LORA,),
+        default="dtype",
+        choices=BASE_PRECISIONS,
+    )
     fused_lora: bool = _flag(
         "LoRA adapters in the compute dtype, their sum fused into a matmul (trainer/methods/lora_layer.py); "
         "--no-fused_lora: peft's forward, fp32 copies of every adapter's input and output",
@@ -354,14 +362,9 @@ class TrainConfig:
         "local disk directory works too)",
         default=SHARED_WEIGHTS_DIR,
     )
-    keep_shared_weights: bool = _flag(
-        "keep the node's shared weights when the last job on the base ends (the next job maps them, no build)",
-        default=False,
-    )
+    keep_shared_weights: bool = _flag("keep the node's shared weights after the last job on the base", default=False)
     use_ipex: str = _flag("apply ipex.optimize when IPEX imports", default="auto", choices=("auto", "on", "off"))
-    count_flops: bool = _flag(
-        "count the executed FLOPs of the first step (torch.utils.flop_counter) into metrics", default=False
-    )
+    count_flops: bool = _flag("count the first step's FLOPs into metrics (torch.utils.flop_counter)", default=False)
     profile_step: int = _flag(
         "record step N (1-based; 0: none) with torch.profiler and write its seconds per class of work (attention, "
         "convolutions, matmuls, norms + elementwise, optimizer) into its metrics row; with --count_flops the first "
