@@ -123,7 +123,7 @@ def result_export(
     * otherwise the result loads onto the base model's shared export at generation time: ``generate_args``
       ``--embeds FILE`` or ``--lora FILE:SCALE``.
     """
-    kind = summary.get("adapter", "lora") if summary["method"] == "lora" else "lora"
+    kind = method_names.run_adapter(summary)
     info = method(summary["method"], kind)
     try:
         found = families.of_run(summary, run_dir)

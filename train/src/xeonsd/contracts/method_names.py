@@ -9,6 +9,8 @@ nothing but the standard library.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 METHODS = ("textual_inversion", "lora", "full")
 # --method lora's adapter types (--adapter; xeonsd.trainer.methods.adapters), the first the default; those saved in
 # peft's layout (diffusers' loaders do not read them), and that layout's files, the first the result.
@@ -54,3 +56,9 @@ PRIOR_NEEDS_WEIGHTS = (
     "--with_prior_preservation works with --method lora or full: textual inversion trains only the concept's "
     "new token vectors and leaves every weight of the model as it was, so the class keeps its prior anyway"
 )
+
+
+def run_adapter(summary: Mapping) -> str:
+    """A run's adapter type from its train_summary.json: a LoRA run's ``adapter`` (one from before --adapter: plain
+    LoRA), and ``lora`` for the other methods, which have no adapter of another type to fuse or refuse."""
+    return summary.get("adapter", ADAPTERS[0]) if summary.get("method") == "lora" else ADAPTERS[0]

@@ -25,7 +25,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from xeonsd.contracts.method_names import METHOD_FILES
+from xeonsd.contracts.method_names import METHOD_FILES, run_adapter
 
 # An adapter's name is what a client sends as ``model``: it must survive NAME=PATH[:ALPHA] on the command line.
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -136,7 +136,7 @@ def _adapter(adapter: Mapping[str, Any], served: Mapping[str, Any], alpha: Any) 
         raise ServePlanError(
             f"serve_adapters: {name} names {adir}, a {summary['method']} run, not LoRA. Fix: name a LoRA run."
         )
-    if (kind := summary.get("adapter", "lora")) != "lora":
+    if (kind := run_adapter(summary)) != "lora":
         raise ServePlanError(
             f"serve_adapters: {name} ({adir}) is a {kind} run: GenAI applies plain LoRA per request, not {kind}. "
             f"Fix: name runs trained with finetune_adapter=lora, and serve the {kind} run on its own (-e "
@@ -160,7 +160,7 @@ def _fused_adapter(summary: Mapping[str, Any], where: str, torch_family: str) ->
     """A LoRA run's adapter type where it is not plain LoRA (``--adapter`` dora, lokr, loha), else ''. GenAI applies
     B A only, so export.yml fuses such a run into an export of its own, served alone; the PyTorch engine loads a
     DoRA per request as diffusers does, and cannot switch peft's LoKr/LoHa (it merges them: export.yml's images)."""
-    kind = summary.get("adapter", "lora") if summary.get("method") == "lora" else "lora"
+    kind = run_adapter(summary)
     if kind == "lora" or (torch_family and kind == "dora"):
         return ""
     if torch_family:
