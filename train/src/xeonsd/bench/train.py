@@ -219,9 +219,10 @@ def _variants(args: argparse.Namespace, family, cpu, dtype: str) -> list[Variant
     extra = [
         v
         for v in EXTRA_VARIANTS
-        if not (family.is_flow and v.name == "channels_last") and args.method in (v.methods or (args.method,))
+        if args.extra
+        and not (family.is_flow and v.name == "channels_last")
+        and args.method in (v.methods or (args.method,))
     ]
-    extra = extra if args.extra else []
     variants = list(variants_for(args.method, dtype)) + extra
     if args.reference_script is not None:
         variants.append(Variant(dx.VARIANT, (), f"diffusers' {args.reference_script.name}, unchanged"))

@@ -74,13 +74,14 @@ def _int8_base(denoiser: torch.nn.Module) -> None:
     from xeonsd.trainer.methods.int8_base import quantize_frozen_linears
 
     swapped, held = quantize_frozen_linears(denoiser)
-    units = cpu_info().native_int8
+    cpu = cpu_info()
+    units = cpu.native_int8
     log.info("--base_precision int8: %d frozen linear layers (%.2f GB of weights) now int8", swapped, held / 1e9)
     if units != "AMX-INT8":  # measured on Zen 4 (VNNI): 0.98x the bf16 step's time, 0.19 GB less peak RSS
         log.warning(
             "--base_precision int8 on a CPU without AMX-INT8 (%s): the int8 matmuls run on %s; %s "
             "(xeonsd bench train --method lora --extra measures it here)",
-            cpu_info().model,
+            cpu.model,
             units or "no int8 dot-product unit",
             "expect memory saved, not time (docs/benchmarks.md#int8-frozen-layers)"
             if units
