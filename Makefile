@@ -59,7 +59,9 @@ lint-ansible: install
 
 # The main job on the built-in default: a 4-node test cluster on this machine (network namespaces + sshd; needs
 # root), provisioned by provision.yml, then finetune.yml: 16 MPI ranks (-n 16 -ppn 4) train the concept on the
-# offline tiny model and 5 synthetic captioned images, export to OpenVINO, generate 5 images, write report.html.
+# demo's pretrained model (train/src/xeonsd/assets/demo_model: a small SD 1.x pipeline at 64 px that draws captioned
+# scenes, "a red ball on grass"; rebuilt by `xeonsd make-demo-model`) and 5 synthetic captioned images of a yellow
+# robot it never saw, export to OpenVINO, generate 5 images, write report.html.
 # METHOD=lora (an adapter, generated with on the base model's export) or METHOD=full (the whole UNet; its pipeline
 # stays on the primary and gets its own export) instead of the recipe's textual inversion. LAUNCHER=slurm:
 # provision.yml also installs Slurm on the test cluster (the slurm role: munged and slurmctld on node1, a slurmd
@@ -70,12 +72,15 @@ ANSIBLE_PLAYBOOK := ANSIBLE_CONFIG=$(CURDIR)/ansible.cfg ANSIBLE_CACHE_PLUGIN_CO
 DEMO_STEPS ?= 30
 METHOD     ?= textual_inversion
 LAUNCHER   ?= mpirun
+DEMO_MODEL := $(CURDIR)/train/src/xeonsd/assets/demo_model
+DEMO_PROMPT = a photo of a <dicoo> at the beach
+DEMO_VARS  := -e base_model_id=xeonsd/demo-model -e base_model_source_dir=$(DEMO_MODEL)
 demo: install
 	$(PY) tests/cluster/harness.py down
 	$(PY) tests/cluster/harness.py up --nodes 4
-	$(ANSIBLE_PLAYBOOK) provision.yml $(if $(filter slurm,$(LAUNCHER)),-e @tests/cluster/slurm_role_vars.yml)
-	$(ANSIBLE_PLAYBOOK) finetune.yml -e finetune_max_train_steps=$(DEMO_STEPS) -e finetune_method=$(METHOD) \
-		-e finetune_launcher=$(LAUNCHER)
+	$(ANSIBLE_PLAYBOOK) provision.yml $(DEMO_VARS) $(if $(filter slurm,$(LAUNCHER)),-e @tests/cluster/slurm_role_vars.yml)
+	$(ANSIBLE_PLAYBOOK) finetune.yml $(DEMO_VARS) -e finetune_max_train_steps=$(DEMO_STEPS) -e finetune_method=$(METHOD) \
+		-e finetune_launcher=$(LAUNCHER) -e 'openvino_export_prompt="$(DEMO_PROMPT)"'
 	@echo
 	@echo "report:    runs/latest/report.html"
 	@echo "images:    runs/latest/images/ (grid.png, timings.json)"
@@ -87,18 +92,18 @@ DEMO_DIR   ?= runs/demo-local
 DEMO_RANKS ?= 4
 demo-local: install
 	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
-	$(VENV)/bin/xeonsd make-tiny-model $(DEMO_DIR)/base-model
+	cp -r $(DEMO_MODEL) $(DEMO_DIR)/base-model
 	$(VENV)/bin/xeonsd make-dataset $(DEMO_DIR)/dicoo
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH HF_HUB_OFFLINE=1 mpirun -n $(DEMO_RANKS) xeonsd train \
 	  --pretrained_model_name_or_path=$(DEMO_DIR)/base-model --train_data_dir=$(DEMO_DIR)/dicoo \
-	  --learnable_property=object --placeholder_token="<dicoo>" --initializer_token=toy --resolution=128 \
+	  --learnable_property=object --placeholder_token="<dicoo>" --initializer_token=toy --resolution=64 \
 	  --train_batch_size=1 --seed=7 --gradient_accumulation_steps=1 --max_train_steps=$(DEMO_STEPS) \
 	  --learning_rate=2.0e-03 --scale_lr --lr_scheduler=constant --lr_warmup_steps=0 \
 	  --output_dir=$(DEMO_DIR)/textual_inversion_output --mixed_precision=auto --checkpointing_steps=20
 	HF_HUB_OFFLINE=1 $(VENV)/bin/xeonsd export $(DEMO_DIR)/base-model $(DEMO_DIR)/openvino \
-	  --embeds $(DEMO_DIR)/textual_inversion_output/learned_embeds.safetensors --height 128 --width 128
+	  --embeds $(DEMO_DIR)/textual_inversion_output/learned_embeds.safetensors --height 64 --width 64
 	HF_HUB_OFFLINE=1 $(VENV)/bin/xeonsd generate $(DEMO_DIR)/openvino --num-images 5 --steps 20 \
-	  --prompt "a yellow <dicoo> robot at the beach, high quality" --out $(DEMO_DIR)/images
+	  --prompt "$(DEMO_PROMPT)" --out $(DEMO_DIR)/images
 	@echo
 	@echo "learned embedding: $(DEMO_DIR)/textual_inversion_output/learned_embeds.safetensors"
 	@echo "loss plot:         $(DEMO_DIR)/textual_inversion_output/loss.png"

@@ -10,12 +10,13 @@ schedule or a sign error in the loss leaves the trained one as far or farther. A
 LoRA: trained <= MARGIN (0.85) x base, for ε and v prediction, with and without min-SNR and buckets, and with prior
 preservation.
 
-Textual inversion trains one token vector, and the random tiny UNet's cross-attention hardly listens to the text:
-the vector moves the generated latents by a few percent of the way (measured: distance ratio 0.997), too little for
-the margin. What it moves, it moves toward the concept: asserted for it is the direction of the change, the cosine
-between (trained - base) latents and (concept - base), all seeds flattened, at least TI_COSINE (measured 0.15; a
-random direction in those 1,024 numbers has a cosine of about ±0.03, and a flipped loss target points away), with
-the trained distance below the base's.
+Textual inversion trains one token vector, and a random UNet hardly listens to the text (on the tiny model the
+vector moved the latents 0.3 % of the way). Its proof runs on the demo's pretrained pipeline
+(xeonsd/assets/demo_model), which draws what its captions say, with the demo's dicoo images (a yellow robot the
+pretraining never showed): the pictures of "a photo of a <sks>" are compared in pixels with the training images
+(:mod:`xeonsd.ops.likeness`, the report's number) against those of the initializer's "a photo of a toy", same
+seeds: trained <= TI_MARGIN x base. And the prompt still controls the rest: "<sks> at the beach" has the beach's sky
+above it, "<sks> on grass" has not.
 """
 
 from __future__ import annotations
@@ -31,10 +32,9 @@ from cli_runs import method_args, train
 from PIL import Image
 
 MARGIN = 0.85  # the trained distance is at most this fraction of the base's (measured: full 0.20 and 0.39, LoRA 0.45)
-TI_COSINE = 0.08  # textual inversion: the change's cosine with the way to the concept (measured 0.15)
+TI_MARGIN = 0.92  # TI on the demo model, in pixels (measured 0.273 -> 0.241: 0.88; lr 1e-1, 80 steps: 0.94)
 SEEDS = range(4)
 PROMPT = "a photo of sks toy"
-TI_PROMPT = "a photo of <sks>"
 STEPS = {"textual_inversion": 60, "lora": 60, "full": 60}
 LR = {"textual_inversion": "5e-2", "lora": "1e-2", "full": "1e-3"}
 # LoRA with adapters on the convolutions and projections too, rank 16: on the attention projections alone (the
@@ -53,8 +53,6 @@ CASES = [
     ("tiny-v", "full", None, False),
     ("tiny", "lora", "5", True),
     ("tiny-v", "lora", None, False),
-    ("tiny", "textual_inversion", "5", True),
-    ("tiny-v", "textual_inversion", None, False),
 ]
 
 
@@ -144,10 +142,9 @@ def closer_than_base(model: Path, data: Path, method: str, result: Path) -> tupl
     change (trained - base latents) and the way to the concept (concept - base latents)."""
     base = pipeline(model)
     target = concept_latent(base, data)
-    base_prompt = "a photo of toy" if method == "textual_inversion" else PROMPT  # TI: the initializer word
-    before_latents = generated_latents(base, base_prompt)
+    before_latents = generated_latents(base, PROMPT)
     tuned = pipeline(model, method, result)
-    after_latents = generated_latents(tuned, TI_PROMPT if method == "textual_inversion" else PROMPT)
+    after_latents = generated_latents(tuned, PROMPT)
     change, way = (after_latents - before_latents).flatten(), (target - before_latents).flatten()
     cosine = float(change @ way / (change.norm() * way.norm()).clamp(min=1e-12))
     return distance(before_latents, target), distance(after_latents, target), cosine
@@ -155,10 +152,7 @@ def closer_than_base(model: Path, data: Path, method: str, result: Path) -> tupl
 
 def assert_learned(label: str, method: str, before: float, after: float, cosine: float) -> None:
     print(f"{label}: latent RMS distance to the concept {before:.3f} -> {after:.3f} (cosine {cosine:.3f})")
-    if method == "textual_inversion":
-        assert after < before and cosine >= TI_COSINE, (before, after, cosine)
-    else:
-        assert after <= MARGIN * before, (before, after, cosine)
+    assert after <= MARGIN * before, (before, after, cosine)
 
 
 @pytest.mark.parametrize(
@@ -216,3 +210,46 @@ def test_lora_on_int8_frozen_layers_learns_what_the_dtype_run_learns(models, con
     print(f"int8 against dtype: largest loss gap {max(gaps):.4f}, adapters {apart:.4f} apart")
     assert len(theirs) == INT8_STEPS and max(gaps) <= INT8_LOSS_TOLERANCE, (ours, theirs)
     assert 0 < apart <= INT8_ADAPTER_TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def dicoo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's five dicoo images, at the demo model's 64 px."""
+    from xeonsd.assets import make_dataset
+
+    out = tmp_path_factory.mktemp("dicoo") / "dicoo"
+    make_dataset(out, size=64)
+    return out
+
+
+@torch.no_grad()
+def pictures(pipe, prompt: str, seeds: range = SEEDS) -> list[Image.Image]:
+    """The prompt's pictures at ``seeds`` (10 steps, guidance 4)."""
+    out = []
+    for seed in seeds:
+        g = torch.Generator().manual_seed(seed)
+        out.append(pipe(prompt, num_inference_steps=10, guidance_scale=4.0, generator=g).images[0])
+    return out
+
+
+def sky_blue(images: list[Image.Image]) -> float:
+    """How much blue stands out of red and green in the top rows (the beach's sky)."""
+    px = np.stack([np.asarray(i, np.float32)[:10] / 255 for i in images])
+    return float((px[..., 2] - px[..., :2].mean(-1)).mean())
+
+
+def test_textual_inversion_draws_the_concept_on_the_demo_model(dicoo, tmp_path, cli_env):
+    from xeonsd.assets.demo_model import SHIPPED
+    from xeonsd.ops.likeness import distance, training_images
+
+    out = train_concept(SHIPPED, dicoo, tmp_path / "out", "textual_inversion", cli_env, "--snr_gamma=5")
+    refs = training_images(dicoo)
+    before = distance(pictures(pipeline(SHIPPED), "a photo of a toy"), refs)
+    tuned = pipeline(SHIPPED, "textual_inversion", out)
+    after = distance(pictures(tuned, "a photo of a <sks>"), refs)
+    beach, grass = (sky_blue(pictures(tuned, f"a <sks> {place}", range(2))) for place in ("at the beach", "on grass"))
+    print(
+        f"demo textual inversion: distance to the dicoo images {before:.3f} -> {after:.3f}; sky {beach:.3f} {grass:.3f}"
+    )
+    assert after <= TI_MARGIN * before, (before, after)
+    assert beach > grass + 0.1, (beach, grass)

@@ -159,6 +159,14 @@ class TinyModelArgs:
 
 
 @dataclass(frozen=True)
+class DemoModelArgs:
+    """``xeonsd make-demo-model OUT``: :func:`xeonsd.assets.make_demo_model`'s arguments, each a flag."""
+
+    out: Path = flag("output directory (must not exist or be empty)", positional=True)
+    seed: int = flag("seed of the weights and the pictures (the shipped model: 0)", default=0)
+
+
+@dataclass(frozen=True)
 class DatasetArgs:
     """``xeonsd make-dataset OUT``: :func:`xeonsd.assets.make_dataset`'s arguments, each a flag."""
 
@@ -209,6 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
         (TinyModelArgs,),
         _make_asset,
         help="write a random-weight Stable Diffusion (or SDXL) pipeline (offline test model)",
+    )
+    _add_command(
+        sub,
+        "make-demo-model",
+        (DemoModelArgs,),
+        _make_asset,
+        help="pretrain the demo's small SD 1.x pipeline on captioned scenes (one thread, ~20 min; the repository "
+        "ships it: xeonsd/assets/demo_model)",
     )
     _add_command(
         sub,

@@ -28,6 +28,10 @@ the shared parts here. Modules: :mod:`.vocab` (the CLIP-style vocabulary and tok
 FLUX.1 and SD3 builder), :mod:`.open_models`, :mod:`.open_text` and :mod:`.mistral_text` (the builder of the
 Qwen-encoder families and FLUX.2 [dev], their Qwen and Mistral text sides),
 :mod:`.parts` (the VAE and the CLIP encoders they share), :mod:`.datasets` (the image sets).
+
+Besides the random-weight ones, the demo's *pretrained* pipeline (``xeonsd make-demo-model``, :mod:`.demo_model`):
+an SD 1.x pipeline at 64 px that draws the captioned scenes of :mod:`.scenes` ("a red ball on grass"), shipped in
+``demo_model/``, on which a trained concept shows in the pictures.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ _EXPORTS = {
     "Arch": "models",
     "arch_names": "models",
     "make_tiny_model": "models",
+    "make_demo_model": "demo_model",
     "build_clip_vocab": "vocab",
 }
 
