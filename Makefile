@@ -82,9 +82,10 @@ demo: install
 	$(ANSIBLE_PLAYBOOK) finetune.yml $(DEMO_VARS) -e finetune_max_train_steps=$(DEMO_STEPS) -e finetune_method=$(METHOD) \
 		-e finetune_launcher=$(LAUNCHER) -e 'openvino_export_prompt="$(DEMO_PROMPT)"'
 	@echo
-	@echo "report:    runs/latest/report.html"
-	@echo "images:    runs/latest/images/ (grid.png, timings.json)"
-	@echo "loss plot: runs/latest/loss.png"
+	@echo "report:     runs/latest/report.html (it opens with the base model before and the concept after)"
+	@echo "model card: runs/latest/README.md"
+	@echo "images:     runs/latest/images/ (grid.png, timings.json; the base model's: images/before/)"
+	@echo "loss plot:  runs/latest/loss.png"
 	@echo "the test cluster stays up (doctor.yml, finetune.yml again...): make cluster-down removes it"
 
 # The same job without the cluster: 4 MPI ranks on this machine, then export and generate.

@@ -122,7 +122,26 @@ def result_export(
       LoKr/LoHa run's ``adapter_model.safetensors``, beside its config);
     * otherwise the result loads onto the base model's shared export at generation time: ``generate_args``
       ``--embeds FILE`` or ``--lora FILE:SCALE``.
+
+    And ``before``, the report's before row, the base model at the same seeds without the result: ``{"source",
+    "generate_args", "engine"}``; ``source`` None is the base model's export the result loads onto (the after
+    row's export without the result's flag). A run with an export of its own (full, fused) has no base export to
+    compare with: the base model's diffusers pipeline in PyTorch draws its before row, at the export's size.
     """
+    route = _route(summary, run_dir, lora_scale, torch_args)
+    torch_before = ["--engine", "torch", *map(str, torch_args)]
+    if not route["export"]:  # the same engine, model and references, without the result
+        before = {"source": str(summary.get("inference_model") or summary["base_model"]), "engine": "torch"}
+        before["generate_args"] = torch_before + _references(summary)
+    elif route["own"]:
+        before = {"source": str(summary["base_model"]), "generate_args": torch_before, "engine": "torch"}
+    else:
+        before = {"source": None, "generate_args": [], "engine": "openvino"}
+    return {**route, "before": before}
+
+
+def _route(summary: Mapping[str, Any], run_dir: str, lora_scale: Any, torch_args: Sequence[str]) -> dict[str, Any]:
+    """:func:`result_export` without its ``before``."""
     kind = method_names.run_adapter(summary)
     info = method(summary["method"], kind)
     try:
@@ -133,7 +152,7 @@ def result_export(
     flag = info["generate_flag"] or ("--lora" if summary["method"] == "lora" else None)  # LoKr/LoHa: peft's file
     arg = f"{path}:{lora_scale}" if flag == "--lora" else path
     if not found.ov_pipeline_class:
-        references = [a for ref in summary.get("sample_references") or () for a in ("--image", str(ref))]
+        references = _references(summary)
         return {
             "export": False,
             "own": False,
@@ -178,6 +197,11 @@ def result_export(
         "generate_args": [flag, arg],
         "why": "",
     }
+
+
+def _references(summary: Mapping[str, Any]) -> list[str]:
+    """``--image REF`` for each reference image the run's validation images were edits of."""
+    return [a for ref in summary.get("sample_references") or () for a in ("--image", str(ref))]
 
 
 class FilterModule:

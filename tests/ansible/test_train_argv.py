@@ -245,6 +245,7 @@ def test_a_run_s_result_reaches_its_images_by_its_method_and_family() -> None:
         "args": [],
         "generate_args": ["--lora", "/runs/r1/pytorch_lora_weights.safetensors:0.8"],
         "why": "",
+        "before": {"source": None, "generate_args": [], "engine": "openvino"},
     }
     assert xeonsd_train.result_export(lora, "/runs/r1")["generate_args"][1].endswith(":1.0")  # no family: an SD run
     ti = {"method": "textual_inversion", "base_model": "/m/b", "result": {"path": "learned_embeds.safetensors"}}
@@ -374,3 +375,25 @@ def test_finetune_method_is_defined_once() -> None:
         if "finetune_method" in (yaml.safe_load(p.read_text()) or {})
     ]
     assert [str(p) for p in definitions] == ["inventory/group_vars/all/finetune.yml"], definitions
+
+
+def test_the_before_row_is_the_base_model_at_the_same_size_without_the_result() -> None:
+    """The report's before row: the shared base export the result loads onto, without the result's flag; for a run
+    with an export of its own (full, fused), the base model's pipeline in PyTorch at the export's size; for a family
+    without an export, the after row's model and references without the adapter."""
+    shape = ["--batch-size", "5", "--height", "64", "--width", "64"]
+    lora = {"method": "lora", "base_model": "/m/b", "result": {"path": "pytorch_lora_weights.safetensors"}}
+    ti = {"method": "textual_inversion", "base_model": "/m/b", "result": {"path": "learned_embeds.safetensors"}}
+    for run in (ti, lora):
+        assert xeonsd_train.result_export(run, "/r", 1.0, shape)["before"] == {
+            "source": None, "generate_args": [], "engine": "openvino"
+        }  # fmt: skip
+    torch_base = {"source": "/m/b", "generate_args": ["--engine", "torch", *shape], "engine": "torch"}
+    full = {"method": "full", "base_model": "/m/b", "result": {"path": "x"}}
+    assert xeonsd_train.result_export(full, "/r", 1.0, shape)["before"] == torch_base
+    assert xeonsd_train.result_export({**lora, "family": "zimage"}, "/r", 1.0, shape)["before"] == torch_base
+    refs = {"sample_references": ["/data/ref/p0.png"], "family": "qwenimage_edit"}
+    before = xeonsd_train.result_export({**lora, **refs}, "/r", 0.8, shape)["before"]
+    assert before["generate_args"] == ["--engine", "torch", *shape, "--image", "/data/ref/p0.png"]
+    turbo = {**lora, "family": "krea2", "inference_model": "/m/turbo"}
+    assert xeonsd_train.result_export(turbo, "/r", 1.0, shape)["before"]["source"] == "/m/turbo"

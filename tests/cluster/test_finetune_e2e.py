@@ -78,6 +78,13 @@ def test_finetune_trains_on_16_ranks_then_exports_generates_and_reports(provisio
     page = (run / "report.html").read_text()
     assert "-n 16 -ppn 4" in page and 'src="loss.png"' in page and 'src="images/image_004.png"' in page
     assert "Not in this run directory" not in page
+    # The base model's before row at the same seed, measured with the after row against the training images, opens
+    # the report; the model card beside it shows both and loads the embedding.
+    assert len(list((run / "images" / "before").glob("image_*.png"))) == 5
+    assert page.index("<h2>Before and after</h2>") < page.index("<h2>Loss</h2>")
+    assert re.search(r"before 0\.\d{3}, after 0\.\d{3}", page) and "a yellow toy robot" in page
+    card = (run / "README.md").read_text()
+    assert 'instance_prompt: "<dicoo>"' in card and 'token="<dicoo>"' in card and "![before](images/before/" in card
 
     # Every rank measured itself; rank 0 gathered them every 5 steps, by node name, into metrics.jsonl, the progress
     # lines, report.html (CPU use per node, the time split, the verdict, the cost at 1.5 EUR/node-hour) and run.json.

@@ -57,6 +57,7 @@ def train_summary(
     inference_model: str | None = None,
     sample_references: list[str] | None = None,
     cond_image_column: str | None = None,
+    data_dir: str | None = None,
 ) -> dict:
     """train_summary.json: the method's own figures (``method``, ``trainable_params``, …), the base model and its
     fingerprint, the steps and ranks, the bytes all-reduced per step, the prompts (source, count, per_image, and when
@@ -79,7 +80,8 @@ def train_summary(
     Turbo for a LoRA trained on RAW) and, for edit training on image pairs, the reference images the validation
     images are edits of (``sample_references``: the first training image's, as absolute paths; the openvino_export
     role gives them to ``xeonsd generate --image``) and the metadata.jsonl field that named each image's references
-    (``cond_image_column``)."""
+    (``cond_image_column``), and the training images' directory (``data_dir``, absolute: the report's before and after
+    rows are measured against its images)."""
     return {
         **method_summary,
         "base_model": base_model,
@@ -100,6 +102,7 @@ def train_summary(
         **({"inference_model": inference_model} if inference_model is not None else {}),
         **({"sample_references": list(sample_references)} if sample_references else {}),
         **({"cond_image_column": cond_image_column} if cond_image_column else {}),
+        **({"data_dir": data_dir} if data_dir else {}),
     }
 
 

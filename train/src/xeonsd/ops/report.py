@@ -7,7 +7,8 @@ directory can be moved or copied as a whole.
 
 The order is what a reader asks first: did it work, what did it make, what did it cost. A status line (done,
 stopped or failed; steps; wall time; images/s; cost), then a run told to stop says by what, at which step and how
-to resume; the generated images and the validation images over the steps; the loss plot with the training figures;
+to resume; the base model's images before training and the result's after, same seeds, each row's distance to the
+training images (:mod:`xeonsd.ops.before_after`; without a before row, the generated images alone) and the validation images over the steps; the loss plot with the training figures;
 the method; the cluster (its table, CPU use, the time split, stragglers, cost); the phase times and the export;
 what the directory lacks; and last, folded, the command, the versions and the job script.
 """
@@ -25,7 +26,9 @@ from xeonsd.contracts.run_files import TENSORBOARD_DIR, TRAINING_WALL
 from xeonsd.families import SPECS
 from xeonsd.fsutil import atomic_file
 from xeonsd.jobs.progress import metrics_rows
+from xeonsd.ops import before_after
 from xeonsd.ops import run_view as clusterview
+from xeonsd.ops.model_card import write_model_card
 from xeonsd.ops.report_cluster import cluster_sections, figure, html_table
 from xeonsd.ops.report_status import ended_attempt, status_line, stopped_section
 from xeonsd.trainer.metrics import FINAL, GRID, PARTIAL, VALIDATION_LABEL, loss_curve, read_summary, validation_points
@@ -207,10 +210,11 @@ def build_report(run: Path) -> str:
     ended = ended_attempt(run)
     trained = read_summary(run) or {}
     how = _how_it_ran(run, info, missing)  # last, but what it lacks goes into the list before it
+    pair = before_after.read(run, trained)
     sections = [
         status_line(run, ended, info, rows, figs),
         *stopped_section(ended),
-        *_images_section(images_dir, timings, missing),
+        *([before_after.section(pair)] if pair is not None else _images_section(images_dir, timings, missing)),
         *_validation_section(run),
         *_loss_section(run, rows, missing),
         *_method_section(trained, rows, missing),
@@ -359,4 +363,7 @@ def write_report(run: Path) -> Path:
     text = build_report(run)
     with atomic_file(run / REPORT, "w") as fh:
         fh.write(text)
+    summary = read_summary(run)
+    if summary:  # a finished run's result gets its model card beside it
+        write_model_card(run, summary)
     return run / REPORT

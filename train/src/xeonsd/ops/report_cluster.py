@@ -91,9 +91,17 @@ def _cpu_use_section(rows: list[dict], figs: dict) -> str:
         n: f"mean {_pct(d['mean'])}, lowest {_pct(d['lowest'])} (ranks {', '.join(map(str, d['ranks']))})"
         for n, d in figs["cpu_util"].items()
     }
+    layout = figs.get("layout_verdict")
+    # Every node equally low is the layout against the cores (the test cluster's ranks share one machine's cores),
+    # which the trainer names; a node low on its own is a straggler (the section below).
+    why = (
+        f"Every node is equally low, and the trainer said why: {layout['text']}"
+        if layout
+        else "A node under the dashed line while the others are above it is a straggler (below)."
+    )
     caption = (
         "Each rank's process CPU time ÷ (wall time × its threads) over each stats interval, averaged over the "
-        "node's ranks. Under ~80 % usually means a misconfigured job."
+        f"node's ranks. {why}"
     )
     png = clusterview.utilisation_png(rows)
     return _figure_section("CPU use per node", png, "CPU utilisation per node over the run", caption, util)

@@ -48,6 +48,7 @@ def train_summary(job: Job, first_step_s: float | None = None, first_step_cpu_s:
         inference_model=cfg.inference_model,
         sample_references=[str(Path(p).resolve()) for p in job.training.models.sample_reference or ()],
         cond_image_column=cfg.cond_image_column,
+        data_dir=str(Path(cfg.train_data_dir).resolve()) if cfg.train_data_dir else None,
     )
 
 

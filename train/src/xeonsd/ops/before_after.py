@@ -1,0 +1,112 @@
+"""The report's first picture and the model card's: the base model before training against the trained result, at
+the same seeds, each row with its distance to the training images.
+
+``images/`` holds the after row (``xeonsd generate`` with the run's result: the prompt with the concept's token),
+``images/before/`` the before row (the base model without the result, the prompt with the word the concept started
+from; export.yml's openvino_export role draws both). Each row's number is :func:`xeonsd.ops.likeness.distance` to
+the images in train_summary.json's ``data_dir``: lower is closer to the concept.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from xeonsd.ops.likeness import distance, training_images
+
+BEFORE_DIR = "images/before"
+AFTER_DIR = "images"
+GRID = "grid.png"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row: its images (paths relative to the run directory), prompt, engine, seeds and distance."""
+
+    label: str
+    images: list[str]
+    prompt: str
+    engine: str
+    seeds: list[int]
+    distance: float | None
+
+
+@dataclass(frozen=True)
+class BeforeAfter:
+    before: Row
+    after: Row
+    data_dir: str | None  # where the distances were measured against (None: not measured)
+
+    @property
+    def ratio(self) -> float | None:
+        """after ÷ before: under 1 when training brought the pictures closer to the concept."""
+        if self.before.distance is None or self.after.distance is None or self.before.distance == 0:
+            return None
+        return self.after.distance / self.before.distance
+
+
+def pictures(run: Path, rel: str) -> list[str]:
+    """The PNGs a ``xeonsd generate --out`` directory holds (its grid left out), relative to ``run``, in name order."""
+    folder = run / rel
+    if not folder.is_dir():
+        return []
+    return [f"{rel}/{p.name}" for p in sorted(folder.glob("*.png")) if p.name != GRID]
+
+
+def _row(run: Path, label: str, rel: str, refs: list | None) -> Row | None:
+    images = pictures(run, rel)
+    if not images:
+        return None
+    try:
+        timings = json.loads((run / rel / "timings.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        timings = {}
+    prompts = timings.get("prompts") or [timings.get("prompt", "")]
+    from PIL import Image
+
+    far = distance([Image.open(run / p) for p in images], refs) if refs else None
+    return Row(label, images, str(prompts[0]), str(timings.get("engine", "")), list(timings.get("seeds", [])), far)
+
+
+def read(run: Path, summary: dict) -> BeforeAfter | None:
+    """The two rows of RUN, when both were drawn; the distances when the training images are still at ``data_dir``."""
+    run = Path(run)
+    data_dir = summary.get("data_dir")
+    refs = training_images(Path(data_dir)) if data_dir and Path(data_dir).is_dir() else None
+    before = _row(run, "before", BEFORE_DIR, refs)
+    after = _row(run, "after", AFTER_DIR, refs) if before is not None else None
+    if before is None or after is None:
+        return None
+    return BeforeAfter(before, after, data_dir if refs else None)
+
+
+def verdict(pair: BeforeAfter) -> str:
+    """One sentence with the two distances and their ratio, or why there are none."""
+    if pair.ratio is None:
+        return "The training images were not found on this host, so the rows are not measured against them."
+    closer = "closer to" if pair.ratio < 1 else "no closer to"
+    return (
+        f"Distance to the nearest training image (RMS of 16×16 pixels, 0-1; lower is closer): before "
+        f"{pair.before.distance:.3f}, after {pair.after.distance:.3f} ({pair.ratio:.2f}×): the trained model draws "
+        f"{closer} the concept."
+    )
+
+
+def section(pair: BeforeAfter) -> str:
+    """The report's "Before and after" section: both rows, their prompts and engines, and the verdict."""
+    parts = []
+    for row in (pair.before, pair.after):
+        figs = "".join(
+            f'<figure><img src="{html.escape(p)}" alt="{row.label} {i + 1}"><figcaption>#{i + 1}</figcaption></figure>'
+            for i, p in enumerate(row.images)
+        )
+        far = f"; distance {row.distance:.3f}" if row.distance is not None else ""
+        seeds = f", seed {', '.join(map(str, row.seeds))}" if row.seeds else ""
+        what = "the base model, without the result" if row.label == "before" else "with the trained result"
+        parts.append(
+            f"<h3>{row.label.capitalize()}: <q>{html.escape(row.prompt)}</q></h3>"
+            f"<p>{what} ({html.escape(row.engine)}{seeds}{far})</p><div class=images>{figs}</div>"
+        )
+    return f"<h2>Before and after</h2><p>{html.escape(verdict(pair))}</p>{''.join(parts)}"
