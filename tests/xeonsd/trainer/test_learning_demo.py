@@ -23,6 +23,7 @@ from cli_runs import method_args, train
 from PIL import Image
 
 MARGIN = 0.8  # measured: textual inversion 0.65, LoRA 0.65, full 0.71
+SKY = 0.08  # how much bluer the beach's sky is than the grass's top rows (measured: TI 0.51, LoRA 0.12, full 0.15)
 SEEDS = range(4)
 STEPS = 60
 # Textual inversion with 4 vectors: one vector moved the pictures 0.88 of the way, and more steps at its rate diverged.
@@ -88,7 +89,7 @@ def test_each_method_draws_the_concept_on_the_demo_model(method, dicoo, tmp_path
     print(f"demo {method}: distance to the dicoo images {before:.3f} -> {after:.3f} ({after / before:.2f}); sky "
           f"{beach:.3f} {grass:.3f}")  # fmt: skip
     assert after <= MARGIN * before, (before, after)
-    assert beach > grass + 0.1, (beach, grass)
+    assert beach > grass + SKY, (beach, grass)
     if method == "textual_inversion":
         _the_model_card_loads_it(out, cli_env)
 
