@@ -4,6 +4,7 @@ load the result in diffusers."""
 
 from __future__ import annotations
 
+import html
 import json
 import re
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from xeonsd.modelfiles.modelsource import model_fingerprint
 from xeonsd.ops import before_after
 from xeonsd.ops.model_card import model_card
 from xeonsd.ops.report import write_report
@@ -118,3 +120,13 @@ def test_each_method_s_card_loads_its_result_its_way(run: Path, method: str, ada
     assert loads in card
     assert 'instance_prompt: "a photo of a <dicoo> at the beach"' in card  # the after row's prompt
     compile(card.split("```python\n")[1].split("```")[0], "card", "exec")  # the snippet is Python
+
+
+def test_a_run_on_the_demo_model_says_so_in_the_report_and_the_card(run: Path) -> None:
+    summary = json.loads((run / "train_summary.json").read_text())
+    assert not before_after.demo_base(summary)
+    assert "demo's pretrained model" not in write_report(run).read_text()
+    summary["base_model_fingerprint"] = model_fingerprint(str(before_after.DEMO_MODEL))
+    (run / "train_summary.json").write_text(json.dumps(summary))
+    assert "the demo's pretrained model (xeonsd/assets/demo_model)" in html.unescape(write_report(run).read_text())
+    assert "Its base model is the demo's pretrained model" in (run / "README.md").read_text()

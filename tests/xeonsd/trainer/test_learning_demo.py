@@ -12,6 +12,7 @@ beach's blue sky above the concept where "<sks> on grass" has none.
 
 from __future__ import annotations
 
+import html
 import subprocess
 import sys
 from pathlib import Path
@@ -98,7 +99,10 @@ def _the_model_card_loads_it(run: Path, env: dict[str, str]) -> None:
     """The Python in the run's model card (xeonsd report writes it) loads the embedding in diffusers and draws."""
     proc = subprocess.run([sys.executable, "-m", "xeonsd.cli", "report", str(run)], env=env, capture_output=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    code = (run / "README.md").read_text().split("```python\n")[1].split("```")[0]
+    card = (run / "README.md").read_text()
+    assert "Its base model is the demo's pretrained model" in card  # told by the run's base model fingerprint
+    assert "the demo's pretrained model" in html.unescape((run / "report.html").read_text())
+    code = card.split("```python\n")[1].split("```")[0]
     code = code.replace('pipe("', 'pipe(num_inference_steps=2, prompt="') + "image.save('card.png')\n"
     proc = subprocess.run([sys.executable, "-c", code], cwd=run, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]

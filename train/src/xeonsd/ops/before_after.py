@@ -12,13 +12,21 @@ from __future__ import annotations
 import html
 import json
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
+from xeonsd.modelfiles.modelsource import model_fingerprint
 from xeonsd.ops.likeness import distance, training_images
 
 BEFORE_DIR = "images/before"
 AFTER_DIR = "images"
 GRID = "grid.png"
+DEMO_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo_model"  # xeonsd.assets.demo_model.SHIPPED
+DEMO_NOTE = (
+    "the demo's pretrained model (xeonsd/assets/demo_model): a small SD 1.x pipeline of our own, pretrained at 64 px "
+    "on simple captioned scenes (toys of four shapes and colours on grass, at the beach or on snow), so its pictures "
+    "are small and simple"
+)
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,16 @@ def read(run: Path, summary: dict) -> BeforeAfter | None:
     if before is None or after is None:
         return None
     return BeforeAfter(before, after, data_dir if refs else None)
+
+
+@cache
+def _demo_fingerprint() -> str:
+    return model_fingerprint(str(DEMO_MODEL))
+
+
+def demo_base(summary: dict) -> bool:
+    """Whether the run's base model is the demo's pretrained one (by train_summary.json's fingerprint)."""
+    return bool(summary.get("base_model_fingerprint")) and summary["base_model_fingerprint"] == _demo_fingerprint()
 
 
 def verdict(pair: BeforeAfter) -> str:

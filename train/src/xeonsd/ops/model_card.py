@@ -76,7 +76,8 @@ def model_card(run: Path, summary: dict) -> str:
         "resolution": summary.get("resolution"),
         "result": f"`{(summary.get('result') or {}).get('path')}`",
     }
-    body = [f"# {what.capitalize()}: {trigger or run.name}", "", "Trained with xeonsd on CPUs.", ""]
+    demo = f" Its base model is {before_after.DEMO_NOTE}." if before_after.demo_base(summary) else ""
+    body = [f"# {what.capitalize()}: {trigger or run.name}", "", f"Trained with xeonsd on CPUs.{demo}", ""]
     body += [f"- {k}: {v}" for k, v in facts.items() if v is not None] + [""]
     if pair is not None:
         body += ["## Before and after", "", before_after.verdict(pair), ""]

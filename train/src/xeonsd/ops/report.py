@@ -158,7 +158,9 @@ def _method_section(summary: dict, rows: list[dict], missing: list[str]) -> list
             f"{column})"
         )
     if summary.get("base_model"):
-        data["base model"] = f"{summary['base_model']} (fingerprint {summary.get('base_model_fingerprint')})"
+        data["base model"] = f"{summary['base_model']} (fingerprint {summary.get('base_model_fingerprint')})" + (
+            f": {before_after.DEMO_NOTE}" if before_after.demo_base(summary) else ""
+        )
     if summary.get("family"):
         at = f", {summary['resolution']} px" if summary.get("resolution") else ""
         known = SPECS.get(summary["family"])
