@@ -84,7 +84,7 @@ def test_finetune_trains_on_16_ranks_then_exports_generates_and_reports(provisio
     assert page.index("<h2>Before and after</h2>") < page.index("<h2>Loss</h2>")
     assert re.search(r"before 0\.\d{3}, after 0\.\d{3}", page) and "a yellow toy robot" in page
     card = (run / "README.md").read_text()
-    assert 'instance_prompt: "<dicoo>"' in card and 'token="<dicoo>"' in card and "![before](images/before/" in card
+    assert 'instance_prompt: "<dicoo>"' in card and 'token="<dicoo>"' in card and (run / "before_after.png").is_file()
 
     # Every rank measured itself; rank 0 gathered them every 5 steps, by node name, into metrics.jsonl, the progress
     # lines, report.html (CPU use per node, the time split, the verdict, the cost at 1.5 EUR/node-hour) and run.json.

@@ -15,12 +15,15 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from xeonsd.fsutil import atomic_file
 from xeonsd.modelfiles.modelsource import model_fingerprint
 from xeonsd.ops.likeness import distance, training_images
 
 BEFORE_DIR = "images/before"
 AFTER_DIR = "images"
 GRID = "grid.png"
+PICTURE = "before_after.png"  # both rows in one picture, beside report.html (the model card's and the README's)
+SIDE = 128  # each picture's side in it, at least (the demo's 64 px pictures are scaled up, pixels kept sharp)
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo_model"  # xeonsd.assets.demo_model.SHIPPED
 DEMO_NOTE = (
     "the demo's pretrained model (xeonsd/assets/demo_model): a small SD 1.x pipeline of our own, pretrained at 64 px "
@@ -128,3 +131,22 @@ def section(pair: BeforeAfter) -> str:
             f"<p>{what} ({html.escape(row.engine)}{seeds}{far})</p><div class=images>{figs}</div>"
         )
     return f"<h2>Before and after</h2><p>{html.escape(verdict(pair))}</p>{''.join(parts)}"
+
+
+def write_picture(run: Path, pair: BeforeAfter) -> Path:
+    """RUN/before_after.png: the before row over the after row, each picture at least SIDE pixels wide, a white gap
+    between them."""
+    from PIL import Image
+
+    rows = [[Image.open(Path(run) / p).convert("RGB") for p in row.images] for row in (pair.before, pair.after)]
+    w, h = rows[0][0].size
+    scale = max(1, -(-SIDE // w))
+    w, h, gap = w * scale, h * scale, 4
+    cols = max(len(r) for r in rows)
+    out = Image.new("RGB", (cols * w + (cols - 1) * gap, 2 * h + gap), "white")
+    for y, row in enumerate(rows):
+        for x, im in enumerate(row):
+            out.paste(im.resize((w, h), Image.NEAREST), (x * (w + gap), y * (h + gap)))
+    with atomic_file(Path(run) / PICTURE, "wb") as fh:
+        out.save(fh, format="PNG")
+    return Path(run) / PICTURE

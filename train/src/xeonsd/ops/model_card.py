@@ -80,14 +80,9 @@ def model_card(run: Path, summary: dict) -> str:
     body = [f"# {what.capitalize()}: {trigger or run.name}", "", f"Trained with xeonsd on CPUs.{demo}", ""]
     body += [f"- {k}: {v}" for k, v in facts.items() if v is not None] + [""]
     if pair is not None:
-        body += ["## Before and after", "", before_after.verdict(pair), ""]
-        for row in (pair.before, pair.after):
-            body += [
-                f"{row.label.capitalize()}: “{row.prompt}”",
-                "",
-                " ".join(f"![{row.label}]({p})" for p in row.images),
-                "",
-            ]
+        body += ["## Before and after", "", f"![before, then after]({before_after.PICTURE})", ""]
+        body += [f"Top row, before (the base model): “{pair.before.prompt}”; bottom row, after: “{pair.after.prompt}”."]
+        body += ["", before_after.verdict(pair), ""]
     body += ["## Use it in diffusers", "", "```python", _loading(summary, trigger).rstrip(), "```", ""]
     return "\n".join(front + [""] + body)
 

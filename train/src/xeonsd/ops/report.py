@@ -366,6 +366,8 @@ def write_report(run: Path) -> Path:
     with atomic_file(run / REPORT, "w") as fh:
         fh.write(text)
     summary = read_summary(run)
-    if summary:  # a finished run's result gets its model card beside it
+    if summary:  # a finished run's result gets its model card beside it, with the before and after picture
+        if (pair := before_after.read(run, summary)) is not None:
+            before_after.write_picture(run, pair)
         write_model_card(run, summary)
     return run / REPORT
