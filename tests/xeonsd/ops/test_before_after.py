@@ -131,3 +131,28 @@ def test_a_run_on_the_demo_model_says_so_in_the_report_and_the_card(run: Path) -
     (run / "train_summary.json").write_text(json.dumps(summary))
     assert "the demo's pretrained model (xeonsd/assets/demo_model)" in html.unescape(write_report(run).read_text())
     assert "Its base model is the demo's pretrained model" in (run / "README.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "says"),
+    [
+        (0.30, 0.20, "(0.67×): the trained model draws closer to the concept."),
+        (
+            0.151,
+            0.150,
+            "(0.99×): the pictures moved less than 5% toward the concept: this run did not learn it visibly",
+        ),
+        (0.20, 0.25, "(1.25×): the trained model draws farther from the concept than the base model."),
+    ],
+)
+def test_the_verdict_says_whether_the_concept_was_learned(before: float, after: float, says: str) -> None:
+    row = before_after.Row("before", ["images/before/a.png"], "p", "genai", [42], before)
+    pair = before_after.BeforeAfter(row, before_after.Row("after", ["images/a.png"], "q", "genai", [42], after), "/d")
+    assert says in before_after.verdict(pair)
+
+
+def test_a_multi_vector_concept_is_called_by_its_first_token(run: Path) -> None:
+    summary = json.loads((run / "train_summary.json").read_text())
+    summary["placeholder_tokens"] = ["<dicoo>", "<dicoo>_1", "<dicoo>_2", "<dicoo>_3"]
+    card = model_card(run, summary)
+    assert 'instance_prompt: "<dicoo>"' in card and 'token="<dicoo>")' in card and "<dicoo>_1" not in card

@@ -23,6 +23,7 @@ BEFORE_DIR = "images/before"
 AFTER_DIR = "images"
 GRID = "grid.png"
 PICTURE = "before_after.png"  # both rows in one picture, beside report.html (the model card's and the README's)
+SAME = 0.05  # a ratio within 5 % of 1 is no visible change (seeds and engines differ by about that much)
 SIDE = 128  # each picture's side in it, at least (the demo's 64 px pictures are scaled up, pixels kept sharp)
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo_model"  # xeonsd.assets.demo_model.SHIPPED
 DEMO_NOTE = (
@@ -107,11 +108,15 @@ def verdict(pair: BeforeAfter) -> str:
     """One sentence with the two distances and their ratio, or why there are none."""
     if pair.ratio is None:
         return "The training images were not found on this host, so the rows are not measured against them."
-    closer = "closer to" if pair.ratio < 1 else "no closer to"
+    if pair.ratio <= 1 - SAME:
+        moved = "the trained model draws closer to the concept"
+    elif pair.ratio >= 1 + SAME:
+        moved = "the trained model draws farther from the concept than the base model"
+    else:
+        moved = f"the pictures moved less than {SAME:.0%} toward the concept: this run did not learn it visibly"
     return (
         f"Distance to the nearest training image (RMS of 16×16 pixels, 0-1; lower is closer): before "
-        f"{pair.before.distance:.3f}, after {pair.after.distance:.3f} ({pair.ratio:.2f}×): the trained model draws "
-        f"{closer} the concept."
+        f"{pair.before.distance:.3f}, after {pair.after.distance:.3f} ({pair.ratio:.2f}×): {moved}."
     )
 
 

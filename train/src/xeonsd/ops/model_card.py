@@ -20,8 +20,8 @@ CARD = "README.md"
 def _trigger(summary: dict, pair: before_after.BeforeAfter | None) -> str | None:
     """The words that call the concept: the learned tokens, else the after row's prompt."""
     tokens = summary.get("placeholder_tokens")
-    if tokens:
-        return " ".join(tokens)
+    if tokens:  # the concept's token; diffusers adds the rest of a multi-vector concept's tokens itself
+        return tokens[0]
     return pair.after.prompt if pair is not None else None
 
 
