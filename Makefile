@@ -81,7 +81,8 @@ DEMO_PROMPT = a photo of a <dicoo> at the beach
 DEMO_LR_textual_inversion := 2.0e-03
 DEMO_LR_lora := 1.0e-03
 DEMO_LR_full := 1.0e-04
-DEMO_VARS  := -e base_model_id=xeonsd/demo-model -e base_model_source_dir=$(DEMO_MODEL) -e finetune_resolution=auto
+DEMO_VARS  := -e base_model_id=xeonsd/demo-model -e base_model_source_dir=$(DEMO_MODEL) -e finetune_resolution=auto \
+	-e openvino_export_before=true
 DEMO_TRAIN := -e finetune_learning_rate=$(DEMO_LR_$(METHOD)) -e finetune_num_vectors=4
 demo: install
 	$(PY) tests/cluster/harness.py down

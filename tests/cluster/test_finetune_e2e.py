@@ -34,6 +34,8 @@ def test_finetune_trains_on_16_ranks_then_exports_generates_and_reports(provisio
         # checks, and each step of 16 ranks costs over 2 s on 2 cores.
         "-e",
         "finetune_max_train_steps=15",
+        "-e",
+        "openvino_export_before=true",
     ) as (first, log, began):
         wait_for(lambda: latest_step(provisioned) >= 1, 600, "the first training step", first, log)
         second = run_playbook(

@@ -174,6 +174,8 @@ def test_full_fine_tune_on_4_nodes_exports_its_own_pipeline_and_leaves_it_on_the
         "finetune_checkpointing_steps=0",
         "-e",
         "finetune_learning_rate=1e-5",
+        "-e",
+        "openvino_export_before=true",
         state_dir=provisioned.state_dir,
         name="finetune-full",
         timeout=1800,
@@ -200,6 +202,9 @@ def test_full_fine_tune_on_4_nodes_exports_its_own_pipeline_and_leaves_it_on_the
     manifest = json.loads((run / "openvino" / "xeonsd_export.json").read_text())
     assert manifest["source"].rstrip("/") == "/home/devcloud/runs/full", manifest.get("source")
     assert len(list((run / "images").glob("image_*.png"))) == 5
+    # The before row: its own export has no base to compare with, so the base model's pipeline drew it in PyTorch.
+    before = json.loads((run / "images" / "before" / "timings.json").read_text())
+    assert before["engine"] == "torch" and before["shape"]["height"] == 128 and before["num_images"] == 5
     page = (run / "report.html").read_text()
     for text in ("<td>full</td>", "<th>fine-tuned pipeline</th>", "5 captions from metadata.jsonl", "made by this run"):
         assert text in page, text
