@@ -23,7 +23,8 @@ def test_bench_generate_runs_tiny_flux_end_to_end_and_skips_what_the_export_refu
     and (h) ToMe are skipped, each in one line with the export's reason, and the run goes on."""
     work = tmp_path / "work"
     argv = ["bench", "generate", "--arch", "tiny-flux", "--only", "adfgh", "--steps", "2", "--rounds", "1"]
-    assert cli.main([*argv, "--probes", "1", "--workdir", str(work)]) == 0
+    argv += ["--probes", "1", "--peak-size", "256", "--probe-seconds", "0.05"]  # quick probes: not checked here
+    assert cli.main([*argv, "--workdir", str(work)]) == 0
     out = capsys.readouterr().out
     report = json.loads((work / "bench-generate-64x64-2steps.json").read_text())
     rows = {r["key"]: r for r in report["results"]}

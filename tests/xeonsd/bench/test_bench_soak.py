@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,10 +16,6 @@ import pytest
 
 from xeonsd.bench import serve as bench
 from xeonsd.bench import soak_report as sr
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "openvino"))  # ov_assets: the shared exports
-
-from ov_assets import ov_base  # noqa: E402, F401
 
 
 def test_the_guard_lets_through_only_loopback_and_the_test_cluster() -> None:

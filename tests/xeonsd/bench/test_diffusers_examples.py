@@ -184,6 +184,7 @@ def test_bench_train_runs_the_script_interleaved_and_judges_the_target(tiny_mode
         "--no-ranks2",
         "--rounds=2",
         "--probes=1",
+        "--probe-seconds=0.05",
         "--profile",
         "--only",
         "optimized",

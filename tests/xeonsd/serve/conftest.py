@@ -9,10 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "openvino"))  # ov_assets: the shared exports
-
-from ov_assets import embeds, ov_base, peft_adapter  # noqa: E402, F401
+from ov_assets import peft_adapter  # tests/xeonsd/conftest.py puts it on the path and defines ov_base, embeds
 
 
 @pytest.fixture(scope="session")

@@ -61,8 +61,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     model, embeds = model_and_concept(args, workdir)
-    rnd.probes(1, 0.2)  # warm-up, not kept
-    before = rnd.probes(args.probes, 1.0)
+    rnd.probes(1, min(0.2, args.probe_seconds), args.peak_size)  # warm-up, not kept
+    before = rnd.probes(args.probes, args.probe_seconds, args.peak_size)
     peaks = {d: rnd.spread([p["peak"] for p in before if p["dtype"] == d])["median"] for d in ("bf16", "fp32")}
     log.info("matmul peaks: bf16 %.3f TFLOP/s, fp32 %.3f TFLOP/s", peaks["bf16"] / 1e12, peaks["fp32"] / 1e12)
     flops = pipeline_flops(model, args.height, args.width, args.steps)
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     bench = Bench(args, model, embeds, workdir)
     _measure_variants(bench, peaks, flops)
-    after = rnd.probes(args.probes, 1.0)
+    after = rnd.probes(args.probes, args.probe_seconds, args.peak_size)
     stable = rnd.stability(before, after)
     peaks = {k: v["peak"]["median"] for k, v in stable["by_dtype"].items()}
     cpu = cpu_info()
@@ -210,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--images", type=int, default=1, help="timed images per variant and round (one per call)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds: each variant runs once per round")
     p.add_argument("--probes", type=int, default=3, help="matmul peak probes per dtype, before and after the variants")
+    p.add_argument("--peak-size", type=int, default=4096, help="largest matrix side of the matmul peak probes")
+    p.add_argument("--probe-seconds", type=float, default=1.0, help="seconds of products per probe (all its sizes)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="256x256 and 4 steps")
     p.add_argument("--only", default="abcdefghi", help="variants to run, e.g. 'ad' ('g', 'h', 'i' run 'd' too)")
