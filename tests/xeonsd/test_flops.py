@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from xeonsd.flops import count_attention, matmul_peak
+from xeonsd.flops import count_cpu_ops, matmul_peak
 
 
 def test_cpu_flash_attention_is_counted_forward_and_backward():
@@ -14,8 +14,8 @@ def test_cpu_flash_attention_is_counted_forward_and_backward():
     q = torch.randn(b, h, n, d, requires_grad=True)
     with FlopCounterMode(display=False) as before:
         F.scaled_dot_product_attention(q, q, q).sum().backward()
-    count_attention()
-    count_attention()  # idempotent
+    count_cpu_ops()
+    count_cpu_ops()  # idempotent
     with FlopCounterMode(display=False) as after:
         F.scaled_dot_product_attention(q, q, q).sum().backward()
     forward = 4 * b * h * n * n * d  # QK^T and PV
@@ -37,3 +37,23 @@ def test_both_benchmarks_use_the_same_matmul_peak(monkeypatch):
     monkeypatch.undo()
     peak = matmul_peak(torch.float32, max_n=256, seconds=0.1)
     assert 1e8 < peak < 1e15  # a real measurement of a 256 x 256 product, in FLOP/s
+
+
+def test_the_int8_frozen_layers_products_are_counted():
+    """--base_precision int8's torch._int_mm: 2·m·k·n, forward and the input gradient's product, as a bf16 layer's."""
+    from xeonsd.trainer.methods.int8_base import Int8Linear
+
+    count_cpu_ops()
+    m, k, n = 32, 64, 48
+    layer = torch.nn.Linear(k, n, bias=False)
+    x = torch.randn(m, k, requires_grad=True)
+    with FlopCounterMode(display=False) as plain:
+        layer(x).sum().backward()
+    quantized = Int8Linear(layer)
+    y = torch.randn(m, k, requires_grad=True)
+    with FlopCounterMode(display=False) as int8:
+        quantized(y).sum().backward()
+    counts = int8.get_flop_counts()["Global"]
+    assert counts.get(torch.ops.aten._int_mm, 0) > 0, counts
+    # the frozen layer's weight takes no gradient: the forward and the input gradient, 2 products of 2·m·k·n
+    assert int8.get_total_flops() == 2 * (2 * m * k * n) == plain.get_total_flops() - 2 * m * k * n

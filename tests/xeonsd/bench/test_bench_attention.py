@@ -1,7 +1,7 @@
 """``xeonsd bench attention``: through the CLI, at a tiny size, it prints the CPU, the fold it measures, both
 variants' forward and backward with their share of the peak, and the ratio lines (figures printed, not asserted).
 It runs as its own process: its FLOP count registers the flash kernels' formulas with torch's counter for the
-process (xeonsd.flops.count_attention), which test_flops checks from the unregistered state."""
+process (xeonsd.flops.count_cpu_ops), which test_flops checks from the unregistered state."""
 
 from __future__ import annotations
 

@@ -2,9 +2,10 @@
 
 Both benchmarks (``bench train``, ``bench generate``) use the one peak function, so their "share of peak"
 figures are comparable. PyTorch's FLOP counter has no formula for the CPU flash-attention kernels that
-``scaled_dot_product_attention`` runs on CPU tensors, so it counted attention as 0; ``count_attention()``
+``scaled_dot_product_attention`` runs on CPU tensors, so it counted attention as 0; ``count_cpu_ops()``
 registers PyTorch's own SDPA formulas for them (forward 4·b·h·q·k·d; backward 10·b·h·q·k·d: the scores
-recomputed, and the four products of the gradients).
+recomputed, and the four products of the gradients), and ``torch._int_mm``'s (2·m·k·n), the products of the int8
+frozen layers of ``--base_precision int8``.
 """
 
 from __future__ import annotations
@@ -64,8 +65,11 @@ def matmul_probes(
     return probes
 
 
-def count_attention() -> None:
-    """Teach ``torch.utils.flop_counter`` the CPU flash-attention kernels (idempotent)."""
+def count_cpu_ops() -> None:
+    """Teach ``torch.utils.flop_counter`` the CPU ops it does not know (idempotent): the flash-attention kernels,
+    forward and backward, and ``torch._int_mm``, the int8 products of ``--base_precision int8``'s frozen layers
+    (2·m·k·n integer operations, counted as FLOPs: a step's count stays the step's work, which a share of the
+    bf16 peak then reads as if it ran at the bf16 rate)."""
     from torch.utils import flop_counter as fc
 
     aten = torch.ops.aten
@@ -73,16 +77,21 @@ def count_attention() -> None:
         aten._scaled_dot_product_flash_attention_for_cpu,
         aten._scaled_dot_product_flash_attention_for_cpu_backward,
     )
-    if fwd in fc.flop_registry or fwd.default in fc.flop_registry:
-        return
+    if fwd not in fc.flop_registry and fwd.default not in fc.flop_registry:
 
-    @fc.register_flop_formula(fwd)
-    def _forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-        return fc.sdpa_flop_count(query_shape, key_shape, value_shape)
+        @fc.register_flop_formula(fwd)
+        def _forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+            return fc.sdpa_flop_count(query_shape, key_shape, value_shape)
 
-    @fc.register_flop_formula(bwd)
-    def _backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-        return fc.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+        @fc.register_flop_formula(bwd)
+        def _backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+            return fc.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+    if aten._int_mm not in fc.flop_registry and aten._int_mm.default not in fc.flop_registry:
+
+        @fc.register_flop_formula(aten._int_mm)
+        def _int_mm(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+            return fc.mm_flop(a_shape, b_shape)
 
 
 def allreduced_elements(prof) -> int:

@@ -5,7 +5,7 @@ xeonsd.trainer.attention), interleaved A B A B in one process.
 The inputs are laid out as diffusers lays them out ([batch, tokens, heads, dim] in memory) and need gradients, as
 in a training step. Each round times a forward and then its backward of each variant; the table gives the min and
 median seconds over the rounds, the TFLOP/s and share of the matmul peak of the median (the FLOPs of torch's SDPA,
-``torch.utils.flop_counter`` with :func:`xeonsd.flops.count_attention`: a fold's padding queries are not counted),
+``torch.utils.flop_counter`` with :func:`xeonsd.flops.count_cpu_ops`: a fold's padding queries are not counted),
 and the median of each round's ratio sdpa / fold per pass: the speed-up. The matmul peak of the dtype is probed
 before and after the rounds (:mod:`xeonsd.bench.rounds`). Figures are printed, not asserted.
 """
@@ -67,9 +67,9 @@ def flops(qkv: list[torch.Tensor], grad_out: torch.Tensor) -> dict[str, int]:
     """FLOPs of torch's SDPA forward and backward on these inputs (torch.utils.flop_counter)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from xeonsd.flops import count_attention
+    from xeonsd.flops import count_cpu_ops
 
-    count_attention()
+    count_cpu_ops()
     counted = {}
     with FlopCounterMode(display=False) as fwd:
         out = torch.nn.functional.scaled_dot_product_attention(*qkv)

@@ -27,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from xeonsd.cluster.distributed import all_gather_floats, all_gather_strings, barrier, node_address
 from xeonsd.cluster.memory import RankMemory
 from xeonsd.cluster.rank_stats import Interval, RankClock, StragglerWatch, node_names, summarize
-from xeonsd.flops import allreduced_elements, count_attention
+from xeonsd.flops import allreduced_elements, count_cpu_ops
 from xeonsd.step_profile import flops_by_class, seconds_by_class
 from xeonsd.trainer import checkpoint as ckpt
 from xeonsd.trainer.after_step import StepEnd, StepEndSequence, StepObserver
@@ -123,7 +123,7 @@ class StepCounters:
         self.prof = None
         self.prof_wall_s = 0.0
         if self.enabled:
-            count_attention()
+            count_cpu_ops()
 
     @contextlib.contextmanager
     def around(self, step: int) -> Iterator[None]:
