@@ -152,6 +152,7 @@ def test_the_role_exports_with_the_inventorys_quantization_under_its_key_once(tm
         "cluster_user_home": str(tmp_path / "home"),
         "finetune_resolution": "auto",
         "finetune_placeholder_token": "<dicoo>",
+        "finetune_initializer_token": "toy",
         "finetune_seed": 7,
         "openvino_export_quantize": "hybrid",
         "openvino_export_calibration_samples": 8,
@@ -160,7 +161,7 @@ def test_the_role_exports_with_the_inventorys_quantization_under_its_key_once(tm
         "openvino_export_precision": "f32",
     }
     assert changed(local_playbook(tmp_path / "play.yml", extra)) > 0
-    export, generate = [json.loads(line) for line in (tmp_path / "calls").read_text().splitlines()]
+    export, generate, before = [json.loads(line) for line in (tmp_path / "calls").read_text().splitlines()]
     out = tmp_path / "home" / "openvino-base" / "0123abcd-5x1-64x64-int8-hybrid-cal8"
     assert export[:3] == ["export", "/m/tiny", str(out)], export
     assert export[3:] == export_args({**DEFAULTS, "resolution": 64, "quantize": "hybrid", "calibration_samples": 8})
@@ -171,9 +172,21 @@ def test_the_role_exports_with_the_inventorys_quantization_under_its_key_once(tm
     assert (gen.guidance_scale, gen.negative_prompt, gen.seed) == (6.0, "blurry, low quality", 7), generate
     assert gen.precision == "f32", generate
     assert gen.lora == [f"{run}/pytorch_lora_weights.safetensors:1.0"], generate
+    # The before row: the same export, seed and flags, without the LoRA, the concept's token as its initializer word
+    base = build_parser().parse_args(before)
+    assert before[:2] == ["generate", str(out)] and base.lora is None and base.out == run / "images" / "before"
+    assert (base.guidance_scale, base.negative_prompt, base.seed, base.precision) == (
+        6.0,
+        "blurry, low quality",
+        7,
+        "f32",
+    )
+    assert (gen.prompt, base.prompt) == (["a yellow <dicoo> robot at the beach, high quality"],
+                                         ["a yellow toy robot at the beach, high quality"])  # fmt: skip
+    assert (tmp_path / "controller" / "r1" / "images" / "before" / "timings.json").exists()
     assert (tmp_path / "controller" / "r1" / "openvino" / "xeonsd_export.json").exists()
     assert changed(local_playbook(tmp_path / "play.yml", extra)) == 0
-    assert len((tmp_path / "calls").read_text().splitlines()) == 2  # both kept: nothing ran again
+    assert len((tmp_path / "calls").read_text().splitlines()) == 3  # all kept: nothing ran again
 
 
 def test_a_family_without_an_openvino_export_skips_it_and_generates_with_torch(tmp_path: Path) -> None:
@@ -213,14 +226,16 @@ def test_a_family_without_an_openvino_export_skips_it_and_generates_with_torch(t
     check = local_playbook(tmp_path / "play.yml", extra, "--check")  # check mode runs through, running nothing
     assert check.returncode == 0 and not (tmp_path / "calls").exists(), check.stdout[-3000:]
     assert changed(local_playbook(tmp_path / "play.yml", extra)) > 0
-    (generate,) = [json.loads(line) for line in (tmp_path / "calls").read_text().splitlines()]
-    assert generate[:2] == ["generate", "/m/tiny-edit"], generate
+    generate, before = [json.loads(line) for line in (tmp_path / "calls").read_text().splitlines()]
+    assert generate[:2] == ["generate", "/m/tiny-edit"] and before[:2] == generate[:2], (generate, before)
     from xeonsd.cli import build_parser
 
     gen = build_parser().parse_args(generate)
     assert (gen.engine, gen.batch_size, gen.height, gen.width) == ("torch", 5, 64, 64), generate
     assert generate_shape_args({**DEFAULTS, "resolution": 64})[1::2] == ["5", "64", "64"]
     assert gen.lora == [f"{run}/pytorch_lora_weights.safetensors:1.0"] and gen.image == ["/data/ref/p0.png"]
+    base = build_parser().parse_args(before)  # the before row: the same engine, shape and reference, no LoRA
+    assert (base.engine, base.height, base.lora, base.image) == ("torch", 64, None, ["/data/ref/p0.png"]), before
     assert not (run / "openvino").exists() and not (tmp_path / "home" / "openvino-base").exists()
     assert (tmp_path / "controller" / "r1" / "images" / "timings.json").exists()
     assert not (tmp_path / "controller" / "r1" / "openvino").exists()

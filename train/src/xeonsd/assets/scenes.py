@@ -57,7 +57,7 @@ def draw(s: Scene) -> Image.Image:
         top = tuple(min(255, v + 50) for v in fill)
         d.polygon([(cx - r, cy - r), (cx - r / 2, cy - 1.4 * r), (cx + 1.4 * r, cy - 1.4 * r), (cx + r, cy - r)], top)
     elif s.kind == "cone":
-        d.polygon([(cx, cy - 1.3 * r), (cx + r, cy + r), (cx - r, cy + r)], fill=fill)
+        d.polygon([(cx, cy - 13 / 10 * r), (cx + r, cy + r), (cx - r, cy + r)], fill=fill)
     else:
         w = r / 2.5
         d.rectangle([cx - r, cy - w, cx + r, cy + w], fill=fill)
