@@ -78,11 +78,32 @@ def _train(rest: list[str]) -> int:
         from xeonsd.trainer.loop import main as train_main
 
         return train_main(rest)
+    if (refused := _refuse_flags(rest)) is not None:
+        return refused
     log_path = Path(log) if log else _train_log(rest)
     with quiet_console(log_path, verbose=verbose, both=True) as console:
         from xeonsd.trainer.loop import main as train_main
 
         return train_main(rest, console, _open_class_renderer)
+
+
+def _refuse_flags(argv: list[str]) -> int | None:
+    """A single process's flags, checked before torch and the libraries load (seconds of imports): a flag of
+    another method, a bad choice or value is refused at once, with the trainer's own message. The trainer checks
+    them again, and everything past the flags (the data, the model); a job's ranks leave it to the trainer, which
+    names the rank and takes the job down."""
+    from xeonsd.cluster.launch import detect_ranks
+    from xeonsd.trainer.argv import parse_config
+    from xeonsd.trainer.config import ConfigError
+
+    if detect_ranks().world_size > 1:
+        return None
+    try:
+        parse_config(argv)
+    except ConfigError as exc:
+        print(f"xeonsd train: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return None
 
 
 def _open_class_renderer(*args):  # noqa: ANN002, ANN202 - xeonsd.trainer.prior.ClassRendererOpener
