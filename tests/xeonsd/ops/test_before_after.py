@@ -156,3 +156,13 @@ def test_a_multi_vector_concept_is_called_by_its_first_token(run: Path) -> None:
     summary["placeholder_tokens"] = ["<dicoo>", "<dicoo>_1", "<dicoo>_2", "<dicoo>_3"]
     card = model_card(run, summary)
     assert 'instance_prompt: "<dicoo>"' in card and 'token="<dicoo>")' in card and "<dicoo>_1" not in card
+
+
+def test_a_prompt_with_quotes_leaves_the_card_s_python_valid(run: Path) -> None:
+    summary = {**json.loads((run / "train_summary.json").read_text()), "method": "lora"}
+    del summary["placeholder_tokens"]
+    (run / "images" / "timings.json").write_text(json.dumps({"prompts": ['a "dicoo" toy\'s hat']}))
+    card = model_card(run, summary)
+    code = card.split("```python\n")[1].split("```")[0]
+    compile(code, "card", "exec")
+    assert 'pipe("a \\"dicoo\\" toy\'s hat")' in code

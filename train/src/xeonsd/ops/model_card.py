@@ -8,6 +8,7 @@ report`` writes it beside report.html; it is rewritten with the report, from wha
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from xeonsd.contracts.method_names import METHOD_FILES, PEFT_ADAPTERS, run_adapter
@@ -26,17 +27,18 @@ def _trigger(summary: dict, pair: before_after.BeforeAfter | None) -> str | None
 
 
 def _loading(summary: dict, trigger: str | None) -> str:
-    """Python that loads the result onto its base model in diffusers (the run directory as ``run``)."""
+    """Python that loads the result onto its base model in diffusers (the run directory as ``run``); the strings are
+    JSON's, valid Python whatever quotes a prompt holds."""
     method, base = summary.get("method"), summary.get("base_model", "BASE_MODEL")
     prompt = trigger if summary.get("placeholder_tokens") else (trigger or "a photo")
     head = 'from diffusers import DiffusionPipeline\n\nrun = "."  # this directory\n'
     if method == "full":
-        return head + f'pipe = DiffusionPipeline.from_pretrained(run)\nimage = pipe("{prompt}").images[0]\n'
-    load = f'pipe = DiffusionPipeline.from_pretrained("{base}")\n'
+        return head + f"pipe = DiffusionPipeline.from_pretrained(run)\nimage = pipe({json.dumps(prompt)}).images[0]\n"
+    load = f"pipe = DiffusionPipeline.from_pretrained({json.dumps(str(base))})\n"
     if method == "textual_inversion":
         token = summary["placeholder_tokens"][0]
         weights = METHOD_FILES[method]["result"]
-        load += f'pipe.load_textual_inversion(f"{{run}}/{weights}", token="{token}")\n'
+        load += f'pipe.load_textual_inversion(f"{{run}}/{weights}", token={json.dumps(token)})\n'
     elif run_adapter(summary) in PEFT_ADAPTERS:
         load = (
             "from peft import PeftModel\n\n"
@@ -46,7 +48,7 @@ def _loading(summary: dict, trigger: str | None) -> str:
         )
     else:
         load += "pipe.load_lora_weights(run)\n"
-    return head + load + f'image = pipe("{prompt}").images[0]\n'
+    return head + load + f"image = pipe({json.dumps(prompt)}).images[0]\n"
 
 
 def model_card(run: Path, summary: dict) -> str:
