@@ -117,7 +117,7 @@ def test_each_method_s_card_loads_its_result_its_way(run: Path, method: str, ada
     del summary["placeholder_tokens"]
     if adapter:
         summary["adapter"] = adapter
-    card = model_card(run, summary)
+    card = model_card(run, summary, before_after.read(run, summary))
     assert loads in card
     assert 'instance_prompt: "a photo of a <dicoo> at the beach"' in card  # the after row's prompt
     compile(card.split("```python\n")[1].split("```")[0], "card", "exec")  # the snippet is Python
@@ -147,14 +147,14 @@ def test_a_run_on_the_demo_model_says_so_in_the_report_and_the_card(run: Path) -
 )
 def test_the_verdict_says_whether_the_concept_was_learned(before: float, after: float, says: str) -> None:
     row = before_after.Row("before", ["images/before/a.png"], "p", "genai", [42], before)
-    pair = before_after.BeforeAfter(row, before_after.Row("after", ["images/a.png"], "q", "genai", [42], after), "/d")
+    pair = before_after.BeforeAfter(row, before_after.Row("after", ["images/a.png"], "q", "genai", [42], after))
     assert says in before_after.verdict(pair)
 
 
 def test_a_multi_vector_concept_is_called_by_its_first_token(run: Path) -> None:
     summary = json.loads((run / "train_summary.json").read_text())
     summary["placeholder_tokens"] = ["<dicoo>", "<dicoo>_1", "<dicoo>_2", "<dicoo>_3"]
-    card = model_card(run, summary)
+    card = model_card(run, summary, before_after.read(run, summary))
     assert 'instance_prompt: "<dicoo>"' in card and 'token="<dicoo>")' in card and "<dicoo>_1" not in card
 
 
@@ -162,7 +162,7 @@ def test_a_prompt_with_quotes_leaves_the_card_s_python_valid(run: Path) -> None:
     summary = {**json.loads((run / "train_summary.json").read_text()), "method": "lora"}
     del summary["placeholder_tokens"]
     (run / "images" / "timings.json").write_text(json.dumps({"prompts": ['a "dicoo" toy\'s hat']}))
-    card = model_card(run, summary)
+    card = model_card(run, summary, before_after.read(run, summary))
     code = card.split("```python\n")[1].split("```")[0]
     compile(code, "card", "exec")
     assert 'pipe("a \\"dicoo\\" toy\'s hat")' in code

@@ -24,8 +24,9 @@ AFTER_DIR = "images"
 GRID = "grid.png"
 PICTURE = "before_after.png"  # both rows in one picture, beside report.html (the model card's and the README's)
 SAME = 0.05  # a ratio within 5 % of 1 is no visible change (seeds and engines differ by about that much)
+# xeonsd.assets.demo_model.SHIPPED, which ops may not import (xeonsd.ops's layering: tests/xeonsd/test_imports.py)
+DEMO_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo_model"
 SIDE = 128  # each picture's side in it, at least (the demo's 64 px pictures are scaled up, pixels kept sharp)
-DEMO_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo_model"  # xeonsd.assets.demo_model.SHIPPED
 DEMO_NOTE = (
     "the demo's pretrained model (xeonsd/assets/demo_model): a small SD 1.x pipeline of our own, pretrained at 64 px "
     "on simple captioned scenes (toys of four shapes and colours on grass, at the beach or on snow), so its pictures "
@@ -49,7 +50,6 @@ class Row:
 class BeforeAfter:
     before: Row
     after: Row
-    data_dir: str | None  # where the distances were measured against (None: not measured)
 
     @property
     def ratio(self) -> float | None:
@@ -91,7 +91,7 @@ def read(run: Path, summary: dict) -> BeforeAfter | None:
     after = _row(run, "after", AFTER_DIR, refs) if before is not None else None
     if before is None or after is None:
         return None
-    return BeforeAfter(before, after, data_dir if refs else None)
+    return BeforeAfter(before, after)
 
 
 @cache

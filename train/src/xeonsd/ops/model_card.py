@@ -30,7 +30,7 @@ def _loading(summary: dict, trigger: str | None) -> str:
     """Python that loads the result onto its base model in diffusers (the run directory as ``run``); the strings are
     JSON's, valid Python whatever quotes a prompt holds."""
     method, base = summary.get("method"), summary.get("base_model", "BASE_MODEL")
-    prompt = trigger if summary.get("placeholder_tokens") else (trigger or "a photo")
+    prompt = trigger or "a photo"
     head = 'from diffusers import DiffusionPipeline\n\nrun = "."  # this directory\n'
     if method == "full":
         return head + f"pipe = DiffusionPipeline.from_pretrained(run)\nimage = pipe({json.dumps(prompt)}).images[0]\n"
@@ -51,9 +51,9 @@ def _loading(summary: dict, trigger: str | None) -> str:
     return head + load + f"image = pipe({json.dumps(prompt)}).images[0]\n"
 
 
-def model_card(run: Path, summary: dict) -> str:
-    """The card's Markdown, front matter first."""
-    pair = before_after.read(run, summary)
+def model_card(run: Path, summary: dict, pair: before_after.BeforeAfter | None) -> str:
+    """The card's Markdown, front matter first; ``pair``: the run's before and after rows (:func:`.before_after.read`),
+    None where export.yml drew no before row."""
     method = summary.get("method", "?")
     adapter = run_adapter(summary) if method == "lora" else None
     trigger = _trigger(summary, pair)
@@ -89,8 +89,8 @@ def model_card(run: Path, summary: dict) -> str:
     return "\n".join(front + [""] + body)
 
 
-def write_model_card(run: Path, summary: dict) -> Path:
+def write_model_card(run: Path, summary: dict, pair: before_after.BeforeAfter | None) -> Path:
     """RUN/README.md, written whole or not at all."""
     with atomic_file(Path(run) / CARD, "w") as fh:
-        fh.write(model_card(Path(run), summary))
+        fh.write(model_card(Path(run), summary, pair))
     return Path(run) / CARD

@@ -202,7 +202,12 @@ def _figures(run: Path, info: dict, rows: list[dict], timings: dict) -> dict:
 
 def build_report(run: Path) -> str:
     """The HTML of RUN's report: one section after the other, then what the directory lacks."""
-    run = Path(run)
+    trained = read_summary(run) or {}
+    return _report_html(Path(run), trained, before_after.read(run, trained))
+
+
+def _report_html(run: Path, trained: dict, pair: before_after.BeforeAfter | None) -> str:
+    """:func:`build_report` of what train_summary.json holds (``trained``) and the before and after rows."""
     info = _load_json(run / "run.json") or {}
     missing: list[str] = []
     rows = metrics_rows(run, (FINAL, PARTIAL))
@@ -210,9 +215,7 @@ def build_report(run: Path) -> str:
     timings = _load_json(images_dir / "timings.json") or {}
     figs = _figures(run, info, rows, timings)
     ended = ended_attempt(run)
-    trained = read_summary(run) or {}
     how = _how_it_ran(run, info, missing)  # last, but what it lacks goes into the list before it
-    pair = before_after.read(run, trained)
     sections = [
         status_line(run, ended, info, rows, figs),
         *stopped_section(ended),
@@ -362,12 +365,13 @@ def write_report(run: Path) -> Path:
     run = Path(run)
     if not run.is_dir():
         raise FileNotFoundError(f"run directory {run} does not exist")
-    text = build_report(run)
+    trained = read_summary(run) or {}
+    pair = before_after.read(run, trained)  # the rows and their distances, once for the report and the card
+    text = _report_html(run, trained, pair)
     with atomic_file(run / REPORT, "w") as fh:
         fh.write(text)
-    summary = read_summary(run)
-    if summary:  # a finished run's result gets its model card beside it, with the before and after picture
-        if (pair := before_after.read(run, summary)) is not None:
+    if trained:  # a finished run's result gets its model card beside it, with the before and after picture
+        if pair is not None:
             before_after.write_picture(run, pair)
-        write_model_card(run, summary)
+        write_model_card(run, trained, pair)
     return run / REPORT
