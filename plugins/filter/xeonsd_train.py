@@ -77,10 +77,10 @@ def train_argv(values: Iterable[Any], method: str, extra: Sequence[str] = ()) ->
         needs = f.metadata.get("needs")
         if value is None or value == "" or (needs and not _on(given.get(PREFIX + needs))):
             continue
-        if f.type in (bool, "bool"):
+        if f.type in (bool, "bool", "bool | None"):  # bool | None: left out (""), on or off
             if _on(value):
                 argv.append(f"--{f.name}")
-            elif f.metadata.get("negatable") and f.default is True:
+            elif f.metadata.get("negatable") and f.default is not False:
                 argv.append(f"--no-{f.name}")
         elif value is not False:
             argv.append(f"--{f.name}={value}")

@@ -25,7 +25,7 @@ Use::
     opts = from_args(Options, parser.parse_args(argv))
 
 The type hint gives the argparse type (``int | None`` -> ``int``; ``Path``); a ``bool`` is a bare flag
-(``negatable=True``: also ``--no-NAME``); a field without a default is required (``positional=True``: a positional
+(``negatable=True``: also ``--no-NAME``; with a None default, three-way: True, False or None when left out); a field without a default is required (``positional=True``: a positional
 argument). A flag left out, or given as None, leaves the field's default (``cli_default``: what the command line
 uses instead, where the Python API's default differs); ``action="append"`` collects a tuple; ``convert`` maps each
 given value (e.g. ``FILE[:ALPHA]`` -> ``(Path, float)``) after parsing. Other keyword arguments go to argparse
@@ -123,7 +123,9 @@ def add_flags(
         kwargs["dest"] = _dest(f)
         if base is bool:
             action = argparse.BooleanOptionalAction if meta["negatable"] else "store_true"
-            target.add_argument(*names, action=action, default=bool(default), **kwargs)
+            # A negatable flag whose field defaults to None is three-way: --NAME, --no-NAME, or left to the field.
+            keep_none = meta["negatable"] and default is None
+            target.add_argument(*names, action=action, default=None if keep_none else bool(default), **kwargs)
             continue
         if kwargs.get("action") == "append":
             kwargs["default"] = None  # argparse appends to a given default; from_args restores the field's

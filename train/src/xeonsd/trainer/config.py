@@ -173,9 +173,7 @@ class TrainConfig:
         default="diffusers",
         choices=("diffusers", "kohya"),
     )
-    train_text_encoder: bool = _flag(
-        "also put adapters on the text encoder's attention", methods=(LORA,), default=False
-    )
+    train_text_encoder: bool = _flag("adapters on the text encoder's attention too", methods=(LORA,), default=False)
     gradient_checkpointing: bool = _flag(
         "recompute the UNet's activations in the backward pass (less memory, ~30%% more time)",
         methods=(LORA, FULL),
@@ -197,6 +195,12 @@ class TrainConfig:
         type=_resolution,
     )
     center_crop: bool = _flag("crop the centre square before resizing", default=False)
+    random_flip: bool | None = _flag(
+        "mirror half of the examples (--no-random_flip: none); left out: as the method's recipe, textual inversion "
+        "flips, lora and full do not (docs/trainer.md#mirrored-examples)",
+        default=None,
+        negatable=True,
+    )
     buckets: bool = _flag(
         "aspect-ratio buckets: each image trains at the bucket size nearest its aspect ratio, of about "
         "--resolution squared pixels (never upscaled; with --center_crop the bucket is cut from its centre, "
@@ -271,22 +275,15 @@ class TrainConfig:
     logit_mean: float = _flag("flow models, --weighting_scheme logit_normal: the normal's mean", default=0.0)
     logit_std: float = _flag("flow models, --weighting_scheme logit_normal: the normal's std", default=1.0)
     mode_scale: float = _flag("flow models, --weighting_scheme mode: the mode scale", default=1.29)
-    guidance_scale: float = _flag(
-        "FLUX.1-dev (a guidance-embedding transformer): the guidance input during training (diffusers' 3.5)",
-        default=3.5,
-    )
+    guidance_scale: float = _flag("FLUX.1-dev (guidance-embedding): its guidance input in training", default=3.5)
     mixed_precision: str = _flag(
         "bf16: frozen UNet/VAE in bf16 on AMX; auto: bf16 where the CPU has AMX or AVX512-BF16, else no",
         default="no",
         choices=("no", "bf16", "fp16", "auto"),
     )
-    overwrite_output_dir: bool = _flag(
-        "start a new run in an output dir that holds an earlier run's results (they are replaced)", default=False
-    )
+    overwrite_output_dir: bool = _flag("replace an earlier run's results in output_dir with a new run", default=False)
     save_as_full_pipeline: bool = _flag("also save a complete pipeline with the concept", methods=(TI,), default=False)
-    save_steps: int = _flag(
-        "write learned_embeds-steps-N.safetensors every N steps (0: never)", methods=(TI,), default=0
-    )
+    save_steps: int = _flag("learned_embeds-steps-N.safetensors every N steps (0: never)", methods=(TI,), default=0)
     checkpointing_steps: int = _flag("write a resumable checkpoint every N steps (0: never)", default=500)
     checkpoints_total_limit: int | None = _flag("keep at most this many checkpoints", default=None)
     resume_from_checkpoint: str | None = _flag(

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
+from xeonsd.trainer.config import TI
 from xeonsd.trainer.rng import Stream, generator
 
 if TYPE_CHECKING:
@@ -116,6 +117,15 @@ def load_all_pixels(
     return inputs if placements else torch.stack(inputs)
 
 
+FLIP_P = 0.5  # the share of mirrored examples where a run flips (the textual-inversion recipe's flip_p)
+
+
+def flips(cfg) -> bool:
+    """Whether a run mirrors examples: ``--random_flip`` / ``--no-random_flip``, else its method's recipe (textual
+    inversion flips, as diffusers' textual_inversion.py; LoRA and full do not, as its DreamBooth and LoRA scripts)."""
+    return cfg.method == TI if cfg.random_flip is None else cfg.random_flip
+
+
 @dataclass(frozen=True)
 class Example:
     """All random choices for one training example."""
@@ -136,7 +146,7 @@ class SamplingPlan:
     num_templates: int
     num_timesteps: int
     latent_shape: tuple[int, int, int]
-    flip_p: float = 0.5
+    flip_p: float = FLIP_P  # 0: never mirrored (--no-random_flip)
     timestep_range: tuple[int, int] | None = None  # [lo, hi); None: [0, num_timesteps)
     noise_offset: float = 0.0
     buckets: BucketBatches | None = None  # --buckets: a global batch from one bucket, latents of its shape

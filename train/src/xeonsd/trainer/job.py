@@ -24,7 +24,7 @@ from xeonsd.trainer import checkpoint as ckpt
 from xeonsd.trainer.buckets import BUCKET_OPTIONS, BucketBatches, Buckets
 from xeonsd.trainer.conditioning import PromptConditioning
 from xeonsd.trainer.config import TrainConfig
-from xeonsd.trainer.data import SamplingPlan
+from xeonsd.trainer.data import FLIP_P, SamplingPlan, flips
 from xeonsd.trainer.encoded_prompts import encode_prompts
 from xeonsd.trainer.inputs import FLOW_FLAGS, Inputs
 from xeonsd.trainer.latents import LatentTable
@@ -339,7 +339,7 @@ def _prepare_data(
     log.info(
         "start-up: models loaded in %.1f s; prepared %d latent inputs in %.1f s and %d prompts in %.1f s (%s)",
         load_s,
-        latents.count,
+        latents.inputs,
         t2 - t1,
         len(prompts.texts),
         t1 - t0,
@@ -351,6 +351,7 @@ def _prepare_data(
         num_templates=prompts.num_templates,
         num_timesteps=num_timesteps,
         latent_shape=latents.shape,
+        flip_p=FLIP_P if flips(cfg) else 0.0,
         timestep_range=timestep_range,
         noise_offset=cfg.noise_offset,
         buckets=batches,

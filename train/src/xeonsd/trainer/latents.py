@@ -2,7 +2,8 @@
 
 The VAE encoder maps an image to a diagonal Gaussian (mean, std); training samples ``mean + std * eps``. The
 inputs never change during a run (each image and its mirror), so encoding them once and sampling the cached
-distribution draws from exactly the same distribution as encoding every step, without the encoder's FLOPs.
+distribution draws from exactly the same distribution as encoding every step, without the encoder's FLOPs. A run
+that does not flip (:func:`xeonsd.trainer.data.flips`) and the validation set encode no mirror.
 
 The cache is built in shards: each rank encodes every ``world``-th image (the image and its mirror, so each image
 is decoded on one rank, one at a time: no rank holds the decoded set) and one all-reduce gives every rank all of
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from xeonsd.cluster.distributed import all_reduce_sum_
@@ -160,10 +162,17 @@ class LatentTable:
     dtype: torch.dtype = torch.float32
     time_ids: torch.Tensor | None = None  # SDXL: [count, 6] micro-conditioning per input row
     encoded: int = 0  # inputs the VAE encoded for the cache (all ranks)
+    # False: the mirror rows (2*i+1) were never encoded (a run that does not flip; the validation set): zeros
+    mirrors: bool = True
     references: list[LatentTable] | None = None
     # --masks: each row's latent mask [1, h, w] (:mod:`.masks`; made from the files at start-up, never cached on
     # disk), stacked [count, 1, h, w] or, with buckets of several sizes, a list; None: unmasked
     mask: torch.Tensor | list[torch.Tensor] | None = None
+
+    @property
+    def inputs(self) -> int:
+        """The rows a run samples: every image, and its mirror where the run flips."""
+        return self.count if self.mirrors else self.count // 2
 
     def mask_of(self, examples) -> torch.Tensor | None:
         """The examples' latent masks [b, 1, h, w] (``--masks``), or None."""
@@ -196,16 +205,22 @@ class LatentTable:
         buckets: Buckets | None = None,
         references: dict[Path, tuple[Path, ...]] | None = None,
         masks: dict[Path, Path] | None = None,
+        mirrors: bool | None = None,
     ) -> LatentTable:
         """The table of ``images`` at ``--resolution`` or, with ``buckets``, each in its bucket; from the disk
         cache where every rank has an image's file. ``references``: each image's reference images (edit training),
         whose tables (one per place in the list) are built the same way and kept in ``references``: a reference
         goes into its training image's bucket (resized and cropped by the same rule), so a batch stacks both.
-        ``masks``: each image's mask file (``--masks``), whose latent masks the table keeps (``mask``)."""
-        table = cls._build(cfg, models, images, rank, local_rank, world, buckets, masks)
+        ``masks``: each image's mask file (``--masks``), whose latent masks the table keeps (``mask``).
+        ``mirrors``: whether the mirror rows are encoded too (default: where the run flips,
+        :func:`~xeonsd.trainer.data.flips`); without, they stay zero and no example samples them."""
+        from xeonsd.trainer.data import flips
+
+        mirrors = flips(cfg) if mirrors is None else mirrors
+        table = cls._build(cfg, models, images, rank, local_rank, world, mirrors, buckets, masks)
         if references is not None and images:
             table.references = [
-                cls._build(cfg, models, [references[p][k] for p in images], rank, local_rank, world, buckets)
+                cls._build(cfg, models, [references[p][k] for p in images], rank, local_rank, world, mirrors, buckets)
                 for k in range(len(references[images[0]]))
             ]
         return table
@@ -219,6 +234,7 @@ class LatentTable:
         rank: int,
         local_rank: int,
         world: int,
+        mirrors: bool,
         buckets: Buckets | None = None,
         masks: dict[Path, Path] | None = None,
     ) -> LatentTable:
@@ -248,6 +264,7 @@ class LatentTable:
             "shift": shift,
             "dtype": models.weight_dtype,
             "time_ids": time_ids,
+            "mirrors": mirrors,
         }
         if masks is not None:
             common["mask"] = mask_rows([masks[p] for p in images], cfg.resolution, cfg.center_crop, places, shapes)
@@ -262,23 +279,24 @@ class LatentTable:
         def load(i: int) -> torch.Tensor:
             return pair(i // 2)[i % 2].unsqueeze(0)
 
+        needed = [i for i in range(count) if mirrors or i % 2 == 0]
         cache_dir = Path(cfg.latent_cache_dir).expanduser() if cfg.latent_cache_dir else None
         if cache_dir is None:
-            mean, std, _ = build_bucketed_cache(vae, load, models.weight_dtype, shapes, rank, world)
-            return cls(**common, mean=mean, std=std, encoded=count)
+            mean, std, _ = build_bucketed_cache(vae, load, models.weight_dtype, shapes, rank, world, needed)
+            return cls(**common, mean=mean, std=std, encoded=len(needed))
 
         files = _cache_files(cfg, models, cache_dir, images, time_ids, places)
-        have = torch.tensor([int(f.is_file()) for f in files], dtype=torch.int64)
+        have = torch.tensor([int(cached_rows(f) >= (2 if mirrors else 1)) for f in files], dtype=torch.int64)
         everywhere = all_reduce_sum_(have.clone(), world)  # an image is reused only where every rank has it
-        todo = [i for i in range(count) if everywhere[i // 2] < world]
+        todo = [i for i in needed if everywhere[i // 2] < world]
         mean, std, here = build_bucketed_cache(vae, load, models.weight_dtype, shapes, rank, world, todo)
-        sync_disk_cache(files, have, everywhere == world, mean, std, time_ids, local_rank == 0)
+        sync_disk_cache(files, have, everywhere == world, mean, std, time_ids, local_rank == 0, mirrors)
         log.info(
             "latent cache %s: %d of %d image(s) reused, %d encoded (%d input(s) on this rank)",
             cache_dir,
-            len(images) - len(todo) // 2,
+            len(images) - len({i // 2 for i in todo}),
             len(images),
-            len(todo) // 2,
+            len({i // 2 for i in todo}),
             here,
         )
         return cls(**common, mean=mean, std=std, encoded=len(todo))
@@ -312,20 +330,31 @@ def bucket_placements(images: list[Path], buckets: Buckets | None, center_crop: 
     return [placement(image_size(p), buckets.size_of(k), center_crop) for k, p in enumerate(images)]
 
 
-def sync_disk_cache(files, have, everywhere, mean, std, time_ids, writer: bool) -> None:
+def cached_rows(f: Path) -> int:
+    """The rows an image's cache file holds: 2 (the image and its mirror), 1 (the image: written by a run that did
+    not flip), 0 (no file)."""
+    if not f.is_file():
+        return 0
+    with safe_open(str(f), "pt") as saved:
+        return saved.get_slice("mean").get_shape()[0]
+
+
+def sync_disk_cache(files, have, everywhere, mean, std, time_ids, writer: bool, mirrors: bool = True) -> None:
     """Fill the rows of the images every rank has (``everywhere``) from their files; a ``writer`` (one rank per
-    node) writes the files its node lacks (``have``) from the freshly encoded rows (an image's two rows a file)."""
+    node) writes the files its node lacks (``have``) from the freshly encoded rows (a file: an image's row, and its
+    mirror's where the run encoded it; a run that flips rewrites a file without the mirror)."""
+    rows = 2 if mirrors else 1
     for k, f in enumerate(files):
         if everywhere[k]:
             saved = load_file(str(f))
-            mean[2 * k], mean[2 * k + 1] = saved["mean"]
-            std[2 * k], std[2 * k + 1] = saved["std"]
+            mean[2 * k : 2 * k + rows] = saved["mean"][:rows]
+            std[2 * k : 2 * k + rows] = saved["std"][:rows]
             if time_ids is not None:
                 time_ids[2 * k : 2 * k + 2] = saved["time_ids"]
         elif writer and not have[k]:
             entry = {
-                "mean": torch.stack([mean[2 * k], mean[2 * k + 1]]),
-                "std": torch.stack([std[2 * k], std[2 * k + 1]]),
+                "mean": torch.stack([mean[2 * k + j] for j in range(rows)]),
+                "std": torch.stack([std[2 * k + j] for j in range(rows)]),
             }
             if time_ids is not None:
                 entry["time_ids"] = time_ids[2 * k : 2 * k + 2].contiguous()

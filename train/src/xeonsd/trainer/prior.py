@@ -270,6 +270,7 @@ def build_prior(
         num_templates=1,
         num_timesteps=like.num_timesteps,
         latent_shape=latents.shape,
+        flip_p=like.flip_p,
         timestep_range=like.timestep_range,
         noise_offset=like.noise_offset,
         flow=like.flow,

@@ -39,7 +39,7 @@ def train_summary(job: Job, first_step_s: float | None = None, first_step_cpu_s:
         startup={
             "time_to_first_step_s": first_step_s,
             "cpu_s_to_first_step": first_step_cpu_s,
-            "latent_inputs": job.data.latents.count,
+            "latent_inputs": job.data.latents.inputs,
             "latent_inputs_encoded": job.data.latents.encoded,
             "shared_weights_bytes": dict(store.mapped) if (store := job.training.models.store) is not None else {},
             "shared_weights_held_bytes": store.held if store is not None else {},

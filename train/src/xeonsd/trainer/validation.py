@@ -180,7 +180,7 @@ def build_validation(
 
     prompts, text = text
     latents = LatentTable.build(
-        cfg, models, held.images, info.rank, info.local_rank, info.world_size, references=references
+        cfg, models, held.images, info.rank, info.local_rank, info.world_size, references=references, mirrors=False
     )
     sigmas = None
     if models.flow is not None:  # the middles of TIMESTEPS equal bands of u, through the model's own σ schedule
