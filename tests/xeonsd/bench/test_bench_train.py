@@ -62,23 +62,40 @@ def test_bench_train_refuses_a_model_it_cannot_find(tmp_path, capsys):
     assert err.startswith(f"xeonsd bench train: error: --model {tmp_path / 'nope'}: cannot be loaded: looked for")
 
 
-def one_step_bench(out: Path, env: dict[str, str], *flags: str) -> subprocess.CompletedProcess:
-    """``xeonsd bench train FLAGS``: the optimized variant alone, one timed step at 64 px in fp32, one round and one
-    probe, its report written to ``out``."""
+def test_bench_train_refuses_adapters_for_another_method(tiny_model, capsys):
+    from xeonsd.bench.train import main
+
+    assert main([f"--model={tiny_model}", "--method=full", "--adapters", "--peak-size=64"]) == 2
+    assert "--adapters compares LoRA's adapter types: it needs --method lora, not full" in capsys.readouterr().err
+
+
+def one_step_bench(
+    out: Path, env: dict[str, str], *flags: str, only: tuple[str, ...] = ("optimized",)
+) -> subprocess.CompletedProcess:
+    """``xeonsd bench train FLAGS``: the ``only`` variants (the optimized one), one timed step at 64 px in fp32, one
+    round and one probe, its report written to ``out``."""
     args = ["bench", "train", *flags, "--resolution=64", "--steps=1", "--peak-size=256", "--dtype=fp32"]
-    args += ["--only", "optimized", f"--json={out}", "--rounds=1", "--probes=1", "--probe-seconds=0.05"]
+    args += ["--only", *only, f"--json={out}", "--rounds=1", "--probes=1", "--probe-seconds=0.05"]
     return subprocess.run(
         [sys.executable, "-m", "xeonsd.cli", *args], env=env, capture_output=True, text=True, timeout=600
     )
 
 
-def test_bench_train_lora_measures_the_allreduce_on_two_ranks(tiny_model, tmp_path, cli_env):
-    """The 2-rank run's recorded collectives carry exactly the adapters' gradients and the loss."""
+def test_bench_train_lora_measures_the_allreduce_on_two_ranks_and_each_adapter_type(tiny_model, tmp_path, cli_env):
+    """The 2-rank run's recorded collectives carry exactly the adapters' gradients and the loss. With --adapters,
+    DoRA, LoKr and LoHa train beside plain LoRA, each row with its own trained parameters."""
     out = tmp_path / "bench.json"
     env = dict(cli_env, I_MPI_FABRICS="shm")
-    proc = one_step_bench(out, env, "--method=lora", f"--model={tiny_model}", "--warmup=2", "--profile")
+    flags = ("--method=lora", f"--model={tiny_model}", "--warmup=2", "--profile", "--adapters")
+    proc = one_step_bench(out, env, *flags, only=("optimized", "dora", "lokr", "loha"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
+    trained = {r["variant"]: r["trainable_params"] for r in report["results"]}
+    assert set(trained) == {"optimized", "dora", "lokr", "loha"} and all(n > 0 for n in trained.values()), trained
+    # DoRA is LoRA and one magnitude per output feature of each adapted layer; LoKr and LoHa are shaped otherwise.
+    assert trained["dora"] > trained["optimized"] and len(set(trained.values())) == 4, trained
+    assert "trained params" in proc.stdout and f"{trained['lokr']:,}" in proc.stdout
+    assert all(r["s_per_step"] > 0 for r in report["results"])
     computed = report["results"][0]["allreduce_bytes"]
     assert report["method"] == "lora" and computed > 1000
     assert report["allreduce_bytes_measured_2ranks"] == computed, report.get("allreduce_not_measured")
@@ -166,11 +183,12 @@ def test_extra_variants_are_the_method_s_own(method):
     from xeonsd.cpu import CpuInfo
     from xeonsd.families import Family, by_name
 
-    args = argparse.Namespace(method=method, extra=True, only=None, reference_script=None)
+    args = argparse.Namespace(method=method, extra=True, only=None, reference_script=None, adapters=False)
     cpu = CpuInfo("test", frozenset({"avx512_bf16", "avx512_vnni"}))
     sd = {v.name: v for v in _variants(args, Family(by_name("sd"), 64, 8), cpu, "bf16")}
     flux = {v.name for v in _variants(args, Family(by_name("flux"), 64, 16), cpu, "bf16")}
     assert ("int8 base" in sd) == (method == "lora") and ("int8 base" in flux) == (method == "lora")
+    assert not {"dora", "lokr", "loha"} & set(sd)  # only with --adapters
     assert "channels_last" in sd and "channels_last" not in flux
     assert all(not v.command for v in sd.values())
     if method == "lora":

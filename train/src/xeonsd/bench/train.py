@@ -30,7 +30,7 @@ from xeonsd.bench import rounds as rnd
 from xeonsd.bench.targets import bench_targets
 from xeonsd.bench.train_report import format_table, profile_summary, step_seconds, summarize
 from xeonsd.bench.train_runs import measure_allreduce, run_rounds
-from xeonsd.bench.train_variants import EXTRA_VARIANTS, Variant, method_args, variants_for
+from xeonsd.bench.train_variants import ADAPTER_VARIANTS, EXTRA_VARIANTS, Variant, method_args, variants_for
 from xeonsd.contracts.method_names import METHODS
 from xeonsd.fsutil import atomic_file
 
@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also try channels_last, the per-tensor AdamW, torch.compile, torch's SDPA unfolded (--attention sdpa) "
         "and, for LoRA, the frozen linears in int8 (--base_precision int8)",
+    )
+    p.add_argument(
+        "--adapters",
+        action="store_true",
+        help="--method lora: also train DoRA, LoKr and LoHa (--adapter), interleaved with plain LoRA, each with its "
+        "trained parameters",
     )
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds: each variant runs once per round")
     p.add_argument("--peak-size", type=int, default=4096, help="largest matrix side of the matmul peak probes")
@@ -179,6 +185,8 @@ def _checked(args: argparse.Namespace):
     """The model and its family once every flag is checked; None after printing what is wrong."""
     if args.rounds < 1 or args.probes < 1:
         return _error("--rounds and --probes must be at least 1")
+    if args.adapters and args.method != "lora":
+        return _error(f"--adapters compares LoRA's adapter types: it needs --method lora, not {args.method}")
     if args.profile and args.warmup < 2:
         return _error(
             "--profile needs --warmup 2 or more (the first step counts the FLOPs, the last warm-up step is profiled)"
@@ -223,7 +231,7 @@ def _variants(args: argparse.Namespace, family, cpu, dtype: str) -> list[Variant
         and not (family.is_flow and v.name == "channels_last")
         and args.method in (v.methods or (args.method,))
     ]
-    variants = list(variants_for(args.method, dtype)) + extra
+    variants = list(variants_for(args.method, dtype)) + extra + (list(ADAPTER_VARIANTS) if args.adapters else [])
     if args.reference_script is not None:
         variants.append(Variant(dx.VARIANT, (), f"diffusers' {args.reference_script.name}, unchanged"))
     if args.only:

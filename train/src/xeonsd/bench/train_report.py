@@ -41,7 +41,10 @@ def summarize(name: str, runs: list[dict], warmup: int, peak_tflops: float, stat
         # The trainer's own estimate (memory_estimate.json), NaN where the run wrote none.
         "estimate_training_gb": runs[0].get("estimate", {}).get("training", float("nan")) / 1e9,
         "estimate_loading_gb": runs[0].get("estimate", {}).get("loading", float("nan")) / 1e9,
-        "allreduce_bytes": rows[-1].get("allreduce_bytes"),  # None: a script that does not say (diffusers')
+        "allreduce_bytes": rows[-1].get("allreduce_bytes"),
+        "trainable_params": runs[0].get(
+            "trainable_params"
+        ),  # train_summary.json's; None: diffusers' script  # None: a script that does not say (diffusers')
         "startup_s": statistics.median(startup_seconds(run) for run in runs),
         "rounds": len(runs),
         "s_per_step_rounds": stats["rounds"],
@@ -72,7 +75,7 @@ def format_table(results: list[dict], peaks: dict[str, float], dtype: str, cpu: 
         "the trainer's own estimate of its training and loading peak (GB)",
         f"{'variant':<24}{'s/step':>9}{'min-max':>16}{'x optimized':>13}{'min-max':>13}{'TFLOP/step':>12}"
         f"{'TFLOP/s':>9}{'of peak':>9}{'peak RSS GB':>13}{'est. train':>12}{'est. load':>11}{'start-up s':>12}"
-        f"{'all-reduce B/step':>19}",
+        f"{'all-reduce B/step':>19}{'trained params':>16}",
     ]
     for r in results:
         lines.append(
@@ -81,6 +84,7 @@ def format_table(results: list[dict], peaks: dict[str, float], dtype: str, cpu: 
             f"{_num(r['tflops'], '.3f', 9)}{_num(r['of_peak'], '.1%', 9)}{r['peak_rss_gb']:>13.2f}"
             f"{_num(r.get('estimate_training_gb'), '.2f', 12)}{_num(r.get('estimate_loading_gb'), '.2f', 11)}"
             f"{_num(r.get('startup_s'), '.1f', 12)}{_num(r['allreduce_bytes'], ',', 19)}"
+            f"{_num(r.get('trainable_params'), ',', 16)}"
         )
     return "\n".join(lines)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from xeonsd.bench import rounds as rnd
 from xeonsd.bench.train_variants import Variant
+from xeonsd.contracts.run_files import TRAIN_SUMMARY_FILE
 from xeonsd.trainer.memory import ESTIMATE_FILE
 
 log = logging.getLogger(__name__)
@@ -55,8 +56,16 @@ def run_variant(variant: Variant, base_args: list[str], out: Path, env: dict[str
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     estimate_file = out / ESTIMATE_FILE
     estimate = json.loads(estimate_file.read_text()) if estimate_file.is_file() else {}
+    summary_file = out / TRAIN_SUMMARY_FILE  # an unchanged diffusers script writes none
+    trained = json.loads(summary_file.read_text()).get("trainable_params") if summary_file.is_file() else None
     shutil.rmtree(out, ignore_errors=True)  # a full fine-tune writes a whole UNet per run: rounds would fill the disk
-    return {"rows": rows, "peak_rss_gb": usage.ru_maxrss * 1024 / 1e9, "estimate": estimate, "launched": launched}
+    return {
+        "rows": rows,
+        "peak_rss_gb": usage.ru_maxrss * 1024 / 1e9,
+        "estimate": estimate,
+        "launched": launched,
+        "trainable_params": trained,
+    }
 
 
 def run_rounds(variants: list[Variant], rounds: int, base_args: list[str], tmp: Path, env: dict[str, str]) -> dict:

@@ -1,5 +1,6 @@
 """``xeonsd bench train``'s variants: the optimized run and one run with each optimisation switched off (per
-method), the ``--extra`` ones, and the flags every variant of a method shares."""
+method), the ``--extra`` ones, LoRA's other adapter types (``--adapters``), and the flags every variant of a method
+shares."""
 
 from __future__ import annotations
 
@@ -50,6 +51,13 @@ def method_args(method: str) -> list[str]:
         return ["--placeholder_token=<dicoo>", "--initializer_token=toy"]
     return [f"--method={method}", "--instance_prompt=a photo of toy"]
 
+
+# --adapters: each adapter type the trainer has besides plain LoRA (--adapter), at the same rank and layers.
+ADAPTER_VARIANTS = (
+    Variant("dora", ("--adapter=dora",), "DoRA: LoRA and a trained magnitude per output feature", methods=("lora",)),
+    Variant("lokr", ("--adapter=lokr",), "LoKr: Kronecker products (peft)", methods=("lora",)),
+    Variant("loha", ("--adapter=loha",), "LoHa: Hadamard products of two low-rank pairs (peft)", methods=("lora",)),
+)
 
 EXTRA_VARIANTS = (
     Variant("channels_last", ("--channels_last",), "UNet in channels_last"),
