@@ -19,23 +19,29 @@ from xeonsd.families import by_name
 
 
 def test_bench_generate_runs_tiny_flux_end_to_end_and_skips_what_the_export_refuses(tmp_path: Path, capsys) -> None:
-    """(a) diffusers, (d) OpenVINO static and (f) GenAI run on the plain tiny-flux at its own 64 px; (g) hybrid int8
+    """(a) diffusers, (d) OpenVINO static, (f) GenAI and (j) the PyTorch engine run on the plain tiny-flux at its own
+    64 px, (j) printed beside (d) with the ratio and the pixel difference of the same seed's image; (g) hybrid int8
     and (h) ToMe are skipped, each in one line with the export's reason, and the run goes on."""
     work = tmp_path / "work"
-    argv = ["bench", "generate", "--arch", "tiny-flux", "--only", "adfgh", "--steps", "2", "--rounds", "1"]
+    argv = ["bench", "generate", "--arch", "tiny-flux", "--only", "adfghj", "--steps", "2", "--rounds", "1"]
     argv += ["--probes", "1", "--peak-size", "256", "--probe-seconds", "0.05"]  # quick probes: not checked here
     assert cli.main([*argv, "--workdir", str(work)]) == 0
     out = capsys.readouterr().out
     report = json.loads((work / "bench-generate-64x64-2steps.json").read_text())
     rows = {r["key"]: r for r in report["results"]}
-    assert sorted(rows) == list("adfgh")
-    for key in "adf":
+    assert sorted(rows) == list("adfghj")
+    for key in "adfj":
         assert rows[key]["per_image_s"] > 0 and rows[key]["load_s"] > 0 and rows[key]["note"] == "", rows[key]
     reasons = {"g": "hybrid int8 calibrates a UNet's calls", "h": "token merging patches a UNet's transformer blocks"}
     for key, reason in reasons.items():
         note = rows[key]["note"]
         assert rows[key]["per_image_s"] is None and note.startswith("skipped: --") and reason in note, note
         assert sum(line.startswith(f"({key}) ") and line.endswith(note) for line in out.splitlines()) == 2  # + table
+    j = report["torch_engine_vs_d"]
+    assert j["speedup"]["median"] > 0 and len(j["speedup_rounds"]) == 1 and 0 <= j["mean_abs_pixel_diff"] < 255, j
+    assert rows["j"]["name"].startswith("PyTorch engine") and rows["j"]["name"].endswith("(--engine torch)")
+    j_line = next(line for line in out.splitlines() if line.startswith("(j) PyTorch engine") and "beside" in line)
+    assert "beside (d) OpenVINO static: time j/d" in j_line and "mean absolute pixel difference" in j_line, j_line
     assert (report["family"], report["concept"], report["prompt"]) == ("flux", None, PLAIN_PROMPT)
     assert report["transformer_calls_per_step"] == 1  # FLUX.1-dev: guidance embedding, no classifier-free guidance
     assert not list(work.glob("concept-*"))

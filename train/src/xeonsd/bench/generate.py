@@ -1,4 +1,4 @@
-"""``xeonsd bench generate``: one prompt, seed and step count through seven pipelines, measured in one run.
+"""``xeonsd bench generate``: one prompt, seed and step count through ten pipelines, measured in one run.
 
 (a) diffusers PyTorch fp32, (b) PyTorch bf16 autocast, (c) OpenVINO dynamic shapes, (d) OpenVINO static shapes,
 (e) OpenVINO static with int8 weights, (f) OpenVINO GenAI on the static export, (g) OpenVINO static hybrid int8
@@ -6,7 +6,9 @@
 ratio and the mean absolute pixel difference to (d)'s image of the same seed; its target (>= 1.4x faster than (d))
 is judged only on a CPU with AMX-INT8. (h) OpenVINO static with token merging (``export --tome``, ``--tome`` ratio,
 0.5 by default) and (i) token merging + hybrid int8, each beside (d) in the same way; the target of (i) (>= 1.8x
-faster than (d) at 512 px) is judged only on AMX. Each is loaded, warmed up with a
+faster than (d) at 512 px) is judged only on AMX. (j) the PyTorch engine of ``xeonsd generate`` and ``xeonsd serve``
+(``--engine torch``: the family's diffusers pipeline, bf16 where the CPU has native bf16, else fp32; the only engine
+of the families optimum-intel cannot export), beside (d) in the same way. Each is loaded, warmed up with a
 one-step call, then timed on ``--images`` calls of one image, in ``--rounds`` interleaved rounds (a b c … a b c, see
 xeonsd.bench.rounds); the table gives the median seconds per image over the rounds with their min-max, and the
 median of each round's ratio to that round's (a). The FLOP floor is the FLOPs (d) executes per image (text encoder, ``steps`` UNet calls at batch 2 for
@@ -44,7 +46,15 @@ from typing import Any, NamedTuple
 from xeonsd.assets.models import arch_names, arch_resolution
 from xeonsd.bench import rounds as rnd
 from xeonsd.bench.generate_flow import flow_family, transformer_calls_per_step
-from xeonsd.bench.generate_pipelines import Bench, Result, model_and_concept, prompt_for, time_ov, time_torch
+from xeonsd.bench.generate_pipelines import (
+    Bench,
+    Result,
+    model_and_concept,
+    prompt_for,
+    time_ov,
+    time_torch,
+    time_torch_engine,
+)
 from xeonsd.bench.generate_report import format_table, pipeline_flops
 from xeonsd.fsutil import atomic_file
 from xeonsd.openvino.quantize import DEFAULT_SAMPLES
@@ -75,8 +85,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     peaks = {k: v["peak"]["median"] for k, v in stable["by_dtype"].items()}
     cpu = cpu_info()
     timed = {r.key: r.rounds_s for r in bench.results if r.rounds_s}
-    over_d = {}  # (d) / variant within each round: (g)'s, (h)'s and (i)'s speed-up
-    for key in ("g", "h", "i"):
+    over_d = {}  # (d) / variant within each round: (g)'s, (h)'s, (i)'s and (j)'s speed-up
+    for key in ("g", "h", "i", "j"):
         if key in timed and "d" in timed:
             speedups = rnd.per_round_ratios(timed["d"], timed[key])
             over_d[key] = {"speedup_rounds": speedups, "speedup": rnd.spread(speedups)}
@@ -106,13 +116,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "g_over_d": over_d.get("g"),
         "tome_ratio": args.tome,
         "tome_vs_d": {k: {**over_d[k], **bench.pixels.get(k, {})} for k in ("h", "i") if k in over_d},
+        "torch_engine_vs_d": {**over_d["j"], **bench.pixels.get("j", {})} if "j" in over_d else None,
         "matmul_probes_flops": {"before": before, "after": after},
         "machine": stable,
     }
 
 
 def _measure_variants(bench: Bench, peaks: dict[str, float], flops: dict[str, float]) -> None:
-    """(a) to (i) into ``bench.results``, and how the images of (g), (h) and (i) differ from (d)'s into
+    """(a) to (j) into ``bench.results``, and how the images of (g), (h), (i) and (j) differ from (d)'s into
     ``bench.pixels``."""
     from xeonsd.openvino.manifest import StaticShape
     from xeonsd.openvino.quantize import QuantizeOptions
@@ -128,7 +139,7 @@ def _measure_variants(bench: Bench, peaks: dict[str, float], flops: dict[str, fl
             bench.measure("b", "PyTorch bf16 autocast", lambda: time_torch(model, embeds, args, bf16=True))
         else:
             bench.results.append(_bf16_not_run(peaks, flops))
-    images: dict[str, list] = {key: [] for key in "dghi"}  # each one's first image
+    images: dict[str, list] = {key: [] for key in "dghij"}  # each one's first image
     quantize = QuantizeOptions(samples=args.calibration_samples)
     static_kind = f"static-{size}"
     tome_name, both_name = f"OpenVINO static {size} ToMe {args.tome:g}", f"OpenVINO ToMe {args.tome:g} + hybrid {size}"
@@ -147,8 +158,13 @@ def _measure_variants(bench: Bench, peaks: dict[str, float], flops: dict[str, fl
         ov_dir = bench.export_or_skip(key, v.name, v.kind, v.static, v.weight_format, v.quantize, tome=v.tome)
         if ov_dir is not None:
             bench.measure(key, v.name, lambda d=ov_dir, v=v: time_ov(d, v.engine, args, v.keep))
+    if "j" in only:
+        from xeonsd.torch_engine import torch_dtype
+
+        name = f"PyTorch engine {'bf16' if 'bfloat16' in str(torch_dtype()) else 'fp32'} (--engine torch)"
+        bench.measure("j", name, lambda: time_torch_engine(model, embeds, args, images["j"]))
     bench.measure_rounds(args.rounds)
-    for key in "ghi":
+    for key in "ghij":
         if images[key] and images["d"]:
             bench.pixels[key] = _pixel_difference(images[key], images["d"], args.seed)
 
@@ -214,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-seconds", type=float, default=1.0, help="seconds of products per probe (all its sizes)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="256x256 and 4 steps")
-    p.add_argument("--only", default="abcdefghi", help="variants to run, e.g. 'ad' ('g', 'h', 'i' run 'd' too)")
+    p.add_argument("--only", default="abcdefghij", help="variants to run, e.g. 'ad' ('g', 'h', 'i', 'j' run 'd' too)")
     p.add_argument("--tome", default="0.5", metavar="RATIO", help="(h), (i): the token merging ratio (export --tome)")
     p.add_argument(
         "--calibration-samples",
@@ -243,8 +259,8 @@ def main(argv: list[str]) -> int:
         args.tome = check_ratio(args.tome)  # its TomeError is a ValueError
     except ValueError as exc:
         raise SystemExit(f"xeonsd bench generate: error: {exc}") from None
-    only = set(args.only) & set("abcdefghi")
-    args.only = sorted(only | {"d"} if only & set("ghi") else only)  # (g), (h), (i) are judged against (d)
+    only = set(args.only) & set("abcdefghij")
+    args.only = sorted(only | {"d"} if only & set("ghij") else only)  # (g), (h), (i), (j) are judged against (d)
     if args.tome == 0 and only & set("hi"):
         raise SystemExit("xeonsd bench generate: error: (h) and (i) need --tome above 0")
     if args.model:

@@ -249,9 +249,31 @@ def time_torch(model: Path, embeds: Path | None, args: argparse.Namespace, bf16:
     return load_s, sum(times) / len(times)
 
 
+def time_torch_engine(
+    model: Path, embeds: Path | None, args: argparse.Namespace, keep: list | None = None
+) -> tuple[float, float]:
+    """(j): the PyTorch engine of ``xeonsd generate`` and ``xeonsd serve`` (``--engine torch``: the family's diffusers
+    pipeline with the concept added, bf16 where the CPU has native bf16, else fp32) on the model directory, timed as
+    the OpenVINO engines are (:func:`time_ov`)."""
+    from xeonsd.openvino.generate import GenerateOptions, open_engine
+
+    opts = GenerateOptions(
+        prompts=(prompt_for(embeds),),
+        num_images=args.images,
+        steps=args.steps,
+        seed=args.seed,
+        height=args.height,
+        width=args.width,
+        batch_size=1,
+        engine="torch",
+        embeds=embeds,
+    )
+    return _time_engine(open_engine(model, opts), prompt_for(embeds), args, keep)
+
+
 def time_ov(ov_dir: Path, engine: str, args: argparse.Namespace, keep: list | None = None) -> tuple[float, float]:
     """Load+compile and mean seconds per image; ``keep`` gets the first timed image (seed ``args.seed``)."""
-    from xeonsd.openvino.generate import Call, GenerateOptions, open_engine
+    from xeonsd.openvino.generate import GenerateOptions, open_engine
     from xeonsd.openvino.manifest import read_manifest
 
     manifest = read_manifest(ov_dir, verify=False)
@@ -267,7 +289,14 @@ def time_ov(ov_dir: Path, engine: str, args: argparse.Namespace, keep: list | No
         batch_size=None if static else 1,
         engine=engine,
     )
-    eng = open_engine(ov_dir, opts)
+    return _time_engine(open_engine(ov_dir, opts), prompt, args, keep)
+
+
+def _time_engine(eng: Any, prompt: str, args: argparse.Namespace, keep: list | None) -> tuple[float, float]:
+    """An open engine's load (+ compile) seconds and mean seconds per image over its planned calls (one warm-up call
+    of one step first, unless ``--no-warmup``); ``keep`` gets the first image. The engine is closed after."""
+    from xeonsd.openvino.generate import Call
+
     try:
         if hasattr(eng._pipe, "set_progress_bar_config"):
             eng._pipe.set_progress_bar_config(disable=True)

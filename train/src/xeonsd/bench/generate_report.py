@@ -139,6 +139,9 @@ def format_table(report: dict[str, Any]) -> str:
     if g_line:
         lines.append(g_line)
     lines.extend(_tome_lines(report))
+    j_line = _torch_engine_line(report, by_key)
+    if j_line:
+        lines.append(j_line)
     if report["export_seconds"]:
         lines.append("export time (s, cached between runs): " + json.dumps(report["export_seconds"]))
     return "\n".join(lines)
@@ -186,6 +189,19 @@ def _tome_lines(report: dict[str, Any]) -> list[str]:
             line += "; " + _tome_target(report, speedup)
         lines.append(line)
     return lines
+
+
+def _torch_engine_line(report: dict[str, Any], by_key: dict[str, Any]) -> str | None:
+    """(j) the PyTorch engine beside (d) OpenVINO static: each round's d/j and the pixel difference for the same
+    seed (what serving a family without an OpenVINO export, or with --engine torch, costs)."""
+    cmp = report.get("torch_engine_vs_d")
+    if not cmp or "j" not in by_key:
+        return None
+    speedup = cmp["speedup"]["median"]
+    return (
+        f"(j) {by_key['j']['name']} beside (d) OpenVINO static: time j/d {1 / speedup:.2f} = {_faster(speedup)} "
+        f"(per round {', '.join(f'{r:.2f}' for r in cmp['speedup_rounds'])}){_pixel_difference(cmp)}"
+    )
 
 
 def _tome_target(report: dict[str, Any], speedup: float) -> str:
