@@ -189,6 +189,7 @@ def test_extra_variants_are_the_method_s_own(method):
     flux = {v.name for v in _variants(args, Family(by_name("flux"), 64, 16), cpu, "bf16")}
     assert ("int8 base" in sd) == (method == "lora") and ("int8 base" in flux) == (method == "lora")
     assert not {"dora", "lokr", "loha"} & set(sd)  # only with --adapters
+    assert ("random flip" in sd) == (method != "textual_inversion")  # textual inversion flips already
     assert "channels_last" in sd and "channels_last" not in flux
     assert all(not v.command for v in sd.values())
     if method == "lora":

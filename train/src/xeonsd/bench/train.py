@@ -77,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--extra",
         action="store_true",
-        help="also try channels_last, the per-tensor AdamW, torch.compile, torch's SDPA unfolded (--attention sdpa) "
-        "and, for LoRA, the frozen linears in int8 (--base_precision int8)",
+        help="also try channels_last, the per-tensor AdamW, torch.compile, torch's SDPA unfolded (--attention sdpa), "
+        "for LoRA the frozen linears in int8 (--base_precision int8), for LoRA and full --random_flip (the mirrors "
+        "encoded at start-up: see the start-up column)",
     )
     p.add_argument(
         "--adapters",

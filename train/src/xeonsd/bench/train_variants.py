@@ -67,4 +67,6 @@ EXTRA_VARIANTS = (
     Variant(
         "int8 base", ("--base_precision=int8",), "frozen linears in int8 (AMX-INT8), adapters bf16", methods=("lora",)
     ),
+    # LoRA and full do not flip (their recipes'); this one does, and encodes every image's mirror at start-up too.
+    Variant("random flip", ("--random_flip",), "half the examples mirrored, mirrors encoded", methods=("lora", "full")),
 )
