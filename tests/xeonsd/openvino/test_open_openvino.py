@@ -222,13 +222,10 @@ def test_another_familys_adapter_is_refused_naming_both(assets: Assets, capsys, 
 @pytest.fixture
 def server(assets: Assets, cli_env: dict[str, str]) -> Iterator[ServeProcess]:
     """``xeonsd serve`` on FLUX.2's export (the cheapest of the three to compile) with its adapter."""
-    proc = ServeProcess(
+    with ServeProcess.running(
         assets.export("flux2"), "--name=base", f"--adapter=toy={assets.lora('flux2')}", "--workers=1", env=cli_env
-    )
-    try:
-        yield proc.start()
-    finally:
-        proc.stop()
+    ) as proc:
+        yield proc
 
 
 def test_serve_answers_with_and_without_the_adapter(server: ServeProcess) -> None:

@@ -38,7 +38,7 @@ def edit_server(ov_base: Path, toy_adapter: Path, other_adapter: Path):  # noqa:
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    proc = ServeProcess(
+    with ServeProcess.running(
         ov_base,
         "--name=base",
         f"--adapter=toy={toy_adapter}",
@@ -49,11 +49,8 @@ def edit_server(ov_base: Path, toy_adapter: Path, other_adapter: Path):  # noqa:
         "--queue=4",
         "--max-images=5",
         env=env,
-    )
-    try:
-        yield proc.start()
-    finally:
-        proc.stop()
+    ) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")

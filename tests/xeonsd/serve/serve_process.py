@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -59,6 +60,17 @@ class ServeProcess:
                     return self
                 time.sleep(0.05)
         raise AssertionError("never ready:\n" + "\n".join(self.lines))
+
+    @classmethod
+    @contextlib.contextmanager
+    def running(cls, export_dir: Path, *flags: str, env: dict[str, str] | None = None) -> Iterator[ServeProcess]:
+        """The server started (:meth:`start`) for the block, and stopped (:meth:`stop`) however the block ends: a
+        module fixture's ``with ServeProcess.running(export, *flags, env=env) as server: yield server``."""
+        proc = cls(export_dir, *flags, env=env)
+        try:
+            yield proc.start()
+        finally:
+            proc.stop()
 
     def stop(self, timeout: float = 60) -> int:
         """SIGTERM, then the exit status (killed, and an error, if it does not stop in ``timeout``)."""

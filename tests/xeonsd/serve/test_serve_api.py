@@ -33,7 +33,7 @@ LONG = 1000  # steps of a request that runs until it is cancelled (--max-steps a
 
 @pytest.fixture(scope="module")
 def server(ov_base: Path, toy_adapter: Path, cli_env_module: dict[str, str]) -> Iterator[ServeProcess]:
-    proc = ServeProcess(
+    with ServeProcess.running(
         ov_base,
         "--name=base",
         f"--adapter=toy={toy_adapter}",
@@ -43,11 +43,8 @@ def server(ov_base: Path, toy_adapter: Path, cli_env_module: dict[str, str]) -> 
         f"--max-steps={LONG}",
         f"--max-images={PER_CALL}",
         env=cli_env_module,
-    )
-    try:
-        yield proc.start()
-    finally:
-        proc.stop()
+    ) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")

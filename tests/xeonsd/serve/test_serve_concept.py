@@ -37,7 +37,7 @@ def tmpdir_env(cli_env_module: dict[str, str], tmp_path_factory: pytest.TempPath
 
 @pytest.fixture(scope="module")
 def server(ov_base: Path, embeds: Path, toy_adapter: Path, tmpdir_env: dict[str, str]) -> Iterator[ServeProcess]:
-    proc = ServeProcess(
+    with ServeProcess.running(
         ov_base,
         "--name=concept",
         f"--embeds={embeds}",
@@ -45,11 +45,8 @@ def server(ov_base: Path, embeds: Path, toy_adapter: Path, tmpdir_env: dict[str,
         "--workers=1",
         f"--max-images={PER_CALL}",
         env=tmpdir_env,
-    )
-    try:
-        yield proc.start()
-    finally:
-        proc.stop()
+    ) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")

@@ -32,11 +32,8 @@ BOUNDED = settings(
 @pytest.fixture(scope="module")
 def server(ov_base: Path, cli_env_module: dict) -> Iterator[ServeProcess]:
     flags = ("--name=base", "--workers=1", "--max-steps=2", "--max-images=2", "--queue=64")
-    proc = ServeProcess(ov_base, *flags, env=cli_env_module)
-    try:
-        yield proc.start()
-    finally:
-        proc.stop()
+    with ServeProcess.running(ov_base, *flags, env=cli_env_module) as proc:
+        yield proc
 
 
 def _json_values() -> st.SearchStrategy:

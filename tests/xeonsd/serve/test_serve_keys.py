@@ -35,11 +35,11 @@ def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(ov_base: Path, key_file: Path, cli_env_module: dict[str, str]) -> Iterator[ServeProcess]:
-    proc = ServeProcess(ov_base, "--name=base", "--workers=1", f"--api-key-file={key_file}", env=cli_env_module)
-    try:
-        yield proc.start()  # start() polls /v2/health/ready without a key: the health checks stay open
-    finally:
-        proc.stop()
+    # start() polls /v2/health/ready without a key: the health checks stay open
+    with ServeProcess.running(
+        ov_base, "--name=base", "--workers=1", f"--api-key-file={key_file}", env=cli_env_module
+    ) as proc:
+        yield proc
 
 
 def _get(server: ServeProcess, path: str, key: str | None = None) -> httpx.Response:

@@ -42,13 +42,9 @@ def server(ov_base: Path, tmp_path_factory: pytest.TempPathFactory, cli_env_modu
         f"--read-timeout={READ_S}",
         f"--rate-limit={PER_MINUTE}",
     ]
-    proc = ServeProcess(ov_base, *flags, env=cli_env_module)
-    try:
-        proc.start()
+    with ServeProcess.running(ov_base, *flags, env=cli_env_module) as proc:
         proc.url = proc.url.replace("0.0.0.0", "127.0.0.1")
         yield proc
-    finally:
-        proc.stop()
 
 
 def _auth(name: str) -> dict[str, str]:

@@ -99,7 +99,7 @@ def edit_lora(qwen_edit: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
 
 @pytest.fixture(scope="module")
 def server(qwen_edit: Path, edit_lora: Path, cli_env_module: dict[str, str]):
-    proc = ServeProcess(
+    with ServeProcess.running(
         qwen_edit,
         "--name=base",
         f"--adapter=toy.v1={edit_lora}",  # a '.' in the name: the pipeline's adapter name is its own
@@ -108,11 +108,8 @@ def server(qwen_edit: Path, edit_lora: Path, cli_env_module: dict[str, str]):
         "--queue=2",
         f"--max-steps={LONG}",
         env=cli_env_module,
-    )
-    try:
-        yield proc.start()
-    finally:
-        proc.stop()
+    ) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")
