@@ -260,7 +260,9 @@ def test_pairs_of_mixed_aspect_train_in_buckets(tmp_path, tiny_flux2_model):  # 
     images = sorted(data.glob("p*.png"))
     buckets = assign(images, 64, 48, 80, 16)
     assert len(set(buckets.of_image)) == 2  # a landscape and a portrait bucket
-    cfg = SimpleNamespace(resolution=64, center_crop=True, latent_cache=True, latent_cache_dir=None)
+    cfg = SimpleNamespace(
+        resolution=64, center_crop=True, latent_cache=True, latent_cache_dir=None, method="lora", random_flip=True
+    )
     vae = AutoencoderKLFlux2.from_pretrained(tiny_flux2_model, subfolder="vae")
     models = SimpleNamespace(training=FLUX2, vae=vae, weight_dtype=torch.float32)
     refs = {p: (data / "ref" / p.name,) for p in images}

@@ -135,16 +135,17 @@ def format_table(report: dict[str, Any]) -> str:
         if e:
             verdict.append(f"(e) faster than (d): {e:.2f} vs {d:.2f} s ({_met(e < d)})")
         lines.append("targets: " + "; ".join(verdict))
-    g_line = _hybrid_line(report, by_key)
-    if g_line:
-        lines.append(g_line)
-    lines.extend(_tome_lines(report))
-    j_line = _torch_engine_line(report, by_key)
-    if j_line:
-        lines.append(j_line)
+    lines.extend(_beside_d(report, by_key))
     if report["export_seconds"]:
         lines.append("export time (s, cached between runs): " + json.dumps(report["export_seconds"]))
     return "\n".join(lines)
+
+
+def _beside_d(report: dict[str, Any], by_key: dict[str, Any]) -> list[str]:
+    """The lines of the variants measured beside (d): (g) hybrid int8, (h) and (i) token merging, (j) the PyTorch
+    engine (each where it ran)."""
+    lines = [_hybrid_line(report, by_key), *_tome_lines(report), _torch_engine_line(report, by_key)]
+    return [line for line in lines if line]
 
 
 def _hybrid_line(report: dict[str, Any], by_key: dict[str, Any]) -> str | None:
