@@ -25,8 +25,8 @@ Use::
     opts = from_args(Options, parser.parse_args(argv))
 
 The type hint gives the argparse type (``int | None`` -> ``int``; ``Path``); a ``bool`` is a bare flag
-(``negatable=True``: also ``--no-NAME``; with a None default, three-way: True, False or None when left out); a field without a default is required (``positional=True``: a positional
-argument). A flag left out, or given as None, leaves the field's default (``cli_default``: what the command line
+(``negatable=True``: also ``--no-NAME``; with a None default, three-way: True, False or None when left out); a
+field without a default is required (``positional=True``: a positional argument). A flag left out, or given as None, leaves the field's default (``cli_default``: what the command line
 uses instead, where the Python API's default differs); ``action="append"`` collects a tuple; ``convert`` maps each
 given value (e.g. ``FILE[:ALPHA]`` -> ``(Path, float)``) after parsing. Other keyword arguments go to argparse
 (``choices``, ``metavar``); ``meta`` holds a command's own data (the trainer's ``methods``).

@@ -159,9 +159,11 @@ def _measure_variants(bench: Bench, peaks: dict[str, float], flops: dict[str, fl
         if ov_dir is not None:
             bench.measure(key, v.name, lambda d=ov_dir, v=v: time_ov(d, v.engine, args, v.keep))
     if "j" in only:
+        import torch
+
         from xeonsd.torch_engine import torch_dtype
 
-        name = f"PyTorch engine {'bf16' if 'bfloat16' in str(torch_dtype()) else 'fp32'} (--engine torch)"
+        name = f"PyTorch engine {'bf16' if torch_dtype() == torch.bfloat16 else 'fp32'} (--engine torch)"
         bench.measure("j", name, lambda: time_torch_engine(model, embeds, args, images["j"]))
     bench.measure_rounds(args.rounds)
     for key in "ghij":

@@ -255,41 +255,31 @@ def time_torch_engine(
     """(j): the PyTorch engine of ``xeonsd generate`` and ``xeonsd serve`` (``--engine torch``: the family's diffusers
     pipeline with the concept added, bf16 where the CPU has native bf16, else fp32) on the model directory, timed as
     the OpenVINO engines are (:func:`time_ov`)."""
-    from xeonsd.openvino.generate import GenerateOptions, open_engine
+    from xeonsd.openvino.generate import open_engine
 
-    opts = GenerateOptions(
-        prompts=(prompt_for(embeds),),
-        num_images=args.images,
-        steps=args.steps,
-        seed=args.seed,
-        height=args.height,
-        width=args.width,
-        batch_size=1,
-        engine="torch",
-        embeds=embeds,
-    )
-    return _time_engine(open_engine(model, opts), prompt_for(embeds), args, keep)
+    prompt = prompt_for(embeds)
+    opts = _options(args, prompt, height=args.height, width=args.width, batch_size=1, engine="torch", embeds=embeds)
+    return _time_engine(open_engine(model, opts), prompt, args, keep)
 
 
 def time_ov(ov_dir: Path, engine: str, args: argparse.Namespace, keep: list | None = None) -> tuple[float, float]:
     """Load+compile and mean seconds per image; ``keep`` gets the first timed image (seed ``args.seed``)."""
-    from xeonsd.openvino.generate import GenerateOptions, open_engine
+    from xeonsd.openvino.generate import open_engine
     from xeonsd.openvino.manifest import read_manifest
 
     manifest = read_manifest(ov_dir, verify=False)
     prompt = prompt_for(None if manifest.get("embeds") is None else Path(manifest["embeds"]))
     static = manifest["static_shape"] is not None
-    opts = GenerateOptions(
-        prompts=(prompt,),
-        num_images=args.images,
-        steps=args.steps,
-        seed=args.seed,
-        height=None if static else args.height,
-        width=None if static else args.width,
-        batch_size=None if static else 1,
-        engine=engine,
-    )
-    return _time_engine(open_engine(ov_dir, opts), prompt, args, keep)
+    size = {} if static else {"height": args.height, "width": args.width, "batch_size": 1}
+    return _time_engine(open_engine(ov_dir, _options(args, prompt, engine=engine, **size)), prompt, args, keep)
+
+
+def _options(args: argparse.Namespace, prompt: str, **kw: Any) -> Any:
+    """The bench's request to an engine: ``prompt``, ``--images`` calls of one image, ``--steps``, ``--seed``; ``kw``:
+    the engine, the shape where the model has none of its own, the concept."""
+    from xeonsd.openvino.generate import GenerateOptions
+
+    return GenerateOptions(prompts=(prompt,), num_images=args.images, steps=args.steps, seed=args.seed, **kw)
 
 
 def _time_engine(eng: Any, prompt: str, args: argparse.Namespace, keep: list | None) -> tuple[float, float]:

@@ -41,10 +41,8 @@ def summarize(name: str, runs: list[dict], warmup: int, peak_tflops: float, stat
         # The trainer's own estimate (memory_estimate.json), NaN where the run wrote none.
         "estimate_training_gb": runs[0].get("estimate", {}).get("training", float("nan")) / 1e9,
         "estimate_loading_gb": runs[0].get("estimate", {}).get("loading", float("nan")) / 1e9,
-        "allreduce_bytes": rows[-1].get("allreduce_bytes"),
-        "trainable_params": runs[0].get(
-            "trainable_params"
-        ),  # train_summary.json's; None: diffusers' script  # None: a script that does not say (diffusers')
+        "allreduce_bytes": rows[-1].get("allreduce_bytes"),  # None: a script that does not say (diffusers')
+        "trainable_params": runs[0].get("trainable_params"),  # train_summary.json's; None: diffusers' script
         "startup_s": statistics.median(startup_seconds(run) for run in runs),
         "rounds": len(runs),
         "s_per_step_rounds": stats["rounds"],
