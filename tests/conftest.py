@@ -22,11 +22,15 @@ def _is_cluster_test(item: pytest.Item) -> bool:
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the group into each test's id
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`make test`: -n 2 --dist loadgroup) every test of the 4-node test cluster runs in one
-    worker, in file order: they share one provisioned cluster (a session fixture, one cluster per machine), and
-    they spend most of their time waiting on SSH and Ansible, while the other worker runs the rest of the suite."""
+    worker, in file order but the bare cluster's tests first: they share one provisioned cluster (a session fixture,
+    one cluster per machine), while the other worker runs the rest of the suite."""
     for item in items:
         if _is_cluster_test(item):
             item.add_marker(pytest.mark.xdist_group("test-cluster"))
+    # The tests of the bare cluster (preflight's refusals, the inventory) before the session's provision: each
+    # compares every node's private files before and after its run, a walk of ~40,000 files per node once the
+    # nodes have their environments, and of a few before.
+    items.sort(key=lambda item: _is_cluster_test(item) and "fresh_provision" in item.fixturenames)
 
 
 # CFS weight 335 against nice 0's 1024: the cluster chain gets 3/4 of a core both want. Not more: against the 16
