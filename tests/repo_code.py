@@ -43,7 +43,8 @@ def write_wrapper(etc: Path) -> Path:
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     env.filters["quote"] = shlex.quote
     for path in sorted((REPO / "plugins" / "filter").glob("*.py")):
-        env.filters.update(ansible_code(path.stem).FilterModule().filters())
+        filters = ansible_code(path.stem).FilterModule().filters()
+        env.filters.update({f"xeonsd.cluster.{name}": f for name, f in filters.items()})  # the collection's names
     template = env.from_string((REPO / "roles" / "mpi" / "templates" / "run.j2").read_text())
     run = etc / "run"
     run.write_text(template.render(ansible_managed="Ansible managed", mpi_etc_dir=str(etc)))
@@ -52,13 +53,11 @@ def write_wrapper(etc: Path) -> Path:
 
 
 def local_playbook(play: Path, extra: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``ansible-playbook`` on this machine (local connection) with the repository's config, roles and plugins:
-    how the tests run a role for real without the test cluster."""
+    """``ansible-playbook`` on this machine (local connection) with the repository's config, and so its collection
+    xeonsd.cluster: how the tests run a role for real without the test cluster."""
     env = dict(
         os.environ,
         ANSIBLE_CONFIG=str(REPO / "ansible.cfg"),
-        ANSIBLE_ROLES_PATH=str(REPO / "roles"),
-        ANSIBLE_FILTER_PLUGINS=str(REPO / "plugins" / "filter"),
         ANSIBLE_LOCALHOST_WARNING="false",
         ANSIBLE_INVENTORY_UNPARSED_WARNING="false",
         NO_COLOR="1",

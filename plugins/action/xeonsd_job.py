@@ -31,7 +31,9 @@ class ActionModule(ActionBase):
         interrupted = bool(flag) and os.path.exists(flag)
         if interrupted:
             args["stop"] = True
-        result.update(self._execute_module(module_name="xeonsd_job", module_args=args, task_vars=task_vars))
+        result.update(
+            self._execute_module(module_name="xeonsd.cluster.xeonsd_job", module_args=args, task_vars=task_vars)
+        )
         if interrupted and not result.get("failed"):
             with contextlib.suppress(FileNotFoundError):  # the stop was asked for once: later polls only read
                 os.remove(flag)

@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.xeonsd_atomic import write_atomic
+from ansible_collections.xeonsd.cluster.plugins.module_utils.xeonsd_atomic import write_atomic
 
 DOCUMENTATION = r"""
 module: xeonsd_daemon
@@ -35,7 +35,7 @@ description:
   - C(stopped) sends SIGTERM to ours, waits up to C(stop_timeout) seconds, then SIGKILL, and removes the pid file.
     A pid file that names no process of ours is removed and nothing is signalled.
   - A started process that ends within C(settle) seconds fails the task with the end of its log.
-  - C(ready) changes nothing: it waits up to C(timeout) seconds until C(url) answers 200 while ours runs, and fails
+  - C(ready) changes nothing. It waits up to C(timeout) seconds until C(url) answers 200 while ours runs, and fails
     at once, with the end of its log, when ours is not running (a server that exits at start-up is named within
     C(interval) seconds, not after the whole C(timeout)).
   - Check mode says what would happen and does nothing.

@@ -13,7 +13,7 @@ import pwd
 import stat
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.xeonsd_atomic import write_atomic
+from ansible_collections.xeonsd.cluster.plugins.module_utils.xeonsd_atomic import write_atomic
 
 DOCUMENTATION = r"""
 module: xeonsd_files

@@ -12,7 +12,12 @@ from __future__ import annotations
 import os
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.xeonsd_joblog import answer, jobstatus_argv, poll_argv, poll_stdin
+from ansible_collections.xeonsd.cluster.plugins.module_utils.xeonsd_joblog import (
+    answer,
+    jobstatus_argv,
+    poll_argv,
+    poll_stdin,
+)
 
 DOCUMENTATION = r"""
 module: xeonsd_job

@@ -9,7 +9,7 @@ node's ``xeonsd jobstatus ranks``, run in the diffuser env through the mpi role'
 from __future__ import annotations
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.xeonsd_joblog import answer, jobstatus_argv
+from ansible_collections.xeonsd.cluster.plugins.module_utils.xeonsd_joblog import answer, jobstatus_argv
 
 DOCUMENTATION = r"""
 module: xeonsd_rank_status

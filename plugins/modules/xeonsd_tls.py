@@ -16,7 +16,7 @@ import ipaddress
 import os
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.xeonsd_atomic import write_atomic
+from ansible_collections.xeonsd.cluster.plugins.module_utils.xeonsd_atomic import write_atomic
 
 DOCUMENTATION = r"""
 module: xeonsd_tls

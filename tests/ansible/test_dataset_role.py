@@ -20,7 +20,7 @@ PLAY = """
 - hosts: localhost
   gather_facts: false
   roles:
-    - role: dataset
+    - role: xeonsd.cluster.dataset
 """
 
 

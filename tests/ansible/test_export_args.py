@@ -140,7 +140,7 @@ def test_the_role_exports_with_the_inventorys_quantization_under_its_key_once(tm
     wrapper = tmp_path / "run"
     wrapper.write_text(FAKE_XEONSD)
     wrapper.chmod(0o755)
-    play = [{"hosts": "localhost", "gather_facts": False, "roles": ["openvino_export"]}]
+    play = [{"hosts": "localhost", "gather_facts": False, "roles": ["xeonsd.cluster.openvino_export"]}]
     (tmp_path / "play.yml").write_text(yaml.safe_dump(play))
     extra = {
         "ansible_become": False,  # this machine's account runs the stand-in (no sudo here)
@@ -209,7 +209,7 @@ def test_a_family_without_an_openvino_export_skips_it_and_generates_with_torch(t
     wrapper = tmp_path / "run"
     wrapper.write_text(FAKE_XEONSD)
     wrapper.chmod(0o755)
-    play = [{"hosts": "localhost", "gather_facts": False, "roles": ["openvino_export"]}]
+    play = [{"hosts": "localhost", "gather_facts": False, "roles": ["xeonsd.cluster.openvino_export"]}]
     (tmp_path / "play.yml").write_text(yaml.safe_dump(play))
     extra = {
         "ansible_become": False,

@@ -40,7 +40,7 @@ def probe(tmp_path: Path, nodes: list[str], user: str) -> tuple[dict, str]:
             "tasks": [
                 {
                     "name": "Probe",
-                    "ansible.builtin.import_role": {"name": "home_probe"},
+                    "ansible.builtin.import_role": {"name": "xeonsd.cluster.home_probe"},
                     "vars": {"home_probe_dir": str(home), "home_probe_user": user},
                 },
                 {

@@ -21,12 +21,13 @@ def run(*argv: str) -> subprocess.CompletedProcess:
 
 
 def play_roles() -> dict[str, list]:
-    """{role name: its tags} over playbooks/*.yml."""
+    """{role name: its tags} over playbooks/*.yml, whose roles are the collection's, by their full names."""
     roles = {}
     for path in sorted((REPO / "playbooks").glob("*.yml")):
         for play in yaml.safe_load(path.read_text()):
             for role in play.get("roles", []):
-                roles[role["role"]] = role.get("tags", [])
+                assert role["role"].startswith("xeonsd.cluster."), (path, role)
+                roles[role["role"].removeprefix("xeonsd.cluster.")] = role.get("tags", [])
     return roles
 
 
@@ -49,6 +50,6 @@ def test_tags_dataset_runs_the_dataset_role_after_preflight_and_nothing_else() -
     # Each role's argument check is tagged always by Ansible itself; every other task is preflight's or dataset's.
     others = [t for t in tasks if "Validating arguments" not in t and "TAGS: [always]" not in t]
     assert others and all("preflight]" in t or "[dataset]" in t for t in others), others
-    assert any(t.startswith("dataset : List the controller's images") for t in others)
-    assert any(t.startswith("verified_tree : Unpack the tree") for t in others)
+    assert any(t.startswith("xeonsd.cluster.dataset : List the controller's images") for t in others)
+    assert any(t.startswith("xeonsd.cluster.verified_tree : Unpack the tree") for t in others)
     assert not any(t.startswith(("ml_stack :", "base_model :", "mpi :")) for t in others)

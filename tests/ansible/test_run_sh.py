@@ -81,7 +81,7 @@ def _play(tmp_path: Path, run_dir: Path, wrapper: Path) -> Path:
                 },
                 {
                     "name": "Training (a progress line every poll)",
-                    "xeonsd_job": {
+                    "xeonsd.cluster.xeonsd_job": {
                         "env_wrapper": str(wrapper),
                         "run_dir": str(run_dir),
                         "results_file": "{{ launch.results_file }}",
@@ -105,13 +105,9 @@ def _play(tmp_path: Path, run_dir: Path, wrapper: Path) -> Path:
 
 
 def _ansible_env(cli_env: dict) -> dict:
-    plugins = REPO / "plugins"
     return {
         **mpi_env(cli_env),
         "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-        "ANSIBLE_LIBRARY": str(plugins / "modules"),
-        "ANSIBLE_ACTION_PLUGINS": str(plugins / "action"),
-        "ANSIBLE_MODULE_UTILS": str(plugins / "module_utils"),
         "ANSIBLE_PYTHON_INTERPRETER": str(VENV_BIN / "python"),
         "ANSIBLE_NOCOLOR": "1",
         "PYTHONUNBUFFERED": "1",

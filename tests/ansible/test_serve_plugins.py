@@ -132,7 +132,7 @@ PLAY = """
 - hosts: localhost
   gather_facts: false
   tasks:
-    - xeonsd_daemon:
+    - xeonsd.cluster.xeonsd_daemon:
         state: "{{ item.state }}"
         argv: "{{ item.argv | default(argv) }}"
         match: ["--port", "18999"]
@@ -217,14 +217,14 @@ READY_PLAY = """
 - hosts: localhost
   gather_facts: false
   tasks:
-    - xeonsd_daemon:
+    - xeonsd.cluster.xeonsd_daemon:
         state: started
         argv: "{{ argv }}"
         match: ["--port", "{{ port }}"]
         pid_file: "{{ pid_file }}"
         log: "{{ log }}"
         settle: 0.2
-    - xeonsd_daemon:
+    - xeonsd.cluster.xeonsd_daemon:
         state: ready
         url: "http://127.0.0.1:{{ port }}/v2/health/ready"
         match: ["--port", "{{ port }}"]
@@ -313,7 +313,7 @@ TLS_PLAY = """
 - hosts: localhost
   gather_facts: false
   tasks:
-    - xeonsd_tls: {dir: "{{ dir }}", names: "{{ names }}"}
+    - xeonsd.cluster.xeonsd_tls: {dir: "{{ dir }}", names: "{{ names }}"}
       register: made
     - ansible.builtin.copy: {dest: "{{ out }}", content: "{{ made | to_json }}", mode: "0644"}
       check_mode: false

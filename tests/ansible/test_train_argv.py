@@ -310,8 +310,8 @@ def test_no_role_or_plugin_names_a_result_file_again() -> None:
 def test_ansible_renders_the_method_filters() -> None:
     env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_NOCOLOR="1")
     msg = (
-        "{{ ['lora' | xeonsd_method, {'method': 'textual_inversion', 'base_model': '/m/b',"
-        " 'result': {'path': 'e.safetensors'}} | xeonsd_result_export('/r')] }}"
+        "{{ ['lora' | xeonsd.cluster.xeonsd_method, {'method': 'textual_inversion', 'base_model': '/m/b',"
+        " 'result': {'path': 'e.safetensors'}} | xeonsd.cluster.xeonsd_result_export('/r')] }}"
     )
     proc = subprocess.run(
         [

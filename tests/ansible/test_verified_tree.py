@@ -24,10 +24,10 @@ PLAY = """
     - ansible.builtin.find: {paths: "{{ src }}", recurse: true, get_checksum: true}
       register: controller
     - ansible.builtin.import_role:
-        name: verified_tree
+        name: xeonsd.cluster.verified_tree
       vars:
         verified_tree_src: "{{ src }}"
-        verified_tree_files: "{{ controller.files | xeonsd_tree_files(src, exclude='(.*/)?\\\\.') }}"
+        verified_tree_files: "{{ controller.files | xeonsd.cluster.xeonsd_tree_files(src, exclude='(.*/)?\\\\.') }}"
         verified_tree_dest: "{{ dest }}"
         verified_tree_owner: "{{ owner }}"
         verified_tree_recurse: true
@@ -109,7 +109,7 @@ SHA256_PLAY = """
   gather_facts: false
   tasks:
     - name: Check the staged files
-      xeonsd_sha256:
+      xeonsd.cluster.xeonsd_sha256:
         files: "{{ files }}"
         what: staged file
         where: the controller
@@ -152,7 +152,7 @@ WHEELHOUSE_PLAY = """
   gather_facts: false
   tasks:
     - ansible.builtin.include_role:
-        name: wheelhouse
+        name: xeonsd.cluster.wheelhouse
       vars:
         wheelhouse_downloads: [["--no-deps", "--no-index", "--find-links", "{{ index }}", "-r", "{{ pins }}"]]
         wheelhouse_inputs: ["{{ pins }}"]
@@ -243,7 +243,7 @@ def test_a_wheelhouse_packed_by_the_earlier_role_is_reused_not_downloaded(tmp_pa
 
     result = play(tree, *extra)
     assert changed(result) > 0  # the index is empty: a pip download would have failed the run
-    download = result.stdout.split("wheelhouse : Download the wheels]")[1].split("TASK [")[0]
+    download = result.stdout.split("xeonsd.cluster.wheelhouse : Download the wheels]")[1].split("TASK [")[0]
     assert "skipping:" in download and "changed:" not in download, download
     assert (cache / "wheelhouse" / wid / whl.name).read_bytes() == whl.read_bytes()
     # The node's copy already has these files: it is left as it is.

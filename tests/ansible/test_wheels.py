@@ -26,7 +26,7 @@ PLAY = """
   gather_facts: false
   tasks:
     - ansible.builtin.include_role:
-        name: ml_stack
+        name: xeonsd.cluster.ml_stack
         tasks_from: wheels
     - ansible.builtin.copy:
         dest: "{{ cache }}/wheelhouse_wheels_built.json"
@@ -124,7 +124,7 @@ def site(tmp_path: Path) -> dict:
 def built(stdout: str) -> list[str]:
     """The wheels this run built (the pip wheel task ran, not skipped)."""
     names = []
-    for part in stdout.split("TASK [wheelhouse : Build the wheel - ")[1:]:
+    for part in stdout.split("TASK [xeonsd.cluster.wheelhouse : Build the wheel - ")[1:]:
         name, body = part.split("]", 1)
         if "changed: [localhost" in body.split("TASK [")[0]:
             names.append(name)
@@ -224,7 +224,7 @@ STACK_PLAY = """
   gather_facts: false
   tasks:
     - ansible.builtin.include_role:
-        name: ml_stack
+        name: xeonsd.cluster.ml_stack
 """
 
 
@@ -292,9 +292,9 @@ def test_the_node_installs_the_controller_wheels_once(site: dict, offline: bool)
         assert changed(check) >= 0
         tasks = [t.split("]")[0] for t in check.stdout.split("TASK [")[1:] if "\nchanged: [" in t]
         assert set(tasks) <= {
-            "ml_stack : Install the build backend",
-            "ml_stack : Install requirements.txt",
-            "ml_stack : Install the packages that need --no-deps",
+            "xeonsd.cluster.ml_stack : Install the build backend",
+            "xeonsd.cluster.ml_stack : Install requirements.txt",
+            "xeonsd.cluster.ml_stack : Install the packages that need --no-deps",
         }, tasks
     finally:
         del os.environ["PIP_NO_INDEX"], os.environ["PIP_FIND_LINKS"]

@@ -39,7 +39,7 @@ class TaskFailure:
     """A task that failed (or could not reach its host) and was not ignored."""
 
     host: str
-    task: str  # the task's name, e.g. "preflight : Refuse an offline install that would download"
+    task: str  # the task's name, e.g. "xeonsd.cluster.preflight : Refuse an offline install that would download"
     msg: str
 
     def __str__(self) -> str:

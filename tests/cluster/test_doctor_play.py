@@ -21,7 +21,7 @@ OTHER_METHOD = {"textual_inversion": "lora", "lora": "textual_inversion", "full"
 def report(result: PlaybookRun) -> list[str]:
     """The lines of the doctor's table, read from the report task's JSON output."""
     out = result.output
-    start = out.index("TASK [doctor : Doctor's report")
+    start = out.index("TASK [xeonsd.cluster.doctor : Doctor's report")
     start = out.index("=> {", start) + len("=> ")
     end = out.index("\n}\n", start) + 2
     return json.loads(out[start:end])["msg"]
@@ -165,8 +165,8 @@ def test_doctor_tunes_the_rank_layout_and_ranks_per_node_auto_uses_its_best(prov
     # a table: each flag beside its value (ruff would put one item per line)
     shown = subprocess.run(
         [str(VENV_BIN / "ansible"), "-i", str(provisioned.inventory), "node1", "-m", "ansible.builtin.debug",
-         "-a", "msg={{ [ranks_per_node | xeonsd_ranks_per_node(layout_result_file),"
-               " mpi_ranks | xeonsd_mpi_ranks(groups['cluster'], ranks_per_node | xeonsd_ranks_per_node(layout_result_file))] }}",
+         "-a", "msg={{ [ranks_per_node | xeonsd.cluster.xeonsd_ranks_per_node(layout_result_file),"
+               " mpi_ranks | xeonsd.cluster.xeonsd_mpi_ranks(groups['cluster'], ranks_per_node | xeonsd.cluster.xeonsd_ranks_per_node(layout_result_file))] }}",
          "-e", "ranks_per_node=auto", "-e", "mpi_ranks=auto", "-e", f"layout_result_file={layout_file}"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -176,7 +176,7 @@ def test_doctor_tunes_the_rank_layout_and_ranks_per_node_auto_uses_its_best(prov
     # a table: each flag beside its value (ruff would put one item per line)
     stale = subprocess.run(
         [str(VENV_BIN / "ansible"), "-i", str(provisioned.inventory), "node1", "-m", "ansible.builtin.debug",
-         "-a", "msg=[{{ layout_result_file | xeonsd_layout_stale(finetune_train_argv) }}]",
+         "-a", "msg=[{{ layout_result_file | xeonsd.cluster.xeonsd_layout_stale(finetune_train_argv) }}]",
          "-e", f"layout_result_file={layout_file}", "-e", f"finetune_method={OTHER_METHOD[measured_method]}"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -186,7 +186,7 @@ def test_doctor_tunes_the_rank_layout_and_ranks_per_node_auto_uses_its_best(prov
     # a table: each flag beside its value (ruff would put one item per line)
     missing = subprocess.run(
         [str(VENV_BIN / "ansible"), "-i", str(provisioned.inventory), "node1", "-m", "ansible.builtin.debug",
-         "-a", "msg={{ ranks_per_node | xeonsd_ranks_per_node(layout_result_file) }}",
+         "-a", "msg={{ ranks_per_node | xeonsd.cluster.xeonsd_ranks_per_node(layout_result_file) }}",
          "-e", "ranks_per_node=auto", "-e", f"layout_result_file={layout_file}"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -232,7 +232,7 @@ def test_limit_rebuilds_a_wiped_node_without_the_others_from_a_staged_diffusers_
     # The rebuilt node trains again in a job across the cluster: one rank per node, node3's among them (training
     # only; what the rank count changes is the end-to-end test's).
     job = run_playbook(
-        "playbooks/finetune.yml",
+        "playbooks/train.yml",
         provisioned.inventory,
         *("-e", "finetune_max_train_steps=3", "-e", "mpi_ranks=4", "-e", "ranks_per_node=1"),
         *("-e", "finetune_run_id=after-limit", "-e", f"controller_runs_dir={provisioned.state_dir / 'runs'}"),

@@ -24,10 +24,10 @@ RANKS = 2 * NODES  # the job on the shared home: two ranks per node
 HOME_WRITES = (
     "Create the tree's directory - ",
     "Unpack the tree where the node's files differ from the controller's - ",
-    "cluster_user : Own the home directory",
-    "cluster_user : Create ~/.ssh",
-    "mpi : Authorize the cluster key",
-    "mpi : Use the cluster key for the cluster's addresses",
+    "xeonsd.cluster.cluster_user : Own the home directory",
+    "xeonsd.cluster.cluster_user : Create ~/.ssh",
+    "xeonsd.cluster.mpi : Authorize the cluster key",
+    "xeonsd.cluster.mpi : Use the cluster key for the cluster's addresses",
 )
 
 
@@ -80,7 +80,7 @@ def test_shared_home_is_written_once_by_the_primary_and_the_job_trains(provision
         runs = provisioned.state_dir / "runs"
         # Two ranks per node: ranks of one node and of different nodes write into the one run directory.
         # a table: each -e beside its value (ruff would put one item per line)
-        job = run_playbook("playbooks/finetune.yml", inventory, "-e", "finetune_max_train_steps=2",
+        job = run_playbook("playbooks/train.yml", inventory, "-e", "finetune_max_train_steps=2",
                            "-e", "finetune_checkpointing_steps=2", "-e", "finetune_run_id=shared-home",
                            "-e", f"mpi_ranks={RANKS}", "-e", f"ranks_per_node={RANKS // NODES}",
                            "-e", f"controller_runs_dir={runs}", state_dir=provisioned.state_dir,
