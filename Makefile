@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: install test test-quick lint hooks demo demo-local clean cluster-up cluster-down lint-ansible
+.PHONY: install test test-quick role-docs lint hooks demo demo-local clean cluster-up cluster-down lint-ansible
 
 install: $(VENV)/.installed
 
@@ -30,6 +30,10 @@ test: install
 	$(VENV)/bin/pytest -q -rs --durations=25 -n 2 --dist loadgroup tests
 
 # The edit loop: everything but the 4-node test cluster (tests/cluster).
+# The generated end of every role README (requirements, variables, example) from its meta/ and defaults/.
+role-docs:
+	$(PY) tests/role_readmes.py
+
 test-quick: install
 	$(VENV)/bin/pytest -q -rs --durations=10 tests --ignore=tests/cluster
 

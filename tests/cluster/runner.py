@@ -39,7 +39,7 @@ class TaskFailure:
     """A task that failed (or could not reach its host) and was not ignored."""
 
     host: str
-    task: str  # the task's name, e.g. "xeonsd.cluster.preflight : Refuse an offline install that would download"
+    task: str  # the task's name, e.g. "preflight : Refuse an offline install that would download"
     msg: str
 
     def __str__(self) -> str:
@@ -76,7 +76,7 @@ class PlaybookRun:
             if failed or e.get("event") == "runner_on_unreachable":
                 task = data.get("task", "?")
                 if data.get("role"):
-                    task = f"{data['role']} : {task}"  # as Ansible shows it
+                    task = f"{data['role']} : {task}"  # the role's short name (Ansible shows xeonsd.cluster.<role>)
                 out.append(TaskFailure(data.get("host", "?"), task, _message(data.get("res") or {})))
         return out
 

@@ -24,10 +24,10 @@ RANKS = 2 * NODES  # the job on the shared home: two ranks per node
 HOME_WRITES = (
     "Create the tree's directory - ",
     "Unpack the tree where the node's files differ from the controller's - ",
-    "xeonsd.cluster.cluster_user : Own the home directory",
-    "xeonsd.cluster.cluster_user : Create ~/.ssh",
-    "xeonsd.cluster.mpi : Authorize the cluster key",
-    "xeonsd.cluster.mpi : Use the cluster key for the cluster's addresses",
+    "cluster_user : Own the home directory",
+    "cluster_user : Create ~/.ssh",
+    "mpi : Authorize the cluster key",
+    "mpi : Use the cluster key for the cluster's addresses",
 )
 
 
