@@ -81,27 +81,13 @@ PAIRS_PROMPT = "turn the red square blue"
 
 
 def make_pairs(assets_dir: Path, n: int = 5) -> Path:
-    """Image pairs for edit training at <assets_dir>/pairs (made once): ``n`` 64 px images of a blue square, each
-    with its reference (the same square red) in ref/, named by metadata.jsonl's ``cond_image`` beside the caption."""
-    import json
-
-    import numpy as np
-    from PIL import Image
+    """Image pairs for edit training at <assets_dir>/pairs (made once, ``xeonsd make-dataset --pairs``): ``n`` 64 px
+    images of a blue square, each with its reference (the same square red) in ref/, named by metadata.jsonl's
+    ``cond_image`` beside the caption."""
+    from xeonsd.assets import make_pairs as write_pairs
 
     out = assets_dir / "pairs"
     if not (out / "metadata.jsonl").exists():
         shutil.rmtree(out, ignore_errors=True)
-        partial = assets_dir / "pairs.partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        (partial / "ref").mkdir(parents=True)
-        rows = []
-        for i in range(n):
-            a = np.zeros((64, 64, 3), np.uint8)
-            a[12 + 5 * i : 36 + 5 * i, 14 + 3 * i : 38 + 3 * i] = (230, 30, 30)
-            Image.fromarray(a).save(partial / "ref" / f"p{i}.png")
-            a[12 + 5 * i : 36 + 5 * i, 14 + 3 * i : 38 + 3 * i] = (30, 30, 230)
-            Image.fromarray(a).save(partial / f"p{i}.png")
-            rows.append({"file_name": f"p{i}.png", "text": PAIRS_PROMPT, "cond_image": f"ref/p{i}.png"})
-        (partial / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        partial.rename(out)
+        write_pairs(out, n, prompt=PAIRS_PROMPT)
     return out

@@ -47,6 +47,36 @@ def test_make_dataset_prints_its_images_only(tmp_path: Path, cli_env) -> None:
     assert "wrote 2 square images" in done.stderr
 
 
+def test_make_dataset_pairs_writes_each_image_with_its_reference_and_the_instruction(tmp_path: Path, cli_env) -> None:
+    """``--pairs``: what edit training reads (metadata.jsonl's cond_image), at any --size; what it cannot honour is
+    refused naming the flags, and nothing is written."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    out = tmp_path / "pairs"
+    done = run_cli(["make-dataset", str(out), "--pairs", "--count", "3", "--size", "96"], cli_env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [str(out / f"p{i}.png") for i in range(3)]
+    rows = [json.loads(line) for line in (out / "metadata.jsonl").read_text().splitlines()]
+    assert rows == [{"file_name": f"p{i}.png", "text": "turn the red square blue", "cond_image": f"ref/p{i}.png"}
+                    for i in range(3)]  # fmt: skip
+    for i in range(3):
+        image, ref = (np.asarray(Image.open(out / d / f"p{i}.png")) for d in (".", "ref"))
+        assert image.shape == ref.shape == (96, 96, 3)
+        changed = (image != ref).any(axis=2)
+        # one square, blue in the image and red in its reference, and nothing else differs
+        assert (
+            changed.sum() == 36 * 36
+            and (image[changed] == (30, 30, 230)).all()
+            and (ref[changed] == (230, 30, 30)).all()
+        )
+    refused = run_cli(["make-dataset", str(tmp_path / "no"), "--pairs", "--captions", "txt"], cli_env)
+    assert refused.returncode == 2 and "leave out --captions and --sizes" in refused.stderr
+    assert not (tmp_path / "no").exists()
+
+
 def test_make_tiny_model_offers_every_arch_the_builders_know() -> None:
     # The CLI reads the --arch choices from the family folders only when make-tiny-model runs (building its parser
     # must not import the builders): they are the registry's.

@@ -135,27 +135,37 @@ def test_bench_train_runs_its_variants_interleaved_round_by_round(tmp_path, monk
     assert list(runs) == names and all(len(r) == 2 for r in runs.values())
 
 
-def test_bench_train_builds_a_flow_arch_and_reports_its_family(tmp_path, cli_env):
-    """``--arch tiny-flux``: the model is built once into the cache, the LoRA step is measured on the FLUX family,
-    and the SD targets are not judged on it; textual inversion is refused there before anything runs."""
+def test_bench_train_builds_an_edit_arch_trains_it_on_pairs_and_reports_its_family(tmp_path, cli_env):
+    """``--arch tiny-qwenimage-edit``: the model is built once into the cache, the LoRA step is measured on image
+    pairs (the family cannot train without a reference image: ``--pairs`` is its default), and the SD targets are not
+    judged on it; textual inversion is refused there, and ``--pairs`` on a family without reference images, before
+    anything runs."""
     out = tmp_path / "bench.json"
     env = dict(cli_env, XEONSD_CACHE=str(tmp_path / "cache"))
-    proc = one_step_bench(out, env, "--arch=tiny-flux", "--method=lora", "--warmup=1", "--no-ranks2")
+    proc = one_step_bench(out, env, "--arch=tiny-qwenimage-edit", "--method=lora", "--warmup=1", "--no-ranks2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["family"] == "flux" and report["model"] == str(tmp_path / "cache" / "tiny-flux")
+    assert report["family"] == "qwenimage_edit" and report["model"] == str(tmp_path / "cache" / "tiny-qwenimage-edit")
+    assert report["pairs"] is True
     assert report["results"][0]["tflop_per_step"] > 0 and report["results"][0]["peak_rss_gb"] > 0
     amx = next(t for t in report["targets"] if t["target"] == "amx_share_of_bf16_peak")
     assert amx["met"] is None and "set for SD 1.x/2.x and SDXL" in amx["line"]
-    assert "lora on FLUX.1" in proc.stdout, proc.stdout
-    refused = subprocess.run(
-        [sys.executable, "-m", "xeonsd.cli", "bench", "train", "--arch=tiny-flux", "--method=textual_inversion"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert refused.returncode == 2 and "--method textual_inversion is not supported on FLUX.1" in refused.stderr
+    assert f"lora on {report['family_label']} (image pairs: a reference image each)" in proc.stdout, proc.stdout
+
+    def refused(*flags: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "xeonsd.cli", "bench", "train", *flags],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 2, done.stdout + done.stderr
+        return done.stderr
+
+    said = refused("--arch=tiny-qwenimage-edit", "--method=textual_inversion")
+    assert f"--method textual_inversion is not supported on {report['family_label']}" in said
+    assert "--pairs: SD 1.x/2.x takes no reference image; leave out --pairs" in refused("--arch=tiny", "--pairs")
 
 
 def test_bench_train_refuses_depth_on_an_arch_without_blocks_to_cut(capsys):

@@ -47,19 +47,11 @@ FLAGS = (
 
 
 def write_pairs(root: Path, n: int = 5) -> Path:
-    """``n`` pairs: a red square on black (the reference, in ref/) and the same square blue (the training image),
-    captioned with the instruction, in metadata.jsonl."""
-    (root / "ref").mkdir(parents=True)
-    rows = []
-    for i in range(n):
-        a = np.zeros((64, 64, 3), np.uint8)
-        a[12 + 5 * i : 36 + 5 * i, 14 + 3 * i : 38 + 3 * i] = (230, 30, 30)
-        Image.fromarray(a).save(root / "ref" / f"p{i}.png")
-        a[12 + 5 * i : 36 + 5 * i, 14 + 3 * i : 38 + 3 * i] = (30, 30, 230)
-        Image.fromarray(a).save(root / f"p{i}.png")
-        rows.append({"file_name": f"p{i}.png", "text": PROMPT, "cond_image": f"ref/p{i}.png"})
-    (root / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return root
+    """``n`` pairs (``xeonsd make-dataset --pairs``): a red square on black (the reference, in ref/) and the same
+    square blue (the training image), captioned with the instruction PROMPT, in metadata.jsonl."""
+    from xeonsd.assets import make_pairs
+
+    return make_pairs(root, n, prompt=PROMPT)
 
 
 @pytest.fixture(scope="module")

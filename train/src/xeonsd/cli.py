@@ -207,6 +207,11 @@ class DatasetArgs:
         choices=("metadata", "sidecar", "txt"),
     )
     token: str = flag("the concept's placeholder in the captions", default="<dicoo>")
+    pairs: bool = flag(
+        "image pairs for edit training instead (--cond_image_column cond_image): a blue square per image, the same "
+        "square red as its reference in ref/, metadata.jsonl with the instruction",
+        default=False,
+    )
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -44,6 +44,8 @@ from typing import Any
 _EXPORTS = {
     "CAPTION_LAYOUTS": "datasets",
     "make_dataset": "datasets",
+    "make_pairs": "datasets",
+    "PAIRS_PROMPT": "datasets",
     "Arch": "models",
     "arch_names": "models",
     "make_tiny_model": "models",

@@ -45,15 +45,25 @@ def make_dataset(
     captions: str | None = None,
     token: str = "<dicoo>",
     sizes: str = "square",
+    pairs: bool = False,
 ) -> list[Path]:
     """Write ``count`` synthetic pictures of one small object (a yellow toy robot) in different poses, all
     ``size`` x ``size`` or, with ``sizes="mixed"``, of mixed sizes and aspect ratios (:func:`image_sizes`).
 
     With ``captions`` (``metadata``: metadata.jsonl, ``sidecar``: a .txt beside each image, ``txt``:
     captions.txt), each image gets a caption that names the concept's ``token`` and the background's colour,
-    e.g. ``a photo of a <dicoo> on a red background``."""
+    e.g. ``a photo of a <dicoo> on a red background``. ``pairs``: image pairs for edit training instead
+    (:func:`make_pairs`, captioned with their instruction)."""
     if count < 1:
         raise ValueError("make-dataset needs --count >= 1")
+    if pairs:
+        if captions is not None or sizes != "square":
+            raise ValueError(
+                "make-dataset --pairs writes square pairs captioned with their instruction: leave out "
+                "--captions and --sizes"
+            )
+        root = make_pairs(out, count, size)
+        return [root / row["file_name"] for row in map(json.loads, (root / "metadata.jsonl").read_text().splitlines())]
     if captions is not None and captions not in CAPTION_LAYOUTS:
         raise ValueError(f"unknown --captions {captions!r}; choose one of {', '.join(CAPTION_LAYOUTS)}")
     dims = image_sizes(count, size, sizes, seed)
@@ -103,3 +113,36 @@ def make_dataset(
             (tmp / "captions.txt").write_text("\n".join(texts) + "\n")
     log.info("wrote %d %s images to %s%s", count, sizes, out, f" with captions ({captions})" if captions else "")
     return paths
+
+
+PAIRS_PROMPT = "turn the red square blue"
+
+
+def make_pairs(out: Path, count: int = 5, size: int = 64, prompt: str = PAIRS_PROMPT) -> Path:
+    """Write ``count`` image pairs for edit training (``--cond_image_column cond_image``): each training image a
+    blue square on black, ``size`` x ``size``, its reference in ``ref/`` the same square red, and metadata.jsonl
+    naming both with the instruction ``prompt`` (``file_name``, ``text``, ``cond_image``). The squares
+    move from one pair to the next (at 64 px: 24 px squares, 5 px down and 3 px right each)."""
+    if count < 1:
+        raise ValueError("make-dataset --pairs needs --count >= 1")
+    if size < 64:
+        raise ValueError(f"make-dataset --pairs needs --size >= 64 (got {size})")
+    digits = max(1, len(str(count - 1)))
+    out = Path(out)
+    rows = []
+    with atomic_dir(out) as tmp:
+        (tmp / "ref").mkdir()
+        for i in range(count):
+            top, left = (12 + 5 * (i % 6)) * size // 64, (14 + 3 * (i % 6)) * size // 64
+            side = 24 * size // 64
+            square = (slice(top, top + side), slice(left, left + side))
+            a = np.zeros((size, size, 3), np.uint8)
+            a[square] = (230, 30, 30)
+            name = f"p{i:0{digits}d}.png"
+            Image.fromarray(a).save(tmp / "ref" / name)
+            a[square] = (30, 30, 230)
+            Image.fromarray(a).save(tmp / name)
+            rows.append({"file_name": name, "text": prompt, "cond_image": f"ref/{name}"})
+        (tmp / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    log.info("wrote %d image pairs of %d px to %s", count, size, out)
+    return out

@@ -87,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="--method lora: also train DoRA, LoKr and LoHa (--adapter), interleaved with plain LoRA, each with its "
         "trained parameters",
     )
+    p.add_argument(
+        "--pairs",
+        action="store_true",
+        default=None,
+        help="train on image pairs (a reference image each, --cond_image_column: make-dataset --pairs), for the "
+        "families that take reference images; the default for those that cannot train without (Qwen-Image-Edit)",
+    )
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds: each variant runs once per round")
     p.add_argument("--peak-size", type=int, default=4096, help="largest matrix side of the matmul peak probes")
     p.add_argument("--probes", type=int, default=3, help="matmul peak probes per dtype, before and after the variants")
@@ -135,7 +142,8 @@ def main(argv: list[str]) -> int:
     )
     dtypes = {v.name: v.name if v.name in ("bf16", "fp32") else dtype for v in variants}  # each one's training dtype
     results = [summarize(v.name, runs[v.name], args.warmup, peaks[dtypes[v.name]], stats[v.name]) for v in variants]
-    print(format_table(results, peaks, dtype, cpu.model, f"{args.method} on {family.label}"), flush=True)
+    title = f"{args.method} on {family.label}" + (" (image pairs: a reference image each)" if args.pairs else "")
+    print(format_table(results, peaks, dtype, cpu.model, title), flush=True)
     if args.profile:
         for v, r in zip(variants, results, strict=True):
             if v.name == dx.VARIANT:  # an unchanged script: nothing inside it records its step
@@ -164,6 +172,7 @@ def main(argv: list[str]) -> int:
             "family": family.name,
             "family_label": family.label,
             "resolution": args.resolution,
+            "pairs": bool(args.pairs),
             "dtype": dtype,
             "peak_tflops": peaks,
             "model": str(model),
@@ -210,6 +219,10 @@ def _checked(args: argparse.Namespace):
             dx.check_imports(args.method)
         except dx.ExamplesError as exc:
             return _error(str(exc))
+    if args.pairs and not family.spec.reference_images:
+        return _error(f"--pairs: {family.label} takes no reference image; leave out --pairs")
+    if args.pairs is None:
+        args.pairs = family.spec.reference_required
     if family.is_flow and args.method == "textual_inversion":
         return _error(
             f"--method textual_inversion is not supported on {family.label} (the trainer refuses it: no trainer "
@@ -248,13 +261,16 @@ def _variants(args: argparse.Namespace, family, cpu, dtype: str) -> list[Variant
 
 def _measure(args: argparse.Namespace, model: str | Path, dtype: str, variants: list[Variant]):
     """The interleaved rounds of the variants, then the 2-rank all-reduce run: (runs by name, bytes, why not)."""
-    from xeonsd.assets import make_dataset
+    from xeonsd.assets import make_dataset, make_pairs
 
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     with tempfile.TemporaryDirectory(prefix="xeonsd-bench-") as tmp:
         data = Path(tmp) / "data"
-        make_dataset(data, count=args.images, size=args.resolution)
-        base_args = train_args(args, model, data, dtype)
+        if args.pairs:
+            make_pairs(data, count=args.images, size=args.resolution)
+        else:
+            make_dataset(data, count=args.images, size=args.resolution)
+        base_args = train_args(args, model, data, dtype) + (["--cond_image_column=cond_image"] if args.pairs else [])
         if args.reference_script is not None:
             job = {
                 "method": args.method,
