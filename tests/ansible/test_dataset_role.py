@@ -56,7 +56,7 @@ def play(pairs: dict[str, Path], *args: str, **extra: object) -> subprocess.Comp
 
 
 def test_the_reference_images_are_staged_and_checked_with_the_training_images(pairs: dict[str, Path]) -> None:
-    assert changed(play(pairs)) == 3  # packed, directory made, unpacked
+    assert changed(play(pairs)) == 4  # packed and named, directory made, unpacked
     node = pairs["dest"]
     staged = sorted(str(p.relative_to(node)) for p in node.rglob("*") if p.is_file())
     assert staged == ["metadata.jsonl", "p0.png", "p1.png", "ref/p0.png", "ref/p1.png"], staged
@@ -90,7 +90,8 @@ def test_only_the_top_level_images_count_and_dataset_sha256_names_a_reference_by
         str(p.relative_to(pairs["src"])): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in pairs["src"].rglob("*.png")
     }
-    assert changed(play(pairs, "--check", dataset_sha256=sha)) == 2  # a fresh node: would pack, make the directory
+    # a fresh node: would pack and name the tar, make the directory
+    assert changed(play(pairs, "--check", dataset_sha256=sha)) == 3
     sha["ref/p0.png"] = sha["p0.png"]
     wrong = play(pairs, "--check", dataset_sha256=sha)
     assert wrong.returncode != 0 and f"{pairs['src'] / 'ref' / 'p0.png'} (image) on the controller" in wrong.stdout

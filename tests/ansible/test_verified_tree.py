@@ -57,7 +57,7 @@ def play(tree: dict[str, Path], *args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_tree_is_copied_once_left_alone_repaired_and_a_wrong_copy_is_named(tree: dict[str, Path]) -> None:
-    assert changed(play(tree)) == 3  # packed, directory made, unpacked
+    assert changed(play(tree)) == 4  # packed and named, directory made, unpacked
     node = tree["dest"]
     assert (node / "unet" / "config.json").read_text() == '{"a": 1}' and not (node / ".cache").exists()
     assert [p.name for p in tree["cache"].iterdir()][0].startswith("test-tree-")
@@ -93,7 +93,7 @@ def test_a_shared_tree_is_written_by_the_primary_only_and_checked_by_every_node(
         return {host: rest.split("changed=")[1].split()[0] for host, _, rest in lines}
 
     first = play(tree, *shared)
-    assert recap(first) == {"node1": "3", "node2": "0"}  # packed, directory made, unpacked: by node1 alone
+    assert recap(first) == {"node1": "4", "node2": "0"}  # packed and named, directory made, unpacked: by node1 alone
     assert "skipping: [node2]" in first.stdout and (tree["dest"] / "unet" / "config.json").read_text() == '{"a": 1}'
     assert recap(play(tree, *shared)) == {"node1": "0", "node2": "0"}
     # node2 alone (--limit) never writes the shared copy: a damaged file fails there, naming the node that writes it.
