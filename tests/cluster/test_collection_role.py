@@ -49,7 +49,9 @@ def test_the_docs_example_stages_images_with_the_installed_collections_dataset_r
         done = subprocess.run(argv, cwd=user, env=env, text=True, capture_output=True, timeout=600)
         said = done.stdout + done.stderr
         assert done.returncode == 0, said[-5000:]
-        assert "TASK [xeonsd.cluster.dataset : Put the images and captions on every node" in said, said[-3000:]
+        # the role ran from the installed collection, and with it the verified_tree role it imports
+        assert "TASK [xeonsd.cluster.dataset : List the controller's images]" in said, said[-3000:]
+        assert "TASK [xeonsd.cluster.verified_tree : Unpack the tree where the node's files differ" in said
         # Every node has the controller's images, owned by the training account.
         expected = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in source.iterdir() if p.is_file()}
         assert len([n for n in expected if n.endswith(".png")]) == 5
