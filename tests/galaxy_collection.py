@@ -1,7 +1,7 @@
 """The collection xeonsd.cluster as a user gets it: built with ``ansible-galaxy collection build`` from this
 repository, installed with ``ansible-galaxy collection install`` into a directory of its own, and Ansible run
 outside the repository (no ansible.cfg of ours) with that directory as its collections path. Shared by
-tests/ansible/test_collection.py and the test cluster's tests/cluster/test_collection.py."""
+tests/ansible/test_collection.py and the test cluster's tests/cluster/test_collection_role.py."""
 
 from __future__ import annotations
 

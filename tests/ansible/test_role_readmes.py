@@ -20,11 +20,11 @@ def test_the_specs_name_every_default_a_user_may_set() -> None:
     defaults file itself marks as derived (not meant to be set)."""
     missing = []
     for role in all_roles():
-        defaults_file = ROLES / role / "defaults" / "main.yml"
-        defaults = yaml.safe_load(defaults_file.read_text()) or {}
+        text = (ROLES / role / "defaults" / "main.yml").read_text()
+        defaults = yaml.safe_load(text) or {}
         specs = yaml.safe_load((ROLES / role / "meta" / "argument_specs.yml").read_text())["argument_specs"]
         named = {name for spec in specs.values() for name in spec.get("options", {})}
-        lines = defaults_file.read_text().splitlines()
+        lines = text.splitlines()
         for name in defaults:
             at = next(i for i, line in enumerate(lines) if line.startswith(f"{name}:"))
             derived = at > 0 and lines[at - 1].endswith("(derived; not meant to be set).")

@@ -26,9 +26,9 @@ Use::
 
 The type hint gives the argparse type (``int | None`` -> ``int``; ``Path``); a ``bool`` is a bare flag
 (``negatable=True``: also ``--no-NAME``; with a None default, three-way: True, False or None when left out); a
-field without a default is required (``positional=True``: a positional argument). A flag left out, or given as None, leaves the field's default (``cli_default``: what the command line
-uses instead, where the Python API's default differs); ``action="append"`` collects a tuple; ``convert`` maps each
-given value (e.g. ``FILE[:ALPHA]`` -> ``(Path, float)``) after parsing. Other keyword arguments go to argparse
+field without a default is required (``positional=True``: a positional argument). A flag left out, or given as
+None, leaves the field's default (``cli_default``: what the command line uses instead, where the Python API's default
+differs); ``action="append"`` collects a tuple; ``convert`` maps each given value (e.g. ``FILE[:ALPHA]`` -> ``(Path, float)``) after parsing. Other keyword arguments go to argparse
 (``choices``, ``metavar``); ``meta`` holds a command's own data (the trainer's ``methods``).
 """
 

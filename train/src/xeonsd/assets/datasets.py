@@ -62,8 +62,7 @@ def make_dataset(
                 "make-dataset --pairs writes square pairs captioned with their instruction: leave out "
                 "--captions and --sizes"
             )
-        root = make_pairs(out, count, size)
-        return [root / row["file_name"] for row in map(json.loads, (root / "metadata.jsonl").read_text().splitlines())]
+        return sorted(make_pairs(out, count, size).glob("*.png"))  # the training images (the references: ref/)
     if captions is not None and captions not in CAPTION_LAYOUTS:
         raise ValueError(f"unknown --captions {captions!r}; choose one of {', '.join(CAPTION_LAYOUTS)}")
     dims = image_sizes(count, size, sizes, seed)
