@@ -87,9 +87,10 @@ def train_argv(values: Iterable[Any], method: str, extra: Sequence[str] = ()) ->
     return argv + [str(a) for a in extra]
 
 
-def method(name: str, adapter: str = "lora") -> dict:
+def method(name: str, adapter: str = "lora", save_format: str = "diffusers") -> dict:
     """``{"name", "result", "what", "pipeline", "generate_flag", "files"}`` of the method ``name`` (``files``: what
-    is fetched; LoRA's ``adapter`` lokr or loha leaves peft's layout, its weights the result)."""
+    is fetched; LoRA's ``adapter`` lokr or loha leaves peft's layout, its weights the result; its ``save_format``
+    comfyui adds ComfyUI's file)."""
     if name not in METHODS:
         raise TrainArgvError(f"finetune_method {name!r}: choose one of {', '.join(METHODS)}")
     if adapter not in method_names.ADAPTERS:
@@ -99,6 +100,8 @@ def method(name: str, adapter: str = "lora") -> dict:
     if name == "lora" and adapter in method_names.PEFT_ADAPTERS:
         files = list(method_names.PEFT_FILES)
         info.update(result=files[0], files=files, what=f"{adapter} adapter (peft layout)", generate_flag=None)
+    if name == "lora" and save_format == "comfyui":
+        info["files"] = [*info["files"], method_names.COMFYUI_FILE]
     return info
 
 

@@ -202,6 +202,11 @@ def test_the_plugin_s_methods_and_results_are_the_package_s() -> None:
         assert info["result"] == method_class(name).outputs[0] == method_names.result_file(name)
     with pytest.raises(TrainArgvError, match="finetune_method 'dreambooth': choose one of textual_inversion, lora"):
         xeonsd_train.method("dreambooth")
+    # finetune_save_format comfyui: ComfyUI's file is fetched beside the result, of any adapter type
+    comfy = method_names.COMFYUI_FILE
+    assert xeonsd_train.method("lora", "lora", "comfyui")["files"] == [method_names.result_file("lora"), comfy]
+    assert xeonsd_train.method("lora", "lokr", "comfyui")["files"] == [*method_names.PEFT_FILES, comfy]
+    assert xeonsd_train.method("lora", "lora", "kohya")["files"] == [method_names.result_file("lora")]
 
 
 def test_a_lokr_or_loha_run_fetches_peft_s_files_and_every_other_type_is_fused_into_its_own_export() -> None:

@@ -25,11 +25,19 @@ from cli_runs import method_args, train
 from safetensors.torch import load_file
 from test_methods import LORA_FILE, assert_same_training
 
+from xeonsd.contracts.method_names import COMFYUI_FILE
+from xeonsd.modelfiles.lora_comfyui import comfyui_tensors
 from xeonsd.modelfiles.lora_layout import LoraFormatError, read_adapter
 from xeonsd.trainer.methods.adapters import PEFT_CONFIG, PEFT_WEIGHTS
 
 PROMPT = "a photo of sks toy"
-FLAGS = ("--rank=4", "--learning_rate=1e-2", "--checkpointing_steps=2", f"--instance_prompt={PROMPT}")
+FLAGS = (
+    "--rank=4",
+    "--learning_rate=1e-2",
+    "--checkpointing_steps=2",
+    f"--instance_prompt={PROMPT}",
+    "--save_format=comfyui",  # ComfyUI's file beside the result (tests/xeonsd/test_lora_comfyui.py: its layout)
+)
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +85,11 @@ def generated(pipe) -> torch.Tensor:
     return out.images
 
 
+def family_name(family: str) -> str:
+    """The denoiser's component name, the prefix ComfyUI's file gives its modules (``unet`` as ``lora_unet_``)."""
+    return "transformer" if family == "flux" else "unet"
+
+
 def denoiser(pipe) -> torch.nn.Module:
     return pipe.transformer if hasattr(pipe, "transformer") else pipe.unet
 
@@ -115,6 +128,15 @@ def test_each_adapter_loads_back_with_its_trained_weights_and_changes_the_output
         saved, loaded = load_file(str(out / PEFT_WEIGHTS)), get_peft_model_state_dict(peft_model)
         assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
     assert summary["adapter"] == adapter
+    # --save_format comfyui: the same trained adapter in ComfyUI's layout (DoRA's scale from the base weights the
+    # run held, in the training dtype)
+    loaded_as = "default_0" if adapter == "dora" else "default"  # load_lora_weights' adapter name, peft's
+    comfy = load_file(str(out / COMFYUI_FILE))
+    again = comfyui_tensors({family_name(family): denoiser(pipe)}, loaded_as)
+    assert comfy and comfy.keys() == again.keys()
+    for key, value in comfy.items():
+        tolerance = {"rtol": 1e-2, "atol": 1e-3} if key.endswith(".dora_scale") else {"rtol": 0, "atol": 0}
+        torch.testing.assert_close(value, again[key], **tolerance, msg=key)
     assert (generated(pipe) - base).abs().max() > 1e-4  # the adapter is applied
     # xeonsd's LoRA readers (generate --lora, serve --adapter, export --lora: GenAI applies B A only) name the type
     kind = {"dora": "DoRA", "lokr": "LoKr", "loha": "LoHa"}[adapter]

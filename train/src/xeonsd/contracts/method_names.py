@@ -17,6 +17,8 @@ METHODS = ("textual_inversion", "lora", "full")
 ADAPTERS = ("lora", "lokr", "loha", "dora")
 PEFT_ADAPTERS = ("lokr", "loha")
 PEFT_FILES = ("adapter_model.safetensors", "adapter_config.json")
+# --save_format comfyui: the adapter in the layout ComfyUI loads, written beside the result (any adapter type).
+COMFYUI_FILE = "comfyui_lora.safetensors"
 
 # What each method saves (the first output is its result, train_summary.json's ``result.path``), how people call
 # it, whether it is a whole pipeline (which stays on the primary and is exported itself: no base-model export), and

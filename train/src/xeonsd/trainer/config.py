@@ -168,10 +168,12 @@ class TrainConfig:
     )
     save_format: str = _flag(
         "the LoRA file's layout: diffusers (load_lora_weights) or kohya (lora_unet_…/lora_te_… with .alpha, SDXL "
-        "lora_te1_…/lora_te2_…: AUTOMATIC1111, Forge, ComfyUI; diffusers reads it too)",
+        "lora_te1_…/lora_te2_…: AUTOMATIC1111, Forge, ComfyUI; diffusers reads it too); comfyui: the result as by "
+        "default and beside it comfyui_lora.safetensors, every family's and adapter type's in the layout ComfyUI "
+        "loads",
         methods=(LORA,),
         default="diffusers",
-        choices=("diffusers", "kohya"),
+        choices=("diffusers", "kohya", "comfyui"),
     )
     train_text_encoder: bool = _flag("adapters on the text encoder's attention too", methods=(LORA,), default=False)
     gradient_checkpointing: bool = _flag(

@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from xeonsd.contracts.method_names import result_file
+from xeonsd.contracts.method_names import COMFYUI_FILE, result_file
 from xeonsd.cpu import cpu_info
 from xeonsd.families import family_spec
+from xeonsd.modelfiles.lora_comfyui import write_comfyui
 from xeonsd.modelfiles.lora_layout import convert
 from xeonsd.trainer.checkpoint import CheckpointError
 from xeonsd.trainer.config import ConfigError
@@ -92,7 +93,8 @@ def _int8_base(denoiser: torch.nn.Module) -> None:
 class LoRA(Method):
     name = "lora"
     outputs = (LORA_FILE,)
-    other_outputs = PEFT_FILES  # --adapter lokr|loha: peft's layout (the instance's outputs)
+    # --adapter lokr|loha: peft's layout (the instance's outputs); --save_format comfyui: ComfyUI's file beside
+    other_outputs = (*PEFT_FILES, COMFYUI_FILE)
 
     @classmethod
     def check(cls, cfg, captions: Captions | None) -> None:
@@ -216,7 +218,16 @@ class LoRA(Method):
     def save(self, out: Path) -> None:
         if in_peft_layout(self.cfg.adapter):  # diffusers' loaders do not read peft's LoKr/LoHa weights
             save_peft_layout(self.models.unet, out)
-            return
+        else:
+            self._save_lora_file(out)
+        if self.cfg.save_format == "comfyui":  # beside the result: ComfyUI's names, alpha and DoRA scale per module
+            encoders = self._encoders() if self.cfg.train_text_encoder else {}
+            write_comfyui({self._denoiser: self.models.unet, **encoders}, out / COMFYUI_FILE, self._comfyui_metadata())
+
+    def _comfyui_metadata(self) -> dict[str, str]:
+        return {"xeonsd_adapter": self.cfg.adapter, "xeonsd_family": family_spec(self.models.family).name}
+
+    def _save_lora_file(self, out: Path) -> None:
         # save_lora_weights writes into a directory: write it beside the result, then move the file in.
         with tempfile.TemporaryDirectory(prefix=".lora.tmp-", dir=out) as tmp:
             pipeline_class(self.models.family).save_lora_weights(
