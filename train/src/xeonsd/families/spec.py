@@ -94,6 +94,9 @@ class FamilySpec:
     # the edits GenAI 2026.4.1 runs on this family's export (Image2ImagePipeline, InpaintingPipeline; measured on
     # the tiny exports: FLUX.2 [klein], Z-Image and Qwen-Image have no inpainting, "Unsupported inpainting pipeline")
     genai_edits: tuple[str, ...] = ("image2image", "inpainting")
+    # the edits the PyTorch engine runs for a family without reference images, each by its diffusers pipeline (made
+    # from the served pipeline with ``from_pipe``, sharing its modules): diffusers 0.39's Img2Img and Inpaint classes
+    torch_edits: tuple[tuple[str, str], ...] = ()
     # the pipeline's default guidance scale, and whether it runs classifier-free guidance with an (empty)
     # negative prompt at that scale (two denoiser calls' worth per step)
     guidance_scale: float = 7.5

@@ -235,8 +235,11 @@ class ServedModel:
 
     @property
     def edits(self) -> tuple[str, ...]:
-        """The image-to-image and inpainting edits served: GenAI's for the family; none on the torch engine."""
-        return self.family.genai_edits if self.engine == "genai" else ()
+        """The image-to-image and inpainting edits served: GenAI's for the family; on the torch engine those of its
+        diffusers pipelines (``FamilySpec.torch_edits``), and none for an edit family (it edits by references)."""
+        if self.engine == "genai":
+            return self.family.genai_edits
+        return () if self.references else tuple(kind for kind, _ in self.family.torch_edits)
 
     @property
     def guidance_scale(self) -> float:

@@ -347,9 +347,9 @@ def _edit_checks(body: dict[str, Any], limits: Limits, steps: int) -> float | No
         raise RequestError(f"strength must be a number, not {json.dumps(strength)}", "strength")
     if not 0.0 < strength <= 1.0:
         raise RequestError(f"strength {strength:g} is out of range: above 0, at most 1", "strength")
-    if int(steps * strength) < 1:  # GenAI runs int(steps * strength) of the steps
+    if int(steps * strength) < 1:  # GenAI and diffusers run int(steps * strength) of the steps
         raise RequestError(
-            f"strength {strength:g} of num_inference_steps {steps} runs no step (GenAI runs int(steps x strength)); "
+            f"strength {strength:g} of num_inference_steps {steps} runs no step (an edit runs int(steps x strength)); "
             "give more steps or a higher strength",
             "strength",
         )

@@ -12,10 +12,15 @@ fp32 elsewhere and for ``--precision f32``; the family's processor, call argumen
   cancelled the callback sets the pipeline's ``_interrupt``, which skips the remaining steps.
 * A request of ``n`` images is ``n`` calls of one image, call k with seed ``rng_seed + k``; an edit family's
   reference images (``image[]``) go to every call.
+* Image-to-image and inpainting (a family without reference images): the family's diffusers pipelines for them
+  (``FamilySpec.torch_edits``), made at start-up with ``from_pipe``, so they share the served pipeline's modules
+  (its adapters and concept included); the request's ``image``, ``mask`` (white: repainted) and ``strength`` go to
+  the call, and the size where the pipeline takes none (SD's image-to-image: the image's).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
@@ -33,6 +38,11 @@ log = logging.getLogger(__name__)
 class TorchWorker:
     pipe: Any
     names: dict[str, str] = field(default_factory=dict)  # a served adapter's name -> its name in the pipeline
+    edits: dict[str, Any] = field(default_factory=dict)  # image2image / inpainting -> its pipeline (from_pipe)
+
+    def pipeline(self, kind: str) -> Any:
+        """The pipeline that runs a request of ``kind`` (:attr:`ImageRequest.kind`)."""
+        return self.edits.get(kind, self.pipe)
 
     def select(self, chosen: Chosen) -> None:
         """Activate the request's adapters at their weights; () the base model (every adapter off)."""
@@ -61,15 +71,23 @@ class TorchPool(WorkerPool):
         for i, (name, (path, _alpha)) in enumerate(served.adapters.items()):
             names[name] = f"adapter{i}"  # peft makes module keys of adapter names: no '.' there
             pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=names[name])
+        edits = {}
+        for kind, cls in family.torch_edits:
+            if kind in served.edits:
+                import diffusers
+
+                edits[kind] = getattr(diffusers, cls).from_pipe(pipe)
+                edits[kind].set_progress_bar_config(disable=True)
         log.info(
-            "%s loaded from %s in %s on %d thread(s), %d adapter(s)",
+            "%s loaded from %s in %s on %d thread(s), %d adapter(s), edits: %s",
             type(pipe).__name__,
             served.models_dir,
             dtype,
             self.threads,
             len(names),
+            ", ".join(f"{k} ({type(p).__name__})" for k, p in edits.items()) or "none",
         )
-        return [TorchWorker(pipe, names)]
+        return [TorchWorker(pipe, names, edits)]
 
     def call_kwargs(self, pipe: Any, job: Job) -> dict[str, Any]:
         """What each call of the request gives the pipeline besides the prompt and the generator."""
@@ -79,6 +97,14 @@ class TorchPool(WorkerPool):
         references = [Image.fromarray(a) for a in req.references]
         kwargs = call_extras(pipe, self.served.family, shape.height, shape.width, req.guidance_scale, references)
         kwargs["num_inference_steps"] = req.steps
+        if req.kind in ("image2image", "inpainting"):
+            kwargs.update(image=Image.fromarray(req.image), strength=req.strength)
+            if req.mask is not None:
+                kwargs["mask_image"] = Image.fromarray(req.mask)
+            takes = inspect.signature(pipe.__call__).parameters
+            for size in ("height", "width", "max_area"):  # SD's image-to-image: the image's size
+                if size not in takes:
+                    kwargs.pop(size, None)
         if self.served.max_sequence_length is not None:
             kwargs["max_sequence_length"] = self.served.max_sequence_length
         if req.negative_prompt is not None:
@@ -98,14 +124,15 @@ class TorchPool(WorkerPool):
 
         req, shape, family = job.request, self.served.shape, self.served.family
         worker.select(req.adapters)
-        kwargs = self.call_kwargs(worker.pipe, job)
+        pipe = worker.pipeline(req.kind)
+        kwargs = self.call_kwargs(pipe, job)
         images = []
         for k in range(req.n):
             t0, done = time.perf_counter(), job.steps_done
             generator = torch.Generator("cpu").manual_seed((req.seed + k) % SEEDS)
             rendering = family.training.rendering(round(math.sqrt(shape.height * shape.width)))
             with torch.inference_mode(), rendering:
-                result = worker.pipe(prompt=[req.prompt], num_images_per_prompt=1, generator=generator, **kwargs)
+                result = pipe(prompt=[req.prompt], num_images_per_prompt=1, generator=generator, **kwargs)
             self.stopped(job, t0, done)
             images.append(png_b64(result.images[0]))
         return images

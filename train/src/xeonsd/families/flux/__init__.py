@@ -40,4 +40,5 @@ SPEC = FamilySpec(
         ("VisualClozePipeline", "VisualCloze, which takes in-context example images"),
         ("VisualClozeGenerationPipeline", "VisualCloze, which takes in-context example images"),
     ),
+    torch_edits=(("image2image", "FluxImg2ImgPipeline"), ("inpainting", "FluxInpaintPipeline")),
 )

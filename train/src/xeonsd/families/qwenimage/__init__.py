@@ -47,4 +47,5 @@ SPEC = FamilySpec(
             "a ControlNet beside the transformer, which conditions on a control image",
         ),
     ),
+    torch_edits=(("image2image", "QwenImageImg2ImgPipeline"), ("inpainting", "QwenImageInpaintPipeline")),
 )

@@ -22,4 +22,5 @@ SPEC = FamilySpec(
         ("lora", "text_to_image/train_text_to_image_lora.py"),
         ("full", "text_to_image/train_text_to_image.py"),
     ),
+    torch_edits=(("image2image", "StableDiffusionImg2ImgPipeline"), ("inpainting", "StableDiffusionInpaintPipeline")),
 )

@@ -41,4 +41,5 @@ SPEC = FamilySpec(
         "StableDiffusion3PAGPipeline",
         "StableDiffusion3PAGImg2ImgPipeline",
     ),
+    torch_edits=(("image2image", "StableDiffusion3Img2ImgPipeline"), ("inpainting", "StableDiffusion3InpaintPipeline")),
 )

@@ -24,4 +24,8 @@ SPEC = FamilySpec(
     genai_text_adapters=False,
     pipeline_aliases=("StableDiffusionXLImg2ImgPipeline",),
     example_scripts=(("lora", "text_to_image/train_text_to_image_lora_sdxl.py"),),
+    torch_edits=(
+        ("image2image", "StableDiffusionXLImg2ImgPipeline"),
+        ("inpainting", "StableDiffusionXLInpaintPipeline"),
+    ),
 )

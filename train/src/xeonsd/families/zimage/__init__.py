@@ -34,4 +34,5 @@ SPEC = FamilySpec(
         ("ZImageControlNetInpaintPipeline", "a ControlNet beside the transformer, which conditions on a control image"),
     ),
     pipeline_aliases=("ZImageImg2ImgPipeline", "ZImageInpaintPipeline"),
+    torch_edits=(("image2image", "ZImageImg2ImgPipeline"), ("inpainting", "ZImageInpaintPipeline")),
 )

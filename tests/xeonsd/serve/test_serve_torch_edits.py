@@ -1,0 +1,149 @@
+"""Image-to-image and inpainting on ``xeonsd serve --engine torch`` (:mod:`xeonsd.serve.torch_pool`) for a family
+without reference images, over real HTTP through the ``openai`` client's ``images.edit``, on the tiny SD pipeline
+with one LoRA registered:
+
+* an image-to-image request's image is the one diffusers' own ``StableDiffusionImg2ImgPipeline`` makes for the same
+  seed, strength and steps, and an inpainting request's the one ``StableDiffusionInpaintPipeline`` makes with the
+  same mask (white repaints), equal to the byte in fp32, and another mask gives another image;
+* the LoRA, picked per request by ``model``, applies to the edits too (the edit pipelines share the served
+  pipeline's modules), and the base after it is the base again;
+* a family whose diffusers pipelines have no edits (Krea 2) serves none, and says so per request.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from serve_process import ServeProcess
+
+pytestmark = pytest.mark.xdist_group("xeonsd-serve-torch-edits")
+
+SIZE = 64
+STEPS = 4
+SEED = 5
+STRENGTH = 0.75
+PROMPT = "a photo of toy"
+
+
+def _png(pixels: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _picture() -> np.ndarray:
+    """A red square on a blue ground."""
+    a = np.zeros((SIZE, SIZE, 3), np.uint8)
+    a[:] = (30, 60, 200)
+    a[16:48, 16:48] = (220, 40, 30)
+    return a
+
+
+def _left_half() -> np.ndarray:
+    m = np.zeros((SIZE, SIZE, 3), np.uint8)
+    m[:, : SIZE // 2] = 255
+    return m
+
+
+@pytest.fixture(scope="module")
+def sd_lora(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A UNet LoRA (rank 2, random up matrices), saved by the pipeline's own save_lora_weights."""
+    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    unet = UNet2DConditionModel.from_pretrained(tiny_model / "unet")
+    unet.add_adapter(LoraConfig(r=2, lora_alpha=2, init_lora_weights="gaussian", target_modules=["to_q", "to_v"]))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in unet.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 2.0)
+    out = tmp_path_factory.mktemp("sd-lora")
+    layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
+    StableDiffusionPipeline.save_lora_weights(out, unet_lora_layers=layers, safe_serialization=True)
+    return out / "pytorch_lora_weights.safetensors"
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model: Path, sd_lora: Path, cli_env_module: dict[str, str]):
+    import openai
+
+    with ServeProcess.running(
+        tiny_model,
+        "--engine=torch",
+        "--name=base",
+        f"--adapter=toy={sd_lora}",
+        f"--size={SIZE}x{SIZE}",
+        "--precision=f32",
+        env=cli_env_module,
+    ) as server:
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0), server
+
+
+def _edit(client, mask: np.ndarray | None = None, model: str = "base") -> np.ndarray:
+    extra = {"rng_seed": SEED, "num_inference_steps": STEPS, "strength": STRENGTH}
+    kwargs = {} if mask is None else {"mask": ("mask.png", _png(mask), "image/png")}
+    result = client.images.edit(
+        image=("image.png", _png(_picture()), "image/png"), prompt=PROMPT, model=model, extra_body=extra, **kwargs
+    )
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json))).convert("RGB"), np.float64)
+
+
+def _diffusers(tiny_model: Path, mask: np.ndarray | None) -> np.ndarray:
+    from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline
+
+    cls = StableDiffusionImg2ImgPipeline if mask is None else StableDiffusionInpaintPipeline
+    pipe = cls.from_pretrained(tiny_model, safety_checker=None, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    kwargs = {} if mask is None else {"mask_image": Image.fromarray(mask), "height": SIZE, "width": SIZE}
+    image = pipe(
+        prompt=[PROMPT],
+        image=Image.fromarray(_picture()),
+        strength=STRENGTH,
+        num_inference_steps=STEPS,
+        guidance_scale=7.5,
+        generator=torch.Generator("cpu").manual_seed(SEED),
+        **kwargs,
+    ).images[0]
+    return np.asarray(image, dtype=np.float64)
+
+
+@pytest.mark.parametrize("kind", ["image2image", "inpainting"])
+def test_an_edit_is_diffusers_own_and_the_lora_applies_to_it(kind, client, tiny_model: Path):
+    api, server = client
+    mask = _left_half() if kind == "inpainting" else None
+    base, lora = _edit(api, mask), _edit(api, mask, model="toy")
+    again, theirs = _edit(api, mask), _diffusers(tiny_model, mask)
+    gap, effect = float(np.abs(base - theirs).max()), float(np.abs(lora - base).mean())
+    print(f"\n{kind} on torch: max |dpixel| to diffusers {gap}; the LoRA moves it {effect:.1f} on average")
+    assert gap == 0.0
+    assert effect > 1.0
+    assert np.array_equal(again, base)
+    assert any(f'"kind": "{kind}"' in line for line in server.lines)
+    if mask is not None:  # the mask is read: the other half repainted is another image
+        assert np.abs(_edit(api, 255 - mask) - base).mean() > 1.0
+
+
+def test_a_family_without_diffusers_edits_serves_none(tmp_path: Path):
+    from xeonsd.assets import make_tiny_model
+    from xeonsd.serve.options import ServeOptions
+    from xeonsd.serve.prepare import prepare
+    from xeonsd.serve.requests import Limits, RequestError, validate
+    from xeonsd.serve.torch_pool import TorchWorker
+
+    krea2 = make_tiny_model(tmp_path / "tiny-krea2", arch="tiny-krea2")
+    served = prepare(ServeOptions(export_dir=krea2, engine="torch", size="64x64"), tmp_path)
+    assert (served.engine, served.references, served.edits) == ("torch", 0, ())
+    limits = Limits(served.shape, ("base",), 1, 50, 4.0, family=served.family.label, engine="the PyTorch engine")
+    body = {"prompt": "p", "image": np.zeros((64, 64, 3), np.uint8)}
+    with pytest.raises(RequestError, match=r"Krea 2 has no image2image in the PyTorch engine \(it runs no edits"):
+        validate(body, limits, edit=True)
+    assert TorchWorker(pipe="t2i", edits={"inpainting": "inpaint"}).pipeline("image2image") == "t2i"
