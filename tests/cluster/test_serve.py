@@ -2,7 +2,8 @@
 fixture: that run, or a small one of its own) served by `xeonsd serve` on every node behind HAProxy on node1. Requests
 through the front get an image of the export's size; a node whose server is killed drops out of rotation while
 the others answer; serve.yml brings it back (UP again, nothing changed on the other nodes); a second adapter rolls
-out one node at a time while a client keeps asking the front, and both adapters answer; serve_state=stopped stops
+out one node at a time while a client keeps asking the front, and both adapters answer; the recipe's textual
+inversion run is served in its place and answers the openai client with its concept; serve_state=stopped stops
 every server and the front. All of it with API keys and TLS: the front answers only HTTPS (its certificate from the
 CA the play made), only with a key (but the health checks), plain HTTP is refused, the statistics page wants its
 password, a node's server refuses another node's address, and new keys reach the running servers by SIGHUP."""
@@ -10,6 +11,7 @@ password, a node's server refuses another node's address, and new keys reach the
 from __future__ import annotations
 
 import base64
+import io
 import json
 import secrets
 import threading
@@ -17,9 +19,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 from harness import Cluster
 from jobs import controller_runs, wait_for
+from PIL import Image
 from runner import PlaybookRun
 from serving import PID_FILE, Front, serve_play, serve_processes, servers_killed_after
 
@@ -74,8 +78,33 @@ class Client(threading.Thread):
                 self.errors.append((code, answer))
 
 
+def check_the_concept_is_served(play: PlaybookRun, front: Front, run: Path) -> None:
+    """serve.yml serves a textual inversion run: its name is the only model, its token is listed, and through the
+    ``openai`` client a prompt with the token makes another image than the same prompt with the word it started
+    from (the token is the learned vector, not text)."""
+    import httpx
+    import openai
+
+    summary = json.loads((run / "train_summary.json").read_text())
+    token = summary["placeholder_tokens"][0]
+    rows = front.get("/v1/models")["data"]
+    assert [r["id"] for r in rows] == [run.name] and token in json.dumps(rows[0]["concept_tokens"]), rows
+    api = openai.OpenAI(
+        base_url=f"{front.url}/v1", api_key=front.key, http_client=httpx.Client(verify=front.ca), max_retries=0
+    )
+
+    def image(prompt: str) -> np.ndarray:
+        data = api.images.generate(model=run.name, prompt=prompt, extra_body={"rng_seed": 1, "num_inference_steps": 2})
+        return np.asarray(Image.open(io.BytesIO(base64.b64decode(data.data[0].b64_json))).convert("RGB"), np.float64)
+
+    concept, word = image(f"a photo of a {token}"), image("a photo of a toy")
+    moved = float(np.abs(concept - word).mean())
+    print(f"\nserve.yml, textual inversion run {run.name}: {token} moves the image {moved:.2f} on average ({play.log})")
+    assert moved > 0.0
+
+
 def test_serve_yml_behind_one_front_survives_a_killed_node_and_rolls_out_a_second_adapter(
-    provisioned: Cluster, lora_run: Path
+    provisioned: Cluster, lora_run: Path, base_export_run: Path
 ) -> None:
     runs = controller_runs(provisioned)
     shape = json.loads((runs / "lora" / "openvino" / "xeonsd_export.json").read_text())["static_shape"]
@@ -133,6 +162,10 @@ def test_serve_yml_behind_one_front_survives_a_killed_node_and_rolls_out_a_secon
         for model in ("lora", "second"):
             code, image = front.image(model)
             assert code == 200 and image.size == (shape["width"], shape["height"]), (model, image)
+
+        # The recipe's own run, textual inversion (test_finetune_e2e.py's "e2e"), served in its place: the base export
+        # with the learned concept, under the run's name; the openai client asks the front with the token.
+        check_the_concept_is_served(serve("serve-concept", "-e", "serve_run=e2e", keys=ROTATED), front, base_export_run)
 
         serve("serve-stopped", "-e", "serve_state=stopped")
         assert serve_processes(provisioned) == {}

@@ -7,7 +7,8 @@ with one LoRA registered:
   same mask (white repaints), equal to the byte in fp32, and another mask gives another image;
 * the LoRA, picked per request by ``model``, applies to the edits too (the edit pipelines share the served
   pipeline's modules), and the base after it is the base again;
-* a family whose diffusers pipelines have no edits (Krea 2) serves none, and says so per request.
+* a family whose diffusers pipelines have no edits (Krea 2) serves none, and says so per request; Krea 2 Turbo is
+  served with its own 8 steps and no guidance.
 """
 
 from __future__ import annotations
@@ -132,17 +133,34 @@ def test_an_edit_is_diffusers_own_and_the_lora_applies_to_it(kind, client, tiny_
         assert np.abs(_edit(api, 255 - mask) - base).mean() > 1.0
 
 
-def test_a_family_without_diffusers_edits_serves_none(tmp_path: Path):
+def test_krea2_serves_no_edits_and_turbo_its_own_steps_and_guidance(tmp_path: Path):
+    """Krea 2 has no edit pipelines in diffusers: an edit is refused naming the family. Its Turbo checkpoint
+    (``is_distilled``) is served with what it asks for, 8 steps without guidance, as the trainer's validation images
+    and ``xeonsd generate --engine torch`` make it; RAW with OVMS's 20 steps at the family's 4.5."""
+    import json
+    import shutil
+
     from xeonsd.assets import make_tiny_model
     from xeonsd.serve.options import ServeOptions
     from xeonsd.serve.prepare import prepare
     from xeonsd.serve.requests import Limits, RequestError, validate
     from xeonsd.serve.torch_pool import TorchWorker
 
-    krea2 = make_tiny_model(tmp_path / "tiny-krea2", arch="tiny-krea2")
-    served = prepare(ServeOptions(export_dir=krea2, engine="torch", size="64x64"), tmp_path)
-    assert (served.engine, served.references, served.edits) == ("torch", 0, ())
-    limits = Limits(served.shape, ("base",), 1, 50, 4.0, family=served.family.label, engine="the PyTorch engine")
+    raw = make_tiny_model(tmp_path / "tiny-krea2", arch="tiny-krea2")
+    turbo = tmp_path / "tiny-krea2-turbo"
+    shutil.copytree(raw, turbo)
+    index = json.loads((turbo / "model_index.json").read_text())
+    (turbo / "model_index.json").write_text(json.dumps({**index, "is_distilled": True}))
+    served = {m.name: prepare(ServeOptions(export_dir=m, engine="torch", size="64x64"), tmp_path) for m in (raw, turbo)}
+    for model, (steps, guidance) in ((raw, (20, 4.5)), (turbo, (8, 0.0))):
+        s = served[model.name]
+        assert (s.engine, s.references, s.edits, s.default_steps, s.guidance_scale) == ("torch", 0, (), steps, guidance)
+        limits = Limits(
+            s.shape, ("base",), 1, 50, s.guidance_scale, family=s.family.label, default_steps=s.default_steps
+        )
+        req = validate({"prompt": "p"}, limits)
+        assert (req.steps, req.guidance_scale) == (steps, guidance)
+    limits = Limits(s.shape, ("base",), 1, 50, 4.5, family=s.family.label, engine="the PyTorch engine")
     body = {"prompt": "p", "image": np.zeros((64, 64, 3), np.uint8)}
     with pytest.raises(RequestError, match=r"Krea 2 has no image2image in the PyTorch engine \(it runs no edits"):
         validate(body, limits, edit=True)

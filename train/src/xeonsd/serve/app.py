@@ -168,6 +168,7 @@ def create_app(
         references=served.references,
         reference_required=served.references > 0 and served.family.reference_required,
         engine="the PyTorch engine" if served.engine == "torch" else Limits.engine,
+        default_steps=served.default_steps,
     )
     created = int(time.time())
     images = _images_handler(limits, opts.timeout, pool, metrics)

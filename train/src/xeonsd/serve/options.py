@@ -217,6 +217,10 @@ class ServedModel:
     overlay: Path | None = None  # --embeds: the export with the concept added (xeonsd.openvino.overlay)
     engine: str = "genai"  # the pool that serves it: genai (an export) or torch (a diffusers pipeline directory)
     concepts: dict[str, Any] | None = None  # torch: --embeds' concept per text encoder, added at load
+    # torch: the sampler arguments the served checkpoint asks for (TrainFamily.sampling of its pipeline config,
+    # what the trainer's validation images and `xeonsd generate --engine torch` use: Krea 2 Turbo's 8 steps, no
+    # guidance); genai: none (the family's defaults)
+    sampling: dict[str, Any] = field(default_factory=dict)
 
     @property
     def model_names(self) -> list[str]:
@@ -243,8 +247,17 @@ class ServedModel:
 
     @property
     def guidance_scale(self) -> float:
-        """A request's default: the family's pipeline's (``FamilySpec.guidance_scale``)."""
-        return self.family.guidance_scale
+        """A request's default: the checkpoint's (:attr:`sampling`), else the family's pipeline's
+        (``FamilySpec.guidance_scale``)."""
+        return float(self.sampling.get("guidance_scale", self.family.guidance_scale))
+
+    @property
+    def default_steps(self) -> int:
+        """A request's default ``num_inference_steps``: OVMS's 20, or fewer where the checkpoint asks for fewer (a
+        distilled one: Krea 2 Turbo's 8)."""
+        from xeonsd.serve.requests import DEFAULT_STEPS
+
+        return min(DEFAULT_STEPS, int(self.sampling.get("num_inference_steps", DEFAULT_STEPS)))
 
 
 def cpu_count() -> int:

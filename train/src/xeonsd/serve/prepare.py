@@ -131,6 +131,7 @@ def prepare_torch(opts: ServeOptions, found: Family) -> ServedModel:
         blends=blend_keys(opts),
         engine="torch",
         concepts=concepts,
+        sampling=family.training.sampling(dict(found.pipeline_config)),
     )
     for spec in opts.adapters:
         if spec.name == served.name:

@@ -114,7 +114,7 @@ class Limits:
     models: tuple[str, ...]  # the base model's name first, then the adapters'
     max_images: int
     max_steps: int
-    guidance_scale: float  # a request's default: the family's pipeline's (FamilySpec.guidance_scale)
+    guidance_scale: float  # a request's default: the checkpoint's, else the family's (ServedModel.guidance_scale)
     alphas: tuple[tuple[str, float], ...] = ()  # each registered adapter's --adapter alpha
     family: str = "SD 1.x/2.x"  # the family's label, for the errors
     edits: tuple[str, ...] = ()  # the edits the family's GenAI pipelines run (FamilySpec.genai_edits)
@@ -123,6 +123,7 @@ class Limits:
     references: int = 0  # the reference images an edit takes (torch engine, edit family); 0: img2img/inpainting
     reference_required: bool = False  # the family makes no image without a reference (Qwen-Image-Edit-2511)
     engine: str = "OpenVINO GenAI 2026.4.1"  # what runs the requests, for the errors
+    default_steps: int = DEFAULT_STEPS  # a request's num_inference_steps when it gives none (ServedModel's)
 
 
 @dataclass(frozen=True)
@@ -213,7 +214,8 @@ def validate(body: dict[str, Any], limits: Limits, edit: bool = False) -> ImageR
     if n is not None and per_prompt is not None and n != per_prompt:
         raise RequestError(f"n {n} and num_images_per_prompt {per_prompt} disagree; give one", "num_images_per_prompt")
     n = n or per_prompt or 1
-    steps = _int(body, "num_inference_steps", min(DEFAULT_STEPS, limits.max_steps), 1, limits.max_steps, "--max-steps")
+    default = min(limits.default_steps, limits.max_steps)
+    steps = _int(body, "num_inference_steps", default, 1, limits.max_steps, "--max-steps")
     seed = _int(body, "rng_seed", None, 0, 2**32 - 1, "an unsigned 32-bit integer, GenAI's seed")
     shape = limits.shape
     size = body.get("size")
@@ -236,10 +238,12 @@ def validate(body: dict[str, Any], limits: Limits, edit: bool = False) -> ImageR
         raise RequestError(
             f"output_format {json.dumps(body['output_format'])} is not served: only png", "output_format"
         )
-    guidance = body.get("guidance_scale", limits.guidance_scale)
-    if isinstance(guidance, bool) or not isinstance(guidance, int | float) or not math.isfinite(guidance):
+    guidance = body.get("guidance_scale")
+    if guidance is None:  # the served checkpoint's (a distilled one's may be 0: no guidance)
+        guidance = limits.guidance_scale
+    elif isinstance(guidance, bool) or not isinstance(guidance, int | float) or not math.isfinite(guidance):
         raise RequestError(f"guidance_scale must be a number, not {json.dumps(guidance)}", "guidance_scale")
-    if not 1.0 < guidance <= 50.0:
+    elif not 1.0 < guidance <= 50.0:
         raise RequestError(
             f"guidance_scale {guidance} is out of range: above 1 (the export runs classifier-free guidance) up to 50",
             "guidance_scale",
