@@ -52,9 +52,13 @@ def serve_plan_of(
     export_dir: str,
     alpha: Any = 1.0,
     blends: Any = (),
+    inference_model: str = "",
+    inference_index: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The plan (serve_plan.plan) from the serve role's slurp loop of train_summary.json: the served run's first,
-    then serve_adapters' runs in the order of ``adapters`` (xeonsd_serve_adapter_runs); ``blends``: serve_blends."""
+    then serve_adapters' runs in the order of ``adapters`` (xeonsd_serve_adapter_runs); ``blends``: serve_blends;
+    ``inference_model``: serve_inference_model, and ``inference_index`` the slurp of model_index.json in it, or in
+    the run's own inference_model where that is empty (not found: no ``content``)."""
     if len(summaries) != len(adapters) + 1:
         raise ValueError(f"xeonsd_serve_plan: {len(summaries)} summaries for 1 run and {len(adapters)} adapters")
     runs = [_run(r) for r in summaries]
@@ -65,8 +69,25 @@ def serve_plan_of(
         raise ServePlanError(str(e)) from None
     torch_family = "" if family.ov_pipeline_class else family.label  # no OpenVINO export: the PyTorch engine
     fused = "" if family.genai_adapters or torch_family else family.label
+    inference = None
+    path = inference_model or str(runs[0]["summary"].get("inference_model") or "")
+    if path:
+        try:
+            cls = str(json.loads(base64.b64decode((inference_index or {})["content"])).get("_class_name", ""))
+        except (KeyError, ValueError):
+            cls = ""
+        found = families.of_pipeline_class(cls) if cls else None
+        pipeline = {"pipeline": cls, "family": found.label if found else ""}
+        inference = {"dir": path, "given": bool(inference_model), **pipeline}
     return serve_plan.plan(
-        runs[0], export_dir, named, alpha=alpha, fused_family=fused, blends=blends, torch_family=torch_family
+        runs[0],
+        export_dir,
+        named,
+        alpha=alpha,
+        fused_family=fused,
+        blends=blends,
+        torch_family=torch_family,
+        inference=inference,
     )
 
 

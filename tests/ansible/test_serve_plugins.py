@@ -76,6 +76,39 @@ def test_the_plan_asks_the_run_s_family_whether_its_lora_is_an_adapter_or_fused(
     assert (plan["export"], plan["engine"], [a["name"] for a in plan["adapters"]]) == ("/m/b", "torch", ["q"])
 
 
+def _index(cls: str | None) -> dict:
+    """The serve role's slurp of a pipeline's model_index.json (None: the file is not there)."""
+    if cls is None:
+        return {"failed": True, "msg": "file not found"}
+    return {"content": base64.b64encode(json.dumps({"_class_name": cls}).encode()).decode()}
+
+
+def test_a_krea2_raw_lora_is_served_on_turbo_and_a_pipeline_of_another_family_is_refused_naming_both() -> None:
+    """serve_inference_model (or the run's own inference_model, the Turbo it validated on) replaces the base model
+    of a torch-engine run; a pipeline of another family, one without model_index.json, a relative path, and the
+    variable where it does not apply (an export family, a full fine-tune) are refused, each naming the fix."""
+    lora = {"method": "lora", "base_model": "/m/raw", "base_model_fingerprint": "f", "result": {"path": "a.st"}}
+    krea = [_slurped("/r/k", {**lora, "family": "krea2"})]
+    assert serve.serve_plan_of(krea, [], "")["export"] == "/m/raw"  # nothing named: its base model
+    plan = serve.serve_plan_of(krea, [], "", inference_model="/m/turbo", inference_index=_index("Krea2Pipeline"))
+    assert (plan["export"], plan["engine"], [a["name"] for a in plan["adapters"]]) == ("/m/turbo", "torch", ["k"])
+    own = [_slurped("/r/k", {**lora, "family": "krea2", "inference_model": "/m/turbo/"})]
+    assert serve.serve_plan_of(own, [], "", inference_index=_index("Krea2Pipeline"))["export"] == "/m/turbo"
+    refusals = [
+        (krea, "/m/flux", _index("FluxPipeline"), r"/m/flux is a FLUX\.1 pipeline \(FluxPipeline\), and serve_run /r/k "
+         r"is a Krea 2 run.*Fix: name a Krea 2 pipeline"),
+        (krea, "/m/none", _index(None), "/m/none holds no model_index.json on the primary"),
+        (krea, "turbo", _index("Krea2Pipeline"), "'turbo' is no absolute path"),
+        ([_slurped("/r/s", {**lora, "family": "sd"})], "/m/t", _index("StableDiffusionPipeline"),
+         "serve_run /r/s is served from its OpenVINO export"),
+        ([_slurped("/r/f", {**lora, "method": "full", "family": "krea2", "result": {"path": "model_index.json"}})],
+         "/m/turbo", _index("Krea2Pipeline"), "serve_run /r/f is a full fine-tune"),
+    ]  # fmt: skip
+    for runs, path, index, words in refusals:
+        with pytest.raises(serve.ServePlanError, match=words):
+            serve.serve_plan_of(runs, [], "/r/s/openvino", inference_model=path, inference_index=index)
+
+
 def test_a_textual_inversion_run_is_planned_with_its_embeddings_as_a_file_every_node_needs() -> None:
     """What the serve role hands on for an SDXL textual inversion run: the base model's export, the run's concept as
     --embeds (and its token), the embeddings among the files pushed to each node, the run's name for the base."""

@@ -182,6 +182,7 @@ def plan(
     fused_family: str = "",
     blends: Any = (),
     torch_family: str = "",
+    inference: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The plan of a served run and its adapters.
 
@@ -201,10 +202,16 @@ def plan(
     ``torch_family``: the family's label where optimum-intel has no OpenVINO export for it (FLUX.1 Kontext,
     Qwen-Image-Edit-2511, Krea 2; ``FamilySpec.ov_pipeline_class`` empty): the run is served on the PyTorch engine
     (``engine``: ``torch``) from a pipeline directory, the base model's (a LoRA or textual inversion run) or the
-    run's own (a full fine-tune), as export.yml made its images; ``export_dir`` is not read."""
+    run's own (a full fine-tune), as export.yml made its images; ``export_dir`` is not read.
+    ``inference``: ``{dir, given, pipeline, family}``, the pipeline directory a LoRA or textual inversion run of such
+    a family is served on in place of its base model (Krea 2 Turbo for a LoRA trained on RAW): serve_inference_model
+    (``given``), else the ``inference_model`` the run rendered its validation images on; ``pipeline`` its
+    model_index.json's class ('' where it has none) and ``family`` that class's family label ('' where none is)."""
     where = served["dir"]
     method = _method(served["summary"], where)
     export_dir = _served_dir(served, export_dir, method, torch_family)
+    if inference:
+        export_dir = _inference_dir(inference, where, method, torch_family) or export_dir
     fused_kind = _fused_adapter(served["summary"], where, torch_family)
     fingerprint = served["summary"].get("base_model_fingerprint", "")
     run_name = posixpath.basename(where.rstrip("/"))
@@ -276,6 +283,40 @@ def _served_dir(served: Mapping[str, Any], export_dir: str, method: str, torch_f
             f"(ansible-playbook export.yml -e openvino_export_run_dir={where})."
         )
     return export_dir
+
+
+def _inference_dir(inference: Mapping[str, Any], where: str, method: str, torch_family: str) -> str | None:
+    """The pipeline directory a torch-engine run is served on in place of its base model (None: the base), checked:
+    a pipeline of the run's family, for a LoRA or textual inversion run of a family without an OpenVINO export. A
+    run's own ``inference_model`` where it does not apply is left alone; ``serve_inference_model`` is refused."""
+    given, path = bool(inference.get("given")), str(inference["dir"])
+    name = "serve_inference_model" if given else f"the run's inference_model ({where}/train_summary.json)"
+    if not torch_family or method == "full":
+        if given:
+            what = (
+                "a full fine-tune, served from its own pipeline" if torch_family else "served from its OpenVINO export"
+            )
+            raise ServePlanError(
+                f"serve_inference_model {path}: serve_run {where} is {what}; serve_inference_model replaces the base "
+                "model of a LoRA or textual inversion run of a family without an OpenVINO export (Krea 2: Turbo). "
+                "Fix: leave serve_inference_model empty."
+            )
+        return None
+    if not path.startswith("/"):
+        raise ServePlanError(
+            f"{name} {path!r} is no absolute path: the PyTorch engine serves a pipeline directory that every node "
+            "gets a copy of. Fix: -e serve_inference_model=DIR, a copy of that pipeline on the primary."
+        )
+    if not inference.get("pipeline"):
+        raise ServePlanError(f"{name} {path} holds no model_index.json on the primary: it is no diffusers pipeline")
+    if inference.get("family") != torch_family:
+        found = f"a {inference['family']}" if inference.get("family") else "no supported family's"
+        raise ServePlanError(
+            f"{name} {path} is {found} pipeline ({inference['pipeline']}), and serve_run {where} is a {torch_family} "
+            f"run: its adapter fits {torch_family} only. Fix: name a {torch_family} pipeline (for a Krea 2 RAW run, "
+            "Krea 2 Turbo), or leave serve_inference_model empty to serve it on its base model."
+        )
+    return posixpath.normpath(path)
 
 
 def _pipeline_dir(summary: Mapping[str, Any], where: str, method: str, label: str) -> str:

@@ -21,7 +21,7 @@ torch); a family's ``training`` module may import :mod:`xeonsd.trainer`, :mod:`x
 from __future__ import annotations
 
 from xeonsd.families.detect import Family, detect_family, family_of, family_spec, vae_scale
-from xeonsd.families.registry import REGISTRY, SPECS, by_name, of_manifest, of_run
+from xeonsd.families.registry import REGISTRY, SPECS, by_name, of_manifest, of_pipeline_class, of_run
 from xeonsd.families.spec import FamilyError, FamilySpec, tokenizer_limit
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "family_of",
     "family_spec",
     "of_manifest",
+    "of_pipeline_class",
     "of_run",
     "tokenizer_limit",
     "vae_scale",

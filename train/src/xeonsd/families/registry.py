@@ -46,6 +46,12 @@ def by_name(name: str) -> FamilySpec:
         raise FamilyError(f"unknown model family {name!r}; known: {', '.join(SPECS)}") from None
 
 
+def of_pipeline_class(cls: str) -> FamilySpec | None:
+    """The family whose pipelines include the diffusers class ``cls`` (model_index.json's ``_class_name``), or None:
+    what a pipeline directory is, told without reading its components (detection reads them: :mod:`.detect`)."""
+    return next((f for f in REGISTRY if cls == f.pipeline_class or cls in f.pipeline_aliases), None)
+
+
 def of_run(summary: dict[str, Any], run_dir: str) -> FamilySpec:
     """The family a run trained, from its ``train_summary.json`` (a run of an xeonsd older than the ``family``
     field was SD); a FamilyError names the run's summary and the family it does not know."""
