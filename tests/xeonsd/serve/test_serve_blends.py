@@ -87,7 +87,8 @@ def test_an_undeclared_blend_is_refused_naming_the_declared_ones_and_blend(edit_
         ({"model": "@other"}, None),  # one adapter at its own alpha: the adapter itself
         ({"model": "toy", "lora_alphas": {"toy": 0.25}}, "lora_alphas"),
     ):
-        answer = httpx.post(f"{edit_server.url}/v3/images/generations", json={"prompt": PROMPT, **body})
+        # a generation (the 200) takes seconds on a loaded 2-core machine: more than httpx's default 5 s
+        answer = httpx.post(f"{edit_server.url}/v3/images/generations", json={"prompt": PROMPT, **body}, timeout=120)
         if param is None:
             assert answer.status_code == 200, answer.text
             continue
