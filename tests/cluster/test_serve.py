@@ -1,12 +1,13 @@
 """serve.yml on the real 4-node test cluster: the LoRA run that test_finetune_methods.py trained (the lora_run
 fixture: that run, or a small one of its own) served by `xeonsd serve` on every node behind HAProxy on node1. Requests
 through the front get an image of the export's size; a node whose server is killed drops out of rotation while
-the others answer; serve.yml brings it back (UP again, nothing changed on the other nodes); a second adapter rolls
-out one node at a time while a client keeps asking the front, and both adapters answer; the recipe's textual
-inversion run is served in its place and answers the openai client with its concept; serve_state=stopped stops
-every server and the front. All of it with API keys and TLS: the front answers only HTTPS (its certificate from the
-CA the play made), only with a key (but the health checks), plain HTTP is refused, the statistics page wants its
-password, a node's server refuses another node's address, and new keys reach the running servers by SIGHUP."""
+the others answer; serve.yml brings it back (UP again, nothing changed on the other nodes); a new deployment rolls
+out one node at a time while a client keeps asking the front for the base, all answered: the recipe's textual
+inversion run in the LoRA run's place and the LoRA run beside it as a second adapter, after which the concept
+answers the openai client and the adapter answers; serve_state=stopped stops every server and the front. All of it
+with API keys and TLS: the front answers only HTTPS (its certificate from the CA the play made), only with a key (but
+the health checks), plain HTTP is refused, the statistics page wants its password, a node's server refuses another
+node's address, and new keys reach the running servers by SIGHUP."""
 
 from __future__ import annotations
 
@@ -72,14 +73,14 @@ class Client(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.is_set():
-            code, answer = self.front.image("lora" if len(self.codes) % 2 else None)  # models every node has
+            code, answer = self.front.image()  # the base: every node has one, before and after a roll-out
             self.codes.append(code)
             if code != 200:
                 self.errors.append((code, answer))
 
 
 def check_the_concept_is_served(play: PlaybookRun, front: Front, run: Path) -> None:
-    """serve.yml serves a textual inversion run: its name is the only model, its token is listed, and through the
+    """serve.yml serves a textual inversion run: its name is the base's, its token is listed, and through the
     ``openai`` client a prompt with the token makes another image than the same prompt with the word it started
     from (the token is the learned vector, not text)."""
     import httpx
@@ -88,7 +89,7 @@ def check_the_concept_is_served(play: PlaybookRun, front: Front, run: Path) -> N
     summary = json.loads((run / "train_summary.json").read_text())
     token = summary["placeholder_tokens"][0]
     rows = front.get("/v1/models")["data"]
-    assert [r["id"] for r in rows] == [run.name] and token in json.dumps(rows[0]["concept_tokens"]), rows
+    assert rows[0]["id"] == run.name and token in json.dumps(rows[0]["concept_tokens"]), rows
     api = openai.OpenAI(
         base_url=f"{front.url}/v1", api_key=front.key, http_client=httpx.Client(verify=front.ca), max_retries=0
     )
@@ -146,26 +147,24 @@ def test_serve_yml_behind_one_front_survives_a_killed_node_and_rolls_out_a_secon
             wait_for(lambda n=node: node_status(provisioned, "node1", n, front.key) == "200", 20, f"node{node}'s key")
             assert node_status(provisioned, "node1", node, old) == "401"
 
-        # A second adapter, rolled out one node at a time while a client keeps asking the front.
+        # A new deployment rolled out one node at a time while a client keeps asking the front for the base: the
+        # recipe's own run, textual inversion (test_finetune_e2e.py's "e2e"), in the LoRA run's place (the base export
+        # with the learned concept, under the run's name), and the LoRA run beside it as a second adapter.
         client = Client(front)
         client.start()
         try:
             wait_for(lambda: len(client.codes) >= 1, 120, "the client's first answer")
             second = json.dumps({"serve_adapters": {"second": {"run": "lora", "alpha": 0.5}}})
-            serve("serve-second-adapter", "-e", second, keys=ROTATED)  # the keys stay the rotated ones
+            play = serve("serve-concept-second-adapter", "-e", "serve_run=e2e", "-e", second, keys=ROTATED)
         finally:
             client.stop.set()
             client.join(timeout=180)
         assert client.errors == [] and len(client.codes) >= 2, client.errors
         models = [m["id"] for m in front.get("/v1/models")["data"]]
-        assert models == ["tiny-sd", "lora", "second"], models
-        for model in ("lora", "second"):
-            code, image = front.image(model)
-            assert code == 200 and image.size == (shape["width"], shape["height"]), (model, image)
-
-        # The recipe's own run, textual inversion (test_finetune_e2e.py's "e2e"), served in its place: the base export
-        # with the learned concept, under the run's name; the openai client asks the front with the token.
-        check_the_concept_is_served(serve("serve-concept", "-e", "serve_run=e2e", keys=ROTATED), front, base_export_run)
+        assert models == [base_export_run.name, "second"], models
+        code, image = front.image("second")
+        assert code == 200 and image.size == (shape["width"], shape["height"]), image
+        check_the_concept_is_served(play, front, base_export_run)
 
         serve("serve-stopped", "-e", "serve_state=stopped")
         assert serve_processes(provisioned) == {}
