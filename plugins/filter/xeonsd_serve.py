@@ -6,7 +6,10 @@ plugin imports from the controller's venv:
 
     "{{ serve_run | xeonsd_serve_run_dir(runs_dir) }}": the run's directory (latest, a name, or a path)
     "{{ serve_adapters | xeonsd_serve_adapter_runs(serve_lora_alpha) }}": [{name, run, alpha}]
-    "{{ slurped.results | xeonsd_serve_plan(adapter_runs, export_dir, alpha, blends) }}": {export, adapters, …}
+    "{{ slurped.results | xeonsd_serve_inference_model(serve_inference_model) }}": the pipeline served in place of
+        the base model ('' none)
+    "{{ slurped.results | xeonsd_serve_plan(adapter_runs, export_dir, alpha, blends, inference_model, index) }}":
+        {export, adapters, …}
     "{{ plan | xeonsd_serve_argv(settings) }}": ["serve", EXPORT, "--adapter", …, "--port", …]
     "{{ found | xeonsd_serve_files(stats) }}": {absolute path: sha1} of an export's find and the adapters' stats
     "{{ node_files | xeonsd_serve_files_to_pull(expected) }}": the paths a node lacks or holds changed
@@ -46,6 +49,13 @@ def _run(result: Mapping[str, Any]) -> dict[str, Any]:
     return {"dir": st.get("lnk_source") or result["item"]["item"], "summary": summary}
 
 
+def inference_model_of(summaries: Sequence[Mapping[str, Any]], given: str = "") -> str:
+    """The pipeline a run of a family without an OpenVINO export is served on in place of its base model:
+    serve_inference_model (``given``), else the served run's own ``inference_model`` (the first of the serve role's
+    slurped summaries); '' where neither names one."""
+    return given or str(_run(summaries[0])["summary"].get("inference_model") or "")
+
+
 def serve_plan_of(
     summaries: Sequence[Mapping[str, Any]],
     adapters: Sequence[Mapping[str, Any]],
@@ -70,7 +80,7 @@ def serve_plan_of(
     torch_family = "" if family.ov_pipeline_class else family.label  # no OpenVINO export: the PyTorch engine
     fused = "" if family.genai_adapters or torch_family else family.label
     inference = None
-    path = inference_model or str(runs[0]["summary"].get("inference_model") or "")
+    path = inference_model_of(summaries, inference_model)
     if path:
         try:
             cls = str(json.loads(base64.b64decode((inference_index or {})["content"])).get("_class_name", ""))
@@ -190,6 +200,7 @@ class FilterModule:
     def filters(self) -> dict:
         return {
             "xeonsd_serve_run_dir": serve_plan.run_dir,
+            "xeonsd_serve_inference_model": inference_model_of,
             "xeonsd_serve_adapter_runs": serve_plan.adapter_runs,
             "xeonsd_serve_plan": serve_plan_of,
             "xeonsd_serve_argv": serve_argv,

@@ -93,6 +93,12 @@ def test_a_krea2_raw_lora_is_served_on_turbo_and_a_pipeline_of_another_family_is
     plan = serve.serve_plan_of(krea, [], "", inference_model="/m/turbo", inference_index=_index("Krea2Pipeline"))
     assert (plan["export"], plan["engine"], [a["name"] for a in plan["adapters"]]) == ("/m/turbo", "torch", ["k"])
     own = [_slurped("/r/k", {**lora, "family": "krea2", "inference_model": "/m/turbo/"})]
+    # the path plan.yml reads model_index.json in: serve_inference_model, else the run's own, else none
+    assert [serve.inference_model_of(r, given) for r, given in ((own, "/m/t2"), (own, ""), (krea, ""))] == [
+        "/m/t2",
+        "/m/turbo/",
+        "",
+    ]
     assert serve.serve_plan_of(own, [], "", inference_index=_index("Krea2Pipeline"))["export"] == "/m/turbo"
     refusals = [
         (krea, "/m/flux", _index("FluxPipeline"), r"/m/flux is a FLUX\.1 pipeline \(FluxPipeline\), and serve_run /r/k "

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from ov_assets import peft_adapter  # tests/xeonsd/conftest.py puts the OpenVINO tests' helpers on the path
 from PIL import Image
 from serve_process import ServeProcess
 
@@ -54,23 +55,11 @@ def _left_half() -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def sd_lora(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A UNet LoRA (rank 2, random up matrices), saved by the pipeline's own save_lora_weights."""
-    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
-    from diffusers.utils import convert_state_dict_to_diffusers
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
+    """A UNet LoRA (rank 2, random up matrices), written as our trainer writes one (ov_assets.peft_adapter)."""
+    from diffusers import UNet2DConditionModel
 
     unet = UNet2DConditionModel.from_pretrained(tiny_model / "unet")
-    unet.add_adapter(LoraConfig(r=2, lora_alpha=2, init_lora_weights="gaussian", target_modules=["to_q", "to_v"]))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in unet.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 2.0)
-    out = tmp_path_factory.mktemp("sd-lora")
-    layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
-    StableDiffusionPipeline.save_lora_weights(out, unet_lora_layers=layers, safe_serialization=True)
-    return out / "pytorch_lora_weights.safetensors"
+    return peft_adapter(unet, tmp_path_factory.mktemp("sd-lora"), ["to_q", "to_v"], seed=0, scale=2.0)
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,11 @@ fp32 elsewhere and for ``--precision f32``; the family's processor, call argumen
 * Image-to-image and inpainting (a family without reference images): the family's diffusers pipelines for them
   (``FamilySpec.torch_edits``), made at start-up with ``from_pipe``, so they share the served pipeline's modules
   (its adapters and concept included); the request's ``image``, ``mask`` (white: repainted) and ``strength`` go to
-  the call, and the size where the pipeline takes none (SD's image-to-image: the image's).
+  the call (the size only where the pipeline takes one: :func:`~xeonsd.torch_engine.engine.call_extras`).
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import time
@@ -71,13 +70,13 @@ class TorchPool(WorkerPool):
         for i, (name, (path, _alpha)) in enumerate(served.adapters.items()):
             names[name] = f"adapter{i}"  # peft makes module keys of adapter names: no '.' there
             pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=names[name])
-        edits = {}
-        for kind, cls in family.torch_edits:
-            if kind in served.edits:
-                import diffusers
+        import diffusers
 
-                edits[kind] = getattr(diffusers, cls).from_pipe(pipe)
-                edits[kind].set_progress_bar_config(disable=True)
+        edits = {
+            kind: getattr(diffusers, cls).from_pipe(pipe) for kind, cls in family.torch_edits if kind in served.edits
+        }
+        for edit in edits.values():
+            edit.set_progress_bar_config(disable=True)
         log.info(
             "%s loaded from %s in %s on %d thread(s), %d adapter(s), edits: %s",
             type(pipe).__name__,
@@ -101,10 +100,6 @@ class TorchPool(WorkerPool):
             kwargs.update(image=Image.fromarray(req.image), strength=req.strength)
             if req.mask is not None:
                 kwargs["mask_image"] = Image.fromarray(req.mask)
-            takes = inspect.signature(pipe.__call__).parameters
-            for size in ("height", "width", "max_area"):  # SD's image-to-image: the image's size
-                if size not in takes:
-                    kwargs.pop(size, None)
         if self.served.max_sequence_length is not None:
             kwargs["max_sequence_length"] = self.served.max_sequence_length
         if req.negative_prompt is not None:

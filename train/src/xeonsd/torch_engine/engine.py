@@ -5,8 +5,8 @@ What a call is given besides the prompts (:func:`call_extras`) follows the train
 
 * the guidance: ``guidance_scale`` where the denoiser embeds it (FLUX.1 [dev], Kontext) or the pipeline has no
   true CFG, else ``true_cfg_scale`` (Qwen-Image-Edit: the family's 4.0, which acts only with a negative prompt);
-* the size: ``height``/``width``, and ``max_area`` (their product) where the pipeline rescales to an area of its own
-  (Kontext's ~1 MP);
+* the size: ``height``/``width`` where the pipeline takes them (an image-to-image pipeline may take the image's),
+  and ``max_area`` (their product) where the pipeline rescales to an area of its own (Kontext's ~1 MP);
 * the reference images (``--image``) of an edit model: FLUX.1 Kontext's is resized to the image's area at its own
   aspect (``_auto_resize`` off: the pipeline would pick a ~1 MP size), as the trainer made the references' latents at
   the training image's size; Qwen-Image-Edit's go whole to the pipeline, which resizes them itself, inside the
@@ -79,7 +79,8 @@ def call_extras(
 ) -> dict[str, Any]:
     """The keyword arguments of a call besides the prompts, generator and steps (see the module's docstring)."""
     takes = inspect.signature(pipe.__call__).parameters
-    out: dict[str, Any] = {"height": height, "width": width}
+    # the size, where the pipeline takes one (SD's and SDXL's image-to-image: the image's)
+    out: dict[str, Any] = {k: v for k, v in (("height", height), ("width", width)) if k in takes}
     embedded = bool(getattr(getattr(pipe, family.denoiser).config, "guidance_embeds", False))
     if guidance_scale is not None:
         key = "true_cfg_scale" if "true_cfg_scale" in takes and not embedded else "guidance_scale"
