@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import cli_forkserver
+
 if TYPE_CHECKING:  # torch is imported where a test uses it (the role tests import this module too)
     import torch
 
@@ -56,9 +58,9 @@ def assert_learned(vectors: torch.Tensor, model: Path) -> None:
 
 
 def run_cli(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "xeonsd.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
-    )
+    """``python -m xeonsd.cli ARGS`` in a process of its own, forked from the worker's warm CLI process where the
+    environment allows (cli_forkserver.py: the imports are most of a short run's CPU)."""
+    return cli_forkserver.run(args, env, timeout)
 
 
 def mpi_env(env: dict[str, str]) -> dict[str, str]:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_runs import run_cli
 
 
 def test_bench_train_variants_differ_in_what_they_switch_off(tiny_model, tmp_path, cli_env):
@@ -17,9 +18,7 @@ def test_bench_train_variants_differ_in_what_they_switch_off(tiny_model, tmp_pat
     args += ["--probe-seconds=0.05"]  # each size still gets 3 products: the peak's range is what is checked
     # The variants whose differences are checked (the precision one's is only that it runs: the interleaving test)
     args += ["--only", "optimized", "per-step VAE encode", "whole-matrix embedding"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "xeonsd.cli", *args], env=cli_env, capture_output=True, text=True, timeout=600
-    )
+    proc = run_cli(args, cli_env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     print(proc.stdout)
     report = json.loads(out.read_text())
@@ -78,9 +77,7 @@ def one_step_bench(
     round and one probe, its report written to ``out``."""
     args = ["bench", "train", *flags, "--resolution=64", "--steps=1", "--peak-size=256", "--dtype=fp32"]
     args += ["--only", *only, f"--json={out}", "--rounds=1", "--probes=1", "--probe-seconds=0.05"]
-    return subprocess.run(
-        [sys.executable, "-m", "xeonsd.cli", *args], env=env, capture_output=True, text=True, timeout=600
-    )
+    return run_cli(args, env, timeout=600)
 
 
 def test_bench_train_lora_measures_the_allreduce_on_two_ranks_and_each_adapter_type(tiny_model, tmp_path, cli_env):

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_runs import run_cli
 
 from xeonsd.console import log_path_beside, quiet_console
 
@@ -20,9 +20,7 @@ ALSO_NOT = ("Multiple distributions found", "deprecated", "it/s]")
 
 def _generate(ov_dir: Path, out: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
     args = ["generate", str(ov_dir), "--engine", "optimum", "--steps", "1", "--out", str(out), *extra]
-    return subprocess.run(
-        [sys.executable, "-m", "xeonsd.cli", *args], env=env, capture_output=True, text=True, timeout=300
-    )
+    return run_cli(args, env, timeout=300)
 
 
 def test_generate_shows_our_lines_and_keeps_the_chatter_in_the_log(ov_baked: Path, tmp_path: Path, cli_env) -> None:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import openvino as ov
 import pytest
 import torch
+from cli_runs import run_cli
 from ov_assets import BATCH, PROMPT, SIZE, STEPS, TOKEN, as_array
 from safetensors.torch import save_file
 
@@ -96,9 +95,9 @@ def test_int8_export_and_generate_through_the_cli(
     tiny_model: Path, embeds: Path, tmp_path: Path, cli_env: dict[str, str]
 ) -> None:
     out = tmp_path / "int8"
-    cmd = [sys.executable, "-m", "xeonsd.cli", "export", str(tiny_model), str(out), "--embeds", str(embeds)]
+    cmd = ["export", str(tiny_model), str(out), "--embeds", str(embeds)]
     cmd += ["--weight-format", "int8", "--batch-size", "2", "--height", str(SIZE), "--width", str(SIZE)]
-    run = subprocess.run(cmd, env=cli_env, capture_output=True, text=True, timeout=600)
+    run = run_cli(cmd, cli_env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads(run.stdout.strip().splitlines()[-1])["out"] == str(out)
     manifest = json.loads((out / MANIFEST).read_text())
@@ -108,9 +107,8 @@ def test_int8_export_and_generate_through_the_cli(
     assert weight_types & {"i8", "u8"}, weight_types
 
     images = tmp_path / "images"
-    gen = [sys.executable, "-m", "xeonsd.cli", "generate", str(out), "--num-images", "4", "--steps", "2"]
-    gen += ["--engine", "genai", "--out", str(images)]
-    run = subprocess.run(gen, env=cli_env, capture_output=True, text=True, timeout=600)
+    gen = ["generate", str(out), "--num-images", "4", "--steps", "2", "--engine", "genai", "--out", str(images)]
+    run = run_cli(gen, cli_env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert sorted(p.name for p in images.glob("image_*.png")) == [f"image_{i:03d}.png" for i in range(4)]
     timings = json.loads((images / "timings.json").read_text())

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from cli_runs import run_cli
 
 
 def _job_args(model: Path, data: Path) -> list[str]:
@@ -24,13 +24,7 @@ def _job_args(model: Path, data: Path) -> list[str]:
 
 
 def _doctor(args: list[str], env: dict[str, str]) -> tuple[int, dict]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "xeonsd.cli", "doctor", "--json", "--", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_cli(["doctor", "--json", "--", *args], env, timeout=600)
     return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -65,13 +59,7 @@ def test_doctor_flags_a_tcmalloc_that_does_not_load(tiny_model, dataset, tmp_pat
 
 
 def test_doctor_names_a_model_it_cannot_find_and_exits_2(dataset, cli_env):
-    proc = subprocess.run(
-        [sys.executable, "-m", "xeonsd.cli", "doctor", "--json", "--", *_job_args(Path("nope/dir"), dataset)],
-        env=cli_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_cli(["doctor", "--json", "--", *_job_args(Path("nope/dir"), dataset)], cli_env, timeout=600)
     checks = {c["name"]: c for c in json.loads(proc.stdout.strip().splitlines()[-1])["checks"]}
     assert proc.returncode == 2
     model = checks["model"]
@@ -86,26 +74,14 @@ def test_doctor_checks_what_the_chosen_method_imports(tiny_model, dataset, tmp_p
     (a peft package that raises on import, first on PYTHONPATH)."""
     lora = [a for a in _job_args(tiny_model, dataset) if not a.startswith(("--placeholder", "--initializer"))]
     lora += ["--method=lora", "--instance_prompt=a photo of a toy"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "xeonsd.cli", "doctor", "--json", "--skip-train", "--", *lora],
-        env=cli_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_cli(["doctor", "--json", "--skip-train", "--", *lora], cli_env, timeout=600)
     checks = {c["name"]: c for c in json.loads(proc.stdout.strip().splitlines()[-1])["checks"]}
     assert checks["method"]["status"] == "PASS" and checks["method"]["detail"].startswith("lora: peft "), checks
     broken = tmp_path / "broken"
     (broken / "peft").mkdir(parents=True)
     (broken / "peft" / "__init__.py").write_text("raise ImportError('peft is broken on this node')\n")
     env = dict(cli_env, PYTHONPATH=f"{broken}:{cli_env.get('PYTHONPATH', '')}")
-    proc = subprocess.run(
-        [sys.executable, "-m", "xeonsd.cli", "doctor", "--json", "--skip-train", "--", *lora],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_cli(["doctor", "--json", "--skip-train", "--", *lora], env, timeout=600)
     checks = {c["name"]: c for c in json.loads(proc.stdout.strip().splitlines()[-1])["checks"]}
     assert proc.returncode == 1
     assert checks["method"]["status"] == "FAIL" and "peft is broken on this node" in checks["method"]["detail"]

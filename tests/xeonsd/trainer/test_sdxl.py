@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runs import method_args, refused, train
+from cli_runs import method_args, refused, run_cli, train
 from safetensors import safe_open
 from safetensors.torch import load_file
 from test_methods import LORA_FILE, assert_same_training, unet_weights
@@ -303,8 +303,6 @@ def test_a_refiner_is_refused_before_any_weight_loads(tiny_xl_model, xl_data, tm
 
 
 def test_doctor_names_the_family_and_estimates_at_its_resolution(tiny_xl_model, xl_data, cli_env):
-    import subprocess
-    import sys
 
     args = [
         "--method=lora",
@@ -315,8 +313,7 @@ def test_doctor_names_the_family_and_estimates_at_its_resolution(tiny_xl_model, 
         "--train_batch_size=1",
         "--output_dir=/nonexistent/run",
     ]
-    cmd = [sys.executable, "-m", "xeonsd.cli", "doctor", "--json", "--skip-train", "--", *args]
-    proc = subprocess.run(cmd, env=cli_env, capture_output=True, text=True, timeout=600)
+    proc = run_cli(["doctor", "--json", "--skip-train", "--", *args], cli_env, timeout=600)
     checks = {c["name"]: c for c in json.loads(proc.stdout.strip().splitlines()[-1])["checks"]}
     assert checks["model"]["status"] == "PASS" and checks["model"]["detail"].endswith("; SDXL"), checks["model"]
     assert checks["memory"]["status"] == "PASS" and " at 64 px" in checks["memory"]["detail"], checks["memory"]

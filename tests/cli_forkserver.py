@@ -1,0 +1,238 @@
+"""One warm process per test worker that forks a fresh ``python -m xeonsd.cli`` for each single-process CLI run.
+
+A run of the CLI on the tiny models spends most of its CPU importing torch, diffusers, transformers and peft (about
+7 of a 2-step LoRA run's 9.5 s on a 2-core Zen 4); the suite makes a few hundred such runs. The server imports them
+once, then forks a child per run: the child is a process of its own (its own pid, globals, signal handlers,
+threads started only by it), given the run's arguments, environment, working directory, stdin closed and stdout
+and stderr in files, and it ends the way ``python -m xeonsd.cli`` ends (``sys.exit(main())``, the interpreter's
+normal shutdown). Nothing of one run stays in the server for the next.
+
+What the fork cannot give is an environment read at import time (huggingface_hub's ``HF_HUB_OFFLINE``, ``HF_HOME``,
+the OpenMP runtime's variables ...): the server is started with the first run's environment, and a run whose
+environment differs from it (beyond the variables the CLI reads when it runs, RUNTIME_VARIABLES) is run as a plain
+subprocess, as is every run when ``XEONSD_TEST_NO_FORKSERVER=1``.
+
+    run(args, env, timeout) -> subprocess.CompletedProcess    # what subprocess.run(capture_output=True) gives
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+# What the server imports before it forks: the libraries every CLI run of the tests loads (the OpenVINO side too).
+WARM = (
+    "torch",
+    "diffusers",
+    "transformers",
+    "peft",
+    "xeonsd.cli",
+    "xeonsd.trainer.loop",
+)
+# Classes whose first use imports their module (diffusers' lazy modules): touched once in the server.
+WARM_ATTRIBUTES = (
+    ("diffusers", "UNet2DConditionModel"),
+    ("diffusers", "AutoencoderKL"),
+    ("diffusers", "StableDiffusionPipeline"),
+    ("transformers", "CLIPTextModel"),
+    ("transformers", "CLIPTokenizer"),
+)
+# Variables the CLI reads only while it runs (never a library at import): a run may differ from the server in them.
+RUNTIME_VARIABLES = ("XEONSD_", "MASTER_PORT", "PYTEST_CURRENT_TEST")
+
+
+def _send(sock: socket.socket, obj: object) -> None:
+    data = json.dumps(obj).encode()
+    sock.sendall(struct.pack("!I", len(data)) + data)
+
+
+def _recv(sock: socket.socket) -> object:
+    head = _recv_exactly(sock, 4)
+    return json.loads(_recv_exactly(sock, struct.unpack("!I", head)[0]))
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("the fork server closed the connection")
+        buf += chunk
+    return buf
+
+
+# ---- the server (its own process) ----
+
+
+def _serve(path: str) -> None:
+    import importlib
+
+    for name in WARM:
+        importlib.import_module(name)
+    for module, attr in WARM_ATTRIBUTES:
+        getattr(importlib.import_module(module), attr)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(16)
+    server.settimeout(5)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the monitors are reaped by the kernel
+    worker = os.getppid()
+    print("ready", flush=True)
+    while True:
+        try:
+            conn, _ = server.accept()
+        except TimeoutError:
+            if os.getppid() != worker:  # the test worker is gone (killed): so is its server
+                os._exit(0)
+            continue
+        conn.settimeout(None)
+        sys.stdout.flush(), sys.stderr.flush()
+        if os.fork() == 0:  # the monitor: forks the run and reports its pid, then its exit status
+            server.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            _monitor(conn)
+        conn.close()
+
+
+def _monitor(conn: socket.socket) -> None:
+    request = _recv(conn)
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        _run(request)  # does not return
+    _send(conn, {"pid": pid})
+    _, status = os.waitpid(pid, 0)
+    _send(conn, {"returncode": os.waitstatus_to_exitcode(status)})
+    os._exit(0)
+
+
+def _run(request: dict) -> None:
+    """The child: becomes ``python -m xeonsd.cli ARGS`` with the request's environment, directory and files."""
+    # A process group of its own (a timeout kills it and whatever it started), in the test worker's session: a
+    # session of its own would be a scheduler autogroup of its own, where two runs' OpenMP threads spin against
+    # each other (7 s instead of 0.3 s a step on 2 cores).
+    os.setpgid(0, 0)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    out = os.open(request["stdout"], os.O_WRONLY | os.O_TRUNC)
+    err = os.open(request["stderr"], os.O_WRONLY | os.O_TRUNC)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    for fd in (null, out, err):
+        os.close(fd)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    import xeonsd.cli
+
+    sys.argv = [xeonsd.cli.__file__, *request["args"]]
+    # The rest of this process is the CLI's: SystemExit unwinds to the interpreter's normal shutdown, as in
+    # `python -m xeonsd.cli` (atexit, flushed files, exit status); an exception prints its traceback, status 1.
+    raise SystemExit(xeonsd.cli.main(request["args"]))
+
+
+# ---- the client (the test worker) ----
+
+
+class _Server:
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = dict(env)
+        self.dir = Path(tempfile.mkdtemp(prefix="xeonsd-forkserver-"))
+        self.path = str(self.dir / "socket")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+                f"import cli_forkserver; cli_forkserver._serve({self.path!r})",
+            ],
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=open(self.dir / "server.log", "w"),  # noqa: SIM115 - the server's own output, for a failure
+            text=True,
+        )
+        line = self.proc.stdout.readline()
+        if line.strip() != "ready":
+            raise RuntimeError(f"the CLI fork server did not start: {(self.dir / 'server.log').read_text()[-3000:]}")
+        atexit.register(self.stop)
+
+    def differences(self, env: dict[str, str]) -> list[str]:
+        """The variables in which ``env`` differs from the server's, but for RUNTIME_VARIABLES."""
+        keys = set(env) | set(self.env)
+        return sorted(k for k in keys if env.get(k) != self.env.get(k) and not k.startswith(RUNTIME_VARIABLES))
+
+    def run(self, args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+        with tempfile.TemporaryDirectory(dir=self.dir) as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            out.touch(), err.touch()
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(self.path)
+            try:
+                _send(sock, {"args": args, "env": env, "cwd": os.getcwd(), "stdout": str(out), "stderr": str(err)})
+                pid = _recv(sock)["pid"]
+                fired = threading.Event()
+                timer = threading.Timer(timeout, _kill_group, (pid, fired))
+                timer.start()
+                try:
+                    returncode = _recv(sock)["returncode"]
+                finally:
+                    timer.cancel()
+            finally:
+                sock.close()
+            argv = [sys.executable, "-m", "xeonsd.cli", *args]
+            stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+            if fired.is_set():
+                raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr)
+            return subprocess.CompletedProcess(argv, returncode, stdout, stderr)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _kill_group(pid: int, fired: threading.Event) -> None:
+    fired.set()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _note(line: str) -> None:
+    """XEONSD_TEST_FORKSERVER_LOG=FILE: a line per run, how it was run (to see what falls back, and why)."""
+    if log := os.environ.get("XEONSD_TEST_FORKSERVER_LOG"):
+        with open(log, "a") as f:
+            f.write(line + "\n")
+
+
+_server: _Server | None = None
+_lock = threading.Lock()
+
+
+def run(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, -m, xeonsd.cli, *args], env=env, capture_output=True, text=True, timeout=...)``,
+    forked from the warm server where the environment allows (the module's docstring)."""
+    global _server
+    if os.environ.get("XEONSD_TEST_NO_FORKSERVER") != "1":
+        with _lock:
+            if _server is None:
+                _server = _Server(env)
+        differences = _server.differences(env)
+        _note(f"{'fork' if not differences else 'subprocess, the environment differs in ' + ' '.join(differences)}")
+        if not differences:
+            return _server.run(args, env, timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "xeonsd.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
