@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 # What the server imports before it forks: the libraries every CLI run of the tests loads (the OpenVINO side too).
@@ -48,8 +49,10 @@ WARM_ATTRIBUTES = (
     ("transformers", "CLIPTextModel"),
     ("transformers", "CLIPTokenizer"),
 )
-# Variables the CLI reads only while it runs (never a library at import): a run may differ from the server in them.
-RUNTIME_VARIABLES = ("XEONSD_", "MASTER_PORT", "PYTEST_CURRENT_TEST")
+# Variables the CLI reads only while it runs (never a library at import; Intel MPI's are its launcher's): a run may
+# differ from the server in them. OMP_NUM_THREADS is the OpenMP runtime's, read when torch loads: the server starts
+# without it and a run that has it sets torch's threads to it, as a process started with it begins.
+RUNTIME_VARIABLES = ("XEONSD_", "MASTER_PORT", "PYTEST_CURRENT_TEST", "I_MPI_", "OMP_NUM_THREADS")
 
 
 def _send(sock: socket.socket, obj: object) -> None:
@@ -106,19 +109,37 @@ def _serve(path: str) -> None:
 
 
 def _monitor(conn: socket.socket) -> None:
-    request = _recv(conn)
+    head, fds, _, _ = socket.recv_fds(conn, 4, 2)  # a rank's shim sends its stdout and stderr with the request
+    head += _recv_exactly(conn, 4 - len(head))
+    request = json.loads(_recv_exactly(conn, struct.unpack("!I", head)[0]))
     pid = os.fork()
     if pid == 0:
         conn.close()
-        _run(request)  # does not return
+        _run(request, fds)  # does not return
+    for fd in fds:
+        os.close(fd)
     _send(conn, {"pid": pid})
-    _, status = os.waitpid(pid, 0)
-    _send(conn, {"returncode": os.waitstatus_to_exitcode(status)})
+    # Wait for the run; a client that goes away first (a rank's shim killed by mpirun) takes the run with it.
+    conn.setblocking(False)
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        try:
+            if conn.recv(1) == b"":
+                _kill_group(pid, threading.Event())
+        except BlockingIOError:
+            pass
+        time.sleep(0.05)
+    conn.setblocking(True)
+    with contextlib.suppress(OSError):
+        _send(conn, {"returncode": os.waitstatus_to_exitcode(status)})
     os._exit(0)
 
 
-def _run(request: dict) -> None:
-    """The child: becomes ``python -m xeonsd.cli ARGS`` with the request's environment, directory and files."""
+def _run(request: dict, fds: list[int]) -> None:
+    """The child: becomes ``python -m xeonsd.cli ARGS`` with the request's environment, directory, CPUs and files
+    (a rank's: its shim's stdout and stderr)."""
     # A process group of its own (a timeout kills it and whatever it started), in the test worker's session: a
     # session of its own would be a scheduler autogroup of its own, where two runs' OpenMP threads spin against
     # each other (7 s instead of 0.3 s a step on 2 cores).
@@ -126,15 +147,24 @@ def _run(request: dict) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    if request.get("affinity"):
+        os.sched_setaffinity(0, request["affinity"])
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    out = os.open(request["stdout"], os.O_WRONLY | os.O_TRUNC)
-    err = os.open(request["stderr"], os.O_WRONLY | os.O_TRUNC)
+    if fds:
+        out, err = fds
+    else:
+        out = os.open(request["stdout"], os.O_WRONLY | os.O_TRUNC)
+        err = os.open(request["stderr"], os.O_WRONLY | os.O_TRUNC)
     os.dup2(out, 1)
     os.dup2(err, 2)
     for fd in (null, out, err):
         os.close(fd)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    if threads := request["env"].get("OMP_NUM_THREADS"):
+        import torch
+
+        torch.set_num_threads(int(threads))
     import xeonsd.cli
 
     sys.argv = [xeonsd.cli.__file__, *request["args"]]
@@ -148,7 +178,7 @@ def _run(request: dict) -> None:
 
 class _Server:
     def __init__(self, env: dict[str, str]) -> None:
-        self.env = dict(env)
+        self.env = {k: v for k, v in env.items() if k != "OMP_NUM_THREADS"}
         self.dir = Path(tempfile.mkdtemp(prefix="xeonsd-forkserver-"))
         self.path = str(self.dir / "socket")
         self.proc = subprocess.Popen(
@@ -236,3 +266,45 @@ def run(args: list[str], env: dict[str, str], timeout: float) -> subprocess.Comp
     return subprocess.run(
         [sys.executable, "-m", "xeonsd.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+# ---- the ranks of a local mpirun ----
+
+
+def rank_command(env: dict[str, str]) -> list[str]:
+    """What ``mpirun -n N`` starts for each rank of ``xeonsd``: a shim that has the worker's server fork the rank
+    (with the rank's environment, as mpirun made it, its CPUs and its stdout and stderr, passing signals on and
+    exiting as the rank did), or ``python -m xeonsd.cli`` itself where the environment does not allow a fork."""
+    global _server
+    if os.environ.get("XEONSD_TEST_NO_FORKSERVER") != "1":
+        with _lock:
+            if _server is None:
+                _server = _Server(env)
+        differences = _server.differences(env)
+        _note(
+            f"ranks: {'fork' if not differences else 'subprocess, the environment differs in ' + ' '.join(differences)}"
+        )
+        if not differences:
+            return [sys.executable, __file__, _server.path]
+    return [sys.executable, "-m", "xeonsd.cli"]
+
+
+def _shim(path: str, args: list[str]) -> int:
+    """One rank: the server forks it; this process stands in for it towards mpirun (signals, exit status)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    request = {"args": args, "env": dict(os.environ), "cwd": os.getcwd(), "affinity": sorted(os.sched_getaffinity(0))}
+    data = json.dumps(request).encode()
+    socket.send_fds(sock, [struct.pack("!I", len(data)) + data], [1, 2])
+    pid = _recv(sock)["pid"]
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, lambda signum, _frame: os.kill(pid, signum))
+    returncode = _recv(sock)["returncode"]
+    if returncode < 0:  # ended by a signal: so does the shim, for mpirun to see
+        signal.signal(-returncode, signal.SIG_DFL)
+        os.kill(os.getpid(), -returncode)
+    return returncode
+
+
+if __name__ == "__main__":
+    sys.exit(_shim(sys.argv[1], sys.argv[2:]))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -100,8 +99,8 @@ def train(args: list[str], env: dict[str, str], ranks: int = 1) -> subprocess.Co
     if ranks == 1:
         proc = run_cli(["train", *args], env)
     else:
-        mpirun = shutil.which("mpirun", path=env["PATH"])
-        cmd = [mpirun, "-n", str(ranks), sys.executable, "-m", "xeonsd.cli", "train", *args]
-        proc = subprocess.run(cmd, env=mpi_env(env), capture_output=True, text=True, timeout=300)
+        mpirun, env = shutil.which("mpirun", path=env["PATH"]), mpi_env(env)
+        cmd = [mpirun, "-n", str(ranks), *cli_forkserver.rank_command(env), "train", *args]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
