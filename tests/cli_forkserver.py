@@ -251,18 +251,24 @@ _server: _Server | None = None
 _lock = threading.Lock()
 
 
+def _usable_server(env: dict[str, str], what: str) -> _Server | None:
+    """The worker's server (started on first use) where it may run ``env``'s runs, else None (noted)."""
+    global _server
+    if os.environ.get("XEONSD_TEST_NO_FORKSERVER") == "1":
+        return None
+    with _lock:
+        if _server is None:
+            _server = _Server(env)
+    differences = _server.differences(env)
+    _note(f"{what}: {'fork' if not differences else 'subprocess, the environment differs in ' + ' '.join(differences)}")
+    return None if differences else _server
+
+
 def run(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     """``subprocess.run([python, -m, xeonsd.cli, *args], env=env, capture_output=True, text=True, timeout=...)``,
     forked from the warm server where the environment allows (the module's docstring)."""
-    global _server
-    if os.environ.get("XEONSD_TEST_NO_FORKSERVER") != "1":
-        with _lock:
-            if _server is None:
-                _server = _Server(env)
-        differences = _server.differences(env)
-        _note(f"{'fork' if not differences else 'subprocess, the environment differs in ' + ' '.join(differences)}")
-        if not differences:
-            return _server.run(args, env, timeout)
+    if server := _usable_server(env, "run"):
+        return server.run(args, env, timeout)
     return subprocess.run(
         [sys.executable, "-m", "xeonsd.cli", *args], env=env, capture_output=True, text=True, timeout=timeout
     )
@@ -275,17 +281,8 @@ def rank_command(env: dict[str, str]) -> list[str]:
     """What ``mpirun -n N`` starts for each rank of ``xeonsd``: a shim that has the worker's server fork the rank
     (with the rank's environment, as mpirun made it, its CPUs and its stdout and stderr, passing signals on and
     exiting as the rank did), or ``python -m xeonsd.cli`` itself where the environment does not allow a fork."""
-    global _server
-    if os.environ.get("XEONSD_TEST_NO_FORKSERVER") != "1":
-        with _lock:
-            if _server is None:
-                _server = _Server(env)
-        differences = _server.differences(env)
-        _note(
-            f"ranks: {'fork' if not differences else 'subprocess, the environment differs in ' + ' '.join(differences)}"
-        )
-        if not differences:
-            return [sys.executable, __file__, _server.path]
+    if server := _usable_server(env, "ranks"):
+        return [sys.executable, __file__, server.path]
     return [sys.executable, "-m", "xeonsd.cli"]
 
 
