@@ -32,7 +32,8 @@ import threading
 import time
 from pathlib import Path
 
-# What the server imports before it forks: the libraries every CLI run of the tests loads (the OpenVINO side too).
+# What the server imports before it forks: the libraries every CLI run of the tests loads (the OpenVINO side's are
+# imported by the runs that use them, after the fork).
 WARM = (
     "torch",
     "diffusers",
@@ -55,13 +56,19 @@ WARM_ATTRIBUTES = (
 RUNTIME_VARIABLES = ("XEONSD_", "MASTER_PORT", "PYTEST_CURRENT_TEST", "I_MPI_", "OMP_NUM_THREADS")
 
 
-def _send(sock: socket.socket, obj: object) -> None:
+def _send(sock: socket.socket, obj: object, fds: list[int] = ()) -> None:
+    """One message: its length, then its JSON; ``fds`` (a rank's stdout and stderr) travel with it."""
     data = json.dumps(obj).encode()
-    sock.sendall(struct.pack("!I", len(data)) + data)
+    frame = struct.pack("!I", len(data)) + data
+    if fds:
+        socket.send_fds(sock, [frame], fds)
+    else:
+        sock.sendall(frame)
 
 
-def _recv(sock: socket.socket) -> object:
-    head = _recv_exactly(sock, 4)
+def _recv(sock: socket.socket, head: bytes = b"") -> object:
+    """One message of _send's; ``head``: the part of its length already read (with its descriptors)."""
+    head += _recv_exactly(sock, 4 - len(head))
     return json.loads(_recv_exactly(sock, struct.unpack("!I", head)[0]))
 
 
@@ -110,8 +117,7 @@ def _serve(path: str) -> None:
 
 def _monitor(conn: socket.socket) -> None:
     head, fds, _, _ = socket.recv_fds(conn, 4, 2)  # a rank's shim sends its stdout and stderr with the request
-    head += _recv_exactly(conn, 4 - len(head))
-    request = json.loads(_recv_exactly(conn, struct.unpack("!I", head)[0]))
+    request = _recv(conn, head)
     pid = os.fork()
     if pid == 0:
         conn.close()
@@ -127,7 +133,7 @@ def _monitor(conn: socket.socket) -> None:
             break
         try:
             if conn.recv(1) == b"":
-                _kill_group(pid, threading.Event())
+                _kill_group(pid)
         except BlockingIOError:
             pass
         time.sleep(0.05)
@@ -234,8 +240,9 @@ class _Server:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _kill_group(pid: int, fired: threading.Event) -> None:
-    fired.set()
+def _kill_group(pid: int, fired: threading.Event | None = None) -> None:
+    if fired is not None:
+        fired.set()
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
 
@@ -291,8 +298,7 @@ def _shim(path: str, args: list[str]) -> int:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
     request = {"args": args, "env": dict(os.environ), "cwd": os.getcwd(), "affinity": sorted(os.sched_getaffinity(0))}
-    data = json.dumps(request).encode()
-    socket.send_fds(sock, [struct.pack("!I", len(data)) + data], [1, 2])
+    _send(sock, request, [1, 2])
     pid = _recv(sock)["pid"]
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, lambda signum, _frame: os.kill(pid, signum))
