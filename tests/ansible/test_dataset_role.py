@@ -95,3 +95,25 @@ def test_only_the_top_level_images_count_and_dataset_sha256_names_a_reference_by
     sha["ref/p0.png"] = sha["p0.png"]
     wrong = play(pairs, "--check", dataset_sha256=sha)
     assert wrong.returncode != 0 and f"{pairs['src'] / 'ref' / 'p0.png'} (image) on the controller" in wrong.stdout
+
+
+def test_masks_under_the_dataset_dir_are_staged_with_the_images(tmp_path: Path) -> None:
+    """The masked loss's masks in a masks/ subfolder, finetune_masks naming it under dataset_dir and no image pairs:
+    dataset_recurse's default stages them with the images (checked as they are: the pairs test above); named
+    elsewhere, the subfolder stays behind."""
+    src = tmp_path / "controller"
+    (src / "masks").mkdir(parents=True)
+    for i in range(2):
+        (src / f"p{i}.png").write_bytes(f"image {i}".encode())
+        (src / "masks" / f"p{i}.png").write_bytes(f"mask {i}".encode())
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "play.yml").write_text(PLAY)
+    site = {"src": src, "cache": tmp_path / "cache", "play": tmp_path / "play.yml"}
+    for node, masks, expected in (
+        (tmp_path / "node", "{{ dataset_dir }}/masks", ["masks/p0.png", "masks/p1.png", "p0.png", "p1.png"]),
+        (tmp_path / "other", str(tmp_path / "elsewhere"), ["p0.png", "p1.png"]),
+    ):
+        result = play(site | {"dest": node}, finetune_cond_image_column="", finetune_masks=masks)
+        assert result.returncode == 0, result.stdout[-3000:]
+        staged = sorted(str(p.relative_to(node)) for p in node.rglob("*") if p.is_file())
+        assert staged == expected, (masks, staged)
