@@ -5,6 +5,8 @@
   unmerged (DoRA: ``load_lora_weights``; LoKr: ``PeftModel.from_pretrained`` on the UNet), same seed and scheduler:
   the merge is the adapter (for DoRA: its magnitudes applied);
 * ``--lora-scale`` scales a LoKr's merged update; ``generate --engine torch --lora`` merges a LoKr run too;
+* LoHa on the UNet, LoHa and LoKr on FLUX.1's transformer: ``fuse_peft``'s merged layers give what peft's unmerged
+  layers give at the scale (layer by layer: the fusion is the part that differs by adapter type and denoiser);
 * a LoKr file for another base model, or a directory that is no peft adapter, is refused in one line naming it;
   GenAI's runtime LoRA (``generate --lora`` on an export) refuses DoRA, pointing at the fused export.
 
@@ -164,3 +166,53 @@ def test_what_cannot_be_fused_is_refused_in_one_line(
     dora = runs["dora"] / FILES["dora"]  # GenAI applies B A only: the runtime LoRA points at the fused export
     err = _cli_error(["generate", str(ov_base), "--lora", str(dora), "--out", str(tmp_path / "o")], capsys)
     assert f"{dora} is a DoRA adapter, not plain LoRA" in err and f"xeonsd export SRC OUT --lora {dora}" in err
+
+
+@pytest.mark.parametrize(
+    ("kind", "family", "model"),
+    [("loha", "sd", "tiny_model"), ("loha", "flux", "tiny_flux_model"), ("lokr", "flux", "tiny_flux_model")],
+)
+def test_a_loha_or_lokr_fuses_into_a_unet_or_a_transformer_as_peft_applies_it_unmerged(
+    kind: str, family: str, model: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """The fusion behind ``export --lora`` for LoHa (the DoRA and LoKr exports above are compared image by image)
+    and for a transformer family's denoiser: an adapter of peft's with random factors (peft's ``init_weights=False``)
+    saved as a run saves it, fused at scale 0.7 by ``fuse_peft``; every adapted layer of the fused denoiser gives,
+    on random inputs, what the unmerged adapter layer gives at that scale (its base layer plus 0.7 of its update)."""
+    import copy
+
+    from diffusers import DiffusionPipeline
+    from peft import LoHaConfig, LoKrConfig, get_peft_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from xeonsd.families import REGISTRY
+    from xeonsd.openvino.adapter_fusion import fuse_peft
+
+    spec = next(s for s in REGISTRY if s.name == family)
+    pipe = DiffusionPipeline.from_pretrained(request.getfixturevalue(model))
+    denoiser = getattr(pipe, spec.denoiser)
+    config = {"loha": LoHaConfig, "lokr": LoKrConfig}[kind](
+        r=2, alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"], init_weights=False
+    )
+    torch.manual_seed(0)
+    unmerged = get_peft_model(copy.deepcopy(denoiser), config)
+    unmerged.save_pretrained(tmp_path)
+    layers = {
+        n.removeprefix("base_model.model."): m for n, m in unmerged.named_modules() if isinstance(m, BaseTunerLayer)
+    }
+    for layer in layers.values():
+        layer.scale_layer(0.7)
+    assert len(layers) >= 4
+
+    with torch.no_grad():  # the inputs, and the base layers' outputs before the fusion changes them in place
+        modules = dict(denoiser.named_modules())
+        inputs = {name: torch.randn(3, modules[name].in_features) for name in layers}
+        before = {name: modules[name](x) for name, x in inputs.items()}
+    assert fuse_peft(pipe, spec, tmp_path / "adapter_model.safetensors", 0.7, "the tiny model") == len(layers)
+    fused = dict(getattr(pipe, spec.denoiser).named_modules())
+    assert not any(isinstance(m, BaseTunerLayer) for m in fused.values())  # merged: plain layers again
+    with torch.no_grad():
+        for name, x in inputs.items():
+            torch.testing.assert_close(fused[name](x), layers[name](x), atol=1e-5, rtol=1e-4)
+        moved = max(float((fused[name](x) - before[name]).abs().max()) for name, x in inputs.items())
+    assert moved > 1e-3, "the adapter must change the layers for the comparison to mean anything"
