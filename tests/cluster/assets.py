@@ -38,12 +38,6 @@ def make_assets(assets_dir: Path, xeonsd_source: Path) -> None:
         (assets_dir / "tiny-sd.partial").rename(assets_dir / "tiny-sd")
 
 
-def make_tiny_xl(assets_dir: Path) -> Path:
-    """The tiny SDXL pipeline at <assets_dir>/tiny-xl (made once): the second base model that the SDXL test stages
-    next to tiny-sd."""
-    return _make_tiny(assets_dir, "tiny-xl")
-
-
 def make_tiny_flux(assets_dir: Path) -> Path:
     """The tiny FLUX.1-dev pipeline at <assets_dir>/tiny-flux (made once): the flow-matching base model that the FLUX
     test stages next to tiny-sd."""

@@ -44,45 +44,16 @@ def show(result: PlaybookRun, what: str) -> list[str]:
     return lines
 
 
-def test_doctor_passes_a_healthy_cluster_in_check_mode_too(provisioned: Cluster) -> None:
-    """The checks only read, so --check runs every one of them for real, the trial step included: this run is the
-    healthy cluster's and check mode's (doctor without --check on a healthy cluster: test_shared_home's run)."""
-    result = run_playbook(
-        "doctor.yml", provisioned.inventory, "--check", state_dir=provisioned.state_dir, name="doctor-healthy-check"
-    )
-    lines = show(result, f"doctor.yml --check, healthy {NODES}-node cluster")
-    assert result.rc == 0, result.tail()
-    table = rows(lines)
-    for node in provisioned.nodes:
-        for check in NODE_CHECKS:
-            assert table[(node, check)][0] == "PASS", (node, check, table[(node, check)])
-        # This machine has no AMX: a warning, not a failure (WARN rows do not fail the play).
-        assert table[(node, "amx")][0] in ("PASS", "WARN")
-        assert table[(node, "train 1 step")][1].startswith("loss ")
-        # The nodes side by side: one CPU model here (PASS), and each trial step against the median (the trials
-        # share this machine's 2 cores, so the verdict itself is left to chance: WARN rows do not fail the play).
-        assert table[(node, "cpu")][0] == "PASS" and " cores · " in table[(node, "cpu")][1]
-        assert "× the median " in table[(node, "straggler")][1], table[(node, "straggler")]
-    assert table[("cluster", "nodefile")][0] == "PASS", table[("cluster", "nodefile")]
-    hello = table[("cluster", "mpirun hello")]
-    assert hello == (
-        "PASS",
-        f"hello: {RANKS} ranks on {NODES} nodes, backend gloo, all-reduce ok (sum={RANKS * (RANKS + 1) // 2})",
-    )
-    assert lines[-1].startswith("RESULT: PASS")
-    # The doctor changes nothing.
-    assert result.changed() == {node: 0 for node in provisioned.nodes}, result.recap
-    for node in provisioned.nodes:
-        assert not (provisioned.private_dir(node, "/home/devcloud") / ".ansible").exists(), node
-
-
-def test_doctor_flags_a_node_without_images_and_an_unreachable_node_and_passes_the_others(
+def test_doctor_in_check_mode_flags_a_node_without_images_and_an_unreachable_node_and_passes_the_others(
     provisioned: Cluster, tmp_path
 ) -> None:
-    """Two faults in one run (one doctor run on 2 cores costs a minute and more): node3's images are deleted, and
-    the controller cannot reach node4 (a wrong SSH port in the inventory; the MPI network itself is fine). node3
-    fails its images check and skips its trial step, node4 gets a FAIL row with the cause, node1 and node2 pass
-    every check, trial step included, and the cluster checks still run."""
+    """Two faults in one run, and that run in --check mode (one doctor run on 2 cores costs a minute and more):
+    node3's images are deleted, and the controller cannot reach node4 (a wrong SSH port in the inventory; the MPI
+    network itself is fine). The checks only read, so --check runs every one of them for real, the trial step
+    included: node3 fails its images check and skips its trial step, node4 gets a FAIL row with the cause, node1
+    and node2 pass every check, trial step included, the cluster checks (the nodefile, an mpirun hello over every
+    rank) still run, and nothing is changed. (doctor without --check on a healthy cluster, RESULT: PASS and rc 0:
+    test_shared_home's run.)"""
     images = provisioned.private_dir("node3", "/home/devcloud") / "dicoo"
     originals = provisioned.assets_dir / "dicoo"
     saved = {p.name: p.stat() for p in sorted(images.iterdir())}
@@ -91,9 +62,13 @@ def test_doctor_flags_a_node_without_images_and_an_unreachable_node_and_passes_t
     inventory = provisioned.write_inventory(tmp_path / "inventory.yml", host_overrides={"node4": {"ansible_port": 2}})
     try:
         result = run_playbook(
-            "doctor.yml", inventory, state_dir=provisioned.state_dir, name="doctor-node3-no-images-node4-unreachable"
+            "doctor.yml",
+            inventory,
+            "--check",
+            state_dir=provisioned.state_dir,
+            name="doctor-check-node3-no-images-node4-unreachable",
         )
-        lines = show(result, "doctor.yml, node3 without images, node4 unreachable from the controller")
+        lines = show(result, "doctor.yml --check, node3 without images, node4 unreachable from the controller")
         assert result.rc != 0, result.tail()
         table = rows(lines)
         status, detail = table[("node3", "images")]
@@ -105,10 +80,20 @@ def test_doctor_flags_a_node_without_images_and_an_unreachable_node_and_passes_t
         for node in ("node1", "node2"):
             for check in NODE_CHECKS:
                 assert table[(node, check)][0] == "PASS", (node, check, table[(node, check)])
+            # This machine has no AMX: a warning, not a failure (WARN rows do not fail the play).
+            assert table[(node, "amx")][0] in ("PASS", "WARN")
+            assert table[(node, "train 1 step")][1].startswith("loss ")
+            # The nodes side by side: one CPU model here (PASS), and each trial step against the median (the
+            # trials share this machine's 2 cores, so the verdict itself is left to chance: WARN rows pass).
+            assert table[(node, "cpu")][0] == "PASS" and " cores · " in table[(node, "cpu")][1]
+            assert "× the median " in table[(node, "straggler")][1], table[(node, "straggler")]
         assert table[("node3", "ssh from primary")][0] == "PASS"
         assert table[("node4", "ssh from primary")][0] == "PASS"
         assert table[("cluster", "nodefile")][0] == "PASS"
-        assert table[("cluster", "mpirun hello")][0] == "PASS"
+        assert table[("cluster", "mpirun hello")] == (
+            "PASS",
+            f"hello: {RANKS} ranks on {NODES} nodes, backend gloo, all-reduce ok (sum={RANKS * (RANKS + 1) // 2})",
+        )
         failed = sorted((node, check) for (node, check), (status, _) in table.items() if status == "FAIL")
         assert failed == [("node3", "images"), ("node3", "train 1 step"), ("node4", "reach")], failed
         # The verdict names what to do for each; the play's failure names the nodes and the causes.
@@ -122,6 +107,10 @@ def test_doctor_flags_a_node_without_images_and_an_unreachable_node_and_passes_t
         (doctor,) = [f for f in failures if f.host == "node1"]
         said = "doctor: 3 check(s) failed on node3, node4: node3 images (--train_data_dir /home/devcloud/dicoo holds no"
         assert doctor.msg.startswith(said), doctor
+        # --check changed nothing, and left nothing under the job account's home.
+        assert set(result.changed().values()) == {0}, result.recap
+        for node in provisioned.nodes:
+            assert not (provisioned.private_dir(node, "/home/devcloud") / ".ansible").exists(), node
     finally:
         # Put node3's images back as the dataset role left them (same bytes, owner, group and mode), so that a
         # later provision run finds nothing to do.
