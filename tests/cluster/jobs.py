@@ -64,6 +64,21 @@ def finetune_other_base(
     return result, runs / run_id
 
 
+def stage_dataset(cluster: Cluster, name: str, source: Path, *args: str) -> PlaybookRun:
+    """tests/cluster/stage_dataset.yml: the image set in the controller's ``source`` on every node, by the dataset role
+    alone; ``args``: where it goes (``-e dataset_dir=...``) and what else the role reads. The play, its rc checked."""
+    staged = run_playbook(
+        "tests/cluster/stage_dataset.yml",
+        cluster.inventory,
+        *("-e", f"dataset_source_dir={source}", *args),
+        state_dir=cluster.state_dir,
+        name=name,
+        timeout=600,
+    )
+    assert staged.rc == 0, staged.tail(60)
+    return staged
+
+
 @contextlib.contextmanager
 def background_playbook(cluster: Cluster, name: str, *args: str) -> Iterator[tuple[subprocess.Popen, Path, float]]:
     """ansible-playbook in the background (output to a log file), for tests that act while it runs: yields the

@@ -12,8 +12,7 @@ import json
 
 from assets import PAIRS_PROMPT, make_pairs
 from harness import Cluster
-from jobs import RUNS, finetune_other_base
-from runner import run_playbook
+from jobs import RUNS, finetune_other_base, stage_dataset
 
 RUN = "qwen-edit-lora"
 
@@ -24,15 +23,7 @@ def test_a_qwen_image_edit_lora_on_pairs_runs_through_to_images_made_by_pytorch(
     tiny = _make_tiny(provisioned.assets_dir, "tiny-qwenimage-edit")
     pairs = make_pairs(provisioned.assets_dir)
     data = ("-e", "dataset_dir=/home/devcloud/pairs", "-e", "finetune_cond_image_column=cond_image")
-    staged = run_playbook(
-        "tests/cluster/stage_dataset.yml",
-        provisioned.inventory,
-        *("-e", f"dataset_source_dir={pairs}", *data),
-        state_dir=provisioned.state_dir,
-        name="stage-pairs",
-        timeout=600,
-    )
-    assert staged.rc == 0, staged.tail(60)
+    stage_dataset(provisioned, "stage-pairs", pairs, *data)
     expected = {f"ref/{p.name}": hashlib.sha1(p.read_bytes()).hexdigest() for p in sorted((pairs / "ref").iterdir())}
     assert len(expected) == 5
     for node in provisioned.nodes:  # every reference (dataset_recurse), as the job's user reads it

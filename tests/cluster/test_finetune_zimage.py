@@ -14,9 +14,8 @@ import shutil
 from pathlib import Path
 
 from harness import Cluster
-from jobs import RUNS, finetune_other_base
+from jobs import RUNS, finetune_other_base, stage_dataset
 from PIL import Image, ImageDraw
-from runner import run_playbook
 from serving import Front, serve_play, serve_processes, servers_killed_after
 
 RUN = "zimage-lokr-masked"
@@ -55,15 +54,7 @@ def test_a_masked_zimage_lokr_trains_over_the_ranks_fuses_into_its_own_export_an
     tiny = _make_tiny(provisioned.assets_dir, "tiny-zimage")
     source = masked_dataset(provisioned)
     data = ("-e", f"dataset_dir={DATA}", "-e", f"finetune_masks={DATA}/masks")
-    staged = run_playbook(
-        "tests/cluster/stage_dataset.yml",
-        provisioned.inventory,
-        *("-e", f"dataset_source_dir={source}", *data),
-        state_dir=provisioned.state_dir,
-        name="stage-masked",
-        timeout=600,
-    )
-    assert staged.rc == 0, staged.tail(60)
+    stage_dataset(provisioned, "stage-masked", source, *data)
     for node in provisioned.nodes:  # the masks went with the images (dataset_recurse's default), as the job reads them
         out = provisioned.ssh(node, f"su -s /bin/sh devcloud -c 'ls {DATA}/masks'").stdout.split()
         assert out == sorted(p.name for p in (source / "masks").iterdir()), (node, out)
