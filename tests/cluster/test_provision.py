@@ -142,11 +142,18 @@ def test_cluster_user_reaches_every_node_with_checked_host_keys(provisioned: Clu
         assert out.stdout.split()[0] == provisioned.address(1)
 
 
-def test_mpirun_starts_ranks_on_every_node(provisioned: Cluster) -> None:
-    cmd = ". /etc/xeonsd/env.sh && mpirun -f $XEONSD_NODEFILE -n 4 -ppn 1 /bin/sh -c 'ip -4 -o addr show eth0'"
-    out = provisioned.ssh("node1", cmd, user="devcloud", timeout=180).stdout
+def assert_a_rank_on_every_node(cluster: Cluster, before: str = "", timeout: float = 180) -> None:
+    """mpirun from the primary, as the job's account, with the nodefile: one rank per node, each running ``before``
+    (a shell command; it must succeed) and then printing its node's address, every node's found."""
+    rank = f"{before} && ip -4 -o addr show eth0" if before else "ip -4 -o addr show eth0"
+    cmd = f'. /etc/xeonsd/env.sh && mpirun -f $XEONSD_NODEFILE -n {NODES} -ppn 1 /bin/sh -c "{rank}"'
+    out = cluster.ssh("node1", cmd, user="devcloud", timeout=timeout).stdout
     for i in range(1, NODES + 1):
-        assert f"{provisioned.address(i)}/24" in out, out
+        assert f"{cluster.address(i)}/24" in out, out
+
+
+def test_mpirun_starts_ranks_on_every_node(provisioned: Cluster) -> None:
+    assert_a_rank_on_every_node(provisioned)
 
 
 def test_second_run_changes_nothing(provisioned: Cluster) -> None:
@@ -238,8 +245,4 @@ def test_limit_rebuilds_a_wiped_node_without_the_others_from_a_staged_diffusers_
     # The rebuilt node takes ranks again in a job across the cluster: mpirun from the primary, as the job's account,
     # one rank per node (its SSH trust, its MPI and its env; training itself on the rebuilt node: test_shared_home's
     # job, which runs on every node's env).
-    rank = "python -c 'import torch, diffusers' && ip -4 -o addr show eth0"
-    hello = f'. /etc/xeonsd/env.sh && mpirun -f $XEONSD_NODEFILE -n 4 -ppn 1 /bin/sh -c "{rank}"'
-    out = provisioned.ssh("node1", hello, user="devcloud", timeout=300).stdout
-    for i in range(1, NODES + 1):
-        assert f"{provisioned.address(i)}/24" in out, out
+    assert_a_rank_on_every_node(provisioned, "python -c 'import torch, diffusers'", timeout=300)
