@@ -131,7 +131,12 @@ def test_against_a_given_front_without_commands_the_faults_are_skipped_and_said(
         def log_message(self, *args: object) -> None:
             pass
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Quick)
+    class Front(ThreadingHTTPServer):
+        # A burst of 2x capacity on a loaded 2-core machine overflowed the default backlog of 5: a connection reset,
+        # counted as an unanswered request (CI of 2026-12-07). A real front (HAProxy) queues far more.
+        request_queue_size = 256
+
+    httpd = Front(("127.0.0.1", 0), Quick)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     out = tmp_path / "soak.json"
     front = f"http://localhost:{httpd.server_address[1]}"
@@ -148,5 +153,6 @@ def test_against_a_given_front_without_commands_the_faults_are_skipped_and_said(
     assert report["statuses"]["sent"] > 3 * report["capacity"]["requests_per_s"]  # ~2x capacity for 3 s
     assert "no --kill-cmd" in report["kill"]["skipped"] and "no --adapter" in report["roll"]["skipped"]
     assert report["memory_met"] is None and any("only for the soak's own local servers" in n for n in report["notes"])
+    assert "memory bounds not measured" in report["table"] and "NOT met" not in report["table"]
     with pytest.raises(SystemExit, match="outside loopback"):
         bench.main(["ov", "--soak", "--front", "http://10.0.0.1:8000", "--duration", "3"])

@@ -346,7 +346,8 @@ def format_report(r: dict[str, Any]) -> str:
             f"  server {p['server']} pid {p['pid']} ({p['ended']}, {p['lived_s']:.0f} s): RSS "
             f"{_mib(first)} -> {_mib(last)} MiB, fds {_get(first, 'fds')} -> {_get(last, 'fds')} {verdict}"
         )
-    lines.append(f"memory bounds {'met' if r['memory_met'] else 'NOT met'}")
+    memory = {None: "not measured (no server of the soak's own)", True: "met", False: "NOT met"}[r["memory_met"]]
+    lines.append(f"memory bounds {memory}")
     lines += [f"note: {n}" for n in r["notes"]]
     return "\n".join(lines)
 
