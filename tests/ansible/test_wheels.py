@@ -194,6 +194,9 @@ def test_wheels_are_built_once_each_from_a_changed_source_a_staged_archive_or_a_
     assert wheels["diffusers"]["key"] == f"archive sha256 {sha256}"
     assert wheels["diffusers"]["file"] == "diffusers-0.0.2-py3-none-any.whl"
     assert wheels["xeonsd"]["id"] == changed_source["xeonsd"]["id"]  # kept, not rebuilt
+    # The same archive again: nothing is built or changed (its key, the archive's sha256, is the wheel's).
+    n, again, out = run(site, **staged)
+    assert n == 0 and built(out) == [] and again["diffusers"] == wheels["diffusers"], out[-3000:]
     # A wrong sha256 stops the run on the controller before anything is built.
     result = play(site, **staged | {"ml_stack_diffusers_source_archive_sha256": "0" * 64})
     assert result.returncode != 0 and f"{archive} (Diffusers v0.0.2 source archive) on the controller" in result.stdout
