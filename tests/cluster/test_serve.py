@@ -2,8 +2,8 @@
 fixture: that run, or a small one of its own) served by `xeonsd serve` on every node behind HAProxy on node1. Requests
 through the front get an image of the export's size; a node whose server is killed drops out of rotation while
 the others answer; serve.yml brings it back (UP again, nothing changed on the other nodes); a new deployment rolls
-out one node at a time while a client keeps asking the front for the base, all answered: the recipe's textual
-inversion run in the LoRA run's place and the LoRA run beside it as a second adapter, after which the concept
+out two nodes at a time (-e serve_serial=2) while a client keeps asking the front for the base, all answered: the
+recipe's textual inversion run in the LoRA run's place and the LoRA run beside it as a second adapter, after which the concept
 answers the openai client and the adapter answers; serve_state=stopped stops every server and the front. All of it
 with API keys and TLS: the front answers only HTTPS (its certificate from the CA the play made), only with a key (but
 the health checks), plain HTTP is refused, the statistics page wants its password, a node's server refuses another
@@ -147,7 +147,9 @@ def test_serve_yml_behind_one_front_survives_a_killed_node_and_rolls_out_a_secon
             wait_for(lambda n=node: node_status(provisioned, "node1", n, front.key) == "200", 20, f"node{node}'s key")
             assert node_status(provisioned, "node1", node, old) == "401"
 
-        # A new deployment rolled out one node at a time while a client keeps asking the front for the base: the
+        # A new deployment rolled out two nodes at a time (serve_serial=2: the batches and their waits are the
+        # default's code, one node at a time, with half the restarts' wall; the client's requests during the rollout
+        # are CPU on 2 cores) while a client keeps asking the front for the base: the
         # recipe's own run, textual inversion (test_finetune_e2e.py's "e2e"), in the LoRA run's place (the base export
         # with the learned concept, under the run's name), and the LoRA run beside it as a second adapter.
         client = Client(front)
@@ -155,7 +157,8 @@ def test_serve_yml_behind_one_front_survives_a_killed_node_and_rolls_out_a_secon
         try:
             wait_for(lambda: len(client.codes) >= 1, 120, "the client's first answer")
             second = json.dumps({"serve_adapters": {"second": {"run": "lora", "alpha": 0.5}}})
-            play = serve("serve-concept-second-adapter", "-e", "serve_run=e2e", "-e", second, keys=ROTATED)
+            rollout = ("-e", "serve_run=e2e", "-e", "serve_serial=2", "-e", second)
+            play = serve("serve-concept-second-adapter", *rollout, keys=ROTATED)
         finally:
             client.stop.set()
             client.join(timeout=180)

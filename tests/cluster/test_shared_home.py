@@ -100,12 +100,13 @@ def test_shared_home_is_written_once_by_the_primary_and_the_job_trains(provision
 
         # doctor.yml on the shared home: every check passes, it says the home is shared, and it writes nothing there
         # (the second run below finds the shared files as doctor left them). Without the trial step: the job above
-        # trained on the shared home, and the trial is test_doctor_play.py's (a minute of 2 cores per run).
+        # trained on the shared home, and the trial is test_doctor_play.py's (a minute of 2 cores per run). Its
+        # mpirun hello with one rank per node: the 16-rank hello is test_doctor_play.py's too (12 rank starts less).
         before = tree_stats({"home": home / "dicoo", "model": home / "models", "ssh": home / ".ssh"})
         doctor = run_playbook(
             "doctor.yml",
             inventory,
-            *("-e", "doctor_skip_train=true"),
+            *("-e", "doctor_skip_train=true", "-e", "ranks_per_node=1", "-e", f"mpi_ranks={NODES}"),
             state_dir=provisioned.state_dir,
             name="doctor-shared-home",
             timeout=1500,
