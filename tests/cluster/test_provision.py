@@ -184,8 +184,8 @@ def test_limit_rebuilds_a_wiped_node_without_the_others_from_a_staged_diffusers_
     """node3 wiped like a reinstalled server is rebuilt by provision.yml --limit node3 alone, at an air-gapped site
     with diffusers_source: git that stages a source archive of Diffusers on the controller: the controller builds
     its wheel instead of cloning (the test cluster reaches no git hosting, so a clone would fail) and node3 installs
-    that wheel; the rebuilt node's env takes ranks in an mpirun across the
-    cluster. (One rebuild for both: each costs two minutes on 2 cores.) The stand-in archive is the pinned sdist,
+    that wheel; the rebuilt node's env takes ranks in an mpirun across the cluster. (One rebuild for both: each
+    costs two minutes on 2 cores.) The stand-in archive is the pinned sdist,
     fetched by the controller's pip from the index the wheelhouse comes from; a new Diffusers wheel is a new
     wheelhouse too (its downloads name the wheel), so the rebuild downloads the wheelhouse again. (That a second run
     builds no wheel from the same archive: tests/ansible/test_wheels.py, on this machine.)"""

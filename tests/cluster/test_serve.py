@@ -1,13 +1,13 @@
-"""serve.yml on the real 4-node test cluster: the LoRA run that test_finetune_methods.py trained (the lora_run
-fixture: that run, or a small one of its own) served by `xeonsd serve` on every node behind HAProxy on node1. Requests
-through the front get an image of the export's size; a node whose server is killed drops out of rotation while
-the others answer; serve.yml brings it back (UP again, nothing changed on the other nodes); a new deployment rolls
-out two nodes at a time (-e serve_serial=2) while a client keeps asking the front for the base, all answered: the
-recipe's textual inversion run in the LoRA run's place and the LoRA run beside it as a second adapter, after which the concept
-answers the openai client and the adapter answers; serve_state=stopped stops every server and the front. All of it
-with API keys and TLS: the front answers only HTTPS (its certificate from the CA the play made), only with a key (but
-the health checks), plain HTTP is refused, the statistics page wants its password, a node's server refuses another
-node's address, and new keys reach the running servers by SIGHUP."""
+"""serve.yml on the real 4-node test cluster: the LoRA run that test_finetune_methods.py trained (the lora_run fixture:
+that run, or a small one of its own) served by `xeonsd serve` on every node behind HAProxy on node1. Requests through
+the front get an image of the export's size; a node whose server is killed drops out of rotation while the others
+answer; serve.yml brings it back (UP again, nothing changed on the other nodes); a new deployment rolls out two nodes
+at a time (-e serve_serial=2) while a client keeps asking the front for the base, all answered: the recipe's textual
+inversion run in the LoRA run's place and the LoRA run beside it as a second adapter, after which the concept answers
+the openai client and the adapter answers; serve_state=stopped stops every server and the front. All of it with API
+keys and TLS: the front answers only HTTPS (its certificate from the CA the play made), only with a key (but the
+health checks), plain HTTP is refused, the statistics page wants its password, a node's server refuses another node's
+address, and new keys reach the running servers by SIGHUP."""
 
 from __future__ import annotations
 

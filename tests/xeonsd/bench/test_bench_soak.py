@@ -58,6 +58,14 @@ def test_growth_is_judged_against_the_stated_bounds() -> None:
     assert not sr.growth(first, {"rss_kib": 1000, "fds": 37}, 10.0, 16)["met"]
 
 
+class FakeFront(ThreadingHTTPServer):
+    """A stand-in front for the open-loop tests. They send bursts that overflowed http.server's default backlog of 5
+    on a loaded 2-core machine: a connection reset, counted as an unanswered request (CI of 2026-12-07). A real front
+    (HAProxy) queues far more."""
+
+    request_queue_size = 256
+
+
 def test_the_open_loop_sends_on_schedule_whatever_the_answers_take() -> None:
     class Slow(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 - the http.server API
@@ -70,7 +78,7 @@ def test_the_open_loop_sends_on_schedule_whatever_the_answers_take() -> None:
         def log_message(self, *args: object) -> None:
             pass
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    httpd = FakeFront(("127.0.0.1", 0), Slow)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     target = sr.Target("127.0.0.1", httpd.server_address[1])
 
@@ -131,12 +139,7 @@ def test_against_a_given_front_without_commands_the_faults_are_skipped_and_said(
         def log_message(self, *args: object) -> None:
             pass
 
-    class Front(ThreadingHTTPServer):
-        # A burst of 2x capacity on a loaded 2-core machine overflowed the default backlog of 5: a connection reset,
-        # counted as an unanswered request (CI of 2026-12-07). A real front (HAProxy) queues far more.
-        request_queue_size = 256
-
-    httpd = Front(("127.0.0.1", 0), Quick)
+    httpd = FakeFront(("127.0.0.1", 0), Quick)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     out = tmp_path / "soak.json"
     front = f"http://localhost:{httpd.server_address[1]}"
