@@ -94,3 +94,23 @@ def test_configs_only_writes_no_weight_and_gives_the_same_training_estimate(
     assert estimate(configs) == estimate(full) and estimate(full)[3] > 0
     with pytest.raises(ValueError, match="--configs-only is for"):
         make_tiny_model(tmp_path / "sd", arch="tiny", configs_only=True)
+
+
+def test_a_cut_flux2_dev_takes_a_thin_encoder_of_the_real_context_width(tmp_path: Path) -> None:
+    """``--arch flux2-dev --depth D``: the real widths at D double-stream blocks and 6D single-stream ones, and in
+    place of the 24 B Mistral (48 GB, no test machine holds it) a thin one that still has its 5120-wide hidden
+    states at the stacked layers 10, 20 and 30, so the transformer's context is the real 3 x 5120."""
+    import json
+
+    out = make_tiny_model(tmp_path / "dev", arch="flux2-dev", depth=1, configs_only=True)
+    transformer = json.loads((out / "transformer" / "config.json").read_text())
+    text = json.loads((out / "text_encoder" / "config.json").read_text())["text_config"]
+    assert (transformer["num_layers"], transformer["num_single_layers"]) == (1, 6)
+    assert transformer["num_attention_heads"] * transformer["attention_head_dim"] == 6144
+    assert text["hidden_size"] == 5120 and text["num_hidden_layers"] >= 30
+    assert transformer["joint_attention_dim"] == 3 * text["hidden_size"]
+    per_layer = (
+        text["hidden_size"] * text["head_dim"] * (2 * text["num_attention_heads"] + 2 * text["num_key_value_heads"])
+        + 3 * text["hidden_size"] * text["intermediate_size"]
+    )
+    assert per_layer * text["num_hidden_layers"] < 2e9  # the real one: 40 layers of 0.55 B

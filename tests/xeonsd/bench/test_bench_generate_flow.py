@@ -81,12 +81,12 @@ def test_bench_generate_offers_every_make_tiny_model_arch_and_depth_only_on_full
     for flags, said in (
         (
             ["--arch", "sd15", "--depth", "2"],
-            "--depth applies to --arch flux or flux2-klein or zimage or qwenimage or qwenimage-edit or krea2 or flux2-dev only, not to --arch sd15",
+            "--depth applies to --arch flux or flux2-klein or zimage or qwenimage or flux-kontext or qwenimage-edit or krea2 or flux2-dev only, not to --arch sd15",
         ),
         (["--arch", "flux", "--depth", "0"], "--depth must be at least 1, got 0"),
         (
             ["--model", str(tmp_path), "--depth", "2"],
-            f"--depth applies to --arch flux or flux2-klein or zimage or qwenimage or qwenimage-edit or krea2 or flux2-dev only, not to --model {tmp_path}",
+            f"--depth applies to --arch flux or flux2-klein or zimage or qwenimage or flux-kontext or qwenimage-edit or krea2 or flux2-dev only, not to --model {tmp_path}",
         ),
     ):
         with pytest.raises(SystemExit, match=re.escape(f"xeonsd bench generate: error: {said}")):

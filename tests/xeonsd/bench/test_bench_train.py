@@ -170,14 +170,14 @@ def test_bench_train_refuses_depth_on_an_arch_without_blocks_to_cut(capsys):
 
     assert main(["--arch=sd15", "--depth=2", "--peak-size=64"]) == 2
     assert (
-        "--depth applies to --arch flux or flux2-klein or zimage or qwenimage or qwenimage-edit or krea2 or flux2-dev only, not to --arch sd15"
+        "--depth applies to --arch flux or flux2-klein or zimage or qwenimage or flux-kontext or qwenimage-edit or krea2 or flux2-dev only, not to --arch sd15"
         in capsys.readouterr().err
     )
     assert main(["--arch=flux", "--depth=0", "--peak-size=64"]) == 2
     assert "--depth must be at least 1, got 0" in capsys.readouterr().err
     assert main(["--model=/nowhere", "--depth=2", "--peak-size=64"]) == 2  # a built model's depth is its own
     assert (
-        "--depth applies to --arch flux or flux2-klein or zimage or qwenimage or qwenimage-edit or krea2 or flux2-dev only, not to --model /nowhere"
+        "--depth applies to --arch flux or flux2-klein or zimage or qwenimage or flux-kontext or qwenimage-edit or krea2 or flux2-dev only, not to --model /nowhere"
         in capsys.readouterr().err
     )
 

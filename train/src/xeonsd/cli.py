@@ -168,7 +168,8 @@ class TinyModelArgs:
     )
     depth: int | None = flag(
         "the full-size transformers only: D of the denoiser's blocks, the single-stream ones in the real model's "
-        "proportion (--arch flux: the real model has 19; flux2-klein: 5; zimage: 30; qwenimage: 60; flux2-dev: 8)",
+        "proportion (--arch flux and flux-kontext: the real model has 19; flux2-klein: 5; zimage: 30; qwenimage "
+        "and qwenimage-edit: 60; krea2: 28; flux2-dev: 8, with a thin text encoder of the real output width)",
         default=None,
     )
     configs_only: bool = flag(

@@ -19,8 +19,9 @@ Z-Image (``ZImagePipeline``) and Qwen-Image (``QwenImagePipeline``), one :class:
 The tiny archs make 64 px images in a few seconds on two cores (latent 8x8, 16 image tokens) and take a few MB.
 The full archs have the released widths in bf16; ``--depth D`` cuts the denoiser's blocks (FLUX.2-klein: D
 double-stream and 4D single-stream, as the real 5 + 20; Z-Image: D main layers, the 2 + 2 refiners kept;
-Qwen-Image: D of 60), since the full ones do not fit 24 GB. Their text encoders are always the real size
-(Qwen3-4B: 8 GB in bf16; Qwen2.5-VL-7B: 16.6 GB), the cut only applies to the denoiser.
+Qwen-Image: D of 60), since the full ones do not fit 24 GB. Their text encoders are the real size (Qwen3-4B: 8 GB in bf16;
+Qwen2.5-VL-7B: 16.6 GB), the cut only applies to the denoiser; but FLUX.2 [dev]'s 24 B Mistral (48 GB) fits no test
+machine, so its cut builds take ``OpenArch.depth_text``: the real output width and tapped layers, thinner inside.
 Tokenizers and encoders: :mod:`.open_text`.
 """
 
@@ -60,11 +61,20 @@ class OpenArch:
     sample_px: int = 1024  # the VAE's sample_size: the default image side
     weights_dtype: str = "float32"
     cuts_depth: bool = False
+    # the text encoder a ``--depth`` build takes instead of ``text``, where the real one fits no test machine
+    # (FLUX.2 [dev]'s 24 B Mistral): the real output width and tapped layers, so the denoiser sees the real context
+    depth_text: QwenText | MistralText | None = None
 
     def with_depth(self, depth: int) -> OpenArch:
         """The widths of ``self`` with ``depth`` denoiser blocks and single-stream ones in the same proportion
-        (FLUX.2-klein's 5 + 20: 4x as many); ``depth`` as :func:`xeonsd.assets.models.check_depth` allows it."""
-        return dataclasses.replace(self, layers=depth, single_layers=depth * self.single_layers // self.layers)
+        (FLUX.2-klein's 5 + 20: 4x as many), and ``depth_text`` where it has one; ``depth`` as
+        :func:`xeonsd.assets.models.check_depth` allows it."""
+        return dataclasses.replace(
+            self,
+            layers=depth,
+            single_layers=depth * self.single_layers // self.layers,
+            text=self.depth_text or self.text,
+        )
 
 
 QWEN3_4B = QwenText(

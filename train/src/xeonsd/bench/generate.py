@@ -216,8 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--depth",
         type=int,
-        help="--arch flux, flux2-klein, zimage, qwenimage(-edit), flux2-dev only: their blocks cut to D "
-        "(make-tiny-model --help)",
+        help="the full-size transformers only: their blocks cut to D (make-tiny-model --help)",
     )
     p.add_argument("--workdir", default="bench-generate", help="models, exports and results (reused between runs)")
     p.add_argument(

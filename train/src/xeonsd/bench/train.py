@@ -59,8 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--depth",
         type=int,
         default=None,
-        help="flux, flux2-klein, zimage, qwenimage(-edit), flux2-dev only: their blocks cut to D "
-        "(see make-tiny-model --help); "
+        help="the full-size transformers only (make-tiny-model --help): their blocks cut to D; "
         "per-block figures scale linearly to the full depth (docs/benchmarks.md)",
     )
     p.add_argument("--resolution", type=int, default=512)

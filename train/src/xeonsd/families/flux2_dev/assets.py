@@ -1,6 +1,6 @@
 """FLUX.2 [dev]'s offline pipelines (``make-tiny-model --arch``): ``flux2-dev`` (its widths in bf16, ``--depth`` cuts
-its 8 + 48 blocks; ``--configs-only`` for the estimate, since its 32B transformer and 24B text encoder fit no test
-machine) and ``tiny-flux2-dev`` (the same structure at 64 px, a 30-layer Mistral3 with a tiny Pixtral tower) for the
+its 8 + 48 blocks and takes a thin text encoder of the real output width; ``--configs-only`` for the estimate, since
+its 32B transformer and 24B text encoder fit no test machine) and ``tiny-flux2-dev`` (the same structure at 64 px, a 30-layer Mistral3 with a tiny Pixtral tower) for the
 tests. FLUX.2 [klein]'s transformer class, VAE and scheduler (:mod:`xeonsd.families.flux2.assets`), with a guidance
 embedding; the Mistral text side is :mod:`xeonsd.assets.mistral_text`'s."""
 
@@ -25,6 +25,19 @@ MISTRAL_SMALL_24B = MistralText(
     vocab_size=131072,
     vision=PixtralVision(hidden=1024, layers=24, heads=16, intermediate=4096, patch_size=14, image_size=1540),
 )
+# What a ``--depth`` build takes instead (48 GB in bf16 fits no test machine): the same output width (5120, so the
+# context is 3 x 5120) and 30 layers (hidden states 10, 20 and 30 are stacked), thin inside (8 heads, a 1024-wide
+# MLP, the tokenizer's vocabulary, a 1-layer vision tower): 0.9 B parameters. The trainer encodes each caption once
+# and frees the encoder before the transformer loads, so a step's time does not depend on it.
+MISTRAL_SMALL_24B_THIN = MistralText(
+    hidden=5120,
+    layers=30,
+    heads=8,
+    kv_heads=2,
+    intermediate=1024,
+    head_dim=128,
+    vision=PixtralVision(hidden=64, layers=1, heads=2, intermediate=128, patch_size=14, image_size=1540),
+)
 CONFIGS_ONLY = True  # make-tiny-model --configs-only: the configs without weights
 ARCHS: dict[str, OpenArch] = {
     # FLUX.2-dev: 8 double + 48 single blocks, 48 heads x 128, context = 3 x Mistral's 5120 (diffusers'
@@ -40,6 +53,7 @@ ARCHS: dict[str, OpenArch] = {
         vae_layers=2,
         weights_dtype="bfloat16",
         cuts_depth=True,
+        depth_text=MISTRAL_SMALL_24B_THIN,
     ),
     # The same structure at the tiny pipelines' size (64 px), for the tests: 30 text layers, as hidden state 30 is
     # stacked.

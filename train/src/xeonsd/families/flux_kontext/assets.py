@@ -1,6 +1,7 @@
-"""FLUX.1 Kontext's offline pipeline (``make-tiny-model --arch tiny-flux-kontext``): FLUX.1's tiny structure (its
-transformer, CLIP-L, T5, VAE and scheduler: :mod:`xeonsd.families.flux.assets`) in a ``FluxKontextPipeline``, for
-the tests."""
+"""FLUX.1 Kontext's offline pipelines (``make-tiny-model --arch``): FLUX.1's structures (its transformer, CLIP-L, T5,
+VAE and scheduler: :mod:`xeonsd.families.flux.assets`) in a ``FluxKontextPipeline``: ``flux-kontext`` at FLUX.1
+[dev]'s widths (Kontext [dev] has them; ``--depth`` cuts its 19 + 38 blocks) for the benchmarks, ``tiny-flux-kontext``
+for the tests."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 from xeonsd.assets.flow_models import FlowArch, make_flow_model
 from xeonsd.families.flux import assets as flux
 
-ARCHS: dict[str, FlowArch] = {"tiny-flux-kontext": flux.ARCHS["tiny-flux"]}
+ARCHS: dict[str, FlowArch] = {"flux-kontext": flux.ARCHS["flux"], "tiny-flux-kontext": flux.ARCHS["tiny-flux"]}
 
 
 def pipeline(*, clip_l: Any, clip_g: Any, t5: Any, t5_tokenizer: Any, **parts: Any) -> Any:
