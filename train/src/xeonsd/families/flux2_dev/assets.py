@@ -6,6 +6,7 @@ embedding; the Mistral text side is :mod:`xeonsd.assets.mistral_text`'s."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 from typing import Any
@@ -29,13 +30,13 @@ MISTRAL_SMALL_24B = MistralText(
 # context is 3 x 5120) and 30 layers (hidden states 10, 20 and 30 are stacked), thin inside (8 heads, a 1024-wide
 # MLP, the tokenizer's vocabulary, a 1-layer vision tower): 0.9 B parameters. The trainer encodes each caption once
 # and frees the encoder before the transformer loads, so a step's time does not depend on it.
-MISTRAL_SMALL_24B_THIN = MistralText(
-    hidden=5120,
+MISTRAL_SMALL_24B_THIN = dataclasses.replace(
+    MISTRAL_SMALL_24B,
     layers=30,
     heads=8,
     kv_heads=2,
     intermediate=1024,
-    head_dim=128,
+    vocab_size=None,
     vision=PixtralVision(hidden=64, layers=1, heads=2, intermediate=128, patch_size=14, image_size=1540),
 )
 CONFIGS_ONLY = True  # make-tiny-model --configs-only: the configs without weights
