@@ -32,6 +32,8 @@ def test_bench_generate_runs_tiny_flux_end_to_end_and_skips_what_the_export_refu
     assert sorted(rows) == list("adfghj")
     for key in "adfj":
         assert rows[key]["per_image_s"] > 0 and rows[key]["load_s"] > 0 and rows[key]["note"] == "", rows[key]
+        # the process's resident memory while the variant loaded and ran: torch and a pipeline at least
+        assert 0.1 < rows[key]["peak_rss_gb"] < 64, rows[key]
     reasons = {"g": "hybrid int8 calibrates a UNet's calls", "h": "token merging patches a UNet's transformer blocks"}
     for key, reason in reasons.items():
         note = rows[key]["note"]
@@ -42,6 +44,7 @@ def test_bench_generate_runs_tiny_flux_end_to_end_and_skips_what_the_export_refu
     assert rows["j"]["name"].startswith("PyTorch engine") and rows["j"]["name"].endswith("(--engine torch)")
     j_line = next(line for line in out.splitlines() if line.startswith("(j) PyTorch engine") and "beside" in line)
     assert "beside (d) OpenVINO static: time j/d" in j_line and "mean absolute pixel difference" in j_line, j_line
+    assert f"peak RSS {rows['j']['peak_rss_gb']:.2f} GB against {rows['d']['peak_rss_gb']:.2f} GB" in j_line, j_line
     assert (report["family"], report["concept"], report["prompt"]) == ("flux", None, PLAIN_PROMPT)
     assert report["transformer_calls_per_step"] == 1  # FLUX.1-dev: guidance embedding, no classifier-free guidance
     assert not list(work.glob("concept-*"))

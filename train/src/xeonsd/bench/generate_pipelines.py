@@ -5,7 +5,8 @@ The random-weight model and concept it runs on (FLUX.1 and SD3 have no concept: 
 source, shape, weight format and calibration are the same), and the timing of one variant: load (+ compile), an
 optional one-step warm-up call, then the mean seconds per image over ``--images`` calls of one image. The variants
 run interleaved (``Bench.measure_rounds``): in each of ``--rounds`` rounds every variant is loaded, warmed up, timed
-and closed, in the order a b c … (so only one pipeline is in memory at a time, and load time is never timed). An
+and closed, in the order a b c … (so only one pipeline is in memory at a time, and load time is never timed), with
+the process's peak resident memory read while it loads and runs (:class:`xeonsd.bench.peak_rss.PeakRss`). An
 export ``xeonsd export`` refuses for this model (hybrid int8 or ToMe on a flow model) is not a crash: its variant is
 recorded as skipped, with the export's own message (:class:`Refused`).
 """
@@ -25,6 +26,7 @@ from typing import Any
 
 from xeonsd.bench import rounds as rnd
 from xeonsd.bench.generate_flow import PLAIN_PROMPT, flow_family, torch_call_kwargs
+from xeonsd.bench.peak_rss import PeakRss
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,7 @@ class Result:
     per_image_spread: dict | None = None  # rnd.spread of rounds_s
     vs_a_rounds: list[float] = field(default_factory=list)  # (a) / this variant, within each round
     vs_a: dict | None = None  # rnd.spread of vs_a_rounds
+    peak_rss_gb: float | None = None  # the process's peak VmRSS while the variant loaded and ran, largest round
 
 
 @dataclass
@@ -96,10 +99,14 @@ class Bench:
         """Every planned variant once per round (a b c a b c …) into ``results``, in key order: the medians of the
         rounds, their spread, and each round's speed-up over that round's (a)."""
         timings: dict[str, list[tuple[float, float]]] = {key: [] for key in self.planned}
+        peaks: dict[str, list[int]] = {key: [] for key in self.planned}
         for r, key in rnd.schedule(list(self.planned), rounds):
             name, fn = self.planned[key]
             log.info("round %d of %d: (%s) %s ...", r + 1, rounds, key, name)
-            timings[key].append(fn())
+            with PeakRss() as peak:
+                timings[key].append(fn())
+            if peak.bytes is not None:
+                peaks[key].append(peak.bytes)
             log.info("(%s) %s: %.2f s per image", key, name, timings[key][-1][1])
         secs = {key: [per_image for _, per_image in t] for key, t in timings.items()}
         stats = rnd.summarize(secs, baseline="a", invert=True) if "a" in secs else {}
@@ -109,6 +116,8 @@ class Bench:
             result = Result(key, name, round(load_s, 2), round(spread["median"], 3), "", secs[key], spread)
             if key in stats:
                 result.vs_a_rounds, result.vs_a = stats[key]["ratio_rounds"], stats[key]["ratio"]
+            if peaks[key]:
+                result.peak_rss_gb = round(max(peaks[key]) / 1e9, 2)
             self.results.append(result)
         self.results.sort(key=lambda res: res.key)
 

@@ -64,6 +64,10 @@ def pipeline_flops(model: Path, height: int, width: int, steps: int) -> dict[str
     return out
 
 
+def _gb(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def format_table(report: dict[str, Any]) -> str:
     by_key = {r["key"]: r for r in report["results"]}
     base = by_key.get("a", {}).get("per_image_s")
@@ -75,11 +79,12 @@ def format_table(report: dict[str, Any]) -> str:
     if report.get("rounds"):
         lines.append(
             f"{report['rounds']} interleaved round(s) of the variants; s/image: median of the rounds (min-max); "
-            "vs (a): median of each round's (a) / variant (min-max)"
+            "vs (a): median of each round's (a) / variant (min-max); peak RSS: this process's while the variant "
+            "loaded and ran (one pipeline in memory at a time), the largest round's"
         )
     lines.append(
         f"{'variant':<40} {'load+compile s':>14} {'s/image':>9} {'min-max':>13} {'s/step':>8} {'vs (a)':>8} "
-        f"{'min-max':>11}"
+        f"{'min-max':>11} {'peak RSS GB':>12}"
     )
     for r in report["results"]:
         label = f"({r['key']}) {r['name']}"
@@ -90,7 +95,8 @@ def format_table(report: dict[str, Any]) -> str:
         ratio = f"{vs_a['median']:.2f}x" if vs_a else (f"{base / r['per_image_s']:.2f}x" if base else "-")
         lines.append(
             f"{label:<40} {r['load_s']:>14.1f} {r['per_image_s']:>9.2f} {range_text(spread) if spread else '-':>13} "
-            f"{r['per_image_s'] / steps:>8.2f} {ratio:>8} {range_text(vs_a) if vs_a else '-':>11}"
+            f"{r['per_image_s'] / steps:>8.2f} {ratio:>8} {range_text(vs_a) if vs_a else '-':>11} "
+            f"{_gb(r.get('peak_rss_gb')):>12}"
         )
     f = report["flops_per_image"]
     peaks = report["matmul_peak_flops"]
@@ -199,9 +205,11 @@ def _torch_engine_line(report: dict[str, Any], by_key: dict[str, Any]) -> str | 
     if not cmp or "j" not in by_key:
         return None
     speedup = cmp["speedup"]["median"]
+    j, d = by_key["j"].get("peak_rss_gb"), by_key.get("d", {}).get("peak_rss_gb")
+    memory = f"; peak RSS {j:.2f} GB against {d:.2f} GB" if j is not None and d is not None else ""
     return (
         f"(j) {by_key['j']['name']} beside (d) OpenVINO static: time j/d {1 / speedup:.2f} = {_faster(speedup)} "
-        f"(per round {', '.join(f'{r:.2f}' for r in cmp['speedup_rounds'])}){_pixel_difference(cmp)}"
+        f"(per round {', '.join(f'{r:.2f}' for r in cmp['speedup_rounds'])}){_pixel_difference(cmp)}{memory}"
     )
 
 
