@@ -54,7 +54,8 @@ class Result:
     per_image_spread: dict | None = None  # rnd.spread of rounds_s
     vs_a_rounds: list[float] = field(default_factory=list)  # (a) / this variant, within each round
     vs_a: dict | None = None  # rnd.spread of vs_a_rounds
-    peak_rss_gb: float | None = None  # the process's peak VmRSS while the variant loaded and ran, largest round
+    peak_rss_gb: float | None = None  # the process's peak VmRSS while the variant loaded and ran: median of rounds
+    peak_rss_rounds_gb: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -117,7 +118,8 @@ class Bench:
             if key in stats:
                 result.vs_a_rounds, result.vs_a = stats[key]["ratio_rounds"], stats[key]["ratio"]
             if peaks[key]:
-                result.peak_rss_gb = round(max(peaks[key]) / 1e9, 2)
+                result.peak_rss_rounds_gb = [round(b / 1e9, 2) for b in peaks[key]]
+                result.peak_rss_gb = round(statistics.median(peaks[key]) / 1e9, 2)
             self.results.append(result)
         self.results.sort(key=lambda res: res.key)
 

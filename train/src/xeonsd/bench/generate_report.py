@@ -80,7 +80,7 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(
             f"{report['rounds']} interleaved round(s) of the variants; s/image: median of the rounds (min-max); "
             "vs (a): median of each round's (a) / variant (min-max); peak RSS: this process's while the variant "
-            "loaded and ran (one pipeline in memory at a time), the largest round's"
+            "loaded and ran (one pipeline in memory at a time), median of the rounds"
         )
     lines.append(
         f"{'variant':<40} {'load+compile s':>14} {'s/image':>9} {'min-max':>13} {'s/step':>8} {'vs (a)':>8} "
