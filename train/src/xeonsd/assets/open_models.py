@@ -19,9 +19,10 @@ Z-Image (``ZImagePipeline``) and Qwen-Image (``QwenImagePipeline``), one :class:
 The tiny archs make 64 px images in a few seconds on two cores (latent 8x8, 16 image tokens) and take a few MB.
 The full archs have the released widths in bf16; ``--depth D`` cuts the denoiser's blocks (FLUX.2-klein: D
 double-stream and 4D single-stream, as the real 5 + 20; Z-Image: D main layers, the 2 + 2 refiners kept;
-Qwen-Image: D of 60), since the full ones do not fit 24 GB. Their text encoders are the real size (Qwen3-4B: 8 GB in bf16;
-Qwen2.5-VL-7B: 16.6 GB), the cut only applies to the denoiser; but FLUX.2 [dev]'s 24 B Mistral (48 GB) fits no test
-machine, so its cut builds take ``OpenArch.depth_text``: the real output width and tapped layers, thinner inside.
+Qwen-Image: D of 60), since the full ones do not fit 24 GB. Their text encoders are the real size (Qwen3-4B: 8 GB
+in bf16; Qwen2.5-VL-7B: 16.6 GB), the cut only applies to the denoiser; but FLUX.2 [dev]'s 24 B Mistral (48 GB) fits
+no test machine, so its cut builds take ``OpenArch.depth_text``: the real output width and tapped layers, thinner
+inside.
 Tokenizers and encoders: :mod:`.open_text`.
 """
 

@@ -1,27 +1,14 @@
 """The peak resident memory of this process while a block runs: what ``xeonsd bench generate`` reports per variant,
 where every variant loads, runs and closes in the benchmark's own process (ru_maxrss only ever grows, so it cannot
-tell one variant from the one before). A thread reads ``VmRSS`` from ``/proc/self/status`` (cheap: no walk of the
-mappings) every ``interval_s``; the figure counts what the variant holds on top of the benchmark itself."""
+tell one variant from the one before). A thread reads ``VmRSS`` (:func:`xeonsd.cluster.memory.resident_bytes`) every
+``interval_s``; the figure is the whole process's: the benchmark's own memory plus what the variant holds."""
 
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 from types import TracebackType
 
-STATUS = Path("/proc/self/status")
-
-
-def resident_bytes() -> int | None:
-    """This process's VmRSS now; None where ``/proc/self/status`` has none (not Linux)."""
-    try:
-        text = STATUS.read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return None
+from xeonsd.cluster.memory import resident_bytes
 
 
 class PeakRss:

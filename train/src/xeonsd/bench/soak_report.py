@@ -23,11 +23,11 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from xeonsd.bench.closed_loop import p50_p95
+from xeonsd.cluster.memory import resident_bytes
 
 # The soak overloads its target on purpose: only loopback and the test cluster's network are allowed.
 ALLOWED = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("10.231.0.0/16"))
@@ -63,13 +63,12 @@ def free_port() -> int:
 
 def figures(pid: int) -> dict[str, int] | None:
     """A process's resident memory (KiB) and open file descriptors, or None when it is gone."""
+    rss = resident_bytes(pid)
     try:
-        status = Path(f"/proc/{pid}/status").read_text()
         fds = len(os.listdir(f"/proc/{pid}/fd"))
     except OSError:
         return None
-    rss = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), None)
-    return None if rss is None else {"rss_kib": rss, "fds": fds}
+    return None if rss is None else {"rss_kib": rss // 1024, "fds": fds}
 
 
 def command(what: str, cmd: str | None, t0: float) -> dict[str, Any]:

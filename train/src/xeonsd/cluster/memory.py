@@ -74,6 +74,19 @@ def parse_smaps_rollup(text: str, where: str = "smaps_rollup") -> ProcessMemory:
     return ProcessMemory(sums["rss"], sums["pss"], sums["shared"], sums["private"])
 
 
+def resident_bytes(pid: int | str = "self") -> int | None:
+    """``pid``'s resident memory now (``VmRSS`` in ``/proc/<pid>/status``: cheap, no walk of the mappings, so it can
+    be read every few milliseconds); None when the process is gone or the file has no such line (not Linux)."""
+    try:
+        text = (PROC / str(pid) / "status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
 def read_memory(pid: int | str = "self") -> ProcessMemory:
     """``pid``'s figures now (``self``: this process). MemoryUnavailable when the file cannot be read."""
     path = PROC / str(pid) / "smaps_rollup"

@@ -1,8 +1,9 @@
 """FLUX.2 [dev]'s offline pipelines (``make-tiny-model --arch``): ``flux2-dev`` (its widths in bf16, ``--depth`` cuts
 its 8 + 48 blocks and takes a thin text encoder of the real output width; ``--configs-only`` for the estimate, since
-its 32B transformer and 24B text encoder fit no test machine) and ``tiny-flux2-dev`` (the same structure at 64 px, a 30-layer Mistral3 with a tiny Pixtral tower) for the
-tests. FLUX.2 [klein]'s transformer class, VAE and scheduler (:mod:`xeonsd.families.flux2.assets`), with a guidance
-embedding; the Mistral text side is :mod:`xeonsd.assets.mistral_text`'s."""
+its 32B transformer and 24B text encoder fit no test machine) and ``tiny-flux2-dev`` (the same structure at 64 px, a
+30-layer Mistral3 with a tiny Pixtral tower) for the tests. FLUX.2 [klein]'s transformer class, VAE and scheduler
+(:mod:`xeonsd.families.flux2.assets`), with a guidance embedding; the Mistral text side is
+:mod:`xeonsd.assets.mistral_text`'s."""
 
 from __future__ import annotations
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from xeonsd.cluster.memory import resident_bytes
+
 GB = 1e9
 
 
@@ -253,11 +255,8 @@ def _resident_bytes() -> int:
     """This process's resident memory now (the interpreter, torch and the libraries: the estimate's runtime). Not
     ru_maxrss: Linux carries a launcher's high-water mark across fork and exec, so a rank started by a large process
     (a benchmark holding a model) would count that process's memory as its own."""
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    now = resident_bytes()
+    return now if now is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _unet_loading(cfg, numel: int, nbytes: int, subfolder: str) -> int:
